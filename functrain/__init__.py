@@ -1,0 +1,24 @@
+"""functrain: a JAX-free functional trainer for PyTorch.
+
+Pure state (`TrainState`, one pytree), pure compiled steps (`make_train_step`), composable
+optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`).
+"""
+
+from functrain import optim, rng, tree
+from functrain.state import TrainState, init_state, params_of
+from functrain.step import apply, make_eval_step, make_train_step, value_and_grad
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "optim",
+    "rng",
+    "tree",
+    "TrainState",
+    "init_state",
+    "params_of",
+    "apply",
+    "make_train_step",
+    "make_eval_step",
+    "value_and_grad",
+]

@@ -1,0 +1,103 @@
+"""Optimizers (nouns): ready-made chains of transforms."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from functrain.optim.base import Transform, chain
+from functrain.optim.transforms import (
+    ScalarOrSchedule,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+
+__all__ = ["adamw", "adam", "sgd"]
+
+PyTree = Any
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    mask: PyTree | Callable[[PyTree], PyTree] | None = None,
+    mu_dtype: torch.dtype | None = None,
+) -> Transform:
+    """AdamW (decoupled weight decay), the same update as `torch.optim.AdamW`.
+
+    `chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask),
+    scale_by_learning_rate(learning_rate))`.
+
+    Args:
+      learning_rate: float, tensor or schedule.
+      b1, b2, eps: Adam coefficients.
+      weight_decay: decoupled decay (multiplied by the learning rate, as torch and optax do).
+      mask: which params get weight decay (tree of bools or callable); default all.
+      mu_dtype: dtype of the moments.
+
+    Returns:
+      A `Transform`.
+
+    Example:
+      >>> opt = optim.adamw(optim.warmup_cosine(3e-4, 100, 5000), weight_decay=0.1)
+    """
+    return chain(
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    mu_dtype: torch.dtype | None = None,
+) -> Transform:
+    """Adam without weight decay (see `adamw`).
+
+    Example:
+      >>> opt = optim.adam(1e-3)
+    """
+    return chain(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype), scale_by_learning_rate(learning_rate))
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    mask: PyTree | Callable[[PyTree], PyTree] | None = None,
+) -> Transform:
+    """SGD with optional (Nesterov) momentum and L2 weight decay, the update of `torch.optim.SGD`.
+
+    Weight decay is added to the gradient before momentum, as torch does (coupled L2).
+
+    Args:
+      learning_rate: float, tensor or schedule.
+      momentum: momentum coefficient (0 = plain SGD).
+      nesterov: Nesterov momentum.
+      weight_decay: L2 coefficient added to the gradient.
+      mask: which params get weight decay.
+
+    Returns:
+      A `Transform`.
+
+    Example:
+      >>> opt = optim.sgd(0.1, momentum=0.9, nesterov=True)
+    """
+    parts = [add_decayed_weights(weight_decay, mask)]
+    if momentum:
+        parts.append(trace(momentum, nesterov))
+    parts.append(scale_by_learning_rate(learning_rate))
+    return chain(*parts)

@@ -1,0 +1,165 @@
+"""The optimizer algebra: `Transform(init, update)`, `chain`, `masked`, `apply_updates`.
+
+A transform is a pair of pure functions, exactly as in optax:
+
+    state = t.init(params)
+    updates, state = t.update(grads, state, params)
+
+`updates` has the structure of the params; `apply_updates` adds them. Transforms compose with
+`chain`; an optimizer such as `adamw` is just a chain. Every update is written out of place with
+fused `torch._foreach_*` kernels over the leaves; the compiled train step is what turns this into
+in-place buffer reuse (see `functrain.step`).
+
+Example:
+    >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, weight_decay=0.1))
+    >>> opt_state = opt.init(params)
+    >>> updates, opt_state = opt.update(grads, opt_state, params)
+    >>> params = optim.apply_updates(params, updates)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from functrain import tree as tree_lib
+
+__all__ = [
+    "Transform",
+    "chain",
+    "masked",
+    "apply_updates",
+    "identity",
+    "MaskedState",
+    "resolve_mask",
+]
+
+PyTree = Any
+InitFn = Callable[[PyTree], PyTree]
+UpdateFn = Callable[..., tuple[PyTree, PyTree]]
+
+
+class Transform(NamedTuple):
+    """A gradient transformation: `init(params) -> state` and
+    `update(updates, state, params=None) -> (updates, state)`, both pure."""
+
+    init: InitFn
+    update: UpdateFn
+
+
+def identity() -> Transform:
+    """The transform that leaves updates unchanged and keeps no state.
+
+    Returns:
+      A `Transform`.
+
+    Example:
+      >>> optim.chain(optim.identity(), optim.sgd(0.1))
+    """
+    return Transform(lambda params: (), lambda updates, state, params=None: (updates, state))
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Applies `transforms` one after the other; the state is the tuple of their states.
+
+    Args:
+      *transforms: the transforms, applied left to right.
+
+    Returns:
+      A `Transform` whose state is `tuple(t.init(params) for t in transforms)`.
+
+    Example:
+      >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.scale_by_adam(),
+      ...                   optim.scale_by_learning_rate(1e-3))
+    """
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return Transform(init, update)
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """Returns `params + updates`, leaf by leaf (one fused foreach add), keeping each param's dtype.
+
+    Args:
+      params: the parameter tree.
+      updates: a tree with the same structure (e.g. from `Transform.update`).
+
+    Returns:
+      The new parameter tree (new tensors; the inputs are not modified).
+
+    Example:
+      >>> params = optim.apply_updates(params, updates)
+    """
+    p_leaves, spec = optree.tree_flatten(params)
+    u_leaves = spec.flatten_up_to(updates)
+    u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
+    return optree.tree_unflatten(spec, list(torch._foreach_add(p_leaves, u_leaves)))
+
+
+def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:
+    """The mask (a bool tree or a callable params -> bool tree) as a flat list of Python bools."""
+    if callable(mask):
+        mask = mask(params)
+    spec = optree.tree_structure(params)
+    flat = spec.flatten_up_to(mask)
+    return [bool(m) for m in flat]
+
+
+class MaskedState(NamedTuple):
+    """State of `masked`: the inner transform's state over the selected leaves."""
+
+    inner: PyTree
+
+
+def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Transform:
+    """Applies `inner` only to the leaves where `mask` is True; other updates pass unchanged.
+
+    The inner transform sees a dict {dotted leaf name: leaf} of the selected leaves, so its
+    state keeps readable names (and checkpoints stay inspectable).
+
+    Args:
+      inner: the transform to apply to the selected leaves.
+      mask: a tree of Python bools shaped like the params, or a callable `params -> mask`.
+        It must not depend on tensor values (it is resolved once, outside the compiled graph).
+
+    Returns:
+      A `Transform`.
+
+    Example:
+      >>> no_norms = lambda p: {k: not k.endswith(("bias", "ln.weight")) for k in p}
+      >>> optim.masked(optim.add_decayed_weights(0.1), no_norms)
+    """
+
+    def select(tree, params):
+        names = [n for n, _ in tree_lib.named_leaves(params)]
+        flags = resolve_mask(mask, params)
+        flat = optree.tree_structure(params).flatten_up_to(tree)
+        return {n: x for n, x, m in zip(names, flat, flags) if m}
+
+    def init(params):
+        return MaskedState(inner.init(select(params, params)))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("optim.masked needs params: call update(updates, state, params)")
+        sub_updates, inner_state = inner.update(
+            select(updates, params), state.inner, select(params, params)
+        )
+        names = [n for n, _ in tree_lib.named_leaves(params)]
+        spec = optree.tree_structure(params)
+        flat = spec.flatten_up_to(updates)
+        merged = [sub_updates.get(n, u) for n, u in zip(names, flat)]
+        return optree.tree_unflatten(spec, merged), MaskedState(inner_state)
+
+    return Transform(init, update)

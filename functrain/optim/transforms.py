@@ -1,0 +1,289 @@
+"""Gradient transforms (verbs): each returns a `Transform` of two pure functions.
+
+All arithmetic runs as fused `torch._foreach_*` kernels over the leaves. Hyper-parameters that stay
+fixed are Python floats (constants in the compiled graph); anything that changes during training
+(the update count, the learning rate) is a tensor in the optimizer state, so a compiled step never
+recompiles from one step to the next.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Union
+
+import optree
+import torch
+
+from functrain import tree as tree_lib
+from functrain.optim.base import Transform, resolve_mask
+
+__all__ = [
+    "ScaleByAdamState",
+    "TraceState",
+    "ScaleByLearningRateState",
+    "scale_by_adam",
+    "add_decayed_weights",
+    "clip_by_global_norm",
+    "scale_by_learning_rate",
+    "scale",
+    "trace",
+    "learning_rate",
+]
+
+PyTree = Any
+Schedule = Callable[[torch.Tensor], torch.Tensor]
+ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
+
+
+def _flat(tree: PyTree):
+    """(leaves, treespec) of a tree."""
+    leaves, spec = optree.tree_flatten(tree)
+    return list(leaves), spec
+
+
+def _count_like(params: PyTree) -> torch.Tensor:
+    """A 0-d int64 zero on the device of the first leaf (the update counter)."""
+    leaves = tree_lib.leaves(params)
+    device = leaves[0].device if leaves else None
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+class ScaleByAdamState(NamedTuple):
+    """Adam moments: `count` updates done, first moment `mu`, second moment `nu`."""
+
+    count: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    mu_dtype: torch.dtype | None = None,
+) -> Transform:
+    """Rescales updates by Adam's bias-corrected moment estimates: `m_hat / (sqrt(v_hat) + eps)`.
+
+    Args:
+      b1: decay of the first moment.
+      b2: decay of the second moment.
+      eps: added to the denominator (outside the square root, as torch.optim.Adam).
+      mu_dtype: dtype of both moments (default: the param dtype). float32 moments under bf16
+        params are the usual mixed-precision choice.
+
+    Returns:
+      A `Transform` with `ScaleByAdamState`.
+
+    Example:
+      >>> opt = optim.chain(optim.scale_by_adam(), optim.scale_by_learning_rate(1e-3))
+    """
+
+    def init(params):
+        return ScaleByAdamState(
+            count=_count_like(params),
+            mu=tree_lib.zeros_like(params, dtype=mu_dtype),
+            nu=tree_lib.zeros_like(params, dtype=mu_dtype),
+        )
+
+    def update(updates, state, params=None):
+        g, spec = _flat(updates)
+        mu = spec.flatten_up_to(state.mu)
+        nu = spec.flatten_up_to(state.nu)
+        g = [x.to(m.dtype) for x, m in zip(g, mu)]
+        count = state.count + 1
+        t = count.to(torch.float32)
+        mu = torch._foreach_lerp(mu, g, 1.0 - b1)  # m = b1 m + (1 - b1) g
+        nu = torch._foreach_mul(nu, b2)
+        nu = torch._foreach_addcmul(nu, g, g, value=1.0 - b2)  # v = b2 v + (1 - b2) g^2
+        bc1 = 1.0 - torch.pow(b1, t)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        denom = torch._foreach_sqrt(nu)
+        denom = torch._foreach_div(denom, bc2_sqrt)
+        denom = torch._foreach_add(denom, eps)
+        out = torch._foreach_div(mu, denom)
+        out = torch._foreach_div(out, bc1)
+        new_state = ScaleByAdamState(
+            count=count,
+            mu=optree.tree_unflatten(spec, list(mu)),
+            nu=optree.tree_unflatten(spec, list(nu)),
+        )
+        return optree.tree_unflatten(spec, list(out)), new_state
+
+    return Transform(init, update)
+
+
+def add_decayed_weights(
+    weight_decay: float = 0.0, mask: PyTree | Callable[[PyTree], PyTree] | None = None
+) -> Transform:
+    """Adds `weight_decay * param` to the updates (decoupled weight decay once scaled by -lr).
+
+    Args:
+      weight_decay: the decay coefficient.
+      mask: optional tree of Python bools (or callable `params -> tree`); False leaves get no decay
+        (biases and norm scales, typically).
+
+    Returns:
+      A stateless `Transform` (it needs `params` in `update`).
+
+    Example:
+      >>> decay_matrices = lambda p: {k: v.ndim >= 2 for k, v in p.items()}
+      >>> optim.add_decayed_weights(0.1, mask=decay_matrices)
+    """
+
+    def init(params):
+        return ()
+
+    def update(updates, state, params=None):
+        if weight_decay == 0.0:
+            return updates, state
+        if params is None:
+            raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+        u, spec = _flat(updates)
+        p = spec.flatten_up_to(params)
+        flags = resolve_mask(mask, params) if mask is not None else [True] * len(u)
+        idx = [i for i, f in enumerate(flags) if f]
+        if idx:
+            decayed = torch._foreach_add(
+                [u[i] for i in idx], [p[i].to(u[i].dtype) for i in idx], alpha=weight_decay
+            )
+            for i, d in zip(idx, decayed):
+                u[i] = d
+        return optree.tree_unflatten(spec, u), state
+
+    return Transform(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> Transform:
+    """Scales all updates by `min(1, max_norm / (global_norm + 1e-6))`, as `clip_grad_norm_`.
+
+    Args:
+      max_norm: the largest allowed global L2 norm.
+
+    Returns:
+      A stateless `Transform`.
+
+    Example:
+      >>> optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+    """
+
+    def init(params):
+        return ()
+
+    def update(updates, state, params=None):
+        u, spec = _flat(updates)
+        norm = tree_lib.global_norm(u)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return optree.tree_unflatten(spec, list(torch._foreach_mul(u, coef))), state
+
+    return Transform(init, update)
+
+
+class TraceState(NamedTuple):
+    """Momentum buffer of `trace`."""
+
+    trace: PyTree
+
+
+def trace(decay: float, nesterov: bool = False) -> Transform:
+    """Momentum: `t = decay * t + g`; returns `t` (or `g + decay * t` with Nesterov), as torch SGD.
+
+    Args:
+      decay: the momentum coefficient.
+      nesterov: use Nesterov momentum.
+
+    Returns:
+      A `Transform` with `TraceState`.
+
+    Example:
+      >>> optim.chain(optim.trace(0.9), optim.scale_by_learning_rate(0.1))
+    """
+
+    def init(params):
+        return TraceState(tree_lib.zeros_like(params))
+
+    def update(updates, state, params=None):
+        g, spec = _flat(updates)
+        t = spec.flatten_up_to(state.trace)
+        t = torch._foreach_add(torch._foreach_mul(t, decay), g)
+        out = torch._foreach_add(g, t, alpha=decay) if nesterov else t
+        return optree.tree_unflatten(spec, list(out)), TraceState(optree.tree_unflatten(spec, list(t)))
+
+    return Transform(init, update)
+
+
+def scale(factor: float) -> Transform:
+    """Multiplies updates by a constant `factor`."""
+
+    def update(updates, state, params=None):
+        u, spec = _flat(updates)
+        return optree.tree_unflatten(spec, list(torch._foreach_mul(u, factor))), state
+
+    return Transform(lambda params: (), update)
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """Update counter and the learning rate used by the latest update (for logging)."""
+
+    count: torch.Tensor
+    lr: torch.Tensor
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> Transform:
+    """Multiplies updates by `-learning_rate(count)` (a descent step).
+
+    Args:
+      learning_rate: a float, a 0-d tensor, or a schedule `count -> lr` (see `optim.schedules`)
+        evaluated on the number of updates done so far (0 for the first update).
+      flip_sign: negate (descent). Set False for ascent.
+
+    Returns:
+      A `Transform` with `ScaleByLearningRateState`; `optim.learning_rate(opt_state)` reads the
+      rate of the latest update back from it.
+
+    Example:
+      >>> optim.scale_by_learning_rate(optim.warmup_cosine(3e-4, 100, 5000))
+    """
+
+    def lr_at(count):
+        if callable(learning_rate):
+            return learning_rate(count).to(torch.float32)
+        if isinstance(learning_rate, torch.Tensor):
+            return learning_rate.to(device=count.device, dtype=torch.float32)
+        return torch.full((), float(learning_rate), dtype=torch.float32, device=count.device)
+
+    def init(params):
+        count = _count_like(params)
+        return ScaleByLearningRateState(count=count, lr=torch.zeros((), dtype=torch.float32, device=count.device))
+
+    def update(updates, state, params=None):
+        lr = lr_at(state.count)
+        factor = -lr if flip_sign else lr
+        u, spec = _flat(updates)
+        out = torch._foreach_mul(u, factor)
+        return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr)
+
+    return Transform(init, update)
+
+
+def learning_rate(opt_state: PyTree) -> torch.Tensor | None:
+    """The learning rate of the latest update, found in `opt_state` (None if there is none).
+
+    Args:
+      opt_state: an optimizer state containing a `ScaleByLearningRateState`.
+
+    Returns:
+      A 0-d float32 tensor, or None.
+
+    Example:
+      >>> lr = optim.learning_rate(state.opt_state)
+    """
+    found = []
+
+    def visit(node):
+        if isinstance(node, ScaleByLearningRateState):
+            found.append(node.lr)
+            return True
+        return False
+
+    optree.tree_flatten(opt_state, is_leaf=visit)
+    return found[0] if found else None

@@ -1,0 +1,174 @@
+"""Explicit, counter-based random keys that live in the training state.
+
+`torch.manual_seed` and `torch.set_rng_state` cannot be traced by `torch.compile`, and a global
+generator makes a step impure. functrain therefore carries randomness as data, the JAX way: a *key*
+is an int64 tensor of shape (2,) holding two 32-bit words; new keys are derived with pure integer
+ops (`fold_in`, `split`) that compile into the step graph, and random numbers are drawn from a key
+by one opaque custom op (`functrain::uniform`), so the same key always gives the same numbers,
+eagerly or compiled, and nothing global is touched.
+
+Example:
+    >>> k = rng.key(0)
+    >>> k_step = rng.fold_in(k, state.step)      # one key per step
+    >>> k_drop, k_other = rng.split(k_step)      # independent streams
+    >>> y = rng.dropout(x, 0.1, k_drop)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["key", "fold_in", "split", "uniform", "bernoulli", "dropout", "key_data"]
+
+_MASK = 0xFFFFFFFF
+# Odd multipliers below 2**31 keep every product of a 32-bit word below 2**63 (no int64 overflow).
+_M1, _M2, _M3 = 0x7FEB352D, 0x5BD1E995, 0x2C1B3C6D
+_GOLDEN = 0x1E3779B9
+
+
+def _mix(x: torch.Tensor | int):
+    """32-bit avalanche mix of int64 values holding 32-bit words."""
+    x = x & _MASK
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK
+    x = x ^ (x >> 16)
+    x = (x * _M3) & _MASK
+    return x ^ (x >> 15)
+
+
+def key(seed: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Makes a root key from an integer seed.
+
+    Args:
+      seed: any Python int (only its low 64 bits matter).
+      device: where the key tensor lives (default: CPU).
+
+    Returns:
+      An int64 tensor of shape (2,) with two 32-bit words.
+
+    Example:
+      >>> rng.key(0)
+      tensor([..., ...])
+    """
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    hi, lo = seed >> 32, seed & _MASK
+    k0 = _mix(lo ^ _mix(hi + _GOLDEN))
+    k1 = _mix(hi ^ _mix(k0 + 2 * _GOLDEN))
+    return torch.tensor([k0, k1], dtype=torch.int64, device=device)
+
+
+def fold_in(key: torch.Tensor, data: torch.Tensor | int) -> torch.Tensor:
+    """Derives a new key from `key` and an integer (e.g. the step counter); pure and traceable.
+
+    Args:
+      key: an int64 key of shape (2,).
+      data: a Python int or an integer tensor scalar (such as `state.step`).
+
+    Returns:
+      A new key of shape (2,); different `data` give statistically independent keys.
+
+    Example:
+      >>> k_step = rng.fold_in(state.rng, state.step)
+    """
+    if isinstance(data, torch.Tensor):
+        data = data.to(torch.int64)
+    k0, k1 = key[0], key[1]
+    d = _mix(data)
+    n0 = _mix(k0 ^ _mix(d + k1))
+    n1 = _mix(k1 ^ _mix(n0 + d + _GOLDEN))
+    return torch.stack([n0, n1]) if isinstance(n0, torch.Tensor) else torch.tensor([n0, n1])
+
+
+def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
+    """Splits a key into `num` independent keys.
+
+    Args:
+      key: an int64 key of shape (2,).
+      num: how many keys to make.
+
+    Returns:
+      An int64 tensor of shape (num, 2); unpack it as `k1, k2 = rng.split(k)`.
+
+    Example:
+      >>> k_dropout, k_noise = rng.split(k)
+    """
+    counter = torch.arange(num, dtype=torch.int64, device=key.device)
+    c = _mix(counter * 2 + 1)
+    n0 = _mix(key[0] ^ _mix(c + key[1]))
+    n1 = _mix(key[1] ^ _mix(n0 + c + 3 * _GOLDEN))
+    return torch.stack([n0, n1], dim=-1)  # (num, 2)
+
+
+def key_data(key: torch.Tensor) -> int:
+    """The 64-bit integer a key stands for (eager only: it reads the tensor)."""
+    k0, k1 = (int(v) for v in key.tolist())
+    return ((k0 & _MASK) << 32) | (k1 & _MASK)
+
+
+@torch.library.custom_op("functrain::uniform", mutates_args=())
+def _uniform_op(key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Uniform [0, 1) numbers drawn by a generator seeded from `key` (opaque to the compiler)."""
+    gen = torch.Generator(device=key.device)
+    gen.manual_seed(key_data(key) & 0x7FFFFFFFFFFFFFFF)
+    return torch.rand(shape, generator=gen, dtype=dtype, device=key.device)
+
+
+@_uniform_op.register_fake
+def _(key, shape, dtype):
+    return key.new_empty(shape, dtype=dtype)
+
+
+def uniform(key: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Draws uniform [0, 1) numbers that depend only on `key` (same key, same numbers).
+
+    Args:
+      key: an int64 key of shape (2,); the result lives on its device.
+      shape: the output shape.
+      dtype: a floating dtype.
+
+    Returns:
+      A tensor of `shape`. Works inside `torch.compile(fullgraph=True)` as a single opaque op.
+
+    Example:
+      >>> u = rng.uniform(rng.key(0), (4, 8))
+    """
+    return _uniform_op(key, [int(s) for s in shape], dtype)
+
+
+def bernoulli(key: torch.Tensor, p: float, shape) -> torch.Tensor:
+    """Boolean mask that is True with probability `p`, a pure function of `key`.
+
+    Args:
+      key: an int64 key of shape (2,).
+      p: probability of True.
+      shape: the mask shape.
+
+    Returns:
+      A bool tensor of `shape`.
+
+    Example:
+      >>> keep = rng.bernoulli(k, 0.9, x.shape)
+    """
+    return uniform(key, shape) < p
+
+
+def dropout(x: torch.Tensor, p: float, key: torch.Tensor | None) -> torch.Tensor:
+    """Inverted dropout with an explicit key; identity when `p == 0` or `key is None` (eval).
+
+    Args:
+      x: activations.
+      p: drop probability, a Python float fixed for the model.
+      key: an int64 key of shape (2,), or None to disable dropout.
+
+    Returns:
+      `x` with a fraction `p` of entries zeroed and the rest scaled by 1 / (1 - p).
+
+    Example:
+      >>> h = rng.dropout(h, 0.1, rng.fold_in(k, layer_index))
+    """
+    if key is None or p == 0.0:
+        return x
+    keep = bernoulli(key, 1.0 - p, x.shape)
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))

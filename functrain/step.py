@@ -1,0 +1,259 @@
+"""Pure train and eval steps: `step(state, batch) -> (state, metrics)`, compiled as one graph.
+
+The train step does forward, backward (`torch.func.grad_and_value` over the params), gradient
+accumulation, the optimizer (clipping, schedule, update) and the step counter in one function, and
+compiles it whole with `torch.compile(fullgraph=True)`. Everything that changes from step to step is
+a tensor in the state, so the graph is built once and never recompiled.
+
+Donation. With `donate=True` (the default) the step writes the new params and optimizer state into
+the input state's buffers (inside the compiled graph, where inductor makes the update kernels write
+straight into them) and returns a state that reuses those buffers. The input state is *consumed*,
+as with `jax.jit(..., donate_argnums=0)`: do not read it after the call, use the returned one. This
+keeps peak memory near one copy of the state. `donate=False` allocates a new state and leaves the
+input untouched (useful for tests, EMA tricks and debugging).
+
+Example:
+    >>> def loss_fn(params, batch, key):
+    ...     logits = functrain.apply(model, params, batch["x"], dropout_key=key)
+    ...     return gpt.cross_entropy(logits, batch["y"]), {}
+    >>> step = make_train_step(loss_fn, optim.adamw(3e-4))
+    >>> state, metrics = step(state, batch)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+from torch import nn
+
+from functrain import optim
+from functrain import rng as rng_lib
+from functrain import tree as tree_lib
+from functrain.state import TrainState
+
+__all__ = ["apply", "make_train_step", "make_eval_step", "value_and_grad"]
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
+
+
+def apply(model: nn.Module, params: PyTree, *args, **kwargs):
+    """Calls `model(*args, **kwargs)` with `params` in place of its parameters (functional_call).
+
+    Args:
+      model: the module (a real one or a storage-free template built on the "meta" device).
+      params: {name: tensor} for every parameter (tied parameters once).
+      *args, **kwargs: the forward's arguments.
+
+    Returns:
+      Whatever the module's forward returns.
+
+    Example:
+      >>> logits = functrain.apply(model, state.params, x, dropout_key=key)
+    """
+    return torch.func.functional_call(model, params, args, kwargs)
+
+
+def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key):
+    """Loss, aux and gradients of `loss_fn(params, batch, key)` with respect to `params`.
+
+    Args:
+      loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss).
+      params: the parameter tree (plain tensors).
+      batch: the batch pytree.
+      key: the RNG key passed to `loss_fn` (or None).
+
+    Returns:
+      `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params.
+
+    Example:
+      >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
+    """
+
+    def f(p):
+        loss, aux = _split_loss(loss_fn(p, batch, key))
+        return loss, (loss.detach(), aux)
+
+    grads, (_, (loss, aux)) = torch.func.grad_and_value(f, has_aux=True)(params)
+    return loss, aux, grads
+
+
+def _split_loss(out):
+    """A loss_fn result as (loss, aux dict)."""
+    if isinstance(out, tuple) and len(out) == 2:
+        return out[0], dict(out[1] or {})
+    return out, {}
+
+
+def _metrics_and_grads(loss_fn, params, batch, key):
+    """({"loss": loss, **aux}, grads) for one (micro)batch."""
+    loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
+    return {"loss": loss, **aux}, grads
+
+
+def _split_microbatches(batch: PyTree, k: int) -> PyTree:
+    """Reshapes every batch leaf (B, ...) to (k, B // k, ...)."""
+
+    def split(x):
+        if x.shape[0] % k:
+            raise ValueError(
+                f"batch dimension {x.shape[0]} is not divisible by accum_steps={k}; "
+                "make the batch size a multiple of accum_steps"
+            )
+        return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (K, B/K, ...)
+
+    return tree_lib.map(split, batch)
+
+
+def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str):
+    """Mean loss/aux/grads over `accum_steps` microbatches, inside one graph."""
+    if accum_steps == 1:
+        return _metrics_and_grads(loss_fn, params, batch, key)
+    micro = _split_microbatches(batch, accum_steps)
+    keys = rng_lib.split(key, accum_steps)  # (K, 2)
+    if impl == "scan":
+        from torch._higher_order_ops.scan import scan
+
+        def body(carry, xs):
+            mb, k = xs
+            aux, grads = _metrics_and_grads(loss_fn, params, mb, k)
+            return tree_lib.map(torch.add, carry, (grads, aux)), torch.zeros(())
+
+        probe_aux = _zeros_aux(loss_fn, params, micro, keys)
+        init = (tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux)
+        (gsum, asum), _ = scan(body, init, (micro, keys))
+    else:  # "unroll": a Python loop traced into the same graph
+        gsum = asum = None
+        for i in range(accum_steps):
+            mb = tree_lib.map(lambda x: x[i], micro)
+            aux, grads = _metrics_and_grads(loss_fn, params, mb, keys[i])
+            grads = tree_lib.map(lambda g: g.float(), grads)
+            gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
+            asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
+    scale = 1.0 / accum_steps
+    grads = tree_lib.map(lambda g, p: (g * scale).to(p.dtype), gsum, params)
+    return tree_lib.map(lambda a: a * scale, asum), grads
+
+
+def _zeros_aux(loss_fn, params, micro, keys):
+    """Zeros shaped like the (loss, aux) of one microbatch, to start the scan's carry."""
+    mb = tree_lib.map(lambda x: x[0], micro)
+    with torch.no_grad():
+        loss, aux = _split_loss(loss_fn(params, mb, keys[0]))
+    aux = {"loss": loss, **aux}
+    return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), aux)
+
+
+def _write_into(old: PyTree, new: PyTree) -> PyTree:
+    """Copies every leaf of `new` into the matching leaf of `old` (donation); returns `old`."""
+    old_leaves, spec = optree.tree_flatten(old)
+    new_leaves = spec.flatten_up_to(new)
+    dst = [o for o, n in zip(old_leaves, new_leaves) if o is not n]
+    src = [n for o, n in zip(old_leaves, new_leaves) if o is not n]
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return old
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optim.Transform,
+    *,
+    accum_steps: int = 1,
+    compile: bool = True,
+    donate: bool = True,
+    accum_impl: str = "unroll",
+    compile_options: dict | None = None,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """Builds `step(state, batch) -> (new_state, metrics)`.
+
+    Args:
+      loss_fn: `(params, batch, key) -> (loss, aux)`: a scalar loss and a dict of scalar tensors
+        to report. `key` is this step's (and microbatch's) RNG key, for dropout.
+      optimizer: a `functrain.optim.Transform` (e.g. `optim.adamw(...)`).
+      accum_steps: split the batch into this many microbatches and average their gradients
+        inside the one call (the batch dimension must divide by it).
+      compile: compile the whole step with `torch.compile(fullgraph=True)`.
+      donate: reuse the input state's buffers for the output state (the input is consumed).
+      accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
+        op; one graph, compile time independent of accum_steps).
+      compile_options: extra keyword arguments for `torch.compile`.
+
+    Returns:
+      The step function. Metrics (0-d tensors): `loss`, `grad_norm` (before clipping),
+      `update_norm`, `param_norm`, `lr` (when the optimizer has a learning rate), plus the
+      loss_fn's aux entries (averaged over microbatches).
+
+    Example:
+      >>> step = make_train_step(loss_fn, optim.adamw(3e-4), accum_steps=4)
+      >>> state, metrics = step(state, batch)
+    """
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+    if accum_impl not in ("unroll", "scan"):
+        raise ValueError(f"accum_impl must be 'unroll' or 'scan', got {accum_impl!r}")
+
+    def train_step(state: TrainState, batch: PyTree):
+        key = rng_lib.fold_in(state.rng, state.step)
+        aux, grads = _accumulated_value_and_grad(
+            loss_fn, state.params, batch, key, accum_steps, accum_impl
+        )
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optim.apply_updates(state.params, updates)
+        metrics = dict(aux)
+        metrics["grad_norm"] = tree_lib.global_norm(grads)
+        metrics["update_norm"] = tree_lib.global_norm(updates)
+        metrics["param_norm"] = tree_lib.global_norm(params)
+        lr = optim.learning_rate(opt_state)
+        if lr is not None:
+            metrics["lr"] = lr
+        new_state = TrainState(params, opt_state, state.step + 1, state.rng)
+        if donate:
+            new_state = _write_into(state, new_state)
+        return new_state, metrics
+
+    fn = _maybe_compile(train_step, compile, compile_options)
+
+    def step(state: TrainState, batch: PyTree):
+        return fn(state, batch)
+
+    step.uncompiled = train_step  # type: ignore[attr-defined]
+    return step
+
+
+def make_eval_step(
+    loss_fn: LossFn, *, compile: bool = True, compile_options: dict | None = None
+) -> Callable[[TrainState, PyTree], dict]:
+    """Builds `eval_step(state, batch) -> metrics` ({"loss": ..., **aux}), with no dropout key.
+
+    Args:
+      loss_fn: the same `(params, batch, key) -> (loss, aux)` as for training; it gets key=None.
+      compile: compile with `torch.compile(fullgraph=True)`.
+      compile_options: extra keyword arguments for `torch.compile`.
+
+    Returns:
+      The eval function; it never changes the state.
+
+    Example:
+      >>> eval_step = make_eval_step(loss_fn)
+      >>> val_loss = eval_step(state, val_batch)["loss"]
+    """
+
+    def eval_step(state: TrainState, batch: PyTree):
+        with torch.no_grad():
+            loss, aux = _split_loss(loss_fn(state.params, batch, None))
+        return {"loss": loss, **aux}
+
+    fn = _maybe_compile(eval_step, compile, compile_options)
+    return fn
+
+
+def _maybe_compile(fn, compile: bool, options: dict | None):
+    """`torch.compile(fn, fullgraph=True, dynamic=False, **options)` when asked."""
+    if not compile:
+        return fn
+    kwargs = {"fullgraph": True, "dynamic": False}
+    kwargs.update(options or {})
+    return torch.compile(fn, **kwargs)
