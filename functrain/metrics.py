@@ -1,0 +1,216 @@
+"""Run metrics: throughput and MFU, and writers (console, JSON lines).
+
+Example:
+    >>> writer = MultiWriter([ConsoleWriter(), JsonlWriter(workdir / "metrics.jsonl")])
+    >>> writer.write(step, {"loss": 2.1, "lr": 3e-4})
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+__all__ = [
+    "ConsoleWriter",
+    "JsonlWriter",
+    "MultiWriter",
+    "Throughput",
+    "measure_peak_flops",
+    "peak_flops",
+    "format_eta",
+    "to_python",
+]
+
+
+def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Metrics with 0-d tensors turned into Python floats (one device sync)."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach()
+            if hasattr(v, "full_tensor"):
+                v = v.full_tensor()
+            v = v.float().item()
+        out[k] = v
+    return out
+
+
+def format_eta(seconds: float) -> str:
+    """'1h02m', '3m07s' or '12s'."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m"
+    if m:
+        return f"{m}m{s:02d}s"
+    return f"{s}s"
+
+
+class ConsoleWriter:
+    """Prints one compact line per write: `step 100 | loss 2.134 | lr 3.0e-04 | ...`."""
+
+    def __init__(self, total_steps: int | None = None, print_fn=functools.partial(print, flush=True)):
+        self.total_steps = total_steps
+        self.print_fn = print_fn
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Prints `metrics` for `step`."""
+        width = len(str(self.total_steps)) if self.total_steps else 0
+        parts = [f"step {step:>{width}d}" + (f"/{self.total_steps}" if self.total_steps else "")]
+        for k, v in metrics.items():
+            parts.append(f"{k} {_fmt(k, v)}")
+        self.print_fn(" | ".join(parts))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _fmt(key: str, v: Any) -> str:
+    """Human formatting of one metric value."""
+    if isinstance(v, str):
+        return v
+    if key == "lr":
+        return f"{v:.2e}"
+    if key.endswith("tokens_per_s"):
+        return f"{v:,.0f}"
+    if key == "mfu":
+        return f"{100 * v:.1f}%"
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"
+    return str(v)
+
+
+class JsonlWriter:
+    """Appends one JSON object per write to a file: `{"step": 10, "loss": 2.1, ...}`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Appends `{"step": step, **metrics}` as one line."""
+        row = {"step": int(step), "time": time.time()}
+        row.update({k: v for k, v in metrics.items() if not isinstance(v, str)})
+        self._f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        """Closes the file."""
+        self._f.close()
+
+
+class MultiWriter:
+    """Fans one write out to several writers."""
+
+    def __init__(self, writers: Iterable):
+        self.writers = list(writers)
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Writes to every writer."""
+        for w in self.writers:
+            w.write(step, metrics)
+
+    def close(self) -> None:
+        """Closes every writer."""
+        for w in self.writers:
+            w.close()
+
+
+class Throughput:
+    """Tokens per second, model FLOP utilization and ETA over the steps since the last report.
+
+    Args:
+      tokens_per_step: global tokens processed by one step.
+      flops_per_token: training FLOPs per token (see `models.gpt.flops_per_token`).
+      peak_flops: the hardware's peak FLOP/s for the whole job (all ranks), or None.
+      total_steps: the run's length, for the ETA.
+
+    Example:
+      >>> tp = Throughput(4096, 6 * n_params, peak_flops=1e12, total_steps=1000)
+      >>> tp.start(0); ...; stats = tp.report(step)
+    """
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, total_steps: int):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.total_steps = total_steps
+        self._t0 = None
+        self._step0 = 0
+
+    def start(self, step: int) -> None:
+        """Starts the clock at `step` (call after the first, compiling, step)."""
+        self._t0 = time.perf_counter()
+        self._step0 = step
+
+    def report(self, step: int) -> dict[str, float | str]:
+        """Throughput since the last call; restarts the window."""
+        if self._t0 is None:
+            self.start(step)
+            return {}
+        now = time.perf_counter()
+        steps = step - self._step0
+        dt = max(now - self._t0, 1e-9)
+        self._t0, self._step0 = now, step
+        if steps <= 0:
+            return {}
+        tokens_per_s = steps * self.tokens_per_step / dt
+        out: dict[str, float | str] = {"tokens_per_s": tokens_per_s, "step_time_s": dt / steps}
+        if self.peak_flops:
+            out["mfu"] = tokens_per_s * self.flops_per_token / self.peak_flops
+        out["eta"] = format_eta((self.total_steps - step) * dt / steps)
+        return out
+
+
+# Dense bf16 peak FLOP/s per device, by device-name fragment.
+_GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Known peak FLOP/s of one accelerator (bf16 dense), or None when unknown (e.g. CPU)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for frag, peak in _GPU_PEAKS.items():
+            if frag in name:
+                return peak
+    return None
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+    """Measured matmul FLOP/s on `device` (a practical 'peak' for MFU where none is published).
+
+    Args:
+      device: where to measure.
+      dtype: matmul dtype.
+      seconds: rough time budget.
+
+    Returns:
+      FLOP/s of a square matmul of size 1024 (512 on CPU), best of a few runs.
+
+    Example:
+      >>> measure_peak_flops(torch.device("cpu"))  # e.g. 1.2e11
+    """
+    n = 512 if device.type == "cpu" else 4096
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t))
+    return best

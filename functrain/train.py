@@ -1,0 +1,260 @@
+"""The training program behind `python -m functrain.main`: config -> state -> compiled loop.
+
+Each piece is a small function so research code can reuse them one by one:
+`build_optimizer(config)`, `make_loss_fn(model)`, `evaluate(...)`, and `train(config, workdir)`.
+
+Example:
+    >>> from configs import gpt
+    >>> train(gpt.get_config("tiny"), "runs/tiny")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_collections
+import torch
+
+from functrain import data as data_lib
+from functrain import metrics as metrics_lib
+from functrain import optim
+from functrain import rng as rng_lib
+from functrain.models import gpt
+from functrain.state import TrainState, init_state
+from functrain.step import apply, make_eval_step, make_train_step
+
+__all__ = ["TrainingError", "build_optimizer", "build_schedule", "make_loss_fn", "evaluate", "train"]
+
+
+class TrainingError(RuntimeError):
+    """A run cannot go on (bad config value, non-finite loss, ...); the message says why and what to do."""
+
+
+def build_schedule(c: ml_collections.ConfigDict, steps: int) -> optim.schedules.Schedule:
+    """The learning-rate schedule named by `c.schedule` ("cosine", "constant" or "linear").
+
+    Args:
+      c: the `optim` config (lr, min_lr, warmup_steps, schedule).
+      steps: total training steps (the decay length).
+
+    Returns:
+      A schedule `count -> lr`.
+
+    Example:
+      >>> sched = build_schedule(config.optim, config.steps)
+    """
+    warmup = min(c.warmup_steps, max(steps - 1, 0))
+    if c.schedule == "cosine":
+        return optim.warmup_cosine(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr)
+    if c.schedule == "constant":
+        return optim.linear_warmup(c.lr, warmup)
+    if c.schedule == "linear":
+        ramp = optim.linear_warmup(c.lr, warmup)
+        decay = optim.linear(c.lr, c.min_lr, max(steps - warmup, 1), transition_begin=warmup)
+        return lambda count: torch.where(count < warmup, ramp(count), decay(count))
+    raise TrainingError(
+        f"optim.schedule={c.schedule!r} is not known; use 'cosine', 'constant' or 'linear'"
+    )
+
+
+def decay_mask(params: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """Weight decay on matrices only (not biases, norm scales), as nanoGPT/GPT-2 do."""
+    return {name: p.ndim >= 2 for name, p in params.items()}
+
+
+def build_optimizer(config: ml_collections.ConfigDict) -> optim.Transform:
+    """The optimizer described by `config.optim`: clipping, then adamw or sgd with the schedule.
+
+    Args:
+      config: the whole run config (uses `config.optim` and `config.steps`).
+
+    Returns:
+      A `Transform`.
+
+    Example:
+      >>> opt = build_optimizer(config)
+    """
+    c = config.optim
+    lr = build_schedule(c, config.steps)
+    if c.name == "adamw":
+        base = optim.adamw(lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask)
+    elif c.name == "sgd":
+        base = optim.sgd(lr, momentum=c.momentum, weight_decay=c.weight_decay, mask=decay_mask)
+    else:
+        raise TrainingError(f"optim.name={c.name!r} is not known; use 'adamw' or 'sgd'")
+    if c.clip > 0:
+        return optim.chain(optim.clip_by_global_norm(c.clip), base)
+    return base
+
+
+def make_loss_fn(model: torch.nn.Module) -> Callable:
+    """`loss_fn(params, batch, key) -> (loss, {})`: next-token cross-entropy of `model`.
+
+    Args:
+      model: the (meta-device) GPT template.
+
+    Returns:
+      The loss function for `make_train_step` / `make_eval_step`; `batch` is `(x, y)`.
+
+    Example:
+      >>> step = make_train_step(make_loss_fn(template), build_optimizer(config))
+    """
+
+    def loss_fn(params, batch, key):
+        x, y = batch
+        logits = apply(model, params, x, dropout_key=key)  # (B, T, V)
+        return gpt.cross_entropy(logits, y), {}
+
+    return loss_fn
+
+
+def evaluate(eval_step, state: TrainState, batches) -> float:
+    """Mean eval loss over `batches` (a list of `(x, y)`)."""
+    losses = [eval_step(state, b)["loss"] for b in batches]
+    return float(torch.stack([l.detach().float() for l in losses]).mean())
+
+
+def _resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda if available else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _check_config(config: ml_collections.ConfigDict) -> None:
+    """One clear error for inconsistent values."""
+    if config.steps < 1:
+        raise TrainingError(f"steps={config.steps} must be >= 1")
+    if config.batch_size % config.accum_steps:
+        raise TrainingError(
+            f"batch_size={config.batch_size} is not divisible by accum_steps={config.accum_steps}; "
+            "make batch_size a multiple of accum_steps"
+        )
+    if config.model.n_embd % config.model.n_head:
+        raise TrainingError(
+            f"model.n_embd={config.model.n_embd} is not divisible by model.n_head={config.model.n_head}"
+        )
+    for key in ("log_every", "eval_every"):
+        if config[key] < 1:
+            raise TrainingError(f"{key}={config[key]} must be >= 1")
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=print) -> dict[str, Any]:
+    """Runs the training job described by `config`, writing logs and metrics into `workdir`.
+
+    Args:
+      config: a config from `configs/gpt.py` (see its docstring for the keys).
+      workdir: the run directory (`metrics.jsonl`, `config.json`, data cache, checkpoints).
+      print_fn: where console lines go.
+
+    Returns:
+      A summary dict: final train loss, final val loss, steps, sample text.
+
+    Example:
+      >>> summary = train(get_config("tiny"), "runs/tiny")
+    """
+    _check_config(config)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    if config.deterministic:
+        torch.use_deterministic_algorithms(True)
+    device = _resolve_device(config.device)
+
+    cache_dir = config.data.cache_dir or str(workdir / "data")
+    dataset = data_lib.load_dataset(config.data.path, cache_dir, block_size=config.model.block_size)
+    vocab = config.model.vocab_size or dataset.vocab_size
+    if vocab < dataset.vocab_size:
+        raise TrainingError(
+            f"model.vocab_size={vocab} is smaller than the data's vocabulary ({dataset.vocab_size}); "
+            "set model.vocab_size=0 to take it from the data"
+        )
+    mcfg = gpt.GPTConfig(
+        vocab_size=vocab,
+        block_size=config.model.block_size,
+        n_layer=config.model.n_layer,
+        n_head=config.model.n_head,
+        n_embd=config.model.n_embd,
+        dropout=config.model.dropout,
+        bias=config.model.bias,
+    )
+    with torch.device("meta"):
+        template = gpt.GPT(mcfg)  # shapes only; the state holds the real tensors
+    optimizer = build_optimizer(config)
+    params = gpt.init_params(template, rng_lib.key(config.seed), device=device)
+    state = init_state(params, optimizer, seed=config.seed, copy=False)
+
+    loss_fn = make_loss_fn(template)
+    train_step = make_train_step(
+        loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate
+    )
+    eval_step = make_eval_step(loss_fn, compile=config.compile)
+
+    def batch_at(step: int):
+        return data_lib.get_batch(
+            dataset.train, batch_size=config.batch_size, block_size=mcfg.block_size,
+            seed=config.seed, step=step, device=device,
+        )
+
+    val_batches = list(
+        data_lib.eval_batches(
+            dataset.val, batch_size=config.batch_size, block_size=mcfg.block_size,
+            num_batches=config.eval_batches, device=device,
+        )
+    )
+
+    n_params = gpt.num_params(mcfg)
+    print_fn(
+        f"functrain: GPT {n_params / 1e6:.2f}M params ({config.model.n_layer} layers, d={mcfg.n_embd}), "
+        f"vocab {vocab}, {len(dataset.train):,} train tokens, device {device}, "
+        f"compile={'on' if config.compile else 'off'}"
+    )
+    tokens_per_step = config.batch_size * mcfg.block_size
+    peak = metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device)
+    throughput = metrics_lib.Throughput(tokens_per_step, gpt.flops_per_token(mcfg), peak, config.steps)
+    writer = metrics_lib.MultiWriter(
+        [metrics_lib.ConsoleWriter(config.steps, print_fn), metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
+    )
+
+    start = int(state.step)
+    last: dict[str, Any] = {}
+    val_loss = float("nan")
+    t_start = time.perf_counter()
+    try:
+        for step in range(start, config.steps):
+            state, m = train_step(state, batch_at(step))
+            done = step + 1
+            if step == start:
+                compile_s = time.perf_counter() - t_start
+                print_fn(f"first step (compile + run) took {compile_s:.1f}s")
+                throughput.start(done)
+            if done % config.log_every == 0 or done == config.steps:
+                last = metrics_lib.to_python(m)
+                if not math.isfinite(last["loss"]):
+                    raise TrainingError(
+                        f"loss is {last['loss']} at step {done}; lower optim.lr, enable optim.clip, "
+                        "or check the data"
+                    )
+                last.update(throughput.report(done))
+                writer.write(done, last)
+            if done % config.eval_every == 0 or done == config.steps:
+                val_loss = evaluate(eval_step, state, val_batches)
+                writer.write(done, {"val_loss": val_loss})
+    finally:
+        writer.close()
+
+    prompt = torch.as_tensor(dataset.encode(config.sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
+    out = gpt.generate(
+        template, state.params, prompt, config.sample.max_new_tokens,
+        temperature=config.sample.temperature, top_k=config.sample.top_k or None,
+        key=rng_lib.fold_in(state.rng, state.step),
+    )
+    sample = dataset.decode(out[0].tolist())
+    print_fn("sample:\n" + sample)
+    summary = {"steps": config.steps, "loss": last.get("loss"), "val_loss": val_loss, "sample": sample}
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
