@@ -5,6 +5,8 @@ optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`).
 """
 
 from functrain import optim, rng, tree
+from functrain.data import DataError, eval_batches, get_batch, load_dataset
+from functrain.models import GPT, GPTConfig, cross_entropy, flops_per_token, generate, init_params, num_params
 from functrain.state import TrainState, init_state, params_of
 from functrain.step import apply, make_eval_step, make_train_step, value_and_grad
 
@@ -21,4 +23,15 @@ __all__ = [
     "make_train_step",
     "make_eval_step",
     "value_and_grad",
+    "GPT",
+    "GPTConfig",
+    "init_params",
+    "cross_entropy",
+    "generate",
+    "flops_per_token",
+    "num_params",
+    "load_dataset",
+    "get_batch",
+    "eval_batches",
+    "DataError",
 ]

@@ -166,7 +166,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     device = _resolve_device(config.device)
 
     cache_dir = config.data.cache_dir or str(workdir / "data")
-    dataset = data_lib.load_dataset(config.data.path, cache_dir, block_size=config.model.block_size)
+    dataset = data_lib.load_dataset(
+        config.data.path, cache_dir, vocab_size=config.model.vocab_size or None, block_size=config.model.block_size
+    )
     vocab = config.model.vocab_size or dataset.vocab_size
     if vocab < dataset.vocab_size:
         raise TrainingError(

@@ -1,0 +1,20 @@
+"""Data: corpora to cached token files, and stateless batches keyed by (seed, step, rank)."""
+
+from functrain.data.batches import eval_batches, get_batch
+from functrain.data.corpus import DEFAULT_VAL_FRACTION, SEPARATOR, Dataset, load_dataset, stdlib_files
+from functrain.data.errors import DataError
+from functrain.data.tokenizer import ByteTokenizer, IdTokenizer, VocabTokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "DEFAULT_VAL_FRACTION",
+    "DataError",
+    "Dataset",
+    "IdTokenizer",
+    "SEPARATOR",
+    "VocabTokenizer",
+    "eval_batches",
+    "get_batch",
+    "load_dataset",
+    "stdlib_files",
+]

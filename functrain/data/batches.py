@@ -1,0 +1,130 @@
+"""Stateless batch sampling: a batch is a pure function of (tokens, seed, step, rank, world).
+
+The GLOBAL batch of `batch_size` random windows is drawn from a numpy Generator seeded by
+(stream, seed, step) only; data-parallel rank r of `world` takes rows [r B / world, (r + 1) B / world).
+So the global batch does not depend on the number of ranks, resuming at step s needs no loader
+state, and resharding to another world size keeps the data order.
+
+Example:
+    >>> x, y = get_batch(ds.train, batch_size=32, block_size=256, seed=0, step=state_step)
+    >>> x.shape, y.shape        # (32, 256) int64; y[:, :-1] == x[:, 1:]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from functrain.data.errors import DataError
+
+__all__ = ["get_batch", "eval_batches"]
+
+_TRAIN_STREAM, _EVAL_STREAM = 0, 1
+_U64 = (1 << 64) - 1
+
+
+def _window_starts(n_tokens: int, batch_size: int, block_size: int, stream: int, seed: int,
+                   step: int) -> np.ndarray:
+    """Start offsets of the global batch's windows, a pure function of the arguments."""
+    if n_tokens < block_size + 1:
+        raise DataError(
+            f"token array has {n_tokens} tokens, fewer than block_size + 1 = {block_size + 1}; "
+            "use more data or a smaller block_size"
+        )
+    gen = np.random.default_rng([stream, int(seed) & _U64, int(step) & _U64])
+    return gen.integers(0, n_tokens - block_size, size=batch_size)  # start + block_size + 1 <= n
+
+
+def _rows(tokens, starts, block_size, rank, world, device):
+    """This rank's rows of the global windows as (x, y) int64 tensors of shape (B_local, T)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
+    if len(starts) % world:
+        raise ValueError(
+            f"batch_size {len(starts)} must be divisible by the data-parallel world size {world}"
+        )
+    b = len(starts) // world
+    local = starts[rank * b:(rank + 1) * b]
+    windows = np.stack([np.asarray(tokens[s:s + block_size + 1]) for s in local])  # (B_local, T+1)
+    xy = torch.from_numpy(windows.astype(np.int64))
+    x, y = xy[:, :-1], xy[:, 1:]  # (B_local, T) each
+    if device is not None and torch.device(device).type != "cpu":
+        return (x.contiguous().pin_memory().to(device, non_blocking=True),
+                y.contiguous().pin_memory().to(device, non_blocking=True))
+    return x.contiguous(), y.contiguous()
+
+
+def get_batch(
+    tokens: np.ndarray,
+    *,
+    batch_size: int,
+    block_size: int,
+    seed: int,
+    step: int,
+    rank: int = 0,
+    world: int = 1,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of the training batch of step `step`: inputs and next-token targets.
+
+    Args:
+      tokens: a 1-D token array (e.g. `Dataset.train`, a memmap: only the windows are read).
+      batch_size: the GLOBAL batch size, divisible by `world`.
+      block_size: window length T.
+      seed: data seed (any int).
+      step: the training step (an int or a 0-d tensor).
+      rank: this data-parallel rank.
+      world: number of data-parallel ranks.
+      device: where to put the tensors (default CPU).
+
+    Returns:
+      (x, y), int64 tensors of shape (batch_size // world, block_size) with y = x shifted left by
+      one token (y[:, t] is the token after x[:, t]).
+
+    Example:
+      >>> x, y = get_batch(ds.train, batch_size=8, block_size=64, seed=0, step=10, rank=1, world=2)
+      >>> x.shape
+      torch.Size([4, 64])
+    """
+    starts = _window_starts(len(tokens), batch_size, block_size, _TRAIN_STREAM, seed, step)
+    return _rows(tokens, starts, block_size, rank, world, device)
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    batch_size: int,
+    block_size: int,
+    num_batches: int,
+    seed: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    device: torch.device | str | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of evaluation batches: the same windows on every call (and any world size).
+
+    Drawn like `get_batch` but from a separate random stream, so they never coincide with the
+    training batches of the same seed.
+
+    Args:
+      tokens: a 1-D token array (e.g. `Dataset.val`).
+      batch_size: the GLOBAL batch size, divisible by `world`.
+      block_size: window length T.
+      num_batches: how many batches to yield.
+      seed: fixes the set of windows.
+      rank: this data-parallel rank.
+      world: number of data-parallel ranks.
+      device: where to put the tensors.
+
+    Returns:
+      An iterator of (x, y) int64 tensors of shape (batch_size // world, block_size).
+
+    Example:
+      >>> losses = [eval_step(params, x, y) for x, y in eval_batches(ds.val, batch_size=8,
+      ...                                                          block_size=64, num_batches=20)]
+    """
+    for i in range(num_batches):
+        starts = _window_starts(len(tokens), batch_size, block_size, _EVAL_STREAM, seed, i)
+        yield _rows(tokens, starts, block_size, rank, world, device)

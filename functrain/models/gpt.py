@@ -1,0 +1,397 @@
+"""A GPT-2 style decoder-only transformer (nanoGPT-shaped), written for functional training.
+
+The module holds no parallelism and no global randomness: dropout draws its masks from an explicit
+key (`forward(idx, dropout_key=k)`), so `torch.func.functional_call(model, params, (idx,),
+{"dropout_key": k})` is a pure function of (params, idx, k) and compiles with
+`torch.compile(fullgraph=True)`.
+
+Parameter names (the names a params dict uses; `lm_head.weight` is tied to `wte.weight` and appears
+once, as `wte.weight`):
+
+    wte.weight                          (vocab_size, n_embd)    token embedding, also the lm_head
+    wpe.weight                          (block_size, n_embd)    learned position embedding
+    blocks.{i}.ln_1.{weight,bias}       (n_embd,)
+    blocks.{i}.attn.{q,k,v}.weight      (n_embd, n_embd)        output features head-major: (h d)
+    blocks.{i}.attn.{q,k,v}.bias        (n_embd,)
+    blocks.{i}.attn.proj.{weight,bias}  (n_embd, n_embd), (n_embd,)
+    blocks.{i}.ln_2.{weight,bias}       (n_embd,)
+    blocks.{i}.mlp.fc.{weight,bias}     (4 n_embd, n_embd), (4 n_embd,)
+    blocks.{i}.mlp.proj.{weight,bias}   (n_embd, 4 n_embd), (n_embd,)
+    ln_f.{weight,bias}                  (n_embd,)
+
+(`*.bias` exist only when `cfg.bias`.)
+
+Why separate q, k, v Linears instead of nanoGPT's fused `c_attn`: a fused (3 n_embd, n_embd) weight
+is laid out q|k|v, so sharding its rows into contiguous chunks (colwise tensor parallelism) hands one
+rank all of q and another all of v. With separate q, k, v whose outputs are head-major `(h d)`, a
+row-chunk of each is a whole set of heads, so colwise TP is a plain `Shard(0)` on each (see
+`TP_RULES`). Attention also reads the number of heads from the tensor (`d = n_embd // n_head` is
+fixed, `h` is whatever the local q holds), so the same forward runs on a TP-local slice of heads.
+
+Example:
+    >>> cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    >>> model = GPT(cfg)
+    >>> params = dict(model.named_parameters())
+    >>> logits = torch.func.functional_call(model, params, (idx,), {"dropout_key": rng.key(0)})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from functrain import rng
+
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "TP_RULES",
+    "cross_entropy",
+    "flops_per_token",
+    "generate",
+    "init_params",
+    "num_params",
+]
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Hyper-parameters of a GPT.
+
+    Args:
+      vocab_size: number of token ids (256 for byte-level text).
+      block_size: maximum context length (size of the position embedding).
+      n_layer: number of transformer blocks.
+      n_head: attention heads per block; must divide n_embd.
+      n_embd: model width.
+      dropout: drop probability used at every dropout site when a dropout key is given.
+      bias: whether Linear and LayerNorm layers have biases (GPT-2: True).
+
+    Example:
+      >>> cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384)
+    """
+
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+
+
+# Dropout sites: 0 is the embedding; block i uses 1 + 2 i (attention output) and 2 + 2 i (MLP output).
+def _site_key(key: torch.Tensor | None, site: int) -> torch.Tensor | None:
+    """The dropout key of one site, or None when dropout is off."""
+    return None if key is None else rng.fold_in(key, site)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate, head-major q/k/v projections."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.dropout = cfg.dropout
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C); dropout on the output projection when a key is given."""
+        # The head count comes from the tensor, so a TP-local slice of heads runs unchanged.
+        q = rearrange(self.q(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
+        k = rearrange(self.k(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
+        v = rearrange(self.v(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
+        # SDPA's own dropout uses the global RNG: keep it off and drop on the projection instead.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)  # (B, H, T, D)
+        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, C)
+        return rng.dropout(self.proj(y), self.dropout, dropout_key)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear(C, 4C) -> GELU -> Linear(4C, C) -> dropout."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.dropout = cfg.dropout
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        return rng.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, dropout_key)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, attn_key=None, mlp_key=None):
+        """(B, T, C) -> (B, T, C)."""
+        x = x + self.attn(self.ln_1(x), attn_key)
+        return x + self.mlp(self.ln_2(x), mlp_key)
+
+
+class GPT(nn.Module):
+    """GPT-2 style language model: embeddings, `n_layer` pre-LN blocks, final LayerNorm, tied head.
+
+    Args:
+      cfg: a `GPTConfig`.
+      key: optional `rng` key; when given, the initial weights are a pure function of it (see
+        `init_params`); when None they come from torch's global generator, as for any nn.Module.
+        Under `with torch.device("meta")` nothing is initialized (a storage-free template).
+
+    Returns (forward):
+      `forward(idx, dropout_key=None)` maps int64 token ids (B, T), T <= block_size, to logits
+      (B, T, vocab_size). Dropout is applied only when `dropout_key` is a key and `cfg.dropout > 0`,
+      each site with its own key `rng.fold_in(dropout_key, site)`.
+
+    Example:
+      >>> with torch.device("meta"):
+      ...     template = GPT(cfg)                       # shapes only, no storage
+      >>> params = init_params(template, rng.key(0))    # real tensors
+      >>> logits = torch.func.functional_call(template, params, (idx,))
+    """
+
+    def __init__(self, cfg: GPTConfig, key: torch.Tensor | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: named_parameters() lists it once, as wte.weight
+        if not self.wte.weight.is_meta:
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    p.copy_(_init_tensor(self, name, p.shape, _generator(key, name)))
+
+    def forward(self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size); see the class docstring."""
+        if self.cfg.dropout == 0.0:
+            dropout_key = None
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)  # (T,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        x = rng.dropout(x, self.cfg.dropout, _site_key(dropout_key, 0))
+        for i, block in enumerate(self.blocks):
+            x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i))
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
+def _generator(key: torch.Tensor | None, name: str) -> torch.Generator | None:
+    """A CPU generator seeded from (key, parameter name), or None for the global generator."""
+    if key is None:
+        return None
+    k = rng.fold_in(key.cpu(), zlib.crc32(name.encode()))
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(rng.key_data(k) & 0x7FFFFFFFFFFFFFFF)
+    return gen
+
+
+def _init_tensor(model: GPT, name: str, shape, gen: torch.Generator | None) -> torch.Tensor:
+    """nanoGPT init of one parameter, on CPU float32."""
+    owner = model.get_submodule(name.rpartition(".")[0])
+    if name.endswith("bias"):
+        return torch.zeros(shape, device="cpu")
+    if isinstance(owner, nn.LayerNorm):
+        return torch.ones(shape, device="cpu")
+    std = 0.02
+    if name.endswith("proj.weight"):  # residual projections (attn.proj, mlp.proj): GPT-2 scaling
+        std = 0.02 / math.sqrt(2 * model.cfg.n_layer)
+    return torch.randn(shape, generator=gen, device="cpu") * std
+
+
+def init_params(
+    model: GPT,
+    key: torch.Tensor,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Fresh nanoGPT-initialized parameters for `model` (typically a meta-device template).
+
+    Each tensor is drawn on the CPU from a generator seeded by `rng.fold_in(key, crc32(name))`, so a
+    parameter's value depends only on (key, its name, its shape): the same on every device and rank,
+    whatever the other parameters are. Init: normal(0, 0.02) for embeddings and Linear weights,
+    normal(0, 0.02 / sqrt(2 n_layer)) for the residual projections (`*.proj.weight`), zeros for
+    biases, ones for LayerNorm weights.
+
+    Args:
+      model: a `GPT` (its parameters may live on "meta").
+      key: an `rng` key.
+      device: where to put the tensors (default CPU).
+      dtype: floating dtype of the tensors.
+
+    Returns:
+      A dict name -> tensor in `model.named_parameters()` order (the tied head appears once).
+
+    Example:
+      >>> with torch.device("meta"):
+      ...     template = GPT(cfg)
+      >>> params = init_params(template, rng.key(0), device="cuda")
+    """
+    return {
+        name: _init_tensor(model, name, p.shape, _generator(key, name)).to(device=device, dtype=dtype)
+        for name, p in model.named_parameters()
+    }
+
+
+TP_RULES: list[tuple[str, str]] = [
+    (r"^blocks\.\d+\.attn\.(q|k|v)\.(weight|bias)$", "colwise"),
+    (r"^blocks\.\d+\.mlp\.fc\.(weight|bias)$", "colwise"),
+    (r"^blocks\.\d+\.(attn|mlp)\.proj\.(weight|bias)$", "rowwise"),
+    (r".*", "replicate"),
+]
+"""Tensor-parallel sharding rules for `GPT`, as data: ordered (regex, kind); the first
+`re.search` match on a parameter name wins.
+
+Kinds (Megatron-style, on the tensor-parallel mesh axis):
+  colwise:   Linear weight Shard(0) (output features), bias Shard(0). Used for q, k, v and mlp.fc;
+             because q/k/v outputs are head-major `(h d)`, each rank holds whole heads (n_head must
+             divide by the TP degree).
+  rowwise:   Linear weight Shard(1) (input features), bias Replicate; the output is a partial sum
+             to be reduced. Used for attn.proj and mlp.proj, which consume the colwise outputs.
+  replicate: everything else (embeddings, tied lm_head, LayerNorms).
+
+Example:
+    >>> kind = next(k for pat, k in TP_RULES if re.search(pat, "blocks.0.attn.q.weight"))  # "colwise"
+"""
+
+
+def num_params(cfg: GPTConfig, non_embedding: bool = False) -> int:
+    """Number of parameters of `GPT(cfg)`, computed from the config (no model is built).
+
+    Args:
+      cfg: a `GPTConfig`.
+      non_embedding: subtract the position embedding (nanoGPT's convention: the token embedding
+        stays, because it is also the lm_head weight and costs a matmul).
+
+    Returns:
+      The parameter count (the tied token embedding / lm_head counted once).
+
+    Example:
+      >>> num_params(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    """
+    c, b = cfg.n_embd, int(cfg.bias)
+    ln = c + b * c
+    attn = 4 * (c * c + b * c)
+    mlp = (4 * c * c + b * 4 * c) + (4 * c * c + b * c)
+    n = cfg.vocab_size * c + cfg.block_size * c + cfg.n_layer * (2 * ln + attn + mlp) + ln
+    return n - cfg.block_size * c if non_embedding else n
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    """Training FLOPs per token (forward + backward), the PaLM / nanoGPT MFU estimate.
+
+    flops = 6 N + 12 L C T, with N = `num_params(cfg, non_embedding=True)` (all weights but the
+    position embedding; the tied lm_head matmul is counted through the token embedding), L = n_layer,
+    C = n_embd (= n_head * head_dim), T = block_size. 6 N is 2 FLOPs per multiply-add in the forward
+    and twice that in the backward; 12 L C T counts the attention score and value matmuls
+    (2 x 2 T C per layer forward, x3 for training) over the full context, without discounting the
+    causal mask (PaLM convention).
+
+    Args:
+      cfg: a `GPTConfig`.
+
+    Returns:
+      FLOPs per trained token, as a float. MFU = flops_per_token * tokens_per_second / peak_flops.
+
+    Example:
+      >>> flops_per_token(cfg) * batch_size * cfg.block_size   # FLOPs of one optimizer step
+    """
+    n = num_params(cfg, non_embedding=True)
+    return float(6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in float32.
+
+    Args:
+      logits: (B, T, V) in any floating dtype.
+      targets: int64 (B, T); positions equal to `ignore_index` are left out of the mean.
+      ignore_index: target value to ignore (nanoGPT uses -1).
+
+    Returns:
+      A float32 scalar tensor.
+
+    Example:
+      >>> loss = cross_entropy(model(x), y)
+    """
+    flat = rearrange(logits, "b t v -> (b t) v").float()  # (B*T, V)
+    return F.cross_entropy(flat, rearrange(targets, "b t -> (b t)"), ignore_index=ignore_index)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    params: dict[str, torch.Tensor],
+    prompt_idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    key: torch.Tensor,
+) -> torch.Tensor:
+    """Samples a continuation autoregressively (eager), with randomness from an explicit key.
+
+    At step i the logits of the last position (context cropped to the last `block_size` tokens) are
+    divided by `temperature`, restricted to the `top_k` largest, and a token is drawn by Gumbel-max
+    with noise `rng.uniform(rng.fold_in(key, i), ...)`. `temperature=0` picks the argmax. No global
+    RNG is used: the same (params, prompt, key) give the same tokens.
+
+    Args:
+      model: a `GPT` (a meta template is fine: weights come from `params`).
+      params: name -> tensor, as for `torch.func.functional_call`.
+      prompt_idx: int64 token ids, (B, T0) or (T0,), T0 >= 1.
+      max_new_tokens: how many tokens to append.
+      temperature: softmax temperature; 0 means greedy.
+      top_k: keep only the k most likely tokens (None: all).
+      key: an `rng` key.
+
+    Returns:
+      int64 ids of shape (B, T0 + max_new_tokens) (or (T0 + max_new_tokens,) for a 1-D prompt).
+
+    Example:
+      >>> out = generate(model, params, torch.tensor([[10]]), 100, top_k=50, key=rng.key(1))
+      >>> text = dataset.decode(out[0].tolist())
+    """
+    squeeze = prompt_idx.ndim == 1
+    idx = prompt_idx[None] if squeeze else prompt_idx  # (B, T0)
+    key = key.to(idx.device)
+    block_size = model.cfg.block_size
+    for i in range(max_new_tokens):
+        ctx = idx[:, -block_size:]  # (B, T<=block_size)
+        logits = torch.func.functional_call(model, params, (ctx,))[:, -1, :].float()  # (B, V)
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            u = rng.uniform(rng.fold_in(key, i), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
+            nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0] if squeeze else idx
