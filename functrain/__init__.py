@@ -4,7 +4,8 @@ Pure state (`TrainState`, one pytree), pure compiled steps (`make_train_step`), 
 optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`).
 """
 
-from functrain import optim, rng, tree
+from functrain import checkpoint, optim, rng, tree
+from functrain.checkpoint import CheckpointError
 from functrain.data import DataError, eval_batches, get_batch, load_dataset
 from functrain.models import GPT, GPTConfig, cross_entropy, flops_per_token, generate, init_params, num_params
 from functrain.state import TrainState, init_state, params_of
@@ -13,6 +14,8 @@ from functrain.step import apply, make_eval_step, make_train_step, value_and_gra
 __version__ = "0.1.0"
 
 __all__ = [
+    "checkpoint",
+    "CheckpointError",
     "optim",
     "rng",
     "tree",

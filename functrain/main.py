@@ -67,6 +67,7 @@ def _default_workdir(config_arg: str) -> str:
 def main(argv: list[str]) -> None:
     """Loads the config and runs `functrain.train.train`."""
     del argv
+    from functrain.checkpoint import CheckpointError
     from functrain.data import DataError
     from functrain.train import TrainingError, train
 
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> None:
     workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[-1])
     try:
         train(config, workdir)
-    except (DataError, TrainingError) as exc:
+    except (CheckpointError, DataError, TrainingError) as exc:
         _fail(str(exc))
 
 

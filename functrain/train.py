@@ -10,8 +10,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +21,7 @@ from typing import Any, Callable
 import ml_collections
 import torch
 
+from functrain import checkpoint as ckpt_lib
 from functrain import data as data_lib
 from functrain import metrics as metrics_lib
 from functrain import optim
@@ -143,6 +146,68 @@ def _check_config(config: ml_collections.ConfigDict) -> None:
             raise TrainingError(f"{key}={config[key]} must be >= 1")
 
 
+def _make_manager(config: ml_collections.ConfigDict, workdir: Path) -> ckpt_lib.Manager | None:
+    """The checkpoint manager for `<workdir>/checkpoints` (None when checkpointing is off)."""
+    c = config.checkpoint
+    if not c.enabled:
+        return None
+    return ckpt_lib.Manager(
+        str(workdir / "checkpoints"),
+        keep=c.keep,
+        every=c.every if c.every > 0 else config.steps,
+        keep_every=c.keep_every or None,
+    )
+
+
+def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn) -> TrainState:
+    """Restores the latest checkpoint, if any, compiling the step while the bytes stream in."""
+    latest = manager.latest_step() if manager is not None else None
+    if latest is None:
+        return state
+    t0 = time.perf_counter()
+    future = manager.restore(latest, ckpt_lib.abstract(state))
+    if config.compile:
+        # Compile now, on the fresh state (consumed and thrown away), while TensorStore reads.
+        train_step(state, batch_at(latest))
+    restored = future.result()
+    print_fn(f"restored checkpoint step {latest} in {time.perf_counter() - t0:.1f}s (compile overlapped)")
+    return restored
+
+
+class _PreemptionFlag:
+    """Turns SIGTERM into a flag the loop checks after each step (agreed over all ranks)."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._flag = False
+
+    def __enter__(self):
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no handler, never preempted
+            pass
+        return self
+
+    def _handle(self, signum, frame):
+        """Records the signal."""
+        self._flag = True
+
+    def requested(self) -> bool:
+        """Whether any rank got SIGTERM (one tiny all-reduce when distributed)."""
+        flag = self._flag
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            t = torch.tensor([1 if flag else 0], device=self._device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
+
+
 def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=print) -> dict[str, Any]:
     """Runs the training job described by `config`, writing logs and metrics into `workdir`.
 
@@ -222,32 +287,47 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
         [metrics_lib.ConsoleWriter(config.steps, print_fn), metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
     )
 
+    manager = _make_manager(config, workdir)
+    state = _maybe_restore(manager, state, train_step, batch_at, config, print_fn)
+
     start = int(state.step)
     last: dict[str, Any] = {}
     val_loss = float("nan")
+    preempted = False
     t_start = time.perf_counter()
-    try:
-        for step in range(start, config.steps):
-            state, m = train_step(state, batch_at(step))
-            done = step + 1
-            if step == start:
-                compile_s = time.perf_counter() - t_start
-                print_fn(f"first step (compile + run) took {compile_s:.1f}s")
-                throughput.start(done)
-            if done % config.log_every == 0 or done == config.steps:
-                last = metrics_lib.to_python(m)
-                if not math.isfinite(last["loss"]):
-                    raise TrainingError(
-                        f"loss is {last['loss']} at step {done}; lower optim.lr, enable optim.clip, "
-                        "or check the data"
-                    )
-                last.update(throughput.report(done))
-                writer.write(done, last)
-            if done % config.eval_every == 0 or done == config.steps:
-                val_loss = evaluate(eval_step, state, val_batches)
-                writer.write(done, {"val_loss": val_loss})
-    finally:
-        writer.close()
+    with _PreemptionFlag(device) as stop, manager or contextlib.nullcontext():
+        try:
+            for step in range(start, config.steps):
+                state, m = train_step(state, batch_at(step))
+                done = step + 1
+                if step == start:
+                    print_fn(f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s")
+                    throughput.start(done)
+                if done % config.log_every == 0 or done == config.steps:
+                    last = metrics_lib.to_python(m)
+                    if not math.isfinite(last["loss"]):
+                        raise TrainingError(
+                            f"loss is {last['loss']} at step {done}; lower optim.lr, enable optim.clip, "
+                            "or check the data (the last checkpoint is kept)"
+                        )
+                    last.update(throughput.report(done))
+                    writer.write(done, last)
+                if done % config.eval_every == 0 or done == config.steps:
+                    val_loss = evaluate(eval_step, state, val_batches)
+                    writer.write(done, {"val_loss": val_loss})
+                if manager is not None:
+                    manager.save(done, state, force=done == config.steps)
+                if stop.requested():
+                    if manager is not None:
+                        manager.save(done, state, force=True)
+                        manager.wait()
+                    print_fn(f"preempted (SIGTERM) at step {done}; checkpoint saved, exiting")
+                    preempted = True
+                    break
+        finally:
+            writer.close()
+    if preempted:
+        return {"steps": int(state.step), "loss": last.get("loss"), "val_loss": val_loss, "preempted": True}
 
     prompt = torch.as_tensor(dataset.encode(config.sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
     out = gpt.generate(

@@ -1,0 +1,31 @@
+"""Sharded Orbax-format checkpoints written and read with TensorStore; no jax at runtime.
+
+Public API:
+  save / save_async      write a pytree of tensors/DTensors to ``<root>/<step>`` (async: Future)
+  restore                read a checkpoint onto a template (any mesh/placements) -> Future
+  read_metadata          shapes/dtypes/chunks per array of a checkpoint
+  metadata_tree          the checkpoint's tree of ArraySpec (a restore template)
+  Manager                steps, async save, retention, crash-safe commit, validation
+  ArraySpec, abstract    abstract leaves for templates
+  CheckpointError        the one error for bad/unusable checkpoints
+"""
+
+from .errors import CheckpointError
+from .manager import Manager
+from .reader import ArrayInfo, metadata_tree, read_metadata, restore
+from .sharding import ArraySpec, abstract
+from .writer import AsyncWriter, save, save_async
+
+__all__ = [
+    "ArrayInfo",
+    "ArraySpec",
+    "AsyncWriter",
+    "CheckpointError",
+    "Manager",
+    "abstract",
+    "metadata_tree",
+    "read_metadata",
+    "restore",
+    "save",
+    "save_async",
+]

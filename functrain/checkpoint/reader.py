@@ -1,0 +1,331 @@
+"""Reading Orbax checkpoints (ours or stock orbax's) onto any mesh, asynchronously.
+
+``restore`` validates the checkpoint against the template up front (commit marker, ``_METADATA``,
+every leaf present with the expected shape and dtype), raising one CheckpointError if anything is
+off, then issues one TensorStore read per leaf for exactly the region this rank's shard needs and
+returns a Future; the caller can compile its step while the bytes stream in.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import difflib
+import math
+import os
+import threading
+from typing import Any
+
+import optree
+import tensorstore as ts
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from . import layout, tsspec
+from .errors import CheckpointError, one_line
+from .sharding import ArraySpec, Box, full_box, shard_box
+
+_FIX_TEMPLATE = "restore onto a model with the same config or start a fresh workdir"
+_FIX_CORRUPT = "the checkpoint is corrupt; restore an earlier step"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """Abstract metadata of one stored array.
+
+    Attributes:
+      name: the '.'-joined tree path (e.g. ``params.wte.weight``).
+      path: the tree path as a tuple of string keys.
+      shape: the global shape.
+      dtype: the torch dtype (or the TensorStore dtype name if torch has none).
+      chunks: the stored chunk shape.
+    """
+
+    name: str
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype | str
+    chunks: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where one leaf is restored to: global shape/dtype, this rank's box, device, mesh."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    box: Box | None
+    device: torch.device
+    mesh: DeviceMesh | None = None
+    placements: tuple[Placement, ...] | None = None
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a DTensor's local tensor lives on for ``mesh`` on this rank."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _mesh_target(shape, dtype, mesh: DeviceMesh, placements, device: torch.device) -> _Target:
+    """Target of a leaf restored as a DTensor on ``mesh``."""
+    coord = mesh.get_coordinate()
+    box = None if coord is None else shard_box(shape, tuple(mesh.mesh.shape), coord, placements)
+    return _Target(tuple(shape), dtype, box, device, mesh, tuple(placements))
+
+
+def _target(name: str, leaf: Any, default_device: torch.device) -> _Target:
+    """Resolves one template leaf (tensor, DTensor, meta tensor or ArraySpec) to a _Target."""
+    if isinstance(leaf, DTensor):
+        local_device = leaf.to_local().device
+        device = _mesh_device(leaf.device_mesh) if local_device.type == "meta" else local_device
+        return _mesh_target(leaf.shape, leaf.dtype, leaf.device_mesh, leaf.placements, device)
+    if isinstance(leaf, torch.Tensor):
+        device = default_device if leaf.device.type == "meta" else leaf.device
+        return _Target(tuple(leaf.shape), leaf.dtype, full_box(leaf.shape), device)
+    if isinstance(leaf, ArraySpec):
+        if leaf.mesh is not None:
+            return _mesh_target(leaf.shape, leaf.dtype, leaf.mesh, leaf.placements, _mesh_device(leaf.mesh))
+        device = torch.device(leaf.device) if leaf.device is not None else default_device
+        return _Target(leaf.shape, leaf.dtype, full_box(leaf.shape), device)
+    raise TypeError(
+        f"template leaf {name!r} is a {type(leaf).__name__}; use a tensor, DTensor (meta is fine) or ArraySpec"
+    )
+
+
+def _kvstore(path: str, meta: layout.TreeMetadata, name: str) -> dict[str, Any]:
+    """kvstore spec of one stored array (OCDBT root database, or per-array dir without OCDBT)."""
+    item = layout.item_dir(path)
+    return tsspec.ocdbt_kvstore(item, name) if meta.use_ocdbt else tsspec.file_kvstore(item, name)
+
+
+def _open_all(path: str, meta: layout.TreeMetadata, keys: list[layout.LeafKey], ctx, casts=None) -> list:
+    """Opens the stored arrays of ``keys`` concurrently; CheckpointError names the first failure."""
+    futures = []
+    for i, key in enumerate(keys):
+        spec = tsspec.read_spec(_kvstore(path, meta, key.name), meta.use_zarr3)
+        if casts is not None and casts[i] is not None:
+            spec = tsspec.cast_spec(spec, casts[i])
+        futures.append(ts.open(spec, open=True, read=True, context=ctx))
+    stores = []
+    for key, fut in zip(keys, futures):
+        try:
+            stores.append(fut.result())
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint {path}: leaf {key.name!r} cannot be opened ({one_line(e)}); {_FIX_CORRUPT}"
+            ) from None
+    return stores
+
+
+def _stored_dtype(store) -> torch.dtype | str:
+    """The torch dtype of an open store (its TensorStore name if torch has none)."""
+    return tsspec.torch_dtype(store.dtype.name) or store.dtype.name
+
+
+def _check_value_type(path: str, stored: layout.StoredLeaf) -> None:
+    """Raises CheckpointError if a stored leaf is not an array (e.g. an orbax string)."""
+    if stored.value_type not in layout.ARRAY_VALUE_TYPES:
+        raise CheckpointError(
+            f"checkpoint {path}: leaf {stored.key.name!r} holds a {stored.value_type}, not an array; "
+            "remove it from the template"
+        )
+
+
+def _infos(path: str, meta: layout.TreeMetadata, ctx) -> dict[str, ArrayInfo]:
+    """ArrayInfo of every stored array (opens each one to read its zarr metadata)."""
+    keys = [s.key for s in meta.leaves.values() if s.value_type in layout.ARRAY_VALUE_TYPES]
+    stores = _open_all(path, meta, keys, ctx)
+    infos = {}
+    for key, store in zip(keys, stores):
+        chunks = tuple(store.chunk_layout.read_chunk.shape or ())
+        infos[key.name] = ArrayInfo(key.name, key.path, tuple(store.shape), _stored_dtype(store), chunks)
+    return infos
+
+
+def read_metadata(path: str) -> dict[str, ArrayInfo]:
+    """Reads the abstract metadata (shape, dtype, chunks) of every array in a checkpoint.
+
+    Args:
+      path: a checkpoint directory (``<root>/<step>``), ours or written by orbax.
+
+    Returns:
+      {'.'-joined tree path: ArrayInfo}, in the order of the checkpoint's ``_METADATA``.
+
+    Example:
+      >>> read_metadata("/ckpt/100")["params.wte.weight"].shape
+      (256, 64)
+    """
+    path = _abspath(path)
+    return _infos(path, layout.read_tree_metadata(path), tsspec.new_context())
+
+
+def _abspath(path) -> str:
+    """Absolute path string of a path-like."""
+    return os.path.abspath(os.fspath(path))
+
+
+def _spec_tree(path: str, meta: layout.TreeMetadata, ctx) -> Any:
+    """Nested dicts/lists of ArraySpec mirroring the stored tree (lists where keys were sequences)."""
+    root: dict = {}
+    for info in _infos(path, meta, ctx).values():
+        if not isinstance(info.dtype, torch.dtype):
+            raise CheckpointError(f"checkpoint {path}: leaf {info.name!r} has dtype {info.dtype}, which torch lacks")
+        node = root
+        for k in info.path[:-1]:
+            node = node.setdefault(k, {})
+        node[info.path[-1]] = ArraySpec(info.shape, info.dtype)
+    sequences = {
+        s.key.path[: i + 1]
+        for s in meta.leaves.values()
+        for i, t in enumerate(s.key.key_types)
+        if t == layout.KEY_SEQUENCE
+    }
+
+    def listify(node: Any, prefix: tuple[str, ...]) -> Any:
+        """Turns dicts whose keys were all recorded as sequence indices into lists."""
+        if not isinstance(node, dict):
+            return node
+        out = {k: listify(v, prefix + (k,)) for k, v in node.items()}
+        if out and all(prefix + (k,) in sequences and k.isdigit() for k in out):
+            return [out[k] for k in sorted(out, key=int)]
+        return out
+
+    return listify(root, ())
+
+
+def metadata_tree(path: str) -> Any:
+    """The checkpoint's tree as nested dicts/lists of ArraySpec (plain CPU tensors), like orbax's.
+
+    Args:
+      path: a checkpoint directory.
+
+    Returns:
+      Nested dicts (and lists where orbax recorded sequence keys) with ArraySpec leaves; usable as a
+      restore template (NamedTuples come back as dicts keyed by field name).
+
+    Example:
+      >>> template = metadata_tree("/ckpt/100")
+      >>> everything = restore("/ckpt/100", template).result()
+    """
+    path = _abspath(path)
+    return _spec_tree(path, layout.read_tree_metadata(path), tsspec.new_context())
+
+
+def _missing_error(path: str, meta: layout.TreeMetadata, missing: list[layout.LeafKey]) -> CheckpointError:
+    """CheckpointError for template leaves the checkpoint lacks, with the closest stored name."""
+    names = [s.key.name for s in meta.leaves.values()]
+    first = missing[0].name
+    close = difflib.get_close_matches(first, names, n=1)
+    details = [f"{len(missing) - 1} more template leaves missing"] if len(missing) > 1 else []
+    details.append(f"the checkpoint has {len(names)} leaves" + (f", closest: {close[0]!r}" if close else ""))
+    return CheckpointError(f"checkpoint {path}: leaf {first!r} is missing ({'; '.join(details)}); {_FIX_TEMPLATE}")
+
+
+def _leaf_error(path: str, name: str, e: BaseException) -> CheckpointError:
+    """CheckpointError for a leaf whose bytes could not be read."""
+    return CheckpointError(f"checkpoint {path}: leaf {name!r} cannot be read ({one_line(e)}); {_FIX_CORRUPT}")
+
+
+def _to_target(arr, t: _Target) -> torch.Tensor:
+    """Turns the numpy array read for ``t`` into the restored tensor or DTensor."""
+    if t.box is None:  # this rank is not part of the target mesh
+        local = torch.empty((0,) * len(t.shape), dtype=t.dtype, device=t.device)
+    else:
+        local = tsspec.from_numpy(arr, t.dtype) if arr is not None else torch.empty(t.box.shape, dtype=t.dtype)
+        if local.device != t.device:
+            local = local.to(t.device)
+    if t.mesh is None:
+        return local
+    stride = tuple(math.prod(t.shape[i + 1 :]) for i in range(len(t.shape)))
+    return DTensor.from_local(local, t.mesh, t.placements, run_check=False, shape=torch.Size(t.shape), stride=stride)
+
+
+def _finish(path, names, targets, reads, treespec, future: concurrent.futures.Future) -> None:
+    """Background: waits for the reads, builds the restored tree and resolves ``future``."""
+    try:
+        out = []
+        for name, t, r in zip(names, targets, reads):
+            try:
+                arr = None if r is None else r.result()
+            except Exception as e:
+                raise _leaf_error(path, name, e) from None
+            out.append(_to_target(arr, t))
+        future.set_result(optree.tree_unflatten(treespec, out))
+    except BaseException as e:  # delivered through the future
+        future.set_exception(e)
+
+
+def restore(
+    path: str,
+    template: Any = None,
+    *,
+    device: torch.device | str | None = None,
+    allow_cast: bool = False,
+) -> concurrent.futures.Future:
+    """Restores a checkpoint onto the structure, shapes, dtypes and meshes of ``template``.
+
+    Validation (commit marker, ``_METADATA``, every template leaf present with matching shape and
+    dtype) happens before this returns and raises one CheckpointError. The reads are then in flight:
+    each rank reads only the region its shard needs, whatever mesh or placements wrote the checkpoint.
+    Leaves are matched by tree path (NamedTuple fields and dict keys by name, sequences by index), so a
+    checkpoint written by stock orbax restores too. Checkpoint leaves absent from the template are
+    ignored.
+
+    Args:
+      path: a checkpoint directory (``<root>/<step>``).
+      template: pytree whose leaves are tensors (their device is kept; meta -> ``device``), DTensors
+        (restored on their mesh/placements; meta local tensors are fine) or ArraySpec. None restores
+        everything as plain tensors in nested dicts/lists (see ``metadata_tree``).
+      device: device for meta tensors / ArraySpecs without one (default CPU).
+      allow_cast: convert stored dtypes to the template's instead of raising on a mismatch.
+
+    Returns:
+      A concurrent.futures.Future resolving to the restored pytree (same structure as the template);
+      it raises CheckpointError if a chunk is missing or corrupt.
+
+    Example:
+      >>> with torch.device("meta"):
+      ...     template = init_state(cfg)
+      >>> fut = restore("/ckpt/100", template)
+      >>> step_fn = compile_step(...)              # overlaps with the reads
+      >>> state = fut.result()
+    """
+    path = _abspath(path)
+    meta = layout.read_tree_metadata(path)
+    ctx = tsspec.new_context()
+    if template is None:
+        template = _spec_tree(path, meta, ctx)
+    keys, leaves, treespec = layout.flatten(template)
+    default_device = torch.device(device) if device is not None else torch.device("cpu")
+    targets = [_target(key.name, leaf, default_device) for key, leaf in zip(keys, leaves)]
+    missing = [key for key in keys if key.path not in meta.leaves]
+    if missing:
+        raise _missing_error(path, meta, missing)
+    for key in keys:
+        _check_value_type(path, meta.leaves[key.path])
+    casts = [t.dtype for t in targets] if allow_cast else None
+    stores = _open_all(path, meta, keys, ctx, casts)
+    for key, t, store in zip(keys, targets, stores):
+        if tuple(store.shape) != t.shape:
+            raise CheckpointError(
+                f"checkpoint {path}: leaf {key.name!r} has shape {tuple(store.shape)} but the template "
+                f"expects {t.shape}; {_FIX_TEMPLATE}"
+            )
+        dtype = _stored_dtype(store)
+        if dtype != t.dtype:
+            raise CheckpointError(
+                f"checkpoint {path}: leaf {key.name!r} has dtype {str(dtype).removeprefix('torch.')} but the "
+                f"template expects {str(t.dtype).removeprefix('torch.')}; make the template match or pass "
+                "allow_cast=True"
+            )
+    reads = [
+        None if t.box is None or t.box.empty else store[t.box.index()].read() for t, store in zip(targets, stores)
+    ]
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    names = [k.name for k in keys]
+    args = (path, names, targets, reads, treespec, future)
+    threading.Thread(target=_finish, args=args, name="functrain-ckpt-restore", daemon=True).start()
+    return future

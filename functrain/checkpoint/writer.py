@@ -1,0 +1,352 @@
+"""Writing a pytree of tensors/DTensors as an Orbax checkpoint, synchronously or in the background.
+
+A save has two parts:
+
+1. ``snapshot`` (caller's thread, the only blocking part): copies the shards this rank writes to host
+   memory, so the caller may mutate or donate the state as soon as ``save`` returns.
+2. ``_write_and_commit`` (background thread, on a dedicated gloo process group so it never collides
+   with the training step's collectives): every rank writes its chunks into its own OCDBT database
+   ``default/ocdbt.process_<rank>/``; after all ranks finished, rank 0 merges those databases into the
+   root one in one transaction, writes the metadata and the commit marker, and renames
+   ``<step>.orbax-checkpoint-tmp`` to ``<step>``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import glob
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+import tensorstore as ts
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import _dist, layout, tsspec
+from .errors import CheckpointError, one_line
+from .sharding import Box, check_placements, chunk_shape, full_box, mesh_boxes, writer_ranks
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """One array to save: its key, global shape/dtype/chunks, and this rank's part (if it writes one)."""
+
+    key: layout.LeafKey
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[int, ...]
+    box: Box | None
+    data: torch.Tensor | None
+
+
+def _host_copy(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A contiguous CPU copy of ``t`` into ``out`` if it fits (reused buffer), else a new one."""
+    t = t.detach()
+    if out is None or out.shape != t.shape or out.dtype != t.dtype:
+        if t.device.type == "cpu":
+            return t.clone(memory_format=torch.contiguous_format)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    out.copy_(t, non_blocking=t.is_cuda and out.is_pinned())
+    return out
+
+
+def snapshot(state: Any, buffers: dict[str, torch.Tensor] | None = None) -> list[_Leaf]:
+    """Plans the save of ``state`` and copies the shards this rank writes to host memory.
+
+    Args:
+      state: a pytree of torch.Tensor / DTensor leaves.
+      buffers: host buffers of a previous snapshot, by leaf name, reused when shape and dtype match
+        (no allocation and no page faults: the copy is a plain memcpy).
+
+    Returns:
+      One _Leaf per array leaf, in tree order. Plain tensors are written by rank 0; each distinct
+      DTensor shard by the lowest rank holding it.
+
+    Example:
+      >>> leaves = snapshot({"w": torch.ones(3)})
+    """
+    keys, values, _ = layout.flatten(state)
+    me = _dist.rank()
+    names: dict[str, layout.LeafKey] = {}
+    leaves = []
+    for key, x in zip(keys, values):
+        what = f"leaf {key.name!r}"
+        if key.name in names:
+            raise ValueError(f"{what}: paths {names[key.name].path} and {key.path} both join to this name")
+        names[key.name] = key
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what}: {type(x).__name__} cannot be saved; leaves must be torch.Tensor or DTensor")
+        if x.layout != torch.strided:
+            raise TypeError(f"{what}: {x.layout} tensors cannot be saved; convert it to a dense tensor first")
+        if x.device.type == "meta":
+            raise ValueError(f"{what} is on the meta device and has no data to save")
+        try:
+            tsspec.ts_dtype_name(x.dtype)
+        except TypeError as e:
+            raise TypeError(f"{what}: {e}") from None
+        shape = tuple(x.shape)
+        if isinstance(x, DTensor):
+            check_placements(x.placements, what)
+            boxes = mesh_boxes(shape, x.device_mesh, x.placements)
+            chunks = chunk_shape(shape, list(boxes.values()))
+            mine = boxes.get(me)
+            writes = mine is not None and writer_ranks(boxes).get(mine) == me
+            local = x.to_local()
+            if mine is not None and tuple(local.shape) != mine.shape:
+                raise ValueError(
+                    f"{what}: local shard has shape {tuple(local.shape)} but placements "
+                    f"{x.placements} give {mine.shape} on rank {me}"
+                )
+        else:
+            mine, chunks, local = full_box(shape), tuple(max(1, s) for s in shape), x
+            writes = me == 0
+        box = mine if writes and not mine.empty else None
+        data = _host_copy(local, (buffers or {}).get(key.name)) if box else None
+        leaves.append(_Leaf(key, shape, x.dtype, chunks, box, data))
+    if any(leaf.data is not None and leaf.data.is_pinned() for leaf in leaves):
+        torch.cuda.synchronize()
+    return leaves
+
+
+def _write_process_db(leaves: list[_Leaf], tmp: str, me: int, compression: str | None) -> None:
+    """Writes this rank's chunks (and, on rank 0, every array's .zarray) into its OCDBT database."""
+    ctx = tsspec.new_context()
+    db = layout.process_db_dir(tmp, me)
+    opened = []
+    for leaf in leaves:
+        if me != 0 and leaf.box is None:
+            continue
+        kv = tsspec.ocdbt_kvstore(db, leaf.key.name, write=True)
+        spec = tsspec.zarr2_write_spec(kv, leaf.shape, leaf.chunks, leaf.dtype, compression)
+        if me == 0:  # rank 0 writes every array's metadata; the others only their chunks
+            fut = ts.open(spec, create=True, open=True, context=ctx)
+        else:
+            fut = ts.open(spec, open=True, assume_metadata=True, context=ctx)
+        opened.append((leaf, fut))
+    writes = []
+    for leaf, fut in opened:
+        store = fut.result()
+        if leaf.box is not None:
+            # The snapshot is ours alone and never mutated: TensorStore may keep a reference.
+            src = tsspec.to_numpy(leaf.data)
+            writes.append(store[leaf.box.index()].write(src, can_reference_source_data_indefinitely=True))
+    for w in writes:
+        w.result()
+
+
+def _merge_and_commit(keys: list[layout.LeafKey], tmp: str, path: str, init_ns: int) -> None:
+    """Rank 0: merges the per-process databases, writes metadata and marker, renames tmp -> path."""
+    ctx = tsspec.new_context()
+    item = layout.item_dir(tmp)
+    children = sorted(glob.glob(os.path.join(item, layout.PROCESS_PREFIX + "*")))
+    parent = ts.KvStore.open(tsspec.ocdbt_kvstore(item, write=True), context=ctx).result()
+    txn = ts.Transaction(atomic=True)
+    copies = []
+    for child_dir in children:
+        child = ts.KvStore.open(tsspec.ocdbt_kvstore(child_dir), context=ctx).result()
+        copies.append(child.experimental_copy_range_to(parent.with_transaction(txn)))
+    for c in copies:
+        c.result()
+    txn.commit_async().result()
+    layout.write_json(os.path.join(item, layout.TREE_METADATA), layout.tree_metadata_json(keys))
+    layout.write_commit_files(tmp, path, init_ns)
+    layout.fsync_dir(item)
+    layout.fsync_dir(tmp)
+    os.rename(tmp, path)
+    layout.fsync_dir(os.path.dirname(path))
+
+
+def _run_phase(group, me: int, fn: Callable[[], None] | None, path: str, what: str) -> None:
+    """Runs ``fn`` (if given on this rank), then exchanges statuses; raises if any rank failed."""
+    status = None
+    if fn is not None:
+        try:
+            fn()
+        except Exception as e:  # reported to every rank, then raised below
+            status = one_line(e)
+    error = _dist.first_error(_dist.exchange(group, status))
+    if error is not None:
+        raise CheckpointError(f"checkpoint {path}: save failed while {what} ({error})")
+
+
+def _prepare_tmp(tmp: str) -> None:
+    """Rank 0: creates a fresh tmp directory (removing one left by a crash)."""
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(layout.item_dir(tmp))
+
+
+def _write_and_commit(
+    leaves: list[_Leaf],
+    path: str,
+    group,
+    compression: str | None,
+    init_ns: int,
+    on_commit: Callable[[], None] | None,
+) -> None:
+    """The background part of a save: write all ranks' chunks, then commit atomically."""
+    me = _dist.rank()
+    tmp = layout.tmp_path(path)
+    keys = [leaf.key for leaf in leaves]
+    try:
+        _run_phase(group, me, (lambda: _prepare_tmp(tmp)) if me == 0 else None, path, "creating the tmp dir")
+        _run_phase(group, me, lambda: _write_process_db(leaves, tmp, me, compression), path, "writing chunks")
+    finally:
+        leaves.clear()  # drop the host copies as soon as they are written (or the save failed)
+    commit = (lambda: _merge_and_commit(keys, tmp, path, init_ns)) if me == 0 else None
+    _run_phase(group, me, commit, path, "committing")
+    if on_commit is not None:
+        on_commit()
+
+
+class AsyncWriter:
+    """Runs checkpoint writes one at a time in a background thread, on a dedicated process group.
+
+    Construct it on every rank at the same point (creating the gloo group is collective).
+
+    Args:
+      group: process group for the background barriers; default: a new gloo group over all ranks
+        (None on a single process without torch.distributed).
+      reuse_buffers: keep the host snapshot buffers between saves and copy into them next time.
+        Makes the blocking part a plain memcpy (fresh memory costs page faults: ~5x slower here),
+        at the price of holding one host copy of this rank's shards while the writer lives.
+
+    Example:
+      >>> writer = AsyncWriter()
+      >>> fut = writer.save("/ckpt/100", state)   # returns after the host snapshot
+      >>> writer.wait()                           # or fut.result()
+      >>> writer.close()
+    """
+
+    def __init__(self, group=None, *, reuse_buffers: bool = False):
+        self._reuse_buffers = reuse_buffers
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._owns_group = group is None and _dist.initialized()
+        self._group = group if group is not None else _dist.new_group()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="functrain-ckpt-save")
+        self._pending: concurrent.futures.Future | None = None
+        self._closed = False
+
+    @property
+    def group(self):
+        """The process group the background work synchronizes on (None on a single process)."""
+        return self._group
+
+    def save(
+        self,
+        path: str,
+        state: Any,
+        *,
+        compression: str | None = "zstd",
+        on_commit: Callable[[], None] | None = None,
+    ) -> concurrent.futures.Future:
+        """Waits for the previous save, snapshots ``state`` and writes it to ``path`` in the background.
+
+        Args:
+          path: the checkpoint directory to create (e.g. ``<root>/<step>``); must not exist.
+          state: pytree of tensors/DTensors; free to mutate once this returns.
+          compression: "zstd" (default) or None.
+          on_commit: called in the background thread on every rank after the commit.
+
+        Returns:
+          A Future that resolves to None once the checkpoint is committed on every rank, or raises
+          CheckpointError.
+
+        Example:
+          >>> writer.save("/ckpt/100", state).result()
+        """
+        if self._closed:
+            raise RuntimeError("AsyncWriter is closed")
+        if compression not in tsspec.COMPRESSIONS:
+            raise ValueError(f"compression must be one of {tsspec.COMPRESSIONS}, got {compression!r}")
+        self.wait()
+        path = os.path.abspath(os.fspath(path))
+        if os.path.exists(path):
+            raise CheckpointError(f"checkpoint {path} already exists; delete it or save under another step")
+        init_ns = time.time_ns()
+        leaves = snapshot(state, self._buffers)
+        if self._reuse_buffers:  # safe to reuse: the next snapshot only happens after wait()
+            self._buffers = {leaf.key.name: leaf.data for leaf in leaves if leaf.data is not None}
+        self._pending = self._executor.submit(
+            _write_and_commit, leaves, path, self._group, compression, init_ns, on_commit
+        )
+        return self._pending
+
+    def wait(self) -> None:
+        """Blocks until the pending save (if any) committed; re-raises its error once."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Waits for the pending save and stops the background thread (collective if it owns a group)."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._buffers = {}
+            self._executor.shutdown(wait=True)
+            if self._owns_group and _dist.initialized():
+                torch.distributed.destroy_process_group(self._group)
+
+    def __enter__(self) -> AsyncWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_DEFAULT_WRITER: AsyncWriter | None = None
+
+
+def _default_writer() -> AsyncWriter:
+    """The module-level writer used by save/save_async (created on first use, collectively)."""
+    global _DEFAULT_WRITER
+    if _DEFAULT_WRITER is None or _DEFAULT_WRITER._closed:
+        _DEFAULT_WRITER = AsyncWriter()
+    return _DEFAULT_WRITER
+
+
+def save_async(path: str, state: Any, *, compression: str | None = "zstd") -> concurrent.futures.Future:
+    """Saves ``state`` to the checkpoint directory ``path`` in the background.
+
+    Blocks only for the previous save (if still running) and the host snapshot of the local shards.
+    Call on every rank; the first call creates a gloo process group (collective).
+
+    Args:
+      path: the checkpoint directory to create, e.g. ``/ckpt/100``; written as
+        ``/ckpt/100.orbax-checkpoint-tmp`` and renamed on commit.
+      state: a pytree of torch.Tensor / DTensor leaves (any Shard/Replicate placements).
+      compression: "zstd" (default) or None.
+
+    Returns:
+      A concurrent.futures.Future resolving to None once committed (raises CheckpointError on failure).
+
+    Example:
+      >>> fut = save_async("/ckpt/100", state)
+      >>> state = train_step(state, batch)   # safe: the snapshot is already taken
+      >>> fut.result()
+    """
+    return _default_writer().save(path, state, compression=compression)
+
+
+def save(path: str, state: Any, *, compression: str | None = "zstd") -> None:
+    """Saves ``state`` to the checkpoint directory ``path`` and returns once it is committed.
+
+    Args:
+      path: the checkpoint directory to create, e.g. ``/ckpt/100``.
+      state: a pytree of torch.Tensor / DTensor leaves.
+      compression: "zstd" (default) or None.
+
+    Returns:
+      None.
+
+    Example:
+      >>> save("/ckpt/100", {"params": params, "step": torch.tensor(100)})
+    """
+    save_async(path, state, compression=compression).result()

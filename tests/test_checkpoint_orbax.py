@@ -1,0 +1,86 @@
+"""Interop with the real orbax-checkpoint package, both ways; orbax runs in a separate process."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from _ckpt_util import assert_bits_equal, full_state, load_dump, leaves_by_name, orbax_missing, run_orbax
+from functrain import checkpoint as ckpt
+
+pytestmark = pytest.mark.skipif(orbax_missing() is not None, reason=str(orbax_missing()))
+
+
+@pytest.fixture(scope="module")
+def interop(tmp_path_factory):
+    """We save a mixed state; one orbax process restores it and writes its own checkpoints."""
+    wd = str(tmp_path_factory.mktemp("ckpt_orbax"))
+    with ckpt.Manager(os.path.join(wd, "ours")) as mgr:
+        mgr.save(5, full_state())
+    read = ["--read", os.path.join(wd, "ours"), "5", os.path.join(wd, "read")]
+    run_orbax(read + ["--write", os.path.join(wd, "theirs"), os.path.join(wd, "wrote")])
+    return wd
+
+
+def test_orbax_restores_our_checkpoint_bit_exact(interop):
+    got = load_dump(os.path.join(interop, "read"))
+    want = leaves_by_name(full_state())
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert_bits_equal(got[name], want[name], name)  # bf16, int64 (x64 off), nan/-0/inf
+
+
+def _orbax_template(wrote):
+    spec = {k: ckpt.ArraySpec(v.shape, v.dtype) for k, v in wrote.items()}
+    return {
+        "params": {
+            "dense": {"kernel": spec["params.dense.kernel"], "bias": spec["params.dense.bias"]},
+            "embed.weight": spec["params.embed.weight"],
+        },
+        "opt": ({"mu": spec["opt.0.mu"]}, [spec["opt.1.0"], spec["opt.1.1"]]),
+        "step": spec["step"],
+        "key": spec["key"],
+    }
+
+
+def test_we_restore_orbax_checkpoint_by_tree_path(interop):
+    wrote = load_dump(os.path.join(interop, "wrote"))
+    mgr = ckpt.Manager(os.path.join(interop, "theirs"))
+    assert mgr.all_steps() == [3]
+    out = mgr.restore(3, _orbax_template(wrote)).result()
+    got = leaves_by_name(out)
+    assert sorted(got) == sorted(wrote)
+    for name in wrote:
+        assert_bits_equal(got[name], wrote[name], name)
+
+    class Top(NamedTuple):  # NamedTuple fields match orbax's dict keys by name; subsets are fine
+        params: dict
+        step: torch.Tensor
+
+    step = torch.empty((), dtype=torch.int64, device="meta")
+    sub = mgr.restore(3, Top(_orbax_template(wrote)["params"], step)).result()
+    assert isinstance(sub, Top) and sub.step.item() == 5
+    assert_bits_equal(sub.params["embed.weight"], wrote["params.embed.weight"])
+    mgr.close()
+
+
+@pytest.mark.parametrize("root", ["theirs", "theirs_zarr3"])
+def test_we_restore_orbax_checkpoint_without_template(interop, root):
+    wrote = load_dump(os.path.join(interop, "wrote"))
+    out = ckpt.restore(os.path.join(interop, root, "3")).result()
+    assert isinstance(out["opt"], list) and isinstance(out["opt"][1], list)  # sequences come back as lists
+    got = leaves_by_name(out)
+    assert sorted(got) == sorted(wrote)
+    for name in wrote:
+        assert_bits_equal(got[name], wrote[name], name)
+
+
+def test_metadata_of_orbax_checkpoint(interop):
+    meta = ckpt.read_metadata(os.path.join(interop, "theirs", "3"))
+    assert meta["params.embed.weight"].shape == (8, 4)
+    assert meta["params.embed.weight"].dtype == torch.bfloat16
+    assert meta["params.embed.weight"].chunks == (4, 4)  # written by 2 jax devices
+    assert meta["step"].dtype == torch.int64 and meta["step"].shape == ()
