@@ -25,6 +25,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.steps = 3000
+    c.stop_at = 0  # stop (checkpointed) after this step, as if preempted; 0 = run to `steps`
     c.batch_size = 32  # global batch, in sequences (split over the data-parallel ranks)
     c.accum_steps = 1  # microbatches per step (gradient accumulation inside the one compiled step)
     c.log_every = 50

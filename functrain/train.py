@@ -315,13 +315,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
                 if done % config.eval_every == 0 or done == config.steps:
                     val_loss = evaluate(eval_step, state, val_batches)
                     writer.write(done, {"val_loss": val_loss})
+                stopping = stop.requested() or done == config.stop_at
                 if manager is not None:
-                    manager.save(done, state, force=done == config.steps)
-                if stop.requested():
+                    manager.save(done, state, force=stopping or done == config.steps)
+                if stopping:
                     if manager is not None:
-                        manager.save(done, state, force=True)
                         manager.wait()
-                    print_fn(f"preempted (SIGTERM) at step {done}; checkpoint saved, exiting")
+                    why = "stop_at" if done == config.stop_at else "SIGTERM"
+                    print_fn(f"stopped ({why}) at step {done}; checkpoint saved, exiting")
                     preempted = True
                     break
         finally:

@@ -184,12 +184,13 @@ def _spec_tree(path: str, meta: layout.TreeMetadata, ctx) -> Any:
     }
 
     def listify(node: Any, prefix: tuple[str, ...]) -> Any:
-        """Turns dicts whose keys were all recorded as sequence indices into lists."""
+        """Turns dicts keyed by all the sequence indices 0..n-1 into lists (gaps from empty subtrees stay dicts)."""
         if not isinstance(node, dict):
             return node
         out = {k: listify(v, prefix + (k,)) for k, v in node.items()}
         if out and all(prefix + (k,) in sequences and k.isdigit() for k in out):
-            return [out[k] for k in sorted(out, key=int)]
+            if sorted(int(k) for k in out) == list(range(len(out))):
+                return [out[k] for k in sorted(out, key=int)]
         return out
 
     return listify(root, ())
