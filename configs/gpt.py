@@ -34,6 +34,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.compile = True
     c.donate = True
     c.deterministic = False  # bit-identical reruns need deterministic kernels (slower)
+    c.loss_chunk_size = 0  # > 0: chunked cross-entropy through the tied head; logits never whole
+    c.tensorboard = True  # event files in <workdir>/tb (written without the tensorboard package)
     c.device = "auto"  # "auto" = cuda if available, else cpu
 
     c.model = ml_collections.ConfigDict()
@@ -108,6 +110,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         c.model.n_layer = 12
         c.model.n_head = 12
         c.model.n_embd = 768
+        c.loss_chunk_size = 1024  # 50k vocab: (12 x 1024) x 50304 fp32 logits would be 2.4 GB
         c.data.path = "data/openwebtext"  # nanoGPT's prepare.py output: train.bin / val.bin
         c.optim.lr = 6e-4
         c.optim.min_lr = 6e-5

@@ -4,7 +4,7 @@ Pure state (`TrainState`, one pytree), pure compiled steps (`make_train_step`), 
 optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`).
 """
 
-from functrain import checkpoint, optim, rng, tree
+from functrain import checkpoint, losses, optim, rng, tree
 from functrain.checkpoint import CheckpointError
 from functrain.data import DataError, eval_batches, get_batch, load_dataset
 from functrain.models import GPT, GPTConfig, cross_entropy, flops_per_token, generate, init_params, num_params
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "checkpoint",
     "CheckpointError",
+    "losses",
     "optim",
     "rng",
     "tree",

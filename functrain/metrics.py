@@ -17,6 +17,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from functrain.tensorboard import TensorBoardWriter
+
 __all__ = [
     "ConsoleWriter",
     "JsonlWriter",
@@ -26,6 +28,7 @@ __all__ = [
     "peak_flops",
     "format_eta",
     "to_python",
+    "TensorBoardWriter",
 ]
 
 

@@ -23,6 +23,7 @@ import torch
 
 from functrain import checkpoint as ckpt_lib
 from functrain import data as data_lib
+from functrain import losses
 from functrain import metrics as metrics_lib
 from functrain import optim
 from functrain import rng as rng_lib
@@ -94,11 +95,13 @@ def build_optimizer(config: ml_collections.ConfigDict) -> optim.Transform:
     return base
 
 
-def make_loss_fn(model: torch.nn.Module) -> Callable:
+def make_loss_fn(model: torch.nn.Module, chunk_size: int = 0) -> Callable:
     """`loss_fn(params, batch, key) -> (loss, {})`: next-token cross-entropy of `model`.
 
     Args:
       model: the (meta-device) GPT template.
+      chunk_size: > 0 computes the loss through the tied head in chunks of this many tokens, so the
+        (B*T, V) logits never exist (`functrain.losses.chunked_cross_entropy`).
 
     Returns:
       The loss function for `make_train_step` / `make_eval_step`; `batch` is `(x, y)`.
@@ -106,6 +109,9 @@ def make_loss_fn(model: torch.nn.Module) -> Callable:
     Example:
       >>> step = make_train_step(make_loss_fn(template), build_optimizer(config))
     """
+
+    if chunk_size:
+        return losses.make_gpt_loss_fn(model, chunk_size=chunk_size)
 
     def loss_fn(params, batch, key):
         x, y = batch
@@ -255,7 +261,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     params = gpt.init_params(template, rng_lib.key(config.seed), device=device)
     state = init_state(params, optimizer, seed=config.seed, copy=False)
 
-    loss_fn = make_loss_fn(template)
+    loss_fn = make_loss_fn(template, config.loss_chunk_size)
     train_step = make_train_step(
         loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate
     )
@@ -283,9 +289,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     tokens_per_step = config.batch_size * mcfg.block_size
     peak = metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device)
     throughput = metrics_lib.Throughput(tokens_per_step, gpt.flops_per_token(mcfg), peak, config.steps)
-    writer = metrics_lib.MultiWriter(
-        [metrics_lib.ConsoleWriter(config.steps, print_fn), metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
-    )
+    writers = [metrics_lib.ConsoleWriter(config.steps, print_fn), metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
+    if config.tensorboard:
+        writers.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
+    writer = metrics_lib.MultiWriter(writers)
 
     manager = _make_manager(config, workdir)
     state = _maybe_restore(manager, state, train_step, batch_at, config, print_fn)

@@ -185,8 +185,11 @@ class GPT(nn.Module):
                 for name, p in self.named_parameters():
                     p.copy_(_init_tensor(self, name, p.shape, _generator(key, name)))
 
-    def forward(self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size); see the class docstring."""
+    def forward(
+        self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, return_hidden: bool = False
+    ) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size), or the final hidden states (B, T, C) after
+        `ln_f` with `return_hidden=True` (for losses that apply the tied head themselves)."""
         if self.cfg.dropout == 0.0:
             dropout_key = None
         t = idx.shape[1]
@@ -197,7 +200,8 @@ class GPT(nn.Module):
         x = rng.dropout(x, self.cfg.dropout, _site_key(dropout_key, 0))
         for i, block in enumerate(self.blocks):
             x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i))
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+        x = self.ln_f(x)  # (B, T, C)
+        return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
 
 def _generator(key: torch.Tensor | None, name: str) -> torch.Generator | None:

@@ -1,0 +1,260 @@
+"""Memory-lean language-model losses: chunked cross-entropy through the tied lm_head.
+
+The next-token loss of a GPT is `cross_entropy(hidden @ weight.T, targets)` with `hidden` (N, C)
+and `weight` (V, C). With a large vocabulary the logits (N, V) dominate activation memory: a GPT-2
+vocabulary (50304) over 8192 tokens is 1.6 GB of float32 logits, kept for the backward together with
+their log-softmax and gradient. `chunked_cross_entropy` never builds them: the forward walks the
+tokens in chunks and keeps only each token's logsumexp (N floats); the backward recomputes each
+chunk's logits and softmax to produce that chunk's hidden gradient and add to the weight gradient
+(the "chunk loss" of MindSpeed / Liger-Kernel, with recomputation instead of storing gradients).
+Peak extra memory is a few (chunk_size, V) arrays plus the (V, C) weight gradient, instead of
+several (N, V) arrays (bench/memory.py: N=8192, C=768, V=50304, float32, eager grad_and_value:
+4,887 MiB for the plain loss, 561 MiB with chunk_size=1024).
+
+It is a `torch.autograd.Function` with `setup_context` and `generate_vmap_rule=True`, so it works
+under `torch.func.grad_and_value` / `grad` / `vmap` (the functrain train step) and under
+`torch.compile(fullgraph=True)` (Dynamo traces the forward and the custom backward; the chunk loop is
+unrolled, so keep `N / chunk_size` moderate, e.g. <= 64 chunks).
+
+`gpt_loss` runs a `functrain.models.GPT` to its final hidden states (after `ln_f`) and applies the
+loss through the tied head, chunked or not.
+
+Example:
+    >>> loss = chunked_cross_entropy(hidden, params["wte.weight"], y, chunk_size=1024)
+    >>> loss_fn = make_gpt_loss_fn(template, chunk_size=1024)     # for make_train_step
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from functrain.models import gpt as gpt_lib
+
+__all__ = ["chunked_cross_entropy", "gpt_hidden", "gpt_loss", "make_gpt_loss_fn"]
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def _chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    """[(start, stop), ...] covering range(n) in steps of chunk_size."""
+    return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax and sums run in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits (n, V) of one chunk of hidden states (n, C): matmul in the input dtype, result upcast."""
+    logits = h @ weight.t()
+    return logits.to(_acc_dtype(logits.dtype))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean CE of `hidden @ weight.T` over non-ignored targets, logits built one chunk at a time."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(hidden, weight, targets, chunk_size, ignore_index):
+        """Returns (mean loss, per-token logsumexp (N,) float32, number of counted tokens)."""
+        n = hidden.shape[0]
+        valid = targets != ignore_index  # (N,)
+        safe = torch.where(valid, targets, torch.zeros_like(targets))  # (N,) in range(V)
+        lse_parts, nll_parts = [], []
+        for s, e in _chunks(n, chunk_size):
+            logits = _chunk_logits(hidden[s:e], weight)  # (n_c, V) float32
+            lse = torch.logsumexp(logits, dim=-1)  # (n_c,)
+            tgt = logits.gather(1, safe[s:e, None]).squeeze(1)  # (n_c,)
+            lse_parts.append(lse)
+            nll_parts.append(lse - tgt)
+        lse = torch.cat(lse_parts)  # (N,)
+        nll = torch.cat(nll_parts)  # (N,)
+        count = valid.sum().to(lse.dtype)
+        loss = torch.where(valid, nll, torch.zeros_like(nll)).sum() / count  # NaN when all ignored, as F.cross_entropy
+        return loss, lse, count
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        """Saves what the backward recomputes the softmax from."""
+        hidden, weight, targets, chunk_size, ignore_index = inputs
+        _, lse, count = output
+        ctx.save_for_backward(hidden, weight, targets, lse, count)
+        ctx.chunk_size = chunk_size
+        ctx.ignore_index = ignore_index
+        ctx.mark_non_differentiable(lse, count)
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse, grad_count):
+        """grad_hidden (N, C) and grad_weight (V, C), recomputing each chunk's softmax."""
+        # No graph of the backward itself: torch.func.grad differentiates with create_graph=True,
+        # which would otherwise keep every chunk's softmax alive for a double backward (measured:
+        # the same peak as the plain loss). So this function is differentiable once.
+        with torch.no_grad():
+            return _ChunkedCrossEntropy._grads(ctx, grad_loss)
+
+    @staticmethod
+    def _grads(ctx, grad_loss):
+        """(grad_hidden, grad_weight, None, None, None) for the backward."""
+        hidden, weight, targets, lse, count = ctx.saved_tensors
+        n = hidden.shape[0]
+        valid = targets != ctx.ignore_index  # (N,)
+        safe = torch.where(valid, targets, torch.zeros_like(targets))  # (N,)
+        # d loss / d logit[i, v] = valid_i / count * (softmax[i, v] - [v == target_i]).
+        scale = torch.where(valid, grad_loss.to(lse.dtype) / count.clamp(min=1.0), torch.zeros_like(lse))  # (N,)
+        grad_h_parts, grad_w = [], None
+        for s, e in _chunks(n, ctx.chunk_size):
+            h = hidden[s:e]  # (n_c, C)
+            g = _chunk_logits(h, weight)  # (n_c, V), a fresh buffer: updated in place below
+            g.sub_(lse[s:e, None]).exp_()  # softmax
+            g.scatter_add_(1, safe[s:e, None], torch.full_like(lse[s:e, None], -1.0))  # minus one-hot
+            g = (g * scale[s:e, None]).to(hidden.dtype)  # (n_c, V) = d loss / d logits
+            grad_h_parts.append(g @ weight)  # (n_c, C)
+            if grad_w is None:
+                grad_w = (g.t() @ h).to(lse.dtype)  # (V, C) accumulator (float32 or float64)
+            elif g.dtype == grad_w.dtype:
+                grad_w.addmm_(g.t(), h)  # in place: no (V, C) temporary per chunk
+            else:
+                grad_w.add_((g.t() @ h).to(grad_w.dtype))  # low-precision matmul, wide sum
+        # Both gradients always: under torch.compile(torch.func.grad_and_value(f, argnums=(0, 1)))
+        # ctx.needs_input_grad[1] reads False (torch 2.13), and skipping on it gave zero weight grads.
+        return torch.cat(grad_h_parts), grad_w.to(weight.dtype), None, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = -1,
+) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materializing the logits.
+
+    Equal (to float32 rounding) to `F.cross_entropy((hidden @ weight.T).float(), targets,
+    ignore_index=ignore_index)` in value and in gradients for `hidden` and `weight`, but only
+    `chunk_size` rows of logits exist at any time, in the forward and in the backward.
+
+    Args:
+      hidden: final hidden states, (B, T, C) or (N, C), any floating dtype (the matmuls run in it;
+        softmax and accumulation are float32, float64 for float64 inputs).
+      weight: the output projection (V, C), e.g. a GPT's tied `wte.weight`.
+      targets: int64 target ids, (B, T) or (N,); entries equal to `ignore_index` are left out of
+        the mean (all ignored gives NaN, as `F.cross_entropy`).
+      chunk_size: tokens per chunk; the transient memory is about `3 * chunk_size * V` floats.
+      ignore_index: target value to ignore.
+
+    Returns:
+      A float32 scalar tensor (float64 for float64 inputs).
+
+    Example:
+      >>> hidden = gpt_hidden(model, params, x)                                  # (B, T, C)
+      >>> loss = chunked_cross_entropy(hidden, params["wte.weight"], y, chunk_size=1024)
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    c = hidden.shape[-1]
+    if weight.ndim != 2 or weight.shape[1] != c:
+        raise ValueError(f"weight must be (V, {c}) to match hidden {tuple(hidden.shape)}, got {tuple(weight.shape)}")
+    flat_h = hidden.reshape(-1, c)  # (N, C)
+    flat_t = targets.reshape(-1)  # (N,)
+    if flat_t.shape[0] != flat_h.shape[0]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}")
+    loss, _, _ = _ChunkedCrossEntropy.apply(flat_h, weight, flat_t, int(chunk_size), int(ignore_index))
+    return loss
+
+
+def gpt_hidden(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    idx: torch.Tensor,
+    dropout_key: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Final hidden states (after `ln_f`) of a `functrain.models.GPT`, with `params` functionally.
+
+    The same computation as the model's forward (dropout sites and keys included) minus the
+    lm_head, so `gpt_hidden(...) @ params["wte.weight"].T` equals `apply(model, params, idx, ...)`.
+
+    Args:
+      model: a `GPT` (a meta-device template is fine).
+      params: its parameters, {name: tensor} as for `functrain.apply`.
+      idx: int64 token ids (B, T), T <= block_size.
+      dropout_key: an `rng` key for dropout, or None.
+
+    Returns:
+      (B, T, n_embd) hidden states.
+
+    Example:
+      >>> h = gpt_hidden(template, state.params, x, key)
+    """
+    return torch.func.functional_call(
+        model, params, (idx,), {"dropout_key": dropout_key, "return_hidden": True}
+    )  # (B, T, C)
+
+
+def _head_weight(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The lm_head weight: its own entry when untied, else the tied token embedding."""
+    return params["lm_head.weight"] if "lm_head.weight" in params else params["wte.weight"]
+
+
+def gpt_loss(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    key: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 0,
+    ignore_index: int = -1,
+) -> torch.Tensor:
+    """Next-token cross-entropy of a GPT; with `chunk_size > 0` the (B, T, V) logits never exist.
+
+    Args:
+      model: a `functrain.models.GPT` (meta template is fine).
+      params: its parameters.
+      x: int64 input ids (B, T).
+      y: int64 targets (B, T); `ignore_index` entries are skipped.
+      key: dropout key (or None).
+      chunk_size: 0 = plain loss over the full logits (`models.gpt.cross_entropy`);
+        > 0 = `chunked_cross_entropy` with this many tokens per chunk.
+      ignore_index: target value to ignore.
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> loss = gpt_loss(template, params, x, y, key, chunk_size=2048)
+    """
+    hidden = gpt_hidden(model, params, x, key)  # (B, T, C)
+    weight = _head_weight(params)  # (V, C)
+    if chunk_size > 0:
+        return chunked_cross_entropy(hidden, weight, y, chunk_size=chunk_size, ignore_index=ignore_index)
+    return gpt_lib.cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
+
+
+def make_gpt_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1) -> Callable:
+    """`loss_fn(params, (x, y), key) -> (loss, {})` for `make_train_step` / `make_eval_step`.
+
+    Args:
+      model: the (meta-device) GPT template.
+      chunk_size: see `gpt_loss` (0 = plain loss).
+      ignore_index: target value to ignore.
+
+    Returns:
+      The loss function.
+
+    Example:
+      >>> step = make_train_step(make_gpt_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))
+    """
+
+    def loss_fn(params, batch, key):
+        """(gpt_loss of batch = (x, y), {})."""
+        x, y = batch
+        return gpt_loss(model, params, x, y, key, chunk_size=chunk_size, ignore_index=ignore_index), {}
+
+    return loss_fn

@@ -1,0 +1,40 @@
+"""The tiny main-job run writes TensorBoard event files, and `python -m functrain.plot` renders them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tiny_run_writes_tensorboard_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    work = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "functrain.main", "--config=configs/gpt.py:tiny", f"--workdir={work}",
+         "--config.compile=False", "--config.steps=12", "--config.log_every=4", "--config.eval_every=6",
+         "--config.eval_batches=1", "--config.sample.max_new_tokens=4", "--config.checkpoint.enabled=False"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    events = [f for f in os.listdir(work / "tb") if f.startswith("events.out.tfevents.")]
+    assert len(events) == 1 and os.path.getsize(work / "tb" / events[0]) > 100
+
+    ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = ea_mod.EventAccumulator(str(work / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [4, 8, 12]
+    assert [e.step for e in acc.Scalars("val_loss")] == [6, 12]
+
+    plot = subprocess.run(
+        [sys.executable, "-m", "functrain.plot", str(work)], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert plot.returncode == 0, plot.stderr
+    png = work / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
