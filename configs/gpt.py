@@ -75,6 +75,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.keep_every = 0  # also keep every N-th step forever; 0 = off
     c.checkpoint.enabled = True
 
+    c.profile = ml_collections.ConfigDict()
+    c.profile.start = 0  # torch.profiler trace of steps [start, stop) into <workdir>/profile
+    c.profile.stop = 0  # stop <= start: no profiling
+
     c.sample = ml_collections.ConfigDict()
     c.sample.prompt = "def "
     c.sample.max_new_tokens = 300

@@ -86,6 +86,8 @@ def _fmt(key: str, v: Any) -> str:
         return f"{v:.2e}"
     if key.endswith("tokens_per_s"):
         return f"{v:,.0f}"
+    if key.endswith("_mb"):
+        return f"{v:,.0f}"
     if key == "mfu":
         return f"{100 * v:.1f}%"
     if isinstance(v, float):

@@ -13,7 +13,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import resource
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -152,6 +155,58 @@ def _check_config(config: ml_collections.ConfigDict) -> None:
             raise TrainingError(f"{key}={config[key]} must be >= 1")
 
 
+def _git_revision() -> str | None:
+    """The git revision of the functrain checkout (with '-dirty' if modified), or None."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _write_run_info(config: ml_collections.ConfigDict, workdir: Path) -> None:
+    """Writes the resolved config and the code revision into the workdir (`config.json`, `run.json`)."""
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    info = {"git_revision": _git_revision(), "torch": torch.__version__, "argv": sys.argv, "started": time.time()}
+    (workdir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far: allocated device memory on CUDA, the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class _Profiler:
+    """A torch.profiler trace of steps [start, stop) written to `<workdir>/profile` (off if stop <= start)."""
+
+    def __init__(self, start: int, stop: int, workdir: Path, print_fn):
+        self.start, self.stop, self.dir, self.print_fn = start, stop, workdir / "profile", print_fn
+        self._prof = None
+
+    def before(self, step: int) -> None:
+        """Starts tracing when `step` is the window's first."""
+        if self.stop > self.start and step == self.start:
+            self._prof = torch.profiler.profile(record_shapes=True, with_stack=False)
+            self._prof.__enter__()
+
+    def after(self, done: int) -> None:
+        """Stops tracing and writes the trace when the window ends."""
+        if self._prof is not None and done >= self.stop:
+            self._prof.__exit__(None, None, None)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = self.dir / f"trace_steps_{self.start}_{self.stop}.json"
+            self._prof.export_chrome_trace(str(path))
+            self.print_fn(f"profiler trace of steps [{self.start}, {self.stop}) written to {path}")
+            self._prof = None
+
+
 def _make_manager(config: ml_collections.ConfigDict, workdir: Path) -> ckpt_lib.Manager | None:
     """The checkpoint manager for `<workdir>/checkpoints` (None when checkpointing is off)."""
     c = config.checkpoint
@@ -231,7 +286,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     _check_config(config)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    _write_run_info(config, workdir)
     if config.deterministic:
         torch.use_deterministic_algorithms(True)
     device = _resolve_device(config.device)
@@ -301,12 +356,15 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     last: dict[str, Any] = {}
     val_loss = float("nan")
     preempted = False
+    profiler = _Profiler(config.profile.start, config.profile.stop, workdir, print_fn)
     t_start = time.perf_counter()
     with _PreemptionFlag(device) as stop, manager or contextlib.nullcontext():
         try:
             for step in range(start, config.steps):
+                profiler.before(step)
                 state, m = train_step(state, batch_at(step))
                 done = step + 1
+                profiler.after(done)
                 if step == start:
                     print_fn(f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s")
                     throughput.start(done)
@@ -318,6 +376,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
                             "or check the data (the last checkpoint is kept)"
                         )
                     last.update(throughput.report(done))
+                    last["peak_mem_mb"] = _peak_memory_mb(device)
                     writer.write(done, last)
                 if done % config.eval_every == 0 or done == config.steps:
                     val_loss = evaluate(eval_step, state, val_batches)
