@@ -107,11 +107,22 @@ def key_data(key: torch.Tensor) -> int:
     return ((k0 & _MASK) << 32) | (k1 & _MASK)
 
 
+def _generator_seed(key: torch.Tensor) -> int:
+    """A seed that depends on both key words even where a generator keeps only 32 seed bits.
+
+    torch's CPU generator (mt19937) uses only the low 32 bits of its seed, so both words are mixed
+    into the low word (CUDA's Philox keeps all 64 bits).
+    """
+    k0, k1 = (int(v) & _MASK for v in key.tolist())
+    low = _mix(k1 ^ _mix(k0 + _GOLDEN))
+    return (k0 << 32) | low
+
+
 @torch.library.custom_op("functrain::uniform", mutates_args=())
 def _uniform_op(key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """Uniform [0, 1) numbers drawn by a generator seeded from `key` (opaque to the compiler)."""
     gen = torch.Generator(device=key.device)
-    gen.manual_seed(key_data(key) & 0x7FFFFFFFFFFFFFFF)
+    gen.manual_seed(_generator_seed(key))
     return torch.rand(shape, generator=gen, dtype=dtype, device=key.device)
 
 

@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny GPT, its loss function and random token batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from functrain import apply, rng
+from functrain.models import gpt
+
+
+def _tiny_gpt(*, n_layer=1, dropout=0.0, bias=False, vocab_size=64, block_size=16, n_embd=32,
+              n_head=2, seed=0):
+    """A real (CPU) GPT whose initial weights are a pure function of `seed`."""
+    cfg = gpt.GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
+                        n_head=n_head, n_embd=n_embd, dropout=dropout, bias=bias)
+    return gpt.GPT(cfg, key=rng.key(seed))
+
+
+def _batches(cfg: gpt.GPTConfig, n: int, batch_size: int = 8, seed: int = 0):
+    """`n` learnable batches (x, y) of shape (batch_size, block_size): random ids x and targets
+    y = (3 x + 1) mod vocab_size, so a model can drive the loss down."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch_size, cfg.block_size)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, cfg.vocab_size, shape, generator=g)
+        out.append((x, (3 * x + 1) % cfg.vocab_size))
+    return out
+
+
+def _loss_fn(model):
+    """`loss_fn(params, (x, y), key)`: next-token cross-entropy of `model` via functional_call."""
+
+    def loss_fn(params, batch, key):
+        x, y = batch
+        return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y), {}
+
+    return loss_fn
+
+
+@pytest.fixture
+def tiny_gpt():
+    return _tiny_gpt
+
+
+@pytest.fixture
+def batches():
+    return _batches
+
+
+@pytest.fixture
+def gpt_loss_fn():
+    return _loss_fn

@@ -1,0 +1,118 @@
+"""functrain.rng: pure, distinct keys; uniform numbers and dropout drawn from them (eager)."""
+
+from __future__ import annotations
+
+import torch
+
+from functrain import rng
+
+MASK32 = (1 << 32) - 1
+
+
+def _is_key(k):
+    return k.shape == (2,) and k.dtype == torch.int64 and bool(((k >= 0) & (k <= MASK32)).all())
+
+
+def test_key_is_a_pure_function_of_the_seed():
+    assert _is_key(rng.key(0))
+    assert torch.equal(rng.key(0), rng.key(0))
+    keys = {tuple(rng.key(s).tolist()) for s in range(2000)}
+    assert len(keys) == 2000
+    for big in (2**32, 2**63 - 1, 2**64 - 1):  # the high word matters too
+        assert _is_key(rng.key(big))
+        assert not torch.equal(rng.key(big), rng.key(big & MASK32))
+    assert torch.equal(rng.key(-1), rng.key(2**64 - 1))  # only the low 64 bits count
+
+
+def test_fold_in_is_pure_and_gives_distinct_keys():
+    k = rng.key(7)
+    k_before = k.clone()
+    a = rng.fold_in(k, 3)
+    assert torch.equal(k, k_before)  # the input key is not touched
+    assert _is_key(a)
+    assert torch.equal(a, rng.fold_in(k, 3))
+    assert torch.equal(a, rng.fold_in(k, torch.tensor(3)))  # int or tensor data: same key
+    assert torch.equal(a, rng.fold_in(k, torch.tensor(3, dtype=torch.int32)))
+    folded = {tuple(rng.fold_in(k, d).tolist()) for d in range(5000)}
+    assert len(folded) == 5000
+    assert tuple(k.tolist()) not in folded
+    # The same data under different keys gives different keys.
+    assert len({tuple(rng.fold_in(rng.key(s), 0).tolist()) for s in range(1000)}) == 1000
+
+
+def test_split_is_pure_and_gives_distinct_keys():
+    k = rng.key(11)
+    ks = rng.split(k, 64)
+    assert ks.shape == (64, 2) and ks.dtype == torch.int64
+    assert torch.equal(ks, rng.split(k, 64))
+    rows = {tuple(r) for r in ks.tolist()}
+    assert len(rows) == 64 and tuple(k.tolist()) not in rows
+    a, b = rng.split(k)  # the default: two keys, unpackable
+    assert _is_key(a) and _is_key(b) and not torch.equal(a, b)
+    # Keys from split and from fold_in of the same parent must not coincide.
+    folded = {tuple(rng.fold_in(k, d).tolist()) for d in range(200)}
+    assert not rows & folded
+
+
+def test_key_data_round_trips_the_two_words():
+    k = torch.tensor([0x12345678, 0x9ABCDEF0], dtype=torch.int64)
+    assert rng.key_data(k) == 0x123456789ABCDEF0
+
+
+def test_uniform_depends_only_on_the_key_and_leaves_global_rng_alone():
+    k = rng.key(0)
+    global_state = torch.get_rng_state()
+    u = rng.uniform(k, (4, 8))
+    torch.manual_seed(123)  # the global generator must not matter
+    assert torch.equal(u, rng.uniform(k, (4, 8)))
+    torch.set_rng_state(global_state)
+    assert u.shape == (4, 8) and u.dtype == torch.float32
+    assert not torch.equal(u, rng.uniform(rng.fold_in(k, 1), (4, 8)))
+    assert rng.uniform(k, (3,), dtype=torch.float64).dtype == torch.float64
+
+
+def test_uniform_depends_on_both_key_words():
+    # torch's CPU generator keeps only the low 32 bits of its seed: both words must reach them.
+    a = torch.tensor([1, 12345], dtype=torch.int64)
+    b = torch.tensor([999, 12345], dtype=torch.int64)
+    assert not torch.equal(rng.uniform(a, (16,)), rng.uniform(b, (16,)))
+
+
+def test_uniform_statistics():
+    n = 200_000
+    u = rng.uniform(rng.key(1), (n,), dtype=torch.float64)
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    # Mean 1/2 and variance 1/12; standard errors ~0.00065 and ~0.00015: allow 5 of them.
+    assert abs(float(u.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / n**0.5
+    assert abs(float(u.var()) - 1 / 12) < 0.001
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert float((counts - n / 10).abs().max()) < 5 * (n / 10) ** 0.5
+    # Streams of neighbouring keys are uncorrelated.
+    v = rng.uniform(rng.fold_in(rng.key(1), 1), (n,), dtype=torch.float64)
+    corr = torch.corrcoef(torch.stack([u, v]))[0, 1]
+    assert abs(float(corr)) < 5 / n**0.5
+
+
+def test_bernoulli_rate():
+    n = 100_000
+    m = rng.bernoulli(rng.key(2), 0.3, (n,))
+    assert m.dtype == torch.bool
+    assert abs(float(m.float().mean()) - 0.3) < 5 * (0.3 * 0.7 / n) ** 0.5
+
+
+def test_dropout_scales_kept_entries_and_drops_a_fraction_p():
+    p = 0.25
+    x = torch.randn(400, 500, generator=torch.Generator().manual_seed(0))
+    k = rng.key(5)
+    y = rng.dropout(x, p, k)
+    assert torch.equal(y, rng.dropout(x, p, k))  # same key, same mask
+    assert not torch.equal(y, rng.dropout(x, p, rng.fold_in(k, 1)))
+    kept = y != 0
+    frac_dropped = 1.0 - float(kept.float().mean())
+    assert abs(frac_dropped - p) < 5 * (p * (1 - p) / x.numel()) ** 0.5
+    torch.testing.assert_close(y[kept], x[kept] / (1.0 - p))  # inverted dropout: E[y] = x
+    ones = torch.ones(x.numel())
+    assert abs(float(rng.dropout(ones, p, k).mean()) - 1.0) < 0.01
+    # Identity when off: p == 0 or no key (evaluation).
+    assert rng.dropout(x, 0.0, k) is x
+    assert rng.dropout(x, p, None) is x

@@ -1,0 +1,83 @@
+"""functrain.tree helpers over pytrees of tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from functrain import tree
+
+
+def _tree():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": torch.randn(3, 4, generator=g),
+        "b": [torch.randn(5, generator=g), (torch.arange(6).reshape(2, 3), None)],
+        "c": {"d.e": torch.randn(2, generator=g, dtype=torch.float64)},
+    }
+
+
+def test_named_leaves_names_follow_the_paths_in_flattening_order():
+    t = _tree()
+    named = list(tree.named_leaves(t))
+    assert [n for n, _ in named] == ["a", "b.0", "b.1.0", "c.d.e"]  # None is an empty subtree
+    for (_, x), y in zip(named, tree.leaves(t)):
+        assert x is y
+    assert tree.path_name(("params", "wte.weight")) == "params.wte.weight"
+    assert list(tree.named_leaves({})) == []
+
+
+def test_map_structure_unflatten_round_trip():
+    t = _tree()
+    doubled = tree.map(lambda x: x * 2, t)
+    assert tree.structure(doubled) == tree.structure(t)
+    rebuilt = tree.unflatten(tree.structure(t), tree.leaves(doubled))
+    for x, y in zip(tree.leaves(rebuilt), tree.leaves(t)):
+        assert torch.equal(x, y * 2)
+    assert tree.size(t) == 12 + 5 + 6 + 2
+
+
+def test_zeros_ones_full_like():
+    t = _tree()
+    for fn, value in ((tree.zeros_like, 0), (tree.ones_like, 1)):
+        z = fn(t)
+        assert tree.structure(z) == tree.structure(t)
+        for x, y in zip(tree.leaves(z), tree.leaves(t)):
+            assert x.shape == y.shape and x.dtype == y.dtype and x.device == y.device
+            assert bool((x == value).all())
+            assert x.data_ptr() != y.data_ptr()
+    z32 = tree.zeros_like(t, dtype=torch.float32)
+    assert all(x.dtype == torch.float32 for x in tree.leaves(z32))
+    f = tree.full_like(t, 0.5, dtype=torch.float64)
+    assert all(bool((x == 0.5).all()) and x.dtype == torch.float64 for x in tree.leaves(f))
+
+
+def test_global_norm_matches_the_norm_of_the_concatenation():
+    t = _tree()
+    floats = {"a": t["a"], "b": t["b"][0], "c": t["c"]}
+    want = torch.linalg.vector_norm(torch.cat([x.double().flatten() for x in tree.leaves(floats)]))
+    got = tree.global_norm(floats)
+    assert got.shape == () and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+    # Mixed precisions are accumulated in float32.
+    bf = {"x": torch.full((1000,), 3.0, dtype=torch.bfloat16), "y": torch.full((1000,), 4.0)}
+    torch.testing.assert_close(tree.global_norm(bf), torch.tensor(5.0 * 1000**0.5), rtol=1e-6, atol=0)
+    assert float(tree.global_norm({})) == 0.0
+
+
+def test_cast_converts_floating_leaves_only():
+    t = _tree()
+    c = tree.cast(t, torch.bfloat16)
+    dtypes = [x.dtype for x in tree.leaves(c)]
+    assert dtypes == [torch.bfloat16, torch.bfloat16, torch.int64, torch.bfloat16]
+    torch.testing.assert_close(c["a"].float(), t["a"], rtol=1e-2, atol=1e-2)
+    assert torch.equal(c["b"][1][0], t["b"][1][0])
+
+
+def test_clone_makes_independent_copies():
+    t = _tree()
+    c = tree.clone(t)
+    assert tree.structure(c) == tree.structure(t)
+    for x, y in zip(tree.leaves(c), tree.leaves(t)):
+        assert torch.equal(x, y) and x.data_ptr() != y.data_ptr()
+    c["a"].add_(1.0)
+    assert not torch.equal(c["a"], t["a"])
