@@ -91,7 +91,7 @@ def scale_by_adam(
         nu = spec.flatten_up_to(state.nu)
         g = [x.to(m.dtype) for x, m in zip(g, mu)]
         count = state.count + 1
-        t = count.to(torch.float32)
+        t = count.to(torch.float64)  # float64 bias corrections, as torch (b2 -> 1)
         mu = torch._foreach_lerp(mu, g, 1.0 - b1)  # m = b1 m + (1 - b1) g
         nu = torch._foreach_mul(nu, b2)
         nu = torch._foreach_addcmul(nu, g, g, value=1.0 - b2)  # v = b2 v + (1 - b2) g^2
