@@ -34,15 +34,18 @@ def _fail(message: str) -> None:
 
 def _explain_flag_error(exc: Exception, argv: list[str]) -> str:
     """One readable line for a flag-parsing failure."""
-    text = str(exc).strip().strip("'\"")
+    text = str(exc).strip()
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":  # a quoted message
+        text = text[1:-1]
     if isinstance(exc, AttributeError):
-        key = re.search(r"'(\w+)'", text)
-        hint = re.search(r'Did you mean "(\w+)"', text)
-        bad = next((a for a in argv if key and a.startswith("--config.") and key.group(1) in a), None)
-        msg = f"unknown config key in {bad or text!r}"
+        text = text.replace("\\'", "'").replace("\\n", " ")
+        hint = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', text)
+        key = hint.group(2) if hint else (re.findall(r"(\w+)", text) or [""])[0]
+        bad = next((a for a in argv if a.startswith("--config.") and key and key in a.split("=")[0]), None)
+        msg = f"unknown config key {bad.split('=')[0] if bad else key!r}"
         if hint:
             msg += f" (did you mean {hint.group(1)!r}?)"
-        return msg + "; the valid keys are in the config file (see its get_config())"
+        return msg + "; the valid keys are in the config file's get_config()"
     if isinstance(exc, flags.UnrecognizedFlagError):
         return f"{text}; run with --helpfull to list the flags"
     return text.splitlines()[0]

@@ -1,0 +1,308 @@
+"""Benchmark: functrain's compiled functional step vs the eager nn.Module + torch.optim loop.
+
+    python bench/step.py [--sizes tiny,100m] [--steps N] [--rounds R] [--threads T] [--no-memory]
+
+For each GPT size it compares, on the same model, data and hyper-parameters:
+  functrain  `make_train_step(loss_fn, chain(clip_by_global_norm, adamw(warmup_cosine)), donate=True)`,
+             compiled with torch.compile (fullgraph, one graph)
+  torch      eager `nn.Module` forward/backward + `clip_grad_norm_` + `torch.optim.AdamW(fused=True)`
+             (foreach=True where fused is not supported on the device: the output says so) + LambdaLR
+
+Speed: both variants live in one process; after each one's first step (compile for functrain,
+warm-up for torch) and a warm-up step, the timed steps alternate between them in `--rounds` blocks
+of `--steps / --rounds` steps, so load from other jobs on the machine hits both alike. Reported:
+steps/s of each (total timed steps / total timed seconds), their ratio, and the first-step time.
+
+Memory ("peak growth per step"): how far memory rises above the resident training state during a
+steady-state step (activations, gradients, temporaries). Each variant runs in its own child process:
+build, warm up, then release what the warm-up left behind (gc, `malloc_trim`) and take the
+baseline; then run the measured steps and report peak - baseline.
+  CPU:  peak = the process's RSS high-water mark (VmHWM), reset to the current RSS at the baseline
+        by writing 5 to /proc/self/clear_refs (Linux >= 4.0). Without that reset the high-water mark
+        would include compilation and warm-up; the output says if it could not be reset.
+  CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from functrain import init_state, make_train_step, optim, rng
+from functrain.models import gpt
+from functrain.train import make_loss_fn
+
+SIZES = {
+    # The `tiny` variant of configs/gpt.py.
+    "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, batch=16),
+    # GPT-2-small widths (12 x 768) with a short context and small batch so it runs on a CPU;
+    # the 16k vocabulary brings it to ~98M parameters.
+    "100m": dict(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768, batch=4),
+}
+LR, WARMUP, DECAY, MIN_LR, WD, BETAS, CLIP = 3e-4, 10, 10_000, 3e-5, 0.1, (0.9, 0.95), 1.0
+N_BATCHES = 4  # a small pool of batches, cycled (data loading is not what is measured)
+
+
+def _cfg(size: str) -> tuple[gpt.GPTConfig, int]:
+    s = dict(SIZES[size])
+    batch = s.pop("batch")
+    return gpt.GPTConfig(dropout=0.0, bias=False, **s), batch
+
+
+def _batches(cfg, batch, device):
+    g = torch.Generator().manual_seed(0)
+    shape = (batch, cfg.block_size)
+    out = []
+    for _ in range(N_BATCHES):
+        xy = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+        out.append((xy[:, :-1].contiguous().to(device), xy[:, 1:].contiguous().to(device)))
+    assert out[0][0].shape == shape
+    return out
+
+
+def _schedule():
+    return optim.warmup_cosine(LR, WARMUP, DECAY, end_value=MIN_LR)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Functrain:
+    """The compiled functional step, donating its state."""
+
+    name = "functrain"
+
+    def __init__(self, cfg, device):
+        with torch.device("meta"):
+            template = gpt.GPT(cfg)
+        opt = optim.chain(optim.clip_by_global_norm(CLIP),
+                          optim.adamw(_schedule(), *BETAS, 1e-8, WD))
+        params = gpt.init_params(template, rng.key(0), device=device)
+        self.state = init_state(params, opt, seed=0, copy=False)
+        self.step_fn = make_train_step(make_loss_fn(template), opt, donate=True)
+        self.note = "compiled, donate=True"
+
+    def step(self, batch):
+        self.state, m = self.step_fn(self.state, batch)
+        return m["loss"]
+
+    def release(self):
+        pass
+
+
+class TorchLoop:
+    """The eager nn.Module loop with torch.optim.AdamW (fused where supported)."""
+
+    name = "torch"
+
+    def __init__(self, cfg, device):
+        self.model = gpt.GPT(cfg, key=rng.key(0)).to(device)  # same init as functrain's
+        params = list(self.model.parameters())
+        kind = "fused"
+        try:
+            self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD, fused=True)
+            self._probe()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            kind = f"foreach (fused not supported on {device.type}: {str(exc).splitlines()[0][:80]})"
+            self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD, foreach=True)
+        sched = _schedule()
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda k: float(sched(torch.tensor(k))) / LR)
+        self.note = f"eager, AdamW {kind}"
+
+    def _probe(self):
+        """One zero-gradient fused step on throw-away copies, to see if the device supports it."""
+        p = torch.nn.Parameter(torch.zeros(4, device=next(self.model.parameters()).device))
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p], lr=LR, fused=True).step()
+
+    def step(self, batch):
+        x, y = batch
+        self.opt.zero_grad(set_to_none=True)
+        loss = gpt.cross_entropy(self.model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        self.opt.step()
+        self.sched.step()
+        return loss.detach()
+
+    def release(self):
+        self.opt.zero_grad(set_to_none=True)  # grads are not part of the resident state
+
+
+VARIANTS = {"functrain": Functrain, "torch": TorchLoop}
+
+
+# ------------------------------------------------------------------------------------------------
+# Speed: both variants in this process, interleaved.
+
+
+def speed(size, steps, rounds, device):
+    cfg, batch = _cfg(size)
+    data = _batches(cfg, batch, device)
+    runners, first, first_loss = [], {}, {}
+    for cls in (Functrain, TorchLoop):
+        r = cls(cfg, device)
+        _sync(device)
+        t = time.perf_counter()
+        loss = r.step(data[0])
+        first_loss[r.name] = float(loss)
+        first[r.name] = time.perf_counter() - t
+        r.step(data[1])  # warm-up
+        _sync(device)
+        runners.append(r)
+    timed = {r.name: 0.0 for r in runners}
+    counted = {r.name: 0 for r in runners}
+    per_round = max(1, steps // rounds)
+    k = 2
+    for i in range(rounds):
+        order = runners if i % 2 == 0 else runners[::-1]  # alternate who goes first
+        for r in order:
+            _sync(device)
+            t = time.perf_counter()
+            for _ in range(per_round):
+                loss = r.step(data[k % N_BATCHES])
+            float(loss)
+            _sync(device)
+            timed[r.name] += time.perf_counter() - t
+            counted[r.name] += per_round
+        k += per_round
+    return {
+        "params": gpt.num_params(cfg),
+        "notes": {r.name: r.note for r in runners},
+        "first_s": first,
+        "first_loss": first_loss,
+        "steps_per_s": {n: counted[n] / timed[n] for n in timed},
+        "timed_steps": counted,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory: one child process per variant.
+
+
+def _rss_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _trim():
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so RSS = live memory
+    except (OSError, AttributeError):
+        pass
+
+
+def memory_child(variant, size, steps, device):
+    """Runs in a child process; prints one JSON line."""
+    cfg, batch = _cfg(size)
+    data = _batches(cfg, batch, device)
+    r = VARIANTS[variant](cfg, device)
+    for i in range(2):  # compile / warm-up
+        float(r.step(data[i]))
+    r.release()
+    _trim()
+    _sync(device)
+    out = {"variant": variant}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        for i in range(steps):
+            float(r.step(data[i % N_BATCHES]))
+        _sync(device)
+        out.update(method="cuda max_memory_allocated", base_mb=base / 2**20,
+                   growth_mb=(torch.cuda.max_memory_allocated(device) - base) / 2**20)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            method = "RSS high-water mark (VmHWM) reset at baseline"
+        except OSError:
+            method = "RSS high-water mark NOT reset: includes compile and warm-up"
+        base = _rss_kb("VmRSS")
+        for i in range(steps):
+            float(r.step(data[i % N_BATCHES]))
+        out.update(method=method, base_mb=base / 1024, growth_mb=(_rss_kb("VmHWM") - base) / 1024)
+    print(json.dumps(out), flush=True)
+
+
+def memory(size, steps, device, threads=0):
+    res = {}
+    for variant in VARIANTS:
+        cmd = [sys.executable, os.path.abspath(__file__), "--_memory-child", variant,
+               "--sizes", size, "--steps", str(steps), "--device", str(device), "--threads", str(threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"memory child {variant}/{size} failed:\n{proc.stderr[-3000:]}")
+        res[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="tiny,100m", help=f"comma-separated, from {sorted(SIZES)}")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant and size")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved blocks the timed steps are split in")
+    ap.add_argument("--mem-steps", type=int, default=3, help="steady-state steps in each memory child")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    ap.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    for s in sizes:
+        if s not in SIZES:
+            ap.error(f"unknown size {s!r}; choose from {sorted(SIZES)}")
+    if args.memory_child:
+        memory_child(args.memory_child, sizes[0], args.steps, device)
+        return
+
+    print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs; {args.steps} timed steps per variant in {args.rounds} interleaved rounds")
+    rows = []
+    for size in sizes:
+        cfg, batch = _cfg(size)
+        print(f"\n[{size}] GPT {gpt.num_params(cfg) / 1e6:.2f}M params (n_layer {cfg.n_layer}, "
+              f"n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, block {cfg.block_size}), batch {batch}", flush=True)
+        sp = speed(size, args.steps, args.rounds, device)
+        for name, note in sp["notes"].items():
+            print(f"  {name:9s} {note}; first-step loss {sp['first_loss'][name]:.6f}")
+        mem = None if args.no_memory else memory(size, args.mem_steps, device, args.threads)
+        if mem:
+            print(f"  memory: {mem['functrain']['method']}; resident state "
+                  f"functrain {mem['functrain']['base_mb']:.0f} MB, torch {mem['torch']['base_mb']:.0f} MB")
+        rows.append((size, sp, mem))
+
+    print("\n| size | params | functrain steps/s | torch steps/s | ratio (functrain/torch) | "
+          "first step functrain (compile) | first step torch | peak growth/step functrain | peak growth/step torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size, sp, mem in rows:
+        f, t = sp["steps_per_s"]["functrain"], sp["steps_per_s"]["torch"]
+        mf = f"{mem['functrain']['growth_mb']:+.0f} MB" if mem else "-"
+        mt = f"{mem['torch']['growth_mb']:+.0f} MB" if mem else "-"
+        print(f"| {size} | {sp['params'] / 1e6:.2f}M | {f:.3f} | {t:.3f} | {f / t:.2f}x | "
+              f"{sp['first_s']['functrain']:.1f} s | {sp['first_s']['torch']:.2f} s | {mf} | {mt} |")
+
+
+if __name__ == "__main__":
+    main()
