@@ -12,6 +12,12 @@ as with `jax.jit(..., donate_argnums=0)`: do not read it after the call, use the
 keeps peak memory near one copy of the state. `donate=False` allocates a new state and leaves the
 input untouched (useful for tests, EMA tricks and debugging).
 
+Sharded state. When the params are DTensors on a DeviceMesh (`functrain.parallel.shard_state`),
+the same API builds the FSDP / tensor-parallel step (`functrain.parallel.spmd`): parameters are
+gathered over the data-parallel axes, the loss and gradients are taken over the local plain tensors,
+gradients are reduce-scattered back to the parameter placements, the optimizer updates the shards,
+and the loss is averaged over the data-parallel ranks; the batch is each dp rank's local part.
+
 Example:
     >>> def loss_fn(params, batch, key):
     ...     logits = functrain.apply(model, params, batch["x"], dropout_key=key)
@@ -150,11 +156,21 @@ def _write_into(old: PyTree, new: PyTree) -> PyTree:
     """Copies every leaf of `new` into the matching leaf of `old` (donation); returns `old`."""
     old_leaves, spec = optree.tree_flatten(old)
     new_leaves = spec.flatten_up_to(new)
-    dst = [o for o, n in zip(old_leaves, new_leaves) if o is not n]
-    src = [n for o, n in zip(old_leaves, new_leaves) if o is not n]
+    pairs = [(o, n) for o, n in zip(old_leaves, new_leaves) if o is not n]
+    dst = [_local(o) for o, _ in pairs]
+    src = [_local(n, like=o) for o, n in pairs]
     if dst:
         torch._foreach_copy_(dst, src)
     return old
+
+
+def _local(x, like=None):
+    """The local shard of a DTensor (in `like`'s placements), or `x` itself for a plain tensor."""
+    if not tree_lib._is_dtensor(x):
+        return x
+    if like is not None and tuple(x.placements) != tuple(like.placements):
+        x = x.redistribute(like.device_mesh, like.placements)
+    return x.to_local()
 
 
 def make_train_step(
@@ -195,11 +211,24 @@ def make_train_step(
     if accum_impl not in ("unroll", "scan"):
         raise ValueError(f"accum_impl must be 'unroll' or 'scan', got {accum_impl!r}")
 
-    def train_step(state: TrainState, batch: PyTree):
-        key = rng_lib.fold_in(state.rng, state.step)
-        aux, grads = _accumulated_value_and_grad(
-            loss_fn, state.params, batch, key, accum_steps, accum_impl
-        )
+    def build(spmd):
+        """The step function; `spmd` is None (plain tensors) or a `parallel.spmd.Spmd`."""
+
+        def train_step(state: TrainState, batch: PyTree):
+            key = rng_lib.fold_in(state.rng, state.step)
+            params = state.params
+            if spmd is not None:  # gather for compute; per-dp-rank dropout key
+                key, params = spmd.fold_in_dp(key), spmd.gather(params)
+            aux, grads = _accumulated_value_and_grad(
+                loss_fn, params, batch, key, accum_steps, accum_impl
+            )
+            if spmd is not None:  # grads back to the param placements; loss over all dp ranks
+                grads, aux = spmd.reduce_grads(grads, state.params), spmd.mean_over_dp(aux)
+            return _update(state, aux, grads)
+
+        return train_step
+
+    def _update(state: TrainState, aux: dict, grads: PyTree):
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
         metrics = dict(aux)
@@ -214,12 +243,19 @@ def make_train_step(
             new_state = _write_into(state, new_state)
         return new_state, metrics
 
-    fn = _maybe_compile(train_step, compile, compile_options)
+    train_step = build(None)
+    compiled = {None: _maybe_compile(train_step, compile, compile_options)}
+    eager = {None: train_step}
 
     def step(state: TrainState, batch: PyTree):
-        return fn(state, batch)
+        return _for_params(compiled, build, state.params, lambda f: _maybe_compile(f, compile, compile_options))(
+            state, batch
+        )
 
-    step.uncompiled = train_step  # type: ignore[attr-defined]
+    def uncompiled(state: TrainState, batch: PyTree):
+        return _for_params(eager, build, state.params, lambda f: f)(state, batch)
+
+    step.uncompiled = uncompiled  # type: ignore[attr-defined]
     return step
 
 
@@ -241,12 +277,39 @@ def make_eval_step(
       >>> val_loss = eval_step(state, val_batch)["loss"]
     """
 
-    def eval_step(state: TrainState, batch: PyTree):
-        with torch.no_grad():
-            loss, aux = _split_loss(loss_fn(state.params, batch, None))
-        return {"loss": loss, **aux}
+    def build(spmd):
+        """The eval function; `spmd` is None (plain tensors) or a `parallel.spmd.Spmd`."""
 
-    fn = _maybe_compile(eval_step, compile, compile_options)
+        def eval_step(state: TrainState, batch: PyTree):
+            params = state.params if spmd is None else spmd.gather(state.params)
+            with torch.no_grad():
+                loss, aux = _split_loss(loss_fn(params, batch, None))
+            metrics = {"loss": loss, **aux}
+            return metrics if spmd is None else spmd.mean_over_dp(metrics)
+
+        return eval_step
+
+    fns = {None: _maybe_compile(build(None), compile, compile_options)}
+
+    def evaluate(state: TrainState, batch: PyTree):
+        return _for_params(fns, build, state.params, lambda f: _maybe_compile(f, compile, compile_options))(
+            state, batch
+        )
+
+    return evaluate
+
+
+def _for_params(table: dict, build, params: PyTree, wrap):
+    """table[None] for plain params; for DTensor params, `wrap(build(Spmd(mesh)))` made once per mesh."""
+    first = next(iter(tree_lib.leaves(params)), None)
+    if not tree_lib._is_dtensor(first):
+        return table[None]
+    fn = table.get(first.device_mesh)
+    if fn is None:
+        from functrain.parallel import spmd as spmd_lib  # imported only when params are DTensors
+
+        mesh = spmd_lib.mesh_of(params)  # validates: all leaves DTensors on one mesh
+        fn = table[mesh] = wrap(build(spmd_lib.Spmd(mesh)))
     return fn
 
 

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterator
 
 import optree
@@ -109,7 +110,8 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     """L2 norm of all leaves taken together, as a float32 0-d tensor.
 
     Uses one fused `torch._foreach_norm` over the leaves. For DTensor leaves the norm is the
-    global norm over the whole mesh (DTensor reduces the partial results).
+    global norm over the whole mesh (`functrain.parallel.spmd.global_norm`: the local squared
+    norms are summed over the mesh dims that shard each leaf, a few all-reduces in all).
 
     Args:
       tree: a pytree of floating-point tensors.
@@ -123,12 +125,22 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     xs = leaves(tree)
     if not xs:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(xs, 2.0, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]), 2.0)
+    if _is_dtensor(xs[0]):  # a few bucketed all-reduces instead of one per leaf
+        from functrain.parallel.spmd import global_norm as sharded_global_norm
+
+        return sharded_global_norm(xs)
+    # float32 accumulation; float64 leaves cannot be reduced "narrowing" into float32 (error).
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+    norms = torch._foreach_norm(xs, 2.0, dtype=acc)
+    return torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]), 2.0).to(torch.float32)
+
+
+def _is_dtensor(x) -> bool:
+    """Whether `x` is a DTensor (without importing DTensor: none can exist unless it was)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(x, dtensor.DTensor)
 
 
 def _full(x: torch.Tensor) -> torch.Tensor:
     """A plain tensor for `x`: DTensors are reduced/gathered with `full_tensor()`."""
-    if hasattr(x, "full_tensor"):
-        return x.full_tensor()
-    return x
+    return x.full_tensor() if _is_dtensor(x) else x

@@ -1,0 +1,207 @@
+"""Sharded training benchmark: functrain's compiled FSDP step vs the eager FSDP2 loop, on N ranks.
+
+Both train the same GPT from the same weights on the same batches, FSDP over all ranks:
+  functrain   `parallel.shard_state` (DTensor params, Shard(0) on dp_shard) + `make_train_step`
+              (compiled: gather, forward/backward, reduce-scatter, clipping, AdamW in one graph,
+              donated buffers)
+  fsdp2       `fully_shard` on every block and the root + `torch.optim.AdamW(foreach=True)` +
+              `clip_grad_norm_`, the usual eager loop (loss.backward(); clip; opt.step(); zero_grad)
+  (optional) functrain-eager: the same sharded step, not compiled.
+Measurements are interleaved (each round runs every method for --steps steps, in turn) after a
+warm-up (compilation included there, reported separately). Printed: median step time and steps/s of
+each method, the ratio functrain / fsdp2, and peak memory: RSS growth during a round over the RSS
+at its start (free heap returned to the OS with malloc_trim first; the kernel's high-water mark
+reset through /proc/self/clear_refs), max over rounds. Step times are the max over ranks.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --eager   # + uncompiled
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --bucket-numel 1000000 --reorder
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from functrain import apply, init_state, make_train_step, optim, parallel, rng  # noqa: E402
+from functrain.models import gpt  # noqa: E402
+from functrain.parallel import spmd  # noqa: E402
+
+
+def _rss_kib(field: str) -> int:
+    """A memory field of /proc/self/status in KiB (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _trim() -> None:
+    """Returns free heap memory to the OS (glibc malloc_trim), so a round starts from live memory
+    and memory freed by the previous method cannot hide this one's peak."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak() -> bool:
+    """Resets the RSS high-water mark (VmHWM) to the current RSS; False where unsupported."""
+    _trim()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _batches(cfg, n, batch_size, ctx):
+    """This rank's rows of `n` global batches of random tokens."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)
+        y = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)
+        out.append(parallel.split_batch((x, y), ctx.dp_rank, ctx.dp_world))
+    return out
+
+
+class Functrain:
+    """functrain's sharded step (compiled or eager)."""
+
+    def __init__(self, model, ctx, lr, clip, compile, compile_options=None):
+        opt = optim.chain(optim.clip_by_global_norm(clip), optim.adamw(lr, weight_decay=0.1))
+
+        def loss_fn(params, batch, key):
+            x, y = batch
+            return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y)
+
+        self.state = parallel.shard_state(init_state(model, opt), ctx.mesh)
+        self.step_fn = make_train_step(loss_fn, opt, compile=compile, compile_options=compile_options)
+
+    def step(self, batch):
+        self.state, m = self.step_fn(self.state, batch)
+        return m["loss"]
+
+
+class FSDP2:
+    """The eager FSDP2 loop: fully_shard + torch.optim.AdamW(foreach=True)."""
+
+    def __init__(self, model, ctx, lr, clip):
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = model
+        mesh = ctx.mesh["dp_shard"]
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=True)
+        self.clip = clip
+
+    def step(self, batch):
+        x, y = batch
+        loss = gpt.cross_entropy(self.model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--vocab-size", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per method (compile included)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method per round")
+    ap.add_argument("--eager", action="store_true", help="also time functrain's sharded step uncompiled")
+    ap.add_argument("--bucket-numel", type=int, default=None,
+                    help="functrain's largest collective bucket in elements (default: one bucket)")
+    ap.add_argument("--reorder", action="store_true",
+                    help="inductor option reorder_for_compute_comm_overlap (try with --bucket-numel)")
+    args = ap.parse_args()
+
+    if args.bucket_numel:
+        spmd.BUCKET_NUMEL = args.bucket_numel
+    ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1})
+    cfg = gpt.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=True)
+    lr, clip = 3e-4, 1.0
+    batches = _batches(cfg, args.warmup + args.rounds * args.steps, args.batch_size, ctx)
+
+    rss0 = _rss_kib("VmRSS")
+    options = {"options": {"reorder_for_compute_comm_overlap": True}} if args.reorder else None
+    methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
+                                      compile_options=options)}
+    if args.eager:
+        methods["functrain-eager"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=False)
+    methods["fsdp2"] = FSDP2(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip)
+    setup_mib = (_rss_kib("VmRSS") - rss0) / 1024
+
+    losses = {k: [] for k in methods}
+    warm_s = {}
+    for name, m in methods.items():
+        t = time.perf_counter()
+        for b in batches[: args.warmup]:
+            losses[name].append(float(m.step(b)))
+        warm_s[name] = time.perf_counter() - t
+
+    times = {k: [] for k in methods}
+    peak = {k: 0.0 for k in methods}
+    can_peak = _reset_peak()
+    for r in range(args.rounds):
+        chunk = batches[args.warmup + r * args.steps: args.warmup + (r + 1) * args.steps]
+        for name, m in methods.items():
+            parallel.barrier()
+            _reset_peak()
+            before = _rss_kib("VmRSS")
+            for b in chunk:
+                t = time.perf_counter()
+                losses[name].append(float(m.step(b)))  # float(): waits for the step
+                times[name].append(time.perf_counter() - t)
+            peak[name] = max(peak[name], (_rss_kib("VmHWM") - before) / 1024)
+
+    # the slowest rank sets the pace: take each step time's max over ranks
+    med = {}
+    for name, ts in times.items():
+        t = torch.tensor(ts, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        med[name] = statistics.median(t.tolist())
+    for name in losses:  # fsdp2 losses are per-rank (local batch): average them for the report
+        t = torch.tensor(losses[name], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses[name] = (t / ctx.world_size).tolist()
+    if ctx.is_main_process:
+        print(f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_head={cfg.n_head} block={cfg.block_size} "
+              f"vocab={cfg.vocab_size} params={gpt.num_params(cfg) / 1e6:.2f}M, global batch {args.batch_size}, "
+              f"{ctx.world_size} ranks FSDP (dp_shard={ctx.dp_world}), torch {torch.__version__}, "
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+        print(f"state set-up RSS (all methods, rank 0): {setup_mib:.0f} MiB")
+        print(f"{'method':<16} {'warm-up s':>10} {'median s/step':>14} {'steps/s':>9} {'peak RSS growth MiB':>20}  losses first/last")
+        for name in methods:
+            pk = f"{peak[name]:.1f}" if can_peak else "n/a"
+            print(f"{name:<16} {warm_s[name]:>10.1f} {med[name]:>14.4f} {1 / med[name]:>9.2f} {pk:>20}  "
+                  f"{losses[name][0]:.4f} / {losses[name][-1]:.4f}")
+        print(f"steps/s ratio functrain / fsdp2: {med['fsdp2'] / med['functrain']:.3f}")
+        if "functrain-eager" in med:
+            print(f"steps/s ratio functrain-eager / fsdp2: {med['fsdp2'] / med['functrain-eager']:.3f}")
+    parallel.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Parallel training: process groups and the DeviceMesh, sharding rules, tensor parallelism.
+
+Parameters and optimizer state become DTensors on a 3-axis mesh ("dp_replicate", "dp_shard", "tp");
+`functrain.make_train_step` then builds the sharded step (FSDP gather / reduce-scatter, tensor
+parallel compute, dp-averaged metrics) with the same API as on one process.
+
+Example:
+    >>> ctx = parallel.setup(config.mesh)                       # torchrun env -> process group + mesh
+    >>> rules = parallel.default_rules(gpt.TP_RULES)
+    >>> state = parallel.shard_state(init_state(template_or_model, opt), ctx.mesh, rules)
+    >>> model = parallel.tensor_parallel(template, ctx.mesh, rules)   # use in the loss function
+    >>> step = make_train_step(loss_fn, opt)
+    >>> state, metrics = step(state, local_batch)
+    >>> parallel.teardown()
+"""
+
+from functrain.parallel.data import data_parallel_kwargs, split_batch
+from functrain.parallel.mesh import (
+    AXES,
+    DP_AXES,
+    TP_AXIS,
+    ParallelContext,
+    barrier,
+    is_main_process,
+    mesh_shape,
+    rank,
+    setup,
+    teardown,
+    world_size,
+)
+from functrain.parallel.sharding import (
+    FSDP_RULES,
+    Rule,
+    active_mesh,
+    default_rules,
+    gather,
+    placements_for,
+    shard_params,
+    shard_state,
+    tp_rules,
+)
+from functrain.parallel.tp import copy_to_tp, reduce_from_tp, tensor_parallel
+
+__all__ = [
+    "AXES",
+    "DP_AXES",
+    "TP_AXIS",
+    "FSDP_RULES",
+    "ParallelContext",
+    "Rule",
+    "active_mesh",
+    "barrier",
+    "copy_to_tp",
+    "data_parallel_kwargs",
+    "default_rules",
+    "gather",
+    "is_main_process",
+    "mesh_shape",
+    "placements_for",
+    "rank",
+    "reduce_from_tp",
+    "setup",
+    "shard_params",
+    "shard_state",
+    "split_batch",
+    "teardown",
+    "tensor_parallel",
+    "tp_rules",
+    "world_size",
+]

@@ -1,0 +1,305 @@
+"""Process groups and the DeviceMesh: set-up from torchrun's environment, tear-down, rank helpers.
+
+The mesh always has three named axes, in this order (outer to inner):
+
+    dp_replicate   data parallel, parameters replicated (DDP / HSDP outer axis)
+    dp_shard       data parallel, parameters sharded (FSDP)
+    tp             tensor parallel (Megatron-style, see `functrain.parallel.tp`)
+
+Sizes come from a config with fields `dp_replicate`, `dp_shard`, `tp` (ints; -1 = "the rest of
+the world size", at most one -1); their product must equal the number of processes.
+
+Single process. Started without torchrun (no WORLD_SIZE in the environment) and with a world of
+1, `setup` creates no process group and no mesh: `ctx.mesh is None`, `shard_state` leaves the
+state as plain tensors, and the step runs the exact DTensor-free single-process path. Pass
+`mesh_on_single_process=True` to get a 1-device mesh anyway (a single-rank gloo/nccl group on a
+free local port), e.g. to test the sharded code path on one process.
+
+Example:
+    >>> ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1})
+    >>> print(ctx.rank, ctx.world_size, ctx.dp_rank, ctx.dp_world, ctx.device)
+    >>> ...
+    >>> parallel.teardown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AXES",
+    "DP_AXES",
+    "TP_AXIS",
+    "ParallelContext",
+    "mesh_shape",
+    "setup",
+    "teardown",
+    "is_main_process",
+    "rank",
+    "world_size",
+    "barrier",
+]
+
+AXES = ("dp_replicate", "dp_shard", "tp")
+DP_AXES = ("dp_replicate", "dp_shard")
+TP_AXIS = "tp"
+
+_OWNED_GROUP = False  # whether setup() created the default process group (teardown destroys it)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    """What a program needs to know about its place in the run.
+
+    Attributes:
+      mesh: the 3-D `DeviceMesh` ("dp_replicate", "dp_shard", "tp"), or None on the plain
+        single-process path.
+      device: this process's compute device (cuda:LOCAL_RANK, or cpu).
+      rank: global rank; world_size: number of processes.
+      dp_rank, dp_world: index and number of data-parallel replicas (dp_replicate x dp_shard);
+        ranks that differ only in their tp coordinate share a dp_rank and read the same batch.
+      tp_rank, tp_world: coordinate and size of the tensor-parallel axis.
+      shape: {axis name: size} for the three axes.
+    """
+
+    mesh: Any
+    device: torch.device
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_world: int
+    tp_rank: int
+    tp_world: int
+    shape: Mapping[str, int]
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    def __enter__(self) -> "ParallelContext":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        teardown()
+
+
+def _get(cfg: Any, name: str, default: int) -> int:
+    """Field `name` of a dict-like or attribute-style config, or `default`."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        return int(cfg.get(name, default))
+    return int(getattr(cfg, name, default))
+
+
+def mesh_shape(mesh_config: Any, world: int) -> dict[str, int]:
+    """Resolves the axis sizes of a mesh config for `world` processes.
+
+    Args:
+      mesh_config: a dict / ml_collections ConfigDict / object with optional int fields
+        `dp_replicate` (default 1), `dp_shard` (default -1), `tp` (default 1); -1 means "the rest
+        of the world size" and may appear once. None means pure FSDP over all processes.
+      world: the number of processes.
+
+    Returns:
+      {"dp_replicate": a, "dp_shard": b, "tp": c} with a * b * c == world.
+
+    Raises:
+      ValueError: one line naming the sizes and the world size when they do not fit.
+
+    Example:
+      >>> mesh_shape({"tp": 2}, 8)
+      {'dp_replicate': 1, 'dp_shard': 4, 'tp': 2}
+    """
+    sizes = {
+        "dp_replicate": _get(mesh_config, "dp_replicate", 1),
+        "dp_shard": _get(mesh_config, "dp_shard", -1),
+        "tp": _get(mesh_config, "tp", 1),
+    }
+    desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    bad = [k for k, v in sizes.items() if v == 0 or v < -1]
+    rest = [k for k, v in sizes.items() if v == -1]
+    if bad:
+        raise ValueError(f"mesh config {desc}: sizes must be positive or -1 (got {', '.join(bad)})")
+    if len(rest) > 1:
+        raise ValueError(f"mesh config {desc}: at most one axis may be -1 (got {', '.join(rest)})")
+    known = 1
+    for v in sizes.values():
+        known *= v if v > 0 else 1
+    if rest:
+        if world % known:
+            raise ValueError(
+                f"mesh config {desc}: world size {world} is not divisible by {known}, "
+                f"so {rest[0]}=-1 has no integer size"
+            )
+        sizes[rest[0]] = world // known
+    elif known != world:
+        raise ValueError(f"mesh config {desc}: product {known} != world size {world}")
+    return sizes
+
+
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available (and selected), else cpu."""
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def _init_process_group(backend: str | None, timeout_s: float | None, single: bool) -> None:
+    """Creates the default group from torchrun's env vars, or a 1-rank group on a free port."""
+    global _OWNED_GROUP
+    kwargs: dict[str, Any] = {"backend": backend or ("nccl" if torch.cuda.is_available() else "gloo")}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if single:
+        kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(**kwargs)
+    _OWNED_GROUP = True
+
+
+def setup(
+    mesh_config: Any = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    mesh_on_single_process: bool = False,
+) -> ParallelContext:
+    """Starts the process group (from torchrun's env vars) and builds the DeviceMesh.
+
+    Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) the default group
+    is initialized with nccl on GPU, gloo on CPU (an existing default group is reused). Without
+    torchrun, one process runs with no process group and no mesh (see the module docstring).
+
+    Args:
+      mesh_config: axis sizes (see `mesh_shape`); None = FSDP over all processes.
+      backend: force a torch.distributed backend ("gloo", "nccl").
+      timeout_s: collective timeout in seconds (torch's default when None).
+      mesh_on_single_process: build a 1-device mesh (and a single-rank group) even on 1 process.
+
+    Returns:
+      A `ParallelContext`; also a context manager that calls `teardown()` on exit.
+
+    Raises:
+      ValueError: the mesh config does not fit the world size (one line).
+
+    Example:
+      >>> with parallel.setup(config.mesh) as ctx:
+      ...     state = parallel.shard_state(state, ctx.mesh, rules)
+    """
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if launched and not dist.is_initialized():
+        _init_process_group(backend, timeout_s, single=False)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    shape = mesh_shape(mesh_config, world)  # validate before anything else can hang
+    device = _device()
+    mesh = None
+    if world > 1 or mesh_on_single_process:
+        if not dist.is_initialized():
+            _init_process_group(backend, timeout_s, single=True)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES)
+    r = dist.get_rank() if dist.is_initialized() else 0
+    if mesh is not None:
+        rep, sh, tp = (mesh.get_local_rank(a) for a in AXES)
+    else:
+        rep = sh = tp = 0
+    return ParallelContext(
+        mesh=mesh,
+        device=device,
+        rank=r,
+        world_size=world,
+        dp_rank=rep * shape["dp_shard"] + sh,
+        dp_world=shape["dp_replicate"] * shape["dp_shard"],
+        tp_rank=tp,
+        tp_world=shape["tp"],
+        shape=dict(shape),
+    )
+
+
+def teardown() -> None:
+    """Destroys the default process group that `setup` created (safe to call more than once).
+
+    A group the caller initialized before `setup` is left alone (the caller owns it).
+
+    Returns:
+      None.
+
+    Example:
+      >>> parallel.teardown()
+    """
+    global _OWNED_GROUP
+    if _OWNED_GROUP and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWNED_GROUP = False
+
+
+def rank() -> int:
+    """This process's global rank.
+
+    Returns:
+      The rank in the default process group, 0 without one.
+
+    Example:
+      >>> parallel.rank()
+      0
+    """
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of processes.
+
+    Returns:
+      The default process group's size, 1 without one.
+
+    Example:
+      >>> parallel.world_size()
+      1
+    """
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and on a lone process): the one that logs, samples and prints.
+
+    Returns:
+      Whether `rank() == 0`.
+
+    Example:
+      >>> if parallel.is_main_process(): print(metrics)
+    """
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Waits for every process (a no-op without a process group).
+
+    Returns:
+      None, once every rank has called it.
+
+    Example:
+      >>> parallel.barrier()
+    """
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()

@@ -1,0 +1,302 @@
+"""The collectives of a sharded train/eval step (used by `functrain.step` when params are DTensors).
+
+The step keeps the parameters and optimizer state as DTensors and runs the model on plain local
+tensors, FSDP-style:
+
+  1. `Spmd.gather`: every parameter is made whole on the data-parallel axes (all-gather over
+     dp_shard) and kept as it is on the tp axis; the resulting plain tensor (the whole parameter,
+     or this rank's tp slice) is what the forward sees.
+  2. `torch.func.grad_and_value` runs over those plain tensors (transforms cannot see through
+     DTensors); tensor-parallel collectives inside the model are differentiable functional
+     collectives (see `functrain.parallel.tp`).
+  3. `Spmd.reduce_grads`: the local gradients are averaged over the data-parallel ranks into the
+     parameters' placements: a reduce-scatter over dp_shard, an all-reduce over dp_replicate.
+  4. The optimizer (clipping, global norms, AdamW) runs on the DTensor shards; norms reduce over
+     the whole mesh.
+
+Bucketing. Parameters sharded on dim 0 by one dp axis (the FSDP layout) and parameters replicated
+on every dp axis (DDP) go through ONE flat collective per (kind, axis, dtype), like FSDP2's flat
+buffers: each local shard is padded to the ceil-sized chunk, flattened and concatenated, so uneven
+shards need no special case. Any other layout (e.g. FSDP on dim 1 of a colwise weight under 2-D
+FSDP + TP) is redistributed per parameter through DTensor. Measured on 2 gloo ranks, 68 GPT
+tensors: per-tensor all-gathers 0.07-0.14 s vs 0.04-0.06 s flat; per-tensor reduce-scatters
+0.15-0.26 s vs 0.05-0.07 s flat.
+
+Everything is traceable: the compiled step is one graph including the collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from functrain import rng as rng_lib
+from functrain import tree as tree_lib
+from functrain.parallel.mesh import DP_AXES
+
+__all__ = ["Spmd", "global_norm", "mesh_of"]
+
+PyTree = Any
+
+BUCKET_NUMEL = 1 << 62
+"""Largest bucket in elements (global sizes); default: one bucket per (kind, axis, dtype). Smaller
+buckets (~one block each) with inductor's `reorder_for_compute_comm_overlap` gave no measurable gain
+on 2 gloo CPU ranks (bench/sharded.py --bucket-numel 1000000 --reorder)."""
+
+
+def mesh_of(params: PyTree):
+    """The DeviceMesh of a params tree whose leaves are DTensors, or None for plain tensors.
+
+    Args:
+      params: the params pytree.
+
+    Returns:
+      The mesh shared by all leaves, or None when no leaf is a DTensor.
+
+    Raises:
+      ValueError: some leaves are DTensors and others are not, or they use different meshes.
+
+    Example:
+      >>> mesh_of(state.params)
+    """
+    leaves = tree_lib.leaves(params)
+    kinds = {isinstance(x, DTensor) for x in leaves}
+    if kinds != {True}:
+        if True in kinds:
+            raise ValueError("params mix DTensors and plain tensors: shard all of them (shard_state)")
+        return None
+    mesh = leaves[0].device_mesh
+    if any(x.device_mesh != mesh for x in leaves):
+        raise ValueError("params live on different DeviceMeshes; use one mesh for the whole state")
+    return mesh
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    """The value of a functional collective's result (waits in eager mode)."""
+    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def _chunk(n: int, w: int) -> int:
+    """Rows per rank when `n` rows are sharded over `w` ranks (torch.chunk: ceil)."""
+    return -(-n // w)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` with zero rows appended up to `rows` rows."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+class Spmd:
+    """The data-parallel/tensor-parallel bookkeeping of one mesh, as Python constants for tracing.
+
+    Args:
+      mesh: a DeviceMesh whose axis names include "dp_replicate"/"dp_shard" (data parallel); any
+        other axis (e.g. "tp") is model parallel: its placements are kept for compute.
+
+    Example:
+      >>> spmd = Spmd(mesh_of(state.params))
+      >>> local = spmd.gather(state.params)
+    """
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        names = mesh.mesh_dim_names or ()
+        # Data-parallel axes with more than one rank: gathered for compute, grads averaged.
+        self.dp_dims = [i for i, n in enumerate(names) if n in DP_AXES and mesh.size(i) > 1]
+        self.dp_world = 1
+        self.dp_rank = 0
+        for i, n in enumerate(names):
+            if n in DP_AXES:
+                self.dp_rank = self.dp_rank * mesh.size(i) + mesh.get_local_rank(i)
+                self.dp_world *= mesh.size(i)
+
+    def _kind(self, p: DTensor):
+        """("fsdp", dim) for Shard(0) on one dp dim, ("ddp", None) for Replicate on all, else None."""
+        on_dp = [(d, p.placements[d]) for d in self.dp_dims]
+        shards = [d for d, pl in on_dp if isinstance(pl, Shard)]
+        if not shards and all(isinstance(pl, Replicate) for _, pl in on_dp):
+            return ("ddp", None)
+        if len(shards) == 1 and p.placements[shards[0]] == Shard(0) and p.ndim > 0 and not any(
+            p.placements[i] == Shard(0) for i in range(self.mesh.ndim) if i != shards[0]
+        ) and all(isinstance(pl, Replicate) for d, pl in on_dp if d != shards[0]):
+            return ("fsdp", shards[0])
+        return None
+
+    def _compute_placements(self, placements):
+        """Placements of the compute copy: Replicate on the dp axes, unchanged elsewhere."""
+        return [Replicate() if i in self.dp_dims else p for i, p in enumerate(placements)]
+
+    def _buckets(self, ps: list):
+        """{(kind, dim, dtype, n): [leaf index]} for the bucketable leaves (in leaf order, at most
+        BUCKET_NUMEL elements per bucket unless one leaf is larger), and the other indices."""
+        buckets: dict = {}
+        other = []
+        fill: dict = {}  # (kind, dim, dtype) -> (bucket number, elements in it)
+        for i, p in enumerate(ps):
+            kind = self._kind(p)
+            if kind is None:
+                other.append(i)
+                continue
+            key = (*kind, p.dtype)
+            n, used = fill.get(key, (0, 0))
+            if used and used + p.numel() > BUCKET_NUMEL:
+                n, used = n + 1, 0
+            fill[key] = (n, used + p.numel())
+            buckets.setdefault((*key, n), []).append(i)
+        return buckets, other
+
+    def gather(self, params: PyTree) -> PyTree:
+        """Plain local tensors to compute with: all-gathered on dp, this rank's slice on tp."""
+        ps, spec = optree.tree_flatten(params)
+        out: list = [None] * len(ps)
+        buckets, other = self._buckets(ps)
+        for (kind, dim, _, _), idx in buckets.items():
+            if kind == "ddp":
+                for i in idx:
+                    out[i] = ps[i].to_local()
+                continue
+            w = self.mesh.size(dim)
+            locs = [ps[i].to_local() for i in idx]
+            chunks = [_chunk(ps[i].shape[0], w) for i in idx]
+            flat = torch.cat([_pad_rows(x, c).reshape(-1) for x, c in zip(locs, chunks)])  # (S,)
+            full = _wait(funcol.all_gather_tensor(flat, 0, (self.mesh, dim))).view(w, -1)  # (w, S)
+            off = 0
+            for i, x, c in zip(idx, locs, chunks):
+                size = c * _row_numel(x)
+                rows = full[:, off:off + size].reshape(w * c, *x.shape[1:])  # (w c, ...)
+                out[i] = rows[: ps[i].shape[0]]
+                off += size
+        for i in other:
+            p = ps[i]
+            out[i] = p.redistribute(self.mesh, self._compute_placements(p.placements)).to_local()
+        return optree.tree_unflatten(spec, out)
+
+    def reduce_grads(self, grads: PyTree, params: PyTree) -> PyTree:
+        """Averages local grads over the dp ranks into the params' placements (reduce-scatter)."""
+        ps, spec = optree.tree_flatten(params)
+        gs = spec.flatten_up_to(grads)
+        out: list = [None] * len(ps)
+        buckets, other = self._buckets(ps)
+        scale = 1.0 / max(1, _prod(self.mesh.size(d) for d in self.dp_dims))
+        for (kind, dim, _, _), idx in buckets.items():
+            if kind == "ddp" and not self.dp_dims:  # nothing to average (tp only, 1 device)
+                for i in idx:
+                    out[i] = self._wrap(gs[i], ps[i])
+                continue
+            if kind == "ddp":
+                flat = torch.cat([gs[i].reshape(-1) for i in idx])
+                flat = self._all_reduce(flat, self.dp_dims) * scale
+                off = 0
+                for i in idx:
+                    n = gs[i].numel()
+                    out[i] = self._wrap(flat[off:off + n].view(gs[i].shape), ps[i])
+                    off += n
+                continue
+            w = self.mesh.size(dim)
+            r = self.mesh.get_local_rank(dim)
+            chunks = [_chunk(ps[i].shape[0], w) for i in idx]
+            # (w, S): row j holds every param's chunk for rank j, back to back
+            buf = torch.cat([_pad_rows(gs[i], w * c).reshape(w, -1) for i, c in zip(idx, chunks)], dim=1)
+            mine = _wait(funcol.reduce_scatter_tensor(buf.reshape(-1), "sum", 0, (self.mesh, dim)))  # (S,)
+            mine = self._all_reduce(mine, [d for d in self.dp_dims if d != dim]) * scale
+            off = 0
+            for i, c in zip(idx, chunks):
+                g = gs[i]
+                size = c * _row_numel(g)
+                rows = max(0, min(c, ps[i].shape[0] - r * c))  # this rank's rows (torch.chunk)
+                out[i] = self._wrap(mine[off:off + size].view(c, *g.shape[1:])[:rows], ps[i])
+                off += size
+        for i in other:
+            p = ps[i]
+            src = [Partial("avg") if d in self.dp_dims else pl for d, pl in enumerate(p.placements)]
+            d = DTensor.from_local(gs[i], self.mesh, src, run_check=False, shape=p.shape, stride=p.stride())
+            out[i] = d.redistribute(self.mesh, p.placements)
+        return optree.tree_unflatten(spec, out)
+
+    def _all_reduce(self, x: torch.Tensor, dims) -> torch.Tensor:
+        """Sum of `x` over the mesh dims `dims`, one after the other."""
+        for d in dims:
+            x = _wait(funcol.all_reduce(x, "sum", (self.mesh, d)))
+        return x
+
+    def _wrap(self, local: torch.Tensor, like: DTensor) -> DTensor:
+        """`local` as a DTensor with `like`'s mesh, placements, shape and stride."""
+        return DTensor.from_local(local, self.mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+
+    def mean_over_dp(self, metrics: dict) -> dict:
+        """Averages a dict of scalar tensors over the dp ranks (one collective for all of them)."""
+        if not self.dp_dims or not metrics:
+            return metrics
+        keys = list(metrics)
+        vals = [torch.as_tensor(metrics[k]) for k in keys]
+        stacked = torch.stack([v.detach().float().reshape(()) for v in vals])  # (M,)
+        mean = self._all_reduce(stacked, self.dp_dims) / _prod(self.mesh.size(d) for d in self.dp_dims)
+        return {k: mean[i].to(v.dtype) for i, (k, v) in enumerate(zip(keys, vals))}
+
+    def fold_in_dp(self, key: torch.Tensor) -> torch.Tensor:
+        """Folds the dp rank into a key, so dp ranks draw different dropout masks."""
+        if self.dp_world == 1:
+            return key
+        return rng_lib.fold_in(key, self.dp_rank)
+
+
+def global_norm(xs: list) -> torch.Tensor:
+    """L2 norm of DTensors taken together, over the whole mesh, with few collectives.
+
+    Each leaf's squared local norm counts once per distinct shard: the squares are summed per
+    group of leaves sharded on the same mesh dims, and each group is all-reduced over those dims
+    only (replicated dims hold copies). One all-reduce per (group, dim) instead of one per leaf.
+
+    Args:
+      xs: a list of DTensors (Shard/Replicate placements; Partial ones are reduced first).
+
+    Returns:
+      A 0-d float32 plain tensor, the same on every rank.
+
+    Example:
+      >>> gnorm = global_norm(tree.leaves(grads))
+    """
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+    xs = [_no_partial(x) for x in xs]
+    norms = torch._foreach_norm([x.to_local() for x in xs], 2.0, dtype=acc)
+    groups: dict = {}
+    for x, n in zip(xs, norms):
+        dims = tuple(d for d, p in enumerate(x.placements) if isinstance(p, Shard))
+        groups.setdefault((x.device_mesh, dims), []).append(n)
+    total = None
+    for (mesh, dims), ns in groups.items():
+        sq = torch.stack(ns).square().sum()
+        for d in dims:
+            sq = _wait(funcol.all_reduce(sq, "sum", (mesh, d)))
+        total = sq if total is None else total + sq
+    return total.sqrt().to(torch.float32)
+
+
+def _no_partial(x: DTensor) -> DTensor:
+    """`x` with any Partial placement reduced to Replicate."""
+    if not any(p.is_partial() for p in x.placements):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+
+
+def _row_numel(x: torch.Tensor) -> int:
+    """Elements per dim-0 row of `x`."""
+    n = 1
+    for s in x.shape[1:]:
+        n *= s
+    return n
+
+
+def _prod(xs) -> int:
+    """Product of ints."""
+    out = 1
+    for x in xs:
+        out *= x
+    return out

@@ -1,0 +1,193 @@
+"""Tensor parallelism applied from the outside: a copy of the model whose Linears compute on tp shards.
+
+`tensor_parallel(model, mesh, rules)` returns a storage-free copy of `model` in which every
+`nn.Linear` whose weight the rules shard on the tp axis is swapped for a Megatron-style layer:
+
+  colwise  (weight `Shard(0)`, output features): `y_local = x @ W_local^T + b_local`; the input goes
+           through `copy_to_tp` (identity forward, all-reduce of the input gradient backward).
+  rowwise  (weight `Shard(1)`, input features): `y = all_reduce(x_local @ W_local^T) + b`
+           (`reduce_from_tp`: all-reduce forward, identity backward); the bias is added once.
+
+With q/k/v and mlp.fc colwise and attn.proj / mlp.proj rowwise (GPT's `TP_RULES`), attention runs
+on this rank's heads (the model infers the local head count from the tensor) and the MLP on its
+slice of the hidden units: real tensor-parallel compute, two all-reduces per block forward and
+(one per colwise Linear) in backward. Parameter names are unchanged, so the same params dict (the
+local tensors the sharded step passes to the loss function) drives it through `functional_call`.
+The model file itself stays a plain nn.Module.
+
+The collectives are functional collectives inside `torch.autograd.Function`s: they work under
+`torch.func.grad_and_value`, eagerly and inside `torch.compile(fullgraph=True)` (one graph).
+
+Example:
+    >>> tp_model = parallel.tensor_parallel(template, ctx.mesh, parallel.default_rules(gpt.TP_RULES))
+    >>> loss_fn = lambda p, b, k: gpt.cross_entropy(functrain.apply(tp_model, p, b["x"], dropout_key=k), b["y"])
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from functrain.parallel.mesh import TP_AXIS
+from functrain.parallel.sharding import Rule, placements_for
+
+__all__ = ["tensor_parallel", "copy_to_tp", "reduce_from_tp"]
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of `x` over `group` (a functional collective, waited)."""
+    y = funcol.all_reduce(x.contiguous(), "sum", group)
+    return y.wait() if isinstance(y, funcol.AsyncCollectiveTensor) else y
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (Megatron's `f`)."""
+
+    @staticmethod
+    def forward(x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        # no_grad: the collective's own autograd kernel is not a functorch-ready Function.
+        with torch.no_grad():
+            return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward (Megatron's `g`)."""
+
+    @staticmethod
+    def forward(x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Marks a replicated activation entering tp-sharded compute (gradient summed over `group`).
+
+    Args:
+      x: an activation that is the same on every rank of `group`.
+      group: the tp group (a 1-D DeviceMesh or a ProcessGroup).
+
+    Returns:
+      `x` (its gradient is all-reduced over `group` in backward).
+
+    Example:
+      >>> h = F.linear(copy_to_tp(x, tp_mesh), w_local)
+    """
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Sums tp-partial activations over `group` (gradient passed through unchanged).
+
+    Args:
+      x: this rank's partial sum.
+      group: the tp group (a 1-D DeviceMesh or a ProcessGroup).
+
+    Returns:
+      The full sum, the same on every rank of `group`.
+
+    Example:
+      >>> y = reduce_from_tp(F.linear(x_local, w_local), tp_mesh) + bias
+    """
+    return _ReduceFromTP.apply(x, group)
+
+
+class _ColwiseLinear(nn.Linear):
+    """Linear over this rank's output features; input gradient summed over tp."""
+
+    tp_group = None
+
+    def forward(self, x):
+        return F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
+
+
+class _RowwiseLinear(nn.Linear):
+    """Linear over this rank's input features; partial outputs summed over tp, bias added once."""
+
+    tp_group = None
+
+    def forward(self, x):
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters and buffers live on "meta" (ties kept)."""
+    memo = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def tensor_parallel(model: nn.Module, mesh, rules: Sequence[Rule]) -> nn.Module:
+    """A tensor-parallel copy of `model` for the tp axis of `mesh` (the model itself is untouched).
+
+    Args:
+      model: the model (a real one or a "meta" template; the copy never holds weights).
+      mesh: the DeviceMesh (axis "tp"), or None / a mesh whose tp axis has size 1.
+      rules: the sharding rules used for the state (e.g. `default_rules(gpt.TP_RULES)`); the
+        tp-axis placement of each Linear weight picks its style: Shard(0) colwise, Shard(1) rowwise.
+
+    Returns:
+      `model` itself when there is no tensor parallelism, else a storage-free copy with the
+      sharded Linears swapped (same parameter names). Use it in the loss function.
+
+    Raises:
+      ValueError: a parameter outside an nn.Linear is sharded on tp, or a rowwise bias is sharded.
+
+    Example:
+      >>> tp_model = tensor_parallel(template, ctx.mesh, default_rules(gpt.TP_RULES))
+    """
+    if mesh is None or TP_AXIS not in (mesh.mesh_dim_names or ()) or mesh[TP_AXIS].size() == 1:
+        return model
+    tp_dim = mesh.mesh_dim_names.index(TP_AXIS)
+    tp_mesh = mesh[TP_AXIS]
+    placement = {
+        name: placements_for(name, p.shape, mesh, rules)[tp_dim] for name, p in model.named_parameters()
+    }
+    out = _meta_copy(model)
+    linears = {name: m for name, m in out.named_modules() if type(m) is nn.Linear}
+    handled = set()
+    for name, m in linears.items():
+        prefix = f"{name}." if name else ""
+        w = placement.get(prefix + "weight")
+        b = placement.get(prefix + "bias", Replicate()) if m.bias is not None else Replicate()
+        if w == Shard(0) and b in (Shard(0), Replicate()) and (m.bias is None or b == Shard(0)):
+            m.__class__ = _ColwiseLinear
+        elif w == Shard(1) and b == Replicate():
+            m.__class__ = _RowwiseLinear
+        elif isinstance(w, Shard) or isinstance(b, Shard):
+            raise ValueError(f"tensor_parallel: unsupported tp placements for {name}: weight {w}, bias {b}")
+        else:
+            continue
+        m.tp_group = tp_mesh
+        handled.update({prefix + "weight", prefix + "bias"})
+    for name, p in placement.items():
+        if isinstance(p, Shard) and name not in handled:
+            raise ValueError(
+                f"tensor_parallel: {name} is sharded on tp ({p}) but is not the weight or bias of an "
+                "nn.Linear; only colwise/rowwise Linears are supported"
+            )
+    return out

@@ -1,0 +1,306 @@
+"""One rank of the sharded-training scenarios (launched by test_parallel_dist.py).
+
+Usage: python tests/_dist_parallel_worker.py <outdir> <suite>
+Suites: eager2 (2 ranks), compiled2 (2 ranks), eager4 (4 ranks), single (1 process, no torchrun).
+Every scenario compares the sharded run with the plain single-process run of the same global
+batches, computed in the same process; its numbers (or its traceback) go to
+<outdir>/<suite>_rank<r>.json, so one failing scenario does not hide the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import optree
+import torch
+import torch.distributed as dist
+
+from functrain import apply, init_state, make_eval_step, make_train_step, optim, parallel, rng
+from functrain.models import gpt
+from functrain.parallel import spmd as spmd_lib
+from functrain.parallel import tp as tp_lib
+
+STEPS = 20
+
+
+def tiny_gpt(bias: bool = False) -> gpt.GPT:
+    """The tiny GPT of the tests. bias=False by default: attn.k.bias has an exactly-zero true
+    gradient (softmax is shift invariant), so AdamW turns its round-off into full-size steps in
+    any run, single-process included, and it cannot be compared to 1e-5."""
+    cfg = gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=bias)
+    return gpt.GPT(cfg, key=rng.key(0))
+
+
+def loss_fn_for(model):
+    """Next-token cross-entropy of `model` on a batch (x, y)."""
+
+    def loss_fn(params, batch, key):
+        x, y = batch
+        return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y), {"tokens": torch.tensor(float(x.numel()))}
+
+    return loss_fn
+
+
+def global_batches(n: int, batch_size: int = 8, seed: int = 0):
+    """`n` global batches (x, y) of random token ids, shape (batch_size, 16)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 64, (batch_size, 16), generator=g), torch.randint(0, 64, (batch_size, 16), generator=g))
+            for _ in range(n)]
+
+
+def adamw():
+    """Clipping + AdamW with a warm-up/cosine schedule (the usual GPT optimizer)."""
+    return optim.chain(optim.clip_by_global_norm(1.0),
+                       optim.adamw(optim.warmup_cosine(1e-2, 3, STEPS), weight_decay=0.1))
+
+
+def sgd():
+    """Clipping + SGD with momentum (no per-element normalization: exact for bias runs)."""
+    return optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.05, momentum=0.9))
+
+
+def max_diff(a, b) -> float:
+    """Largest absolute difference between two trees of plain tensors (same structure)."""
+    la, sa = optree.tree_flatten(a)
+    lb, sb = optree.tree_flatten(b)
+    assert sa == sb, f"structure {sa} != {sb}"
+    return max([(x.double() - y.double()).abs().max().item() for x, y in zip(la, lb) if x.numel()] + [0.0])
+
+
+def run(step_fn, state, batches, ctx=None):
+    """Runs the steps; returns (final state, [metrics dict of floats per step])."""
+    hist = []
+    for b in batches:
+        if ctx is not None:
+            b = parallel.split_batch(b, ctx.dp_rank, ctx.dp_world)
+        state, m = step_fn(state, b)
+        hist.append({k: float(v) for k, v in m.items()})
+    return state, hist
+
+
+def compare(ctx, *, bias=False, make_opt=adamw, steps=STEPS, accum=1, compile=False, donate=True,
+            compile_options=None, rules=None):
+    """Sharded run vs the plain single-process run: max differences of metrics, params, opt state."""
+    model = tiny_gpt(bias)
+    rules = parallel.default_rules(gpt.TP_RULES) if rules is None else rules
+    batches = global_batches(steps)
+    opt = make_opt()
+    ref_step = make_train_step(loss_fn_for(model), opt, accum_steps=accum, compile=False)
+    ref, ref_hist = run(ref_step, init_state(model, opt), batches)
+    tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
+    step = make_train_step(loss_fn_for(tp_model), opt, accum_steps=accum, compile=compile, donate=donate,
+                           compile_options=compile_options)
+    state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
+    state, hist = run(step, state, batches, ctx)
+    full = parallel.gather(state)
+    return {
+        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_hist, hist)),
+        "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(ref_hist, hist)),
+        "metric_keys_equal": sorted(ref_hist[0]) == sorted(hist[0]),
+        "params": max_diff(full.params, ref.params),
+        "opt_state": max_diff(full.opt_state, ref.opt_state),
+        "step": int(full.step),
+        "loss_first_last": [hist[0]["loss"], hist[-1]["loss"]],
+        "placements": {k: [repr(p) for p in v.placements] for k, v in state.params.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios: name -> (mesh config, fn(ctx) -> result dict)
+
+
+def s_fsdp(ctx):
+    return compare(ctx)
+
+
+def s_tp(ctx):
+    return compare(ctx)
+
+
+def s_ddp(ctx):
+    return compare(ctx)
+
+
+def s_bias(ctx):
+    return compare(ctx, bias=True, make_opt=sgd, steps=10)
+
+
+def s_accum(ctx):
+    return compare(ctx, accum=2, donate=False, steps=5)
+
+
+def s_tp_is_local(ctx):
+    """TP computes on local shards: half of q's rows, half the heads, all-reduces of (B, T, C)."""
+    model = tiny_gpt()
+    rules = parallel.default_rules(gpt.TP_RULES)
+    tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
+    opt = adamw()
+    state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
+    local = spmd_lib.Spmd(state.params["wte.weight"].device_mesh).gather(state.params)
+    heads = []
+    hook = tp_model.blocks[0].attn.q.register_forward_hook(lambda m, i, o: heads.append(o.shape[-1] // 8))
+    shapes = []
+    orig = tp_lib._all_reduce
+    tp_lib._all_reduce = lambda x, g: (shapes.append(list(x.shape)), orig(x, g))[1]
+    try:
+        step = make_train_step(loss_fn_for(tp_model), opt, compile=False)
+        x, y = parallel.split_batch(global_batches(1)[0], ctx.dp_rank, ctx.dp_world)
+        step(state, (x, y))
+    finally:
+        tp_lib._all_reduce = orig
+        hook.remove()
+    return {
+        "q_local": list(local["blocks.0.attn.q.weight"].shape),
+        "proj_local": list(local["blocks.0.attn.proj.weight"].shape),
+        "fc_local": list(local["blocks.0.mlp.fc.weight"].shape),
+        "wte_local": list(local["wte.weight"].shape),
+        "local_heads": heads[0],
+        "all_reduce_shapes": shapes,
+    }
+
+
+def s_uneven(ctx):
+    """A 7-row parameter: shard -> gather round trip, and 5 steps equal to the plain run."""
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(7, 3, generator=g), "b": torch.randn(7, generator=g), "v": torch.randn(5, 7, generator=g)}
+
+    def loss_fn(p, batch, key):
+        x, y = batch
+        h = torch.tanh(x @ p["w"].T + p["b"])  # (B, 7)
+        return ((h @ p["v"].T - y) ** 2).mean()
+
+    opt = adamw()
+    ref0 = init_state(params, opt)
+    sharded = parallel.shard_state(ref0, ctx.mesh)
+    local_rows = [sharded.params["w"].to_local().shape[0], sharded.params["b"].to_local().shape[0]]
+    roundtrip = max_diff(parallel.gather(sharded), ref0)
+    xs = [(torch.randn(8, 3, generator=g), torch.randn(8, 5, generator=g)) for _ in range(5)]
+    ref, ref_hist = run(make_train_step(loss_fn, opt, compile=False), ref0, xs)
+    st, hist = run(make_train_step(loss_fn, opt, compile=False), sharded, xs, ctx)
+    return {
+        "local_rows": local_rows,
+        "roundtrip": roundtrip,
+        "mu_is_dtensor": type(st.opt_state[1][0].mu["w"]).__name__,
+        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_hist, hist)),
+        "params": max_diff(parallel.gather(st.params), ref.params),
+    }
+
+
+def s_eval_and_keys(ctx):
+    """The sharded eval step equals the plain one; dropout keys differ across dp ranks only."""
+    model = tiny_gpt()
+    rules = parallel.default_rules(gpt.TP_RULES)
+    opt = adamw()
+    plain = init_state(model, opt)
+    state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
+    b = global_batches(1)[0]
+    ref = make_eval_step(loss_fn_for(model), compile=False)(plain, b)
+    got = make_eval_step(loss_fn_for(parallel.tensor_parallel(model, ctx.mesh, rules)), compile=False)(
+        state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world))
+    key = spmd_lib.Spmd(state.params["wte.weight"].device_mesh).fold_in_dp(rng.fold_in(plain.rng, 3))
+    keys = [None] * ctx.world_size
+    dist.all_gather_object(keys, key.tolist())
+    return {"eval_loss": abs(float(ref["loss"]) - float(got["loss"])), "keys": keys,
+            "dp_ranks": [ctx.dp_rank], "tp_rank": ctx.tp_rank}
+
+
+def s_compiled(ctx, backend):
+    """Compiled sharded step: one graph, no recompile over 6 steps, equal to eager and to 1 process."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_gpt()
+    rules = parallel.default_rules(gpt.TP_RULES)
+    tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
+    opt = adamw()
+    batches = global_batches(6)
+    ref, ref_hist = run(make_train_step(loss_fn_for(model), opt, compile=False), init_state(model, opt), batches)
+    eager, eager_hist = run(make_train_step(loss_fn_for(tp_model), opt, compile=False),
+                            parallel.shard_state(init_state(model, opt), ctx.mesh, rules), batches, ctx)
+    step = make_train_step(loss_fn_for(tp_model), opt, compile=True, compile_options={"backend": backend})
+    state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
+    hist = []
+    try:
+        for i, b in enumerate(batches):
+            torch._dynamo.config.error_on_recompile = i > 0
+            state, m = step(state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world))
+            hist.append({k: float(v) for k, v in m.items()})
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    full, full_eager = parallel.gather(state), parallel.gather(eager)
+    return {
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "metric_types": sorted({type(v).__name__ for v in m.values()}),
+        "vs_eager_loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(eager_hist, hist)),
+        "vs_eager_params": max_diff(full.params, full_eager.params),
+        "vs_single_loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_hist, hist)),
+        "vs_single_params": max_diff(full.params, ref.params),
+        "vs_single_opt_state": max_diff(full.opt_state, ref.opt_state),
+    }
+
+
+def s_single(_ctx):
+    """One process without torchrun: plain path by default; a 1-device mesh when asked."""
+    plain_ctx = parallel.setup({"dp_shard": -1})
+    out = {"plain_mesh": plain_ctx.mesh is None, "plain_pg": dist.is_initialized()}
+    model = tiny_gpt()
+    opt = adamw()
+    s0 = init_state(model, opt)
+    out["plain_identity"] = parallel.shard_state(s0, plain_ctx.mesh) is s0
+    ctx = parallel.setup({"dp_shard": -1}, mesh_on_single_process=True)
+    out["mesh_shape"] = dict(ctx.shape)
+    out["pg_world"] = dist.get_world_size()
+    out.update(compare(ctx, steps=5))
+    parallel.teardown()
+    out["pg_after_teardown"] = dist.is_initialized()
+    return out
+
+
+SUITES = {
+    "eager2": [
+        ("fsdp", {"dp_shard": 2}, s_fsdp),
+        ("tp", {"dp_shard": 1, "tp": 2}, s_tp),
+        ("ddp", {"dp_replicate": 2, "dp_shard": 1}, s_ddp),
+        ("fsdp_bias", {"dp_shard": 2}, s_bias),
+        ("tp_bias", {"dp_shard": 1, "tp": 2}, s_bias),
+        ("tp_is_local", {"dp_shard": 1, "tp": 2}, s_tp_is_local),
+        ("accum_fsdp", {"dp_shard": 2}, s_accum),
+        ("uneven", {"dp_shard": 2}, s_uneven),
+        ("eval_keys_fsdp", {"dp_shard": 2}, s_eval_and_keys),
+        ("eval_keys_tp", {"dp_shard": 1, "tp": 2}, s_eval_and_keys),
+    ],
+    "compiled2": [
+        ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, "inductor")),
+        ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
+    ],
+    "eager4": [
+        ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),
+        ("hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_fsdp),
+    ],
+    "single": [("single", None, s_single)],
+}
+
+
+def main(outdir: str, suite: str, only: list[str]) -> None:
+    results = {}
+    for name, mesh_cfg, fn in SUITES[suite]:
+        if only and name not in only:
+            continue
+        try:
+            ctx = parallel.setup(mesh_cfg) if mesh_cfg is not None else None
+            results[name] = {"result": fn(ctx)}
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"error": traceback.format_exc()}
+    r = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(outdir, f"{suite}_rank{r}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    parallel.teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
