@@ -28,7 +28,7 @@ from functrain import checkpoint as ckpt_lib
 from functrain import data as data_lib
 from functrain import losses
 from functrain import metrics as metrics_lib
-from functrain import optim
+from functrain import optim, parallel
 from functrain import rng as rng_lib
 from functrain.models import gpt
 from functrain.state import TrainState, init_state
@@ -128,13 +128,6 @@ def evaluate(eval_step, state: TrainState, batches) -> float:
     """Mean eval loss over `batches` (a list of `(x, y)`)."""
     losses = [eval_step(state, b)["loss"] for b in batches]
     return float(torch.stack([l.detach().float() for l in losses]).mean())
-
-
-def _resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda if available else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _check_config(config: ml_collections.ConfigDict) -> None:
@@ -284,12 +277,32 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
       >>> summary = train(get_config("tiny"), "runs/tiny")
     """
     _check_config(config)
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    _write_run_info(config, workdir)
+    try:
+        ctx = parallel.setup(config.mesh)  # torchrun env -> process group + mesh; plain python: none
+    except ValueError as exc:
+        raise TrainingError(f"{exc}; fix --config.mesh.* or the number of processes") from None
+    with ctx:
+        return _train(config, Path(workdir), ctx, print_fn if ctx.is_main_process else _silent)
+
+
+def _silent(*args, **kwargs) -> None:
+    """print_fn of the ranks other than 0."""
+
+
+def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn) -> dict[str, Any]:
+    """`train` inside the process group (see `train`)."""
+    main = ctx.is_main_process
+    if config.batch_size % (ctx.dp_world * config.accum_steps):
+        raise TrainingError(
+            f"batch_size={config.batch_size} must divide by data-parallel ranks ({ctx.dp_world}) x "
+            f"accum_steps ({config.accum_steps}); change batch_size or the mesh"
+        )
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        _write_run_info(config, workdir)
     if config.deterministic:
         torch.use_deterministic_algorithms(True)
-    device = _resolve_device(config.device)
+    device = ctx.device if config.device == "auto" else torch.device(config.device)
 
     cache_dir = config.data.cache_dir or str(workdir / "data")
     dataset = data_lib.load_dataset(
@@ -313,25 +326,30 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     with torch.device("meta"):
         template = gpt.GPT(mcfg)  # shapes only; the state holds the real tensors
     optimizer = build_optimizer(config)
-    params = gpt.init_params(template, rng_lib.key(config.seed), device=device)
-    state = init_state(params, optimizer, seed=config.seed, copy=False)
+    params = gpt.init_params(template, rng_lib.key(config.seed), device=device)  # full, every rank
+    rules = parallel.default_rules(gpt.TP_RULES)
+    state = parallel.shard_state(init_state(params, optimizer, seed=config.seed, copy=False), ctx.mesh, rules)
+    del params
+    model = parallel.tensor_parallel(template, ctx.mesh, rules)  # `template` itself when tp == 1
 
-    loss_fn = make_loss_fn(template, config.loss_chunk_size)
+    loss_fn = make_loss_fn(model, config.loss_chunk_size)
     train_step = make_train_step(
         loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate
     )
     eval_step = make_eval_step(loss_fn, compile=config.compile)
 
+    dp = dict(parallel.data_parallel_kwargs(ctx), device=device)  # this rank's rows of each batch
+
     def batch_at(step: int):
         return data_lib.get_batch(
             dataset.train, batch_size=config.batch_size, block_size=mcfg.block_size,
-            seed=config.seed, step=step, device=device,
+            seed=config.seed, step=step, **dp,
         )
 
     val_batches = list(
         data_lib.eval_batches(
             dataset.val, batch_size=config.batch_size, block_size=mcfg.block_size,
-            num_batches=config.eval_batches, device=device,
+            num_batches=config.eval_batches, **dp,
         )
     )
 
@@ -339,13 +357,15 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     print_fn(
         f"functrain: GPT {n_params / 1e6:.2f}M params ({config.model.n_layer} layers, d={mcfg.n_embd}), "
         f"vocab {vocab}, {len(dataset.train):,} train tokens, device {device}, "
-        f"compile={'on' if config.compile else 'off'}"
+        f"compile={'on' if config.compile else 'off'}, mesh {dict(ctx.shape)}"
     )
     tokens_per_step = config.batch_size * mcfg.block_size
-    peak = metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device)
+    peak = ctx.world_size * (metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device))
     throughput = metrics_lib.Throughput(tokens_per_step, gpt.flops_per_token(mcfg), peak, config.steps)
-    writers = [metrics_lib.ConsoleWriter(config.steps, print_fn), metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
-    if config.tensorboard:
+    writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
+    if main:
+        writers.append(metrics_lib.JsonlWriter(workdir / "metrics.jsonl"))
+    if main and config.tensorboard:
         writers.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
     writer = metrics_lib.MultiWriter(writers)
 
@@ -396,14 +416,16 @@ def train(config: ml_collections.ConfigDict, workdir: str | Path, *, print_fn=pr
     if preempted:
         return {"steps": int(state.step), "loss": last.get("loss"), "val_loss": val_loss, "preempted": True}
 
-    prompt = torch.as_tensor(dataset.encode(config.sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
-    out = gpt.generate(
-        template, state.params, prompt, config.sample.max_new_tokens,
-        temperature=config.sample.temperature, top_k=config.sample.top_k or None,
-        key=rng_lib.fold_in(state.rng, state.step),
-    )
-    sample = dataset.decode(out[0].tolist())
-    print_fn("sample:\n" + sample)
-    summary = {"steps": config.steps, "loss": last.get("loss"), "val_loss": val_loss, "sample": sample}
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    full_params = parallel.gather(state.params)  # a collective: every rank takes part
+    summary = {"steps": config.steps, "loss": last.get("loss"), "val_loss": val_loss}
+    if main:
+        prompt = torch.as_tensor(dataset.encode(config.sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
+        out = gpt.generate(
+            template, full_params, prompt, config.sample.max_new_tokens,
+            temperature=config.sample.temperature, top_k=config.sample.top_k or None,
+            key=rng_lib.fold_in(state.rng, state.step),
+        )
+        summary["sample"] = dataset.decode(out[0].tolist())
+        print_fn("sample:\n" + summary["sample"])
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
