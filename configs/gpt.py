@@ -4,9 +4,11 @@ Command (from the repository root):
 
     python -m functrain.main --config=configs/gpt.py
 
-Expected result (2 CPU cores, torch 2.13): ~45 s of compilation, then about 10 minutes of
-training; train loss falls from ~5.6 (ln 256, uniform over bytes) to about 1.5, val loss about 1.6,
-and the final sample looks like indented Python. Metrics land in `runs/gpt/metrics.jsonl`.
+Expected result (2 CPU cores, torch 2.13): ~46 s of compilation, then ~0.22 s/step, about 9
+minutes of training; train loss falls from ~5.6 (ln 256, uniform over bytes) below 1.5, and the
+final sample looks like indented Python. Measured with `--config.steps=1200`: 4.7 minutes, train
+loss 1.50 and val loss 1.50 at the end (val 2.17 / 1.82 / 1.60 at steps 300 / 600 / 900).
+Metrics land in `runs/gpt/metrics.jsonl`, TensorBoard events in `runs/gpt/tb`.
 
 Variants (`--config=configs/gpt.py:<variant>`):
   tiny   smoke test: trains in well under a minute; loss falls from ~5.6 to about 2.5.
@@ -24,12 +26,12 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     """The default run, or one of the variants named in the module docstring."""
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.steps = 1200  # ~0.4 s/step on 2 CPU cores: about 8-10 minutes
+    c.steps = 2500  # ~0.22 s/step on 2 CPU cores: about 9 minutes
     c.stop_at = 0  # stop (checkpointed) after this step, as if preempted; 0 = run to `steps`
     c.batch_size = 32  # global batch, in sequences (split over the data-parallel ranks)
     c.accum_steps = 1  # microbatches per step (gradient accumulation inside the one compiled step)
     c.log_every = 50
-    c.eval_every = 300
+    c.eval_every = 500
     c.eval_batches = 8
     c.compile = True
     c.donate = True
@@ -44,7 +46,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.model.n_layer = 4
     c.model.n_head = 4
     c.model.n_embd = 128
-    c.model.dropout = 0.0  # small model, 1200 steps, 30 MB of text: it does not overfit
+    c.model.dropout = 0.0  # small model, 2500 steps, 30 MB of text: it does not overfit
     c.model.bias = False
 
     c.data = ml_collections.ConfigDict()
@@ -70,7 +72,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.mesh.tp = 1
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 400  # 0 disables periodic saves (a final save still happens)
+    c.checkpoint.every = 500  # 0 disables periodic saves (a final save still happens)
     c.checkpoint.keep = 2
     c.checkpoint.keep_every = 0  # also keep every N-th step forever; 0 = off
     c.checkpoint.enabled = True
