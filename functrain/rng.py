@@ -78,7 +78,7 @@ def fold_in(key: torch.Tensor, data: torch.Tensor | int) -> torch.Tensor:
     d = _mix(data)
     n0 = _mix(k0 ^ _mix(d + k1))
     n1 = _mix(k1 ^ _mix(n0 + d + _GOLDEN))
-    return torch.stack([n0, n1]) if isinstance(n0, torch.Tensor) else torch.tensor([n0, n1])
+    return torch.stack([n0, n1])
 
 
 def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:

@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import optree
 import torch
