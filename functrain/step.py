@@ -74,9 +74,17 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key):
     Returns:
       `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params.
 
+    A loss function may bring its own gradient route: when `loss_fn` has a
+    `value_and_grad(params, batch, key)` method returning `(loss, aux, grads)`, that is used
+    instead of `torch.func.grad_and_value` (e.g. `functrain.remat` losses, which recompute blocks).
+
     Example:
       >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
     """
+    custom = getattr(loss_fn, "value_and_grad", None)
+    if custom is not None:
+        loss, aux, grads = custom(params, batch, key)
+        return loss.detach(), dict(aux or {}), grads
 
     def f(p):
         loss, aux = _split_loss(loss_fn(p, batch, key))
