@@ -37,6 +37,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.donate = True
     c.deterministic = False  # bit-identical reruns need deterministic kernels (slower)
     c.loss_chunk_size = 0  # > 0: chunked cross-entropy through the tied head; logits never whole
+    c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32
+    c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row (0 = never skip)
     c.tensorboard = True  # event files in <workdir>/tb (written without the tensorboard package)
     c.device = "auto"  # "auto" = cuda if available, else cpu
 
@@ -65,6 +67,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8
     c.optim.momentum = 0.9  # sgd only
     c.optim.clip = 1.0  # global-norm clipping; 0 disables
+    c.optim.mu_dtype = "float32"  # adamw moment storage: float32 | bfloat16 (halves optimizer memory)
+    c.optim.nu_dtype = "float32"
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.dp_replicate = 1

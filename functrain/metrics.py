@@ -71,11 +71,16 @@ class ConsoleWriter:
         width = len(str(self.total_steps)) if self.total_steps else 0
         parts = [f"step {step:>{width}d}" + (f"/{self.total_steps}" if self.total_steps else "")]
         for k, v in metrics.items():
+            if k in _QUIET_WHEN_ZERO and not v:
+                continue
             parts.append(f"{k} {_fmt(k, v)}")
         self.print_fn(" | ".join(parts))
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+_QUIET_WHEN_ZERO = {"skipped_total"}  # printed only once something happened (files get every value)
 
 
 def _fmt(key: str, v: Any) -> str:

@@ -11,9 +11,46 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.optim.base import Transform
 
-__all__ = ["TrainState", "init_state", "params_of"]
+__all__ = ["Guard", "TrainState", "init_guard", "init_state", "params_of"]
 
 PyTree = Any
+
+
+DEFAULT_LOSS_SCALE = 2.0**16
+"""Initial dynamic loss scale (torch.amp.GradScaler's default); used only under fp16 precision."""
+
+
+class Guard(NamedTuple):
+    """The train step's safety counters and dynamic loss scale (all 0-d tensors, in the state).
+
+    Attributes:
+      skipped: int64, updates skipped so far because the loss or the grad norm was not finite.
+      consecutive: int64, updates skipped in a row up to now (0 after a good step).
+      loss_scale: float32, the dynamic loss scale (read only under fp16 precision).
+      good_steps: int64, finite steps since the loss scale last changed.
+    """
+
+    skipped: torch.Tensor
+    consecutive: torch.Tensor
+    loss_scale: torch.Tensor
+    good_steps: torch.Tensor
+
+
+def init_guard(device=None, loss_scale: float = DEFAULT_LOSS_SCALE) -> Guard:
+    """A fresh `Guard`: no skips, `loss_scale` as the starting dynamic loss scale.
+
+    Args:
+      device: where the counters live (the params' device).
+      loss_scale: the initial dynamic loss scale (fp16 only).
+
+    Returns:
+      A `Guard` of 0-d tensors.
+
+    Example:
+      >>> state = state.replace(guard=init_guard(loss_scale=2.0**12))
+    """
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return Guard(zero, zero.clone(), torch.tensor(loss_scale, dtype=torch.float32, device=device), zero.clone())
 
 
 class TrainState(NamedTuple):
@@ -29,12 +66,14 @@ class TrainState(NamedTuple):
       step: int64 0-d tensor, the number of updates done.
       rng: int64 key of shape (2,) (see `functrain.rng`); per-step keys are
         `rng.fold_in(state.rng, state.step)`, so the key itself never changes.
+      guard: a `Guard`: skipped-update counters and the fp16 dynamic loss scale.
     """
 
     params: PyTree
     opt_state: PyTree
     step: torch.Tensor
     rng: torch.Tensor
+    guard: Guard
 
     def replace(self, **changes) -> "TrainState":
         """A copy with some fields replaced: `state.replace(step=state.step + 1)`."""
@@ -93,4 +132,5 @@ def init_state(
         opt_state=optimizer.init(params),
         step=torch.zeros((), dtype=torch.int64, device=device),
         rng=rng_lib.key(seed, device=device),
+        guard=init_guard(device),
     )

@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from functrain import optim
+from functrain import precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
-from functrain.state import TrainState
+from functrain.state import Guard, TrainState
 
 __all__ = ["apply", "make_train_step", "make_eval_step", "value_and_grad"]
 
@@ -62,7 +63,7 @@ def apply(model: nn.Module, params: PyTree, *args, **kwargs):
     return torch.func.functional_call(model, params, args, kwargs)
 
 
-def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key):
+def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_scale=None):
     """Loss, aux and gradients of `loss_fn(params, batch, key)` with respect to `params`.
 
     Args:
@@ -70,25 +71,30 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key):
       params: the parameter tree (plain tensors).
       batch: the batch pytree.
       key: the RNG key passed to `loss_fn` (or None).
+      loss_scale: optional 0-d tensor; the gradients are those of `loss * loss_scale` (fp16 loss
+        scaling) while the returned loss is unscaled.
 
     Returns:
       `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params.
 
     A loss function may bring its own gradient route: when `loss_fn` has a
-    `value_and_grad(params, batch, key)` method returning `(loss, aux, grads)`, that is used
-    instead of `torch.func.grad_and_value` (e.g. `functrain.remat` losses, which recompute blocks).
+    `value_and_grad(params, batch, key, *, loss_scale=None)` method returning
+    `(loss, aux, grads)`, that is used instead of `torch.func.grad_and_value` (e.g. the
+    `functrain.remat` losses, which recompute blocks in the backward).
 
     Example:
       >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
     """
     custom = getattr(loss_fn, "value_and_grad", None)
     if custom is not None:
-        loss, aux, grads = custom(params, batch, key)
+        kwargs = {} if loss_scale is None else {"loss_scale": loss_scale}
+        loss, aux, grads = custom(params, batch, key, **kwargs)
         return loss.detach(), dict(aux or {}), grads
 
     def f(p):
         loss, aux = _split_loss(loss_fn(p, batch, key))
-        return loss, (loss.detach(), aux)
+        scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
+        return scaled, (loss.detach(), aux)
 
     grads, (_, (loss, aux)) = torch.func.grad_and_value(f, has_aux=True)(params)
     return loss, aux, grads
@@ -101,9 +107,9 @@ def _split_loss(out):
     return out, {}
 
 
-def _metrics_and_grads(loss_fn, params, batch, key):
+def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None):
     """({"loss": loss, **aux}, grads) for one (micro)batch."""
-    loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
+    loss, aux, grads = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale)
     return {"loss": loss, **aux}, grads
 
 
@@ -121,10 +127,11 @@ def _split_microbatches(batch: PyTree, k: int) -> PyTree:
     return tree_lib.map(split, batch)
 
 
-def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str):
-    """Mean loss/aux/grads over `accum_steps` microbatches, inside one graph."""
+def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str, loss_scale=None):
+    """Mean loss/aux/grads over `accum_steps` microbatches, inside one graph (grads summed in
+    float32 when accumulating, else in the compute dtype; the caller casts them to the masters')."""
     if accum_steps == 1:
-        return _metrics_and_grads(loss_fn, params, batch, key)
+        return _metrics_and_grads(loss_fn, params, batch, key, loss_scale)
     micro = _split_microbatches(batch, accum_steps)
     keys = rng_lib.split(key, accum_steps)  # (K, 2)
     if impl == "scan":
@@ -132,7 +139,7 @@ def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, i
 
         def body(carry, xs):
             mb, k = xs
-            aux, grads = _metrics_and_grads(loss_fn, params, mb, k)
+            aux, grads = _metrics_and_grads(loss_fn, params, mb, k, loss_scale)
             return tree_lib.map(torch.add, carry, (grads, aux)), torch.zeros(())
 
         probe_aux = _zeros_aux(loss_fn, params, micro, keys)
@@ -142,13 +149,58 @@ def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, i
         gsum = asum = None
         for i in range(accum_steps):
             mb = tree_lib.map(lambda x: x[i], micro)
-            aux, grads = _metrics_and_grads(loss_fn, params, mb, keys[i])
+            aux, grads = _metrics_and_grads(loss_fn, params, mb, keys[i], loss_scale)
             grads = tree_lib.map(lambda g: g.float(), grads)
             gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
             asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
     scale = 1.0 / accum_steps
-    grads = tree_lib.map(lambda g, p: (g * scale).to(p.dtype), gsum, params)
+    grads = tree_lib.map(lambda g: g * scale, gsum)  # float32
     return tree_lib.map(lambda a: a * scale, asum), grads
+
+
+def _to_master(grads: PyTree, master: PyTree, loss_scale) -> PyTree:
+    """Grads cast to the master params' dtypes, divided by the loss scale when there is one."""
+    leaves, spec = optree.tree_flatten(grads)
+    dtypes = [p.dtype for p in spec.flatten_up_to(master)]
+    if loss_scale is not None:  # unscale in float32 (or wider), then cast
+        wide = [g.to(torch.promote_types(d, torch.float32)) for g, d in zip(leaves, dtypes)]
+        leaves = torch._foreach_mul(wide, torch.reciprocal(loss_scale))
+    leaves = [g if g.dtype == d else g.to(d) for g, d in zip(leaves, dtypes)]
+    return optree.tree_unflatten(spec, leaves)
+
+
+def _select(ok: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+    """Leafwise `new if ok else old` (a 0-d bool `ok`, no host sync); DTensors keep `old`'s layout."""
+    old_leaves, spec = optree.tree_flatten(old)
+    out = []
+    for o, n in zip(old_leaves, spec.flatten_up_to(new)):
+        if n is o:
+            out.append(o)
+        elif tree_lib._is_dtensor(o):
+            from torch.distributed.tensor import DTensor
+
+            local = torch.where(ok, _local(n, like=o), o.to_local())
+            out.append(DTensor.from_local(local, o.device_mesh, o.placements, run_check=False,
+                                          shape=o.shape, stride=o.stride()))
+        else:
+            out.append(torch.where(ok, n, o))
+    return optree.tree_unflatten(spec, out)
+
+
+def _next_guard(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision) -> Guard:
+    """The guard after a step: skip counters, and the dynamic loss scale's GradScaler rule."""
+    bad = (~ok).to(torch.int64)
+    skipped = guard.skipped + bad
+    consecutive = (guard.consecutive + 1) * bad  # back to 0 after a good step
+    if not prec.loss_scaling:
+        return Guard(skipped, consecutive, guard.loss_scale, guard.good_steps)
+    good = (guard.good_steps + 1) * (1 - bad)
+    grow = good >= prec.growth_interval
+    scale = torch.where(
+        ok, torch.where(grow, guard.loss_scale * prec.growth_factor, guard.loss_scale),
+        guard.loss_scale * prec.backoff_factor,
+    )
+    return Guard(skipped, consecutive, scale, torch.where(grow, torch.zeros_like(good), good))
 
 
 def _zeros_aux(loss_fn, params, micro, keys):
@@ -189,6 +241,8 @@ def make_train_step(
     compile: bool = True,
     donate: bool = True,
     accum_impl: str = "unroll",
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    skip_nonfinite: bool = True,
     compile_options: dict | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
     """Builds `step(state, batch) -> (new_state, metrics)`.
@@ -203,12 +257,20 @@ def make_train_step(
       donate: reuse the input state's buffers for the output state (the input is consumed).
       accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
         op; one graph, compile time independent of accum_steps).
+      precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or a
+        `functrain.precision.Precision`: forward and backward run in that dtype on a cast copy of
+        the params; the state keeps its fp32 master params and optimizer state.
+      skip_nonfinite: when the loss or the gradient norm is not finite, skip the update: params
+        and optimizer state come back bit-identical, `step` still advances (the next batch is a
+        new one) and `state.guard` counts the skip. Always on under fp16 loss scaling.
       compile_options: extra keyword arguments for `torch.compile`.
 
     Returns:
       The step function. Metrics (0-d tensors): `loss`, `grad_norm` (before clipping),
       `update_norm`, `param_norm`, `lr` (when the optimizer has a learning rate), plus the
-      loss_fn's aux entries (averaged over microbatches).
+      loss_fn's aux entries (averaged over microbatches); with skipping, `skipped` (1 when this
+      step's update was skipped), `consecutive_skips` and `skipped_total`; under fp16,
+      `loss_scale` (the scale this step used).
 
     Example:
       >>> step = make_train_step(loss_fn, optim.adamw(3e-4), accum_steps=4)
@@ -218,6 +280,8 @@ def make_train_step(
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
     if accum_impl not in ("unroll", "scan"):
         raise ValueError(f"accum_impl must be 'unroll' or 'scan', got {accum_impl!r}")
+    prec = precision_lib.get(precision)
+    guarded = skip_nonfinite or prec.loss_scaling
 
     def build(spmd):
         """The step function; `spmd` is None (plain tensors) or a `parallel.spmd.Spmd`."""
@@ -225,11 +289,16 @@ def make_train_step(
         def train_step(state: TrainState, batch: PyTree):
             key = rng_lib.fold_in(state.rng, state.step)
             params = state.params
+            if prec.casts:  # compute copies (cast before the gather: half the bytes on the wire)
+                params = precision_lib.cast_floating(params, prec.compute_dtype)
+                batch = precision_lib.cast_floating(batch, prec.compute_dtype)
             if spmd is not None:  # gather for compute; per-dp-rank dropout key
                 key, params = spmd.fold_in_dp(key), spmd.gather(params)
+            loss_scale = state.guard.loss_scale if prec.loss_scaling else None
             aux, grads = _accumulated_value_and_grad(
-                loss_fn, params, batch, key, accum_steps, accum_impl
+                loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale
             )
+            grads = _to_master(grads, state.params, loss_scale)
             if spmd is not None:  # grads back to the param placements; loss over all dp ranks
                 grads, aux = spmd.reduce_grads(grads, state.params), spmd.mean_over_dp(aux)
             return _update(state, aux, grads)
@@ -237,16 +306,27 @@ def make_train_step(
         return train_step
 
     def _update(state: TrainState, aux: dict, grads: PyTree):
+        metrics = dict(aux)
+        metrics["grad_norm"] = grad_norm = tree_lib.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        metrics = dict(aux)
-        metrics["grad_norm"] = tree_lib.global_norm(grads)
         metrics["update_norm"] = tree_lib.global_norm(updates)
+        guard = state.guard
+        if guarded:  # a non-finite loss or grad norm keeps the old params and optimizer state
+            ok = torch.isfinite(aux["loss"]) & torch.isfinite(grad_norm)
+            params = _select(ok, params, state.params)
+            opt_state = _select(ok, opt_state, state.opt_state)
+            guard = _next_guard(guard, ok, prec)
+            metrics["skipped"] = (~ok).to(torch.float32)
+            metrics["consecutive_skips"] = guard.consecutive
+            metrics["skipped_total"] = guard.skipped
+            if prec.loss_scaling:
+                metrics["loss_scale"] = state.guard.loss_scale.clone()  # its buffer may be donated
         metrics["param_norm"] = tree_lib.global_norm(params)
         lr = optim.learning_rate(opt_state)
         if lr is not None:
             metrics["lr"] = lr
-        new_state = TrainState(params, opt_state, state.step + 1, state.rng)
+        new_state = TrainState(params, opt_state, state.step + 1, state.rng, guard)
         if donate:
             new_state = _write_into(state, new_state)
         return new_state, metrics
@@ -268,13 +348,18 @@ def make_train_step(
 
 
 def make_eval_step(
-    loss_fn: LossFn, *, compile: bool = True, compile_options: dict | None = None
+    loss_fn: LossFn,
+    *,
+    compile: bool = True,
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    compile_options: dict | None = None,
 ) -> Callable[[TrainState, PyTree], dict]:
     """Builds `eval_step(state, batch) -> metrics` ({"loss": ..., **aux}), with no dropout key.
 
     Args:
       loss_fn: the same `(params, batch, key) -> (loss, aux)` as for training; it gets key=None.
       compile: compile with `torch.compile(fullgraph=True)`.
+      precision: compute precision, as for `make_train_step` (params and inputs are cast).
       compile_options: extra keyword arguments for `torch.compile`.
 
     Returns:
@@ -285,11 +370,18 @@ def make_eval_step(
       >>> val_loss = eval_step(state, val_batch)["loss"]
     """
 
+    prec = precision_lib.get(precision)
+
     def build(spmd):
         """The eval function; `spmd` is None (plain tensors) or a `parallel.spmd.Spmd`."""
 
         def eval_step(state: TrainState, batch: PyTree):
-            params = state.params if spmd is None else spmd.gather(state.params)
+            params = state.params
+            if prec.casts:
+                params = precision_lib.cast_floating(params, prec.compute_dtype)
+                batch = precision_lib.cast_floating(batch, prec.compute_dtype)
+            if spmd is not None:
+                params = spmd.gather(params)
             with torch.no_grad():
                 loss, aux = _split_loss(loss_fn(params, batch, None))
             metrics = {"loss": loss, **aux}

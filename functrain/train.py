@@ -29,6 +29,7 @@ from functrain import data as data_lib
 from functrain import losses
 from functrain import metrics as metrics_lib
 from functrain import optim, parallel
+from functrain import precision as precision_lib
 from functrain import rng as rng_lib
 from functrain.models import gpt
 from functrain.state import TrainState, init_state
@@ -88,7 +89,11 @@ def build_optimizer(config: ml_collections.ConfigDict) -> optim.Transform:
     c = config.optim
     lr = build_schedule(c, config.steps)
     if c.name == "adamw":
-        base = optim.adamw(lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask)
+        try:
+            dtypes = {k: precision_lib.parse_dtype(c[k]) for k in ("mu_dtype", "nu_dtype")}
+        except ValueError as exc:
+            raise TrainingError(f"optim.mu_dtype / optim.nu_dtype: {exc}") from None
+        base = optim.adamw(lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask, **dtypes)
     elif c.name == "sgd":
         base = optim.sgd(lr, momentum=c.momentum, weight_decay=c.weight_decay, mask=decay_mask)
     else:
@@ -146,6 +151,12 @@ def _check_config(config: ml_collections.ConfigDict) -> None:
     for key in ("log_every", "eval_every"):
         if config[key] < 1:
             raise TrainingError(f"{key}={config[key]} must be >= 1")
+    if config.max_consecutive_skips < 0:
+        raise TrainingError(f"max_consecutive_skips={config.max_consecutive_skips} must be >= 0 (0 = no skipping)")
+    try:
+        precision_lib.get(config.precision)
+    except ValueError as exc:
+        raise TrainingError(f"{exc} (--config.precision)") from None
 
 
 def _git_revision() -> str | None:
@@ -229,6 +240,36 @@ def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, pri
     overlap = "compile overlapped" if config.checkpoint.async_restore and config.compile else "blocking"
     print_fn(f"restored checkpoint step {latest} in {time.perf_counter() - t0:.1f}s ({overlap})")
     return restored
+
+
+class _SkipWatch:
+    """Stops the run once `limit` updates in a row were skipped (non-finite loss or grad norm).
+
+    The step skips bad updates on the device; this reads its `consecutive_skips` counter: every
+    step on CPU (free), every `limit` steps on accelerators (a host sync), so the run stops within
+    `2 * limit - 1` skipped steps at most.
+    """
+
+    def __init__(self, limit: int, device: torch.device, manager):
+        self.enabled = limit > 0
+        self.limit, self.manager = limit, manager
+        self.every = 1 if device.type == "cpu" else max(limit, 1)
+
+    def check(self, done: int, metrics: dict) -> None:
+        """Raises TrainingError when the skip limit is reached after step `done`."""
+        if not self.enabled or "consecutive_skips" not in metrics or done % self.every:
+            return
+        n = int(metrics["consecutive_skips"])
+        if n < self.limit:
+            return
+        latest = self.manager.latest_step() if self.manager is not None else None
+        kept = f"the last checkpoint (step {latest}) is kept" if latest is not None else "no checkpoint was written"
+        raise TrainingError(
+            f"the update was skipped at {n} consecutive steps ({done - n + 1} to {done}): the loss or "
+            f"the gradient norm was not finite; params are as after step {done - n}, {kept}. "
+            f"Lower optim.lr, enable optim.clip, check the data near step {done - n + 1}, or raise "
+            "max_consecutive_skips"
+        )
 
 
 class _PreemptionFlag:
@@ -338,9 +379,10 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
 
     loss_fn = make_loss_fn(model, config.loss_chunk_size)
     train_step = make_train_step(
-        loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate
+        loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate,
+        precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
     )
-    eval_step = make_eval_step(loss_fn, compile=config.compile)
+    eval_step = make_eval_step(loss_fn, compile=config.compile, precision=config.precision)
 
     dp = dict(parallel.data_parallel_kwargs(ctx), device=device)  # this rank's rows of each batch
 
@@ -361,7 +403,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
     print_fn(
         f"functrain: GPT {n_params / 1e6:.2f}M params ({config.model.n_layer} layers, d={mcfg.n_embd}), "
         f"vocab {vocab}, {len(dataset.train):,} train tokens, device {device}, "
-        f"compile={'on' if config.compile else 'off'}, mesh {dict(ctx.shape)}"
+        f"compile={'on' if config.compile else 'off'}, precision {config.precision}, mesh {dict(ctx.shape)}"
     )
     tokens_per_step = config.batch_size * mcfg.block_size
     peak = ctx.world_size * (metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device))
@@ -382,6 +424,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
     val_loss = float("nan")
     preempted = False
     profiler = _Profiler(config.profile.start, config.profile.stop, workdir, print_fn)
+    skips = _SkipWatch(config.max_consecutive_skips, device, manager)
     with _PreemptionFlag(device) as stop, manager or contextlib.nullcontext():
         try:
             for step in range(start, config.steps):
@@ -395,9 +438,12 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
                         f"time to first step {time.perf_counter() - t_program:.1f}s"
                     )
                     throughput.start(done)
+                skips.check(done, m)
                 if done % config.log_every == 0 or done == config.steps:
                     last = metrics_lib.to_python(m)
-                    if not math.isfinite(last["loss"]):
+                    for k in ("skipped", "consecutive_skips"):  # per-step flags; the total is logged
+                        last.pop(k, None)
+                    if not skips.enabled and not math.isfinite(last["loss"]):
                         raise TrainingError(
                             f"loss is {last['loss']} at step {done}; lower optim.lr, enable optim.clip, "
                             "or check the data (the last checkpoint is kept)"

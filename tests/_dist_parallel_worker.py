@@ -82,17 +82,18 @@ def run(step_fn, state, batches, ctx=None):
 
 
 def compare(ctx, *, bias=False, make_opt=adamw, steps=STEPS, accum=1, compile=False, donate=True,
-            compile_options=None, rules=None):
+            compile_options=None, rules=None, precision=None, batches=None, make_loss=None):
     """Sharded run vs the plain single-process run: max differences of metrics, params, opt state."""
     model = tiny_gpt(bias)
+    make_loss = make_loss or loss_fn_for
     rules = parallel.default_rules(gpt.TP_RULES) if rules is None else rules
-    batches = global_batches(steps)
+    batches = batches or global_batches(steps)
     opt = make_opt()
-    ref_step = make_train_step(loss_fn_for(model), opt, accum_steps=accum, compile=False)
+    ref_step = make_train_step(make_loss(model), opt, accum_steps=accum, compile=False, precision=precision)
     ref, ref_hist = run(ref_step, init_state(model, opt), batches)
     tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
-    step = make_train_step(loss_fn_for(tp_model), opt, accum_steps=accum, compile=compile, donate=donate,
-                           compile_options=compile_options)
+    step = make_train_step(make_loss(tp_model), opt, accum_steps=accum, compile=compile, donate=donate,
+                           compile_options=compile_options, precision=precision)
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     state, hist = run(step, state, batches, ctx)
     full = parallel.gather(state)
@@ -104,6 +105,10 @@ def compare(ctx, *, bias=False, make_opt=adamw, steps=STEPS, accum=1, compile=Fa
         "opt_state": max_diff(full.opt_state, ref.opt_state),
         "step": int(full.step),
         "loss_first_last": [hist[0]["loss"], hist[-1]["loss"]],
+        "skipped": [h.get("skipped") for h in hist],
+        "ref_skipped": [h.get("skipped") for h in ref_hist],
+        "param_dtypes": sorted({str(p.dtype) for p in full.params.values()}),
+        "guard": [int(full.guard.skipped), int(full.guard.consecutive)],
         "placements": {k: [repr(p) for p in v.placements] for k, v in state.params.items()},
     }
 
@@ -126,6 +131,30 @@ def s_ddp(ctx):
 
 def s_bias(ctx):
     return compare(ctx, bias=True, make_opt=sgd, steps=10)
+
+
+def s_bf16(ctx):
+    """bf16 compute (params cast before the gather), fp32 masters: matches bf16 on one process."""
+    return compare(ctx, precision="bf16", steps=10)
+
+
+def poisoned_loss_fn_for(model):
+    """The usual loss, made NaN when a target is -7 (marks a poisoned sample)."""
+    inner = loss_fn_for(model)
+
+    def loss_fn(params, batch, key):
+        x, y = batch
+        loss, aux = inner(params, (x, y.clamp(min=0)), key)
+        return loss * torch.where((y == -7).any(), float("nan"), 1.0), aux
+
+    return loss_fn
+
+
+def s_nan_skip(ctx):
+    """A NaN in ONE dp rank's half of batch 2: every rank skips that update, as one process does."""
+    batches = global_batches(5)
+    batches[2][1][0, 0] = -7  # row 0: dp rank 0's half only
+    return compare(ctx, steps=5, batches=batches, make_loss=poisoned_loss_fn_for)
 
 
 def s_accum(ctx):
@@ -273,6 +302,10 @@ SUITES = {
         ("uneven", {"dp_shard": 2}, s_uneven),
         ("eval_keys_fsdp", {"dp_shard": 2}, s_eval_and_keys),
         ("eval_keys_tp", {"dp_shard": 1, "tp": 2}, s_eval_and_keys),
+        ("bf16_fsdp", {"dp_shard": 2}, s_bf16),
+        ("bf16_tp", {"dp_shard": 1, "tp": 2}, s_bf16),
+        ("nan_fsdp", {"dp_shard": 2}, s_nan_skip),
+        ("nan_tp", {"dp_shard": 1, "tp": 2}, s_nan_skip),
     ],
     "compiled2": [
         ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, "inductor")),

@@ -80,6 +80,24 @@ def test_biases_sharded_colwise_and_rowwise(eager2, name):
         _assert_matches_single_process(res)
 
 
+@pytest.mark.parametrize("name", ["bf16_fsdp", "bf16_tp"])
+def test_bf16_sharded_matches_bf16_single_process_with_fp32_masters(eager2, name):
+    for res in _result(eager2, name):
+        assert res["param_dtypes"] == ["torch.float32"]
+        # bf16 matmuls over half the batch (or half the heads) round differently than over the
+        # whole: the tolerance is bf16's, not fp32's.
+        assert res["loss"] < 5e-3 and res["params"] < 2e-2, res
+        assert res["loss"] > 0 or res["params"] > 0  # it did compute in bf16 (fp32 matches to 1e-6)
+
+
+@pytest.mark.parametrize("name", ["nan_fsdp", "nan_tp"])
+def test_nan_on_one_rank_skips_the_update_on_every_rank(eager2, name):
+    for res in _result(eager2, name):
+        assert res["skipped"] == [0.0, 0.0, 1.0, 0.0, 0.0] == res["ref_skipped"], res
+        assert res["guard"] == [1, 0]
+        _assert_matches_single_process(res)
+
+
 def test_tensor_parallel_computes_on_local_shards(eager2):
     for res in _result(eager2, "tp_is_local"):
         assert res["q_local"] == [16, 32] and res["fc_local"] == [64, 32]  # colwise: half the rows

@@ -29,6 +29,7 @@ def adamw(
     *,
     mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> Transform:
     """AdamW (decoupled weight decay), the same update as `torch.optim.AdamW`.
 
@@ -40,7 +41,7 @@ def adamw(
       b1, b2, eps: Adam coefficients.
       weight_decay: decoupled decay (multiplied by the learning rate, as torch and optax do).
       mask: which params get weight decay (tree of bools or callable); default all.
-      mu_dtype: dtype of the moments.
+      mu_dtype, nu_dtype: storage dtypes of Adam's moments (see `scale_by_adam`).
 
     Returns:
       A `Transform`.
@@ -49,7 +50,7 @@ def adamw(
       >>> opt = optim.adamw(optim.warmup_cosine(3e-4, 100, 5000), weight_decay=0.1)
     """
     return chain(
-        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype),
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
@@ -62,13 +63,14 @@ def adam(
     eps: float = 1e-8,
     *,
     mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> Transform:
     """Adam without weight decay (see `adamw`).
 
     Example:
       >>> opt = optim.adam(1e-3)
     """
-    return chain(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype), scale_by_learning_rate(learning_rate))
+    return chain(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype), scale_by_learning_rate(learning_rate))
 
 
 def sgd(

@@ -61,6 +61,7 @@ def scale_by_adam(
     eps: float = 1e-8,
     *,
     mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
 ) -> Transform:
     """Rescales updates by Adam's bias-corrected moment estimates: `m_hat / (sqrt(v_hat) + eps)`.
 
@@ -68,8 +69,10 @@ def scale_by_adam(
       b1: decay of the first moment.
       b2: decay of the second moment.
       eps: added to the denominator (outside the square root, as torch.optim.Adam).
-      mu_dtype: dtype of both moments (default: the param dtype). float32 moments under bf16
-        params are the usual mixed-precision choice.
+      mu_dtype: storage dtype of the first moment (default: the param dtype).
+      nu_dtype: storage dtype of the second moment (default: `mu_dtype`). Moments stored in
+        bf16 halve the optimizer memory; the update math still runs in float32 (each step reads
+        them, computes in float32 and rounds the new moments back to their dtype).
 
     Returns:
       A `Transform` with `ScaleByAdamState`.
@@ -82,14 +85,18 @@ def scale_by_adam(
         return ScaleByAdamState(
             count=_count_like(params),
             mu=tree_lib.zeros_like(params, dtype=mu_dtype),
-            nu=tree_lib.zeros_like(params, dtype=mu_dtype),
+            nu=tree_lib.zeros_like(params, dtype=nu_dtype or mu_dtype),
         )
 
     def update(updates, state, params=None):
         g, spec = _flat(updates)
-        mu = spec.flatten_up_to(state.mu)
-        nu = spec.flatten_up_to(state.nu)
-        g = [x.to(m.dtype) for x, m in zip(g, mu)]
+        mu_store = spec.flatten_up_to(state.mu)
+        nu_store = spec.flatten_up_to(state.nu)
+        # Math in the widest of (moment, gradient, float32) dtype; narrow moments are rounded back.
+        acc = [_math_dtype(m.dtype, n.dtype, x.dtype) for m, n, x in zip(mu_store, nu_store, g)]
+        g = [x.to(a) for x, a in zip(g, acc)]
+        mu = [m.to(a) for m, a in zip(mu_store, acc)]
+        nu = [n.to(a) for n, a in zip(nu_store, acc)]
         count = state.count + 1
         t = count.to(torch.float64)  # float64 bias corrections, as torch (b2 -> 1)
         mu = torch._foreach_lerp(mu, g, 1.0 - b1)  # m = b1 m + (1 - b1) g
@@ -104,12 +111,20 @@ def scale_by_adam(
         out = torch._foreach_div(out, bc1)
         new_state = ScaleByAdamState(
             count=count,
-            mu=optree.tree_unflatten(spec, list(mu)),
-            nu=optree.tree_unflatten(spec, list(nu)),
+            mu=optree.tree_unflatten(spec, [m.to(s.dtype) for m, s in zip(mu, mu_store)]),
+            nu=optree.tree_unflatten(spec, [n.to(s.dtype) for n, s in zip(nu, nu_store)]),
         )
         return optree.tree_unflatten(spec, list(out)), new_state
 
     return Transform(init, update)
+
+
+def _math_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The widest of `dtypes` and float32: what Adam computes in."""
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, d)
+    return out
 
 
 def add_decayed_weights(

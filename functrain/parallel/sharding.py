@@ -297,6 +297,7 @@ def shard_state(
         opt_state=opt_state,
         step=state.step.clone(),
         rng=state.rng.clone(),
+        guard=tree_lib.map(torch.clone, state.guard),
     )
 
 

@@ -1,0 +1,146 @@
+"""Mixed precision: bf16/fp16 compute with fp32 master params and optimizer state, in one step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from functrain import init_state, make_train_step, optim, precision, tree
+from functrain.state import init_guard
+
+STEPS = 20
+
+
+def _run(model, loss_fn, batches, prec, *, opt=None, compile=False, steps=STEPS):
+    """Losses and final state of `steps` steps of AdamW at precision `prec` (fresh state each call)."""
+    opt = opt or optim.adamw(3e-3, weight_decay=0.1)
+    state = init_state(model, opt, seed=0)
+    step = make_train_step(loss_fn, opt, precision=prec, compile=compile)
+    losses = []
+    for i in range(steps):
+        state, m = step(state, batches[i % len(batches)])
+        losses.append(float(m["loss"]))
+    return losses, state, m
+
+
+@pytest.mark.parametrize("prec", ["bf16", "fp16"])
+def test_low_precision_run_tracks_fp32_and_keeps_fp32_masters(tiny_gpt, batches, gpt_loss_fn, prec):
+    model = tiny_gpt(n_layer=2)
+    data = batches(model.cfg, 4)
+    ref, ref_state, _ = _run(model, gpt_loss_fn(model), data, "fp32")
+    low, state, m = _run(model, gpt_loss_fn(model), data, prec)
+
+    # Loss within tolerance of the fp32 run at every step, and it trains as fp32 does.
+    diffs = [abs(a - b) for a, b in zip(ref, low)]
+    assert max(diffs) < 0.05 * max(ref), (ref, low)
+    assert low[-1] < low[0] - 0.5 and abs(low[-1] - ref[-1]) < 0.05
+    # ... but it really computed in low precision: not bit-equal to fp32.
+    assert ref != low
+    # Master params and Adam moments stay fp32.
+    assert {p.dtype for p in tree.leaves(state.params)} == {torch.float32}
+    adam = state.opt_state[0]
+    assert {x.dtype for x in tree.leaves((adam.mu, adam.nu))} == {torch.float32}
+    # The final params stay close to the fp32 run's.
+    for k, p in state.params.items():
+        torch.testing.assert_close(p, ref_state.params[k], atol=3e-2, rtol=0)
+    assert int(state.guard.skipped) == 0
+    if prec == "fp16":
+        assert float(m["loss_scale"]) == 2.0**16
+    else:
+        assert "loss_scale" not in m
+
+
+def test_bf16_compute_runs_the_model_in_bf16(tiny_gpt, batches):
+    """The loss function sees bf16 params and gets fp32 master grads back through the step."""
+    model = tiny_gpt()
+    seen = {}
+
+    def loss_fn(params, batch, key):
+        x, y = batch
+        seen["dtypes"] = {p.dtype for p in params.values()}
+        logits = torch.func.functional_call(model, params, (x,))
+        seen["logits"] = logits.dtype
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), {}
+
+    state = init_state(model, optim.sgd(0.1), seed=0)
+    step = make_train_step(loss_fn, optim.sgd(0.1), precision="bf16", compile=False, donate=False)
+    new, _ = step(state, batches(model.cfg, 1)[0])
+    assert seen == {"dtypes": {torch.bfloat16}, "logits": torch.bfloat16}
+    assert {p.dtype for p in new.params.values()} == {torch.float32}
+    # SGD: the fp32 master moved by lr * grad, a change finer than bf16 can represent for some.
+    changed = [not torch.equal(new.params[k], state.params[k]) for k in state.params]
+    assert all(changed)
+
+
+def test_fp16_overflow_skips_the_step_and_backs_off_the_scale(tiny_gpt, batches, gpt_loss_fn):
+    model = tiny_gpt()
+    opt = optim.adamw(1e-3)
+    state = init_state(model, opt, seed=0)
+    # A scale this large overflows fp16 in the backward: the update must be skipped.
+    state = state.replace(guard=init_guard(loss_scale=2.0**40))
+    before = tree.map(torch.clone, state)
+    prec = precision.Precision(torch.float16, loss_scaling=True, growth_interval=2)
+    step = make_train_step(gpt_loss_fn(model), opt, precision=prec, compile=False, donate=True)
+    data = batches(model.cfg, 1)[0]
+    state, m = step(state, data)
+    assert float(m["skipped"]) == 1.0 and float(m["loss_scale"]) == 2.0**40
+    for a, b in zip(tree.leaves((state.params, state.opt_state)), tree.leaves((before.params, before.opt_state))):
+        assert torch.equal(a, b)
+    assert float(state.guard.loss_scale) == 2.0**39 and int(state.step) == 1
+    # Back off until the gradients fit, then two good steps double the scale once.
+    while float(m["skipped"]):
+        state, m = step(state, data)
+    scale = float(state.guard.loss_scale)
+    assert scale <= 2.0**20
+    state, m = step(state, data)
+    assert float(m["skipped"]) == 0 and float(state.guard.loss_scale) == 2 * scale
+    assert int(state.guard.good_steps) == 0
+
+
+def test_loss_scale_does_not_change_the_update(tiny_gpt, batches, gpt_loss_fn):
+    """Scaling the loss by 2^k and dividing the grads by it is exact in fp32."""
+    model = tiny_gpt()
+    opt = optim.adamw(1e-3)
+    data = batches(model.cfg, 1)[0]
+    prec = precision.Precision(torch.float32, loss_scaling=True)
+    ref = make_train_step(gpt_loss_fn(model), opt, compile=False, donate=False)(init_state(model, opt), data)[0]
+    scaled = make_train_step(gpt_loss_fn(model), opt, precision=prec, compile=False, donate=False)(
+        init_state(model, opt), data
+    )[0]
+    for k in ref.params:
+        torch.testing.assert_close(scaled.params[k], ref.params[k], rtol=0, atol=1e-7)
+
+
+def test_adam_moments_in_bf16(tiny_gpt, batches, gpt_loss_fn):
+    model = tiny_gpt()
+    data = batches(model.cfg, 4)
+    ref, _, _ = _run(model, gpt_loss_fn(model), data, "fp32", steps=10)
+    opt = optim.adamw(3e-3, weight_decay=0.1, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)
+    low, state, _ = _run(model, gpt_loss_fn(model), data, "fp32", opt=opt, steps=10)
+    adam = state.opt_state[0]
+    assert {x.dtype for x in tree.leaves((adam.mu, adam.nu))} == {torch.bfloat16}
+    assert {p.dtype for p in state.params.values()} == {torch.float32}
+    assert ref != low and max(abs(a - b) for a, b in zip(ref, low)) < 0.05
+
+
+def test_unknown_precision_is_a_clear_error():
+    with pytest.raises(ValueError, match="precision 'fp8' is not known; use 'fp32', 'bf16' or 'fp16'"):
+        precision.get("fp8")
+
+
+def test_compiled_fp16_step_is_one_graph_and_matches_eager(tiny_gpt, batches, gpt_loss_fn):
+    """Casting, loss scaling, the finite check and the update all live in one compiled graph."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_gpt()
+    data = batches(model.cfg, 2)
+    torch._dynamo.reset()
+    counters.clear()
+    eager, _, _ = _run(model, gpt_loss_fn(model), data, "fp16", steps=4)
+    compiled, state, _ = _run(model, gpt_loss_fn(model), data, "fp16", steps=4, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for a, b in zip(eager, compiled):
+        assert abs(a - b) < 2e-3, (eager, compiled)
+    assert {p.dtype for p in state.params.values()} == {torch.float32}

@@ -1,0 +1,159 @@
+"""A non-finite loss or grad norm skips the update inside the step; K skips in a row stop the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from functrain import data as data_lib
+from functrain import init_state, make_train_step, optim, tree
+from functrain import train as train_lib
+
+_spec = importlib.util.spec_from_file_location(
+    "gpt_config", Path(__file__).resolve().parent.parent / "configs" / "gpt.py"
+)
+gpt_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpt_config)
+
+
+def _mlp_params():
+    """A small two-layer MLP's params (deterministic)."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w1": torch.randn(8, 16, generator=g) * 0.3,
+        "b1": torch.zeros(16),
+        "w2": torch.randn(16, 1, generator=g) * 0.3,
+    }
+
+
+def _mlp_loss(params, batch, key):
+    """Mean squared error of the MLP, times `batch['scale']` (NaN or huge to force a bad step)."""
+    h = torch.tanh(batch["x"] @ params["w1"] + params["b1"])  # (B, 16)
+    return ((h @ params["w2"] - batch["y"]) ** 2).mean() * batch["scale"], {}
+
+
+def _batch(seed, scale=1.0):
+    """A regression batch; `scale` multiplies the loss."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(32, 8, generator=g)
+    return {"x": x, "y": x[:, :1] * 0.5, "scale": torch.tensor(scale)}
+
+
+def _copy(state):
+    """A deep copy of a state (every tensor cloned)."""
+    return tree.map(torch.clone, state)
+
+
+@pytest.mark.parametrize("compile,donate", [(False, True), (False, False), (True, True)])
+def test_nan_batch_skips_the_update_and_leaves_the_state_bit_identical(compile, donate):
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    step = make_train_step(_mlp_loss, opt, compile=compile, donate=donate)
+    state = init_state(_mlp_params(), opt, seed=0)
+    state, _ = step(state, _batch(0))  # one good step: moments and counts are non-trivial
+    before = _copy(state)
+
+    state, m = step(state, _batch(1, scale=float("nan")))
+    assert float(m["skipped"]) == 1 and int(m["consecutive_skips"]) == 1 and int(m["skipped_total"]) == 1
+    assert not torch.isfinite(m["loss"])
+    for a, b in zip(tree.leaves((state.params, state.opt_state, state.rng)),
+                    tree.leaves((before.params, before.opt_state, before.rng))):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert int(state.step) == int(before.step) + 1  # the data moves on
+
+    # The next good batch updates exactly as if the bad one had never come.
+    state, m = step(state, _batch(2))
+    ref, _ = make_train_step(_mlp_loss, opt, compile=False, donate=False)(before, _batch(2))
+    assert float(m["skipped"]) == 0 and int(m["consecutive_skips"]) == 0 and int(m["skipped_total"]) == 1
+    for k in ref.params:
+        torch.testing.assert_close(state.params[k], ref.params[k], rtol=1e-6, atol=1e-7)
+
+
+def test_infinite_grad_norm_with_finite_loss_is_skipped():
+    """Finite gradients whose norm overflows float32 are a bad step too."""
+    opt = optim.adamw(1e-2)
+    step = make_train_step(_mlp_loss, opt, compile=False, donate=False)
+    state = init_state(_mlp_params(), opt, seed=0)
+    state2, m = step(state, _batch(0, scale=1e37))
+    assert torch.isfinite(m["loss"]) and not torch.isfinite(m["grad_norm"])
+    assert float(m["skipped"]) == 1
+    for k in state.params:
+        assert torch.equal(state2.params[k], state.params[k])
+
+
+def test_without_skipping_a_nan_batch_poisons_the_params():
+    """The control: with skip_nonfinite=False the same batch writes NaN into the params."""
+    opt = optim.adamw(1e-2)
+    step = make_train_step(_mlp_loss, opt, compile=False, skip_nonfinite=False)
+    state, m = step(init_state(_mlp_params(), opt, seed=0), _batch(1, scale=float("nan")))
+    assert "skipped" not in m
+    assert not all(torch.isfinite(p).all() for p in state.params.values())
+
+
+def _poison(monkeypatch, bad_steps):
+    """Makes the main job's loss NaN on the batches of `bad_steps` (0-based step indices)."""
+    current = {}
+    real_get_batch, real_make = data_lib.get_batch, train_lib.make_loss_fn
+
+    def get_batch(*args, step, **kwargs):
+        current["step"] = step
+        return real_get_batch(*args, step=step, **kwargs)
+
+    def make_loss_fn(model, chunk_size=0):
+        inner = real_make(model, chunk_size)
+
+        def loss_fn(params, batch, key):
+            loss, aux = inner(params, batch, key)
+            if key is not None and current.get("step") in bad_steps:
+                loss = loss * float("nan")
+            return loss, aux
+
+        return loss_fn
+
+    monkeypatch.setattr(data_lib, "get_batch", get_batch)
+    monkeypatch.setattr(train_lib, "make_loss_fn", make_loss_fn)
+
+
+def _tiny_config(tmp_path, steps):
+    """The tiny variant, eager, sized for a few seconds."""
+    c = gpt_config.get_config("tiny")
+    c.steps = steps
+    c.compile = False
+    c.log_every = 1
+    c.eval_every = 1000
+    c.checkpoint.every = 4
+    c.tensorboard = False
+    c.sample.max_new_tokens = 4
+    c.data.cache_dir = str(tmp_path / "data")
+    return c
+
+
+def test_one_bad_batch_is_skipped_and_the_run_finishes(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    _poison(monkeypatch, {5})
+    summary = train_lib.train(_tiny_config(tmp_path, 10), tmp_path / "run", print_fn=lambda *a: None)
+    assert summary["steps"] == 10 and summary["loss"] == summary["loss"]  # finite at the end
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    totals = {r["step"]: r["skipped_total"] for r in rows if "skipped_total" in r}
+    assert totals[5] == 0 and totals[6] == 1 and totals[10] == 1
+    assert all("consecutive_skips" not in r for r in rows)
+
+
+def test_k_consecutive_bad_steps_stop_the_run_with_one_clear_message(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    _poison(monkeypatch, set(range(6, 100)))
+    c = _tiny_config(tmp_path, 30)
+    c.max_consecutive_skips = 3
+    lines = []
+    with pytest.raises(train_lib.TrainingError) as err:
+        train_lib.train(c, tmp_path / "run", print_fn=lines.append)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "skipped at 3 consecutive steps (7 to 9)" in msg, msg
+    assert "params are as after step 6" in msg and "the last checkpoint (step 8) is kept" in msg, msg
+    assert "max_consecutive_skips" in msg
+    steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] == 8
