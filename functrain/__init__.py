@@ -4,11 +4,11 @@ Pure state (`TrainState`, one pytree), pure compiled steps (`make_train_step`), 
 optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`).
 """
 
-from functrain import checkpoint, losses, optim, rng, tree
+from functrain import checkpoint, losses, optim, precision, rng, tree
 from functrain.checkpoint import CheckpointError
 from functrain.data import DataError, eval_batches, get_batch, load_dataset
 from functrain.models import GPT, GPTConfig, cross_entropy, flops_per_token, generate, init_params, num_params
-from functrain.state import TrainState, init_state, params_of
+from functrain.state import Guard, TrainState, init_guard, init_state, params_of
 from functrain.step import apply, make_eval_step, make_train_step, value_and_grad
 
 __version__ = "0.1.0"
@@ -18,9 +18,12 @@ __all__ = [
     "CheckpointError",
     "losses",
     "optim",
+    "precision",
     "rng",
     "tree",
     "TrainState",
+    "Guard",
+    "init_guard",
     "init_state",
     "params_of",
     "apply",

@@ -12,6 +12,12 @@ as with `jax.jit(..., donate_argnums=0)`: do not read it after the call, use the
 keeps peak memory near one copy of the state. `donate=False` allocates a new state and leaves the
 input untouched (useful for tests, EMA tricks and debugging).
 
+Precision and safety. `precision="bf16"` (or "fp16", with dynamic loss scaling) runs forward and
+backward on a cast copy of the params inside the same graph while the state keeps fp32 masters
+(`functrain.precision`). A step whose loss or gradient norm is not finite keeps the old params and
+optimizer state (a `torch.where` fused into the update kernels: no host sync, no graph break),
+advances `step`, and counts the skip in `state.guard` and the metrics.
+
 Sharded state. When the params are DTensors on a DeviceMesh (`functrain.parallel.shard_state`),
 the same API builds the FSDP / tensor-parallel step (`functrain.parallel.spmd`): parameters are
 gathered over the data-parallel axes, the loss and gradients are taken over the local plain tensors,
