@@ -303,3 +303,8 @@ def test_scale_by_adam_state_and_mu_dtype():
     # First Adam step: m_hat / (sqrt(v_hat) + eps) = g / (|g| + eps) ~= sign(g).
     for k in grads:
         torch.testing.assert_close(out[k], (grads[k] / (grads[k].abs() + 1e-8)).double())
+
+
+def test_sgd_nesterov_without_momentum_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"nesterov=True\) needs momentum > 0"):
+        optim.sgd(0.1, nesterov=True)

@@ -98,6 +98,8 @@ def sgd(
     Example:
       >>> opt = optim.sgd(0.1, momentum=0.9, nesterov=True)
     """
+    if nesterov and not momentum:
+        raise ValueError("sgd(nesterov=True) needs momentum > 0 (as torch.optim.SGD); set momentum")
     parts = [add_decayed_weights(weight_decay, mask)]
     if momentum:
         parts.append(trace(momentum, nesterov))
