@@ -9,7 +9,7 @@ from functrain.checkpoint import CheckpointError
 from functrain.data import DataError, eval_batches, get_batch, load_dataset
 from functrain.models import GPT, GPTConfig, cross_entropy, flops_per_token, generate, init_params, num_params
 from functrain.state import Guard, TrainState, init_guard, init_state, params_of
-from functrain.step import apply, make_eval_step, make_train_step, value_and_grad
+from functrain.step import apply, apply_gradients, make_eval_step, make_train_step, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "init_state",
     "params_of",
     "apply",
+    "apply_gradients",
     "make_train_step",
     "make_eval_step",
     "value_and_grad",

@@ -46,7 +46,7 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.state import Guard, TrainState
 
-__all__ = ["apply", "make_train_step", "make_eval_step", "value_and_grad"]
+__all__ = ["apply", "apply_gradients", "make_train_step", "make_eval_step", "value_and_grad"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
@@ -239,6 +239,64 @@ def _local(x, like=None):
     return x.to_local()
 
 
+def apply_gradients(
+    state: TrainState,
+    grads: PyTree,
+    optimizer: optim.Transform,
+    *,
+    aux: dict | None = None,
+    skip_nonfinite: bool = True,
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+) -> tuple[TrainState, dict]:
+    """The optimizer half of a train step: `state` updated by `grads` (pure; compiles in a graph).
+
+    For research steps that make their own gradients (DP-SGD clipping and noise, meta-gradients,
+    gradients from `torch.func.vmap`...): the update, the norms, the skip of a non-finite update
+    and the step counter exactly as `make_train_step` does them.
+
+    Args:
+      state: the current `TrainState` (not modified).
+      grads: gradients shaped like `state.params` (already in the params' dtype and placements).
+      optimizer: the `Transform` whose state is `state.opt_state`.
+      aux: metrics to pass through; a "loss" entry takes part in the non-finite check.
+      skip_nonfinite: keep the old params and optimizer state when the loss or the grad norm is
+        not finite (counted in `state.guard`).
+      precision: only its loss-scaling rule is used (the fp16 scale update in `state.guard`).
+
+    Returns:
+      `(new_state, metrics)`: metrics hold `aux`, `grad_norm`, `update_norm`, `param_norm`, `lr`,
+      and the skip counters when skipping.
+
+    Example:
+      >>> grads = tree.map(lambda g: g + sigma * torch.randn_like(g), clipped_mean_grads)
+      >>> state, metrics = apply_gradients(state, grads, opt, aux={"loss": loss})
+    """
+    prec = precision_lib.get(precision)
+    metrics = dict(aux or {})
+    metrics["grad_norm"] = grad_norm = tree_lib.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optim.apply_updates(state.params, updates)
+    metrics["update_norm"] = tree_lib.global_norm(updates)
+    guard = state.guard
+    if skip_nonfinite or prec.loss_scaling:  # non-finite: keep the old params and optimizer state
+        ok = torch.isfinite(grad_norm)
+        if "loss" in metrics:
+            ok = ok & torch.isfinite(metrics["loss"])
+        params = _select(ok, params, state.params)
+        opt_state = _select(ok, opt_state, state.opt_state)
+        guard = _next_guard(guard, ok, prec)
+        metrics["skipped"] = (~ok).to(torch.float32)
+        metrics["consecutive_skips"] = guard.consecutive
+        metrics["skipped_total"] = guard.skipped
+        if prec.loss_scaling:
+            metrics["loss_scale"] = state.guard.loss_scale.clone()  # its buffer may be donated
+    metrics["param_norm"] = tree_lib.global_norm(params)
+    lr = optim.learning_rate(opt_state)
+    if lr is not None:
+        metrics["lr"] = lr
+    return TrainState(params, opt_state, state.step + 1, state.rng, guard), metrics
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optim.Transform,
@@ -312,27 +370,8 @@ def make_train_step(
         return train_step
 
     def _update(state: TrainState, aux: dict, grads: PyTree):
-        metrics = dict(aux)
-        metrics["grad_norm"] = grad_norm = tree_lib.global_norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optim.apply_updates(state.params, updates)
-        metrics["update_norm"] = tree_lib.global_norm(updates)
-        guard = state.guard
-        if guarded:  # a non-finite loss or grad norm keeps the old params and optimizer state
-            ok = torch.isfinite(aux["loss"]) & torch.isfinite(grad_norm)
-            params = _select(ok, params, state.params)
-            opt_state = _select(ok, opt_state, state.opt_state)
-            guard = _next_guard(guard, ok, prec)
-            metrics["skipped"] = (~ok).to(torch.float32)
-            metrics["consecutive_skips"] = guard.consecutive
-            metrics["skipped_total"] = guard.skipped
-            if prec.loss_scaling:
-                metrics["loss_scale"] = state.guard.loss_scale.clone()  # its buffer may be donated
-        metrics["param_norm"] = tree_lib.global_norm(params)
-        lr = optim.learning_rate(opt_state)
-        if lr is not None:
-            metrics["lr"] = lr
-        new_state = TrainState(params, opt_state, state.step + 1, state.rng, guard)
+        new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=guarded,
+                                             precision=prec)
         if donate:
             new_state = _write_into(state, new_state)
         return new_state, metrics

@@ -157,3 +157,20 @@ def test_k_consecutive_bad_steps_stop_the_run_with_one_clear_message(tmp_path, m
     assert "max_consecutive_skips" in msg
     steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] == 8
+
+
+def test_apply_gradients_is_the_steps_update():
+    """`apply_gradients` on grads made by hand gives exactly the step's new state."""
+    from functrain import apply_gradients, value_and_grad
+
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    state = init_state(_mlp_params(), opt, seed=0)
+    ref, ref_m = make_train_step(_mlp_loss, opt, compile=False, donate=False)(state, _batch(0))
+    loss, _, grads = value_and_grad(_mlp_loss, state.params, _batch(0), None)
+    new, m = apply_gradients(state, grads, opt, aux={"loss": loss})
+    for a, b in zip(tree.leaves(new), tree.leaves(ref)):
+        assert torch.equal(a, b)
+    assert float(m["grad_norm"]) == float(ref_m["grad_norm"]) and float(m["skipped"]) == 0
+    nan_grads = tree.map(lambda g: g * float("nan"), grads)
+    same, m = apply_gradients(state, nan_grads, opt)
+    assert float(m["skipped"]) == 1 and all(torch.equal(a, b) for a, b in zip(tree.leaves(same.params), tree.leaves(state.params)))
