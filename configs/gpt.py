@@ -37,6 +37,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.donate = True
     c.deterministic = False  # bit-identical reruns need deterministic kernels (slower)
     c.loss_chunk_size = 0  # > 0: chunked cross-entropy through the tied head; logits never whole
+    c.remat = "none"  # activation checkpointing: none | full | N (every N-th block); see bench/remat.py
     c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32
     c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row (0 = never skip)
     c.tensorboard = True  # event files in <workdir>/tb (written without the tensorboard package)

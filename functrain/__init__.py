@@ -4,7 +4,7 @@ Pure state (`TrainState`, one pytree), pure compiled steps (`make_train_step`), 
 optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`).
 """
 
-from functrain import checkpoint, losses, optim, precision, rng, tree
+from functrain import checkpoint, losses, optim, precision, remat, rng, tree
 from functrain.checkpoint import CheckpointError
 from functrain.data import DataError, eval_batches, get_batch, load_dataset
 from functrain.models import GPT, GPTConfig, cross_entropy, flops_per_token, generate, init_params, num_params
@@ -19,6 +19,7 @@ __all__ = [
     "losses",
     "optim",
     "precision",
+    "remat",
     "rng",
     "tree",
     "TrainState",

@@ -13,15 +13,22 @@ several (N, V) arrays (bench/memory.py: N=8192, C=768, V=50304, float32, eager g
 
 It is a `torch.autograd.Function` with `setup_context` and `generate_vmap_rule=True`, so it works
 under `torch.func.grad_and_value` / `grad` / `vmap` (the functrain train step) and under
-`torch.compile(fullgraph=True)` (Dynamo traces the forward and the custom backward; the chunk loop is
-unrolled, so keep `N / chunk_size` moderate, e.g. <= 64 chunks).
+`torch.compile(fullgraph=True)`. What runs differs, the gradients do not: eagerly the custom backward
+runs; in the compiled step (torch.compile around `torch.func.grad`) torch 2.13's Dynamo inlines the
+forward and differentiates it, never calling the custom backward (pytorch#193279). The gradients are
+the same either way, and the memory saving holds there too: bench/memory.py's compiled numbers
+(plain 1,743 MiB, chunk_size=1024 561 MiB) were measured in exactly that setting. The chunk loop is
+unrolled, so keep `N / chunk_size` moderate, e.g. <= 64 chunks.
 
 `gpt_loss` runs a `functrain.models.GPT` to its final hidden states (after `ln_f`) and applies the
-loss through the tied head, chunked or not.
+loss through the tied head, chunked or not. `make_gpt_loss_fn(..., remat=...)` builds the same loss
+as `functrain.remat` stages, so the train step recomputes transformer blocks in its backward
+(activation checkpointing) instead of keeping their activations.
 
 Example:
     >>> loss = chunked_cross_entropy(hidden, params["wte.weight"], y, chunk_size=1024)
     >>> loss_fn = make_gpt_loss_fn(template, chunk_size=1024)     # for make_train_step
+    >>> loss_fn = make_gpt_loss_fn(template, chunk_size=1024, remat="full")   # + recompute blocks
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from functrain import remat as remat_lib
 from functrain.models import gpt as gpt_lib
 
 __all__ = ["chunked_cross_entropy", "gpt_hidden", "gpt_loss", "make_gpt_loss_fn"]
@@ -237,20 +245,35 @@ def gpt_loss(
     return gpt_lib.cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
 
 
-def make_gpt_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1) -> Callable:
+def make_gpt_loss_fn(
+    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none"
+) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` for `make_train_step` / `make_eval_step`.
 
     Args:
-      model: the (meta-device) GPT template.
+      model: the (meta-device) GPT template (or its tensor-parallel copy).
       chunk_size: see `gpt_loss` (0 = plain loss).
       ignore_index: target value to ignore.
+      remat: activation checkpointing of the transformer blocks (`functrain.remat.parse_policy`):
+        "none", "full" (recompute every block in backward) or an int N (every N-th block). Other
+        than "none", the loss is a `functrain.remat.staged_loss` (embedding, blocks, and a head
+        ln_f -> loss through the tied lm_head) whose `value_and_grad` the train step uses. The
+        loss and gradients are the same as without remat (to float rounding); only memory and
+        time change.
 
     Returns:
       The loss function.
 
+    Raises:
+      ValueError: for a bad `remat` policy.
+
     Example:
       >>> step = make_train_step(make_gpt_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))
+      >>> step = make_train_step(make_gpt_loss_fn(template, remat=2), optim.adamw(3e-4))
     """
+    remat = remat_lib.parse_policy(remat)
+    if remat != "none":
+        return _staged_gpt_loss_fn(model, chunk_size, ignore_index, remat)
 
     def loss_fn(params, batch, key):
         """(gpt_loss of batch = (x, y), {})."""
@@ -258,3 +281,29 @@ def make_gpt_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int
         return gpt_loss(model, params, x, y, key, chunk_size=chunk_size, ignore_index=ignore_index), {}
 
     return loss_fn
+
+
+def _staged_gpt_loss_fn(model: nn.Module, chunk_size: int, ignore_index: int, policy) -> Callable:
+    """`make_gpt_loss_fn` as a `remat.staged_loss`: embed(x), blocks, head = ln_f -> tied-head loss."""
+    st = gpt_lib.stages(model)
+    names = {n for n, _ in model.named_parameters()}
+    weight_name = "lm_head.weight" if "lm_head.weight" in names else "wte.weight"  # as `_head_weight`
+
+    def embed(p, batch, key):
+        """Embeddings of the inputs x of batch = (x, y)."""
+        return st.embed.fn(p, batch[0], key)
+
+    def head(p, h, batch, key):
+        """ln_f, then the (chunked) cross-entropy through the tied head against y."""
+        hidden = st.final.fn({n: p[n] for n in st.final.names}, h, key)  # (B, T, C)
+        weight, y = p[weight_name], batch[1]  # (V, C), (B, T)
+        if chunk_size > 0:
+            return chunked_cross_entropy(hidden, weight, y, chunk_size=chunk_size, ignore_index=ignore_index)
+        return gpt_lib.cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
+
+    return remat_lib.staged_loss(
+        remat_lib.Stage(st.embed.names, embed),
+        st.blocks,
+        remat_lib.Stage(st.final.names + (weight_name,), head),
+        policy=policy,
+    )

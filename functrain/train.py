@@ -30,6 +30,7 @@ from functrain import losses
 from functrain import metrics as metrics_lib
 from functrain import optim, parallel
 from functrain import precision as precision_lib
+from functrain import remat as remat_lib
 from functrain import rng as rng_lib
 from functrain.models import gpt
 from functrain.state import TrainState, init_state
@@ -103,13 +104,15 @@ def build_optimizer(config: ml_collections.ConfigDict) -> optim.Transform:
     return base
 
 
-def make_loss_fn(model: torch.nn.Module, chunk_size: int = 0) -> Callable:
+def make_loss_fn(model: torch.nn.Module, chunk_size: int = 0, remat: str | int = "none") -> Callable:
     """`loss_fn(params, batch, key) -> (loss, {})`: next-token cross-entropy of `model`.
 
     Args:
       model: the (meta-device) GPT template.
       chunk_size: > 0 computes the loss through the tied head in chunks of this many tokens, so the
         (B*T, V) logits never exist (`functrain.losses.chunked_cross_entropy`).
+      remat: activation checkpointing: "none", "full" (recompute every block in the backward) or
+        N (every N-th block); see `functrain.remat`.
 
     Returns:
       The loss function for `make_train_step` / `make_eval_step`; `batch` is `(x, y)`.
@@ -118,8 +121,8 @@ def make_loss_fn(model: torch.nn.Module, chunk_size: int = 0) -> Callable:
       >>> step = make_train_step(make_loss_fn(template), build_optimizer(config))
     """
 
-    if chunk_size:
-        return losses.make_gpt_loss_fn(model, chunk_size=chunk_size)
+    if chunk_size or str(remat) != "none":
+        return losses.make_gpt_loss_fn(model, chunk_size=chunk_size, remat=remat)
 
     def loss_fn(params, batch, key):
         x, y = batch
@@ -157,6 +160,10 @@ def _check_config(config: ml_collections.ConfigDict) -> None:
         precision_lib.get(config.precision)
     except ValueError as exc:
         raise TrainingError(f"{exc} (--config.precision)") from None
+    try:
+        remat_lib.parse_policy(config.remat)
+    except ValueError as exc:
+        raise TrainingError(f"{exc} (--config.remat)") from None
 
 
 def _git_revision() -> str | None:
@@ -377,7 +384,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
     del params
     model = parallel.tensor_parallel(template, ctx.mesh, rules)  # `template` itself when tp == 1
 
-    loss_fn = make_loss_fn(model, config.loss_chunk_size)
+    loss_fn = make_loss_fn(model, config.loss_chunk_size, config.remat)
     train_step = make_train_step(
         loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate,
         precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,

@@ -87,3 +87,15 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
                  f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
     line = _error_line(proc)
     assert str(missing) in line
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--config.precision=fp8", "precision 'fp8' is not known; use 'fp32', 'bf16' or 'fp16' (--config.precision)"),
+    ("--config.remat=sometimes", "remat policy must be 'none', 'full' or a positive int N"),
+    ("--config.optim.mu_dtype=int8", "optim.mu_dtype / optim.nu_dtype: dtype 'int8' is not known"),
+    ("--config.max_consecutive_skips=-1", "max_consecutive_skips=-1 must be >= 0"),
+])
+def test_bad_precision_remat_and_skip_values_are_one_clear_error_line(tmp_path, flag, expected):
+    proc = _main("--config.compile=False", flag, f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
+    line = _error_line(proc)
+    assert expected in line, line

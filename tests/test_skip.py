@@ -102,8 +102,8 @@ def _poison(monkeypatch, bad_steps):
         current["step"] = step
         return real_get_batch(*args, step=step, **kwargs)
 
-    def make_loss_fn(model, chunk_size=0):
-        inner = real_make(model, chunk_size)
+    def make_loss_fn(model, chunk_size=0, remat="none"):
+        inner = real_make(model, chunk_size, remat)
 
         def loss_fn(params, batch, key):
             loss, aux = inner(params, batch, key)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -47,16 +48,19 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from functrain import rng
+from functrain.remat import Stage
 
 __all__ = [
     "GPTConfig",
     "GPT",
+    "GPTStages",
     "TP_RULES",
     "cross_entropy",
     "flops_per_token",
     "generate",
     "init_params",
     "num_params",
+    "stages",
 ]
 
 
@@ -202,6 +206,83 @@ class GPT(nn.Module):
             x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i))
         x = self.ln_f(x)  # (B, T, C)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
+
+
+class GPTStages(NamedTuple):
+    """A GPT cut into `functrain.remat.Stage`s (see `stages`)."""
+
+    embed: Stage  # fn(p, idx, key) -> (B, T, C): token + position embedding, dropout site 0
+    blocks: list[Stage]  # blocks[i].fn(p, h, key) -> (B, T, C): block i, dropout sites 1+2i, 2+2i
+    final: Stage  # fn(p, h, key) -> (B, T, C): ln_f, the hidden states the tied head reads
+
+
+def stages(model: GPT) -> GPTStages:
+    """`model`'s forward (up to the hidden states after `ln_f`) as stages, for activation checkpointing.
+
+    Each stage reads only its own parameters (full names, e.g. `blocks.3.attn.q.weight`) and runs
+    its submodule with `torch.func.functional_call` on them, prefix stripped, so a tensor-parallel
+    copy (`functrain.parallel.tensor_parallel`, which swaps Linear modules) works unchanged. Dropout
+    is the forward's: the same sites and keys, off when `cfg.dropout == 0` or the key is None. So
+    `final(blocks[-1](...(embed(idx))))` equals `model(idx, dropout_key=key, return_hidden=True)`.
+
+    Args:
+      model: a `GPT` (a meta-device template is fine: the weights come from the params).
+
+    Returns:
+      `GPTStages(embed, blocks, final)`; `functrain.losses.make_gpt_loss_fn(..., remat=...)` adds
+      the tied head and the loss.
+
+    Example:
+      >>> st = stages(template)
+      >>> h = st.embed.fn(st.embed.params(params), idx, key)
+      >>> for b in st.blocks:
+      ...     h = b.fn(b.params(params), h, key)
+      >>> hidden = st.final.fn(st.final.params(params), h, key)
+    """
+    cfg = model.cfg
+    names = [n for n, _ in model.named_parameters()]
+
+    def under(*prefixes: str) -> tuple[str, ...]:
+        """The parameter names under these submodule prefixes (each ending in ".")."""
+        return tuple(n for n in names if n.startswith(prefixes))
+
+    def call(module: nn.Module, prefix: str, p: dict[str, torch.Tensor], *args) -> torch.Tensor:
+        """`module(*args)` with the entries of `p` under `prefix` as its parameters."""
+        own = {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
+        return torch.func.functional_call(module, own, args)
+
+    def key_or_none(key):
+        """The dropout key, or None when the model has no dropout (as in `GPT.forward`)."""
+        return None if cfg.dropout == 0.0 else key
+
+    def embed(p, idx, key):
+        """Token ids (B, T) -> embeddings (B, T, C), dropout site 0."""
+        t = idx.shape[1]
+        if t > cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)  # (T,)
+        x = call(model.wte, "wte.", p, idx) + call(model.wpe, "wpe.", p, pos)  # (B, T, C)
+        return rng.dropout(x, cfg.dropout, _site_key(key_or_none(key), 0))
+
+    def block_stage(i: int) -> Stage:
+        """Stage of block i, dropout sites 1 + 2i and 2 + 2i."""
+        prefix = f"blocks.{i}."
+
+        def block(p, h, key):
+            key = key_or_none(key)
+            return call(model.blocks[i], prefix, p, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
+
+        return Stage(under(prefix), block)
+
+    def final(p, h, key):
+        """ln_f: (B, T, C) -> (B, T, C)."""
+        return call(model.ln_f, "ln_f.", p, h)
+
+    return GPTStages(
+        embed=Stage(under("wte.", "wpe."), embed),
+        blocks=[block_stage(i) for i in range(len(model.blocks))],
+        final=Stage(under("ln_f."), final),
+    )
 
 
 def _generator(key: torch.Tensor | None, name: str) -> torch.Generator | None:

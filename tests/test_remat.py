@@ -1,0 +1,212 @@
+"""functrain.remat: staged gradients (activation checkpointing) equal plain grad_and_value, eagerly,
+through the train step and compiled; loss scaling; policies; the GPT stages."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from functrain import init_state, make_train_step, optim, rng, tree
+from functrain.losses import gpt_hidden, make_gpt_loss_fn
+from functrain.models import gpt
+from functrain.remat import Stage, parse_policy, staged_loss
+from functrain.step import value_and_grad
+
+
+def _gpt_problem(tiny_gpt, batches, *, n_layer=3, dropout=0.1, bias=True):
+    """(model, params, batch, key) for a tiny GPT with dropout."""
+    model = tiny_gpt(n_layer=n_layer, dropout=dropout, bias=bias)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    return model, params, batches(model.cfg, 1, batch_size=4)[0], rng.key(7)
+
+
+def _assert_grads_close(got, want, atol=1e-6, rtol=1e-6):
+    """Same keys in the same order, every gradient close."""
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=rtol, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT: staged value_and_grad == plain grad_and_value
+
+
+@pytest.mark.parametrize("chunk_size", [0, 7], ids=["plain_ce", "chunked_ce"])
+@pytest.mark.parametrize("policy", ["full", 2], ids=["full", "every2"])
+def test_gpt_staged_grads_equal_plain_grad_and_value(tiny_gpt, batches, policy, chunk_size):
+    model, params, batch, key = _gpt_problem(tiny_gpt, batches)
+    plain = make_gpt_loss_fn(model, chunk_size=chunk_size)
+    staged = make_gpt_loss_fn(model, chunk_size=chunk_size, remat=policy)
+    assert not hasattr(plain, "value_and_grad") and hasattr(staged, "value_and_grad")
+
+    want_loss, _, want = value_and_grad(plain, params, batch, key)  # torch.func.grad_and_value
+    loss, aux, grads = staged.value_and_grad(params, batch, key)
+    torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert aux == {} and not loss.requires_grad
+    _assert_grads_close(grads, want)
+    assert grads["wte.weight"].abs().sum() > 0 and grads["blocks.0.ln_1.weight"].abs().sum() > 0
+
+    # The plain composition (eval, grad_and_value) is the same loss; dropout really is on.
+    torch.testing.assert_close(staged(params, batch, key)[0], want_loss, atol=1e-6, rtol=1e-6)
+    no_dropout = staged(params, batch, None)[0]
+    assert abs(float(no_dropout) - float(want_loss)) > 1e-4
+
+
+def test_gpt_stages_compose_to_the_forward(tiny_gpt, batches):
+    model, params, (x, _), key = _gpt_problem(tiny_gpt, batches, n_layer=2)
+    st = gpt.stages(model)
+    h = st.embed.fn(st.embed.params(params), x, key)
+    for b in st.blocks:
+        h = b.fn(b.params(params), h, key)
+    hidden = st.final.fn(st.final.params(params), h, key)
+    torch.testing.assert_close(hidden, gpt_hidden(model, params, x, key), atol=0, rtol=0)
+    # Every parameter belongs to exactly one stage (the tied head adds wte.weight in losses).
+    names = st.embed.names + sum((b.names for b in st.blocks), ()) + st.final.names
+    assert sorted(names) == sorted(params)
+    assert st.blocks[1].names[0].startswith("blocks.1.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss scaling
+
+
+@pytest.mark.parametrize("policy", ["full", 2])
+def test_loss_scale_scales_grads_not_loss(tiny_gpt, batches, policy):
+    model, params, batch, key = _gpt_problem(tiny_gpt, batches)
+    staged = make_gpt_loss_fn(model, chunk_size=16, remat=policy)
+    loss, _, grads = staged.value_and_grad(params, batch, key)
+    scale = torch.tensor(1024.0)
+    s_loss, _, s_grads = staged.value_and_grad(params, batch, key, loss_scale=scale)
+    torch.testing.assert_close(s_loss, loss, atol=0, rtol=0)  # the loss stays unscaled
+    _assert_grads_close(s_grads, {n: g * 1024.0 for n, g in grads.items()}, atol=1e-6, rtol=1e-5)
+
+
+def test_loss_scale_with_policy_none_uses_grad_and_value():
+    embed, blocks, head, params, batch = _toy()
+    loss_fn = staged_loss(embed, blocks, head, policy="none")
+    loss, aux, grads = loss_fn.value_and_grad(params, batch, None)
+    s_loss, s_aux, s_grads = loss_fn.value_and_grad(params, batch, None, loss_scale=torch.tensor(0.5))
+    torch.testing.assert_close(s_loss, loss, atol=0, rtol=0)
+    assert set(aux) == set(s_aux) == {"h_norm"}
+    _assert_grads_close(s_grads, {n: g * 0.5 for n, g in grads.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# The staged route on a toy model: recomputation happens where the policy says, ties are summed
+
+
+def _toy(n_blocks=4, calls=None):
+    """Stages of a small tied MLP stack: embed reads `emb`, blocks `w{i}`, head `emb` again and
+    `unused` is read by no stage. `calls[i]` counts block i's runs."""
+    g = torch.Generator().manual_seed(0)
+    params = {"emb": torch.randn(5, 8, generator=g), "unused": torch.randn(3, generator=g)}
+    params.update({f"w{i}": torch.randn(8, 8, generator=g) * 0.3 for i in range(n_blocks)})
+    batch = (torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g))
+
+    def block_stage(i):
+        def fn(p, h, key):
+            if calls is not None:
+                calls[i] += 1
+            return h + torch.tanh(h @ p[f"w{i}"])
+
+        return Stage((f"w{i}",), fn)
+
+    embed = Stage(("emb",), lambda p, batch, key: batch[0] @ p["emb"])  # (6, 8)
+    head = Stage(("emb",), lambda p, h, batch, key: (((h @ p["emb"].T - batch[1]) ** 2).mean(),
+                                                     {"h_norm": h.detach().norm()}))
+    return embed, [block_stage(i) for i in range(n_blocks)], head, params, batch
+
+
+@pytest.mark.parametrize(
+    "policy, runs", [("full", [2, 2, 2, 2]), (2, [1, 2, 1, 2]), (3, [1, 1, 2, 1]), ("none", [1, 1, 1, 1])]
+)
+def test_policy_recomputes_exactly_its_blocks(policy, runs):
+    calls = [0] * 4
+    embed, blocks, head, params, batch = _toy(calls=calls)
+    loss_fn = staged_loss(embed, blocks, head, policy=policy)
+    loss, aux, grads = loss_fn.value_and_grad(params, batch, None)
+    assert calls == runs
+
+    want, (want_loss, want_aux) = torch.func.grad_and_value(lambda p: loss_fn(p, batch, None), has_aux=True)(params)
+    torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(aux["h_norm"], want_aux["h_norm"], atol=1e-6, rtol=1e-6)
+    _assert_grads_close(grads, want)  # tied "emb": embed + head summed; "unused": zeros
+    assert torch.equal(grads["unused"], torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the train step
+
+
+def _opt():
+    """Clipping + AdamW with warm-up (as the step tests)."""
+    return optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1))
+
+
+def test_train_step_with_accumulation_equals_non_remat(tiny_gpt, batches):
+    model = tiny_gpt(n_layer=2, dropout=0.1)
+    data = batches(model.cfg, 3, batch_size=4)
+    state0 = init_state(model, _opt(), seed=0)
+    runs = {}
+    for remat in ("none", "full", 2):
+        step = make_train_step(make_gpt_loss_fn(model, chunk_size=8, remat=remat), _opt(), accum_steps=2,
+                               compile=False, donate=False)
+        state, losses = state0, []
+        for b in data:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        runs[remat] = (state, losses)
+    ref_state, ref_losses = runs["none"]
+    assert ref_losses[-1] < ref_losses[0]
+    for remat in ("full", 2):
+        state, losses = runs[remat]
+        assert losses == pytest.approx(ref_losses, abs=1e-6)
+        assert int(state.step) == 3
+        for (name, a), b in zip(tree.named_leaves(state), tree.leaves(ref_state)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{remat}: {name}")
+
+
+def test_compiled_staged_step_matches_eager_with_one_graph(tiny_gpt, batches):
+    # every-2 on 2 blocks: block 0 kept (vjp closure), block 1 recomputed behind the barrier.
+    model = tiny_gpt(n_layer=2, n_embd=32, block_size=16)
+    loss_fn = make_gpt_loss_fn(model, remat=2)
+    data = batches(model.cfg, 3, batch_size=4)
+    state0 = init_state(model, _opt(), seed=0)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = make_train_step(loss_fn, _opt())
+    eager = make_train_step(loss_fn, _opt(), compile=False)
+    c_state, e_state = tree.clone(state0), tree.clone(state0)
+    for b in data:
+        c_state, c_m = compiled(c_state, b)
+        e_state, e_m = eager(e_state, b)
+        for k in ("loss", "grad_norm", "update_norm"):
+            torch.testing.assert_close(c_m[k], e_m[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for name in e_state.params:
+        torch.testing.assert_close(c_state.params[name], e_state.params[name], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies
+
+
+@pytest.mark.parametrize("policy, want", [("none", "none"), ("full", "full"), (1, 1), (3, 3), ("2", 2)])
+def test_parse_policy(policy, want):
+    assert parse_policy(policy) == want
+
+
+@pytest.mark.parametrize("bad", ["half", "", 0, -2, True, 1.5, None, "every2"])
+def test_bad_policy_is_a_clear_value_error(tiny_gpt, bad):
+    with pytest.raises(ValueError, match=r"'none', 'full' or a positive int N.*got " + re.escape(repr(bad))):
+        make_gpt_loss_fn(tiny_gpt(), remat=bad)
+    embed, blocks, head, _, _ = _toy()
+    with pytest.raises(ValueError, match="remat policy"):
+        staged_loss(embed, blocks, head, policy=bad)
