@@ -34,6 +34,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.eval_every = 500
     c.eval_batches = 8
     c.compile = True
+    # Where compiled graphs are cached across runs (functrain/compile_cache.py): "user" (per-user
+    # dir: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/functrain/inductor), "workdir" (<workdir>/compile_cache:
+    # a restart from a copy of the workdir compiles warm), "off" (always cold), or a directory path.
+    c.compile_cache = "user"
     c.donate = True
     c.deterministic = False  # bit-identical reruns need deterministic kernels (slower)
     c.loss_chunk_size = 0  # > 0: chunked cross-entropy through the tied head; logits never whole

@@ -25,6 +25,7 @@ import ml_collections
 import torch
 
 from functrain import checkpoint as ckpt_lib
+from functrain import compile_cache
 from functrain import data as data_lib
 from functrain import losses
 from functrain import metrics as metrics_lib
@@ -355,6 +356,11 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
     if config.deterministic:
         torch.use_deterministic_algorithms(True)
     device = ctx.device if config.device == "auto" else torch.device(config.device)
+    try:  # before anything is compiled: where compiled graphs are cached across runs
+        compile_dir = compile_cache.setup(config.compile_cache, workdir)
+    except ValueError as exc:
+        raise TrainingError(f"{exc}; fix --config.compile_cache") from None
+    compile_before = compile_cache.stats()
 
     cache_dir = config.data.cache_dir or str(workdir / "data")
     dataset = data_lib.load_dataset(
@@ -444,6 +450,8 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
                         f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
                         f"time to first step {time.perf_counter() - t_program:.1f}s"
                     )
+                    if config.compile:
+                        print_fn(compile_cache.report(compile_dir, since=compile_before))
                     throughput.start(done)
                 skips.check(done, m)
                 if done % config.log_every == 0 or done == config.steps:

@@ -1,0 +1,199 @@
+"""Compile warm start: where torch.compile keeps its on-disk caches, and how often they were hit.
+
+`torch.compile` of the train step spends most of a cold start in AOTAutograd and inductor (lowering,
+code generation and, on CPU, compiling the generated C++). Inductor's FX graph cache and the
+AOTAutograd cache keep those results on disk, keyed by the traced graph, its inputs' metadata, the
+torch version and the inductor config, so a later process that traces the same step loads the
+compiled code instead of building it again. Dynamo still traces the Python step function in every
+process (a few seconds; that part is not cached).
+
+The caches live in one directory, `TORCHINDUCTOR_CACHE_DIR`, which torch reads (from the
+environment, so inductor's compile workers see it too) each time it touches the cache. `setup`
+picks that directory and turns both caches on; call it before anything is compiled. Modes:
+
+  "user"     a per-user directory shared by all runs: `$TORCHINDUCTOR_CACHE_DIR` if the user set
+             it, else `$XDG_CACHE_HOME/functrain/inductor` (default `~/.cache/functrain/inductor`).
+  "workdir"  `<workdir>/compile_cache`: the cache travels with the run directory, so a restart on
+             another machine (or from a copy of the workdir at another path) compiles warm. The
+             directory holds everything a warm start needs, compiled C++ libraries included; torch's
+             portable "mega-cache" (`torch.compiler.save_cache_artifacts`) is not used because on
+             CPU it holds the generated source but not the compiled libraries, so loading it still
+             pays the C++ compilation (measured in bench/compile_cache.py).
+  "off"      a fresh temporary directory, removed at exit: every run compiles cold.
+  a path     any string containing "/" (or starting with "~"): that directory.
+
+Entries are keyed by content, so a shared directory never serves a stale graph: a changed model,
+config value baked into the graph, or torch version is simply a miss. An explicit
+`TORCHINDUCTOR_FX_GRAPH_CACHE=0`, `TORCHINDUCTOR_AUTOGRAD_CACHE=0` or
+`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` in the environment still wins; `report` then says so.
+
+Example:
+    >>> from functrain import compile_cache
+    >>> cache_dir = compile_cache.setup(config.compile_cache, workdir)  # before torch.compile
+    >>> before = compile_cache.stats()
+    >>> ...  # build and run the compiled step
+    >>> print(compile_cache.report(cache_dir, since=before))
+    compile cache /home/me/.cache/functrain/inductor: 2 hits, 0 misses (FX graph 1/0, AOTAutograd 1/0)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["MODES", "setup", "stats", "report"]
+
+MODES = ("user", "workdir", "off")
+"""The named modes of `setup`; anything else must be a path (containing "/" or starting with "~")."""
+
+_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_set_by_setup: str | None = None  # the value `setup` last put into the environment
+_set_by_user: str | None = None  # the user's own value that `setup` replaced, if any
+
+# counters["inductor"] / counters["aot_autograd"] keys -> the names `stats` gives them.
+_COUNTERS = {
+    ("inductor", "fxgraph_cache_hit"): "fxgraph_hit",
+    ("inductor", "fxgraph_cache_miss"): "fxgraph_miss",
+    ("inductor", "fxgraph_cache_bypass"): "fxgraph_bypass",
+    ("aot_autograd", "autograd_cache_hit"): "aot_hit",
+    ("aot_autograd", "autograd_cache_miss"): "aot_miss",
+    ("aot_autograd", "autograd_cache_bypass"): "aot_bypass",
+}
+
+
+def setup(mode: str, workdir: str | os.PathLike | None = None) -> Path:
+    """Points torch.compile's on-disk caches at the directory `mode` names and turns them on.
+
+    Sets `TORCHINDUCTOR_CACHE_DIR` (process-wide, inherited by compile workers and child
+    processes) and enables inductor's FX graph cache and the AOTAutograd cache. Call it before
+    the first `torch.compile`d call; graphs already compiled in this process are not affected.
+
+    Args:
+      mode: "user", "workdir", "off" (see the module docstring), or a directory path (a string
+        containing "/" or starting with "~", e.g. "./cache" or "/scratch/inductor").
+      workdir: the run directory; required for mode "workdir", ignored otherwise.
+
+    Returns:
+      The cache directory (absolute; created if missing).
+
+    Raises:
+      ValueError: `mode` is not one of the modes nor a path, or "workdir" without a workdir.
+
+    Example:
+      >>> setup("workdir", "runs/gpt")
+      PosixPath('/home/me/functrain/runs/gpt/compile_cache')
+    """
+    global _set_by_setup, _set_by_user
+    path = _resolve(mode, workdir)
+    path.mkdir(parents=True, exist_ok=True)
+    previous = os.environ.get(_ENV)
+    if previous and previous != _set_by_setup:
+        _set_by_user = previous
+    os.environ[_ENV] = _set_by_setup = str(path)
+    if previous is not None and os.path.abspath(previous) != str(path) and "torch._inductor.utils" in sys.modules:
+        from torch._inductor.utils import clear_caches
+
+        clear_caches()  # in-memory caches that remember the previous directory
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return path
+
+
+def _resolve(mode: str, workdir) -> Path:
+    """The absolute cache directory for `mode` (validates it; creates nothing but "off"'s temp dir)."""
+    if not (isinstance(mode, str) and (mode in MODES or "/" in mode or mode.startswith("~"))):
+        raise ValueError(
+            f"compile_cache={mode!r} is not known; use 'user' (a per-user cache dir), 'workdir' "
+            "(<workdir>/compile_cache), 'off' (always compile cold) or a directory path containing '/' "
+            "(e.g. './compile_cache')"
+        )
+    if mode == "user":
+        env = os.environ.get(_ENV)
+        if env and env != _set_by_setup:  # set by the user, not by an earlier setup() in this process
+            return Path(env).expanduser().absolute()
+        if env and _set_by_user:  # an earlier setup() replaced the user's dir: back to it
+            return Path(_set_by_user).expanduser().absolute()
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(base, "functrain", "inductor").absolute()
+    if mode == "workdir":
+        if workdir is None:
+            raise ValueError("compile_cache='workdir' needs the run's workdir; pass workdir=...")
+        return (Path(workdir).expanduser() / "compile_cache").absolute()
+    if mode == "off":
+        path = tempfile.mkdtemp(prefix="functrain-compile-cache-")
+        atexit.register(shutil.rmtree, path, True)
+        return Path(path)
+    return Path(mode).expanduser().absolute()
+
+
+def stats() -> dict[str, int]:
+    """This process's compile-cache counters so far (cumulative since the process started).
+
+    Returns:
+      {"fxgraph_hit", "fxgraph_miss", "fxgraph_bypass", "aot_hit", "aot_miss", "aot_bypass"}: how
+      many graphs inductor's FX graph cache and the AOTAutograd cache served (hit), compiled and
+      stored (miss), or could not cache (bypass). A warm graph usually counts one AOTAutograd hit and
+      one FX graph hit.
+
+    Example:
+      >>> before = stats(); step(state, batch); stats()["aot_miss"] - before["aot_miss"]
+      0
+    """
+    from torch._dynamo.utils import counters
+
+    return {name: int(counters[group][key]) for (group, key), name in _COUNTERS.items()}
+
+
+def report(cache_dir: str | os.PathLike | None = None, since: dict[str, int] | None = None) -> str:
+    """One console line with the cache hits and misses (of this process, or since `since`).
+
+    Args:
+      cache_dir: the directory `setup` returned (default: the current `TORCHINDUCTOR_CACHE_DIR`).
+      since: an earlier `stats()` to subtract (e.g. taken at the start of `train`).
+
+    Returns:
+      e.g. "compile cache /runs/gpt/compile_cache: 2 hits, 0 misses (FX graph 1/0, AOTAutograd
+      1/0)", with "N bypassed" when some graph could not be cached and a note when the environment
+      disabled the caches.
+
+    Example:
+      >>> print(report(cache_dir))
+    """
+    now = stats()
+    s = {k: v - (since or {}).get(k, 0) for k, v in now.items()}
+    hits, misses = s["fxgraph_hit"] + s["aot_hit"], s["fxgraph_miss"] + s["aot_miss"]
+    where = cache_dir if cache_dir is not None else os.environ.get(_ENV, "(torch's default)")
+    line = (
+        f"compile cache {where}: {hits} hits, {misses} misses "
+        f"(FX graph {s['fxgraph_hit']}/{s['fxgraph_miss']}, AOTAutograd {s['aot_hit']}/{s['aot_miss']}"
+    )
+    bypassed = s["fxgraph_bypass"] + s["aot_bypass"]
+    if bypassed:
+        line += f"; {bypassed} bypassed"
+    line += ")"
+    off = _disabled()
+    if off:
+        line += f"; disabled by {off}"
+    return line
+
+
+def _disabled() -> str:
+    """The setting that turned a cache off despite `setup` ("" when both are on)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    if torch._inductor.config.force_disable_caches:
+        return "force_disable_caches (TORCHINDUCTOR_FORCE_DISABLE_CACHES)"
+    off = []
+    if not torch._inductor.config.fx_graph_cache:
+        off.append("TORCHINDUCTOR_FX_GRAPH_CACHE=0")
+    if not torch._functorch.config.enable_autograd_cache:
+        off.append("TORCHINDUCTOR_AUTOGRAD_CACHE=0")
+    return ", ".join(off)

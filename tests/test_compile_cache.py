@@ -1,0 +1,162 @@
+"""functrain.compile_cache: mode validation and directories, and a real warm start across processes.
+
+The warm-start tests compile a tiny MLP train step (the real `make_train_step`: grad, SGD update,
+metrics, one fullgraph graph) in fresh Python processes that share a cache directory set through
+`compile_cache.setup`: the first compiles cold (misses), the next ones must load everything from
+the cache (hits, no misses) and compute bit-identical results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from functrain import compile_cache
+
+REPO = Path(__file__).resolve().parent.parent
+
+_WORKER = r"""
+import json, sys
+import torch
+from functrain import compile_cache, init_state, make_train_step, optim
+
+cache = compile_cache.setup(sys.argv[1], sys.argv[2])
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+with torch.no_grad():
+    for i, p in enumerate(model.parameters()):
+        p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (i + 1) / 4)
+
+def loss_fn(params, batch, key):
+    x, y = batch
+    return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean(), {}
+
+opt = optim.sgd(0.1)
+state = init_state(model, opt)
+step = make_train_step(loss_fn, opt, donate=False)
+x = torch.linspace(-2, 2, 32).reshape(8, 4)
+batch = (x, x.sum(1, keepdim=True).sin())
+losses = []
+for _ in range(2):
+    state, metrics = step(state, batch)
+    losses.append(metrics["loss"].item())
+print(json.dumps({"dir": str(cache), "stats": compile_cache.stats(), "losses": losses,
+                  "params": {k: v.tolist() for k, v in state.params.items()},
+                  "report": compile_cache.report(cache)}))
+"""
+
+
+def _compile_in_subprocess(mode: str, workdir: Path) -> dict:
+    """Runs the worker in a fresh Python process; returns what it printed."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                        "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _WORKER, mode, str(workdir)], env=env, cwd=str(workdir),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory):
+    """The first (cold) compile, in mode "workdir" under a fresh workdir: (workdir, result)."""
+    workdir = tmp_path_factory.mktemp("run")
+    return workdir, _compile_in_subprocess("workdir", workdir)
+
+
+def test_first_process_compiles_cold(cold_run):
+    workdir, first = cold_run
+    assert first["dir"] == str(workdir.absolute() / "compile_cache")
+    assert first["stats"]["fxgraph_miss"] > 0 and first["stats"]["aot_miss"] > 0, first["stats"]
+    assert first["stats"]["fxgraph_hit"] == 0 and first["stats"]["aot_hit"] == 0, first["stats"]
+    assert (workdir / "compile_cache" / "fxgraph").is_dir() and (workdir / "compile_cache" / "aotautograd").is_dir()
+
+
+def test_second_process_with_same_dir_is_warm(cold_run, tmp_path):
+    workdir, first = cold_run
+    second = _compile_in_subprocess(str(workdir / "compile_cache"), tmp_path)  # the same dir, as a path
+    assert second["dir"] == first["dir"]
+    s = second["stats"]
+    assert s["fxgraph_hit"] > 0 and s["aot_hit"] > 0, s
+    assert s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
+    assert second["losses"] == first["losses"] and second["params"] == first["params"]
+    assert f"{s['fxgraph_hit'] + s['aot_hit']} hits, 0 misses" in second["report"]
+
+
+def test_copied_workdir_is_warm(cold_run, tmp_path):
+    """Mode "workdir" is portable: a copy of the workdir at another path compiles warm."""
+    workdir, first = cold_run
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(workdir, moved)
+    third = _compile_in_subprocess("workdir", moved)
+    assert third["dir"] == str(moved.absolute() / "compile_cache")
+    s = third["stats"]
+    assert s["aot_hit"] > 0 and s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
+    assert third["losses"] == first["losses"] and third["params"] == first["params"]
+
+
+@pytest.mark.parametrize("mode", ["usr", "", "Workdir", "cache", None])
+def test_bad_mode_is_one_clear_error(mode):
+    with pytest.raises(ValueError, match="compile_cache=.*'user'.*'workdir'.*'off'.*path"):
+        compile_cache.setup(mode, "runs/x")
+
+
+def test_workdir_mode_needs_a_workdir():
+    with pytest.raises(ValueError, match="workdir"):
+        compile_cache.setup("workdir", None)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Restores TORCHINDUCTOR_CACHE_DIR (which `setup` sets) after the test."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/placeholder")
+    return monkeypatch
+
+
+def test_directories(env, tmp_path):
+    assert compile_cache.setup("workdir", tmp_path / "run") == tmp_path / "run" / "compile_cache"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "run" / "compile_cache")
+    assert (tmp_path / "run" / "compile_cache").is_dir()
+    assert compile_cache.setup(str(tmp_path / "explicit")) == tmp_path / "explicit"
+
+    env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "from-env"))
+    assert compile_cache.setup("user") == tmp_path / "from-env"  # a dir the user set is honored
+    compile_cache.setup("workdir", tmp_path / "run")  # an earlier run in this process ...
+    assert compile_cache.setup("user") == tmp_path / "from-env"  # ... does not leak into "user"
+    env.delenv("TORCHINDUCTOR_CACHE_DIR")
+    env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.setup("user") == tmp_path / "xdg" / "functrain" / "inductor"
+
+    a, b = compile_cache.setup("off"), compile_cache.setup("off")
+    assert a != b and a.is_dir() and not any(a.iterdir())  # always a fresh, empty dir
+
+
+@pytest.mark.skipif(any(os.environ.get(k) == "0" for k in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")),
+                    reason="caches forced off by the environment")
+def test_setup_turns_the_caches_on(env, tmp_path):
+    import torch._functorch.config
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        compile_cache.setup(str(tmp_path))
+        assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
+
+
+def test_report_counts_since(env):
+    from torch._dynamo.utils import counters
+
+    before = compile_cache.stats()
+    counters["inductor"]["fxgraph_cache_hit"] += 2
+    counters["aot_autograd"]["autograd_cache_miss"] += 1
+    try:
+        line = compile_cache.report("/some/dir", since=before)
+    finally:
+        counters["inductor"]["fxgraph_cache_hit"] -= 2
+        counters["aot_autograd"]["autograd_cache_miss"] -= 1
+    assert line.startswith("compile cache /some/dir: 2 hits, 1 misses (FX graph 2/0, AOTAutograd 0/1)")
