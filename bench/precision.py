@@ -9,8 +9,16 @@ and the loss after the run. Ratios are against fp32 measured in the same invocat
     python bench/precision.py                               # n_layer 4, n_embd 256, B 16 x T 256
     python bench/precision.py --device cuda --n-layer 12 --n-embd 768 --batch 16
 
-Measured here: see the issue note (the numbers depend on whether the CPU has bf16 instructions;
-this machine's has neither AVX512-BF16 nor AMX, so bf16/fp16 matmuls are emulated and slower).
+Measured here (torch 2.13 CPU, 2 cores, a CPU with neither AVX512-BF16 nor AMX, so low-precision
+matmuls are emulated), `OMP_NUM_THREADS=2 python bench/precision.py --steps 5` (12 minutes):
+
+    precision   s/step  vs fp32  peak MiB     vs    loss skipped compile+warmup s
+    fp32         0.735    1.00x       293  1.00x 2.50820       0             73.6
+    bf16        26.570   36.16x       153  0.52x 2.50729       0            143.9
+    fp16        30.610   41.65x       154  0.53x 2.50873       0            154.4
+
+Memory halves as it should (activations in 16 bits); the loss after 9 steps agrees to 1e-3; the
+speed is this CPU's: bf16 pays off only on hardware with bf16 matrix units (GPUs, AMX CPUs).
 """
 
 from __future__ import annotations
