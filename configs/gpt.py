@@ -11,7 +11,7 @@ loss 1.50 and val loss 1.50 at the end (val 2.17 / 1.82 / 1.60 at steps 300 / 60
 Metrics land in `runs/gpt/metrics.jsonl`, TensorBoard events in `runs/gpt/tb`.
 
 Variants (`--config=configs/gpt.py:<variant>`):
-  tiny   smoke test: trains in well under a minute; loss falls from ~5.6 to about 2.5.
+  tiny   smoke test: about a minute (45 s of it compiling); loss ~5.6 -> 2.84, val 2.90 at step 150.
   gpt2   GPT-2 small (124M with a 50304 vocab; 85M non-embedding) for a GPU: point data.path at
          nanoGPT-style uint16 .bin files (e.g. OpenWebText) and set the batch to your memory.
 
