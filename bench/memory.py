@@ -32,39 +32,22 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _mem import reset_peak, status_mib  # noqa: E402
+
 
 def _peak_mib() -> float:
     """This process's peak resident set size so far, in MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _status_mib(field: str) -> float:
-    """A `VmRSS` / `VmHWM` line of /proc/self/status, in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
 def _rss_mib() -> float:
     """Current resident set size, MiB."""
-    return _status_mib("VmRSS")
+    return status_mib("VmRSS")
 
 
 def _hwm_mib() -> float:
-    """Peak resident set size since start or the last `_reset_peak`, MiB."""
-    return _status_mib("VmHWM")
-
-
-def _reset_peak() -> bool:
-    """Resets the RSS high-water mark to the current RSS (Linux >= 4.0); False where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    """Peak resident set size since start or the last `reset_peak`, MiB."""
+    return status_mib("VmHWM")
 
 
 def child(args) -> dict:
@@ -93,10 +76,10 @@ def child(args) -> dict:
     fn = torch.func.grad_and_value(loss_fn, argnums=(0, 1))
     if args.compile:
         fn = torch.compile(fn, fullgraph=True)
-    warm = _reset_peak()  # only where the kernel lets us reset the high-water mark
+    warm = reset_peak()  # only where the kernel lets us reset the high-water mark
     if warm:  # first call outside the window (compiles; first-touch of lazily built state)
         fn(hidden, weight)
-        _reset_peak()
+        reset_peak()
     base = _peak_mib() if not warm else _rss_mib()
     t = time.perf_counter()
     (gh, gw), loss = fn(hidden, weight)

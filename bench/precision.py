@@ -32,14 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _status_mib(field: str) -> float:
-    """A `VmRSS` / `VmHWM` line of /proc/self/status, in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
+from _mem import reset_peak, status_mib, trim  # noqa: E402
 
 
 def _child(args) -> dict:
@@ -79,15 +72,12 @@ def _child(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:  # hand freed heap back to the OS first, so the step's own allocations show in RSS
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        base = _status_mib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        trim()
+        base = status_mib("VmRSS")
+        reset_peak()
     state, m = step(state, batches[0])
     float(m["loss"])
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else _status_mib("VmHWM") - base
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else status_mib("VmHWM") - base
     t0 = time.perf_counter()
     for i in range(args.steps):
         state, m = step(state, batches[i % 4])

@@ -46,8 +46,6 @@ this loaded machine the OpenMP threads wait on each other and the timings became
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -57,6 +55,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from _mem import reset_peak, status_mib, trim  # noqa: E402
 
 from functrain import init_state, make_train_step, optim, rng  # noqa: E402
 from functrain.losses import make_gpt_loss_fn  # noqa: E402
@@ -79,24 +78,6 @@ def _batches(cfg: gpt.GPTConfig, batch: int, device) -> list:
         xy = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
         out.append((xy[:, :-1].contiguous().to(device), xy[:, 1:].contiguous().to(device)))
     return out
-
-
-def _status_kb(field: str) -> int:
-    """A /proc/self/status field (VmRSS, VmHWM) in KiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _trim() -> None:
-    """Frees what Python and malloc hold but do not use, so RSS is the live memory."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _sync(device) -> None:
@@ -128,20 +109,18 @@ def child(args) -> dict:
     first_s = time.perf_counter() - t
     state, m = step(state, data[1])
     float(m["loss"])
-    _trim()
+    trim()
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device) / 2**20
         method = "cuda max_memory_allocated"
     else:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := current RSS
+        if reset_peak():  # VmHWM := current RSS
             method = "RSS high-water mark (VmHWM), reset at the baseline"
-        except OSError:
+        else:
             method = "RSS high-water mark NOT reset: includes compile and warm-up"
-        base = _status_kb("VmRSS") / 1024
+        base = status_mib("VmRSS")
     t, cpu = time.perf_counter(), time.process_time()
     for i in range(args.steps):
         state, m = step(state, data[(2 + i) % N_BATCHES])
@@ -152,7 +131,7 @@ def child(args) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
-        peak = _status_kb("VmHWM") / 1024
+        peak = status_mib("VmHWM")
     return {"policy": args.policy, "method": method, "base_mb": base, "growth_mb": peak - base,
             "seconds": seconds, "cpu_seconds": cpu_seconds, "first_s": first_s, "loss": loss}
 

@@ -21,7 +21,6 @@ reset through /proc/self/clear_refs), max over rounds. Step times are the max ov
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _mem import reset_peak, trim  # noqa: E402
 from functrain import apply, init_state, make_train_step, optim, parallel, rng  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 from functrain.parallel import spmd  # noqa: E402
@@ -45,24 +45,10 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def _trim() -> None:
-    """Returns free heap memory to the OS (glibc malloc_trim), so a round starts from live memory
-    and memory freed by the previous method cannot hide this one's peak."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _reset_peak() -> bool:
-    """Resets the RSS high-water mark (VmHWM) to the current RSS; False where unsupported."""
-    _trim()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    """Trims the heap, then resets the RSS high-water mark (VmHWM); False where unsupported."""
+    trim()
+    return reset_peak()
 
 
 def _batches(cfg, n, batch_size, ctx):
