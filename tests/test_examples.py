@@ -39,7 +39,7 @@ def _check(proc, name):
 
 def test_all_examples_listed():
     assert set(EXAMPLES) == {"custom_loss", "ema", "per_example_grad_norms", "masked_weight_decay",
-                             "frozen_params", "train_then_eval"}
+                             "frozen_params", "train_then_eval", "dp_sgd"}
     readme = (REPO / "examples" / "README.md").read_text()
     for name in EXAMPLES:
         assert f"`{name}.py`" in readme, name
