@@ -144,3 +144,16 @@ def test_compiled_fp16_step_is_one_graph_and_matches_eager(tiny_gpt, batches, gp
     for a, b in zip(eager, compiled):
         assert abs(a - b) < 2e-3, (eager, compiled)
     assert {p.dtype for p in state.params.values()} == {torch.float32}
+
+
+def test_bf16_composes_with_remat_and_the_chunked_loss(tiny_gpt, batches):
+    """bf16 + recomputed blocks + chunked CE: the same steps as bf16 with the plain route."""
+    from functrain.losses import make_gpt_loss_fn
+
+    model = tiny_gpt(n_layer=2, dropout=0.1)
+    data = batches(model.cfg, 3)
+    plain, s_plain, _ = _run(model, make_gpt_loss_fn(model, chunk_size=32), data, "bf16", steps=3)
+    remat, s_remat, _ = _run(model, make_gpt_loss_fn(model, chunk_size=32, remat="full"), data, "bf16", steps=3)
+    assert max(abs(a - b) for a, b in zip(plain, remat)) < 1e-6, (plain, remat)
+    for k in s_plain.params:
+        torch.testing.assert_close(s_remat.params[k], s_plain.params[k], rtol=0, atol=1e-6)
