@@ -33,7 +33,7 @@ import torch
 
 from functrain import tree as tree_lib
 
-__all__ = ["Precision", "get", "cast_floating", "parse_dtype"]
+__all__ = ["Precision", "get", "cast_floating", "parse_dtype", "to_compute"]
 
 PyTree = Any
 
@@ -142,3 +142,22 @@ def cast_floating(tree: PyTree, dtype: torch.dtype) -> PyTree:
         return x
 
     return tree_lib.map(cast, tree)
+
+
+def to_compute(prec: Precision, params: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
+    """`(params, batch)` with their floating leaves in `prec.compute_dtype` (as they are for fp32).
+
+    Args:
+      prec: the `Precision`.
+      params: the master params (plain tensors or DTensors).
+      batch: the batch pytree.
+
+    Returns:
+      The compute copies `(params, batch)`.
+
+    Example:
+      >>> p16, batch16 = to_compute(get("bf16"), state.params, batch)
+    """
+    if not prec.casts:
+        return params, batch
+    return cast_floating(params, prec.compute_dtype), cast_floating(batch, prec.compute_dtype)

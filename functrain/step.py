@@ -352,10 +352,8 @@ def make_train_step(
 
         def train_step(state: TrainState, batch: PyTree):
             key = rng_lib.fold_in(state.rng, state.step)
-            params = state.params
-            if prec.casts:  # compute copies (cast before the gather: half the bytes on the wire)
-                params = precision_lib.cast_floating(params, prec.compute_dtype)
-                batch = precision_lib.cast_floating(batch, prec.compute_dtype)
+            # compute copies (cast before the gather: half the bytes on the wire)
+            params, batch = precision_lib.to_compute(prec, state.params, batch)
             if spmd is not None:  # gather for compute; per-dp-rank dropout key
                 key, params = spmd.fold_in_dp(key), spmd.gather(params)
             loss_scale = state.guard.loss_scale if prec.loss_scaling else None
@@ -421,10 +419,7 @@ def make_eval_step(
         """The eval function; `spmd` is None (plain tensors) or a `parallel.spmd.Spmd`."""
 
         def eval_step(state: TrainState, batch: PyTree):
-            params = state.params
-            if prec.casts:
-                params = precision_lib.cast_floating(params, prec.compute_dtype)
-                batch = precision_lib.cast_floating(batch, prec.compute_dtype)
+            params, batch = precision_lib.to_compute(prec, state.params, batch)
             if spmd is not None:
                 params = spmd.gather(params)
             with torch.no_grad():
