@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Steady-state step time and losses of the default main job at two git revisions, run alternately.
+#
+#   bench/ab_revisions.sh REV_A REV_B [STEPS] [ROUNDS]      e.g. bench/ab_revisions.sh ac77636 HEAD
+#
+# Each revision is checked out (git worktree) into a temporary directory and run with the same
+# python (the current environment's torch) and PYTHONPATH pointing at that checkout, alternating
+# A, B, A, B... so slow drift of a shared machine hits both. Prints the logged steps' loss and
+# step_time_s per run. Measured 2026-11-22 (2 shared cores), ac77636 vs d6ac7c5, 300 steps, 2 rounds:
+# losses identical at every logged step (2.5101 / 2.1829 / 2.1135); step_time_s 0.295-0.316 (A) vs
+# 0.263-0.298 (B).
+set -euo pipefail
+a=${1:?usage: bench/ab_revisions.sh REV_A REV_B [STEPS] [ROUNDS]}
+b=${2:?usage: bench/ab_revisions.sh REV_A REV_B [STEPS] [ROUNDS]}
+steps=${3:-300}
+rounds=${4:-2}
+python=${PYTHON:-python}
+repo=$(git rev-parse --show-toplevel)
+tmp=$(mktemp -d)
+trap 'git -C "$repo" worktree remove --force "$tmp/a" >/dev/null 2>&1 || true; git -C "$repo" worktree remove --force "$tmp/b" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
+git -C "$repo" worktree add --detach "$tmp/a" "$a" >/dev/null 2>&1
+git -C "$repo" worktree add --detach "$tmp/b" "$b" >/dev/null 2>&1
+for round in $(seq "$rounds"); do
+  for side in a b; do
+    rev=$([ "$side" = a ] && echo "$a" || echo "$b")
+    out=$(cd "$tmp/$side" && PYTHONPATH="$tmp/$side" OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$python" -m functrain.main \
+      --config=configs/gpt.py --config.steps="$steps" --config.eval_every=100000 \
+      --config.checkpoint.enabled=False --config.sample.max_new_tokens=1 --config.log_every=100 \
+      --config.tensorboard=False --workdir="$tmp/run_$side" 2>&1)
+    rm -rf "$tmp/run_$side"
+    echo "$rev round $round: $(echo "$out" | grep -E '^step +[0-9]+/[0-9]+ \| loss' \
+      | sed -E 's/.*step +([0-9]+)\/[0-9]+ \| loss ([0-9.]+).*step_time_s ([0-9.]+).*/step \1 loss \2 step_time \3/' | tr '\n' ';')"
+  done
+done
