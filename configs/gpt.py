@@ -41,7 +41,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # a restart from a copy of the workdir compiles warm), "off" (always cold), or a directory path.
     c.compile_cache = "user"
     c.donate = True
-    c.deterministic = False  # bit-identical reruns need deterministic kernels (slower)
+    # CPU runs are bit-reproducible without it (functrain/ops.py); on CUDA, True turns on
+    # torch.use_deterministic_algorithms (atomic-add kernels replaced), needed for bit-identical reruns.
+    c.deterministic = False
     c.loss_chunk_size = 0  # > 0: chunked cross-entropy through the tied head; logits never whole
     c.remat = "none"  # activation checkpointing: none | full | N (every N-th block); see bench/remat.py
     c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32
@@ -88,6 +90,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.keep_every = 0  # also keep every N-th step forever; 0 = off
     c.checkpoint.enabled = True
     c.checkpoint.async_restore = True  # stream the restore in while the step compiles
+    # Start from another run's params (a step dir, its checkpoints dir or its workdir) with a fresh
+    # optimizer; ignored once this workdir has its own checkpoint (a restart resumes that instead).
+    c.checkpoint.init_from = ""
 
     c.profile = ml_collections.ConfigDict()
     c.profile.start = 0  # torch.profiler trace of steps [start, stop) into <workdir>/profile

@@ -46,7 +46,7 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.state import Guard, TrainState
 
-__all__ = ["apply", "apply_gradients", "make_train_step", "make_eval_step", "value_and_grad"]
+__all__ = ["apply", "apply_gradients", "make_train_step", "make_eval_step", "update_step", "value_and_grad"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
@@ -367,13 +367,7 @@ def make_train_step(
 
         return train_step
 
-    def _update(state: TrainState, aux: dict, grads: PyTree):
-        new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=guarded,
-                                             precision=prec)
-        if donate:
-            new_state = _write_into(state, new_state)
-        return new_state, metrics
-
+    _update = _make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec)
     train_step = build(None)
     compiled = {None: _maybe_compile(train_step, compile, compile_options)}
     eager = {None: train_step}
@@ -388,6 +382,59 @@ def make_train_step(
 
     step.uncompiled = uncompiled  # type: ignore[attr-defined]
     return step
+
+
+def _make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision):
+    """`update(state, aux, grads) -> (state, metrics)`: `apply_gradients`, then donation."""
+
+    def update(state: TrainState, aux: dict, grads: PyTree):
+        new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=skip_nonfinite,
+                                             precision=precision)
+        if donate:
+            new_state = _write_into(state, new_state)
+        return new_state, metrics
+
+    return update
+
+
+def update_step(
+    optimizer: optim.Transform,
+    *,
+    donate: bool = True,
+    compile: bool = True,
+    skip_nonfinite: bool = True,
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    compile_options: dict | None = None,
+) -> Callable[[TrainState, PyTree, dict], tuple[TrainState, dict]]:
+    """The optimizer half of the train step on its own: `update(state, grads, aux) -> (state, metrics)`.
+
+    The same code `make_train_step` runs after the backward (`apply_gradients`: norms, the optimizer,
+    the non-finite skip, the step counter; then donation), compiled as one graph. For gradients made
+    elsewhere (DP-SGD noise, gradients from another process, `bench/optimizer.py`).
+
+    Args:
+      optimizer: the `Transform` whose state is `state.opt_state`.
+      donate: write the new params and optimizer state into the input state's buffers.
+      compile: compile with `torch.compile(fullgraph=True)`.
+      skip_nonfinite: keep the old state when the gradient norm (or `aux["loss"]`) is not finite.
+      precision: only its loss-scaling rule is used (see `apply_gradients`).
+      compile_options: extra keyword arguments for `torch.compile`.
+
+    Returns:
+      The update function; `aux` (e.g. `{"loss": loss}`) passes into the metrics.
+
+    Example:
+      >>> update = update_step(optim.adamw(3e-4))
+      >>> state, metrics = update(state, grads, {"loss": loss})
+    """
+    prec = precision_lib.get(precision)
+    inner = _make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling,
+                         precision=prec)
+
+    def update(state: TrainState, grads: PyTree, aux: dict | None = None):
+        return inner(state, dict(aux or {}), grads)
+
+    return _maybe_compile(update, compile, compile_options)
 
 
 def make_eval_step(

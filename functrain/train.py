@@ -232,13 +232,58 @@ def _make_manager(config: ml_collections.ConfigDict, workdir: Path) -> ckpt_lib.
     )
 
 
+def checkpoint_path(path: str) -> str:
+    """The committed step directory `path` names: a step directory, a checkpoints root (its latest
+    step) or a workdir (its `checkpoints/` latest step).
+
+    Args:
+      path: a directory.
+
+    Returns:
+      The path of one committed checkpoint.
+
+    Raises:
+      TrainingError: nothing committed is found there.
+
+    Example:
+      >>> checkpoint_path("runs/gpt")        # -> 'runs/gpt/checkpoints/2500'
+    """
+    p = Path(path)
+    if (p / "commit_success.txt").exists():
+        return str(p)
+    for root in (p, p / "checkpoints"):
+        steps = [int(c.name) for c in root.glob("*") if c.name.isdigit() and (c / "commit_success.txt").exists()]
+        if steps:
+            return str(root / str(max(steps)))
+    raise TrainingError(
+        f"checkpoint.init_from={path!r}: no committed checkpoint there; give a step directory "
+        "(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir"
+    )
+
+
+def _init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
+    """`state` with its params read from the checkpoint at `path` (onto their mesh); optimizer fresh."""
+    step_dir = checkpoint_path(path)
+    future = ckpt_lib.restore(step_dir, {"params": ckpt_lib.abstract(state.params)})
+    params = future.result()["params"]
+    print_fn(f"params initialized from checkpoint {step_dir} (optimizer state, step and schedule start fresh)")
+    return state.replace(params=params)
+
+
 def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn) -> TrainState:
     """Restores the latest checkpoint, if any, compiling the step while the bytes stream in."""
     latest = manager.latest_step() if manager is not None else None
     if latest is None:
         return state
     t0 = time.perf_counter()
-    future = manager.restore(latest, ckpt_lib.abstract(state))
+    # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
+    # fresh state; leaves this code does not know are an error (strict).
+    future = manager.restore(latest, ckpt_lib.abstract(state), defaults=state, strict=True)
+    if future.missing:
+        print_fn(
+            f"checkpoint step {latest} has no {', '.join(future.missing)} (written by an older version): "
+            "taken from the fresh state"
+        )
     if not config.checkpoint.async_restore:
         future.result()  # blocking restore: the bytes first, compilation after (for comparison)
     elif config.compile:
@@ -270,6 +315,8 @@ class _SkipWatch:
         n = int(metrics["consecutive_skips"])
         if n < self.limit:
             return
+        if self.manager is not None:
+            self.manager.wait()  # a save in flight commits first: the message names what is really kept
         latest = self.manager.latest_step() if self.manager is not None else None
         kept = f"the last checkpoint (step {latest}) is kept" if latest is not None else "no checkpoint was written"
         raise TrainingError(
@@ -430,6 +477,8 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
 
     manager = _make_manager(config, workdir)
     t_start = time.perf_counter()
+    if config.checkpoint.init_from and (manager is None or manager.latest_step() is None):
+        state = _init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it
     state = _maybe_restore(manager, state, train_step, batch_at, config, print_fn)
 
     start = int(state.step)

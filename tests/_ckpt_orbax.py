@@ -1,11 +1,14 @@
 """Stock orbax side of the interop tests; runs in its own process so jax never loads in pytest's.
 
 Usage:
-  python tests/_ckpt_orbax.py --read ROOT STEP OUT [--read ...] [--write ROOT OUT]
+  python tests/_ckpt_orbax.py --read ROOT STEP OUT [--read ...] [--write ROOT OUT] [--standard ITEM OUT]
 
 --read:  restores checkpoint STEP under ROOT with ocp.CheckpointManager (no args: numpy arrays), also
          onto 2 (virtual) CPU devices with a NamedSharding and checks both agree, and dumps the
          arrays to OUT.npz/OUT.json (raw bytes + dtype + shape, keyed by '.'-joined tree path).
+--standard: `ocp.StandardCheckpointer().restore(ITEM)` with no template (ITEM = <step>/default), dumps
+         the arrays and the tree's empty nodes to OUT, then restores ITEM again onto 2 CPU devices with
+         every matrix sharded by columns (dim 1; ours are written by rows) and checks it equals.
 --write: saves a nested tree (dicts, tuple, list; np float32/bfloat16/float16/int32/int64/uint32 and
          a jax.Array sharded over 2 devices) with CheckpointManager + StandardSave at ROOT/3 (zarr2)
          and with PyTreeCheckpointHandler(use_zarr3=True) at ROOT_zarr3/3, and dumps it to OUT.
@@ -75,6 +78,55 @@ def read(root: str, step: int, out: str) -> None:
     dump(restored, out)
 
 
+def _empty_paths(tree) -> dict:
+    """{'.'-joined path: type name} of the empty containers and Nones in a restored tree."""
+    out = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            if not node:
+                out[".".join(prefix)] = "dict"
+            for k, v in node.items():
+                walk(v, prefix + [str(k)])
+        elif isinstance(node, (list, tuple)):
+            if not node:
+                out[".".join(prefix)] = type(node).__name__
+            for i, v in enumerate(node):
+                walk(v, prefix + [str(i)])
+        elif node is None:
+            out[".".join(prefix)] = "None"
+
+    walk(tree, [])
+    return out
+
+
+def standard(item: str, out: str) -> None:
+    restored = ocp.StandardCheckpointer().restore(item)  # no template: the whole tree from _METADATA
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def by_columns(a):
+        cols = a.ndim >= 2 and a.shape[1] % 2 == 0
+        spec = jax.sharding.PartitionSpec(None, "x") if cols else jax.sharding.PartitionSpec()
+        dtype = {np.dtype(np.int64): np.int32, np.dtype(np.float64): np.float32}.get(a.dtype, a.dtype)  # x64 off
+        return jax.ShapeDtypeStruct(a.shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    target = jax.tree_util.tree_map(by_columns, restored)
+    sharded = ocp.StandardCheckpointer().restore(item, target)
+    columns = 0
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(restored)[0], jax.tree_util.tree_leaves(sharded)):
+        if a.ndim >= 2 and a.shape[1] % 2 == 0:
+            assert b.sharding.spec == jax.sharding.PartitionSpec(None, "x"), _name(path)
+            assert len(b.sharding.device_set) == 2, _name(path)
+            columns += 1
+        if a.dtype.itemsize == 8:  # 64-bit leaves come back 32-bit in jax with x64 off
+            assert np.array_equal(np.asarray(b), a.astype(np.asarray(b).dtype)), _name(path)
+            continue
+        assert np.asarray(b).tobytes() == a.tobytes(), f"column-sharded restore of {_name(path)} differs"
+    dump(restored, out)
+    with open(out + ".empty.json", "w") as f:
+        json.dump({"empty": _empty_paths(restored), "column_sharded": columns}, f)
+
+
 def write(root: str, out: str) -> None:
     rng = np.random.default_rng(0)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
@@ -107,9 +159,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--read", nargs=3, action="append", default=[], metavar=("ROOT", "STEP", "OUT"))
     p.add_argument("--write", nargs=2, metavar=("ROOT", "OUT"))
+    p.add_argument("--standard", nargs=2, metavar=("ITEM", "OUT"))
     args = p.parse_args()
     for root, step, out in args.read:
         read(root, int(step), out)
+    if args.standard:
+        standard(*args.standard)
     if args.write:
         write(*args.write)
     print("orbax ok")

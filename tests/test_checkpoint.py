@@ -399,3 +399,53 @@ def test_skipped_steps_do_not_wait_for_a_save_in_flight(tmp_path, slow_writes):
         assert not mgr.save(3, {"w": torch.ones(4)}) and not mgr.save(2, {"w": torch.ones(4)})
         assert time.perf_counter() - t0 < 0.2 and mgr.all_steps() == []
     assert mgr.all_steps() == [2]
+
+
+# ------------------------------------------------------------------------------------------------
+# Empty subtrees, and checkpoints that outlive the code
+
+
+def test_empty_subtrees_are_recorded_as_orbax_does(tmp_path):
+    """`()`, `[]`, `{}` and None get orbax's empty-value entries; a template-free restore has them."""
+    tree = {"opt": ((), ({"w": torch.ones(2)}, [], {}), None), "step": torch.tensor(3)}
+    path = str(tmp_path / "1")
+    ckpt.save(path, tree)
+    tm = json.load(open(os.path.join(path, "default", "_METADATA")))["tree_metadata"]
+    empty = {k: v["value_metadata"] for k, v in tm.items() if v["value_metadata"]["skip_deserialize"]}
+    assert empty == {
+        "('opt', '0')": {"value_type": "Tuple", "skip_deserialize": True},
+        "('opt', '1', '1')": {"value_type": "List", "skip_deserialize": True},
+        "('opt', '1', '2')": {"value_type": "Dict", "skip_deserialize": True},
+        "('opt', '2')": {"value_type": "None", "skip_deserialize": True},
+    }
+    out = ckpt.restore(path).result()
+    assert out["opt"][0] == () and out["opt"][1][1] == [] and out["opt"][1][2] == {} and out["opt"][2] is None
+    assert torch.equal(out["opt"][1][0]["w"], torch.ones(2)) and int(out["step"]) == 3
+
+
+def test_checkpoint_without_a_newer_field_restores_from_the_template_defaults(tmp_path):
+    """A checkpoint an older version wrote (no `guard` field) restores onto today's TrainState: the
+    missing leaves come from the fresh state and are named; an unknown leaf is still refused."""
+    from functrain import init_state, optim
+
+    opt = optim.adamw(1e-3)
+    old = init_state({"w": torch.arange(6.0).reshape(2, 3)}, opt, seed=1)
+    old = old.replace(step=torch.tensor(5), guard=old.guard._replace(skipped=torch.tensor(2)))
+    written = {k: v for k, v in old._asdict().items() if k != "guard"}  # as the older version saved it
+    with ckpt.Manager(str(tmp_path / "ck")) as mgr:
+        mgr.save(5, written)
+        fresh = init_state({"w": torch.zeros(2, 3)}, opt, seed=1)
+        fut = mgr.restore(5, ckpt.abstract(fresh), defaults=fresh, strict=True)
+        assert fut.missing == ["guard.skipped", "guard.consecutive", "guard.loss_scale", "guard.good_steps"]
+        fresh.guard.skipped.add_(7)  # the defaults were copied when restore() returned
+        got = fut.result()
+        assert type(got) is type(fresh) and int(got.step) == 5
+        assert torch.equal(got.params["w"], old.params["w"])
+        assert int(got.guard.skipped) == 0  # the fresh value, not the checkpoint's 2 nor the later 7
+        with pytest.raises(ckpt.CheckpointError, match="leaf 'guard.skipped' is missing"):
+            mgr.restore(5, ckpt.abstract(fresh))  # without defaults: the clear error as before
+
+        mgr.save(6, {**written, "extra": {"ema": torch.ones(3)}})
+        with pytest.raises(ckpt.CheckpointError, match="leaf 'extra.ema' is in the checkpoint but not"):
+            mgr.restore(6, ckpt.abstract(fresh), defaults=fresh, strict=True)
+        assert mgr.restore(6, ckpt.abstract(fresh), defaults=fresh).result().step.item() == 5  # lenient

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import NamedTuple
 
@@ -84,3 +85,50 @@ def test_metadata_of_orbax_checkpoint(interop):
     assert meta["params.embed.weight"].dtype == torch.bfloat16
     assert meta["params.embed.weight"].chunks == (4, 4)  # written by 2 jax devices
     assert meta["step"].dtype == torch.int64 and meta["step"].shape == ()
+
+
+def _main_job_checkpoint(workdir, nproc: int) -> str:
+    """Runs the tiny main job for 10 steps (checkpoints at 5 and 10); returns checkpoint 10's path."""
+    import subprocess
+    import sys
+
+    from _ckpt_util import REPO
+
+    launch = [sys.executable, "-m", "functrain.main"]
+    if nproc > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                  "-m", "functrain.main"]
+    args = ["--config=configs/gpt.py:tiny", "--config.steps=10", "--config.checkpoint.every=5",
+            "--config.compile=False", "--config.sample.max_new_tokens=4", f"--workdir={workdir}"]
+    if nproc > 1:
+        args.append(f"--config.mesh.dp_shard={nproc}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    out = subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return os.path.join(workdir, "checkpoints", "10")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_orbax_restores_main_job_checkpoint_without_template(tmp_path, nproc):
+    """`StandardCheckpointer().restore(<step>/default)` with no template gets the whole train state,
+    empty optimizer subtrees included, and restores it column-sharded onto 2 jax devices."""
+    from functrain import state as state_lib
+    from functrain import tree as tree_lib
+
+    path = _main_job_checkpoint(tmp_path / "run", nproc)
+    run_orbax(["--standard", os.path.join(path, "default"), str(tmp_path / "theirs")])
+    theirs = load_dump(str(tmp_path / "theirs"))
+    with open(str(tmp_path / "theirs") + ".empty.json") as f:
+        extra = json.load(f)
+
+    ours = ckpt.restore(path).result()  # our own reader, no template either
+    want = leaves_by_name(ours)
+    assert sorted(theirs) == sorted(want) and len(want) > 20
+    for name in want:
+        assert_bits_equal(theirs[name], want[name], name)
+    # The tree really is the train state: every field, and the clip / weight-decay states as `()`.
+    assert {n.split(".")[0] for n in want} == set(state_lib.TrainState._fields)
+    assert extra["empty"] == {"opt_state.0": "tuple", "opt_state.1.1": "tuple"}, extra["empty"]
+    assert isinstance(ours["opt_state"], list) and ours["opt_state"][0] == () and ours["opt_state"][1][1] == ()
+    assert extra["column_sharded"] >= 8  # every block matrix restored with another sharding
+    assert int(tree_lib.leaves(ours["step"])[0]) == 10

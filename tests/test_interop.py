@@ -24,6 +24,8 @@ from functrain.interop import (
 )
 from functrain.models import gpt
 
+pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -232,5 +234,7 @@ def test_transformers_gpt2_computes_our_logits_from_exported_files(tmp_path, bia
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = hf(x).logits
-    torch.testing.assert_close(theirs, apply(template, params, x), atol=1e-5, rtol=1e-5)
+    import _tol  # two implementations of the same forward: reductions over the width, per layer
+
+    _tol.assert_close(theirs, apply(template, params, x), _tol.rtol(4 * cfg.n_embd * cfg.n_layer * x.shape[1]))
     _assert_same(import_hf_gpt2(hf.state_dict(), cfg), params)  # and back, with the tied lm_head

@@ -14,6 +14,10 @@ import torch
 from functrain import checkpoint as ckpt
 from functrain import tree as tree_lib
 
+import _tol
+
+pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
     "--config=configs/gpt.py:tiny", "--config.compile=False", "--config.log_every=5",
@@ -39,15 +43,22 @@ def _rows(workdir):
 
 
 def test_torchrun_fsdp_matches_single_process_and_logs_once(tmp_path):
-    single = _run(tmp_path / "one", "--config.steps=20", nproc=1)
-    sharded = _run(tmp_path / "two", "--config.steps=20", "--config.mesh.dp_shard=2")
+    # SGD: its trajectory moves with the gradients, so the runs stay within rounding of each other;
+    # AdamW would turn the rounding noise of near-zero gradients into full-size steps (tests/_tol.py).
+    sgd = ["--config.steps=20", "--config.log_every=1", "--config.optim.name=sgd", "--config.optim.lr=0.05"]
+    single = _run(tmp_path / "one", *sgd, nproc=1)
+    sharded = _run(tmp_path / "two", *sgd, "--config.mesh.dp_shard=2")
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
-    assert [r["step"] for r in two if "loss" in r] == [5, 10, 15, 20]  # written once, by rank 0
+    assert [r["step"] for r in two if "loss" in r] == list(range(1, 21))  # written once, by rank 0
     assert [r["step"] for r in two if "val_loss" in r] == [10, 20]
-    for a, b in zip([r for r in one if "loss" in r], [r for r in two if "loss" in r]):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
-        # reduction order differs (reduce-scatter vs one sum); lr 1e-2 on real text amplifies it
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    n = 16 * 64 * 4 * 64  # the tiny job's batch x block tokens through matmuls up to 4 x 64 wide
+    rtol = _tol.rtol(n)
+    for i, (a, b) in enumerate(zip([r for r in one if "loss" in r], [r for r in two if "loss" in r])):
+        # Step 1 starts from the same params: only the reduction order differs (reduce-scatter over
+        # 2 ranks vs one sum); later steps drift at most linearly (clipped SGD, gain lr / (1 - 0.9)).
+        drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
+        assert abs(b["loss"] - a["loss"]) <= rtol * drift * a["loss"], (i, a["loss"], b["loss"])
+        assert abs(b["grad_norm"] - a["grad_norm"]) <= rtol * drift * a["grad_norm"], (i, a, b)
     assert sharded.stdout.count("sample:") == 1 and single.stdout.count("sample:") == 1
     assert "mesh {'dp_replicate': 1, 'dp_shard': 2, 'tp': 1}" in sharded.stdout
 

@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
-from functrain import init_state, make_train_step, optim, tree
+from functrain import apply_gradients, init_state, optim, tree, value_and_grad
 from functrain.models import gpt
+
+pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
 
 STEPS = 20
 
@@ -30,41 +32,52 @@ def _torch_groups(model, weight_decay, masked):
 
 
 def _run_pair(model, data, opt, make_torch_opt, schedule, peak_lr, clip=None, loss_fn=None):
-    """Trains `model` with functrain (eager step) and with torch.optim, side by side.
+    """Trains `model` with functrain's optimizer and with torch.optim, side by side, on the SAME
+    gradients: each step's gradient is taken once (at functrain's params) and given to both.
+
+    So only the optimizers' arithmetic differs (well-conditioned; tests/_tol.py). Computing each
+    side's own gradients would let Adam turn reduction-order noise in near-zero gradients into
+    full-size steps, a difference of the two forward passes, not of the optimizers.
 
     Returns (functrain losses, torch losses, functrain grad norms, final functrain params,
     the torch reference module).
     """
     state = init_state(model, opt)
-    step = make_train_step(loss_fn(model), opt, compile=False)
     ref = copy.deepcopy(model)
     topt = make_torch_opt(ref)
     sched = torch.optim.lr_scheduler.LambdaLR(topt, lambda k: float(schedule(torch.tensor(k))) / peak_lr)
     ours, theirs, gnorms = [], [], []
     for k, (x, y) in enumerate(data):
-        state, m = step(state, (x, y))
+        loss, _, grads = value_and_grad(loss_fn(model), state.params, (x, y), None)
+        state, m = apply_gradients(state, grads, opt, aux={"loss": loss})
         ours.append(float(m["loss"]))
         gnorms.append(float(m["grad_norm"]))
         # The lr functrain reports is the one it used for this update: the same as torch's now.
         assert float(m["lr"]) == pytest.approx(topt.param_groups[0]["lr"], rel=1e-6, abs=1e-12)
-        topt.zero_grad(set_to_none=True)
-        loss = gpt.cross_entropy(ref(x), y)
-        loss.backward()
+        with torch.no_grad():
+            theirs.append(float(gpt.cross_entropy(ref(x), y)))
+        for name, p in ref.named_parameters():
+            p.grad = grads[name].clone()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         topt.step()
         sched.step()
-        theirs.append(float(loss.detach()))
     assert int(state.step) == len(data)
     return ours, theirs, gnorms, state.params, ref
 
 
-def _assert_params_close(params, ref, atol, skip=()):
+def _update_atol(peak_lr, params, steps=STEPS):
+    """Per step: the two updates differ by a few ulp of the update (<= peak_lr in size), and
+    `p + u` rounds by eps |p|; summed over the steps."""
+    eps = torch.finfo(torch.float32).eps
+    pmax = max(float(p.abs().max()) for p in params.values())
+    return steps * (8 * eps * peak_lr + eps * pmax)
+
+
+def _assert_params_close(params, ref, atol):
     names = [n for n, _ in ref.named_parameters()]
     assert list(params) == names  # same names, same (fixed) order
     for name, p in ref.named_parameters():
-        if any(s in name for s in skip):
-            continue
         torch.testing.assert_close(params[name], p.detach(), rtol=0, atol=atol, msg=name)
 
 
@@ -86,10 +99,9 @@ def test_adamw_clip_warmup_cosine_matches_torch(tiny_gpt, batches, gpt_loss_fn, 
         model, batches(model.cfg, STEPS), opt, torch_opt, schedule, peak, clip=clip, loss_fn=gpt_loss_fn
     )
     assert max(gnorms) > clip  # the clipping path is exercised
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=2e-6)
-    # attn.k.bias has an exactly-zero true gradient (softmax is shift invariant), so Adam turns
-    # float noise into full-size steps in both implementations; it cannot change the loss.
-    _assert_params_close(params, ref, atol=1e-6, skip=("attn.k.bias",))
+    atol = _update_atol(peak, params)
+    _assert_params_close(params, ref, atol=atol)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=10 * atol)
     # Sanity: the run moved the weights far more than the tolerance.
     assert (params["wte.weight"] - model.wte.weight).abs().max() > 1e-2
 
@@ -113,8 +125,9 @@ def test_sgd_matches_torch(tiny_gpt, batches, gpt_loss_fn, momentum, nesterov, w
     ours, theirs, _, params, ref = _run_pair(
         model, batches(model.cfg, STEPS), opt, torch_opt, schedule, lr, loss_fn=gpt_loss_fn
     )
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=2e-6)
-    _assert_params_close(params, ref, atol=1e-6)
+    atol = _update_atol(lr, params)
+    _assert_params_close(params, ref, atol=atol)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=10 * atol)
     assert ours[-1] < ours[0]  # it actually trains
 
 

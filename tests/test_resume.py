@@ -36,10 +36,10 @@ def _env():
     return env
 
 
-def _main(workdir, *extra, check=True):
+def _main(workdir, *extra, check=True, base=TINY):
     """Runs the main job to completion; returns the CompletedProcess."""
     out = subprocess.run(
-        [PYTHON, "-m", "functrain.main", f"--workdir={workdir}", *TINY, *extra],
+        [PYTHON, "-m", "functrain.main", f"--workdir={workdir}", *base, *extra],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
     )
     if check:
@@ -154,3 +154,87 @@ def test_restore_onto_another_model_is_one_clear_error(tmp_path):
     lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
     assert lines[-1].startswith("functrain: error: checkpoint ")
     assert "shape" in lines[-1] and "Traceback" not in out.stderr
+
+
+COMPILED = [a for a in TINY if a not in ("--config.compile=False", "--config.model.dropout=0.1")]
+
+
+def _rows(workdir):
+    """Every metrics row with a train loss, in file order (a resumed run repeats some steps)."""
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+@pytest.mark.numeric
+def test_compiled_runs_are_reproducible_and_survive_kill_9(tmp_path):
+    """The default (compiled) step is deterministic: a second run of the same command logs the same
+    losses at every step, and one killed with SIGKILL mid-run and restarted continues exactly."""
+    args = ["--config.steps=20", "--config.checkpoint.every=5"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _main(straight, *args, base=COMPILED)
+    p = subprocess.Popen(
+        [PYTHON, "-m", "functrain.main", f"--workdir={killed}", *COMPILED, *args],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        for line in p.stdout:
+            if line.startswith("step 12/20"):
+                break
+    finally:
+        p.kill()  # SIGKILL: no handler runs
+        p.wait()
+    before = _rows(killed)
+    assert before and before[-1][0] == 12
+    out = _main(killed, *args, base=COMPILED)
+    assert "restored checkpoint step 10" in out.stdout
+    want = {s: (l, g) for s, l, g in _rows(straight)}
+    assert sorted(want) == list(range(1, 21))
+    rows = _rows(killed)
+    assert [s for s, _, _ in rows] == list(range(1, 13)) + list(range(11, 21))
+    for s, l, g in rows:  # exact floats: the rows before the kill and the replayed ones alike
+        assert (l, g) == want[s], (s, l, g, want[s])
+
+
+def _without_guard(step_dir):
+    """Rewrites a checkpoint as a version of functrain without `TrainState.guard` would have written it."""
+    state = ckpt.restore(step_dir).result()
+    del state["guard"]
+    tmp = str(step_dir) + "-old"
+    ckpt.save(tmp, state)
+    import shutil
+
+    shutil.rmtree(step_dir)
+    os.rename(tmp, step_dir)
+
+
+def test_checkpoint_from_an_older_version_resumes_and_names_what_it_lacked(tmp_path):
+    straight, old = tmp_path / "straight", tmp_path / "old"
+    args = ["--config.steps=8", "--config.checkpoint.every=4"]
+    _main(straight, *args)
+    _main(old, *args, "--config.stop_at=4")
+    _without_guard(old / "checkpoints" / "4")
+    out = _main(old, *args)
+    line = [l for l in out.stdout.splitlines() if "written by an older version" in l]
+    assert line == ["checkpoint step 4 has no guard.skipped, guard.consecutive, guard.loss_scale, "
+                    "guard.good_steps (written by an older version): taken from the fresh state"]
+    assert _losses(old) == _losses(straight)  # no skip had happened: the fresh guard is the same state
+
+
+def test_init_from_loads_params_only_onto_another_mesh(tmp_path):
+    """`checkpoint.init_from` starts a 2-rank FSDP run from a 1-process run's params, fresh optimizer."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _main(src, "--config.steps=6", "--config.checkpoint.every=6")
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "functrain.main",
+           f"--workdir={dst}", *TINY, "--config.steps=1", "--config.checkpoint.every=1", "--config.mesh.dp_shard=2",
+           "--config.optim.lr=0", f"--config.checkpoint.init_from={src}"]  # lr 0: the params pass unchanged
+    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"params initialized from checkpoint {src}/checkpoints/6" in out.stdout
+    a, b = _restore_all(src, 6), _restore_all(dst, 1)
+    for name, p in a["params"].items():
+        assert torch.equal(b["params"][name], p), name
+    assert int(b["step"]) == 1 and int(b["opt_state"][1][2]["count"]) == 1  # a fresh optimizer, one update
+    assert not torch.equal(b["opt_state"][1][0]["mu"]["wte.weight"], a["opt_state"][1][0]["mu"]["wte.weight"])
+    bad = _main(tmp_path / "bad", "--config.steps=1", f"--config.checkpoint.init_from={tmp_path / 'nowhere'}", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "functrain: error: checkpoint.init_from=")

@@ -13,6 +13,8 @@ from functrain import data as data_lib
 from functrain import init_state, make_train_step, optim, tree
 from functrain import train as train_lib
 
+pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+
 _spec = importlib.util.spec_from_file_location(
     "gpt_config", Path(__file__).resolve().parent.parent / "configs" / "gpt.py"
 )
@@ -68,8 +70,11 @@ def test_nan_batch_skips_the_update_and_leaves_the_state_bit_identical(compile, 
     state, m = step(state, _batch(2))
     ref, _ = make_train_step(_mlp_loss, opt, compile=False, donate=False)(before, _batch(2))
     assert float(m["skipped"]) == 0 and int(m["consecutive_skips"]) == 0 and int(m["skipped_total"]) == 1
+    # The same eager kernels on a bit-identical state and batch (donation only changes where the
+    # result is written): equal up to the last bit in principle; allow float rounding of the update.
     for k in ref.params:
-        torch.testing.assert_close(state.params[k], ref.params[k], rtol=1e-6, atol=1e-7)
+        scale = float(ref.params[k].abs().max())
+        assert float((state.params[k] - ref.params[k]).abs().max()) <= 4 * torch.finfo(torch.float32).eps * scale, k
 
 
 def test_infinite_grad_norm_with_finite_loss_is_skipped():

@@ -40,6 +40,11 @@ KEY_SEQUENCE = 1
 KEY_DICT = 2
 # Value types this package can restore. Orbax writes "scalar" for Python numbers, stored as 0-d arrays.
 ARRAY_VALUE_TYPES = ("np.ndarray", "jax.Array", "scalar")
+# Empty subtrees, as orbax records them (orbax/checkpoint/_src/metadata/empty_values.py): an entry
+# with one of these value types and skip_deserialize=true. Without rich types (orbax's default) an
+# empty NamedTuple is recorded as "None".
+EMPTY_TUPLE, EMPTY_LIST, EMPTY_DICT, EMPTY_NONE = "Tuple", "List", "Dict", "None"
+EMPTY_VALUE_TYPES = (EMPTY_TUPLE, EMPTY_LIST, EMPTY_DICT, EMPTY_NONE, "NamedTuple")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +77,55 @@ def _entry_key(entry: optree.PyTreeEntry) -> tuple[str, int]:
     return str(entry.entry), KEY_DICT
 
 
+def _leaf_key(accessor) -> LeafKey:
+    """The LeafKey of one optree accessor."""
+    pairs = [_entry_key(entry) for entry in accessor]
+    return LeafKey(tuple(p for p, _ in pairs), tuple(t for _, t in pairs))
+
+
 def flatten(tree: Any) -> tuple[list[LeafKey], list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` (default optree namespace) into leaf keys, leaves and the tree spec."""
     accessors, leaves, treespec = optree.tree_flatten_with_accessor(tree)
-    keys = []
-    for accessor in accessors:
-        pairs = [_entry_key(entry) for entry in accessor]
-        keys.append(LeafKey(tuple(p for p, _ in pairs), tuple(t for _, t in pairs)))
-    return keys, leaves, treespec
+    return [_leaf_key(a) for a in accessors], leaves, treespec
+
+
+def _is_empty_node(x: Any) -> bool:
+    """Whether ``x`` is a container with no children (or None): a node orbax records as empty."""
+    if x is None:
+        return True
+    if isinstance(x, (tuple, list, dict)) and not x:
+        return True
+    return False
+
+
+def _empty_type(x: Any) -> str:
+    """Orbax's value type for an empty node (empty NamedTuples as "None", orbax's default)."""
+    if x is None or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        return EMPTY_NONE
+    if isinstance(x, list):
+        return EMPTY_LIST
+    if isinstance(x, dict):
+        return EMPTY_DICT
+    return EMPTY_TUPLE
+
+
+def metadata_entries(tree: Any) -> list[tuple[LeafKey, str]]:
+    """Every entry ``_METADATA`` records for ``tree``, in tree order: (key, value type).
+
+    Array leaves are "np.ndarray"; empty subtrees (``()``, ``[]``, ``{}``, None) get orbax's empty
+    value type ("Tuple", "List", "Dict", "None"), so that a restore without a template rebuilds the
+    whole tree: an optimizer state ``(clip_state, adam_state, ...)`` keeps its empty ``()`` entries
+    and its sequence indices stay contiguous.
+    """
+    if _is_empty_node(tree):
+        return []  # a whole empty tree has no path to record
+    accessors, nodes, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_is_empty_node, none_is_leaf=True)
+    return [(_leaf_key(a), _empty_type(x) if _is_empty_node(x) else "np.ndarray") for a, x in zip(accessors, nodes)]
+
+
+def empty_value(value_type: str) -> Any:
+    """The Python value of an empty node recorded with ``value_type`` (as orbax restores it)."""
+    return {EMPTY_TUPLE: (), EMPTY_LIST: [], EMPTY_DICT: {}}.get(value_type)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,18 +178,20 @@ def tmp_dirs(root: str) -> list[str]:
 # Metadata files
 
 
-def tree_metadata_json(keys: list[LeafKey]) -> dict[str, Any]:
-    """The content of ``default/_METADATA`` for array leaves at ``keys`` (all stored as np.ndarray).
+def tree_metadata_json(entries: list[tuple[LeafKey, str]]) -> dict[str, Any]:
+    """The content of ``default/_METADATA`` for ``entries`` (see ``metadata_entries``).
 
-    np.ndarray is what orbax records for host arrays: stock orbax restores them without needing a
-    sharding file, keeps int64 as int64 with jax x64 off, and a jax program that passes its own
-    abstract jax.Array target gets sharded jax Arrays.
+    Arrays are recorded as np.ndarray, what orbax records for host arrays: stock orbax restores them
+    without needing a sharding file, keeps int64 as int64 with jax x64 off, and a jax program that
+    passes its own abstract jax.Array target gets sharded jax Arrays. Empty subtrees are recorded as
+    orbax does (value type "Tuple"/"List"/"Dict"/"None", skip_deserialize), so a restore with no
+    template gets the whole tree back.
     """
     tree = {}
-    for key in keys:
+    for key, value_type in entries:
         tree[key.tree_key] = {
             "key_metadata": [{"key": k, "key_type": t} for k, t in zip(key.path, key.key_types)],
-            "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False},
+            "value_metadata": {"value_type": value_type, "skip_deserialize": value_type in EMPTY_VALUE_TYPES},
         }
     return {
         "tree_metadata": tree,
@@ -204,11 +252,12 @@ class StoredLeaf:
 
 @dataclasses.dataclass(frozen=True)
 class TreeMetadata:
-    """A parsed ``default/_METADATA``: the stored leaves (by path) and the storage format."""
+    """A parsed ``default/_METADATA``: the stored leaves and empty nodes (by path), storage format."""
 
     leaves: dict[tuple[str, ...], StoredLeaf]
     use_ocdbt: bool
     use_zarr3: bool
+    empties: dict[tuple[str, ...], StoredLeaf] = dataclasses.field(default_factory=dict)
 
 
 def read_tree_metadata(path: str) -> TreeMetadata:
@@ -229,17 +278,19 @@ def read_tree_metadata(path: str) -> TreeMetadata:
         with open(meta_path) as f:
             meta = json.load(f)
         tree = meta["tree_metadata"]
-        leaves = {}
+        leaves, empties = {}, {}
         for entry in tree.values():
             key = LeafKey(
                 tuple(str(k["key"]) for k in entry["key_metadata"]),
                 tuple(int(k["key_type"]) for k in entry["key_metadata"]),
             )
             value = entry.get("value_metadata") or {}
-            if value.get("skip_deserialize"):
-                continue
-            leaves[key.path] = StoredLeaf(key, str(value.get("value_type", "np.ndarray")))
-        return TreeMetadata(leaves, bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)))
+            stored = StoredLeaf(key, str(value.get("value_type", "np.ndarray")))
+            if stored.value_type in EMPTY_VALUE_TYPES:
+                empties[key.path] = stored
+            elif not value.get("skip_deserialize"):
+                leaves[key.path] = stored
+        return TreeMetadata(leaves, bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", False)), empties)
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {path}: {ITEM}/{TREE_METADATA} is missing, so its tree is unknown; the "

@@ -167,24 +167,33 @@ def _abspath(path) -> str:
 
 
 def _spec_tree(path: str, meta: layout.TreeMetadata, ctx) -> Any:
-    """Nested dicts/lists of ArraySpec mirroring the stored tree (lists where keys were sequences)."""
+    """Nested dicts/lists of ArraySpec mirroring the stored tree, empty subtrees included (as orbax)."""
     root: dict = {}
+
+    def put(keys: tuple[str, ...], value: Any) -> None:
+        """Sets ``value`` at ``keys`` under ``root``, creating dicts on the way."""
+        node = root
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+
     for info in _infos(path, meta, ctx).values():
         if not isinstance(info.dtype, torch.dtype):
             raise CheckpointError(f"checkpoint {path}: leaf {info.name!r} has dtype {info.dtype}, which torch lacks")
-        node = root
-        for k in info.path[:-1]:
-            node = node.setdefault(k, {})
-        node[info.path[-1]] = ArraySpec(info.shape, info.dtype)
+        put(info.path, ArraySpec(info.shape, info.dtype))
+    for empty in meta.empties.values():
+        if empty.key.path:
+            put(empty.key.path, layout.empty_value(empty.value_type))
     sequences = {
         s.key.path[: i + 1]
-        for s in meta.leaves.values()
+        for s in (*meta.leaves.values(), *meta.empties.values())
         for i, t in enumerate(s.key.key_types)
         if t == layout.KEY_SEQUENCE
     }
 
     def listify(node: Any, prefix: tuple[str, ...]) -> Any:
-        """Turns dicts keyed by all the sequence indices 0..n-1 into lists (gaps from empty subtrees stay dicts)."""
+        """Turns dicts keyed by all the sequence indices 0..n-1 into lists (checkpoints written without
+        empty-node records leave gaps where empty subtrees were: those stay dicts)."""
         if not isinstance(node, dict):
             return node
         out = {k: listify(v, prefix + (k,)) for k, v in node.items()}
@@ -224,6 +233,34 @@ def _missing_error(path: str, meta: layout.TreeMetadata, missing: list[layout.Le
     return CheckpointError(f"checkpoint {path}: leaf {first!r} is missing ({'; '.join(details)}); {_FIX_TEMPLATE}")
 
 
+def _check_no_extra(path: str, meta: layout.TreeMetadata, keys: list[layout.LeafKey]) -> None:
+    """CheckpointError if the checkpoint holds arrays the template does not name (strict restores)."""
+    wanted = {key.path for key in keys}
+    extra = [s.key.name for p, s in meta.leaves.items() if p not in wanted]
+    if extra:
+        more = f" ({len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {path}: leaf {extra[0]!r}{more} is in the checkpoint but not in this program's state "
+            "(a state field or optimizer state this code does not have); restore it with the code and config "
+            "that wrote it, or start a fresh workdir"
+        )
+
+
+def _fill_missing(path, meta, keys, treespec, missing: list[int], defaults) -> dict[int, Any]:
+    """{leaf index: cloned default} for template leaves absent from the checkpoint (or the missing error)."""
+    if defaults is None:
+        raise _missing_error(path, meta, [keys[i] for i in missing])
+    values, spec = optree.tree_flatten(defaults)
+    if spec != treespec:
+        raise ValueError(f"restore: defaults must have the template's structure ({treespec}), got {spec}")
+    out = {}
+    for i in missing:
+        if not isinstance(values[i], torch.Tensor):
+            raise _missing_error(path, meta, [keys[i]])
+        out[i] = values[i].detach().clone()
+    return out
+
+
 def _leaf_error(path: str, name: str, e: BaseException) -> CheckpointError:
     """CheckpointError for a leaf whose bytes could not be read."""
     return CheckpointError(f"checkpoint {path}: leaf {name!r} cannot be read ({one_line(e)}); {_FIX_CORRUPT}")
@@ -243,11 +280,14 @@ def _to_target(arr, t: _Target) -> torch.Tensor:
     return DTensor.from_local(local, t.mesh, t.placements, run_check=False, shape=torch.Size(t.shape), stride=stride)
 
 
-def _finish(path, names, targets, reads, treespec, future: concurrent.futures.Future) -> None:
+def _finish(path, names, targets, reads, treespec, filled, future: concurrent.futures.Future) -> None:
     """Background: waits for the reads, builds the restored tree and resolves ``future``."""
     try:
         out = []
-        for name, t, r in zip(names, targets, reads):
+        for i, (name, t, r) in enumerate(zip(names, targets, reads)):
+            if i in filled:  # not in the checkpoint: the caller's default value
+                out.append(filled[i])
+                continue
             try:
                 arr = None if r is None else r.result()
             except Exception as e:
@@ -264,6 +304,8 @@ def restore(
     *,
     device: torch.device | str | None = None,
     allow_cast: bool = False,
+    defaults: Any = None,
+    strict: bool = False,
 ) -> concurrent.futures.Future:
     """Restores a checkpoint onto the structure, shapes, dtypes and meshes of ``template``.
 
@@ -272,7 +314,13 @@ def restore(
     each rank reads only the region its shard needs, whatever mesh or placements wrote the checkpoint.
     Leaves are matched by tree path (NamedTuple fields and dict keys by name, sequences by index), so a
     checkpoint written by stock orbax restores too. Checkpoint leaves absent from the template are
-    ignored.
+    ignored unless ``strict``.
+
+    Checkpoints that outlive the code: a checkpoint written before a state field existed lacks its
+    leaves. With ``defaults`` (a tree shaped like the template holding real tensors, e.g. the freshly
+    initialized state) those leaves are taken from it instead of raising; ``future.missing`` lists
+    their names so the caller can say so. ``strict=True`` still refuses leaves the template lacks
+    (a field or optimizer state this code does not know).
 
     Args:
       path: a checkpoint directory (``<root>/<step>``).
@@ -281,12 +329,18 @@ def restore(
         everything as plain tensors in nested dicts/lists (see ``metadata_tree``).
       device: device for meta tensors / ArraySpecs without one (default CPU).
       allow_cast: convert stored dtypes to the template's instead of raising on a mismatch.
+      defaults: optional tree with the template's structure; template leaves the checkpoint does not
+        have are copies of its leaves (cloned now: it may be donated or changed afterwards).
+      strict: raise if the checkpoint holds an array the template does not name.
 
     Returns:
       A concurrent.futures.Future resolving to the restored pytree (same structure as the template);
-      it raises CheckpointError if a chunk is missing or corrupt.
+      it raises CheckpointError if a chunk is missing or corrupt. Its attribute ``missing`` lists the
+      names of the leaves taken from ``defaults`` (empty if none).
 
     Example:
+      >>> fut = restore("/ckpt/100", abstract(fresh_state), defaults=fresh_state, strict=True)
+      >>> fut.missing        # e.g. ['guard.skipped', ...] for a checkpoint older than TrainState.guard
       >>> with torch.device("meta"):
       ...     template = init_state(cfg)
       >>> fut = restore("/ckpt/100", template)
@@ -301,14 +355,21 @@ def restore(
     keys, leaves, treespec = layout.flatten(template)
     default_device = torch.device(device) if device is not None else torch.device("cpu")
     targets = [_target(key.name, leaf, default_device) for key, leaf in zip(keys, leaves)]
-    missing = [key for key in keys if key.path not in meta.leaves]
-    if missing:
-        raise _missing_error(path, meta, missing)
-    for key in keys:
-        _check_value_type(path, meta.leaves[key.path])
-    casts = [t.dtype for t in targets] if allow_cast else None
-    stores = _open_all(path, meta, keys, ctx, casts)
+    if strict:
+        _check_no_extra(path, meta, keys)
+    missing = [i for i, key in enumerate(keys) if key.path not in meta.leaves]
+    filled = _fill_missing(path, meta, keys, treespec, missing, defaults) if missing else {}
+    present = [i for i in range(len(keys)) if i not in filled]
+    for i in present:
+        _check_value_type(path, meta.leaves[keys[i].path])
+    casts = [targets[i].dtype for i in present] if allow_cast else None
+    opened = _open_all(path, meta, [keys[i] for i in present], ctx, casts)
+    stores: list = [None] * len(keys)
+    for i, store in zip(present, opened):
+        stores[i] = store
     for key, t, store in zip(keys, targets, stores):
+        if store is None:
+            continue
         if tuple(store.shape) != t.shape:
             raise CheckpointError(
                 f"checkpoint {path}: leaf {key.name!r} has shape {tuple(store.shape)} but the template "
@@ -322,11 +383,13 @@ def restore(
                 "allow_cast=True"
             )
     reads = [
-        None if t.box is None or t.box.empty else store[t.box.index()].read() for t, store in zip(targets, stores)
+        None if store is None or t.box is None or t.box.empty else store[t.box.index()].read()
+        for t, store in zip(targets, stores)
     ]
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_running_or_notify_cancel()
     names = [k.name for k in keys]
-    args = (path, names, targets, reads, treespec, future)
+    future.missing = [names[i] for i in sorted(filled)]  # type: ignore[attr-defined]
+    args = (path, names, targets, reads, treespec, filled, future)
     threading.Thread(target=_finish, args=args, name="functrain-ckpt-restore", daemon=True).start()
     return future

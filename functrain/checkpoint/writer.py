@@ -137,7 +137,7 @@ def _write_process_db(leaves: list[_Leaf], tmp: str, me: int, compression: str |
         w.result()
 
 
-def _merge_and_commit(keys: list[layout.LeafKey], tmp: str, path: str, init_ns: int) -> None:
+def _merge_and_commit(entries: list[tuple[layout.LeafKey, str]], tmp: str, path: str, init_ns: int) -> None:
     """Rank 0: merges the per-process databases, writes metadata and marker, renames tmp -> path."""
     ctx = tsspec.new_context()
     item = layout.item_dir(tmp)
@@ -151,7 +151,7 @@ def _merge_and_commit(keys: list[layout.LeafKey], tmp: str, path: str, init_ns: 
     for c in copies:
         c.result()
     txn.commit_async().result()
-    layout.write_json(os.path.join(item, layout.TREE_METADATA), layout.tree_metadata_json(keys))
+    layout.write_json(os.path.join(item, layout.TREE_METADATA), layout.tree_metadata_json(entries))
     layout.write_commit_files(tmp, path, init_ns)
     layout.fsync_dir(item)
     layout.fsync_dir(tmp)
@@ -181,6 +181,7 @@ def _prepare_tmp(tmp: str) -> None:
 
 def _write_and_commit(
     leaves: list[_Leaf],
+    entries: list[tuple[layout.LeafKey, str]],
     path: str,
     group,
     compression: str | None,
@@ -190,13 +191,12 @@ def _write_and_commit(
     """The background part of a save: write all ranks' chunks, then commit atomically."""
     me = _dist.rank()
     tmp = layout.tmp_path(path)
-    keys = [leaf.key for leaf in leaves]
     try:
         _run_phase(group, me, (lambda: _prepare_tmp(tmp)) if me == 0 else None, path, "creating the tmp dir")
         _run_phase(group, me, lambda: _write_process_db(leaves, tmp, me, compression), path, "writing chunks")
     finally:
         leaves.clear()  # drop the host copies as soon as they are written (or the save failed)
-    commit = (lambda: _merge_and_commit(keys, tmp, path, init_ns)) if me == 0 else None
+    commit = (lambda: _merge_and_commit(entries, tmp, path, init_ns)) if me == 0 else None
     _run_phase(group, me, commit, path, "committing")
     if on_commit is not None:
         on_commit()
@@ -268,10 +268,11 @@ class AsyncWriter:
             raise CheckpointError(f"checkpoint {path} already exists; delete it or save under another step")
         init_ns = time.time_ns()
         leaves = snapshot(state, self._buffers)
+        entries = layout.metadata_entries(state)  # the arrays and the empty subtrees, in tree order
         if self._reuse_buffers:  # safe to reuse: the next snapshot only happens after wait()
             self._buffers = {leaf.key.name: leaf.data for leaf in leaves if leaf.data is not None}
         self._pending = self._executor.submit(
-            _write_and_commit, leaves, path, self._group, compression, init_ns, on_commit
+            _write_and_commit, leaves, entries, path, self._group, compression, init_ns, on_commit
         )
         return self._pending
 

@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from functrain import rng
+from functrain import ops, rng
 from functrain.remat import Stage
 
 __all__ = [
@@ -98,6 +98,14 @@ class GPTConfig:
 def _site_key(key: torch.Tensor | None, site: int) -> torch.Tensor | None:
     """The dropout key of one site, or None when dropout is off."""
     return None if key is None else rng.fold_in(key, site)
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose lookup is `functrain.ops.embedding` (a deterministic compiled backward)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """ids (...) -> (..., C)."""
+        return ops.embedding(self.weight, idx)
 
 
 class CausalSelfAttention(nn.Module):
@@ -178,8 +186,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, key: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

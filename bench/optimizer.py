@@ -1,0 +1,139 @@
+"""Benchmark: functrain's compiled optimizer update vs torch's fused AdamW, on the same parameters.
+
+    python bench/optimizer.py [--size 100m] [--steps 20] [--rounds 4] [--threads T] [--json]
+
+functrain: the optimizer half of the compiled train step, exactly as `make_train_step` runs it
+(`step.update_step`): the global grad norm, clipping, AdamW with a warm-up/cosine schedule and a
+weight-decay mask, the non-finite skip guard, the update/param norms for the log, and donation
+(the new params and moments written into the old buffers), compiled as one graph.
+
+torch: `torch.optim.AdamW(fused=True)` on the same params with the same gradients (`.grad` set
+once; the update is timed alone), and the same step after `clip_grad_norm_` (what an eager loop
+pays for clipping).
+
+The two alternate in `--rounds` blocks so machine load hits both alike. Printed: ms per update of
+each, and the ratio functrain / fused AdamW (target <= 1.2). With `--json` the last line is one
+JSON object with those numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from functrain import init_state, optim, rng  # noqa: E402
+from functrain import step as step_lib  # noqa: E402
+from functrain.models import gpt  # noqa: E402
+
+SIZES = {  # the GPTs of bench/step.py
+    "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
+    "100m": dict(vocab_size=16384, block_size=64, n_layer=12, n_head=12, n_embd=768),
+}
+LR, WARMUP, DECAY, MIN_LR, WD, BETAS, EPS, CLIP = 3e-4, 10, 10_000, 3e-5, 0.1, (0.9, 0.95), 1e-8, 1.0
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only (as the main job)."""
+    return {k: v.ndim >= 2 for k, v in params.items()}
+
+
+def _params_and_grads(size):
+    """The GPT's params (its init) and one fixed set of gradients of realistic size."""
+    cfg = gpt.GPTConfig(dropout=0.0, bias=False, **SIZES[size])
+    with torch.device("meta"):
+        template = gpt.GPT(cfg)
+    params = gpt.init_params(template, rng.key(0))
+    g = torch.Generator().manual_seed(0)
+    grads = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in params.items()}
+    return params, grads
+
+
+class Functrain:
+    """The train step's compiled optimizer half (clip + AdamW + skip guard + norms + donation)."""
+
+    name = "functrain"
+
+    def __init__(self, params, grads):
+        opt = optim.chain(
+            optim.clip_by_global_norm(CLIP),
+            optim.adamw(optim.warmup_cosine(LR, WARMUP, DECAY, end_value=MIN_LR), *BETAS, EPS, WD, mask=_decay_mask),
+        )
+        self.state = init_state({k: v.clone() for k, v in params.items()}, opt)
+        self.grads = grads
+        self.update = step_lib.update_step(opt, donate=True)
+        self.loss = torch.zeros(())
+
+    def run(self):
+        self.state, m = self.update(self.state, self.grads, {"loss": self.loss})
+        return m["param_norm"]
+
+
+class TorchFused:
+    """torch.optim.AdamW(fused=True), optionally after clip_grad_norm_."""
+
+    def __init__(self, params, grads, clip):
+        self.name = "torch_clip_fused" if clip else "torch_fused"
+        self.params = [torch.nn.Parameter(v.clone()) for v in params.values()]
+        for p, g in zip(self.params, grads.values()):
+            p.grad = g.clone()
+        groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": WD},
+                  {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
+        self.clip = clip
+
+    def run(self):
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+        self.opt.step()
+        return self.params[0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="100m", choices=sorted(SIZES))
+    ap.add_argument("--steps", type=int, default=20, help="timed updates per variant")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params, grads = _params_and_grads(args.size)
+    n = sum(v.numel() for v in params.values())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size}: {n / 1e6:.1f}M params "
+          f"in {len(params)} tensors", flush=True)
+    runners = [Functrain(params, grads), TorchFused(params, grads, clip=False), TorchFused(params, grads, clip=True)]
+    for r in runners:
+        t = time.perf_counter()
+        float(r.run().detach().float().sum())
+        print(f"  {r.name}: first update (compile for functrain) {time.perf_counter() - t:.1f} s", flush=True)
+        r.run()
+    timed = {r.name: 0.0 for r in runners}
+    per_round = max(1, args.steps // args.rounds)
+    for i in range(args.rounds):
+        for r in runners if i % 2 == 0 else runners[::-1]:
+            t = time.perf_counter()
+            for _ in range(per_round):
+                out = r.run()
+            float(out.detach().float().sum())
+            timed[r.name] += time.perf_counter() - t
+    ms = {k: 1e3 * v / (per_round * args.rounds) for k, v in timed.items()}
+    ratio = ms["functrain"] / ms["torch_fused"]
+    print(f"\n| update of {n / 1e6:.1f}M params | ms |\n|---|---|")
+    for k, v in ms.items():
+        print(f"| {k} | {v:.1f} |")
+    print(f"\nfunctrain / torch fused AdamW: {ratio:.2f}x "
+          f"(vs clip_grad_norm_ + fused AdamW: {ms['functrain'] / ms['torch_clip_fused']:.2f}x)")
+    if args.json:
+        print(json.dumps({"size": args.size, "params": n, "ms": ms, "ratio": ratio}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Deterministic formulations of ops whose compiled CPU kernels are not deterministic.
+
+A compiled train step should give the same bits for the same (state, batch): that is what makes a
+rerun or a resume bit-exact. On CPU one op broke it: the token embedding's backward.
+
+Embedding backward (measured 2026-11-22, torch 2.13 CPU, 2 threads, the default GPT's step):
+  `F.embedding`'s derivative is `embedding_dense_backward`, which inductor decomposes into an
+  accumulating `index_put` and compiles to a parallel loop of atomic adds; rows hit by several
+  tokens are summed in whatever order the threads arrive. 12 identical calls of the compiled step
+  gave 12 different `wte.weight` results (every other parameter was bit-identical).
+  `embedding` below looks rows up with `torch.gather` on an expanded index instead. Its derivative is
+  `scatter_add`, which inductor hands to aten's CPU kernel when it runs on more than one thread
+  (`torch._inductor.config.cpp.fallback_scatter_reduce_sum`, on by default); that kernel sums each
+  row's contributions in index order, and on one thread inductor's own loop is serial. Result: 12 of
+  12 calls bit-identical, at no measurable cost (0.206-0.228 s vs 0.228-0.234 s per step, best of 5,
+  alternating processes). `torch.use_deterministic_algorithms(True)` would also fix it, but it is a
+  global switch that also makes every uninitialized buffer be filled with NaN.
+
+CUDA (documented torch behaviour, not run here): inductor compiles both formulations' backward to
+Triton atomic adds, and FlashAttention's backward accumulates with atomics too, so bit-identical
+compiled steps on a GPU need `torch.use_deterministic_algorithms(True)` (the `deterministic` config
+switch) plus `CUBLAS_WORKSPACE_CONFIG=:4096:8`; there `embedding` keeps `F.embedding`, whose eager
+CUDA backward is the sort-based deterministic kernel.
+
+Example:
+    >>> x = ops.embedding(params["wte.weight"], idx)      # (B, T) ids -> (B, T, C)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["embedding"]
+
+
+def embedding(weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows of `weight` at `idx`, with a gradient that compiles to a deterministic kernel on CPU.
+
+    Same values and gradients as `F.embedding(idx, weight)` (no padding index, no max norm).
+
+    Args:
+      weight: the table, (V, C).
+      idx: integer ids of any shape (...), each in [0, V).
+
+    Returns:
+      (..., C): `weight[idx]`.
+
+    Example:
+      >>> h = embedding(params["wte.weight"], x)   # (B, T, C)
+    """
+    if weight.device.type != "cpu":
+        return F.embedding(idx, weight)
+    flat = idx.reshape(-1, 1).expand(-1, weight.shape[1])  # (N, C): row idx[n] in every column
+    return torch.gather(weight, 0, flat).reshape(*idx.shape, weight.shape[1])  # (..., C)
