@@ -11,7 +11,16 @@ For each GPT size it compares, on the same model, data and hyper-parameters:
 Speed: both variants live in one process; after each one's first step (compile for functrain,
 warm-up for torch) and a warm-up step, the timed steps alternate between them in `--rounds` blocks
 of `--steps / --rounds` steps, so load from other jobs on the machine hits both alike. Reported:
-steps/s of each (total timed steps / total timed seconds), their ratio, and the first-step time.
+steps/s of each (from the median time per step over the rounds), the speed ratio (the median over
+rounds of each round's own torch / functrain time: steadier than a ratio of totals on a shared
+machine), and the first-step time.
+
+Breakdown (`--no-breakdown` skips it): where a step's time goes, functrain next to torch, timed in
+the same alternating rounds. functrain's halves are compiled on their own from the same code the
+step runs (`value_and_grad` of the loss: forward + backward; `step.update_step`: clipping, AdamW,
+the skip guard, the update norm, donation); torch's are its forward + backward and its clipping +
+fused AdamW + schedule. "everything else" is the whole step minus the two parts (negative when
+compiling the step whole fuses across the cut).
 
 Memory ("peak growth per step"): how far memory rises above the resident training state during a
 steady-state step (activations, gradients, temporaries). Each variant runs in its own child process:
@@ -30,13 +39,15 @@ import ctypes
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 import torch
 
-from functrain import init_state, make_train_step, optim, rng
+from functrain import init_state, make_train_step, memory, optim, rng, value_and_grad
+from functrain import step as step_lib
 from functrain.models import gpt
 from functrain.train import make_loss_fn
 
@@ -89,12 +100,31 @@ class Functrain:
                           optim.adamw(_schedule(), *BETAS, 1e-8, WD))
         params = gpt.init_params(template, rng.key(0), device=device)
         self.state = init_state(params, opt, seed=0, copy=False)
-        self.step_fn = make_train_step(make_loss_fn(template), opt, donate=True)
+        self.loss_fn, self.opt = make_loss_fn(template), opt
+        self.step_fn = make_train_step(self.loss_fn, opt, donate=True)
         self.note = "compiled, donate=True"
 
     def step(self, batch):
         self.state, m = self.step_fn(self.state, batch)
         return m["loss"]
+
+    def parts(self):
+        """(forward + backward, update): the step's two halves, compiled on their own."""
+        loss_fn = self.loss_fn
+        vg = torch.compile(lambda p, b: value_and_grad(loss_fn, p, b, None), fullgraph=True, dynamic=False)
+        update = step_lib.update_step(self.opt)
+        cache = {}
+
+        def fwdbwd(batch):
+            loss, _, cache["grads"] = vg(self.state.params, batch)
+            cache["loss"] = loss
+            return loss
+
+        def opt_update(batch):
+            self.state, m = update(self.state, cache["grads"], {"loss": cache["loss"]})
+            return m["update_norm"]
+
+        return fwdbwd, opt_update
 
     def release(self):
         pass
@@ -127,14 +157,26 @@ class TorchLoop:
         torch.optim.AdamW([p], lr=LR, fused=True).step()
 
     def step(self, batch):
+        loss = self._fwdbwd(batch)
+        self._update(batch)
+        return loss.detach()
+
+    def _fwdbwd(self, batch):
         x, y = batch
         self.opt.zero_grad(set_to_none=True)
         loss = gpt.cross_entropy(self.model(x), y)
         loss.backward()
+        return loss.detach()
+
+    def _update(self, batch):
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
         self.opt.step()
         self.sched.step()
-        return loss.detach()
+        return next(iter(self.model.parameters()))
+
+    def parts(self):
+        """(forward + backward, update) of the eager loop."""
+        return self._fwdbwd, self._update
 
     def release(self):
         self.opt.zero_grad(set_to_none=True)  # grads are not part of the resident state
@@ -161,8 +203,7 @@ def speed(size, steps, rounds, device):
         r.step(data[1])  # warm-up
         _sync(device)
         runners.append(r)
-    timed = {r.name: 0.0 for r in runners}
-    counted = {r.name: 0 for r in runners}
+    per_round_s = {r.name: [] for r in runners}  # seconds per step, one entry per round
     per_round = max(1, steps // rounds)
     k = 2
     for i in range(rounds):
@@ -174,17 +215,51 @@ def speed(size, steps, rounds, device):
                 loss = r.step(data[k % N_BATCHES])
             float(loss)
             _sync(device)
-            timed[r.name] += time.perf_counter() - t
-            counted[r.name] += per_round
+            per_round_s[r.name].append((time.perf_counter() - t) / per_round)
         k += per_round
+    f, t = per_round_s["functrain"], per_round_s["torch"]
     return {
         "params": gpt.num_params(cfg),
         "notes": {r.name: r.note for r in runners},
         "first_s": first,
         "first_loss": first_loss,
-        "steps_per_s": {n: counted[n] / timed[n] for n in timed},
-        "timed_steps": counted,
+        "steps_per_s": {n: 1.0 / statistics.median(v) for n, v in per_round_s.items()},
+        # The speed ratio from each round's own pair (steadier than a ratio of totals under load).
+        "ratio": statistics.median(b / a for a, b in zip(f, t)),
+        "timed_steps": {n: per_round * rounds for n in per_round_s},
     }
+
+
+def breakdown(size, rounds, device):
+    """Median ms of each part and of the whole step, per variant, in alternating rounds."""
+    cfg, batch = _cfg(size)
+    data = _batches(cfg, batch, device)
+    out = {}
+    runners = [cls(cfg, device) for cls in (Functrain, TorchLoop)]
+    plan = []
+    for r in runners:
+        fwdbwd, update = r.parts()
+        for f in (fwdbwd, update, fwdbwd, update):  # compile / warm up both halves
+            f(data[0])
+        plan += [(r.name, "step", r.step), (r.name, "fwdbwd", fwdbwd), (r.name, "update", update)]
+        r.step(data[0])
+    times = {(n, k): [] for n, k, _ in plan}
+    fns = {(n, k): f for n, k, f in plan}
+    for i in range(rounds):
+        for n, k, f in plan if i % 2 == 0 else plan[::-1]:
+            if k == "update":  # an update needs this variant's fresh gradients first
+                fns[(n, "fwdbwd")](data[i % N_BATCHES])
+            _sync(device)
+            t = time.perf_counter()
+            v = f(data[i % N_BATCHES])
+            float(v.detach().float().sum())
+            _sync(device)
+            times[(n, k)].append(1e3 * (time.perf_counter() - t))
+    for (n, k), v in times.items():
+        out.setdefault(n, {})[k] = statistics.median(v)
+    for n in out:
+        out[n]["other"] = out[n]["step"] - out[n]["fwdbwd"] - out[n]["update"]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,11 +315,12 @@ def memory_child(variant, size, steps, device):
     print(json.dumps(out), flush=True)
 
 
-def memory(size, steps, device, threads=0):
+def measure_memory(size, steps, device, threads=0, host_memory="keep"):
     res = {}
     for variant in VARIANTS:
         cmd = [sys.executable, os.path.abspath(__file__), "--_memory-child", variant,
-               "--sizes", size, "--steps", str(steps), "--device", str(device), "--threads", str(threads)]
+               "--sizes", size, "--steps", str(steps), "--device", str(device), "--threads", str(threads),
+               "--host-memory", host_memory]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"memory child {variant}/{size} failed:\n{proc.stderr[-3000:]}")
@@ -264,8 +340,15 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-part breakdown")
+    ap.add_argument("--breakdown-rounds", type=int, default=6, help="alternating rounds of the breakdown")
     ap.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
+                    help="keep: freed memory stays in the process for both variants (functrain.memory), as "
+                         "the main program does; default: glibc's policy")
     args = ap.parse_args()
+    if args.host_memory == "keep":
+        memory.keep_freed_memory()
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,7 +361,8 @@ def main():
         return
 
     print(f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs; {args.steps} timed steps per variant in {args.rounds} interleaved rounds")
+          f"{os.cpu_count()} CPUs; {args.steps} timed steps per variant in {args.rounds} interleaved rounds; "
+          f"host memory {args.host_memory} (both variants)")
     rows = []
     for size in sizes:
         cfg, batch = _cfg(size)
@@ -287,10 +371,19 @@ def main():
         sp = speed(size, args.steps, args.rounds, device)
         for name, note in sp["notes"].items():
             print(f"  {name:9s} {note}; first-step loss {sp['first_loss'][name]:.6f}")
-        mem = None if args.no_memory else memory(size, args.mem_steps, device, args.threads)
+        mem = None if args.no_memory else measure_memory(size, args.mem_steps, device, args.threads, args.host_memory)
         if mem:
             print(f"  memory: {mem['functrain']['method']}; resident state "
                   f"functrain {mem['functrain']['base_mb']:.0f} MB, torch {mem['torch']['base_mb']:.0f} MB")
+        if not args.no_breakdown:
+            bd = breakdown(size, args.breakdown_rounds, device)
+            f, t = bd["functrain"], bd["torch"]
+            print(f"\n  [{size}] where a step's time goes (median ms over {args.breakdown_rounds} rounds)\n"
+                  "  | part | functrain ms | torch ms | time functrain / torch |\n  |---|---|---|---|")
+            for k, label in (("fwdbwd", "forward + backward"), ("update", "optimizer update (clip, AdamW, ...)"),
+                             ("other", "everything else"), ("step", "whole step")):
+                ratio = f"{f[k] / t[k]:.2f}x" if k != "other" and t[k] > 0 else "-"
+                print(f"  | {label} | {f[k]:.1f} | {t[k]:.1f} | {ratio} |", flush=True)
         rows.append((size, sp, mem))
 
     print("\n| size | params | functrain steps/s | torch steps/s | ratio (functrain/torch) | "
@@ -300,7 +393,7 @@ def main():
         f, t = sp["steps_per_s"]["functrain"], sp["steps_per_s"]["torch"]
         mf = f"{mem['functrain']['growth_mb']:+.0f} MB" if mem else "-"
         mt = f"{mem['torch']['growth_mb']:+.0f} MB" if mem else "-"
-        print(f"| {size} | {sp['params'] / 1e6:.2f}M | {f:.3f} | {t:.3f} | {f / t:.2f}x | "
+        print(f"| {size} | {sp['params'] / 1e6:.2f}M | {f:.3f} | {t:.3f} | {sp['ratio']:.2f}x | "
               f"{sp['first_s']['functrain']:.1f} s | {sp['first_s']['torch']:.2f} s | {mf} | {mt} |")
 
 

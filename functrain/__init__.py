@@ -4,7 +4,7 @@ Pure state (`TrainState`, one pytree), pure compiled steps (`make_train_step`), 
 optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`).
 """
 
-from functrain import checkpoint, losses, ops, optim, precision, remat, rng, tree
+from functrain import checkpoint, losses, memory, ops, optim, precision, remat, rng, tree
 from functrain.checkpoint import CheckpointError
 from functrain.data import DataError, eval_batches, get_batch, load_dataset
 from functrain.models import GPT, GPTConfig, cross_entropy, flops_per_token, generate, init_params, num_params
@@ -17,6 +17,7 @@ __all__ = [
     "checkpoint",
     "CheckpointError",
     "losses",
+    "memory",
     "ops",
     "optim",
     "precision",

@@ -28,11 +28,13 @@ from functrain import checkpoint as ckpt_lib
 from functrain import compile_cache
 from functrain import data as data_lib
 from functrain import losses
+from functrain import memory
 from functrain import metrics as metrics_lib
 from functrain import optim, parallel
 from functrain import precision as precision_lib
 from functrain import remat as remat_lib
 from functrain import rng as rng_lib
+from functrain import tree as tree_lib
 from functrain.models import gpt
 from functrain.state import TrainState, init_state
 from functrain.step import apply, make_eval_step, make_train_step
@@ -403,6 +405,10 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
     if config.deterministic:
         torch.use_deterministic_algorithms(True)
     device = ctx.device if config.device == "auto" else torch.device(config.device)
+    if config.host_memory not in ("keep", "default"):
+        raise TrainingError(f"host_memory={config.host_memory!r} must be 'keep' or 'default'")
+    if config.host_memory == "keep" and device.type == "cpu":
+        memory.keep_freed_memory()
     try:  # before anything is compiled: where compiled graphs are cached across runs
         compile_dir = compile_cache.setup(config.compile_cache, workdir)
     except ValueError as exc:
@@ -512,6 +518,7 @@ def _train(config: ml_collections.ConfigDict, workdir: Path, ctx, print_fn, t_pr
                             f"loss is {last['loss']} at step {done}; lower optim.lr, enable optim.clip, "
                             "or check the data (the last checkpoint is kept)"
                         )
+                    last["param_norm"] = float(tree_lib.global_norm(state.params))  # a pass: log steps only
                     last.update(throughput.report(done))
                     last["peak_mem_mb"] = _peak_memory_mb(device)
                     writer.write(done, last)

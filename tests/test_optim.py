@@ -321,3 +321,34 @@ def test_scale_by_adam_state_and_mu_dtype():
 def test_sgd_nesterov_without_momentum_is_a_clear_error():
     with pytest.raises(ValueError, match=r"nesterov=True\) needs momentum > 0"):
         optim.sgd(0.1, nesterov=True)
+
+
+def test_a_known_norm_reaches_the_first_transform_only():
+    """`call_update(..., norm=)`: a leading clip uses the caller's norm instead of taking it again;
+    later transforms (whose input is no longer the chain's input) and transforms without the
+    keyword never see it."""
+    grads = {k: v * 0.2 for k, v in _grads().items()}
+    seen = []
+
+    def spy(name, takes_norm):
+        if takes_norm:
+            def update(updates, state, params=None, norm=None):
+                seen.append((name, norm))
+                return updates, state
+        else:
+            def update(updates, state, params=None):
+                seen.append((name, "no keyword"))
+                return updates, state
+        return optim.Transform(lambda p: (), update)
+
+    fake = torch.tensor(1e6)  # a wrong norm on purpose: the clip must believe the caller
+    opt = optim.chain(spy("first", True), spy("second", True), spy("third", False))
+    optim.call_update(opt, grads, opt.init(grads), grads, norm=fake)
+    assert seen == [("first", fake), ("second", None), ("third", "no keyword")]
+
+    clip = optim.clip_by_global_norm(1.0)
+    told, _ = optim.call_update(clip, grads, (), norm=fake)  # scaled by 1 / 1e6
+    own, _ = clip.update(grads, ())
+    for k in grads:
+        torch.testing.assert_close(told[k], grads[k] / (1e6 + 1e-6))
+    assert float(tree.global_norm(own)) == pytest.approx(min(float(tree.global_norm(grads)), 1.0), rel=1e-5)

@@ -1,7 +1,7 @@
 """optax-style composable optimizers for PyTorch pytrees."""
 
 from functrain.optim.aliases import adam, adamw, sgd
-from functrain.optim.base import MaskedState, Transform, apply_updates, chain, identity, masked
+from functrain.optim.base import MaskedState, Transform, apply_updates, call_update, chain, identity, masked
 from functrain.optim.schedules import constant, linear, linear_warmup, warmup_cosine
 from functrain.optim.transforms import (
     ScaleByAdamState,
@@ -18,6 +18,7 @@ from functrain.optim.transforms import (
 
 __all__ = [
     "Transform",
+    "call_update",
     "chain",
     "masked",
     "identity",

@@ -5,6 +5,12 @@ A transform is a pair of pure functions, exactly as in optax:
     state = t.init(params)
     updates, state = t.update(grads, state, params)
 
+An `update` may also take the keyword `norm`: the global L2 norm of `updates`, when the caller has
+it already (optax's "extra args"). `apply_gradients` computes the gradient norm for its metric and
+skip check and passes it down; `chain` hands it to its first transform, so a leading
+`clip_by_global_norm` does not take the norm a second time (a full read of the gradients: 12 ms of
+a 100M-parameter update here). `call_update` passes it only to transforms that accept it.
+
 `updates` has the structure of the params; `apply_updates` adds them. Transforms compose with
 `chain`; an optimizer such as `adamw` is just a chain. Every update is written out of place with
 fused `torch._foreach_*` kernels over the leaves; the compiled train step is what turns this into
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import inspect
+
 import optree
 import torch
 
@@ -28,6 +36,7 @@ from functrain import tree as tree_lib
 
 __all__ = [
     "Transform",
+    "call_update",
     "chain",
     "masked",
     "apply_updates",
@@ -47,6 +56,35 @@ class Transform(NamedTuple):
 
     init: InitFn
     update: UpdateFn
+
+
+def _takes_norm(update: UpdateFn) -> bool:
+    """Whether an update function accepts the `norm` keyword."""
+    try:
+        params = inspect.signature(update).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "norm" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def call_update(t: Transform, updates: PyTree, state: PyTree, params: PyTree = None, *, norm=None):
+    """`t.update(updates, state, params)`, passing `norm` (the global norm of `updates`) when given
+    and `t` accepts it.
+
+    Args:
+      t: the transform.
+      updates, state, params: as for `t.update`.
+      norm: the global L2 norm of `updates` if the caller has it, else None.
+
+    Returns:
+      `(updates, state)` from `t.update`.
+
+    Example:
+      >>> updates, opt_state = optim.call_update(opt, grads, opt_state, params, norm=tree.global_norm(grads))
+    """
+    if norm is not None and _takes_norm(t.update):
+        return t.update(updates, state, params, norm=norm)
+    return t.update(updates, state, params)
 
 
 def identity() -> Transform:
@@ -78,10 +116,11 @@ def chain(*transforms: Transform) -> Transform:
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, norm=None):
         new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+        for i, (t, s) in enumerate(zip(transforms, state)):
+            # `norm` is the norm of the chain's input: only the first transform still sees that.
+            updates, s = call_update(t, updates, s, params, norm=norm if i == 0 else None)
             new_state.append(s)
         return updates, tuple(new_state)
 

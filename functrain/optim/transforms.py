@@ -4,6 +4,10 @@ All arithmetic runs as fused `torch._foreach_*` kernels over the leaves. Hyper-p
 fixed are Python floats (constants in the compiled graph); anything that changes during training
 (the update count, the learning rate) is a tensor in the optimizer state, so a compiled step never
 recompiles from one step to the next.
+
+Per-step scalars (the learning rate, Adam's bias corrections, the clip coefficient) go through
+`functrain.ops.hoist`: computed once per step, then read by the per-element loops as plain factors
+(see `functrain.ops`; inlined into every loop they cost 12x torch's fused AdamW at 100M params).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
+from functrain import ops
 from functrain import tree as tree_lib
 from functrain.optim.base import Transform, resolve_mask
 
@@ -98,17 +103,18 @@ def scale_by_adam(
         mu = [m.to(a) for m, a in zip(mu_store, acc)]
         nu = [n.to(a) for n, a in zip(nu_store, acc)]
         count = state.count + 1
-        t = count.to(torch.float64)  # float64 bias corrections, as torch (b2 -> 1)
+        # Bias corrections in float64 as torch computes them (b2 -> 1), used as float32 factors.
+        t = count.to(torch.float64)
+        inv_bc1, inv_bc2_sqrt = ops.hoist(1.0 / (1.0 - torch.pow(b1, t)), torch.rsqrt(1.0 - torch.pow(b2, t)))
         mu = torch._foreach_lerp(mu, g, 1.0 - b1)  # m = b1 m + (1 - b1) g
         nu = torch._foreach_mul(nu, b2)
         nu = torch._foreach_addcmul(nu, g, g, value=1.0 - b2)  # v = b2 v + (1 - b2) g^2
-        bc1 = 1.0 - torch.pow(b1, t)
-        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        # m_hat / (sqrt(v_hat) + eps) with one division per element
         denom = torch._foreach_sqrt(nu)
-        denom = torch._foreach_div(denom, bc2_sqrt)
+        denom = torch._foreach_mul(denom, inv_bc2_sqrt)
         denom = torch._foreach_add(denom, eps)
-        out = torch._foreach_div(mu, denom)
-        out = torch._foreach_div(out, bc1)
+        out = torch._foreach_mul(mu, inv_bc1)
+        out = torch._foreach_div(out, denom)
         new_state = ScaleByAdamState(
             count=count,
             mu=optree.tree_unflatten(spec, [m.to(s.dtype) for m, s in zip(mu, mu_store)]),
@@ -184,10 +190,11 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     def init(params):
         return ()
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, norm=None):
         u, spec = _flat(updates)
-        norm = tree_lib.global_norm(u)
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if norm is None:  # not given by the caller (see optim.call_update)
+            norm = tree_lib.global_norm(u)
+        (coef,) = ops.hoist(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return optree.tree_unflatten(spec, list(torch._foreach_mul(u, coef))), state
 
     return Transform(init, update)
@@ -272,7 +279,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 
     def update(updates, state, params=None):
         lr = lr_at(state.count)
-        factor = -lr if flip_sign else lr
+        (factor,) = ops.hoist(-lr if flip_sign else lr)
         u, spec = _flat(updates)
         out = torch._foreach_mul(u, factor)
         return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr)

@@ -247,7 +247,7 @@ class Spmd:
         return rng_lib.fold_in(key, self.dp_rank)
 
 
-def global_norm(xs: list) -> torch.Tensor:
+def global_norm(xs: list, *, fused: bool = False) -> torch.Tensor:
     """L2 norm of DTensors taken together, over the whole mesh, with few collectives.
 
     Each leaf's squared local norm counts once per distinct shard: the squares are summed per
@@ -256,6 +256,7 @@ def global_norm(xs: list) -> torch.Tensor:
 
     Args:
       xs: a list of DTensors (Shard/Replicate placements; Partial ones are reduced first).
+      fused: see `functrain.tree.squared_norms`.
 
     Returns:
       A 0-d float32 plain tensor, the same on every rank.
@@ -263,16 +264,15 @@ def global_norm(xs: list) -> torch.Tensor:
     Example:
       >>> gnorm = global_norm(tree.leaves(grads))
     """
-    acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
     xs = [_no_partial(x) for x in xs]
-    norms = torch._foreach_norm([x.to_local() for x in xs], 2.0, dtype=acc)
+    squares = tree_lib.squared_norms([x.to_local() for x in xs], fused=fused)
     groups: dict = {}
-    for x, n in zip(xs, norms):
+    for x, n in zip(xs, squares):
         dims = tuple(d for d, p in enumerate(x.placements) if isinstance(p, Shard))
         groups.setdefault((x.device_mesh, dims), []).append(n)
     total = None
     for (mesh, dims), ns in groups.items():
-        sq = torch.stack(ns).square().sum()
+        sq = torch.stack(ns).sum()
         for d in dims:
             sq = _wait(funcol.all_reduce(sq, "sum", (mesh, d)))
         total = sq if total is None else total + sq
