@@ -1,4 +1,4 @@
-"""Benchmark: activation checkpointing (`make_gpt_loss_fn(..., remat=...)`) in the functrain train step.
+"""Benchmark: activation checkpointing (`gpt.make_loss_fn(..., remat=...)`) in the functrain train step.
 
     python bench/remat.py                  # compiled step (torch.compile, one graph)
     python bench/remat.py --eager          # the same step uncompiled
@@ -58,7 +58,6 @@ import torch  # noqa: E402
 from _mem import reset_peak, status_mib, trim  # noqa: E402
 
 from functrain import init_state, make_train_step, optim, rng  # noqa: E402
-from functrain.losses import make_gpt_loss_fn  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 
 N_BATCHES = 4  # a small pool of batches, cycled
@@ -100,7 +99,7 @@ def child(args) -> dict:
         template = gpt.GPT(cfg)
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, weight_decay=0.1))
     state = init_state(gpt.init_params(template, rng.key(0), device=device), opt, seed=0, copy=False)
-    loss_fn = make_gpt_loss_fn(template, chunk_size=args.chunk, remat=_policy(args.policy))
+    loss_fn = gpt.make_loss_fn(template, chunk_size=args.chunk, remat=_policy(args.policy))
     step = make_train_step(loss_fn, opt, compile=not args.eager, donate=True)
 
     t = time.perf_counter()

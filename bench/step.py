@@ -49,7 +49,7 @@ import torch
 from functrain import init_state, make_train_step, memory, optim, rng, value_and_grad
 from functrain import step as step_lib
 from functrain.models import gpt
-from functrain.train import make_loss_fn
+from functrain.models.gpt import make_loss_fn
 
 SIZES = {
     # The `tiny` variant of configs/gpt.py.

@@ -53,8 +53,12 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # keep: freed host memory stays in the process (functrain/memory.py: page faults on fresh
     # buffers cost 17% of the default step on CPU); default: glibc's own policy.
     c.host_memory = "keep"
+    # Python's automatic garbage collection is off during training; a collection runs every this many
+    # steps on every rank at once (0 = leave Python's own collector on).
+    c.gc_every = 50
 
     c.model = ml_collections.ConfigDict()
+    c.model.name = "gpt"  # the model family: functrain/models/<name>/
     c.model.vocab_size = 0  # 0 = take it from the data (256 for bytes)
     c.model.block_size = 128
     c.model.n_layer = 4

@@ -1,5 +1,9 @@
 """Command-line entry point: `python -m functrain.main --config=configs/gpt.py[:variant]`.
 
+config -> the model family `functrain.models.<config.model.name>` builds its `Task` -> the
+model-free `functrain.loop.run`. This is the one module outside `functrain/models/` that imports a
+model family.
+
 Flags:
   --config       an ml_collections config file (`get_config(variant)`); `path:variant` picks a
                  variant; `--config.a.b=value` overrides any key (unknown keys are rejected).
@@ -11,9 +15,12 @@ Bad input (unknown config key, bad value, missing data path) ends the program wi
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -67,12 +74,60 @@ def _default_workdir(config_arg: str) -> str:
     return str(Path("runs") / name)
 
 
+def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = print, hooks=()) -> dict:
+    """Runs the job `config` describes, in this process: its model family's Task through the loop.
+
+    Args:
+      config: a run config (e.g. `configs/gpt.py`'s `get_config()`); `config.model.name` names the
+        family (`functrain/models/<name>/task.py`).
+      workdir: the run directory.
+      print_fn: where the main process's console lines go.
+      hooks: extra `functrain.loop.Hook`s.
+
+    Returns:
+      The loop's summary dict.
+
+    Raises:
+      ConfigError, TrainingError, CheckpointError, DataError: one line each.
+
+    Example:
+      >>> summary = train(gpt_config.get_config("tiny"), "runs/tiny")
+    """
+    from functrain import loop, optim, parallel, validate
+
+    t_program = time.perf_counter()
+    family = _family(config)
+    # Every key checked before anything is loaded: the loop's, the optimizer's, the family's.
+    validate.check_all(config, [*validate.LOOP_CHECKS, *optim.config.CHECKS, *family.CHECKS])
+    try:
+        ctx = parallel.setup(config.mesh)  # torchrun env -> process group + mesh; plain python: none
+    except ValueError as exc:
+        raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
+    with ctx:
+        task = family.build(config, ctx, workdir)
+        optimizer = optim.config.from_config(config.optim, config.steps)
+        return loop.run(task, optimizer, config, workdir, ctx, hooks=hooks, print_fn=print_fn, t_program=t_program)
+
+
+def _family(config: Any):
+    """The `task` module of the model family `config.model.name`."""
+    from functrain import validate
+
+    name = config.model.get("name", "gpt")
+    try:
+        return importlib.import_module(f"functrain.models.{name}.task")
+    except ModuleNotFoundError:
+        known = sorted(p.name for p in (Path(__file__).parent / "models").iterdir() if (p / "task.py").exists())
+        raise validate.fail("model.name", name, "one of " + ", ".join(repr(k) for k in known)) from None
+
+
 def main(argv: list[str]) -> None:
-    """Loads the config and runs `functrain.train.train`."""
+    """Loads the config and runs `train`."""
     del argv
     from functrain.checkpoint import CheckpointError
     from functrain.data import DataError
-    from functrain.train import TrainingError, train
+    from functrain.loop import TrainingError
+    from functrain.validate import ConfigError
 
     try:
         config = _CONFIG.value
@@ -82,7 +137,7 @@ def main(argv: list[str]) -> None:
     workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[-1])
     try:
         train(config, workdir)
-    except (CheckpointError, DataError, TrainingError) as exc:
+    except (CheckpointError, ConfigError, DataError, TrainingError) as exc:
         _fail(str(exc))
 
 

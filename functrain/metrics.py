@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from functrain import metric_names as M
 from functrain.tensorboard import TensorBoardWriter
 
 __all__ = [
@@ -80,20 +81,20 @@ class ConsoleWriter:
         """Nothing to release."""
 
 
-_QUIET_WHEN_ZERO = {"skipped_total"}  # printed only once something happened (files get every value)
+_QUIET_WHEN_ZERO = set(M.QUIET_WHEN_ZERO)  # printed only once something happened (files get every value)
 
 
 def _fmt(key: str, v: Any) -> str:
     """Human formatting of one metric value."""
     if isinstance(v, str):
         return v
-    if key == "lr":
+    if key == M.LR:
         return f"{v:.2e}"
-    if key.endswith("tokens_per_s"):
+    if key.endswith(M.TOKENS_PER_S):
         return f"{v:,.0f}"
     if key.endswith("_mb"):
         return f"{v:,.0f}"
-    if key == "mfu":
+    if key == M.MFU:
         return f"{100 * v:.1f}%"
     if isinstance(v, float):
         return f"{v:.4f}" if abs(v) < 1e4 else f"{v:.4g}"
@@ -175,10 +176,10 @@ class Throughput:
         if steps <= 0:
             return {}
         tokens_per_s = steps * self.tokens_per_step / dt
-        out: dict[str, float | str] = {"tokens_per_s": tokens_per_s, "step_time_s": dt / steps}
+        out: dict[str, float | str] = {M.TOKENS_PER_S: tokens_per_s, M.STEP_TIME_S: dt / steps}
         if self.peak_flops:
-            out["mfu"] = tokens_per_s * self.flops_per_token / self.peak_flops
-        out["eta"] = format_eta((self.total_steps - step) * dt / steps)
+            out[M.MFU] = tokens_per_s * self.flops_per_token / self.peak_flops
+        out[M.ETA] = format_eta((self.total_steps - step) * dt / steps)
         return out
 
 

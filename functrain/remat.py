@@ -45,6 +45,13 @@ import torch
 
 __all__ = ["Stage", "parse_policy", "remat_barrier", "staged_loss"]
 
+
+def _loss_and_aux(out):
+    """A head result as (loss, aux dict), under the loss contract of `functrain.step.loss_and_aux`."""
+    from functrain.step import loss_and_aux  # step does not import this module: no cycle
+
+    return loss_and_aux(out)
+
 Params = dict[str, torch.Tensor]
 
 
@@ -135,13 +142,6 @@ def _recomputed(policy: "str | int", n_blocks: int) -> list[bool]:
     return [(i + 1) % policy == 0 for i in range(n_blocks)]
 
 
-def _split_loss(out) -> tuple[torch.Tensor, dict]:
-    """A head result as (loss, aux dict)."""
-    if isinstance(out, tuple) and len(out) == 2:
-        return out[0], dict(out[1] or {})
-    return out, {}
-
-
 def _add_grads(total: Params, grads: Params) -> None:
     """Adds `grads` into `total` in place of the dict (a name seen before is summed)."""
     for name, g in grads.items():
@@ -193,7 +193,7 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
         h = embed.fn(embed.params(params), batch, key)
         for block in blocks:
             h = block.fn(block.params(params), h, key)
-        return _split_loss(head.fn(head.params(params), h, batch, key))
+        return _loss_and_aux(head.fn(head.params(params), h, batch, key))
 
     def value_and_grad(params: Params, batch, key, *, loss_scale=None):
         """(loss, aux, grads of loss * loss_scale), recomputing the policy's blocks in backward."""
@@ -233,7 +233,7 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
             h, block_vjp = torch.func.vjp(lambda p_, h_, fn=block.fn: fn(p_, h_, key), p, h)
             saved.append(block_vjp)
     loss, head_vjp, aux = torch.func.vjp(
-        lambda p, h_: _split_loss(head.fn(p, h_, batch, key)), head.params(params), h, has_aux=True
+        lambda p, h_: _loss_and_aux(head.fn(p, h_, batch, key)), head.params(params), h, has_aux=True
     )
 
     # Backward: head, blocks in reverse (recomputing where asked), embedding.

@@ -19,10 +19,12 @@ optimizer state (a `torch.where` fused into the update kernels: no host sync, no
 advances `step`, and counts the skip in `state.guard` and the metrics.
 
 Sharded state. When the params are DTensors on a DeviceMesh (`functrain.parallel.shard_state`),
-the same API builds the FSDP / tensor-parallel step (`functrain.parallel.spmd`): parameters are
-gathered over the data-parallel axes, the loss and gradients are taken over the local plain tensors,
-gradients are reduce-scattered back to the parameter placements, the optimizer updates the shards,
-and the loss is averaged over the data-parallel ranks; the batch is each dp rank's local part.
+the same body runs through the params' `functrain.parallel.Layout` (`layout_of(params)`): parameters
+are gathered over the data-parallel axes, the loss and gradients are taken over the local plain
+tensors, gradients are reduce-scattered back to the parameter placements, the optimizer updates the
+shards, and the loss is averaged over the data-parallel ranks; the batch is each dp rank's local
+part. For plain tensors the layout is `parallel.LOCAL`, whose collectives are the identity: the step
+has one body and no `if sharded` branch, and nothing here knows DTensor.
 
 Example:
     >>> def loss_fn(params, batch, key):
@@ -40,13 +42,23 @@ import optree
 import torch
 from torch import nn
 
+from functrain import metric_names as M
 from functrain import ops, optim
 from functrain import precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
+from functrain.parallel.layout import Layout, layout_of
 from functrain.state import Guard, TrainState
 
-__all__ = ["apply", "apply_gradients", "make_train_step", "make_eval_step", "update_step", "value_and_grad"]
+__all__ = [
+    "apply",
+    "apply_gradients",
+    "loss_and_aux",
+    "make_train_step",
+    "make_eval_step",
+    "update_step",
+    "value_and_grad",
+]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
@@ -98,7 +110,7 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
         return loss.detach(), dict(aux or {}), grads
 
     def f(p):
-        loss, aux = _split_loss(loss_fn(p, batch, key))
+        loss, aux = loss_and_aux(loss_fn(p, batch, key))
         scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
         return scaled, (loss.detach(), aux)
 
@@ -106,17 +118,47 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
     return loss, aux, grads
 
 
-def _split_loss(out):
-    """A loss_fn result as (loss, aux dict)."""
-    if isinstance(out, tuple) and len(out) == 2:
+def loss_and_aux(out) -> tuple[torch.Tensor, dict]:
+    """A loss function's result as `(loss, aux dict)`: the loss contract, in one place.
+
+    A loss function returns a scalar tensor, or `(loss, aux)` with `aux` a dict (or None) of
+    scalar tensors to report; anything else (e.g. a tuple of two tensors) is an error.
+
+    Args:
+      out: what a loss function returned.
+
+    Returns:
+      `(loss, aux dict)`.
+
+    Raises:
+      TypeError: `out` has another structure.
+
+    Example:
+      >>> loss, aux = loss_and_aux(loss_fn(params, batch, key))
+    """
+    if isinstance(out, torch.Tensor):
+        return out, {}
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and (
+        out[1] is None or isinstance(out[1], dict)
+    ):
         return out[0], dict(out[1] or {})
-    return out, {}
+    raise TypeError(
+        f"a loss function must return a scalar tensor or (loss, aux dict), got {_describe(out)}; "
+        "put extra outputs in the aux dict"
+    )
+
+
+def _describe(x) -> str:
+    """A short description of a value's structure for error messages."""
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of ({', '.join(type(v).__name__ for v in x)})"
+    return f"a {type(x).__name__}"
 
 
 def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None):
     """({"loss": loss, **aux}, grads) for one (micro)batch."""
     loss, aux, grads = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale)
-    return {"loss": loss, **aux}, grads
+    return {M.LOSS: loss, **aux}, grads
 
 
 def _split_microbatches(batch: PyTree, k: int) -> PyTree:
@@ -175,24 +217,6 @@ def _to_master(grads: PyTree, master: PyTree, loss_scale) -> PyTree:
     return optree.tree_unflatten(spec, leaves)
 
 
-def _select(ok: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
-    """Leafwise `new if ok else old` (a 0-d bool `ok`, no host sync); DTensors keep `old`'s layout."""
-    old_leaves, spec = optree.tree_flatten(old)
-    out = []
-    for o, n in zip(old_leaves, spec.flatten_up_to(new)):
-        if n is o:
-            out.append(o)
-        elif tree_lib._is_dtensor(o):
-            from torch.distributed.tensor import DTensor
-
-            local = torch.where(ok, _local(n, like=o), o.to_local())
-            out.append(DTensor.from_local(local, o.device_mesh, o.placements, run_check=False,
-                                          shape=o.shape, stride=o.stride()))
-        else:
-            out.append(torch.where(ok, n, o))
-    return optree.tree_unflatten(spec, out)
-
-
 def _next_guard(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision) -> Guard:
     """The guard after a step: skip counters, and the dynamic loss scale's GradScaler rule."""
     bad = (~ok).to(torch.int64)
@@ -213,30 +237,9 @@ def _zeros_aux(loss_fn, params, micro, keys):
     """Zeros shaped like the (loss, aux) of one microbatch, to start the scan's carry."""
     mb = tree_lib.map(lambda x: x[0], micro)
     with torch.no_grad():
-        loss, aux = _split_loss(loss_fn(params, mb, keys[0]))
-    aux = {"loss": loss, **aux}
+        loss, aux = loss_and_aux(loss_fn(params, mb, keys[0]))
+    aux = {M.LOSS: loss, **aux}
     return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), aux)
-
-
-def _write_into(old: PyTree, new: PyTree) -> PyTree:
-    """Copies every leaf of `new` into the matching leaf of `old` (donation); returns `old`."""
-    old_leaves, spec = optree.tree_flatten(old)
-    new_leaves = spec.flatten_up_to(new)
-    pairs = [(o, n) for o, n in zip(old_leaves, new_leaves) if o is not n]
-    dst = [_local(o) for o, _ in pairs]
-    src = [_local(n, like=o) for o, n in pairs]
-    if dst:
-        torch._foreach_copy_(dst, src)
-    return old
-
-
-def _local(x, like=None):
-    """The local shard of a DTensor (in `like`'s placements), or `x` itself for a plain tensor."""
-    if not tree_lib._is_dtensor(x):
-        return x
-    if like is not None and tuple(x.placements) != tuple(like.placements):
-        x = x.redistribute(like.device_mesh, like.placements)
-    return x.to_local()
 
 
 def apply_gradients(
@@ -267,40 +270,39 @@ def apply_gradients(
       `(new_state, metrics)`: metrics hold `aux`, `grad_norm`, `update_norm` (of the optimizer's
       update, before a skip), `lr`, and the skip counters when skipping. The params' norm is not
       taken here (it would cost a pass of its own every step): log `tree.global_norm(state.params)`
-      when you log, as `functrain.train` does.
+      when you log, as `functrain.loop` does.
 
     Example:
       >>> grads = tree.map(lambda g: g + sigma * torch.randn_like(g), clipped_mean_grads)
       >>> state, metrics = apply_gradients(state, grads, opt, aux={"loss": loss})
     """
     prec = precision_lib.get(precision)
+    lay = layout_of(state.params)
     metrics = dict(aux or {})
-    metrics["grad_norm"] = grad_norm = tree_lib.global_norm(grads)
+    metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
     guarded = skip_nonfinite or prec.loss_scaling
     if guarded:  # decided before the update math, so every per-element loop runs after it
         ok = torch.isfinite(grad_norm)
-        if "loss" in metrics:
-            ok = ok & torch.isfinite(metrics["loss"])
+        if M.LOSS in metrics:
+            ok = ok & torch.isfinite(metrics[M.LOSS])
         (flag,) = ops.hoist(ok)
         ok = flag > 0.5
     updates, opt_state = optim.call_update(optimizer, grads, state.opt_state, state.params, norm=grad_norm)
     params = optim.apply_updates(state.params, updates)
     # Summed flat inside the update's own loop (one reduction there is nearly free; a second one,
     # e.g. a param norm, makes inductor split the loop in two passes: 4x the update's time).
-    metrics["update_norm"] = tree_lib.global_norm(updates, fused=True)
+    metrics[M.UPDATE_NORM] = lay.global_norm(updates, fused=True)
     guard = state.guard
     if guarded:  # non-finite: keep the old params and optimizer state
-        params = _select(ok, params, state.params)
-        opt_state = _select(ok, opt_state, state.opt_state)
+        params = lay.select(ok, params, state.params)
+        opt_state = lay.select(ok, opt_state, state.opt_state)
         guard = _next_guard(guard, ok, prec)
-        metrics["skipped"] = (~ok).to(torch.float32)
-        metrics["consecutive_skips"] = guard.consecutive
-        metrics["skipped_total"] = guard.skipped
+        metrics[M.SKIPPED] = (~ok).to(torch.float32)
+        metrics[M.CONSECUTIVE_SKIPS] = guard.consecutive
+        metrics[M.SKIPPED_TOTAL] = guard.skipped
         if prec.loss_scaling:
-            metrics["loss_scale"] = state.guard.loss_scale.clone()  # its buffer may be donated
-    lr = optim.learning_rate(opt_state)
-    if lr is not None:
-        metrics["lr"] = lr
+            metrics[M.LOSS_SCALE] = state.guard.loss_scale.clone()  # its buffer may be donated
+    metrics.update(optim.report(optimizer, opt_state))  # e.g. the learning rate this update used
     return TrainState(params, opt_state, state.step + 1, state.rng, guard), metrics
 
 
@@ -352,42 +354,35 @@ def make_train_step(
     if accum_impl not in ("unroll", "scan"):
         raise ValueError(f"accum_impl must be 'unroll' or 'scan', got {accum_impl!r}")
     prec = precision_lib.get(precision)
-    guarded = skip_nonfinite or prec.loss_scaling
+    update = _make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling,
+                          precision=prec)
 
-    def build(spmd):
-        """The step function; `spmd` is None (plain tensors) or a `parallel.spmd.Spmd`."""
+    def build(lay: Layout):
+        """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
 
         def train_step(state: TrainState, batch: PyTree):
-            key = rng_lib.fold_in(state.rng, state.step)
             # compute copies (cast before the gather: half the bytes on the wire)
             params, batch = precision_lib.to_compute(prec, state.params, batch)
-            if spmd is not None:  # gather for compute; per-dp-rank dropout key
-                key, params = spmd.fold_in_dp(key), spmd.gather(params)
+            params = lay.gather(params)
+            key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))  # per step, per dp rank
             loss_scale = state.guard.loss_scale if prec.loss_scaling else None
             aux, grads = _accumulated_value_and_grad(
                 loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale
             )
             grads = _to_master(grads, state.params, loss_scale)
-            if spmd is not None:  # grads back to the param placements; loss over all dp ranks
-                grads, aux = spmd.reduce_grads(grads, state.params), spmd.mean_over_dp(aux)
-            return _update(state, aux, grads)
+            # grads back to the params' placements; metrics averaged over all dp ranks
+            grads, aux = lay.reduce_grads(grads, state.params), lay.mean_over_dp(aux)
+            return update(state, aux, grads)
 
         return train_step
 
-    _update = _make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec)
-    train_step = build(None)
-    compiled = {None: _maybe_compile(train_step, compile, compile_options)}
-    eager = {None: train_step}
+    steps = _PerLayout(build, lambda f: _maybe_compile(f, compile, compile_options))
+    eager = _PerLayout(build, lambda f: f)
 
     def step(state: TrainState, batch: PyTree):
-        return _for_params(compiled, build, state.params, lambda f: _maybe_compile(f, compile, compile_options))(
-            state, batch
-        )
+        return steps.get(state.params)(state, batch)
 
-    def uncompiled(state: TrainState, batch: PyTree):
-        return _for_params(eager, build, state.params, lambda f: f)(state, batch)
-
-    step.uncompiled = uncompiled  # type: ignore[attr-defined]
+    step.uncompiled = lambda state, batch: eager.get(state.params)(state, batch)  # type: ignore[attr-defined]
     return step
 
 
@@ -398,7 +393,7 @@ def _make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision):
         new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=skip_nonfinite,
                                              precision=precision)
         if donate:
-            new_state = _write_into(state, new_state)
+            new_state = layout_of(state.params).write_into(state, new_state)
         return new_state, metrics
 
     return update
@@ -469,42 +464,39 @@ def make_eval_step(
 
     prec = precision_lib.get(precision)
 
-    def build(spmd):
-        """The eval function; `spmd` is None (plain tensors) or a `parallel.spmd.Spmd`."""
+    def build(lay: Layout):
+        """The eval function for params laid out as `lay`."""
 
         def eval_step(state: TrainState, batch: PyTree):
             params, batch = precision_lib.to_compute(prec, state.params, batch)
-            if spmd is not None:
-                params = spmd.gather(params)
+            params = lay.gather(params)
             with torch.no_grad():
-                loss, aux = _split_loss(loss_fn(params, batch, None))
-            metrics = {"loss": loss, **aux}
-            return metrics if spmd is None else spmd.mean_over_dp(metrics)
+                loss, aux = loss_and_aux(loss_fn(params, batch, None))
+            return lay.mean_over_dp({M.LOSS: loss, **aux})
 
         return eval_step
 
-    fns = {None: _maybe_compile(build(None), compile, compile_options)}
+    fns = _PerLayout(build, lambda f: _maybe_compile(f, compile, compile_options))
 
     def evaluate(state: TrainState, batch: PyTree):
-        return _for_params(fns, build, state.params, lambda f: _maybe_compile(f, compile, compile_options))(
-            state, batch
-        )
+        return fns.get(state.params)(state, batch)
 
     return evaluate
 
 
-def _for_params(table: dict, build, params: PyTree, wrap):
-    """table[None] for plain params; for DTensor params, `wrap(build(Spmd(mesh)))` made once per mesh."""
-    first = next(iter(tree_lib.leaves(params)), None)
-    if not tree_lib._is_dtensor(first):
-        return table[None]
-    fn = table.get(first.device_mesh)
-    if fn is None:
-        from functrain.parallel import spmd as spmd_lib  # imported only when params are DTensors
+class _PerLayout:
+    """`wrap(build(layout))` made once per params layout (`LOCAL`, or one per mesh)."""
 
-        mesh = spmd_lib.mesh_of(params)  # validates: all leaves DTensors on one mesh
-        fn = table[mesh] = wrap(build(spmd_lib.Spmd(mesh)))
-    return fn
+    def __init__(self, build, wrap):
+        self.build, self.wrap, self.fns = build, wrap, {}
+
+    def get(self, params: PyTree):
+        """The function for `params`' layout."""
+        lay = layout_of(params)
+        fn = self.fns.get(id(lay))
+        if fn is None:
+            fn = self.fns[id(lay)] = self.wrap(self.build(lay))
+        return fn
 
 
 def _maybe_compile(fn, compile: bool, options: dict | None):

@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Iterator
 
 import optree
@@ -28,6 +27,7 @@ __all__ = [
     "full_like",
     "global_norm",
     "squared_norms",
+    "register_global_norm",
     "size",
     "structure",
     "unflatten",
@@ -129,11 +129,30 @@ def global_norm(tree: PyTree, *, fused: bool = False) -> torch.Tensor:
     xs = leaves(tree)
     if not xs:
         return torch.zeros((), dtype=torch.float32)
-    if _is_dtensor(xs[0]):  # a few bucketed all-reduces instead of one per leaf
-        from functrain.parallel.spmd import global_norm as sharded_global_norm
-
-        return sharded_global_norm(xs, fused=fused)
+    for leaf_type, norm_of in _NORMS:  # e.g. DTensors: functrain.parallel registers the mesh-wide norm
+        if isinstance(xs[0], leaf_type):
+            return norm_of(xs, fused=fused)
     return torch.stack(squared_norms(xs, fused=fused)).sum().sqrt().to(torch.float32)
+
+
+_NORMS: list = []  # (leaf type, fn(leaves, fused=) -> norm), see register_global_norm
+
+
+def register_global_norm(leaf_type: type, fn) -> None:
+    """Makes `global_norm` hand trees whose leaves are `leaf_type` to `fn(leaves, fused=...)`.
+
+    How `functrain.parallel` teaches this module the norm over a DeviceMesh (a few bucketed
+    all-reduces) without this module importing it.
+
+    Args:
+      leaf_type: e.g. `torch.distributed.tensor.DTensor`.
+      fn: `fn(list_of_leaves, fused=bool) -> 0-d float32 tensor`.
+
+    Example:
+      >>> tree.register_global_norm(DTensor, sharded_global_norm)
+    """
+    if not any(t is leaf_type for t, _ in _NORMS):
+        _NORMS.append((leaf_type, fn))
 
 
 _ROW = 4096  # inductor sums float32 rows longer than this with a slower compensated (cascade) loop
@@ -178,9 +197,3 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
             if n % width == 0:
                 return x.reshape(-1, width)  # (rows, width)
     return x.reshape(1, -1) if x.ndim == 0 else x
-
-
-def _is_dtensor(x) -> bool:
-    """Whether `x` is a DTensor (without importing DTensor: none can exist unless it was)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(x, dtensor.DTensor)

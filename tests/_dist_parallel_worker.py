@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from functrain import apply, init_state, make_eval_step, make_train_step, optim, parallel, rng
 from functrain.models import gpt
-from functrain.parallel import spmd as spmd_lib
 from functrain.parallel import tp as tp_lib
 
 STEPS = 20
@@ -182,7 +181,7 @@ def s_tp_is_local(ctx):
     tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
     opt = adamw()
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
-    local = spmd_lib.Spmd(state.params["wte.weight"].device_mesh).gather(state.params)
+    local = parallel.layout_of(state.params).gather(state.params)
     heads = []
     hook = tp_model.blocks[0].attn.q.register_forward_hook(lambda m, i, o: heads.append(o.shape[-1] // 8))
     shapes = []
@@ -243,7 +242,7 @@ def s_eval_and_keys(ctx):
     ref = make_eval_step(loss_fn_for(model), compile=False)(plain, b)
     got = make_eval_step(loss_fn_for(parallel.tensor_parallel(model, ctx.mesh, rules)), compile=False)(
         state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world))
-    key = spmd_lib.Spmd(state.params["wte.weight"].device_mesh).fold_in_dp(rng.fold_in(plain.rng, 3))
+    key = parallel.layout_of(state.params).fold_in_dp(rng.fold_in(plain.rng, 3))
     keys = [None] * ctx.world_size
     dist.all_gather_object(keys, key.tolist())
     return {"eval_loss": abs(float(ref["loss"]) - float(got["loss"])), "keys": keys,

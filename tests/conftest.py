@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from functrain import apply, rng
+from functrain import rng
 from functrain.models import gpt
 
 
@@ -30,13 +30,8 @@ def _batches(cfg: gpt.GPTConfig, n: int, batch_size: int = 8, seed: int = 0):
 
 
 def _loss_fn(model):
-    """`loss_fn(params, (x, y), key)`: next-token cross-entropy of `model` via functional_call."""
-
-    def loss_fn(params, batch, key):
-        x, y = batch
-        return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y), {}
-
-    return loss_fn
+    """`loss_fn(params, (x, y), key)`: the GPT family's own loss (next-token cross-entropy)."""
+    return gpt.make_loss_fn(model)
 
 
 @pytest.fixture

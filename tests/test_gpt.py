@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from functrain import rng
-from functrain.models import (
+from functrain.models.gpt import (
     GPT,
     TP_RULES,
     GPTConfig,
@@ -110,7 +110,7 @@ def test_dropout_keys(model, idx):
 
 
 def test_each_dropout_site_has_its_own_key(model, idx, monkeypatch):
-    import functrain.models.gpt as gpt
+    import functrain.models.gpt.model as gpt
 
     seen = []
     real = gpt.rng.dropout

@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from functrain import apply, rng
-from functrain.interop import (
-    SafetensorsError,
-    export_hf_gpt2,
-    hf_gpt2_config,
-    import_hf_gpt2,
-    load_safetensors,
-    safetensors_metadata,
-    save_safetensors,
-)
+from functrain.interop import SafetensorsError, load_safetensors, safetensors_metadata, save_safetensors
+from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config, import_hf_gpt2
 from functrain.models import gpt
 
 pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2

@@ -9,7 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from functrain import apply, make_train_step, optim, rng
 from functrain import tree as tree_lib
-from functrain.losses import chunked_cross_entropy, gpt_hidden, gpt_loss, make_gpt_loss_fn
+from functrain.losses import chunked_cross_entropy
+from functrain.models.gpt import gpt_hidden, gpt_loss
+from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 from functrain.models import gpt
 from functrain.state import init_state
 from functrain.step import value_and_grad

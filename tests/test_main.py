@@ -90,12 +90,21 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
 
 
 @pytest.mark.parametrize("flag, expected", [
-    ("--config.precision=fp8", "precision 'fp8' is not known; use 'fp32', 'bf16' or 'fp16' (--config.precision)"),
-    ("--config.remat=sometimes", "remat policy must be 'none', 'full' or a positive int N"),
-    ("--config.optim.mu_dtype=int8", "optim.mu_dtype / optim.nu_dtype: dtype 'int8' is not known"),
-    ("--config.max_consecutive_skips=-1", "max_consecutive_skips=-1 must be >= 0"),
+    ("--config.batch_size=0", "batch_size=0 is out of range: an integer >= 1 (--config.batch_size)"),
+    ("--config.model.block_size=0", "model.block_size=0 is out of range: an integer >= 1 (--config.model.block_size)"),
+    ("--config.checkpoint.keep=0", "checkpoint.keep=0 is out of range: an integer >= 1 (--config.checkpoint.keep)"),
+    ("--config.eval_batches=0", "eval_batches=0 is out of range: an integer >= 1 (--config.eval_batches)"),
+    ("--config.sample.temperature=-1",
+     "sample.temperature=-1.0 is out of range: a number >= 0.0 (--config.sample.temperature)"),
+    ("--config.precision=fp8", "precision='fp8' is out of range: one of 'fp32', "),
+    ("--config.remat=sometimes", "remat='sometimes' is out of range: 'none', 'full' or a positive int N"),
+    ("--config.optim.mu_dtype=int8", "optim.mu_dtype='int8' is out of range: one of 'float32'"),
+    ("--config.max_consecutive_skips=-1", "max_consecutive_skips=-1 is out of range: an integer >= 0"),
+    ("--config.model.n_head=3", "model: n_embd=64 is not divisible by n_head=3"),
+    ("--config.batch_size=15 --config.accum_steps=2", "batch_size=15 must divide by data-parallel ranks (1) x "
+                                                       "accum_steps (2)"),
 ])
-def test_bad_precision_remat_and_skip_values_are_one_clear_error_line(tmp_path, flag, expected):
-    proc = _main("--config.compile=False", flag, f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
+def test_bad_values_are_one_clear_error_line(tmp_path, flag, expected):
+    proc = _main("--config.compile=False", *flag.split(), f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
     line = _error_line(proc)
     assert expected in line, line

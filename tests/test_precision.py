@@ -155,7 +155,7 @@ def test_compiled_fp16_step_is_one_graph_and_matches_eager(tiny_gpt, batches, gp
 
 def test_bf16_composes_with_remat_and_the_chunked_loss(tiny_gpt, batches):
     """bf16 + recomputed blocks + chunked CE: the same steps as bf16 with the plain route."""
-    from functrain.losses import make_gpt_loss_fn
+    from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 
     model = tiny_gpt(n_layer=2, dropout=0.1)
     data = batches(model.cfg, 3)

@@ -11,7 +11,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from functrain import init_state, make_train_step, optim, rng, tree
-from functrain.losses import gpt_hidden, make_gpt_loss_fn
+from functrain.models.gpt import gpt_hidden
+from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 from functrain.models import gpt
 from functrain.remat import Stage, parse_policy, staged_loss
 from functrain.step import value_and_grad

@@ -1,23 +1,9 @@
-"""Models: plain nn.Modules with no parallelism inside, each with its sharding rules beside it."""
+"""Model families. Each is a package `functrain/models/<name>/` holding the model (plain nn.Modules
+with no parallelism inside and their sharding rules beside them), its loss factory, and `task.py`,
+whose `build(config, ctx, workdir)` returns the `functrain.task.Task` the training loop runs.
 
-from functrain.models.gpt import (
-    GPT,
-    TP_RULES,
-    GPTConfig,
-    cross_entropy,
-    flops_per_token,
-    generate,
-    init_params,
-    num_params,
-)
+The trainer knows no model: outside this package only `functrain.main` imports a model family (by
+the config's `model.name`).
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "TP_RULES",
-    "cross_entropy",
-    "flops_per_token",
-    "generate",
-    "init_params",
-    "num_params",
-]
+Families: `gpt` (byte-level or BPE GPT-2 style decoder).
+"""

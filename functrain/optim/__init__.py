@@ -1,7 +1,8 @@
 """optax-style composable optimizers for PyTorch pytrees."""
 
 from functrain.optim.aliases import adam, adamw, sgd
-from functrain.optim.base import MaskedState, Transform, apply_updates, call_update, chain, identity, masked
+from functrain.optim.base import MaskedState, Transform, apply_updates, call_update, chain, identity, masked, report
+from functrain.optim import config
 from functrain.optim.schedules import constant, linear, linear_warmup, warmup_cosine
 from functrain.optim.transforms import (
     ScaleByAdamState,
@@ -17,8 +18,10 @@ from functrain.optim.transforms import (
 )
 
 __all__ = [
+    "config",
     "Transform",
     "call_update",
+    "report",
     "chain",
     "masked",
     "identity",

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
-from functrain import ops
+from functrain import metric_names, ops
 from functrain import tree as tree_lib
 from functrain.optim.base import Transform, resolve_mask
 
@@ -284,11 +284,14 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         out = torch._foreach_mul(u, factor)
         return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr)
 
-    return Transform(init, update)
+    return Transform(init, update, lambda state: {metric_names.LR: state.lr})
 
 
 def learning_rate(opt_state: PyTree) -> torch.Tensor | None:
     """The learning rate of the latest update, found in `opt_state` (None if there is none).
+
+    A convenience for states built by `scale_by_learning_rate`; the train step asks the optimizer
+    instead (`optim.report`), which also covers custom schedule transforms.
 
     Args:
       opt_state: an optimizer state containing a `ScaleByLearningRateState`.

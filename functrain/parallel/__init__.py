@@ -14,13 +14,16 @@ Example:
     >>> parallel.teardown()
 """
 
+from functrain.parallel import spmd  # registers the mesh-wide norm with functrain.tree
 from functrain.parallel.data import data_parallel_kwargs, split_batch
+from functrain.parallel.layout import LOCAL, Layout, Local, is_dtensor, layout_of
 from functrain.parallel.mesh import (
     AXES,
     DP_AXES,
     TP_AXIS,
     ParallelContext,
     barrier,
+    dp_coordinates,
     is_main_process,
     mesh_shape,
     rank,
@@ -42,6 +45,13 @@ from functrain.parallel.sharding import (
 from functrain.parallel.tp import copy_to_tp, reduce_from_tp, tensor_parallel
 
 __all__ = [
+    "LOCAL",
+    "Layout",
+    "Local",
+    "is_dtensor",
+    "layout_of",
+    "dp_coordinates",
+    "spmd",
     "AXES",
     "DP_AXES",
     "TP_AXIS",

@@ -45,6 +45,7 @@ __all__ = [
     "rank",
     "world_size",
     "barrier",
+    "dp_coordinates",
 ]
 
 AXES = ("dp_replicate", "dp_shard", "tp")
@@ -217,21 +218,42 @@ def setup(
 
         mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES)
     r = dist.get_rank() if dist.is_initialized() else 0
-    if mesh is not None:
-        rep, sh, tp = (mesh.get_local_rank(a) for a in AXES)
-    else:
-        rep = sh = tp = 0
+    dp_rank, dp_world = dp_coordinates(mesh) if mesh is not None else (0, 1)
     return ParallelContext(
         mesh=mesh,
         device=device,
         rank=r,
         world_size=world,
-        dp_rank=rep * shape["dp_shard"] + sh,
-        dp_world=shape["dp_replicate"] * shape["dp_shard"],
-        tp_rank=tp,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        tp_rank=mesh.get_local_rank(TP_AXIS) if mesh is not None else 0,
         tp_world=shape["tp"],
         shape=dict(shape),
     )
+
+
+def dp_coordinates(mesh) -> tuple[int, int]:
+    """This process's data-parallel index and the number of dp replicas on `mesh`.
+
+    The dp index enumerates the (dp_replicate, dp_shard) coordinate row-major; ranks that differ
+    only in their tp coordinate share it (and read the same batch rows).
+
+    Args:
+      mesh: a DeviceMesh with named axes (axes not in `DP_AXES` are ignored).
+
+    Returns:
+      `(dp_rank, dp_world)`.
+
+    Example:
+      >>> dp_coordinates(ctx.mesh)   # dp_shard=2, tp=2, rank 3 -> (1, 2)
+      (1, 2)
+    """
+    rank, world = 0, 1
+    for i, name in enumerate(mesh.mesh_dim_names or ()):
+        if name in DP_AXES:
+            rank = rank * mesh.size(i) + mesh.get_local_rank(i)
+            world *= mesh.size(i)
+    return rank, world
 
 
 def teardown() -> None:

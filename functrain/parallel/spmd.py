@@ -36,7 +36,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
-from functrain.parallel.mesh import DP_AXES
+from functrain.parallel.layout import Layout
+from functrain.parallel.mesh import DP_AXES, dp_coordinates
 
 __all__ = ["Spmd", "global_norm", "mesh_of"]
 
@@ -92,7 +93,7 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
 
 
-class Spmd:
+class Spmd(Layout):
     """The data-parallel/tensor-parallel bookkeeping of one mesh, as Python constants for tracing.
 
     Args:
@@ -109,12 +110,7 @@ class Spmd:
         names = mesh.mesh_dim_names or ()
         # Data-parallel axes with more than one rank: gathered for compute, grads averaged.
         self.dp_dims = [i for i, n in enumerate(names) if n in DP_AXES and mesh.size(i) > 1]
-        self.dp_world = 1
-        self.dp_rank = 0
-        for i, n in enumerate(names):
-            if n in DP_AXES:
-                self.dp_rank = self.dp_rank * mesh.size(i) + mesh.get_local_rank(i)
-                self.dp_world *= mesh.size(i)
+        self.dp_rank, self.dp_world = dp_coordinates(mesh)
 
     def _kind(self, p: DTensor):
         """("fsdp", dim) for Shard(0) on one dp dim, ("ddp", None) for Replicate on all, else None."""
@@ -246,6 +242,42 @@ class Spmd:
             return key
         return rng_lib.fold_in(key, self.dp_rank)
 
+    def global_norm(self, tree: PyTree, *, fused: bool = False) -> torch.Tensor:
+        """The norm over the whole mesh (see `global_norm`)."""
+        return global_norm(tree_lib.leaves(tree), fused=fused)
+
+    def select(self, ok: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+        """Leafwise `new if ok else old` on the local shards, in `old`'s placements."""
+        old_leaves, spec = optree.tree_flatten(old)
+        out = []
+        for o, n in zip(old_leaves, spec.flatten_up_to(new)):
+            if n is o:
+                out.append(o)
+            elif isinstance(o, DTensor):
+                local = torch.where(ok, _local(n, like=o), o.to_local())
+                out.append(DTensor.from_local(local, o.device_mesh, o.placements, run_check=False,
+                                              shape=o.shape, stride=o.stride()))
+            else:
+                out.append(torch.where(ok, n, o))
+        return optree.tree_unflatten(spec, out)
+
+    def write_into(self, old: PyTree, new: PyTree) -> PyTree:
+        """Copies the local shard of every leaf of `new` into `old`'s (donation); returns `old`."""
+        old_leaves, spec = optree.tree_flatten(old)
+        pairs = [(o, n) for o, n in zip(old_leaves, spec.flatten_up_to(new)) if o is not n]
+        if pairs:
+            torch._foreach_copy_([_local(o) for o, _ in pairs], [_local(n, like=o) for o, n in pairs])
+        return old
+
+
+def _local(x, like=None):
+    """The local shard of a DTensor (in `like`'s placements), or `x` itself for a plain tensor."""
+    if not isinstance(x, DTensor):
+        return x
+    if like is not None and tuple(x.placements) != tuple(like.placements):
+        x = x.redistribute(like.device_mesh, like.placements)
+    return x.to_local()
+
 
 def global_norm(xs: list, *, fused: bool = False) -> torch.Tensor:
     """L2 norm of DTensors taken together, over the whole mesh, with few collectives.
@@ -277,6 +309,9 @@ def global_norm(xs: list, *, fused: bool = False) -> torch.Tensor:
             sq = _wait(funcol.all_reduce(sq, "sum", (mesh, d)))
         total = sq if total is None else total + sq
     return total.sqrt().to(torch.float32)
+
+
+tree_lib.register_global_norm(DTensor, global_norm)  # tree.global_norm on DTensor leaves lands here
 
 
 def _no_partial(x: DTensor) -> DTensor:

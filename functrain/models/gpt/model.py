@@ -91,13 +91,29 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_head dividing n_embd")
 
 
 # Dropout sites: 0 is the embedding; block i uses 1 + 2 i (attention output) and 2 + 2 i (MLP output).
 def _site_key(key: torch.Tensor | None, site: int) -> torch.Tensor | None:
     """The dropout key of one site, or None when dropout is off."""
     return None if key is None else rng.fold_in(key, site)
+
+
+def _dropout_key(cfg: GPTConfig, key: torch.Tensor | None) -> torch.Tensor | None:
+    """The key the forward draws dropout masks from: None when the model has no dropout."""
+    return None if cfg.dropout == 0.0 else key
+
+
+def _embed(cfg: GPTConfig, wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor, key) -> torch.Tensor:
+    """Token + position embedding of ids (B, T) -> (B, T, C), dropout site 0: the one definition,
+    used by `GPT.forward` and by the embedding stage of `stages`."""
+    t = idx.shape[1]
+    if t > cfg.block_size:
+        raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
+    pos = torch.arange(t, device=idx.device)  # (T,)
+    x = ops.embedding(wte, idx) + ops.embedding(wpe, pos)  # (B, T, C)
+    return rng.dropout(x, cfg.dropout, _site_key(key, 0))
 
 
 class Embedding(nn.Embedding):
@@ -202,14 +218,8 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size), or the final hidden states (B, T, C) after
         `ln_f` with `return_hidden=True` (for losses that apply the tied head themselves)."""
-        if self.cfg.dropout == 0.0:
-            dropout_key = None
-        t = idx.shape[1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)  # (T,)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        x = rng.dropout(x, self.cfg.dropout, _site_key(dropout_key, 0))
+        dropout_key = _dropout_key(self.cfg, dropout_key)
+        x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, dropout_key)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i))
         x = self.ln_f(x)  # (B, T, C)
@@ -259,25 +269,16 @@ def stages(model: GPT) -> GPTStages:
         own = {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
         return torch.func.functional_call(module, own, args)
 
-    def key_or_none(key):
-        """The dropout key, or None when the model has no dropout (as in `GPT.forward`)."""
-        return None if cfg.dropout == 0.0 else key
-
     def embed(p, idx, key):
-        """Token ids (B, T) -> embeddings (B, T, C), dropout site 0."""
-        t = idx.shape[1]
-        if t > cfg.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)  # (T,)
-        x = call(model.wte, "wte.", p, idx) + call(model.wpe, "wpe.", p, pos)  # (B, T, C)
-        return rng.dropout(x, cfg.dropout, _site_key(key_or_none(key), 0))
+        """Token ids (B, T) -> embeddings (B, T, C), dropout site 0 (the forward's `_embed`)."""
+        return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key))
 
     def block_stage(i: int) -> Stage:
-        """Stage of block i, dropout sites 1 + 2i and 2 + 2i."""
+        """Stage of block i, dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""
         prefix = f"blocks.{i}."
 
         def block(p, h, key):
-            key = key_or_none(key)
+            key = _dropout_key(cfg, key)
             return call(model.blocks[i], prefix, p, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
 
         return Stage(under(prefix), block)

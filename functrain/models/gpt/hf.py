@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from functrain.models.gpt import GPTConfig
+from functrain.models.gpt.model import GPTConfig
 
 __all__ = ["export_hf_gpt2", "import_hf_gpt2", "hf_gpt2_config"]
 

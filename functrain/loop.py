@@ -1,0 +1,543 @@
+"""The training loop: runs any `functrain.task.Task`, and knows no model.
+
+`run(task, optimizer, config, workdir, ctx)` builds the state (params from the task, sharded by its
+rules, optimizer state made from the sharded params), the compiled train and eval steps, restores
+the latest checkpoint (compiling while the bytes stream in), then steps. Everything periodic is a
+`Hook` with an `every`: logging, evaluation, checkpointing, the skip watch, the profiler window and
+garbage collection are built-in hooks, and research code adds its own the same way:
+
+    >>> def probe(info):
+    ...     print(info.step, float(info.metrics["grad_norm"]))
+    >>> loop.run(task, opt, config, "runs/x", ctx, hooks=[loop.every(100, probe)])
+
+A hook is called after each step whose number is a multiple of its `every` (and after the last
+step, unless `at_end=False`) with a `StepInfo`: the step number, the new state and the step's
+metrics (device tensors: reading one syncs). Preemption (SIGTERM) and `stop_at` end the run with a
+checkpoint of the current step; restarting the same command resumes it bit-exactly.
+
+The loop's own config keys (`functrain.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
+accum_steps, log_every, eval_every, compile, compile_cache, donate, deterministic, precision,
+max_consecutive_skips, tensorboard, device, host_memory, gc_every, seed, checkpoint.*, profile.*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from functrain import checkpoint as ckpt_lib
+from functrain import compile_cache, memory, parallel
+from functrain import metric_names as M
+from functrain import metrics as metrics_lib
+from functrain import rng as rng_lib
+from functrain import tree as tree_lib
+from functrain import validate
+from functrain.optim.base import Transform
+from functrain.state import TrainState, init_state
+from functrain.step import make_eval_step, make_train_step
+from functrain.task import Task
+
+__all__ = ["Hook", "StepInfo", "TrainingError", "checkpoint_path", "every", "run"]
+
+
+class TrainingError(RuntimeError):
+    """A run cannot go on (non-finite loss, skipped updates, bad batch split, ...); the message says
+    why and what to do."""
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a hook sees after a step.
+
+    Attributes:
+      step: the number of updates done (1 after the first step).
+      state: the new `TrainState` (do not keep it past the call: the next step donates it).
+      metrics: the step's metrics, device tensors (reading one syncs).
+      final: this is the last step of the run (the run's `steps`, `stop_at` or a preemption).
+    """
+
+    step: int
+    state: TrainState
+    metrics: dict
+    final: bool = False
+
+
+class Hook:
+    """Something the loop does every `every` steps: `after(info)` after those steps (and the last).
+
+    Subclass it, or make one from a function with `every(n, fn)`. `before(step)` runs before each
+    step (the profiler starts there), `close()` once at the end (errors included).
+    """
+
+    every: int = 1
+    at_end: bool = True
+
+    def before(self, step: int) -> None:
+        """Called before each step (the number of updates done so far)."""
+
+    def after(self, info: StepInfo) -> None:
+        """Called after steps that are a multiple of `every` (and after the last, if `at_end`)."""
+
+    def close(self) -> None:
+        """Called once when the loop ends."""
+
+
+class _FnHook(Hook):
+    """A hook from a function."""
+
+    def __init__(self, n: int, fn: Callable[[StepInfo], None], at_end: bool):
+        if n < 1:
+            raise ValueError(f"a hook's every must be >= 1, got {n}")
+        self.every, self.fn, self.at_end = n, fn, at_end
+
+    def after(self, info: StepInfo) -> None:
+        self.fn(info)
+
+
+def every(n: int, fn: Callable[[StepInfo], None], *, at_end: bool = True) -> Hook:
+    """A hook calling `fn(info)` after every `n`-th step (and after the last one, if `at_end`).
+
+    Args:
+      n: the period in steps.
+      fn: `fn(StepInfo) -> None`.
+      at_end: also call it after the run's last step.
+
+    Returns:
+      A `Hook`.
+
+    Example:
+      >>> hooks = [loop.every(500, lambda info: save_ema(info.state))]
+    """
+    return _FnHook(n, fn, at_end)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in hooks
+
+
+class _Log(Hook):
+    """Writes the step's metrics (plus throughput, MFU, peak memory, the params' norm)."""
+
+    def __init__(self, n, writer, throughput, device, skips_enabled):
+        self.every, self.writer, self.throughput, self.device = n, writer, throughput, device
+        self.skips_enabled = skips_enabled
+        self.last: dict = {}
+
+    def after(self, info):
+        row = metrics_lib.to_python(info.metrics)
+        for k in M.PER_STEP_FLAGS:  # about one step only; the total is logged
+            row.pop(k, None)
+        if not self.skips_enabled and not math.isfinite(row[M.LOSS]):
+            raise TrainingError(
+                f"loss is {row[M.LOSS]} at step {info.step}; lower optim.lr, enable optim.clip, or check the "
+                "data (the last checkpoint is kept)"
+            )
+        row[M.PARAM_NORM] = float(tree_lib.global_norm(info.state.params))  # a pass: log steps only
+        row.update(self.throughput.report(info.step))
+        row[M.PEAK_MEM_MB] = _peak_memory_mb(self.device)
+        self.writer.write(info.step, row)
+        self.last = row
+
+
+class _Eval(Hook):
+    """Mean loss of the eval step over the task's eval batches."""
+
+    def __init__(self, n, eval_step, batches, writer):
+        self.every, self.eval_step, self.batches, self.writer = n, eval_step, batches, writer
+        self.val_loss = float("nan")
+
+    def after(self, info):
+        losses = [self.eval_step(info.state, b)[M.LOSS] for b in self.batches]
+        self.val_loss = float(torch.stack([l.detach().float() for l in losses]).mean())
+        self.writer.write(info.step, {M.VAL_LOSS: self.val_loss})
+
+
+class _Checkpoint(Hook):
+    """Saves every `checkpoint.every` steps (the manager decides), and always at the end."""
+
+    def __init__(self, manager):
+        self.manager = manager
+
+    def after(self, info):
+        self.manager.save(info.step, info.state, force=info.final)
+        if info.final:
+            self.manager.wait()
+
+
+class _SkipWatch(Hook):
+    """Stops the run once `limit` updates in a row were skipped (non-finite loss or grad norm).
+
+    The step skips bad updates on the device; this reads its consecutive-skips counter: every step
+    on CPU (free), every `limit` steps on accelerators (a host sync), so the run stops within
+    `2 * limit - 1` skipped steps at most.
+    """
+
+    def __init__(self, limit, device, manager):
+        self.limit, self.manager = limit, manager
+        self.every = 1 if device.type == "cpu" else limit
+        self.at_end = False
+
+    def after(self, info):
+        n = int(info.metrics.get(M.CONSECUTIVE_SKIPS, 0))
+        if n < self.limit:
+            return
+        if self.manager is not None:
+            self.manager.wait()  # a save in flight commits first: the message names what is really kept
+        latest = self.manager.latest_step() if self.manager is not None else None
+        kept = f"the last checkpoint (step {latest}) is kept" if latest is not None else "no checkpoint was written"
+        done = info.step
+        raise TrainingError(
+            f"the update was skipped at {n} consecutive steps ({done - n + 1} to {done}): the loss or "
+            f"the gradient norm was not finite; params are as after step {done - n}, {kept}. "
+            f"Lower optim.lr, enable optim.clip, check the data near step {done - n + 1}, or raise "
+            "max_consecutive_skips"
+        )
+
+
+class _Profiler(Hook):
+    """A torch.profiler trace of steps [start, stop) written to `<workdir>/profile`."""
+
+    def __init__(self, start, stop, workdir, print_fn):
+        self.start, self.stop, self.dir, self.print_fn = start, stop, workdir / "profile", print_fn
+        self._prof = None
+        self.at_end = False
+
+    def before(self, step):
+        if self.stop > self.start and step == self.start:
+            self._prof = torch.profiler.profile(record_shapes=True, with_stack=False)
+            self._prof.__enter__()
+
+    def after(self, info):
+        if self._prof is not None and info.step >= self.stop:
+            self.close()
+
+    def close(self):
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = self.dir / f"trace_steps_{self.start}_{self.stop}.json"
+            self._prof.export_chrome_trace(str(path))
+            self.print_fn(f"profiler trace of steps [{self.start}, {self.stop}) written to {path}")
+            self._prof = None
+
+
+class _GarbageCollection(Hook):
+    """Python's automatic collection off during training; a full collection every `n` steps, on
+    every rank at the same step, so no rank stalls the others' collectives at a random moment
+    (torchtitan's GarbageCollection)."""
+
+    def __init__(self, n):
+        self.every, self.at_end = n, False
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+        gc.collect(1)
+
+    def after(self, info):
+        gc.collect(1)
+
+    def close(self):
+        if self._was_enabled:
+            gc.enable()
+
+
+# ---------------------------------------------------------------------------------------------
+# Run
+
+
+def run(
+    task: Task,
+    optimizer: Transform,
+    config: Any,
+    workdir: str | Path,
+    ctx: parallel.ParallelContext,
+    *,
+    hooks: Sequence[Hook] = (),
+    print_fn: Callable[..., None] = print,
+    t_program: float | None = None,
+) -> dict[str, Any]:
+    """Trains `task` with `optimizer` as `config` says, writing into `workdir`.
+
+    Args:
+      task: the model family's `Task`.
+      optimizer: the optimizer (`functrain.optim.config.from_config(config.optim, config.steps)`).
+      config: the run config (the loop reads the keys in the module docstring).
+      workdir: the run directory (`metrics.jsonl`, `tb/`, `config.json`, `run.json`, checkpoints).
+      ctx: the `functrain.parallel.ParallelContext` (`parallel.setup(config.mesh)`).
+      hooks: extra hooks, run after the built-in ones.
+      print_fn: where console lines go (the main process's; other ranks print nothing).
+      t_program: `time.perf_counter()` at program start, for the time-to-first-step line.
+
+    Returns:
+      A summary: steps, the last logged train loss, the last val loss, whatever `task.finish`
+      returned, and `preempted=True` when the run stopped early.
+
+    Raises:
+      ConfigError, TrainingError, CheckpointError, DataError: one line each (see `functrain.main`).
+
+    Example:
+      >>> with parallel.setup(config.mesh) as ctx:
+      ...     summary = loop.run(task, opt, config, "runs/gpt", ctx)
+    """
+    t_program = time.perf_counter() if t_program is None else t_program
+    main = ctx.is_main_process
+    print_fn = print_fn if main else _silent
+    workdir = Path(workdir)
+    validate.check_all(config, validate.LOOP_CHECKS)
+    if config.batch_size % (ctx.dp_world * config.accum_steps):
+        raise validate.ConfigError(
+            f"batch_size={config.batch_size} must divide by data-parallel ranks ({ctx.dp_world}) x "
+            f"accum_steps ({config.accum_steps}); change batch_size, accum_steps or the mesh (--config.batch_size)"
+        )
+    device = _device(config, ctx)
+    if config.deterministic:
+        torch.use_deterministic_algorithms(True)
+    if config.host_memory == "keep" and device.type == "cpu":
+        memory.keep_freed_memory()
+    try:  # before anything is compiled: where compiled graphs are cached across runs
+        compile_dir = compile_cache.setup(config.compile_cache, workdir)
+    except ValueError as exc:
+        raise validate.ConfigError(f"{exc} (--config.compile_cache)") from None
+    compile_before = compile_cache.stats()
+
+    params = task.init_params(rng_lib.key(config.seed), device)
+    if ctx.mesh is not None:  # each parameter sharded by the task's rules, one at a time
+        params = parallel.shard_params(params.items(), ctx.mesh, task.shard_rules)
+    state = init_state(params, optimizer, seed=config.seed, copy=False)  # moments mirror the placements
+    del params
+    train_step = make_train_step(
+        task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate,
+        precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
+    )
+    eval_step = make_eval_step(task.loss_fn, compile=config.compile, precision=config.precision)
+
+    print_fn(f"functrain: {task.describe}, device {device}, compile={'on' if config.compile else 'off'}, "
+             f"precision {config.precision}, mesh {dict(ctx.shape)}")
+    peak = ctx.world_size * (metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device))
+    throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps)
+    writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        _write_run_info(config, workdir)
+        writers.append(metrics_lib.JsonlWriter(workdir / "metrics.jsonl"))
+        if config.tensorboard:
+            writers.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
+    writer = metrics_lib.MultiWriter(writers)
+
+    manager = _make_manager(config, workdir)
+    t_start = time.perf_counter()
+    if config.checkpoint.init_from and (manager is None or manager.latest_step() is None):
+        state = _init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it
+    state = _maybe_restore(manager, state, train_step, task.train_batch, config, print_fn)
+
+    skips_enabled = config.max_consecutive_skips > 0
+    log = _Log(config.log_every, writer, throughput, device, skips_enabled)
+    evaluation = _Eval(config.eval_every, eval_step, list(task.eval_batches()), writer)
+    # In this order: a run that stops on skipped updates neither logs nor saves that step.
+    builtin: list[Hook] = [_SkipWatch(config.max_consecutive_skips, device, manager)] if skips_enabled else []
+    builtin += [log, evaluation]
+    if manager is not None:
+        builtin.append(_Checkpoint(manager))
+    builtin.append(_Profiler(config.profile.start, config.profile.stop, workdir, print_fn))
+    if config.gc_every > 0:
+        builtin.append(_GarbageCollection(config.gc_every))
+    all_hooks = builtin + list(hooks)
+
+    start = int(state.step)
+    stopped = None
+    with _PreemptionFlag(device) as preemption, manager or contextlib.nullcontext():
+        try:
+            for step in range(start, config.steps):
+                for h in all_hooks:
+                    h.before(step)
+                state, m = train_step(state, task.train_batch(step))
+                done = step + 1
+                if step == start:
+                    print_fn(f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
+                             f"time to first step {time.perf_counter() - t_program:.1f}s")
+                    if config.compile:
+                        print_fn(compile_cache.report(compile_dir, since=compile_before))
+                    throughput.start(done)
+                if preemption.requested():
+                    stopped = "SIGTERM"
+                elif done == config.stop_at:
+                    stopped = "stop_at"
+                info = StepInfo(done, state, m, final=stopped is not None or done == config.steps)
+                for h in all_hooks:
+                    if done % h.every == 0 or (info.final and h.at_end):
+                        h.after(info)
+                if stopped:
+                    print_fn(f"stopped ({stopped}) at step {done}; checkpoint saved, exiting")
+                    break
+        finally:
+            for h in all_hooks:
+                h.close()
+            writer.close()
+    summary: dict[str, Any] = {"steps": int(state.step), "loss": log.last.get(M.LOSS), "val_loss": evaluation.val_loss}
+    if stopped:
+        summary["preempted"] = True
+        return summary
+    full_params = parallel.gather(state.params)  # a collective: every rank takes part
+    if main:
+        finished = task.finish(full_params, rng_lib.fold_in(state.rng, state.step))
+        for name, value in finished.items():
+            print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
+        summary.update(finished)
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _silent(*args, **kwargs) -> None:
+    """print_fn of the ranks other than 0."""
+
+
+def _device(config, ctx) -> torch.device:
+    """The compute device: the context's (cuda:LOCAL_RANK or cpu) unless `config.device` names one."""
+    if config.device == "auto":
+        return ctx.device
+    try:
+        return torch.device(config.device)
+    except RuntimeError:
+        raise validate.fail("device", config.device, "'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+
+
+def _git_revision() -> str | None:
+    """The git revision of the functrain checkout (with '-dirty' if modified), or None."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _write_run_info(config, workdir: Path) -> None:
+    """The resolved config and the code revision, into the workdir (`config.json`, `run.json`)."""
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    info = {"git_revision": _git_revision(), "torch": torch.__version__, "argv": sys.argv, "started": time.time()}
+    (workdir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far: allocated device memory on CUDA, the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _make_manager(config, workdir: Path) -> ckpt_lib.Manager | None:
+    """The checkpoint manager for `<workdir>/checkpoints` (None when checkpointing is off)."""
+    c = config.checkpoint
+    if not c.enabled:
+        return None
+    return ckpt_lib.Manager(str(workdir / "checkpoints"), keep=c.keep,
+                            every=c.every if c.every > 0 else config.steps, keep_every=c.keep_every or None)
+
+
+def checkpoint_path(path: str) -> str:
+    """The committed step directory `path` names: a step directory, a checkpoints root (its latest
+    step) or a workdir (its `checkpoints/` latest step).
+
+    Args:
+      path: a directory.
+
+    Returns:
+      The path of one committed checkpoint.
+
+    Raises:
+      ConfigError: nothing committed is found there.
+
+    Example:
+      >>> checkpoint_path("runs/gpt")        # -> 'runs/gpt/checkpoints/2500'
+    """
+    p = Path(path)
+    if (p / "commit_success.txt").exists():
+        return str(p)
+    for root in (p, p / "checkpoints"):
+        steps = [int(c.name) for c in root.glob("*") if c.name.isdigit() and (c / "commit_success.txt").exists()]
+        if steps:
+            return str(root / str(max(steps)))
+    raise validate.ConfigError(
+        f"checkpoint.init_from={path!r}: no committed checkpoint there; give a step directory "
+        "(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir (--config.checkpoint.init_from)"
+    )
+
+
+def _init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
+    """`state` with its params read from the checkpoint at `path` (onto their mesh); optimizer fresh."""
+    step_dir = checkpoint_path(path)
+    params = ckpt_lib.restore(step_dir, {"params": ckpt_lib.abstract(state.params)}).result()["params"]
+    print_fn(f"params initialized from checkpoint {step_dir} (optimizer state, step and schedule start fresh)")
+    return state.replace(params=params)
+
+
+def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn) -> TrainState:
+    """Restores the latest checkpoint, if any, compiling the step while the bytes stream in."""
+    latest = manager.latest_step() if manager is not None else None
+    if latest is None:
+        return state
+    t0 = time.perf_counter()
+    # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
+    # fresh state; leaves this code does not know are an error (strict).
+    future = manager.restore(latest, ckpt_lib.abstract(state), defaults=state, strict=True)
+    if future.missing:
+        print_fn(f"checkpoint step {latest} has no {', '.join(future.missing)} (written by an older version): "
+                 "taken from the fresh state")
+    if not config.checkpoint.async_restore:
+        future.result()  # blocking restore: the bytes first, compilation after (for comparison)
+    elif config.compile:
+        # Compile now, on the fresh state (consumed and thrown away), while TensorStore reads.
+        train_step(state, batch_at(latest))
+    restored = future.result()
+    how = "compile overlapped" if config.checkpoint.async_restore and config.compile else "blocking"
+    print_fn(f"restored checkpoint step {latest} in {time.perf_counter() - t0:.1f}s ({how})")
+    return restored
+
+
+class _PreemptionFlag:
+    """Turns SIGTERM into a flag the loop checks after each step (agreed over all ranks)."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._flag = False
+
+    def __enter__(self):
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no handler, never preempted
+            pass
+        return self
+
+    def _handle(self, signum, frame):
+        """Records the signal."""
+        self._flag = True
+
+    def requested(self) -> bool:
+        """Whether any rank got SIGTERM (one tiny all-reduce when distributed)."""
+        flag = self._flag
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            t = torch.tensor([1 if flag else 0], device=self._device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False

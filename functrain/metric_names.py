@@ -1,0 +1,40 @@
+"""The names of the metrics functrain reports, in one place.
+
+The train step (`functrain.step`), the training loop (`functrain.loop`) and the writers refer to
+metrics by these constants, so a name is spelled once. Research code reads them from the metrics
+dict the step returns: `metrics[metric_names.GRAD_NORM]` is `metrics["grad_norm"]`.
+
+Example:
+    >>> from functrain import metric_names as M
+    >>> state, m = step(state, batch); print(float(m[M.LOSS]), float(m[M.LR]))
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LOSS", "GRAD_NORM", "UPDATE_NORM", "PARAM_NORM", "LR", "SKIPPED", "CONSECUTIVE_SKIPS",
+    "SKIPPED_TOTAL", "LOSS_SCALE", "VAL_LOSS", "TOKENS_PER_S", "STEP_TIME_S", "MFU", "ETA",
+    "PEAK_MEM_MB", "PER_STEP_FLAGS", "QUIET_WHEN_ZERO",
+]
+
+# From the train step (0-d tensors).
+LOSS = "loss"  # the loss (mean over microbatches and data-parallel ranks)
+GRAD_NORM = "grad_norm"  # global L2 norm of the gradients, before clipping
+UPDATE_NORM = "update_norm"  # global L2 norm of the optimizer's update (before a skip)
+LR = "lr"  # the learning rate the update used (reported by the optimizer, see optim.report)
+SKIPPED = "skipped"  # 1.0 when this step's update was skipped (non-finite loss or grad norm)
+CONSECUTIVE_SKIPS = "consecutive_skips"  # updates skipped in a row up to this step
+SKIPPED_TOTAL = "skipped_total"  # updates skipped since the start of the run
+LOSS_SCALE = "loss_scale"  # the fp16 dynamic loss scale this step used
+
+# From the training loop, at log / eval time (Python floats).
+PARAM_NORM = "param_norm"  # global L2 norm of the params after the step (taken when logging)
+VAL_LOSS = "val_loss"
+TOKENS_PER_S = "tokens_per_s"
+STEP_TIME_S = "step_time_s"
+MFU = "mfu"  # model FLOP utilization against the device's (measured or published) peak
+ETA = "eta"
+PEAK_MEM_MB = "peak_mem_mb"
+
+PER_STEP_FLAGS = (SKIPPED, CONSECUTIVE_SKIPS)  # about one step only: not written to the log
+QUIET_WHEN_ZERO = (SKIPPED_TOTAL,)  # printed once non-zero (files get every value)

@@ -1,0 +1,44 @@
+"""The GPT family: the model (`model.py`), its loss (`loss.py`), Hugging Face GPT-2 interop
+(`hf.py`) and the Task the training loop runs (`task.py`, imported on its own by `functrain.main`).
+
+Example:
+    >>> from functrain.models import gpt
+    >>> with torch.device("meta"):
+    ...     template = gpt.GPT(gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64))
+    >>> params = gpt.init_params(template, rng.key(0))
+    >>> loss_fn = gpt.make_loss_fn(template, chunk_size=1024)
+"""
+
+from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config, import_hf_gpt2
+from functrain.models.gpt.loss import gpt_hidden, gpt_loss, make_loss_fn
+from functrain.models.gpt.model import (
+    GPT,
+    TP_RULES,
+    GPTConfig,
+    GPTStages,
+    cross_entropy,
+    flops_per_token,
+    generate,
+    init_params,
+    num_params,
+    stages,
+)
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "GPTStages",
+    "TP_RULES",
+    "cross_entropy",
+    "export_hf_gpt2",
+    "flops_per_token",
+    "generate",
+    "gpt_hidden",
+    "gpt_loss",
+    "hf_gpt2_config",
+    "import_hf_gpt2",
+    "init_params",
+    "make_loss_fn",
+    "num_params",
+    "stages",
+]

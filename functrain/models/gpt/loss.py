@@ -1,0 +1,164 @@
+"""The GPT's loss: next-token cross-entropy through the tied head, plain, chunked or recomputed.
+
+One factory, `make_loss_fn(model, chunk_size=0, remat="none")`, for `make_train_step` and
+`make_eval_step`:
+
+  plain    the full (B, T, V) logits, `model.cross_entropy`;
+  chunked  `chunk_size > 0`: `functrain.losses.chunked_cross_entropy` through the tied head, so the
+           logits never exist whole;
+  remat    `remat != "none"`: the same loss as `functrain.remat` stages (embedding, blocks, head),
+           whose `value_and_grad` recomputes the chosen blocks in the backward.
+
+All three compute the same loss and gradients (to float rounding; the plain route is the model's
+own forward: `hidden @ wte.T` is exactly `lm_head`).
+
+Example:
+    >>> step = make_train_step(make_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))
+    >>> step = make_train_step(make_loss_fn(template, remat=2), optim.adamw(3e-4))
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from functrain import remat as remat_lib
+from functrain.losses import chunked_cross_entropy
+from functrain.models.gpt import model as gpt_lib
+
+__all__ = ["gpt_hidden", "gpt_loss", "make_loss_fn"]
+
+
+def gpt_hidden(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    idx: torch.Tensor,
+    dropout_key: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Final hidden states (after `ln_f`) of a `functrain.models.GPT`, with `params` functionally.
+
+    The same computation as the model's forward (dropout sites and keys included) minus the
+    lm_head, so `gpt_hidden(...) @ params["wte.weight"].T` equals `apply(model, params, idx, ...)`.
+
+    Args:
+      model: a `GPT` (a meta-device template is fine).
+      params: its parameters, {name: tensor} as for `functrain.apply`.
+      idx: int64 token ids (B, T), T <= block_size.
+      dropout_key: an `rng` key for dropout, or None.
+
+    Returns:
+      (B, T, n_embd) hidden states.
+
+    Example:
+      >>> h = gpt_hidden(template, state.params, x, key)
+    """
+    return torch.func.functional_call(
+        model, params, (idx,), {"dropout_key": dropout_key, "return_hidden": True}
+    )  # (B, T, C)
+
+
+def _head_weight(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The lm_head weight: its own entry when untied, else the tied token embedding."""
+    return params["lm_head.weight"] if "lm_head.weight" in params else params["wte.weight"]
+
+
+def gpt_loss(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    key: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 0,
+    ignore_index: int = -1,
+) -> torch.Tensor:
+    """Next-token cross-entropy of a GPT; with `chunk_size > 0` the (B, T, V) logits never exist.
+
+    Args:
+      model: a `functrain.models.GPT` (meta template is fine).
+      params: its parameters.
+      x: int64 input ids (B, T).
+      y: int64 targets (B, T); `ignore_index` entries are skipped.
+      key: dropout key (or None).
+      chunk_size: 0 = plain loss over the full logits (`models.gpt.cross_entropy`);
+        > 0 = `chunked_cross_entropy` with this many tokens per chunk.
+      ignore_index: target value to ignore.
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> loss = gpt_loss(template, params, x, y, key, chunk_size=2048)
+    """
+    hidden = gpt_hidden(model, params, x, key)  # (B, T, C)
+    weight = _head_weight(params)  # (V, C)
+    if chunk_size > 0:
+        return chunked_cross_entropy(hidden, weight, y, chunk_size=chunk_size, ignore_index=ignore_index)
+    return gpt_lib.cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
+
+
+def make_loss_fn(
+    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none"
+) -> Callable:
+    """`loss_fn(params, (x, y), key) -> (loss, {})` for `make_train_step` / `make_eval_step`.
+
+    Args:
+      model: the (meta-device) GPT template (or its tensor-parallel copy).
+      chunk_size: see `gpt_loss` (0 = plain loss).
+      ignore_index: target value to ignore.
+      remat: activation checkpointing of the transformer blocks (`functrain.remat.parse_policy`):
+        "none", "full" (recompute every block in backward) or an int N (every N-th block). Other
+        than "none", the loss is a `functrain.remat.staged_loss` (embedding, blocks, and a head
+        ln_f -> loss through the tied lm_head) whose `value_and_grad` the train step uses. The
+        loss and gradients are the same as without remat (to float rounding); only memory and
+        time change.
+
+    Returns:
+      The loss function.
+
+    Raises:
+      ValueError: for a bad `remat` policy.
+
+    Example:
+      >>> step = make_train_step(make_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))
+      >>> step = make_train_step(make_loss_fn(template, remat=2), optim.adamw(3e-4))
+    """
+    remat = remat_lib.parse_policy(remat)
+    if remat != "none":
+        return _staged_gpt_loss_fn(model, chunk_size, ignore_index, remat)
+
+    def loss_fn(params, batch, key):
+        """(gpt_loss of batch = (x, y), {})."""
+        x, y = batch
+        return gpt_loss(model, params, x, y, key, chunk_size=chunk_size, ignore_index=ignore_index), {}
+
+    return loss_fn
+
+
+def _staged_gpt_loss_fn(model: nn.Module, chunk_size: int, ignore_index: int, policy) -> Callable:
+    """`make_loss_fn` with remat, as a `remat.staged_loss`: embed(x), blocks, head = ln_f -> tied-head loss."""
+    st = gpt_lib.stages(model)
+    names = {n for n, _ in model.named_parameters()}
+    weight_name = "lm_head.weight" if "lm_head.weight" in names else "wte.weight"  # as `_head_weight`
+
+    def embed(p, batch, key):
+        """Embeddings of the inputs x of batch = (x, y)."""
+        return st.embed.fn(p, batch[0], key)
+
+    def head(p, h, batch, key):
+        """ln_f, then the (chunked) cross-entropy through the tied head against y."""
+        hidden = st.final.fn({n: p[n] for n in st.final.names}, h, key)  # (B, T, C)
+        weight, y = p[weight_name], batch[1]  # (V, C), (B, T)
+        if chunk_size > 0:
+            return chunked_cross_entropy(hidden, weight, y, chunk_size=chunk_size, ignore_index=ignore_index)
+        return gpt_lib.cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
+
+    return remat_lib.staged_loss(
+        remat_lib.Stage(st.embed.names, embed),
+        st.blocks,
+        remat_lib.Stage(st.final.names + (weight_name,), head),
+        policy=policy,
+    )

@@ -1,0 +1,136 @@
+"""The GPT as a `functrain.task.Task`: config -> data, model, loss, batches, FLOPs and a text sample.
+
+`build(config, ctx, workdir)` reads the keys this family owns and checks each once (`CHECKS`):
+model.* (vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias), data.* (path,
+cache_dir), loss_chunk_size, remat, sample.* (prompt, max_new_tokens, temperature, top_k).
+
+Example:
+    >>> with parallel.setup(config.mesh) as ctx:
+    ...     task = build(config, ctx, "runs/gpt")
+    ...     loop.run(task, optim.config.from_config(config.optim, config.steps), config, "runs/gpt", ctx)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functrain import data as data_lib
+from functrain import parallel
+from functrain import remat as remat_lib
+from functrain import validate as v
+from functrain.models.gpt import model as gpt_lib
+from functrain.models.gpt.loss import make_loss_fn
+from functrain.task import Task
+
+__all__ = ["CHECKS", "build"]
+
+
+def _remat_ok(value) -> bool:
+    """Whether `value` is a remat policy."""
+    try:
+        remat_lib.parse_policy(value)
+        return True
+    except ValueError:
+        return False
+
+
+CHECKS: list = [
+    ("model.vocab_size", v.int_at_least(0)),
+    ("model.block_size", v.int_at_least(1)),
+    ("model.n_layer", v.int_at_least(1)),
+    ("model.n_head", v.int_at_least(1)),
+    ("model.n_embd", v.int_at_least(1)),
+    ("model.dropout", v.number_in(0.0, 1.0)),
+    ("model.bias", v.boolean()),
+    ("loss_chunk_size", v.int_at_least(0)),
+    ("remat", (_remat_ok, "'none', 'full' or a positive int N (recompute every N-th block)")),
+    ("sample.max_new_tokens", v.int_at_least(0)),
+    ("sample.temperature", v.number_at_least(0.0)),
+    ("sample.top_k", v.int_at_least(0)),
+]
+"""The checks of the keys the GPT family reads (see `functrain.validate`)."""
+
+
+def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
+    """The GPT `Task` for `config` on this process's place in `ctx`.
+
+    Args:
+      config: the run config (`configs/gpt.py`).
+      ctx: the parallel context (mesh, dp rank and world, device).
+      workdir: the run directory (the data cache goes to `<workdir>/data` by default).
+
+    Returns:
+      A `Task`; its batches are this dp rank's rows, its loss runs the tensor-parallel copy of the
+      model when the mesh has a tp axis.
+
+    Raises:
+      ConfigError: a model/data/sample key out of range (one line).
+      DataError: the data path is missing or unusable.
+
+    Example:
+      >>> task = build(get_config("tiny"), ctx, "runs/tiny")
+    """
+    v.check_all(config, CHECKS)
+    m = config.model
+    try:  # GPTConfig checks its own invariants (n_head divides n_embd)
+        gpt_lib.GPTConfig(vocab_size=max(m.vocab_size, 1), block_size=m.block_size, n_layer=m.n_layer,
+                          n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
+    except ValueError as exc:
+        raise v.ConfigError(f"model: {exc} (--config.model.n_embd / --config.model.n_head)") from None
+    if ctx.tp_world > 1 and m.n_head % ctx.tp_world:
+        raise v.ConfigError(
+            f"model.n_head={m.n_head} must divide by the tensor-parallel size {ctx.tp_world} (each rank "
+            "computes whole heads); change --config.model.n_head or --config.mesh.tp"
+        )
+    cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
+    dataset = data_lib.load_dataset(config.data.path, cache_dir, vocab_size=m.vocab_size or None,
+                                    block_size=m.block_size)
+    vocab = m.vocab_size or dataset.vocab_size
+    if vocab < dataset.vocab_size:
+        raise v.ConfigError(
+            f"model.vocab_size={vocab} is smaller than the data's vocabulary ({dataset.vocab_size}); set "
+            "model.vocab_size=0 to take it from the data (--config.model.vocab_size)"
+        )
+    cfg = gpt_lib.GPTConfig(vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+                            n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
+    with torch.device("meta"):
+        template = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
+    rules = parallel.default_rules(gpt_lib.TP_RULES)
+    model = parallel.tensor_parallel(template, ctx.mesh, rules)  # `template` itself when tp == 1
+    loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=config.remat)
+    dp = dict(parallel.data_parallel_kwargs(ctx), device=ctx.device)  # this rank's rows of each batch
+    sample = config.sample
+
+    def train_batch(step: int):
+        """This rank's rows of the training batch of `step`."""
+        return data_lib.get_batch(dataset.train, batch_size=config.batch_size, block_size=cfg.block_size,
+                                  seed=config.seed, step=step, **dp)
+
+    def eval_batches():
+        """This rank's rows of the fixed evaluation batches."""
+        return data_lib.eval_batches(dataset.val, batch_size=config.batch_size, block_size=cfg.block_size,
+                                     num_batches=config.eval_batches, **dp)
+
+    def finish(params, key):
+        """A text sample from the prompt, drawn from `key`."""
+        prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
+        out = gpt_lib.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
+                               top_k=sample.top_k or None, key=key)
+        return {"sample": dataset.decode(out[0].tolist())}
+
+    n_params = gpt_lib.num_params(cfg)
+    return Task(
+        describe=(f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
+                  f"{len(dataset.train):,} train tokens"),
+        init_params=lambda key, device: gpt_lib.init_params(template, key, device=device),
+        shard_rules=rules,
+        loss_fn=loss_fn,
+        train_batch=train_batch,
+        eval_batches=eval_batches,
+        tokens_per_step=config.batch_size * cfg.block_size,
+        flops_per_token=gpt_lib.flops_per_token(cfg),
+        finish=finish,
+    )

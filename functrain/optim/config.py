@@ -1,0 +1,94 @@
+"""The optimizer a run config describes: `from_config(config.optim, steps)`, and its checks.
+
+Keys of `config.optim`: name (adamw | sgd), lr, min_lr, schedule (cosine | constant | linear),
+warmup_steps, weight_decay (matrices only: biases and norm scales get none), b1, b2, eps (adamw),
+momentum (sgd), clip (global-norm clipping, 0 = off), mu_dtype / nu_dtype (adamw moment storage).
+
+Example:
+    >>> validate.check_all(config, optim.config.CHECKS)
+    >>> opt = optim.config.from_config(config.optim, config.steps)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from functrain import precision as precision_lib
+from functrain import validate as v
+from functrain.optim.aliases import adamw, sgd
+from functrain.optim.base import Transform, chain
+from functrain.optim.schedules import Schedule, linear, linear_warmup, warmup_cosine
+from functrain.optim.transforms import clip_by_global_norm
+
+__all__ = ["CHECKS", "decay_mask", "from_config", "schedule_from_config"]
+
+_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+CHECKS: list = [
+    ("optim.name", v.one_of("adamw", "sgd")),
+    ("optim.lr", v.number_at_least(0.0)),
+    ("optim.min_lr", v.number_at_least(0.0)),
+    ("optim.schedule", v.one_of("cosine", "constant", "linear")),
+    ("optim.warmup_steps", v.int_at_least(0)),
+    ("optim.weight_decay", v.number_at_least(0.0)),
+    ("optim.b1", v.number_in(0.0, 1.0)),
+    ("optim.b2", v.number_in(0.0, 1.0)),
+    ("optim.eps", v.number_at_least(0.0, strict=True)),
+    ("optim.momentum", v.number_in(0.0, 1.0)),
+    ("optim.clip", v.number_at_least(0.0)),
+    ("optim.mu_dtype", v.one_of(*_DTYPES)),
+    ("optim.nu_dtype", v.one_of(*_DTYPES)),
+]
+"""The checks of `config.optim` (see `functrain.validate`)."""
+
+
+def schedule_from_config(c: Any, steps: int) -> Schedule:
+    """The learning-rate schedule of `c` (the optim config) over a run of `steps` steps.
+
+    Args:
+      c: the optim config (lr, min_lr, warmup_steps, schedule).
+      steps: total training steps (the decay length).
+
+    Returns:
+      A schedule `count -> lr`.
+
+    Example:
+      >>> sched = schedule_from_config(config.optim, config.steps)
+    """
+    warmup = min(c.warmup_steps, max(steps - 1, 0))
+    if c.schedule == "cosine":
+        return warmup_cosine(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr)
+    if c.schedule == "constant":
+        return linear_warmup(c.lr, warmup)
+    ramp = linear_warmup(c.lr, warmup)  # "linear"
+    decay = linear(c.lr, c.min_lr, max(steps - warmup, 1), transition_begin=warmup)
+    return lambda count: torch.where(count < warmup, ramp(count), decay(count))
+
+
+def decay_mask(params: dict) -> dict:
+    """Weight decay on matrices only (not biases or norm scales), as nanoGPT / GPT-2 do."""
+    return {name: p.ndim >= 2 for name, p in params.items()}
+
+
+def from_config(c: Any, steps: int) -> Transform:
+    """The optimizer `c` describes: clipping (if `c.clip > 0`), then adamw or sgd with the schedule.
+
+    Args:
+      c: the optim config (checked with `CHECKS` first).
+      steps: total training steps.
+
+    Returns:
+      A `Transform`.
+
+    Example:
+      >>> opt = from_config(config.optim, config.steps)
+    """
+    lr = schedule_from_config(c, steps)
+    if c.name == "adamw":
+        dtypes = {k: precision_lib.parse_dtype(c[k]) for k in ("mu_dtype", "nu_dtype")}
+        base = adamw(lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask, **dtypes)
+    else:
+        base = sgd(lr, momentum=c.momentum, weight_decay=c.weight_decay, mask=decay_mask)
+    return chain(clip_by_global_norm(c.clip), base) if c.clip > 0 else base

@@ -1,0 +1,135 @@
+"""Where the parameters live, as one interface the train step calls the same way on 1 or N processes.
+
+`layout_of(params)` returns the params' `Layout`:
+
+  * `Local()` for plain tensors: every collective is the identity, selects and donations are
+    plain `torch.where` / `_foreach_copy_`;
+  * `functrain.parallel.spmd.Spmd(mesh)` for DTensors on a DeviceMesh: gathers over the
+    data-parallel axes, reduce-scatters gradients, averages metrics over dp ranks, and does the
+    selects and donations on the local shards.
+
+So `functrain.step` has one body and no `if sharded` branch; everything DTensor-aware stays here.
+
+Example:
+    >>> lay = layout_of(state.params)
+    >>> params = lay.gather(state.params)            # what the forward computes with
+    >>> grads = lay.reduce_grads(grads, state.params)  # back to the params' placements
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import optree
+import torch
+
+from functrain import tree as tree_lib
+
+__all__ = ["Layout", "Local", "LOCAL", "is_dtensor", "layout_of"]
+
+PyTree = Any
+
+
+def is_dtensor(x) -> bool:
+    """Whether `x` is a DTensor (without importing DTensor: none can exist unless it was)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(x, dtensor.DTensor)
+
+
+class Layout:
+    """What the train step needs to know about where the params live (see the module docstring).
+
+    Attributes:
+      dp_rank, dp_world: this process's data-parallel index and the number of dp replicas.
+    """
+
+    dp_rank: int = 0
+    dp_world: int = 1
+
+    def gather(self, params: PyTree) -> PyTree:
+        """Plain tensors to compute with (all-gathered over the dp axes when sharded)."""
+        raise NotImplementedError
+
+    def reduce_grads(self, grads: PyTree, params: PyTree) -> PyTree:
+        """Gradients of the computed tensors, averaged over dp ranks, in the params' placements."""
+        raise NotImplementedError
+
+    def mean_over_dp(self, metrics: dict) -> dict:
+        """Scalar metrics averaged over the dp ranks."""
+        raise NotImplementedError
+
+    def fold_in_dp(self, key: torch.Tensor) -> torch.Tensor:
+        """A key that differs per dp rank (dropout masks must), the same on tp ranks."""
+        raise NotImplementedError
+
+    def global_norm(self, tree: PyTree, *, fused: bool = False) -> torch.Tensor:
+        """The L2 norm of all leaves over the whole mesh (see `functrain.tree.global_norm`)."""
+        return tree_lib.global_norm(tree, fused=fused)
+
+    def select(self, ok: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
+        """Leafwise `new if ok else old` (a 0-d bool, no host sync), in `old`'s placements."""
+        raise NotImplementedError
+
+    def write_into(self, old: PyTree, new: PyTree) -> PyTree:
+        """Copies every leaf of `new` into the matching leaf of `old` (donation); returns `old`."""
+        raise NotImplementedError
+
+
+class Local(Layout):
+    """Plain tensors on one process: nothing to gather, reduce or average."""
+
+    def gather(self, params):
+        return params
+
+    def reduce_grads(self, grads, params):
+        return grads
+
+    def mean_over_dp(self, metrics):
+        return metrics
+
+    def fold_in_dp(self, key):
+        return key
+
+    def select(self, ok, new, old):
+        old_leaves, spec = optree.tree_flatten(old)
+        out = [o if n is o else torch.where(ok, n, o) for o, n in zip(old_leaves, spec.flatten_up_to(new))]
+        return optree.tree_unflatten(spec, out)
+
+    def write_into(self, old, new):
+        old_leaves, spec = optree.tree_flatten(old)
+        pairs = [(o, n) for o, n in zip(old_leaves, spec.flatten_up_to(new)) if o is not n]
+        if pairs:
+            torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
+        return old
+
+
+LOCAL = Local()
+_SPMD: dict = {}  # one Spmd per mesh (its Python-level bookkeeping is reused by every trace)
+
+
+def layout_of(params: PyTree) -> Layout:
+    """The `Layout` of a params tree: `LOCAL` for plain tensors, the mesh's `Spmd` for DTensors.
+
+    Args:
+      params: the params pytree (all plain tensors, or all DTensors on one mesh).
+
+    Returns:
+      A `Layout`.
+
+    Raises:
+      ValueError: a mix of DTensors and plain tensors, or DTensors on different meshes.
+
+    Example:
+      >>> layout_of(state.params).dp_world
+      1
+    """
+    first = next(iter(tree_lib.leaves(params)), None)
+    if not is_dtensor(first):
+        return LOCAL
+    from functrain.parallel import spmd  # DTensor-only machinery
+
+    mesh = spmd.mesh_of(params)  # validates: every leaf a DTensor on one mesh
+    if mesh not in _SPMD:
+        _SPMD[mesh] = spmd.Spmd(mesh)
+    return _SPMD[mesh]

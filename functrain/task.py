@@ -1,0 +1,60 @@
+"""A model family as the training loop sees it: a small NamedTuple of functions.
+
+In the spirit of optax's `GradientTransformation`, a `Task` is data: the loop (`functrain.loop.run`)
+calls these functions and knows nothing else about the model. A model family builds one from the
+run config in `functrain/models/<name>/task.py` (`build(config, ctx, workdir) -> Task`); research
+code builds its own, e.g. a loss that turns NaN on purpose, with no monkeypatching.
+
+Example:
+    >>> task = Task(
+    ...     describe="MLP 2 layers",
+    ...     init_params=lambda key, device: mlp_init(key, device),
+    ...     shard_rules=parallel.FSDP_RULES,
+    ...     loss_fn=mse_loss,                                # (params, batch, key) -> (loss, aux)
+    ...     train_batch=lambda step: batch_at(step),         # this rank's rows of step's batch
+    ...     eval_batches=lambda: val_batches,
+    ...     tokens_per_step=4096, flops_per_token=6 * n_params,
+    ...     finish=lambda params, key: {},
+    ... )
+    >>> loop.run(task, optim.adamw(1e-3), config, "runs/mlp", ctx)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import torch
+
+__all__ = ["Task"]
+
+PyTree = Any
+
+
+class Task(NamedTuple):
+    """What the training loop needs from a model family.
+
+    Attributes:
+      describe: one line for the run's header (model, size, data).
+      init_params: `(key, device) -> {name: tensor}`: the initial params, a pure function of the
+        rng key (the loop shards them with `shard_rules`).
+      shard_rules: sharding rules as data (`functrain.parallel.sharding`): regex -> placements.
+      loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss); `key` is the
+        step's dropout key, None when evaluating.
+      train_batch: `step -> batch`: this rank's part of the training batch of `step`, a pure
+        function of the step (resuming and resharding need no loader state).
+      eval_batches: `() -> iterable of batches`: this rank's part of the fixed evaluation set.
+      tokens_per_step: tokens in one global training batch (for throughput).
+      flops_per_token: training FLOPs per token (for MFU; 0 if unknown).
+      finish: `(full params, key) -> dict`: called on the main process after the last step with
+        the gathered params, e.g. `{"sample": text}`; the loop prints and records what it returns.
+    """
+
+    describe: str
+    init_params: Callable[[torch.Tensor, torch.device], PyTree]
+    shard_rules: Sequence
+    loss_fn: Callable
+    train_batch: Callable[[int], PyTree]
+    eval_batches: Callable[[], Iterable[PyTree]]
+    tokens_per_step: int
+    flops_per_token: float
+    finish: Callable[[PyTree, torch.Tensor], dict]

@@ -1,0 +1,131 @@
+"""The layout's rules, checked on the source: the trainer knows no model, only parallel/ knows
+DTensor, no import cycles; and the contracts that replaced strings and attributes (the loss's
+result, the optimizer's report, hooks with an `every`)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from functrain import init_state, make_train_step, optim, step as step_lib, task as task_lib
+
+PKG = Path(__file__).resolve().parent.parent / "functrain"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a source file imports (absolute names; relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    pkg = ".".join(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _modules():
+    """(dotted name, path) of every functrain module."""
+    for path in sorted(PKG.rglob("*.py")):
+        yield ".".join(path.relative_to(PKG.parent).with_suffix("").parts), path
+
+
+def test_only_main_imports_a_model_family_outside_models():
+    offenders = [name for name, path in _modules()
+                 if not name.startswith("functrain.models") and name != "functrain.main"
+                 and any(i.startswith("functrain.models.") or i == "functrain.models" for i in _imports(path))]
+    assert offenders == []
+
+
+def test_only_parallel_and_storage_know_dtensor():
+    """DTensor logic lives in parallel/; the storage formats (checkpoints, safetensors) read and
+    write shards as they are laid out."""
+    offenders = [name for name, path in _modules()
+                 if not name.startswith(("functrain.parallel", "functrain.checkpoint", "functrain.interop"))
+                 and any(i.startswith("torch.distributed") for i in _imports(path))]
+    assert offenders == []
+    assert "DTensor" not in (PKG / "step.py").read_text()
+    assert not any(i.startswith("functrain.parallel") for i in _imports(PKG / "tree.py"))
+
+
+def test_no_import_cycles():
+    """Each module imports in a fresh interpreter on its own (a cycle fails on one of them)."""
+    code = ("import importlib, sys, json\nbad = []\nfor m in json.loads(sys.argv[1]):\n"
+            "    try:\n        importlib.import_module(m)\n    except Exception as e:\n        bad.append((m, repr(e)))\n"
+            "    for k in [k for k in sys.modules if k.startswith('functrain')]:\n        del sys.modules[k]\n"
+            "print(json.dumps(bad))")
+    names = [n for n, _ in _modules() if not n.endswith("__main__")]
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_loss_returns_a_scalar_or_loss_and_a_dict():
+    w = torch.ones(3)
+    assert step_lib.loss_and_aux(w.sum())[1] == {}
+    loss, aux = step_lib.loss_and_aux((w.sum(), {"n": w[0]}))
+    assert set(aux) == {"n"}
+    with pytest.raises(TypeError, match=r"scalar tensor or \(loss, aux dict\), got a tuple of \(Tensor, Tensor\)"):
+        step_lib.loss_and_aux((w.sum(), w[0]))
+
+
+def test_the_learning_rate_is_what_the_optimizer_reports():
+    """A custom schedule transform reports its rate through `report`; nothing scans state types."""
+
+    def my_scaled_sgd(rate):
+        def init(params):
+            return {"count": torch.zeros((), dtype=torch.int64)}
+
+        def update(updates, state, params=None):
+            lr = rate / (1.0 + state["count"].float())
+            return {k: -lr * u for k, u in updates.items()}, {"count": state["count"] + 1, "lr": lr}
+
+        return optim.Transform(init, update, lambda state: {"lr": state["lr"]})
+
+    opt = my_scaled_sgd(0.5)
+    # `init` has no "lr" yet: fill it so the state keeps one structure from step to step.
+    state = init_state({"w": torch.ones(2)}, optim.Transform(lambda p: {"count": torch.zeros((), dtype=torch.int64),
+                                                                         "lr": torch.zeros(())}, opt.update, opt.report))
+    step = make_train_step(lambda p, b, k: (p["w"] ** 2).sum(), opt, compile=False)
+    lrs = []
+    for _ in range(3):
+        state, m = step(state, None)
+        lrs.append(float(m["lr"]))
+    assert lrs == pytest.approx([0.5, 0.25, 0.5 / 3])
+
+
+def test_hooks_run_on_their_steps_and_at_the_end(tmp_path):
+    from functrain import loop, parallel
+
+    spec = importlib.util.spec_from_file_location("gpt_config", PKG.parent / "configs" / "gpt.py")
+    gpt_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt_config)
+    c = gpt_config.get_config("tiny")
+    c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 7, False, 100, 100, False
+    c.checkpoint.enabled = False
+    c.sample.max_new_tokens = 2
+    c.data.cache_dir = str(tmp_path / "data")
+    seen = []
+    hooks = [loop.every(3, lambda info: seen.append(("every3", info.step, info.final))),
+             loop.every(5, lambda info: seen.append(("every5", info.step, info.final)), at_end=False)]
+    from functrain.models.gpt import task as gpt_task  # a test may import a model family
+
+    with parallel.setup(c.mesh) as ctx:
+        t = gpt_task.build(c, ctx, tmp_path / "run")
+        assert isinstance(t, task_lib.Task)
+        loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, hooks=hooks,
+                 print_fn=lambda *a: None)
+    assert seen == [("every3", 3, False), ("every5", 5, False), ("every3", 6, False), ("every3", 7, True)]
