@@ -16,6 +16,8 @@ reset through /proc/self/clear_refs), max over rounds. Step times are the max ov
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --eager   # + uncompiled
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --bucket-numel 1000000 --reorder
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --n-layer 6 --n-embd 512 \
+        --n-head 8 --rounds 3 --steps 3 --whole --json     # the issue-12 comparison; last line is JSON
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import statistics
 import sys
 import time
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -63,17 +66,25 @@ def _batches(cfg, n, batch_size, ctx):
 
 
 class Functrain:
-    """functrain's sharded step (compiled or eager)."""
+    """functrain's sharded step (compiled or eager): per-block gathers (a staged loss) by default,
+    the whole model gathered before the forward with `whole=True` (the route before issue 12)."""
 
-    def __init__(self, model, ctx, lr, clip, compile, compile_options=None):
+    def __init__(self, model, ctx, lr, clip, compile, compile_options=None, remat="full", whole=False):
         opt = optim.chain(optim.clip_by_global_norm(clip), optim.adamw(lr, weight_decay=0.1))
-
-        def loss_fn(params, batch, key):
-            x, y = batch
-            return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y)
+        if whole:
+            def loss_fn(params, batch, key):
+                x, y = batch
+                return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y)
+        else:
+            loss_fn = gpt.make_loss_fn(model, remat=remat, staged=True)
 
         self.state = parallel.shard_state(init_state(model, opt), ctx.mesh)
         self.step_fn = make_train_step(loss_fn, opt, compile=compile, compile_options=compile_options)
+
+    def state_bytes(self):
+        """Bytes of this rank's params and optimizer state (local shards)."""
+        return sum(x.to_local().nbytes if hasattr(x, "to_local") else x.nbytes
+                   for x in optree.tree_leaves((self.state.params, self.state.opt_state)))
 
     def step(self, batch):
         self.state, m = self.step_fn(self.state, batch)
@@ -94,6 +105,13 @@ class FSDP2:
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=True)
         self.clip = clip
 
+    def state_bytes(self):
+        """Bytes of this rank's params and optimizer state (local shards)."""
+        params = sum(p.to_local().nbytes for p in self.model.parameters())
+        opt = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+                  for st in self.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        return params + opt
+
     def step(self, batch):
         x, y = batch
         loss = gpt.cross_entropy(self.model(x), y)
@@ -102,6 +120,33 @@ class FSDP2:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+
+def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
+    """functrain's per-rank training memory from first principles (fp32, AdamW), in MiB.
+
+    state: (params + Adam m, v) / N; grads: the reduce-scattered shards / N plus the largest stage's
+    full gradient before its reduce-scatter; gathered: two stages' params in flight (the one computing
+    and the next); activations: per block its input (remat "full") or a block's internals (~(16 d +
+    2 h T) per token, "none"), plus one block's internals for the block being recomputed, plus the
+    head's logits and their gradient (2 V per token).
+    """
+    p = gpt.num_params(cfg)
+    d, t, v, h = cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.n_head
+    block = 12 * d * d + 13 * d  # one block's params (bias=True)
+    stage = max(block, v * d + t * d)
+    tokens = local_batch * t
+    internals = tokens * (16 * d + 2 * h * t)
+    per_block = tokens * d if remat == "full" else internals
+    mib = 4 / 2**20
+    out = {
+        "state": 3 * p / n * mib,
+        "grads": (p / n + stage) * mib,
+        "gathered": 2 * stage * mib,
+        "activations": (cfg.n_layer * per_block + internals + 2 * tokens * v) * mib,
+    }
+    out["total"] = sum(out.values())
+    return out
 
 
 def main():
@@ -120,6 +165,12 @@ def main():
                     help="functrain's largest collective bucket in elements (default: one bucket)")
     ap.add_argument("--reorder", action="store_true",
                     help="inductor option reorder_for_compute_comm_overlap (try with --bucket-numel)")
+    ap.add_argument("--remat", default="full",
+                    help="functrain's remat policy: 'full' regathers every block for its backward (reshard "
+                         "after forward), 'none' keeps blocks gathered until their backward")
+    ap.add_argument("--whole", action="store_true",
+                    help="also time the whole-model gather route (functrain-whole, before per-block gathers)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()
 
     if args.bucket_numel:
@@ -133,9 +184,13 @@ def main():
     rss0 = _rss_kib("VmRSS")
     options = {"options": {"reorder_for_compute_comm_overlap": True}} if args.reorder else None
     methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
-                                      compile_options=options)}
+                                      compile_options=options, remat=args.remat)}
+    if args.whole:
+        methods["functrain-whole"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
+                                               compile_options=options, whole=True)
     if args.eager:
-        methods["functrain-eager"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=False)
+        methods["functrain-eager"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=False,
+                                               remat=args.remat)
     methods["fsdp2"] = FSDP2(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip)
     setup_mib = (_rss_kib("VmRSS") - rss0) / 1024
 
@@ -149,6 +204,7 @@ def main():
 
     times = {k: [] for k in methods}
     peak = {k: 0.0 for k in methods}
+    hwm = {k: 0.0 for k in methods}
     can_peak = _reset_peak()
     for r in range(args.rounds):
         chunk = batches[args.warmup + r * args.steps: args.warmup + (r + 1) * args.steps]
@@ -161,6 +217,7 @@ def main():
                 losses[name].append(float(m.step(b)))  # float(): waits for the step
                 times[name].append(time.perf_counter() - t)
             peak[name] = max(peak[name], (_rss_kib("VmHWM") - before) / 1024)
+            hwm[name] = max(hwm[name], _rss_kib("VmHWM") / 1024)
 
     # the slowest rank sets the pace: take each step time's max over ranks
     med = {}
@@ -172,20 +229,48 @@ def main():
         t = torch.tensor(losses[name], dtype=torch.float64)
         dist.all_reduce(t)
         losses[name] = (t / ctx.world_size).tolist()
+    # training memory per rank: its params + optimizer state + the step's peak growth; max over ranks
+    train_mib = {}
+    for name, m in methods.items():
+        t = torch.tensor([m.state_bytes() / 2**20 + peak[name], peak[name], hwm[name]], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        train_mib[name] = t.tolist()
+    expected = _expected_mib(cfg, args.batch_size // ctx.dp_world, ctx.dp_world, args.remat)
     if ctx.is_main_process:
         print(f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_head={cfg.n_head} block={cfg.block_size} "
               f"vocab={cfg.vocab_size} params={gpt.num_params(cfg) / 1e6:.2f}M, global batch {args.batch_size}, "
               f"{ctx.world_size} ranks FSDP (dp_shard={ctx.dp_world}), torch {torch.__version__}, "
-              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
-        print(f"state set-up RSS (all methods, rank 0): {setup_mib:.0f} MiB")
-        print(f"{'method':<16} {'warm-up s':>10} {'median s/step':>14} {'steps/s':>9} {'peak RSS growth MiB':>20}  losses first/last")
+              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, functrain remat={args.remat}")
+        print(f"state set-up RSS (all methods, rank 0): {setup_mib:.0f} MiB; process RSS before any: {rss0 / 1024:.0f} MiB")
+        print(f"{'method':<16} {'warm-up s':>10} {'median s/step':>14} {'steps/s':>9} {'peak growth MiB':>16} "
+              f"{'train peak MiB':>15} {'process HWM MiB':>16}  losses first/last")
         for name in methods:
-            pk = f"{peak[name]:.1f}" if can_peak else "n/a"
-            print(f"{name:<16} {warm_s[name]:>10.1f} {med[name]:>14.4f} {1 / med[name]:>9.2f} {pk:>20}  "
-                  f"{losses[name][0]:.4f} / {losses[name][-1]:.4f}")
-        print(f"steps/s ratio functrain / fsdp2: {med['fsdp2'] / med['functrain']:.3f}")
-        if "functrain-eager" in med:
-            print(f"steps/s ratio functrain-eager / fsdp2: {med['fsdp2'] / med['functrain-eager']:.3f}")
+            total, growth, high = train_mib[name]
+            pk = f"{growth:.1f}" if can_peak else "n/a"
+            print(f"{name:<16} {warm_s[name]:>10.1f} {med[name]:>14.4f} {1 / med[name]:>9.2f} {pk:>16} "
+                  f"{total:>15.1f} {high:>16.0f}  {losses[name][0]:.4f} / {losses[name][-1]:.4f}")
+        print("(train peak = this rank's params + optimizer state + the step's peak RSS growth, max over ranks; "
+              "process HWM includes every method's state, all live in one process)")
+        print("expected functrain train peak from first principles: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in expected.items()) + " MiB")
+        speed = med["fsdp2"] / med["functrain"]
+        peak_ratio = train_mib["functrain"][0] / train_mib["fsdp2"][0]
+        print(f"steps/s ratio functrain / fsdp2: {speed:.3f}; train peak ratio functrain / fsdp2: {peak_ratio:.3f}")
+        for other in ("functrain-whole", "functrain-eager"):
+            if other in med:
+                print(f"steps/s ratio {other} / fsdp2: {med['fsdp2'] / med[other]:.3f}; train peak ratio "
+                      f"{other} / fsdp2: {train_mib[other][0] / train_mib['fsdp2'][0]:.3f}")
+        if args.json:
+            import json
+
+            print(json.dumps({
+                "speed_ratio": round(speed, 4), "peak_ratio": round(peak_ratio, 4),
+                "growth_ratio": round(train_mib["functrain"][1] / max(train_mib["fsdp2"][1], 1e-9), 4),
+                "functrain_s_per_step": med["functrain"], "fsdp2_s_per_step": med["fsdp2"],
+                "functrain_train_peak_mib": train_mib["functrain"][0], "fsdp2_train_peak_mib": train_mib["fsdp2"][0],
+                "expected_train_peak_mib": expected["total"], "warmup_s": warm_s["functrain"],
+                "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "ranks": ctx.world_size, "remat": args.remat,
+            }))
     parallel.teardown()
 
 

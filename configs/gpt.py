@@ -45,7 +45,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     # torch.use_deterministic_algorithms (atomic-add kernels replaced), needed for bit-identical reruns.
     c.deterministic = False
     c.loss_chunk_size = 0  # > 0: chunked cross-entropy through the tied head; logits never whole
-    c.remat = "none"  # activation checkpointing: none | full | N (every N-th block); see bench/remat.py
+    # activation checkpointing: auto | none | full | N (every N-th block); see bench/remat.py. "auto":
+    # none on one process; full on a mesh, where a recomputed block's gathered params are freed after
+    # its forward and gathered again for its backward, so no rank ever holds the whole model.
+    c.remat = "auto"
     c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32
     c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row (0 = never skip)
     c.tensorboard = True  # event files in <workdir>/tb (written without the tensorboard package)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import json
 import math
 import resource
@@ -234,9 +235,9 @@ class _Profiler(Hook):
 
 
 class _GarbageCollection(Hook):
-    """Python's automatic collection off during training; a full collection every `n` steps, on
-    every rank at the same step, so no rank stalls the others' collectives at a random moment
-    (torchtitan's GarbageCollection)."""
+    """Python's automatic collection off during training; the young generations (`gc.collect(1)`,
+    as torchtitan's GarbageCollection) collected every `n` steps, on every rank at the same step, so
+    no rank stalls the others' collectives at a random moment."""
 
     def __init__(self, n):
         self.every, self.at_end = n, False
@@ -311,9 +312,7 @@ def run(
         raise validate.ConfigError(f"{exc} (--config.compile_cache)") from None
     compile_before = compile_cache.stats()
 
-    params = task.init_params(rng_lib.key(config.seed), device)
-    if ctx.mesh is not None:  # each parameter sharded by the task's rules, one at a time
-        params = parallel.shard_params(params.items(), ctx.mesh, task.shard_rules)
+    params = _init_params(task, rng_lib.key(config.seed), device, ctx)
     state = init_state(params, optimizer, seed=config.seed, copy=False)  # moments mirror the placements
     del params
     train_step = make_train_step(
@@ -476,6 +475,17 @@ def checkpoint_path(path: str) -> str:
         f"checkpoint.init_from={path!r}: no committed checkpoint there; give a step directory "
         "(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir (--config.checkpoint.init_from)"
     )
+
+
+def _init_params(task: Task, key, device, ctx):
+    """The task's fresh params: each rank draws only its shards when the task's init takes `where`,
+    else the whole tree is made and sharded one parameter at a time."""
+    if ctx.mesh is None:
+        return task.init_params(key, device)
+    if "where" in inspect.signature(task.init_params).parameters:
+        return parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device)
+    params = task.init_params(key, device)
+    return parallel.shard_params(params.items(), ctx.mesh, task.shard_rules)
 
 
 def _init_params_from(path: str, state: TrainState, print_fn) -> TrainState:

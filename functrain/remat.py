@@ -29,6 +29,17 @@ the recomputation can only run once the backward has reached that block. Measure
 plain `grad_and_value`. Dropout keys are explicit, so a recomputed block draws the same masks and
 the gradients equal plain `grad_and_value`'s (to float rounding). GPT numbers: `bench/remat.py`.
 
+Sharded params (FSDP's per-block schedule). On DTensor params the train step calls
+`loss_fn.value_and_grad_sharded(params, batch, key, layout=...)` instead: each stage all-gathers its
+own parameters just before its forward and reduce-scatters its own gradients as soon as its vjp has
+made them, so the whole model is never gathered. A recomputed block lets its gathered parameters go
+after its forward and gathers them again (behind the barrier) for its backward: "reshard after
+forward", at most the block computing and the next one gathered at a time; a kept block (policy
+"none") holds them in its vjp closure until its backward (FSDP's reshard_after_forward=False).
+Why this route and not SimpleFSDP-style gathers at the point of use under `torch.autograd.grad`
+(DESIGN.md): it needs no autograd of collectives and no inductor recompute tags, runs eagerly and
+compiled as one graph (tests/test_parallel_dist.py), and the schedule is explicit in the code.
+
 Example:
     >>> loss_fn = staged_loss(embed, blocks, head, policy="full")
     >>> loss, aux = loss_fn(params, batch, key)                 # plain composition (eval)
@@ -201,7 +212,22 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
             return _plain_value_and_grad(loss_fn, params, batch, key, loss_scale)
         return _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale)
 
+    def value_and_grad_sharded(params: Params, batch, key, *, layout, loss_scale=None):
+        """`value_and_grad` over sharded params, each stage gathered just before it runs (see below)."""
+        return _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale,
+                                      layout=layout)
+
+    def apply_sharded(params: Params, batch, key, *, layout):
+        """The loss over sharded params, each stage gathered just before it runs (no gradients)."""
+        with torch.no_grad():
+            h = embed.fn(layout.gather(embed.params(params)), batch, key)
+            for block in blocks:
+                h = block.fn(layout.gather(block.params(params)), h, key)
+            return _loss_and_aux(head.fn(layout.gather(head.params(params)), h, batch, key))
+
     loss_fn.value_and_grad = value_and_grad  # type: ignore[attr-defined]
+    loss_fn.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
+    loss_fn.apply_sharded = apply_sharded  # type: ignore[attr-defined]
     return loss_fn
 
 
@@ -218,39 +244,80 @@ def _plain_value_and_grad(loss_fn, params, batch, key, loss_scale):
     return loss, aux, grads
 
 
-def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale):
-    """(loss, aux, grads) through per-stage vjps, recomputing the blocks marked in `recompute`."""
+def _barrier_tree(params: Params, after: torch.Tensor) -> Params:
+    """`remat_barrier` on every (local shard of a) tensor of `params`, so its gather waits for `after`."""
+    from functrain.parallel.layout import is_dtensor
+
+    out = {}
+    for name, p in params.items():
+        if is_dtensor(p):
+            local = remat_barrier(p.to_local(), after)
+            p = type(p).from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                   stride=p.stride())
+        else:
+            p = remat_barrier(p, after)
+        out[name] = p
+    return out
+
+
+def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale, layout=None):
+    """(loss, aux, grads) through per-stage vjps, recomputing the blocks marked in `recompute`.
+
+    With a `layout` (sharded params, `functrain.parallel.layout.Layout`), FSDP's schedule: each stage's
+    parameters are gathered just before its forward, and its gradients reduced to the params'
+    placements (a reduce-scatter) as soon as its vjp has made them. A recomputed block lets its
+    gathered parameters go after its forward and gathers them again for its backward (reshard after
+    forward); a kept block's vjp closure holds them until its backward.
+    """
+    if layout is None:
+        gather = reduce = None
+    else:
+        gather = layout.gather
+
+        def reduce(g, stage_params):
+            return layout.reduce_grads(g, stage_params)
+
+    def local(stage, after=None):
+        """The stage's params to compute with: gathered (after `after` exists) when sharded."""
+        p = stage.params(params)
+        if gather is None:
+            return p
+        return gather(p if after is None else _barrier_tree(p, after))
+
+    def add(stage, g):
+        """Adds a stage's gradients to the total, reduced to the params' placements when sharded."""
+        _add_grads(grads, g if reduce is None else reduce(g, stage.params(params)))
+
     # Forward: keep vjp closures of the embedding and of kept blocks, only the input of the others.
-    h, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), embed.params(params))
+    h, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), local(embed))
     saved = []  # per block: its vjp closure, or its input when it is recomputed
     for block, again in zip(blocks, recompute):
-        p = block.params(params)
         if again:
             saved.append(h)
             with torch.no_grad():
-                h = block.fn(p, h, key)
+                h = block.fn(local(block), h, key)
         else:
-            h, block_vjp = torch.func.vjp(lambda p_, h_, fn=block.fn: fn(p_, h_, key), p, h)
+            h, block_vjp = torch.func.vjp(lambda p_, h_, fn=block.fn: fn(p_, h_, key), local(block), h)
             saved.append(block_vjp)
     loss, head_vjp, aux = torch.func.vjp(
-        lambda p, h_: _loss_and_aux(head.fn(p, h_, batch, key)), head.params(params), h, has_aux=True
+        lambda p, h_: _loss_and_aux(head.fn(p, h_, batch, key)), local(head), h, has_aux=True
     )
 
     # Backward: head, blocks in reverse (recomputing where asked), embedding.
     grads: Params = {}
     g_head, g = head_vjp(_seed(loss, loss_scale))
-    _add_grads(grads, g_head)
+    add(head, g_head)
     for i in reversed(range(len(blocks))):
         block_vjp = saved[i]
         saved[i] = None  # free the closure / saved input as soon as the block is done
         if recompute[i]:  # block_vjp is the block's saved input: recompute it once g exists
             h_in = remat_barrier(block_vjp, g)
             _, block_vjp = torch.func.vjp(
-                lambda p_, h_, fn=blocks[i].fn: fn(p_, h_, key), blocks[i].params(params), h_in
+                lambda p_, h_, fn=blocks[i].fn: fn(p_, h_, key), local(blocks[i], after=g), h_in
             )
         g_block, g = block_vjp(g)
-        _add_grads(grads, g_block)
+        add(blocks[i], g_block)
     (g_embed,) = embed_vjp(g)
-    _add_grads(grads, g_embed)
+    add(embed, g_embed)
     grads = {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in params.items()}
     return loss.detach(), aux, grads

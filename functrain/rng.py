@@ -16,9 +16,11 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["key", "fold_in", "split", "uniform", "bernoulli", "dropout", "key_data"]
+__all__ = ["key", "fold_in", "split", "uniform", "bernoulli", "dropout", "key_data", "normal"]
 
 _MASK = 0xFFFFFFFF
 # Odd multipliers below 2**31 keep every product of a 32-bit word below 2**63 (no int64 overflow).
@@ -146,6 +148,70 @@ def uniform(key: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> tor
       >>> u = rng.uniform(rng.key(0), (4, 8))
     """
     return _uniform_op(key, [int(s) for s in shape], dtype)
+
+
+def _row_seeds(key: torch.Tensor, start: int, stop: int) -> list[int]:
+    """Generator seeds for rows start..stop-1: `split`-style derived keys, mixed as `_generator_seed`."""
+    rows = torch.arange(start, stop, dtype=torch.int64)
+    c = _mix(rows * 2 + 1)
+    k0, k1 = (int(v) & _MASK for v in key.tolist())
+    n0 = _mix(k0 ^ _mix(c + k1))
+    n1 = _mix(k1 ^ _mix(n0 + c + 3 * _GOLDEN))
+    low = _mix(n1 ^ _mix(n0 + _GOLDEN))
+    return ((n0 << 32) | low).tolist()
+
+
+def normal(
+    key: torch.Tensor,
+    shape,
+    *,
+    offset=None,
+    local_shape=None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Standard-normal numbers drawn row by row from `key`: any block can be drawn alone.
+
+    Row `i` (along dim 0; a 0-d or 1-d tensor is one row) is drawn by a CPU generator seeded from
+    (key, i), so the block at `offset` of size `local_shape` equals that block of the whole tensor,
+    bit for bit, on any device and process: a rank draws only its rows of a parameter
+    (`functrain.parallel.init_sharded`) and still gets what a single process draws. A block narrower
+    than a row draws its rows whole and keeps its columns. Eager only (it reads the key).
+
+    Args:
+      key: an int64 key of shape (2,).
+      shape: the shape of the whole (global) tensor.
+      offset: where the block starts in each dim (default: zeros).
+      local_shape: the block's shape (default: `shape`).
+      dtype: floating dtype of the result.
+      device: where to put it (default CPU).
+
+    Returns:
+      A tensor of `local_shape`.
+
+    Example:
+      >>> w = rng.normal(k, (1024, 512))
+      >>> torch.equal(rng.normal(k, (1024, 512), offset=(512, 0), local_shape=(512, 512)), w[512:])
+      True
+    """
+    shape = [int(s) for s in shape]
+    local_shape = shape if local_shape is None else [int(s) for s in local_shape]
+    offset = [0] * len(shape) if offset is None else [int(o) for o in offset]
+    if len(shape) <= 1:  # one row
+        row = normal(key, [1, *shape], offset=[0, *offset], local_shape=[1, *local_shape], dtype=dtype,
+                     device=device)
+        return row.reshape(local_shape)
+    width = math.prod(shape[1:])
+    out = torch.empty([local_shape[0], width], dtype=torch.float32)  # (rows, row numel)
+    gen = torch.Generator(device="cpu")
+    for i, seed in enumerate(_row_seeds(key, offset[0], offset[0] + local_shape[0])):
+        gen.manual_seed(seed)
+        torch.randn(width, generator=gen, out=out[i])
+    out = out.view(local_shape[:1] + shape[1:])
+    for d in range(1, len(shape)):  # the block's columns
+        if (offset[d], local_shape[d]) != (0, shape[d]):
+            out = out.narrow(d, offset[d], local_shape[d])
+    return out.contiguous().to(device=device, dtype=dtype)
 
 
 def bernoulli(key: torch.Tensor, p: float, shape) -> torch.Tensor:

@@ -155,8 +155,12 @@ def _describe(x) -> str:
     return f"a {type(x).__name__}"
 
 
-def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None):
-    """({"loss": loss, **aux}, grads) for one (micro)batch."""
+def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None):
+    """({"loss": loss, **aux}, grads) for one (micro)batch (per-stage gathers with a `layout`)."""
+    if layout is not None:
+        kwargs = {} if loss_scale is None else {"loss_scale": loss_scale}
+        loss, aux, grads = loss_fn.value_and_grad_sharded(params, batch, key, layout=layout, **kwargs)
+        return {M.LOSS: loss.detach(), **dict(aux or {})}, grads
     loss, aux, grads = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale)
     return {M.LOSS: loss, **aux}, grads
 
@@ -175,11 +179,19 @@ def _split_microbatches(batch: PyTree, k: int) -> PyTree:
     return tree_lib.map(split, batch)
 
 
-def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str, loss_scale=None):
+def _gathers_per_stage(loss_fn, accum_impl: str, accum_steps: int) -> bool:
+    """Whether the loss gathers sharded params stage by stage (`value_and_grad_sharded`, e.g. a
+    `functrain.remat.staged_loss`); not under the scan accumulation (its carry holds plain tensors)."""
+    return hasattr(loss_fn, "value_and_grad_sharded") and (accum_steps == 1 or accum_impl == "unroll")
+
+
+def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str, loss_scale=None,
+                                layout=None):
     """Mean loss/aux/grads over `accum_steps` microbatches, inside one graph (grads summed in
-    float32 when accumulating, else in the compute dtype; the caller casts them to the masters')."""
+    float32 when accumulating, else in the compute dtype; the caller casts them to the masters').
+    With `layout`, params are sharded and the loss gathers them stage by stage."""
     if accum_steps == 1:
-        return _metrics_and_grads(loss_fn, params, batch, key, loss_scale)
+        return _metrics_and_grads(loss_fn, params, batch, key, loss_scale, layout)
     micro = _split_microbatches(batch, accum_steps)
     keys = rng_lib.split(key, accum_steps)  # (K, 2)
     if impl == "scan":
@@ -197,7 +209,7 @@ def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, i
         gsum = asum = None
         for i in range(accum_steps):
             mb = tree_lib.map(lambda x: x[i], micro)
-            aux, grads = _metrics_and_grads(loss_fn, params, mb, keys[i], loss_scale)
+            aux, grads = _metrics_and_grads(loss_fn, params, mb, keys[i], loss_scale, layout)
             grads = tree_lib.map(lambda g: g.float(), grads)
             gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
             asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
@@ -360,19 +372,24 @@ def make_train_step(
     def build(lay: Layout):
         """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
 
+        # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters
+        # its own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
+        per_stage = lay.sharded and _gathers_per_stage(loss_fn, accum_impl, accum_steps)
+
         def train_step(state: TrainState, batch: PyTree):
             # compute copies (cast before the gather: half the bytes on the wire)
             params, batch = precision_lib.to_compute(prec, state.params, batch)
-            params = lay.gather(params)
+            if not per_stage:
+                params = lay.gather(params)
             key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))  # per step, per dp rank
             loss_scale = state.guard.loss_scale if prec.loss_scaling else None
             aux, grads = _accumulated_value_and_grad(
-                loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale
+                loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale, layout=lay if per_stage else None
             )
             grads = _to_master(grads, state.params, loss_scale)
-            # grads back to the params' placements; metrics averaged over all dp ranks
-            grads, aux = lay.reduce_grads(grads, state.params), lay.mean_over_dp(aux)
-            return update(state, aux, grads)
+            if not per_stage:  # grads back to the params' placements (per stage: done already)
+                grads = lay.reduce_grads(grads, state.params)
+            return update(state, lay.mean_over_dp(aux), grads)  # metrics averaged over all dp ranks
 
         return train_step
 
@@ -467,11 +484,15 @@ def make_eval_step(
     def build(lay: Layout):
         """The eval function for params laid out as `lay`."""
 
+        per_stage = lay.sharded and hasattr(loss_fn, "apply_sharded")
+
         def eval_step(state: TrainState, batch: PyTree):
             params, batch = precision_lib.to_compute(prec, state.params, batch)
-            params = lay.gather(params)
             with torch.no_grad():
-                loss, aux = loss_and_aux(loss_fn(params, batch, None))
+                if per_stage:  # each stage gathers its own params
+                    loss, aux = loss_fn.apply_sharded(params, batch, None, layout=lay)
+                else:
+                    loss, aux = loss_and_aux(loss_fn(lay.gather(params), batch, None))
             return lay.mean_over_dp({M.LOSS: loss, **aux})
 
         return eval_step

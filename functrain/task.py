@@ -36,7 +36,10 @@ class Task(NamedTuple):
     Attributes:
       describe: one line for the run's header (model, size, data).
       init_params: `(key, device) -> {name: tensor}`: the initial params, a pure function of the
-        rng key (the loop shards them with `shard_rules`).
+        rng key (the loop shards them with `shard_rules`). On a mesh, an init that also takes
+        `where=` (`where(name, shape) -> (offset, local_shape)`) draws only this rank's block of each
+        parameter (`functrain.parallel.init_sharded`): no rank ever holds the whole model. Without
+        `where`, each whole parameter is made on every rank, then sharded, one at a time.
       shard_rules: sharding rules as data (`functrain.parallel.sharding`): regex -> placements.
       loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss); `key` is the
         step's dropout key, None when evaluating.

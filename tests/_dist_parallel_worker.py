@@ -10,6 +10,7 @@ batches, computed in the same process; its numbers (or its traceback) go to
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -151,6 +152,82 @@ def s_bf16(ctx):
     return compare(ctx, precision="bf16", steps=10)
 
 
+def staged_loss_for(remat):
+    """make_loss(model) for `compare`: the GPT loss as stages, so the sharded step gathers per block."""
+
+    def make(model):
+        return gpt.make_loss_fn(model, remat=remat, staged=True)
+
+    return make
+
+
+def _gathered_numels(ctx, step_fn, state, batch):
+    """Elements of every all-gather one eager step issues (funcol calls, in order)."""
+    import torch.distributed._functional_collectives as funcol
+
+    seen, real = [], funcol.all_gather_tensor
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.numel() * ctx.dp_world)
+        return real(x, *args, **kwargs)
+
+    funcol.all_gather_tensor = spy
+    try:
+        step_fn(state, parallel.split_batch(batch, ctx.dp_rank, ctx.dp_world))
+    finally:
+        funcol.all_gather_tensor = real
+    return seen
+
+
+def s_stages(ctx, remat="full", precision=None, steps=STEPS):
+    """Per-block gathers (a staged loss): 20 steps equal one process; each gather is one stage's
+    params (never the whole model), and with remat every block is gathered again for its backward."""
+    out = compare(ctx, make_loss=staged_loss_for(remat), precision=precision, steps=steps)
+    model = tiny_gpt()
+    rules = parallel.default_rules(gpt.TP_RULES)
+    opt = sgd()
+    step = make_train_step(staged_loss_for(remat)(parallel.tensor_parallel(model, ctx.mesh, rules)), opt,
+                           compile=False, donate=False)
+    state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
+    out["gathers"] = _gathered_numels(ctx, step, state, global_batches(1)[0])
+    out["model_numel"] = sum(p.numel() for p in model.parameters())
+    sizes = dict(model.named_parameters())
+    st = gpt.stages(model)
+    head = st.final.names + ("wte.weight",)
+    out["stage_numels"] = [sum(sizes[n].numel() for n in names)
+                           for names in [st.embed.names, *(b.names for b in st.blocks), head]]
+    return out
+
+
+def s_init(ctx):
+    """Sharded init: each rank draws only its blocks; gathered, they equal the single-process init."""
+    cfg = gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True)
+    with torch.device("meta"):
+        template = gpt.GPT(cfg)
+    rules = parallel.default_rules(gpt.TP_RULES)
+    drawn = []
+
+    def init(key, device, where):
+        def spy(name, shape):
+            offset, local = where(name, shape)
+            drawn.append((name, list(shape), local))
+            return offset, local
+
+        return gpt.init_params(template, key, device=device, where=spy)
+
+    sharded = parallel.init_sharded(init, rng.key(3), ctx.mesh, rules)
+    whole = gpt.init_params(template, rng.key(3))
+    full = parallel.gather(sharded)
+    return {
+        "equal": {n: bool(torch.equal(full[n], whole[n])) for n in whole},
+        "placements": {n: [repr(p) for p in v.placements] for n, v in sharded.items()},
+        "drawn_numel": sum(math.prod(local) for _, _, local in drawn),
+        "model_numel": sum(v.numel() for v in whole.values()),
+        "largest_fraction": max(math.prod(local) / math.prod(shape) for _, shape, local in drawn
+                                if math.prod(shape) >= 32 * 32),
+    }
+
+
 def poisoned_loss_fn_for(model):
     """The usual loss, made NaN when a target is -7 (marks a poisoned sample)."""
     inner = loss_fn_for(model)
@@ -249,7 +326,7 @@ def s_eval_and_keys(ctx):
             "dp_ranks": [ctx.dp_rank], "tp_rank": ctx.tp_rank}
 
 
-def s_compiled(ctx, backend):
+def s_compiled(ctx, backend, make_loss=loss_fn_for):
     """Compiled sharded step: one graph, no recompile over 6 steps, equal to eager and to 1 process."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -261,10 +338,10 @@ def s_compiled(ctx, backend):
     tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
     opt = sgd()
     batches = global_batches(6)
-    ref, ref_hist = run(make_train_step(loss_fn_for(model), opt, compile=False), init_state(model, opt), batches)
-    eager, eager_hist = run(make_train_step(loss_fn_for(tp_model), opt, compile=False),
+    ref, ref_hist = run(make_train_step(make_loss(model), opt, compile=False), init_state(model, opt), batches)
+    eager, eager_hist = run(make_train_step(make_loss(tp_model), opt, compile=False),
                             parallel.shard_state(init_state(model, opt), ctx.mesh, rules), batches, ctx)
-    step = make_train_step(loss_fn_for(tp_model), opt, compile=True, compile_options={"backend": backend})
+    step = make_train_step(make_loss(tp_model), opt, compile=True, compile_options={"backend": backend})
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     hist = []
     try:
@@ -321,14 +398,26 @@ SUITES = {
         ("bf16_tp", {"dp_shard": 1, "tp": 2}, s_bf16),
         ("nan_fsdp", {"dp_shard": 2}, s_nan_skip),
         ("nan_tp", {"dp_shard": 1, "tp": 2}, s_nan_skip),
+        ("init_fsdp", {"dp_shard": 2}, s_init),
+        ("init_tp", {"dp_shard": 1, "tp": 2}, s_init),
+        ("stages_fsdp", {"dp_shard": 2}, s_stages),
+        ("stages_kept_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, remat="none")),
+        ("stages_tp", {"dp_shard": 1, "tp": 2}, s_stages),
+        ("stages_bf16_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, precision="bf16", steps=10)),
     ],
     "compiled2": [
         ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, "inductor")),
         ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
+        ("compiled_stages_fsdp", {"dp_shard": 2},
+         lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("full"))),
     ],
     "eager4": [
         ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),
         ("hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_fsdp),
+        ("stages_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_stages),
+        ("init_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_init),
+        ("init_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_init),
+        ("stages_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_stages),
     ],
     "single": [("single", None, s_single)],
 }

@@ -132,3 +132,39 @@ def test_hooks_run_on_their_steps_and_at_the_end(tmp_path):
         loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, hooks=hooks,
                  print_fn=lambda *a: None)
     assert seen == [("every3", 3, False), ("every5", 5, False), ("every3", 6, False), ("every3", 7, True)]
+
+
+def test_gc_is_off_during_training_and_collects_every_n_steps_on_schedule(tmp_path):
+    """Automatic collection is off while the loop runs; the young generations are collected exactly
+    every `gc_every` steps (the same steps on every rank) and automatic collection is back after."""
+    import gc
+
+    from functrain import loop, parallel
+    from functrain.models.gpt import task as gpt_task
+
+    spec = importlib.util.spec_from_file_location("gpt_config", PKG.parent / "configs" / "gpt.py")
+    gpt_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt_config)
+    c = gpt_config.get_config("tiny")
+    c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard, c.gc_every = 9, False, 100, 100, False, 3
+    c.checkpoint.enabled = False
+    c.sample.max_new_tokens = 2
+    c.data.cache_dir = str(tmp_path / "data")
+    seen = []
+
+    def record(info):
+        seen.append((info.step, gc.isenabled(), gc.get_stats()[1]["collections"]))
+
+    assert gc.isenabled()
+    with parallel.setup(c.mesh) as ctx:
+        t = gpt_task.build(c, ctx, tmp_path / "run")
+        loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx,
+                 hooks=[loop.every(1, record, at_end=False)], print_fn=lambda *a: None)
+    assert gc.isenabled()
+    assert [s for s, _, _ in seen] == list(range(1, 10))
+    assert not any(enabled for _, enabled, _ in seen)
+    counts = [n for _, _, n in seen]
+    collected_at = [s for (s, _, n), prev in zip(seen[1:], counts) if n != prev]
+    # the gc hook runs before user hooks: step 3's collection shows in step 3's record
+    assert collected_at in ([3, 6, 9], [4, 7]), seen
+    assert all(b - a == 1 for a, b in zip(counts, counts[1:]) if b != a), counts  # one collection each

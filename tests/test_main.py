@@ -97,7 +97,7 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
     ("--config.sample.temperature=-1",
      "sample.temperature=-1.0 is out of range: a number >= 0.0 (--config.sample.temperature)"),
     ("--config.precision=fp8", "precision='fp8' is out of range: one of 'fp32', "),
-    ("--config.remat=sometimes", "remat='sometimes' is out of range: 'none', 'full' or a positive int N"),
+    ("--config.remat=sometimes", "remat='sometimes' is out of range: 'auto', 'none', 'full' or a positive int N"),
     ("--config.optim.mu_dtype=int8", "optim.mu_dtype='int8' is out of range: one of 'float32'"),
     ("--config.max_consecutive_skips=-1", "max_consecutive_skips=-1 is out of range: an integer >= 0"),
     ("--config.model.n_head=3", "model: n_embd=64 is not divisible by n_head=3"),

@@ -177,7 +177,7 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
     _assert_matches_single_process(res, steps=5)
 
 
-@pytest.mark.parametrize("name", ["compiled_fsdp", "compiled_tp"])
+@pytest.mark.parametrize("name", ["compiled_fsdp", "compiled_tp", "compiled_stages_fsdp"])
 def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name):
     for res in _result(compiled2, name):
         assert res["unique_graphs"] == 1
@@ -186,3 +186,52 @@ def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name):
         assert res["vs_eager_loss"] <= loss_tol and res["vs_eager_params"] <= params_tol
         assert res["vs_single_loss"] <= loss_tol and res["vs_single_params"] <= params_tol
         assert res["vs_single_opt_state"] <= params_tol
+
+
+@pytest.mark.parametrize("name, remat", [("stages_fsdp", "full"), ("stages_kept_fsdp", "none"),
+                                         ("stages_tp", "full")])
+def test_per_block_gathers_match_single_process(eager2, name, remat):
+    """A staged loss on sharded params: each stage gathers its own params (embedding, every block,
+    the head), with remat every block is gathered again for its backward; 20 steps equal one process."""
+    for res in _result(eager2, name):
+        _assert_matches_single_process(res)
+        stages = res["stage_numels"]
+        if name == "stages_tp":  # no dp axis: nothing to all-gather, the tp shards are computed on
+            assert res["gathers"] == [], res["gathers"]
+            continue
+        n_blocks = len(stages) - 2
+        # one flat gather per stage in the forward, + one per recomputed block in the backward
+        assert len(res["gathers"]) == len(stages) + (n_blocks if remat == "full" else 0), res["gathers"]
+        assert max(res["gathers"]) <= max(stages) < res["model_numel"], (res["gathers"], stages)
+        if remat == "full":  # the backward's gathers are the blocks', last block first
+            assert res["gathers"][len(stages):] == stages[1:-1][::-1]
+
+
+def test_per_block_gathers_bf16(eager2):
+    for res in _result(eager2, "stages_bf16_fsdp"):
+        assert res["param_dtypes"] == ["torch.float32"]
+        loss_tol, params_tol = _tols(10, torch.bfloat16)
+        assert res["loss"] <= loss_tol and res["params"] <= params_tol, res
+        assert max(res["gathers"]) <= max(res["stage_numels"])
+
+
+@pytest.mark.parametrize("name", ["stages_fsdp_tp", "stages_hsdp"])
+def test_per_block_gathers_on_two_dim_meshes(eager4, name):
+    for res in _result(eager4, name):
+        _assert_matches_single_process(res)
+        assert res["gathers"] and max(res["gathers"]) < res["model_numel"], res["gathers"]
+
+
+@pytest.mark.parametrize("suite, name, fraction", [
+    ("eager2", "init_fsdp", 0.5),
+    ("eager2", "init_tp", 1.0),  # pure tp: the embeddings and LayerNorms are replicated by design
+    ("eager4", "init_fsdp_tp", 0.5),  # embeddings: FSDP only (replicated on tp)
+    ("eager4", "init_hsdp", 0.5),  # dp_replicate holds copies of the dp_shard halves
+])
+def test_sharded_init_equals_single_process_init_bit_for_bit(request, suite, name, fraction):
+    """Each rank draws only its own block of every parameter (never a whole matrix), and the
+    gathered blocks are exactly the single-process init."""
+    for res in _result(request.getfixturevalue(suite), name):
+        assert all(res["equal"].values()), res["equal"]
+        assert res["largest_fraction"] <= fraction, res
+        assert res["drawn_numel"] < res["model_numel"], res

@@ -116,3 +116,27 @@ def test_dropout_scales_kept_entries_and_drops_a_fraction_p():
     # Identity when off: p == 0 or no key (evaluation).
     assert rng.dropout(x, 0.0, k) is x
     assert rng.dropout(x, p, None) is x
+
+
+def test_normal_blocks_equal_the_slices_of_the_whole_tensor():
+    """Any block is drawn alone and equals that block of the whole tensor, bit for bit (sharded init)."""
+    k = rng.key(7)
+    whole = rng.normal(k, (40, 6, 5))
+    assert torch.equal(rng.normal(k, (40, 6, 5), offset=(13, 2, 1), local_shape=(9, 3, 4)), whole[13:22, 2:5, 1:5])
+    vec = rng.normal(k, (50,))
+    assert torch.equal(rng.normal(k, (50,), offset=(20,), local_shape=(7,)), vec[20:27])
+    assert torch.equal(rng.normal(k, (40, 6, 5)), whole)  # a pure function of the key
+    assert not torch.equal(rng.normal(rng.key(8), (40, 6, 5)), whole)
+    assert rng.normal(k, (3, 4), dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_normal_is_standard_normal_and_rows_are_independent():
+    x = rng.normal(rng.key(0), (400, 500)).double()
+    n = x.numel()
+    # mean and variance within 5 standard errors of N(0, 1)'s
+    assert abs(x.mean().item()) < 5 / n**0.5
+    assert abs(x.var().item() - 1) < 5 * (2 / n) ** 0.5
+    assert abs((x.abs() < 1).double().mean().item() - 0.6826894921) < 5 * (0.22 / n) ** 0.5
+    c = torch.corrcoef(x[:50])  # (50, 50): rows from neighbouring seeds are uncorrelated
+    off = c[~torch.eye(50, dtype=torch.bool)]
+    assert off.abs().max().item() < 5 / 500**0.5

@@ -42,10 +42,12 @@ class Layout:
 
     Attributes:
       dp_rank, dp_world: this process's data-parallel index and the number of dp replicas.
+      sharded: True for DTensor params (`gather` communicates), False for plain ones.
     """
 
     dp_rank: int = 0
     dp_world: int = 1
+    sharded: bool = False  # whether `gather` does any communication (a loss may then gather per stage)
 
     def gather(self, params: PyTree) -> PyTree:
         """Plain tensors to compute with (all-gathered over the dp axes when sharded)."""

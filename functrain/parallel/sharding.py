@@ -49,6 +49,7 @@ __all__ = [
     "shard_params",
     "shard_state",
     "gather",
+    "init_sharded",
 ]
 
 PyTree = Any
@@ -230,6 +231,53 @@ def shard_params(
     out = {}
     for name, x in items:
         out[name] = _distribute(x, mesh, placements_for(name, x.shape, mesh, rules), src_rank)
+    return out
+
+
+def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | None = None, *,
+                 device=None) -> dict[str, DTensor]:
+    """Sharded initialization: every rank draws only its own block of each parameter.
+
+    No rank ever holds a whole parameter, let alone the whole model; with an init that draws each
+    block from (key, name, position) (as `functrain.models.gpt.init_params` does through
+    `rng.normal`), the shards are bit for bit those of the single-process init.
+
+    Args:
+      init_params: `init_params(key, device, where=...) -> {name: local block}`, where
+        `where(name, global_shape) -> (offset, local_shape)` names this rank's block (a `Task`'s
+        `init_params`). It must call `where` for every parameter, in its output order.
+      key: the `rng` key.
+      mesh: the DeviceMesh.
+      rules: sharding rules (default `FSDP_RULES`).
+      device: where the local blocks live.
+
+    Returns:
+      {name: DTensor} with the placements `rules` give, in `init_params`' order.
+
+    Example:
+      >>> params = parallel.init_sharded(task.init_params, rng.key(0), ctx.mesh, task.shard_rules)
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rules = FSDP_RULES if rules is None else rules
+    mesh = active_mesh(mesh)
+    layout: dict = {}  # name -> (global shape, placements)
+
+    def where(name, shape):
+        """This rank's block of parameter `name`."""
+        shape = tuple(int(s) for s in shape)
+        placements = placements_for(name, shape, mesh, rules)
+        layout[name] = (shape, placements)
+        local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, list(placements))
+        return list(offset), list(local_shape)
+
+    blocks = init_params(key, device, where=where)
+    out = {}
+    for name, local in blocks.items():
+        shape, placements = layout[name]
+        stride = torch.empty(shape, device="meta").stride()
+        out[name] = DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=shape,
+                                       stride=stride)
     return out
 
 

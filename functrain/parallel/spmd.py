@@ -3,9 +3,13 @@
 The step keeps the parameters and optimizer state as DTensors and runs the model on plain local
 tensors, FSDP-style:
 
-  1. `Spmd.gather`: every parameter is made whole on the data-parallel axes (all-gather over
-     dp_shard) and kept as it is on the tp axis; the resulting plain tensor (the whole parameter,
-     or this rank's tp slice) is what the forward sees.
+  1. `Spmd.gather`: parameters are made whole on the data-parallel axes (all-gather over
+     dp_shard) and kept as they are on the tp axis; the resulting plain tensor (the whole parameter,
+     or this rank's tp slice) is what the forward sees. With a staged loss
+     (`functrain.remat.staged_loss`, e.g. `gpt.make_loss_fn(..., staged=True)`, which the GPT task
+     uses on a mesh) the step calls it once per stage, just before the stage runs, and
+     `reduce_grads` once per stage, as soon as its vjp has made the gradients (FSDP's per-block
+     schedule, see `functrain.remat`); otherwise once for the whole model.
   2. `torch.func.grad_and_value` runs over those plain tensors (transforms cannot see through
      DTensors); tensor-parallel collectives inside the model are differentiable functional
      collectives (see `functrain.parallel.tp`).
@@ -104,6 +108,8 @@ class Spmd(Layout):
       >>> spmd = Spmd(mesh_of(state.params))
       >>> local = spmd.gather(state.params)
     """
+
+    sharded = True
 
     def __init__(self, mesh):
         self.mesh = mesh

@@ -101,7 +101,8 @@ def gpt_loss(
 
 
 def make_loss_fn(
-    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none"
+    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none",
+    staged: bool = False,
 ) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` for `make_train_step` / `make_eval_step`.
 
@@ -115,6 +116,10 @@ def make_loss_fn(
         ln_f -> loss through the tied lm_head) whose `value_and_grad` the train step uses. The
         loss and gradients are the same as without remat (to float rounding); only memory and
         time change.
+      staged: build the staged loss even with remat "none": on sharded (DTensor) params the train
+        step then gathers each block's parameters just before it runs and reduce-scatters its
+        gradients as soon as they exist (see `functrain.remat`), instead of gathering the whole
+        model; on plain params it is the same as the unstaged loss.
 
     Returns:
       The loss function.
@@ -127,7 +132,7 @@ def make_loss_fn(
       >>> step = make_train_step(make_loss_fn(template, remat=2), optim.adamw(3e-4))
     """
     remat = remat_lib.parse_policy(remat)
-    if remat != "none":
+    if remat != "none" or staged:
         return _staged_gpt_loss_fn(model, chunk_size, ignore_index, remat)
 
     def loss_fn(params, batch, key):

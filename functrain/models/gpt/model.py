@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -211,7 +211,10 @@ class GPT(nn.Module):
         if not self.wte.weight.is_meta:
             with torch.no_grad():
                 for name, p in self.named_parameters():
-                    p.copy_(_init_tensor(self, name, p.shape, _generator(key, name)))
+                    if key is None:  # the global generator
+                        p.copy_(_init_block(self, name, p.shape, None, None, list(p.shape)))
+                    else:
+                        p.copy_(_init_block(self, name, p.shape, key, [0] * p.ndim, list(p.shape)))
 
     def forward(
         self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, return_hidden: bool = False
@@ -294,27 +297,20 @@ def stages(model: GPT) -> GPTStages:
     )
 
 
-def _generator(key: torch.Tensor | None, name: str) -> torch.Generator | None:
-    """A CPU generator seeded from (key, parameter name), or None for the global generator."""
-    if key is None:
-        return None
-    k = rng.fold_in(key.cpu(), zlib.crc32(name.encode()))
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(rng.key_data(k) & 0x7FFFFFFFFFFFFFFF)
-    return gen
-
-
-def _init_tensor(model: GPT, name: str, shape, gen: torch.Generator | None) -> torch.Tensor:
-    """nanoGPT init of one parameter, on CPU float32."""
+def _init_block(model: GPT, name: str, shape, key: torch.Tensor, offset, local_shape) -> torch.Tensor:
+    """The block (`offset`, `local_shape`) of parameter `name`'s nanoGPT init, on CPU float32."""
     owner = model.get_submodule(name.rpartition(".")[0])
     if name.endswith("bias"):
-        return torch.zeros(shape, device="cpu")
+        return torch.zeros(local_shape)
     if isinstance(owner, nn.LayerNorm):
-        return torch.ones(shape, device="cpu")
+        return torch.ones(local_shape)
     std = 0.02
     if name.endswith("proj.weight"):  # residual projections (attn.proj, mlp.proj): GPT-2 scaling
         std = 0.02 / math.sqrt(2 * model.cfg.n_layer)
-    return torch.randn(shape, generator=gen, device="cpu") * std
+    if key is None:  # the global generator (a module built without a key)
+        return torch.randn(local_shape) * std
+    k = rng.fold_in(key.cpu(), zlib.crc32(name.encode()))
+    return rng.normal(k, shape, offset=offset, local_shape=local_shape) * std
 
 
 def init_params(
@@ -323,33 +319,38 @@ def init_params(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    where: Callable | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fresh nanoGPT-initialized parameters for `model` (typically a meta-device template).
 
-    Each tensor is drawn on the CPU from a generator seeded by `rng.fold_in(key, crc32(name))`, so a
+    Each tensor is drawn by `rng.normal` from `rng.fold_in(key, crc32(name))`, row by row, so a
     parameter's value depends only on (key, its name, its shape): the same on every device and rank,
-    whatever the other parameters are. Init: normal(0, 0.02) for embeddings and Linear weights,
-    normal(0, 0.02 / sqrt(2 n_layer)) for the residual projections (`*.proj.weight`), zeros for
-    biases, ones for LayerNorm weights.
+    whatever the other parameters are, and any block of it can be drawn alone (sharded init).
+    Init: normal(0, 0.02) for embeddings and Linear weights, normal(0, 0.02 / sqrt(2 n_layer)) for
+    the residual projections (`*.proj.weight`), zeros for biases, ones for LayerNorm weights.
 
     Args:
       model: a `GPT` (its parameters may live on "meta").
       key: an `rng` key.
       device: where to put the tensors (default CPU).
       dtype: floating dtype of the tensors.
+      where: optional `where(name, shape) -> (offset, local_shape)`: draw only that block of each
+        parameter (this rank's shard; `functrain.parallel.init_sharded` passes it). Default: whole.
 
     Returns:
-      A dict name -> tensor in `model.named_parameters()` order (the tied head appears once).
+      A dict name -> tensor (the block, with `where`) in `model.named_parameters()` order (the tied
+      head appears once).
 
     Example:
       >>> with torch.device("meta"):
       ...     template = GPT(cfg)
       >>> params = init_params(template, rng.key(0), device="cuda")
     """
-    return {
-        name: _init_tensor(model, name, p.shape, _generator(key, name)).to(device=device, dtype=dtype)
-        for name, p in model.named_parameters()
-    }
+    out = {}
+    for name, p in model.named_parameters():
+        offset, local = where(name, p.shape) if where is not None else ([0] * p.ndim, list(p.shape))
+        out[name] = _init_block(model, name, p.shape, key, offset, local).to(device=device, dtype=dtype)
+    return out
 
 
 TP_RULES: list[tuple[str, str]] = [

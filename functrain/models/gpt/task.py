@@ -29,7 +29,9 @@ __all__ = ["CHECKS", "build"]
 
 
 def _remat_ok(value) -> bool:
-    """Whether `value` is a remat policy."""
+    """Whether `value` is a remat policy (or "auto")."""
+    if value == "auto":
+        return True
     try:
         remat_lib.parse_policy(value)
         return True
@@ -46,7 +48,7 @@ CHECKS: list = [
     ("model.dropout", v.number_in(0.0, 1.0)),
     ("model.bias", v.boolean()),
     ("loss_chunk_size", v.int_at_least(0)),
-    ("remat", (_remat_ok, "'none', 'full' or a positive int N (recompute every N-th block)")),
+    ("remat", (_remat_ok, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)")),
     ("sample.max_new_tokens", v.int_at_least(0)),
     ("sample.temperature", v.number_at_least(0.0)),
     ("sample.top_k", v.int_at_least(0)),
@@ -100,7 +102,12 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         template = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
     rules = parallel.default_rules(gpt_lib.TP_RULES)
     model = parallel.tensor_parallel(template, ctx.mesh, rules)  # `template` itself when tp == 1
-    loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=config.remat)
+    # sharded: staged, so each block is gathered just before it runs; "auto" recomputes the blocks on
+    # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
+    remat = config.remat
+    if remat == "auto":
+        remat = "full" if ctx.mesh is not None else "none"
+    loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=ctx.mesh is not None)
     dp = dict(parallel.data_parallel_kwargs(ctx), device=ctx.device)  # this rank's rows of each batch
     sample = config.sample
 
@@ -125,7 +132,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     return Task(
         describe=(f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
                   f"{len(dataset.train):,} train tokens"),
-        init_params=lambda key, device: gpt_lib.init_params(template, key, device=device),
+        init_params=lambda key, device, where=None: gpt_lib.init_params(template, key, device=device, where=where),
         shard_rules=rules,
         loss_fn=loss_fn,
         train_batch=train_batch,

@@ -1,0 +1,86 @@
+"""Cold compile time of the train step against depth: is it flat in the number of layers?
+
+    python bench/compile_depth.py [--layers 2,6,12] [--n-embd 64] [--remat none] [--json]
+
+For each depth, a fresh subprocess (empty inductor and AOT caches in a temporary directory, so
+nothing is reused between depths) builds a width-`--n-embd` GPT, its compiled AdamW train step
+(`make_train_step`, the default job's route), and times the first step (trace + compile + one run)
+and the second (one run); the cold compile time is their difference. Printed: one row per depth and
+the ratio of the deepest to the shallowest; with `--json`, one JSON object as the last line
+(`compile_s` per depth, `ratio`).
+
+The issue-12 target is ratio <= 1.3 at 12 vs 2 layers. Today the step is one graph with every block
+inlined, so compile time grows with depth (DESIGN.md "Scaling the sharded step": 24 s at 1 layer,
+49 s at 4, 85 s at 8, caches off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, sys, time
+import torch
+from functrain import init_state, make_train_step, optim, rng
+from functrain.models import gpt
+n_layer, n_embd, remat = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cfg = gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
+with torch.device("meta"):
+    template = gpt.GPT(cfg)
+params = gpt.init_params(template, rng.key(0))
+opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, weight_decay=0.1))
+state = init_state(params, opt)
+step = make_train_step(gpt.make_loss_fn(template, remat=remat), opt)
+g = torch.Generator().manual_seed(0)
+batch = (torch.randint(0, 256, (4, 64), generator=g), torch.randint(0, 256, (4, 64), generator=g))
+times = []
+for _ in range(3):
+    t = time.perf_counter()
+    state, m = step(state, batch)
+    float(m["loss"])
+    times.append(time.perf_counter() - t)
+print(json.dumps({"first": times[0], "step": min(times[1:])}))
+"""
+
+
+def _cold(n_layer: int, n_embd: int, remat: str) -> dict:
+    """First-step and steady step time of a fresh process with empty compile caches."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+                   TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+        out = subprocess.run([sys.executable, "-c", CHILD, str(n_layer), str(n_embd), remat], env=env,
+                             capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="2,6,12", help="comma-separated depths")
+    ap.add_argument("--n-embd", type=int, default=64)
+    ap.add_argument("--remat", default="none", help="remat policy of the loss (none, full, N)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = ap.parse_args()
+    depths = [int(x) for x in args.layers.split(",")]
+    print(f"cold compile of the GPT train step, width {args.n_embd}, remat={args.remat}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(f"{'layers':>6} {'first step s':>13} {'step s':>8} {'compile s':>10}")
+    compile_s = {}
+    for n in depths:
+        r = _cold(n, args.n_embd, args.remat)
+        compile_s[n] = r["first"] - r["step"]
+        print(f"{n:>6} {r['first']:>13.1f} {r['step']:>8.3f} {compile_s[n]:>10.1f}", flush=True)
+    ratio = compile_s[depths[-1]] / compile_s[depths[0]]
+    print(f"compile time ratio {depths[-1]} / {depths[0]} layers: {ratio:.2f}")
+    if args.json:
+        print(json.dumps({"compile_s": compile_s, "ratio": round(ratio, 3), "n_embd": args.n_embd,
+                          "remat": args.remat}))
+
+
+if __name__ == "__main__":
+    main()
