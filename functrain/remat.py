@@ -199,12 +199,16 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
     blocks = tuple(blocks)
     recompute = _recomputed(policy, len(blocks))
 
+    def compose(params: Params, batch, key, gather=lambda p: p) -> tuple[torch.Tensor, dict]:
+        """embed, every block, head, each on `gather` of its own params (no recomputation)."""
+        h = embed.fn(gather(embed.params(params)), batch, key)
+        for block in blocks:
+            h = block.fn(gather(block.params(params)), h, key)
+        return _loss_and_aux(head.fn(gather(head.params(params)), h, batch, key))
+
     def loss_fn(params: Params, batch, key) -> tuple[torch.Tensor, dict]:
         """The loss: embed, every block, head (no recomputation, no gradients)."""
-        h = embed.fn(embed.params(params), batch, key)
-        for block in blocks:
-            h = block.fn(block.params(params), h, key)
-        return _loss_and_aux(head.fn(head.params(params), h, batch, key))
+        return compose(params, batch, key)
 
     def value_and_grad(params: Params, batch, key, *, loss_scale=None):
         """(loss, aux, grads of loss * loss_scale), recomputing the policy's blocks in backward."""
@@ -220,10 +224,7 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
     def apply_sharded(params: Params, batch, key, *, layout):
         """The loss over sharded params, each stage gathered just before it runs (no gradients)."""
         with torch.no_grad():
-            h = embed.fn(layout.gather(embed.params(params)), batch, key)
-            for block in blocks:
-                h = block.fn(layout.gather(block.params(params)), h, key)
-            return _loss_and_aux(head.fn(layout.gather(head.params(params)), h, batch, key))
+            return compose(params, batch, key, gather=layout.gather)
 
     loss_fn.value_and_grad = value_and_grad  # type: ignore[attr-defined]
     loss_fn.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
@@ -269,24 +270,17 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
     gathered parameters go after its forward and gathers them again for its backward (reshard after
     forward); a kept block's vjp closure holds them until its backward.
     """
-    if layout is None:
-        gather = reduce = None
-    else:
-        gather = layout.gather
-
-        def reduce(g, stage_params):
-            return layout.reduce_grads(g, stage_params)
 
     def local(stage, after=None):
         """The stage's params to compute with: gathered (after `after` exists) when sharded."""
         p = stage.params(params)
-        if gather is None:
+        if layout is None:
             return p
-        return gather(p if after is None else _barrier_tree(p, after))
+        return layout.gather(p if after is None else _barrier_tree(p, after))
 
     def add(stage, g):
         """Adds a stage's gradients to the total, reduced to the params' placements when sharded."""
-        _add_grads(grads, g if reduce is None else reduce(g, stage.params(params)))
+        _add_grads(grads, g if layout is None else layout.reduce_grads(g, stage.params(params)))
 
     # Forward: keep vjp closures of the embedding and of kept blocks, only the input of the others.
     h, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), local(embed))

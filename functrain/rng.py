@@ -97,10 +97,15 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
       >>> k_dropout, k_noise = rng.split(k)
     """
     counter = torch.arange(num, dtype=torch.int64, device=key.device)
+    return torch.stack(_split_words(key[0], key[1], counter), dim=-1)  # (num, 2)
+
+
+def _split_words(k0, k1, counter: torch.Tensor):
+    """The two words of the keys `split` derives from key (k0, k1) for each counter value."""
     c = _mix(counter * 2 + 1)
-    n0 = _mix(key[0] ^ _mix(c + key[1]))
-    n1 = _mix(key[1] ^ _mix(n0 + c + 3 * _GOLDEN))
-    return torch.stack([n0, n1], dim=-1)  # (num, 2)
+    n0 = _mix(k0 ^ _mix(c + k1))
+    n1 = _mix(k1 ^ _mix(n0 + c + 3 * _GOLDEN))
+    return n0, n1
 
 
 def key_data(key: torch.Tensor) -> int:
@@ -116,8 +121,12 @@ def _generator_seed(key: torch.Tensor) -> int:
     into the low word (CUDA's Philox keeps all 64 bits).
     """
     k0, k1 = (int(v) & _MASK for v in key.tolist())
-    low = _mix(k1 ^ _mix(k0 + _GOLDEN))
-    return (k0 << 32) | low
+    return _seed_of_words(k0, k1)
+
+
+def _seed_of_words(k0, k1):
+    """`_generator_seed` of the key words (k0, k1): ints or int64 tensors of 32-bit words."""
+    return (k0 << 32) | _mix(k1 ^ _mix(k0 + _GOLDEN))
 
 
 @torch.library.custom_op("functrain::uniform", mutates_args=())
@@ -151,14 +160,10 @@ def uniform(key: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> tor
 
 
 def _row_seeds(key: torch.Tensor, start: int, stop: int) -> list[int]:
-    """Generator seeds for rows start..stop-1: `split`-style derived keys, mixed as `_generator_seed`."""
-    rows = torch.arange(start, stop, dtype=torch.int64)
-    c = _mix(rows * 2 + 1)
+    """Generator seeds for rows start..stop-1: the `_generator_seed`s of `split`'s keys for those counters."""
     k0, k1 = (int(v) & _MASK for v in key.tolist())
-    n0 = _mix(k0 ^ _mix(c + k1))
-    n1 = _mix(k1 ^ _mix(n0 + c + 3 * _GOLDEN))
-    low = _mix(n1 ^ _mix(n0 + _GOLDEN))
-    return ((n0 << 32) | low).tolist()
+    n0, n1 = _split_words(k0, k1, torch.arange(start, stop, dtype=torch.int64))
+    return _seed_of_words(n0, n1).tolist()
 
 
 def normal(

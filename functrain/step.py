@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import optree
@@ -81,7 +82,7 @@ def apply(model: nn.Module, params: PyTree, *args, **kwargs):
     return torch.func.functional_call(model, params, args, kwargs)
 
 
-def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_scale=None):
+def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_scale=None, layout=None):
     """Loss, aux and gradients of `loss_fn(params, batch, key)` with respect to `params`.
 
     Args:
@@ -91,6 +92,9 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
       key: the RNG key passed to `loss_fn` (or None).
       loss_scale: optional 0-d tensor; the gradients are those of `loss * loss_scale` (fp16 loss
         scaling) while the returned loss is unscaled.
+      layout: for sharded (DTensor) params: the loss's `value_and_grad_sharded(params, batch, key,
+        *, layout, loss_scale=None)` is used, which gathers each stage's params itself and returns
+        grads in the params' placements (`functrain.remat.staged_loss` has one).
 
     Returns:
       `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params.
@@ -104,6 +108,8 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
       >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
     """
     custom = getattr(loss_fn, "value_and_grad", None)
+    if layout is not None:
+        custom = functools.partial(loss_fn.value_and_grad_sharded, layout=layout)
     if custom is not None:
         kwargs = {} if loss_scale is None else {"loss_scale": loss_scale}
         loss, aux, grads = custom(params, batch, key, **kwargs)
@@ -157,11 +163,7 @@ def _describe(x) -> str:
 
 def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None):
     """({"loss": loss, **aux}, grads) for one (micro)batch (per-stage gathers with a `layout`)."""
-    if layout is not None:
-        kwargs = {} if loss_scale is None else {"loss_scale": loss_scale}
-        loss, aux, grads = loss_fn.value_and_grad_sharded(params, batch, key, layout=layout, **kwargs)
-        return {M.LOSS: loss.detach(), **dict(aux or {})}, grads
-    loss, aux, grads = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale)
+    loss, aux, grads = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale, layout=layout)
     return {M.LOSS: loss, **aux}, grads
 
 

@@ -210,11 +210,8 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: named_parameters() lists it once, as wte.weight
         if not self.wte.weight.is_meta:
             with torch.no_grad():
-                for name, p in self.named_parameters():
-                    if key is None:  # the global generator
-                        p.copy_(_init_block(self, name, p.shape, None, None, list(p.shape)))
-                    else:
-                        p.copy_(_init_block(self, name, p.shape, key, [0] * p.ndim, list(p.shape)))
+                for name, p in self.named_parameters():  # key None: the global generator
+                    p.copy_(_init_block(self, name, p.shape, key, [0] * p.ndim, list(p.shape)))
 
     def forward(
         self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, return_hidden: bool = False
@@ -297,7 +294,7 @@ def stages(model: GPT) -> GPTStages:
     )
 
 
-def _init_block(model: GPT, name: str, shape, key: torch.Tensor, offset, local_shape) -> torch.Tensor:
+def _init_block(model: GPT, name: str, shape, key: torch.Tensor | None, offset, local_shape) -> torch.Tensor:
     """The block (`offset`, `local_shape`) of parameter `name`'s nanoGPT init, on CPU float32."""
     owner = model.get_submodule(name.rpartition(".")[0])
     if name.endswith("bias"):
