@@ -44,6 +44,7 @@ from functrain import metric_names as M
 from functrain import metrics as metrics_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
+from functrain import tensorboard as tensorboard_lib
 from functrain import validate
 from functrain.optim.base import Transform
 from functrain.state import TrainState, init_state
@@ -329,9 +330,7 @@ def run(
     if main:
         workdir.mkdir(parents=True, exist_ok=True)
         _write_run_info(config, workdir)
-        writers.append(metrics_lib.JsonlWriter(workdir / "metrics.jsonl"))
-        if config.tensorboard:
-            writers.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
+        writers += _writers(config.tensorboard, workdir, print_fn)
     writer = metrics_lib.MultiWriter(writers)
 
     manager = _make_manager(config, workdir)
@@ -439,6 +438,16 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def _writers(tensorboard: bool, workdir: Path, print_fn) -> list:
+    """The main process's file writers: metrics.jsonl always, TensorBoard events when asked and installed."""
+    out = [metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
+    if tensorboard and tensorboard_lib.available():
+        out.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
+    elif tensorboard:
+        print_fn(tensorboard_lib.MISSING)
+    return out
+
+
 def _make_manager(config, workdir: Path) -> ckpt_lib.Manager | None:
     """The checkpoint manager for `<workdir>/checkpoints` (None when checkpointing is off)."""
     c = config.checkpoint
@@ -448,12 +457,13 @@ def _make_manager(config, workdir: Path) -> ckpt_lib.Manager | None:
                             every=c.every if c.every > 0 else config.steps, keep_every=c.keep_every or None)
 
 
-def checkpoint_path(path: str) -> str:
+def checkpoint_path(path: str, key: str = "checkpoint.init_from") -> str:
     """The committed step directory `path` names: a step directory, a checkpoints root (its latest
     step) or a workdir (its `checkpoints/` latest step).
 
     Args:
       path: a directory.
+      key: the config key or flag that named it (for the error line).
 
     Returns:
       The path of one committed checkpoint.
@@ -472,8 +482,8 @@ def checkpoint_path(path: str) -> str:
         if steps:
             return str(root / str(max(steps)))
     raise validate.ConfigError(
-        f"checkpoint.init_from={path!r}: no committed checkpoint there; give a step directory "
-        "(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir (--config.checkpoint.init_from)"
+        f"{key.lstrip('-')}={path!r}: no committed checkpoint there; give a step directory "
+        f"(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir ({key if key.startswith('--') else '--config.' + key})"
     )
 
 

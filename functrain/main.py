@@ -8,6 +8,9 @@ Flags:
   --config       an ml_collections config file (`get_config(variant)`); `path:variant` picks a
                  variant; `--config.a.b=value` overrides any key (unknown keys are rejected).
   --workdir      run directory (default: runs/<config name>[-<variant>]).
+  --export_hf    instead of training, write the latest checkpoint of the workdir (or of
+                 --export_from: a step directory, checkpoints directory or workdir) as a Hugging Face
+                 model directory that `transformers` loads (the family's `Task.export`).
 
 Bad input (unknown config key, bad value, missing data path) ends the program with one line
 `functrain: error: ...` naming the problem and the fix, and exit status 2.
@@ -31,6 +34,10 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", _DEFAULT_CONFIG, "Config file, optionally with ':variant'.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config>[-<variant>]).")
+_EXPORT_HF = flags.DEFINE_string(
+    "export_hf", None, "Instead of training: write a checkpoint's params as a Hugging Face directory here.")
+_EXPORT_FROM = flags.DEFINE_string(
+    "export_from", None, "With --export_hf: a step directory, checkpoints directory or workdir (default: --workdir).")
 
 
 def _fail(message: str) -> None:
@@ -109,6 +116,43 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
         return loop.run(task, optimizer, config, workdir, ctx, hooks=hooks, print_fn=print_fn, t_program=t_program)
 
 
+def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | None = None, *,
+              print_fn: Callable[..., None] = print) -> Path:
+    """Writes the params of a checkpoint of the job `config` describes as a Hugging Face directory.
+
+    Args:
+      config: the run config the checkpoint was trained with.
+      workdir: the run directory (its latest checkpoint is exported unless `source` is given).
+      out: the directory to write.
+      source: a step directory, checkpoints directory or workdir.
+      print_fn: where the result line goes.
+
+    Returns:
+      The written directory.
+
+    Raises:
+      ConfigError: no committed checkpoint there, or a family without an export.
+
+    Example:
+      >>> export_hf(llama_config.get_config("tiny"), "runs/llama-tiny", "runs/llama-tiny/hf-500",
+      ...           "runs/llama-tiny/checkpoints/500")
+    """
+    from functrain import checkpoint as ckpt_lib
+    from functrain import loop, parallel, validate
+
+    family = _family(config)
+    validate.check_all(config, [*validate.LOOP_CHECKS, *family.CHECKS])
+    step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
+    with parallel.setup(config.mesh) as ctx:
+        task = family.build(config, ctx, workdir)
+        if task.export is None:
+            raise validate.ConfigError(f"model family {config.model.name!r} has no export format")
+        params = ckpt_lib.restore(step_dir, {"params": ckpt_lib.metadata_tree(step_dir)["params"]}).result()["params"]
+        path = task.export(params, out)
+    print_fn(f"exported {step_dir} to {path}")
+    return Path(path)
+
+
 def _family(config: Any):
     """The `task` module of the model family `config.model.name`."""
     from functrain import validate
@@ -136,7 +180,10 @@ def main(argv: list[str]) -> None:
         _fail(f"cannot load --config: {' '.join(l.strip() for l in first[:4])}")
     workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[-1])
     try:
-        train(config, workdir)
+        if _EXPORT_HF.value:
+            export_hf(config, workdir, _EXPORT_HF.value, _EXPORT_FROM.value)
+        else:
+            train(config, workdir)
     except (CheckpointError, ConfigError, DataError, TrainingError) as exc:
         _fail(str(exc))
 

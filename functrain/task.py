@@ -50,6 +50,9 @@ class Task(NamedTuple):
       flops_per_token: training FLOPs per token (for MFU; 0 if unknown).
       finish: `(full params, key) -> dict`: called on the main process after the last step with
         the gathered params, e.g. `{"sample": text}`; the loop prints and records what it returns.
+      export: optional `(full params, out_dir) -> path`: writes the params in the family's
+        interchange format (a Hugging Face directory); `python -m functrain.main --export_hf=DIR`
+        calls it on a checkpoint. None: the family has none.
     """
 
     describe: str
@@ -61,3 +64,4 @@ class Task(NamedTuple):
     tokens_per_step: int
     flops_per_token: float
     finish: Callable[[PyTree, torch.Tensor], dict]
+    export: Callable[[PyTree, Any], Any] | None = None

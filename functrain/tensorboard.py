@@ -1,18 +1,12 @@
-"""A TensorBoard scalar writer with no dependency: TFRecord framing and protobuf encoding by hand.
+"""TensorBoard scalars through the `tensorboard` package's own event-file writer.
 
-An event file (`events.out.tfevents.<time>.<host>.<pid>`) is a sequence of TFRecords:
+`TensorBoardWriter` has the interface of `metrics.JsonlWriter` (`write(step, metrics)`, `close()`);
+it builds `Event`/`Summary` protos and hands them to tensorboard's `EventFileWriter`, which frames
+and checksums the records (until issue 13 functrain encoded protobuf and CRC-32C by hand; the
+package maintains that). Each write is flushed, so a running TensorBoard shows every step at once.
 
-    uint64 length (little-endian) | uint32 masked_crc32c(length bytes) | data | uint32 masked_crc32c(data)
-
-where masked_crc32c(x) = ((crc >> 15) | (crc << 17)) + 0xa282ead8 (mod 2**32), and each data is a
-serialized `tensorflow.Event` protobuf. Only the fields needed for scalars are written:
-
-    Event    { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
-    Summary  { repeated Value value = 1; }
-    Value    { string tag = 1; float simple_value = 2; }
-
-The first record carries `file_version = "brain.Event:2"`. TensorBoard reads these files as it reads
-TensorFlow's and torch.utils.tensorboard's (tested against tensorboard's `EventAccumulator`).
+`tensorboard` is an optional dependency: `available()` says whether it is installed, and the loop
+prints one line saying how to get it when it is not (metrics.jsonl holds every metric regardless).
 
 Example:
     >>> writer = TensorBoardWriter("runs/gpt/tb")
@@ -23,111 +17,23 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import numbers
 import os
-import socket
-import struct
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["TensorBoardWriter", "crc32c", "masked_crc32c"]
+__all__ = ["TensorBoardWriter", "available", "MISSING"]
+
+MISSING = ("tensorboard events off: the tensorboard package is not installed (pip install tensorboard); "
+           "metrics.jsonl has every metric")
+"""The line the loop prints when `tensorboard=True` but the package is absent."""
 
 
-def _crc32c_table() -> list[int]:
-    """The byte-wise lookup table of CRC-32C (Castagnoli, reflected polynomial 0x82F63B78)."""
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli) of `data`, as used by TFRecord framing.
-
-    Args:
-      data: the bytes.
-
-    Returns:
-      The checksum, an int in [0, 2**32).
-
-    Example:
-      >>> hex(crc32c(b"123456789"))
-      '0xe3069283'
-    """
-    crc = 0xFFFFFFFF
-    table = _TABLE
-    for b in data:
-        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-    """TFRecord's masked CRC-32C of `data`: ((crc >> 15) | (crc << 17)) + 0xa282ead8, mod 2**32.
-
-    Args:
-      data: the bytes.
-
-    Returns:
-      The masked checksum, an int in [0, 2**32).
-
-    Example:
-      >>> masked_crc32c(b"")
-      2726488792
-    """
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-    """Protobuf base-128 varint of a (possibly negative, as int64) integer."""
-    n &= 0xFFFFFFFFFFFFFFFF  # negative int64 -> two's complement, 10 bytes
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _field_bytes(number: int, payload: bytes) -> bytes:
-    """A length-delimited field (wire type 2): strings and sub-messages."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _event(wall_time: float, step: int, *, file_version: str | None = None, summary: bytes | None = None) -> bytes:
-    """A serialized `Event` protobuf."""
-    out = _varint(1 << 3 | 1) + struct.pack("<d", wall_time)  # wall_time: double (wire type 1)
-    out += _varint(2 << 3 | 0) + _varint(int(step))  # step: int64 varint
-    if file_version is not None:
-        out += _field_bytes(3, file_version.encode("utf-8"))
-    if summary is not None:
-        out += _field_bytes(5, summary)
-    return out
-
-
-def _summary(scalars: Mapping[str, float]) -> bytes:
-    """A serialized `Summary` with one simple_value per tag."""
-    out = b""
-    for tag, value in scalars.items():
-        value_msg = _field_bytes(1, tag.encode("utf-8")) + _varint(2 << 3 | 5) + struct.pack("<f", value)
-        out += _field_bytes(1, value_msg)
-    return out
-
-
-def _record(data: bytes) -> bytes:
-    """One TFRecord: length, its masked CRC, the data, its masked CRC."""
-    length = struct.pack("<Q", len(data))
-    return length + struct.pack("<I", masked_crc32c(length)) + data + struct.pack("<I", masked_crc32c(data))
+def available() -> bool:
+    """Whether the `tensorboard` package is installed."""
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def _scalar(value: Any) -> float | None:
@@ -152,39 +58,44 @@ class TensorBoardWriter:
         it (or at its parent to compare runs).
       filename_suffix: appended to the file name (e.g. ".rank0").
 
+    Raises:
+      ModuleNotFoundError: the tensorboard package is not installed (`available()` is False).
+
     Example:
       >>> with TensorBoardWriter(workdir / "tb") as tb:
       ...     tb.write(step, {"loss": 2.1, "val_loss": 2.3})
     """
 
     def __init__(self, logdir: str | os.PathLike, filename_suffix: str = ""):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}{filename_suffix}"
-        self.path = self.logdir / name
-        self._f = open(self.path, "ab")
-        self._f.write(_record(_event(time.time(), 0, file_version="brain.Event:2")))
-        self._f.flush()
+        self._writer = EventFileWriter(str(self.logdir), filename_suffix=filename_suffix)
+        self._closed = False
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Appends one event holding every numeric entry of `metrics` as a scalar at `step`.
 
         Strings (e.g. "eta") and other non-numbers are skipped; 0-d tensors are read with `float()`.
         """
-        scalars = {}
+        values = []
         for k, v in metrics.items():
             x = _scalar(v)
-            if x is not None:
-                scalars[str(k)] = x  # NaN / inf are written as such; TensorBoard shows them
-        if not scalars:
+            if x is not None:  # NaN / inf are written as such; TensorBoard shows them
+                values.append(self._summary.Value(tag=str(k), simple_value=x))
+        if not values:
             return
-        self._f.write(_record(_event(time.time(), int(step), summary=_summary(scalars))))
-        self._f.flush()  # TensorBoard tails the file: make each step visible at once
+        self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=self._summary(value=values)))
+        self._writer.flush()  # TensorBoard tails the file: make each step visible at once
 
     def close(self) -> None:
-        """Closes the file (idempotent)."""
-        if not self._f.closed:
-            self._f.close()
+        """Flushes and closes the file (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._writer.close()
 
     def __enter__(self) -> "TensorBoardWriter":
         """The writer itself (closed on exit)."""

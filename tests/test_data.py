@@ -210,8 +210,8 @@ def test_killed_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
         raise KeyboardInterrupt  # the run is killed while writing val.bin
 
     real = corpus._write_tokens
-    monkeypatch.setattr(corpus, "_write_tokens", lambda dst, pieces: (
-        real(dst, pieces) if dst.name == "train.bin" else die()))
+    monkeypatch.setattr(corpus, "_write_tokens", lambda dst, pieces, *a: (
+        real(dst, pieces, *a) if dst.name == "train.bin" else die()))
     with pytest.raises(KeyboardInterrupt):
         load_dataset(str(root), tmp_path / "cache")
     (out,) = (tmp_path / "cache").iterdir()
@@ -225,5 +225,58 @@ def test_killed_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
 def test_failed_write_leaves_no_file(tmp_path):
     dst = tmp_path / "train.bin"
     with pytest.raises(OSError):
-        corpus._write_tokens(dst, [(tmp_path / "missing.txt", 0, 10)])
+        corpus._write_tokens(dst, [(tmp_path / "missing.txt", 0, 10)], corpus.ByteTokenizer(), corpus.np.uint16)
     assert os.listdir(tmp_path) == []
+
+
+def test_bpe_is_deterministic_round_trips_and_keeps_val_unseen(tmp_path):
+    from functrain.data import END_OF_TEXT, HFTokenizer, train_bpe, train_tokenizer
+
+    root = _text_dir(tmp_path / "corpus", n=6)
+    a = train_tokenizer(str(root), tmp_path / "c1", 300, val_fraction=0.3)
+    b = train_tokenizer(str(root), tmp_path / "c2", 300, val_fraction=0.3)
+    assert a.path.read_bytes() == b.path.read_bytes() and a.path.parent == tmp_path / "c1"  # same text, same file
+    assert train_tokenizer(str(root), tmp_path / "c1", 300, val_fraction=0.3).path == a.path  # reused
+    text = "déjà vu: ∑ x_i\n\tdef f():  return 1\n"
+    assert a.decode(a.encode(text)) == text  # byte-level: any text round-trips
+    assert a.eos_id == 0 and a.decode([a.eos_id]) == END_OF_TEXT
+    ds = load_dataset(str(root), tmp_path / "c1", val_fraction=0.3, tokenizer=a)
+    assert ds.train.dtype == np.uint16 and ds.vocab_size == a.vocab_size and ds.info["tokenizer_sha256"] == a.sha256
+    assert ds.decode(ds.train[:50]) == a.decode(a.encode(ds.decode(ds.train[:50])))
+    # the BPE saw only the train split: training on those files alone gives the same merges
+    train_files = [p for p in sorted(root.rglob("*.txt")) if p.relative_to(root).as_posix() not in ds.info["val_files"]]
+    alone = train_bpe([p.read_text() for p in train_files], 300, tmp_path / "alone.json")
+    assert alone.path.read_text() == a.path.read_text()
+    again = load_dataset(str(root), tmp_path / "c1", val_fraction=0.3, tokenizer=HFTokenizer(a.path))
+    assert again.info["cache_dir"] == ds.info["cache_dir"] and np.array_equal(again.train, ds.train)
+    assert load_dataset(str(root), tmp_path / "c1", val_fraction=0.3).info["cache_dir"] != ds.info["cache_dir"]
+
+
+def test_large_vocabularies_are_stored_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from functrain.data import HFTokenizer
+
+    words = {f"w{i}": i for i in range(70_000)}
+    words["[UNK]"] = 70_000
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"w{(i * 7919) % 70_000}" for i in range(3000)))
+    ds = load_dataset(str(text), tmp_path / "cache", val_fraction=0.1, tokenizer=HFTokenizer(tmp_path))
+    assert ds.train.dtype == np.uint32 and ds.vocab_size == 70_001
+    assert int(ds.train.max()) > 65_535  # ids above uint16 survive
+    assert ds.train[:3].tolist() == [0, 7919, 15838]
+    x, y = get_batch(ds.train, batch_size=4, block_size=8, seed=0, step=3)
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_bad_tokenizer_file_is_one_line(tmp_path):
+    from functrain.data import HFTokenizer
+
+    with pytest.raises(DataError, match="nothing.json: no such tokenizer file"):
+        HFTokenizer(tmp_path / "nothing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(DataError, match="bad.json: not a tokenizers file"):
+        HFTokenizer(tmp_path / "bad.json")

@@ -11,7 +11,7 @@ the file; README.md lists name, version and license type.
 import importlib.metadata as md
 from pathlib import Path
 
-DEPENDENCIES = ["torch", "optree", "einops", "tensorstore", "absl-py", "ml-collections", "numpy"]
+DEPENDENCIES = ["torch", "optree", "einops", "tensorstore", "absl-py", "ml-collections", "numpy", "safetensors", "tokenizers"]
 HERE = Path(__file__).resolve().parent
 
 
@@ -43,6 +43,16 @@ def read_license(dist: md.Distribution, name: str) -> str:
     return Path(dist.locate_file(name)).read_text()
 
 
+def _no_license_file(dist: md.Distribution) -> str:
+    """A note for a distribution without license files, with the Apache-2.0 text it names (from safetensors')."""
+    kind = license_type(dist)
+    if "Apache" not in kind:
+        raise SystemExit(f"{dist.metadata['Name']} ships no license file and is {kind!r}: add its text by hand")
+    apache = read_license(md.distribution("safetensors"), license_files(md.distribution("safetensors"))[0])
+    return (f"{'=' * 78}\n{dist.metadata['Name']} {dist.version}: no license file in the wheel; its metadata names "
+            f"{kind} (Apache License 2.0), whose text follows\n{'=' * 78}\n{apache.rstrip()}\n")
+
+
 def main() -> None:
     rows = []
     for dep in DEPENDENCIES:
@@ -52,6 +62,8 @@ def main() -> None:
         for name in names:
             header = f"{'=' * 78}\n{dist.metadata['Name']} {dist.version}: {name}\n{'=' * 78}\n"
             parts.append(header + read_license(dist, name).rstrip() + "\n")
+        if not parts:  # some wheels (tokenizers) ship no license file: say so, and give the named license's text
+            parts.append(_no_license_file(dist))
         (HERE / f"{dep}.txt").write_text("\n".join(parts))
         rows.append((dep, dist.version, license_type(dist), len(names)))
     lines = [

@@ -12,7 +12,10 @@ Sources, as `load_dataset(source, cache_dir)` reads them:
   optionally `itos`/`stoi`) or else from the `vocab_size` argument. Read with `np.memmap`.
 
 Text is tokenized to bytes (vocabulary 256, one token per UTF-8 byte) and documents are joined with
-one newline byte (`SEPARATOR`), which keeps decoded samples printable. Train/val are split by file:
+one newline byte (`SEPARATOR`), which keeps decoded samples printable. With a `tokenizer` (an
+`HFTokenizer`: a model's `tokenizer.json`, or the byte-level BPE `train_tokenizer` trains on the
+train split) text is tokenized with it instead, documents joined by its end-of-text token, ids
+stored as uint16 (uint32 above 65,536 ids). Train/val are split by file:
 a file goes to val when a stable hash of its relative path falls below `val_fraction` (so adding a
 file never moves another), with at least one file in each split. A single text file (or a directory
 with one file) is split by position instead: its last `val_fraction` goes to val.
@@ -46,9 +49,9 @@ from typing import Any
 import numpy as np
 
 from functrain.data.errors import DataError
-from functrain.data.tokenizer import ByteTokenizer, IdTokenizer, VocabTokenizer
+from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
 
-__all__ = ["Dataset", "load_dataset", "stdlib_files", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
+__all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
 
 FORMAT_VERSION = 1
 SEPARATOR = b"\n"
@@ -128,6 +131,7 @@ def load_dataset(
     vocab_size: int | None = None,
     block_size: int | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
+    tokenizer: Any = None,
 ) -> Dataset:
     """Loads (building and caching on first use) the train/val tokens of a data source.
 
@@ -138,6 +142,9 @@ def load_dataset(
       vocab_size: vocabulary of .bin sources without meta.json/meta.pkl; ignored otherwise.
       block_size: when given, each split must hold at least block_size + 1 tokens.
       val_fraction: share of files (or, for a single file, of bytes) that goes to val.
+      tokenizer: for text sources: an `HFTokenizer` (e.g. from `train_tokenizer`, or a model's
+        tokenizer.json) to tokenize with instead of bytes; the cache is keyed by its file's hash,
+        and tokens are stored as uint16, or uint32 when the vocabulary needs it.
 
     Returns:
       A `Dataset`.
@@ -149,9 +156,8 @@ def load_dataset(
       >>> ds = load_dataset("data/shakespeare", "/tmp/data", block_size=256)
     """
     if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        ds = _load_text(stdlib_files(root), root, source, f"stdlib-py{sys.version.split()[0]}",
-                        cache_dir, val_fraction)
+        ds = _load_text(*_text_source(source), source=source, cache_dir=cache_dir, val_fraction=val_fraction,
+                        tokenizer=tokenizer)
     else:
         path = Path(source).expanduser()
         if not path.exists():
@@ -160,10 +166,9 @@ def load_dataset(
             path = path.parent
         if path.is_dir() and (path / "train.bin").exists():
             ds = _load_bin(path, source, vocab_size)
-        elif path.is_file():
-            ds = _load_text([path], path.parent, source, _slug(path.name), cache_dir, val_fraction)
         else:
-            ds = _load_text(_text_files(path), path, source, _slug(path.name), cache_dir, val_fraction)
+            ds = _load_text(*_text_source(str(path)), source=source, cache_dir=cache_dir, val_fraction=val_fraction,
+                            tokenizer=tokenizer)
     if block_size is not None:
         for split in ("train", "val"):
             n = len(getattr(ds, split))
@@ -235,48 +240,69 @@ def _split_files(rels: list[str], val_fraction: float) -> set[str]:
     return val
 
 
-def _load_text(files, root, source, name, cache_dir, val_fraction) -> Dataset:
-    """Byte-tokenizes text files into a cached train/val pair (or reuses the cache)."""
+def _plan(stats, val_fraction):
+    """(train pieces, val pieces, val files, split description) of (path, rel, stat) triples."""
+    if len(stats) == 1:  # one document: split by position
+        path, rel, st = stats[0]
+        cut = st.st_size - max(1, int(st.st_size * val_fraction))
+        return [(path, 0, cut)], [(path, cut, st.st_size)], [], f"by position: last {val_fraction:g} of the bytes"
+    val_set = _split_files([rel for _, rel, _ in stats], val_fraction)
+    train = [(p, 0, st.st_size) for p, rel, st in stats if rel not in val_set]
+    val = [(p, 0, st.st_size) for p, rel, st in stats if rel in val_set]
+    return train, val, sorted(val_set), f"by file: sha256(relative path) < {val_fraction:g}"
+
+
+def _text_source(source: str):
+    """(files, root, cache name) of a text source ("stdlib", a file or a directory of text)."""
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return stdlib_files(root), root, f"stdlib-py{sys.version.split()[0]}"
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path], path.parent, _slug(path.name)
+    return _text_files(path), path, _slug(path.name)
+
+
+def _token_dtype(vocab_size: int):
+    """uint16 when every id fits, else uint32."""
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=None) -> Dataset:
+    """Tokenizes text files (bytes, or `tokenizer`) into a cached train/val pair (or reuses the cache)."""
     stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
     total = sum(st.st_size for _, _, st in stats)
     if not stats or total == 0:
         raise DataError(f"data.path {source!r} holds no text ({len(stats)} files, 0 bytes); {_FIX}")
+    tokenizer = tokenizer or ByteTokenizer()
+    hf = getattr(tokenizer, "sha256", None)  # a `tokenizers` file; None: bytes
     fingerprint = hashlib.sha256(json.dumps({
         "version": FORMAT_VERSION,
         "source": source if source == "stdlib" else str(Path(source).resolve()),
         "python": sys.version if source == "stdlib" else None,
         "val_fraction": val_fraction,
         "files": [[rel, st.st_size, st.st_mtime_ns] for _, rel, st in stats],
+        **({"tokenizer": hf} if hf else {}),
     }).encode()).hexdigest()
-    out = Path(cache_dir) / f"{name}-{fingerprint[:16]}"
-    info = _read_cache_info(out)
+    out = Path(cache_dir) / f"{name}{'-tok' if hf else ''}-{fingerprint[:16]}"
+    dtype = _token_dtype(tokenizer.vocab_size)
+    info = _read_cache_info(out, dtype)
     if info is None:
-        if len(stats) == 1:  # one document: split by position
-            path, rel, st = stats[0]
-            cut = st.st_size - max(1, int(st.st_size * val_fraction))
-            train_pieces, val_pieces = [(path, 0, cut)], [(path, cut, st.st_size)]
-            val_files = []
-            split = f"by position: last {val_fraction:g} of the bytes"
-        else:
-            val_set = _split_files([rel for _, rel, _ in stats], val_fraction)
-            train_pieces = [(p, 0, st.st_size) for p, rel, st in stats if rel not in val_set]
-            val_pieces = [(p, 0, st.st_size) for p, rel, st in stats if rel in val_set]
-            val_files = sorted(val_set)
-            split = f"by file: sha256(relative path) < {val_fraction:g}"
+        train_pieces, val_pieces, val_files, split = _plan(stats, val_fraction)
         out.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        n_train = _write_tokens(out / "train.bin", train_pieces)
-        n_val = _write_tokens(out / "val.bin", val_pieces)
+        n_train = _write_tokens(out / "train.bin", train_pieces, tokenizer, dtype)
+        n_val = _write_tokens(out / "val.bin", val_pieces, tokenizer, dtype)
         info = {
             "format": "functrain-tokens",
             "version": FORMAT_VERSION,
             "source": source,
             "root": str(root),
             "python": sys.version,
-            "tokenizer": "bytes",
-            "vocab_size": 256,
-            "dtype": "uint16",
-            "separator": list(SEPARATOR),
+            "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": np.dtype(dtype).name,
+            "separator": _separator(tokenizer),
             "split": split,
             "val_fraction": val_fraction,
             "files": {"train": len(train_pieces), "val": len(val_pieces)},
@@ -286,32 +312,89 @@ def _load_text(files, root, source, name, cache_dir, val_fraction) -> Dataset:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "build_seconds": round(time.perf_counter() - t0, 3),
         }
+        if hf:
+            info["tokenizer_file"], info["tokenizer_sha256"] = str(tokenizer.path), hf
         _atomic_write(out / "meta.json", lambda f: f.write(json.dumps(info, indent=1).encode()))
     info = dict(info, cache_dir=str(out))
-    return Dataset(_memmap(out / "train.bin", np.uint16), _memmap(out / "val.bin", np.uint16),
-                   256, ByteTokenizer(), info)
+    return Dataset(_memmap(out / "train.bin", dtype), _memmap(out / "val.bin", dtype),
+                   tokenizer.vocab_size, tokenizer, info)
 
 
-def _read_cache_info(out: Path) -> dict | None:
+def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, *,
+                    val_fraction: float = DEFAULT_VAL_FRACTION) -> HFTokenizer:
+    """The byte-level BPE of `source`'s training split (trained once, then read from `cache_dir`).
+
+    Only the files (or bytes) of the train split are read, so the validation text stays unseen.
+    The file is `<cache_dir>/bpe<vocab_size>-<fingerprint>.json`; delete it to retrain.
+
+    Args:
+      source: a text source as `load_dataset` reads it ("stdlib", a text file, a directory of text).
+      cache_dir: where the tokenizer file goes (the run's data directory by default).
+      vocab_size: ids in the tokenizer (>= 257).
+      val_fraction: as `load_dataset`'s (the same split).
+
+    Returns:
+      The `HFTokenizer`; pass it to `load_dataset(..., tokenizer=)`.
+
+    Raises:
+      DataError: a missing or empty source (one line).
+
+    Example:
+      >>> tok = train_tokenizer("stdlib", "runs/llama/data", 4096)
+      >>> ds = load_dataset("stdlib", "runs/llama/data", tokenizer=tok)
+    """
+    if source != "stdlib" and not Path(source).expanduser().exists():
+        raise DataError(f"data.path {source!r} does not exist; {_FIX}")
+    files, root, name = _text_source(source)
+    stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
+    if not stats or sum(st.st_size for _, _, st in stats) == 0:
+        raise DataError(f"data.path {source!r} holds no text to train a tokenizer on; {_FIX}")
+    train_pieces, _, _, _ = _plan(stats, val_fraction)
+    fingerprint = hashlib.sha256(json.dumps({
+        "bpe": vocab_size, "val_fraction": val_fraction, "python": sys.version if source == "stdlib" else None,
+        "files": [[rel, st.st_size, st.st_mtime_ns] for _, rel, st in stats],
+    }).encode()).hexdigest()
+    path = Path(cache_dir) / f"{name}-bpe{vocab_size}-{fingerprint[:16]}.json"
+    if path.exists():
+        return HFTokenizer(path)
+    return train_bpe((_read_piece(*piece) for piece in train_pieces), vocab_size, path)
+
+
+def _read_cache_info(out: Path, dtype) -> dict | None:
     """The meta.json of a complete cache directory, or None when it must be (re)built."""
+    size = np.dtype(dtype).itemsize
     try:
         info = json.loads((out / "meta.json").read_text())
         complete = info.get("version") == FORMAT_VERSION and all(
-            (out / f"{s}.bin").stat().st_size == 2 * info["tokens"][s] for s in ("train", "val"))
+            (out / f"{s}.bin").stat().st_size == size * info["tokens"][s] for s in ("train", "val"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return info if complete else None
 
 
-def _write_tokens(dst: Path, pieces) -> int:
-    """Writes byte tokens of (path, start, stop) pieces, SEPARATOR-joined, as uint16; returns the count."""
-    count = 0
+def _read_piece(path: Path, start: int, stop: int) -> str:
+    """The text of bytes [start, stop) of a file (invalid UTF-8 replaced)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(stop - start).decode("utf-8", errors="replace")
 
-    def write(f):
+
+def _separator(tokenizer) -> list[int]:
+    """The ids joining documents: the tokenizer's end-of-text token, else its encoding of SEPARATOR."""
+    eos = getattr(tokenizer, "eos_id", None)
+    return [eos] if eos is not None else [int(t) for t in tokenizer.encode(SEPARATOR.decode())]
+
+
+def _write_tokens(dst: Path, pieces, tokenizer, dtype) -> int:
+    """Writes the tokens of (path, start, stop) pieces, separator-joined, as `dtype`; returns the count."""
+    count = 0
+    sep = np.asarray(_separator(tokenizer), dtype=dtype).tobytes()
+
+    def write_bytes(f):
         nonlocal count
         for i, (path, start, stop) in enumerate(pieces):
             if i:
-                f.write(np.frombuffer(SEPARATOR, np.uint8).astype(np.uint16).tobytes())
+                f.write(sep)
                 count += len(SEPARATOR)
             with open(path, "rb") as src:
                 src.seek(start)
@@ -320,11 +403,23 @@ def _write_tokens(dst: Path, pieces) -> int:
                     buf = src.read(min(_CHUNK, left))
                     if not buf:
                         break
-                    f.write(np.frombuffer(buf, np.uint8).astype(np.uint16).tobytes())
+                    f.write(np.frombuffer(buf, np.uint8).astype(dtype).tobytes())
                     count += len(buf)
                     left -= len(buf)
 
-    _atomic_write(dst, write)
+    def write_tokenized(f):
+        nonlocal count
+        batch = 64  # documents per encode_batch call (parallel in the tokenizers library)
+        for b in range(0, len(pieces), batch):
+            texts = [_read_piece(*piece) for piece in pieces[b:b + batch]]
+            for i, ids in enumerate(tokenizer.encode_batch(texts)):
+                if b + i:
+                    f.write(sep)
+                    count += len(sep) // np.dtype(dtype).itemsize
+                f.write(np.asarray(ids, dtype=dtype).tobytes())
+                count += len(ids)
+
+    _atomic_write(dst, write_bytes if isinstance(tokenizer, ByteTokenizer) else write_tokenized)
     return count
 
 

@@ -1,14 +1,31 @@
-"""Tokenizers that turn text into token ids and back: bytes, a vocabulary table, or bare ids."""
+"""Tokenizers that turn text into token ids and back: bytes, a vocabulary table, bare ids, or a
+Hugging Face `tokenizers` tokenizer (a `tokenizer.json`: a model's own, or a byte-level BPE trained
+offline on the user's text by `train_bpe`).
+
+Example:
+    >>> tok = train_bpe(["def f(x):\n    return x\n"] * 100, 300, "runs/llama/data/bpe.json")
+    >>> tok.decode(tok.encode("def f"))
+    'def f'
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import uuid
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import numpy as np
 
 from functrain.data.errors import DataError
 
-__all__ = ["ByteTokenizer", "VocabTokenizer", "IdTokenizer"]
+__all__ = ["ByteTokenizer", "VocabTokenizer", "IdTokenizer", "HFTokenizer", "train_bpe", "END_OF_TEXT"]
+
+END_OF_TEXT = "<|endoftext|>"
+"""The document separator token `train_bpe` adds (GPT-2's name for it)."""
+
+_END_TOKENS = (END_OF_TEXT, "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
 
 
 def _as_ids(tokens) -> list[int]:
@@ -167,3 +184,124 @@ class IdTokenizer:
           '1 2'
         """
         return " ".join(str(t) for t in _as_ids(tokens))
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer read from a `tokenizer.json`.
+
+    Args:
+      path: the `tokenizer.json` (or a directory holding one).
+
+    Attributes:
+      vocab_size: number of ids (special tokens included).
+      eos_id: the id of its end-of-text token (`<|endoftext|>`, `</s>`, ...), or None; documents
+        are joined with it in token files.
+      sha256: the file's hash (token caches are keyed by it).
+
+    Raises:
+      DataError: the file is missing or not a tokenizer (one line naming it).
+
+    Example:
+      >>> tok = HFTokenizer("SmolLM-135M/tokenizer.json")
+      >>> tok.decode(tok.encode("def main():"))
+      'def main():'
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer
+
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        try:
+            raw = path.read_bytes()
+            self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except FileNotFoundError:
+            raise DataError(f"{path}: no such tokenizer file; give a tokenizer.json or a directory holding one") from None
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises its own Exception type
+            raise DataError(f"{path}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
+        self.path = path
+        self.name = f"tokenizers:{path.name}"
+        self.sha256 = hashlib.sha256(raw).hexdigest()
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = next((i for t in _END_TOKENS if (i := self._tok.token_to_id(t)) is not None), None)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Encodes text (no special tokens added).
+
+        Args:
+          text: a string.
+
+        Returns:
+          An int64 array of ids.
+
+        Example:
+          >>> tok.encode("hello")
+        """
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encodes many texts at once (in parallel threads).
+
+        Args:
+          texts: strings.
+
+        Returns:
+          One id list per text.
+
+        Example:
+          >>> tok.encode_batch(["a", "b"])
+        """
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, tokens) -> str:
+        """Decodes ids to text (special tokens kept, so document breaks stay visible).
+
+        Args:
+          tokens: a list, numpy array or torch tensor of ids.
+
+        Returns:
+          The text.
+
+        Example:
+          >>> tok.decode([15496, 995])
+        """
+        return self._tok.decode(_as_ids(tokens), skip_special_tokens=False)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) -> HFTokenizer:
+    """Trains a byte-level BPE tokenizer (GPT-2 style, `tokenizers`) and saves it as `path`.
+
+    Every byte is in the initial alphabet, so any text encodes; `<|endoftext|>` is its one special
+    token (id 0). Training is deterministic: the same texts give the same file.
+
+    Args:
+      texts: the training text, e.g. one string per file.
+      vocab_size: ids in the result (256 bytes + 1 special + merges); at least 257.
+      path: where to write the `tokenizer.json` (atomically).
+
+    Returns:
+      The trained `HFTokenizer`.
+
+    Example:
+      >>> tok = train_bpe((p.read_text() for p in files), 4096, "runs/llama/data/bpe-4096.json")
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise DataError(f"a byte-level BPE needs vocab_size >= 257 (256 bytes + {END_OF_TEXT}), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(tok.to_str())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return HFTokenizer(path)

@@ -6,11 +6,18 @@ Example:
     >>> save_safetensors(state.params, "out/model.safetensors")
 """
 
-from functrain.interop.safetensors import SafetensorsError, load_safetensors, safetensors_metadata, save_safetensors
+from functrain.interop.safetensors import (
+    SafetensorsError,
+    load_safetensors,
+    open_safetensors,
+    safetensors_metadata,
+    save_safetensors,
+)
 
 __all__ = [
     "SafetensorsError",
     "save_safetensors",
     "load_safetensors",
     "safetensors_metadata",
+    "open_safetensors",
 ]

@@ -1,17 +1,19 @@
-"""Read and write the Hugging Face safetensors format, with no dependency beyond torch.
+"""Read and write Hugging Face safetensors files, through the `safetensors` package.
 
-The format (https://github.com/huggingface/safetensors, "Format" section) is:
+The format (https://github.com/huggingface/safetensors) is an 8-byte header length, a JSON header
+(name -> dtype, shape, data offsets; optional `__metadata__` of str -> str) and the tensors' bytes.
+The `safetensors` package writes and reads it (memory-mapped, checked against truncation and
+overlap); this module adds what training needs around it:
 
-    8 bytes        N, the header length, unsigned little-endian
-    N bytes        a JSON object: {"__metadata__": {str: str}, name: {"dtype": "F32",
-                   "shape": [...], "data_offsets": [begin, end]}, ...}, padded with spaces
-    the rest       the tensors' bytes, little-endian, row-major, back to back; offsets are
-                   relative to the start of this buffer
+`save_safetensors` writes a params dict (or any pytree of tensors, named by its dotted paths;
+DTensor leaves are gathered with `full_tensor()`, and only rank 0 writes when torch.distributed is
+initialized), atomically (a temporary file renamed into place). `load_safetensors` reads one back,
+optionally shaped, typed, placed (device, DTensor placements) and ordered like a template. Every
+failure is a `SafetensorsError` naming the file. (Until issue 13 this was a hand-written reader and
+writer; the package replaced it: same files, less code to keep.)
 
-`save_safetensors` writes a params dict (or any pytree of tensors, named by its dotted paths; DTensor
-leaves are gathered with `full_tensor()`, and only rank 0 writes when torch.distributed is
-initialized). `load_safetensors` reads one back, optionally shaped, typed, placed (device, DTensor
-placements) and ordered like a template. Files are interchangeable with `safetensors.torch`'s.
+Note on order: the package lays tensors out by dtype alignment, then name, so a file read without a
+template comes back in the file's order, not the saving dict's; a template restores any order.
 
 Example:
     >>> save_safetensors(state.params, "model.safetensors", metadata={"step": "1000"})
@@ -20,39 +22,17 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+import safetensors
+import safetensors.torch
 import torch
 
 from functrain import tree as tree_lib
 
-__all__ = ["SafetensorsError", "save_safetensors", "load_safetensors", "safetensors_metadata"]
-
-# safetensors dtype names <-> torch dtypes (those torch can hold).
-_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
-}
-_NAMES = {dt: name for name, dt in _DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's limit
+__all__ = ["SafetensorsError", "save_safetensors", "load_safetensors", "safetensors_metadata", "open_safetensors"]
 
 
 class SafetensorsError(ValueError):
@@ -80,12 +60,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _le_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's raw bytes in little-endian order (a view where the host is little-endian)."""
-    raw = t.reshape(-1).view(torch.uint8)
-    if sys.byteorder == "big" and t.element_size() > 1:  # swap each element's bytes
-        raw = raw.reshape(-1, t.element_size()).flip(1).reshape(-1)
-    return memoryview(raw.numpy())
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (D)Tensor on the CPU, contiguous (a collective for a DTensor)."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().to("cpu").contiguous()
 
 
 def _rank_and_world() -> tuple[int, bool]:
@@ -117,10 +96,18 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
       >>> save_safetensors(params, "runs/gpt/model.safetensors", metadata={"step": "3000"})
     """
     path = Path(path)
-    items = [(name, _full(t)) for name, t in _named_tensors(params)]
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError(f"safetensors metadata must map str to str, got {dict(metadata)!r}")
+    items = {name: _full(t) for name, t in _named_tensors(params)}
     rank, distributed = _rank_and_world()
     if rank == 0:
-        _write(items, path, metadata)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            safetensors.torch.save_file(items, str(tmp), metadata=dict(metadata) if metadata else None)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
     if distributed:
         import torch.distributed as dist
 
@@ -128,80 +115,29 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
     return path
 
 
-def _write(items: list[tuple[str, torch.Tensor]], path: Path, metadata: Mapping[str, str] | None) -> None:
-    """Writes the header and the tensors' bytes to `path` (via a temporary file)."""
-    header: dict[str, Any] = {}
-    if metadata:
-        bad = {k: v for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))}
-        if bad:
-            raise TypeError(f"safetensors metadata must map str to str; convert these first: {bad!r}")
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    for name, t in items:
-        if name == "__metadata__" or name in header:
-            raise ValueError(f"duplicate or reserved tensor name {name!r}")
-        if t.dtype not in _NAMES:
-            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors name")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    blob += b" " * (-len(blob) % 8)  # pad so the data starts 8-byte aligned, as the reference writer does
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for _, t in items:
-            if t.numel():
-                f.write(_le_bytes(t))
-    os.replace(tmp, path)
+def open_safetensors(path: str | os.PathLike):
+    """The package's reader of `path` (`safe_open`, framework "pt"), with failures as `SafetensorsError`.
 
+    Args:
+      path: a safetensors file.
 
-def _read_header(f, path: Path) -> tuple[dict, int]:
-    """(parsed header, byte offset of the data buffer) of an open safetensors file."""
-    size = os.fstat(f.fileno()).st_size
-    head = f.read(8)
-    if len(head) != 8:
-        raise SafetensorsError(f"{path}: too short to be a safetensors file ({size} bytes)")
-    n = int.from_bytes(head, "little")
-    if n > _MAX_HEADER or 8 + n > size:
-        raise SafetensorsError(f"{path}: header length {n} is invalid for a {size}-byte file")
+    Returns:
+      An open `safe_open` handle (a context manager): `keys()`, `get_tensor(name)`,
+      `get_slice(name)[rows, cols]` (reads only those bytes), `metadata()`.
+
+    Raises:
+      SafetensorsError: the file is missing, truncated or not safetensors (one line naming it).
+
+    Example:
+      >>> with open_safetensors("model.safetensors") as f:
+      ...     rows = f.get_slice("embed_tokens.weight")[0:128]
+    """
     try:
-        header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"{path}: header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: header is not a JSON object")
-    _check_layout(header, size - 8 - n, path)
-    return header, 8 + n
-
-
-def _check_layout(header: dict, data_len: int, path: Path) -> None:
-    """Raises unless the entries' byte ranges match their dtype/shape and tile the data buffer."""
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise SafetensorsError(f"{path}: bad header entry {name!r}: {info!r} ({e!r})") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - begin != numel * torch.empty((), dtype=dtype).element_size() or begin < 0:
-            raise SafetensorsError(f"{path}: {name}: data_offsets {[begin, end]} do not fit {info['dtype']} {shape}")
-        spans.append((begin, end, name))
-    pos = 0
-    for begin, end, name in sorted(spans):
-        if begin != pos:
-            raise SafetensorsError(f"{path}: {name}: data starts at {begin}, expected {pos} (gap or overlap)")
-        pos = end
-    if pos != data_len:
-        raise SafetensorsError(f"{path}: tensors cover {pos} bytes but the data buffer has {data_len}")
+        return safetensors.safe_open(str(path), framework="pt")
+    except FileNotFoundError:
+        raise SafetensorsError(f"{path}: no such file") from None
+    except Exception as exc:  # noqa: BLE001 - the package's SafetensorError and OS errors alike
+        raise SafetensorsError(f"{path}: not a valid safetensors file ({exc}); write it again") from None
 
 
 def safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -216,27 +152,8 @@ def safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
     Example:
       >>> safetensors_metadata("model.safetensors").get("step")
     """
-    path = Path(path)
-    with open(path, "rb") as f:
-        header, _ = _read_header(f, path)
-    return dict(header.get("__metadata__") or {})
-
-
-def _read_tensor(f, start: int, info: dict) -> torch.Tensor:
-    """One tensor (on the CPU, owning its memory) from its header entry."""
-    dtype = _DTYPES[info["dtype"]]
-    shape = [int(d) for d in info["shape"]]
-    begin, end = info["data_offsets"]
-    if end == begin:
-        return torch.empty(shape, dtype=dtype)
-    buf = bytearray(end - begin)
-    f.seek(start + begin)
-    f.readinto(buf)
-    t = torch.frombuffer(buf, dtype=torch.uint8)
-    if sys.byteorder == "big" and t.element_size() > 1:
-        size = torch.empty((), dtype=dtype).element_size()
-        t = t.reshape(-1, size).flip(1).reshape(-1).clone()
-    return t.view(dtype).reshape(shape)
+    with open_safetensors(path) as f:
+        return dict(f.metadata() or {})
 
 
 def _like(t: torch.Tensor, ref: Any, name: str, path: Path) -> Any:
@@ -274,23 +191,22 @@ def load_safetensors(path: str | os.PathLike, template: Any = None) -> dict[str,
       >>> params = load_safetensors("model.safetensors", template=state.params)   # same placement
     """
     path = Path(path)
-    with open(path, "rb") as f:
-        header, start = _read_header(f, path)
-        names = [k for k in header if k != "__metadata__"]
+    with open_safetensors(path) as f:
+        names = list(f.keys())
         if template is None:
-            return {name: _read_tensor(f, start, header[name]) for name in names}
+            return {name: f.get_tensor(name) for name in names}
         if isinstance(template, Mapping) and all(isinstance(v, torch.Tensor) for v in template.values()):
             wanted = list(template.items())
         else:
             wanted = list(tree_lib.named_leaves(template))
-        missing = [n for n, _ in wanted if n not in header]
+        missing = [n for n, _ in wanted if n not in names]
         extra = sorted(set(names) - {n for n, _ in wanted})
         if missing or extra:
             raise SafetensorsError(
                 f"{path} does not match the template: missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                 f"unexpected {extra[:8]}{'...' if len(extra) > 8 else ''}"
             )
-        leaves = [_like(_read_tensor(f, start, header[n]), ref, n, path) for n, ref in wanted]
+        leaves = [_like(f.get_tensor(n), ref, n, path) for n, ref in wanted]
     if isinstance(template, Mapping) and all(isinstance(v, torch.Tensor) for v in template.values()):
         return dict(zip(template.keys(), leaves))
     return tree_lib.unflatten(tree_lib.structure(template), leaves)

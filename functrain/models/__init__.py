@@ -5,5 +5,6 @@ whose `build(config, ctx, workdir)` returns the `functrain.task.Task` the traini
 The trainer knows no model: outside this package only `functrain.main` imports a model family (by
 the config's `model.name`).
 
-Families: `gpt` (byte-level or BPE GPT-2 style decoder).
+Families: `gpt` (byte-level or BPE GPT-2 style decoder), `llama` (Llama-family decoder with Hugging Face
+interop). What decoder LMs share (the loss factory, sampling) is `lm.py`.
 """

@@ -10,7 +10,8 @@ One factory, `make_loss_fn(model, chunk_size=0, remat="none")`, for `make_train_
            whose `value_and_grad` recomputes the chosen blocks in the backward.
 
 All three compute the same loss and gradients (to float rounding; the plain route is the model's
-own forward: `hidden @ wte.T` is exactly `lm_head`).
+own forward: `hidden @ wte.T` is exactly `lm_head`). The code is every decoder LM's
+(`functrain.models.lm`); this module names the GPT's stages and head.
 
 Example:
     >>> step = make_train_step(make_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))
@@ -22,11 +23,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from functrain import remat as remat_lib
-from functrain.losses import chunked_cross_entropy
+from functrain.models import lm
 from functrain.models.gpt import model as gpt_lib
 
 __all__ = ["gpt_hidden", "gpt_loss", "make_loss_fn"]
@@ -55,14 +54,12 @@ def gpt_hidden(
     Example:
       >>> h = gpt_hidden(template, state.params, x, key)
     """
-    return torch.func.functional_call(
-        model, params, (idx,), {"dropout_key": dropout_key, "return_hidden": True}
-    )  # (B, T, C)
+    return lm.lm_hidden(model, params, idx, dropout_key)  # (B, T, C)
 
 
-def _head_weight(params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The lm_head weight: its own entry when untied, else the tied token embedding."""
-    return params["lm_head.weight"] if "lm_head.weight" in params else params["wte.weight"]
+def _head_name(names) -> str:
+    """The lm_head weight's name: its own entry when untied, else the tied token embedding."""
+    return "lm_head.weight" if "lm_head.weight" in names else "wte.weight"
 
 
 def gpt_loss(
@@ -93,11 +90,8 @@ def gpt_loss(
     Example:
       >>> loss = gpt_loss(template, params, x, y, key, chunk_size=2048)
     """
-    hidden = gpt_hidden(model, params, x, key)  # (B, T, C)
-    weight = _head_weight(params)  # (V, C)
-    if chunk_size > 0:
-        return chunked_cross_entropy(hidden, weight, y, chunk_size=chunk_size, ignore_index=ignore_index)
-    return gpt_lib.cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
+    return lm.lm_loss(model, params, x, y, key, head=_head_name(params), chunk_size=chunk_size,
+                      ignore_index=ignore_index)
 
 
 def make_loss_fn(
@@ -131,39 +125,6 @@ def make_loss_fn(
       >>> step = make_train_step(make_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))
       >>> step = make_train_step(make_loss_fn(template, remat=2), optim.adamw(3e-4))
     """
-    remat = remat_lib.parse_policy(remat)
-    if remat != "none" or staged:
-        return _staged_gpt_loss_fn(model, chunk_size, ignore_index, remat)
-
-    def loss_fn(params, batch, key):
-        """(gpt_loss of batch = (x, y), {})."""
-        x, y = batch
-        return gpt_loss(model, params, x, y, key, chunk_size=chunk_size, ignore_index=ignore_index), {}
-
-    return loss_fn
-
-
-def _staged_gpt_loss_fn(model: nn.Module, chunk_size: int, ignore_index: int, policy) -> Callable:
-    """`make_loss_fn` with remat, as a `remat.staged_loss`: embed(x), blocks, head = ln_f -> tied-head loss."""
-    st = gpt_lib.stages(model)
-    names = {n for n, _ in model.named_parameters()}
-    weight_name = "lm_head.weight" if "lm_head.weight" in names else "wte.weight"  # as `_head_weight`
-
-    def embed(p, batch, key):
-        """Embeddings of the inputs x of batch = (x, y)."""
-        return st.embed.fn(p, batch[0], key)
-
-    def head(p, h, batch, key):
-        """ln_f, then the (chunked) cross-entropy through the tied head against y."""
-        hidden = st.final.fn({n: p[n] for n in st.final.names}, h, key)  # (B, T, C)
-        weight, y = p[weight_name], batch[1]  # (V, C), (B, T)
-        if chunk_size > 0:
-            return chunked_cross_entropy(hidden, weight, y, chunk_size=chunk_size, ignore_index=ignore_index)
-        return gpt_lib.cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
-
-    return remat_lib.staged_loss(
-        remat_lib.Stage(st.embed.names, embed),
-        st.blocks,
-        remat_lib.Stage(st.final.names + (weight_name,), head),
-        policy=policy,
-    )
+    head = _head_name({n for n, _ in model.named_parameters()})
+    return lm.make_lm_loss_fn(model, gpt_lib.stages(model), head=head, chunk_size=chunk_size,
+                              ignore_index=ignore_index, remat=remat, staged=staged)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from functrain import ops, rng
+from functrain.models.lm import LMStages, init_blocks, cross_entropy, generate, submodule_stage
 from functrain.remat import Stage
 
 __all__ = [
@@ -226,12 +227,7 @@ class GPT(nn.Module):
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
 
-class GPTStages(NamedTuple):
-    """A GPT cut into `functrain.remat.Stage`s (see `stages`)."""
-
-    embed: Stage  # fn(p, idx, key) -> (B, T, C): token + position embedding, dropout site 0
-    blocks: list[Stage]  # blocks[i].fn(p, h, key) -> (B, T, C): block i, dropout sites 1+2i, 2+2i
-    final: Stage  # fn(p, h, key) -> (B, T, C): ln_f, the hidden states the tied head reads
+GPTStages = LMStages  # embed, blocks, final: a GPT cut into `functrain.remat.Stage`s (see `stages`)
 
 
 def stages(model: GPT) -> GPTStages:
@@ -247,7 +243,7 @@ def stages(model: GPT) -> GPTStages:
       model: a `GPT` (a meta-device template is fine: the weights come from the params).
 
     Returns:
-      `GPTStages(embed, blocks, final)`; `functrain.losses.make_gpt_loss_fn(..., remat=...)` adds
+      `GPTStages(embed, blocks, final)`; `functrain.models.gpt.make_loss_fn(..., remat=...)` adds
       the tied head and the loss.
 
     Example:
@@ -258,39 +254,23 @@ def stages(model: GPT) -> GPTStages:
       >>> hidden = st.final.fn(st.final.params(params), h, key)
     """
     cfg = model.cfg
-    names = [n for n, _ in model.named_parameters()]
-
-    def under(*prefixes: str) -> tuple[str, ...]:
-        """The parameter names under these submodule prefixes (each ending in ".")."""
-        return tuple(n for n in names if n.startswith(prefixes))
-
-    def call(module: nn.Module, prefix: str, p: dict[str, torch.Tensor], *args) -> torch.Tensor:
-        """`module(*args)` with the entries of `p` under `prefix` as its parameters."""
-        own = {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
-        return torch.func.functional_call(module, own, args)
 
     def embed(p, idx, key):
         """Token ids (B, T) -> embeddings (B, T, C), dropout site 0 (the forward's `_embed`)."""
         return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key))
 
-    def block_stage(i: int) -> Stage:
-        """Stage of block i, dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""
-        prefix = f"blocks.{i}."
-
-        def block(p, h, key):
+    def block(i: int):
+        """Block i's stage function, dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""
+        def run(module, own, h, key):
             key = _dropout_key(cfg, key)
-            return call(model.blocks[i], prefix, p, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
+            return torch.func.functional_call(module, own, (h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i)))
+        return run
 
-        return Stage(under(prefix), block)
-
-    def final(p, h, key):
-        """ln_f: (B, T, C) -> (B, T, C)."""
-        return call(model.ln_f, "ln_f.", p, h)
-
+    names = tuple(n for n, _ in model.named_parameters() if n.startswith(("wte.", "wpe.")))
     return GPTStages(
-        embed=Stage(under("wte.", "wpe."), embed),
-        blocks=[block_stage(i) for i in range(len(model.blocks))],
-        final=Stage(under("ln_f."), final),
+        embed=Stage(names, embed),
+        blocks=[submodule_stage(model, f"blocks.{i}.", block(i)) for i in range(len(model.blocks))],
+        final=submodule_stage(model, "ln_f.", lambda module, own, h, key: torch.func.functional_call(module, own, (h,))),
     )
 
 
@@ -343,11 +323,8 @@ def init_params(
       ...     template = GPT(cfg)
       >>> params = init_params(template, rng.key(0), device="cuda")
     """
-    out = {}
-    for name, p in model.named_parameters():
-        offset, local = where(name, p.shape) if where is not None else ([0] * p.ndim, list(p.shape))
-        out[name] = _init_block(model, name, p.shape, key, offset, local).to(device=device, dtype=dtype)
-    return out
+    return init_blocks(model, lambda name, shape, offset, local: _init_block(model, name, shape, key, offset, local),
+                       device=device, dtype=dtype, where=where)
 
 
 TP_RULES: list[tuple[str, str]] = [
@@ -415,75 +392,3 @@ def flops_per_token(cfg: GPTConfig) -> float:
     """
     n = num_params(cfg, non_embedding=True)
     return float(6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in float32.
-
-    Args:
-      logits: (B, T, V) in any floating dtype.
-      targets: int64 (B, T); positions equal to `ignore_index` are left out of the mean.
-      ignore_index: target value to ignore (nanoGPT uses -1).
-
-    Returns:
-      A float32 scalar tensor.
-
-    Example:
-      >>> loss = cross_entropy(model(x), y)
-    """
-    flat = rearrange(logits, "b t v -> (b t) v").float()  # (B*T, V)
-    return F.cross_entropy(flat, rearrange(targets, "b t -> (b t)"), ignore_index=ignore_index)
-
-
-@torch.no_grad()
-def generate(
-    model: GPT,
-    params: dict[str, torch.Tensor],
-    prompt_idx: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    key: torch.Tensor,
-) -> torch.Tensor:
-    """Samples a continuation autoregressively (eager), with randomness from an explicit key.
-
-    At step i the logits of the last position (context cropped to the last `block_size` tokens) are
-    divided by `temperature`, restricted to the `top_k` largest, and a token is drawn by Gumbel-max
-    with noise `rng.uniform(rng.fold_in(key, i), ...)`. `temperature=0` picks the argmax. No global
-    RNG is used: the same (params, prompt, key) give the same tokens.
-
-    Args:
-      model: a `GPT` (a meta template is fine: weights come from `params`).
-      params: name -> tensor, as for `torch.func.functional_call`.
-      prompt_idx: int64 token ids, (B, T0) or (T0,), T0 >= 1.
-      max_new_tokens: how many tokens to append.
-      temperature: softmax temperature; 0 means greedy.
-      top_k: keep only the k most likely tokens (None: all).
-      key: an `rng` key.
-
-    Returns:
-      int64 ids of shape (B, T0 + max_new_tokens) (or (T0 + max_new_tokens,) for a 1-D prompt).
-
-    Example:
-      >>> out = generate(model, params, torch.tensor([[10]]), 100, top_k=50, key=rng.key(1))
-      >>> text = dataset.decode(out[0].tolist())
-    """
-    squeeze = prompt_idx.ndim == 1
-    idx = prompt_idx[None] if squeeze else prompt_idx  # (B, T0)
-    key = key.to(idx.device)
-    block_size = model.cfg.block_size
-    for i in range(max_new_tokens):
-        ctx = idx[:, -block_size:]  # (B, T<=block_size)
-        logits = torch.func.functional_call(model, params, (ctx,))[:, -1, :].float()  # (B, V)
-        if temperature == 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            u = rng.uniform(rng.fold_in(key, i), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
-            nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
-        idx = torch.cat([idx, nxt], dim=1)
-    return idx[0] if squeeze else idx

@@ -19,24 +19,15 @@ import torch
 
 from functrain import data as data_lib
 from functrain import parallel
-from functrain import remat as remat_lib
 from functrain import validate as v
+from functrain.interop.hf import save_hf_directory
+from functrain.models import lm
+from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.loss import make_loss_fn
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
-
-
-def _remat_ok(value) -> bool:
-    """Whether `value` is a remat policy (or "auto")."""
-    if value == "auto":
-        return True
-    try:
-        remat_lib.parse_policy(value)
-        return True
-    except ValueError:
-        return False
 
 
 CHECKS: list = [
@@ -48,7 +39,7 @@ CHECKS: list = [
     ("model.dropout", v.number_in(0.0, 1.0)),
     ("model.bias", v.boolean()),
     ("loss_chunk_size", v.int_at_least(0)),
-    ("remat", (_remat_ok, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)")),
+    lm.REMAT_CHECK,
     ("sample.max_new_tokens", v.int_at_least(0)),
     ("sample.temperature", v.number_at_least(0.0)),
     ("sample.top_k", v.int_at_least(0)),
@@ -104,9 +95,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     model = parallel.tensor_parallel(template, ctx.mesh, rules)  # `template` itself when tp == 1
     # sharded: staged, so each block is gathered just before it runs; "auto" recomputes the blocks on
     # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
-    remat = config.remat
-    if remat == "auto":
-        remat = "full" if ctx.mesh is not None else "none"
+    remat = lm.resolve_remat(config.remat, ctx.mesh)
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=ctx.mesh is not None)
     dp = dict(parallel.data_parallel_kwargs(ctx), device=ctx.device)  # this rank's rows of each batch
     sample = config.sample
@@ -128,6 +117,10 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                                top_k=sample.top_k or None, key=key)
         return {"sample": dataset.decode(out[0].tolist())}
 
+    def export(params, out):
+        """Writes full `params` as a Hugging Face GPT-2 directory `out` (config.json, model.safetensors)."""
+        return save_hf_directory(out, export_hf_gpt2(params, cfg), hf_gpt2_config(cfg))
+
     n_params = gpt_lib.num_params(cfg)
     return Task(
         describe=(f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
@@ -140,4 +133,5 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         tokens_per_step=config.batch_size * cfg.block_size,
         flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,
+        export=export,
     )

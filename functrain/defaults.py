@@ -1,0 +1,89 @@
+"""The trainer's own config keys (loop, compile, optimizer, mesh, checkpoints, profiler), with their
+defaults: a model family's config file starts from `trainer_config()` and adds `model`, `data`,
+`sample` and its own keys (`configs/gpt.py`, `configs/llama.py`).
+
+Example:
+    >>> c = trainer_config()
+    >>> c.steps, c.optim.lr = 2000, 1e-3
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+__all__ = ["trainer_config"]
+
+
+def trainer_config() -> ml_collections.ConfigDict:
+    """The trainer's keys with their defaults (each explained beside it).
+
+    Returns:
+      A ConfigDict; a family's `get_config()` adds its keys and overrides values.
+
+    Example:
+      >>> c = trainer_config(); c.model = ml_collections.ConfigDict(); c.model.name = "gpt"
+    """
+    c = ml_collections.ConfigDict()
+    c.steps = 1000
+    c.seed = 0
+    c.stop_at = 0  # stop (checkpointed) after this step, as if preempted; 0 = run to `steps`
+    c.batch_size = 32  # global batch, in sequences (split over the data-parallel ranks)
+    c.accum_steps = 1  # microbatches per step (gradient accumulation inside the one compiled step)
+    c.log_every = 50
+    c.eval_every = 500
+    c.eval_batches = 8
+    c.compile = True
+    # Where compiled graphs are cached across runs (functrain/compile_cache.py): "user" (per-user
+    # dir: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/functrain/inductor), "workdir" (<workdir>/compile_cache:
+    # a restart from a copy of the workdir compiles warm), "off" (always cold), or a directory path.
+    c.compile_cache = "user"
+    c.donate = True
+    # CPU runs are bit-reproducible without it (functrain/ops.py); on CUDA, True turns on
+    # torch.use_deterministic_algorithms (atomic-add kernels replaced), needed for bit-identical reruns.
+    c.deterministic = False
+    c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32
+    c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row (0 = never skip)
+    c.tensorboard = True  # event files in <workdir>/tb (with the tensorboard package; JSONL always)
+    c.device = "auto"  # "auto" = cuda if available, else cpu
+    # keep: freed host memory stays in the process (functrain/memory.py: page faults on fresh
+    # buffers cost 17% of the default step on CPU); default: glibc's own policy.
+    c.host_memory = "keep"
+    # Python's automatic garbage collection is off during training; a collection runs every this many
+    # steps on every rank at once (0 = leave Python's own collector on).
+    c.gc_every = 50
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "adamw"  # adamw | sgd
+    c.optim.lr = 3e-4
+    c.optim.min_lr = 3e-5
+    c.optim.schedule = "cosine"  # cosine | constant | linear
+    c.optim.warmup_steps = 100
+    c.optim.weight_decay = 0.1  # matrices only; biases, norms and embeddings' positions are masked
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.95  # GPT practice: faster second-moment adaptation than 0.999
+    c.optim.eps = 1e-8
+    c.optim.momentum = 0.9  # sgd only
+    c.optim.clip = 1.0  # global-norm clipping; 0 disables
+    c.optim.mu_dtype = "float32"  # adamw moment storage: float32 | bfloat16 (halves optimizer memory)
+    c.optim.nu_dtype = "float32"
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.dp_replicate = 1
+    c.mesh.dp_shard = -1  # -1 = the rest of the world size
+    c.mesh.tp = 1
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 500  # 0 disables periodic saves (a final save still happens)
+    c.checkpoint.keep = 2
+    c.checkpoint.keep_every = 0  # also keep every N-th step forever; 0 = off
+    c.checkpoint.enabled = True
+    c.checkpoint.async_restore = True  # stream the restore in while the step compiles
+    # Start from another run's params (a step dir, its checkpoints dir or its workdir) with a fresh
+    # optimizer; ignored once this workdir has its own checkpoint (a restart resumes that instead).
+    c.checkpoint.init_from = ""
+
+    c.profile = ml_collections.ConfigDict()
+    c.profile.start = 0  # torch.profiler trace of steps [start, stop) into <workdir>/profile
+    c.profile.stop = 0  # stop <= start: no profiling
+
+    return c

@@ -1,0 +1,39 @@
+"""The Llama family: the model (`model.py`: RMSNorm, rotary embeddings, SwiGLU, grouped-query
+attention, optional tied head), its loss (`loss.py`), Hugging Face interop (`hf.py`) and the Task
+the training loop runs (`task.py`, imported on its own by `functrain.main`).
+
+Example:
+    >>> from functrain.models import llama
+    >>> with torch.device("meta"):
+    ...     template = llama.Llama(llama.LlamaConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    >>> params = llama.init_params(template, rng.key(0))
+    >>> loss_fn = llama.make_loss_fn(template, remat="full")
+"""
+
+from functrain.models.llama.hf import config_from_hf, export_hf_llama, hf_llama_config, hf_name, load_hf_params
+from functrain.models.llama.loss import make_loss_fn
+from functrain.models.llama.model import (
+    TP_RULES,
+    Llama,
+    LlamaConfig,
+    flops_per_token,
+    init_params,
+    num_params,
+    stages,
+)
+
+__all__ = [
+    "Llama",
+    "LlamaConfig",
+    "TP_RULES",
+    "config_from_hf",
+    "export_hf_llama",
+    "flops_per_token",
+    "hf_llama_config",
+    "hf_name",
+    "init_params",
+    "load_hf_params",
+    "make_loss_fn",
+    "num_params",
+    "stages",
+]

@@ -1,0 +1,374 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, TinyLlama shapes), written for functional training.
+
+RMSNorm, rotary position embeddings (the "rotate half" layout Hugging Face checkpoints use),
+SwiGLU MLP, grouped-query attention, optionally a head tied to the token embedding. As in the GPT,
+dropout (off by default; Llama trains without it) draws its masks from an explicit key, so
+`torch.func.functional_call(model, params, (idx,), {"dropout_key": k})` is a pure function.
+
+Parameter names are Hugging Face's `LlamaForCausalLM` names without the `model.` prefix, so the
+interop (`hf.py`) is a prefix and nothing else:
+
+    embed_tokens.weight                          (vocab_size, n_embd)
+    layers.{i}.input_layernorm.weight            (n_embd,)
+    layers.{i}.self_attn.q_proj.weight           (n_head * head_dim, n_embd)     head-major (h d)
+    layers.{i}.self_attn.{k,v}_proj.weight       (n_kv_head * head_dim, n_embd)
+    layers.{i}.self_attn.o_proj.weight           (n_embd, n_head * head_dim)
+    layers.{i}.post_attention_layernorm.weight   (n_embd,)
+    layers.{i}.mlp.{gate,up}_proj.weight         (intermediate_size, n_embd)
+    layers.{i}.mlp.down_proj.weight              (n_embd, intermediate_size)
+    norm.weight                                  (n_embd,)
+    lm_head.weight                               (vocab_size, n_embd)    only when not tied
+
+(`*_proj.bias` exist with `attention_bias` / `mlp_bias`.) Attention reads its head counts from the
+tensors (`head_dim` is fixed), so a tensor-parallel slice of heads runs the same forward; `TP_RULES`
+shard q/k/v/gate/up by output features and o/down by input features.
+
+Example:
+    >>> cfg = LlamaConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    >>> with torch.device("meta"):
+    ...     template = Llama(cfg)
+    >>> params = init_params(template, rng.key(0))
+    >>> logits = torch.func.functional_call(template, params, (idx,))   # (B, T, V)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from functrain import ops, rng
+from functrain.models.lm import LMStages, init_blocks, submodule_stage
+from functrain.remat import Stage
+
+__all__ = ["LlamaConfig", "Llama", "TP_RULES", "flops_per_token", "init_params", "num_params", "stages"]
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family model.
+
+    Args:
+      vocab_size: number of token ids.
+      block_size: maximum context length (Hugging Face's `max_position_embeddings`).
+      n_layer: number of decoder blocks.
+      n_head: query heads.
+      n_kv_head: key/value heads (grouped-query attention); must divide n_head. n_head = MHA.
+      n_embd: model width.
+      intermediate_size: SwiGLU hidden width; 0 = 8/3 n_embd rounded up to a multiple of 64.
+      head_dim: per-head width; 0 = n_embd // n_head.
+      rope_theta: rotary base.
+      norm_eps: RMSNorm epsilon.
+      tie_embeddings: the head reuses the token embedding (SmolLM: yes; Llama 2/3 8B: no).
+      attention_bias: biases on q/k/v/o (Llama: no; some derivatives: yes).
+      mlp_bias: biases on gate/up/down.
+      dropout: drop probability on the attention and MLP outputs and the embedding, when a dropout
+        key is given (0: Llama's pretraining recipe).
+
+    Example:
+      >>> cfg = LlamaConfig(vocab_size=49152, block_size=2048, n_layer=30, n_head=9, n_kv_head=3,
+      ...                   n_embd=576, intermediate_size=1536, tie_embeddings=True)  # SmolLM-135M
+    """
+
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 2
+    n_embd: int = 128
+    intermediate_size: int = 0
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)")
+        if not self.head_dim:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_head "
+                                 "dividing n_embd or set head_dim")
+            self.head_dim = self.n_embd // self.n_head
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
+        if not self.intermediate_size:
+            self.intermediate_size = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+
+def _site_key(key: torch.Tensor | None, site: int) -> torch.Tensor | None:
+    """The dropout key of one site (0: embedding, 1 + 2i: block i's attention, 2 + 2i: its MLP)."""
+    return None if key is None else rng.fold_in(key, site)
+
+
+def _dropout_key(cfg: LlamaConfig, key: torch.Tensor | None) -> torch.Tensor | None:
+    """The key the forward draws dropout masks from: None when the model has no dropout."""
+    return None if cfg.dropout == 0.0 else key
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the mean square taken in float32 (as Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., C) in x's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary(head_dim: int, theta: float, t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, head_dim) of positions 0..t-1, float32; frequency j repeats at j and j + D/2."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))  # (D/2,)
+    freqs = torch.outer(torch.arange(t, device=device).float(), inv_freq)  # (T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates (B, H, T, D) queries or keys: x cos + rotate_half(x) sin, rotate_half = (-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
+    rotated = torch.cat([-x2, x1], dim=-1)  # (B, H, T, D)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary embeddings on q and k."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, b = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * d, bias=b)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * d, bias=b)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * d, bias=b)
+        self.o_proj = nn.Linear(cfg.n_head * d, cfg.n_embd, bias=b)
+
+    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        d = self.cfg.head_dim
+        # Head counts come from the tensors, so a TP-local slice of heads runs unchanged.
+        q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", d=d)  # (B, H, T, D)
+        k = rearrange(self.k_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
+        v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
+        cos, sin = rotary(d, self.cfg.rope_theta, x.shape[1], x.device)  # (T, D) each
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        group = q.shape[1] // k.shape[1]  # query heads per kv head; kv head j serves q heads j*group...
+        k = k.repeat_interleave(group, dim=1)  # (B, H, T, D)
+        v = v.repeat_interleave(group, dim=1)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, H*D)
+        return rng.dropout(self.o_proj(y), self.cfg.dropout, dropout_key)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.dropout = cfg.dropout
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C)."""
+        return rng.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.dropout, dropout_key)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, attn_key=None, mlp_key=None):
+        """(B, T, C) -> (B, T, C)."""
+        x = x + self.self_attn(self.input_layernorm(x), attn_key)
+        return x + self.mlp(self.post_attention_layernorm(x), mlp_key)
+
+
+class Llama(nn.Module):
+    """Llama-family language model: token embedding, `n_layer` blocks, final RMSNorm, head.
+
+    Args:
+      cfg: a `LlamaConfig`.
+
+    Returns (forward):
+      `forward(idx, dropout_key=None, *, return_hidden=False)`: int64 ids (B, T), T <= block_size ->
+      logits (B, T, vocab_size), or the hidden states (B, T, C) after `norm` with `return_hidden`.
+
+    Example:
+      >>> with torch.device("meta"):
+      ...     template = Llama(cfg)                     # shapes only
+      >>> params = init_params(template, rng.key(0))    # real tensors
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # named_parameters() lists it once
+
+    def embed(self, weight: torch.Tensor, idx: torch.Tensor, key) -> torch.Tensor:
+        """Token ids (B, T) -> (B, T, C), dropout site 0 (used by the forward and the embed stage)."""
+        if idx.shape[1] > self.cfg.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")
+        return rng.dropout(ops.embedding(weight, idx), self.cfg.dropout, _site_key(key, 0))  # (B, T, C)
+
+    def forward(self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *,
+                return_hidden: bool = False) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, V), or hidden states (B, T, C) with `return_hidden`."""
+        key = _dropout_key(self.cfg, dropout_key)
+        x = self.embed(self.embed_tokens.weight, idx, key)  # (B, T, C)
+        for i, block in enumerate(self.layers):
+            x = block(x, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
+        x = self.norm(x)  # (B, T, C)
+        return x if return_hidden else self.lm_head(x)  # (B, T, V)
+
+
+def stages(model: Llama) -> LMStages:
+    """`model`'s forward up to the hidden states after `norm`, as `functrain.remat` stages.
+
+    Each stage reads only its own parameters and runs its submodule functionally, so a
+    tensor-parallel copy of the model works unchanged, and on sharded params the train step gathers
+    one block at a time. `final(blocks[-1](...(embed(idx))))` equals the forward with `return_hidden`.
+
+    Args:
+      model: a `Llama` (a meta-device template is fine).
+
+    Returns:
+      `LMStages(embed, blocks, final)`; `functrain.models.llama.make_loss_fn` adds the head and loss.
+
+    Example:
+      >>> st = stages(template)
+      >>> h = st.embed.fn(st.embed.params(params), idx, key)
+    """
+    cfg = model.cfg
+
+    def embed(p, idx, key):
+        """Token ids (B, T) -> embeddings (B, T, C)."""
+        return model.embed(p["embed_tokens.weight"], idx, _dropout_key(cfg, key))
+
+    def block(i: int):
+        """Block i's stage function (dropout sites 1 + 2i, 2 + 2i)."""
+        def run(module, own, h, key):
+            key = _dropout_key(cfg, key)
+            return torch.func.functional_call(module, own, (h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i)))
+        return run
+
+    return LMStages(
+        embed=Stage(("embed_tokens.weight",), embed),
+        blocks=[submodule_stage(model, f"layers.{i}.", block(i)) for i in range(cfg.n_layer)],
+        final=submodule_stage(model, "norm.", lambda module, own, h, key: torch.func.functional_call(module, own, (h,))),
+    )
+
+
+def _init_block(model: Llama, name: str, shape, key: torch.Tensor, offset, local_shape) -> torch.Tensor:
+    """The block (`offset`, `local_shape`) of parameter `name`'s initial value, on CPU float32."""
+    if name.endswith("bias"):
+        return torch.zeros(local_shape)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return torch.ones(local_shape)
+    std = 0.02  # Hugging Face's initializer_range
+    if name.endswith(("o_proj.weight", "down_proj.weight")):  # residual projections: depth-scaled
+        std = 0.02 / math.sqrt(2 * model.cfg.n_layer)
+    k = rng.fold_in(key.cpu(), zlib.crc32(name.encode()))
+    return rng.normal(k, shape, offset=offset, local_shape=local_shape) * std
+
+
+def init_params(model: Llama, key: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32,
+                where: Callable | None = None) -> dict[str, torch.Tensor]:
+    """Fresh parameters for `model`, each a pure function of (key, its name, its shape).
+
+    normal(0, 0.02) for the embedding and projections (0.02 / sqrt(2 n_layer) for o_proj and
+    down_proj), ones for the RMSNorm weights, zeros for biases; drawn row by row by `rng.normal`, so
+    any block can be drawn alone (sharded init, bit-identical to the whole).
+
+    Args:
+      model: a `Llama` (its parameters may live on "meta").
+      key: an `rng` key.
+      device: where to put the tensors (default CPU).
+      dtype: floating dtype.
+      where: optional `where(name, shape) -> (offset, local_shape)`: draw only that block of each
+        parameter (`functrain.parallel.init_sharded` passes it).
+
+    Returns:
+      {name: tensor (or block)} in `model.named_parameters()` order.
+
+    Example:
+      >>> params = init_params(template, rng.key(0), device="cuda")
+    """
+    return init_blocks(model, lambda name, shape, offset, local: _init_block(model, name, shape, key, offset, local),
+                       device=device, dtype=dtype, where=where)
+
+
+TP_RULES: list[tuple[str, str]] = [
+    (r"^layers\.\d+\.self_attn\.(q|k|v)_proj\.(weight|bias)$", "colwise"),
+    (r"^layers\.\d+\.mlp\.(gate|up)_proj\.(weight|bias)$", "colwise"),
+    (r"^layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$", "rowwise"),
+    (r".*", "replicate"),
+]
+"""Tensor-parallel rules for `Llama` (first `re.search` match wins): q/k/v and gate/up colwise (each
+rank holds whole query and kv heads: n_kv_head must divide by the TP degree), o/down rowwise,
+embeddings, norms and the head replicated. See `functrain.models.gpt.TP_RULES` for the kinds."""
+
+
+def num_params(cfg: LlamaConfig, non_embedding: bool = False) -> int:
+    """Number of parameters of `Llama(cfg)` from the config alone.
+
+    Args:
+      cfg: a `LlamaConfig`.
+      non_embedding: leave out the token embedding when it is not also the head (a lookup, no matmul).
+
+    Returns:
+      The count (a tied embedding/head counted once).
+
+    Example:
+      >>> num_params(LlamaConfig(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+      ...                        intermediate_size=1536, tie_embeddings=True))   # 134,515,008
+    """
+    c, d, f = cfg.n_embd, cfg.head_dim, cfg.intermediate_size
+    attn = c * d * (2 * cfg.n_head + 2 * cfg.n_kv_head) + cfg.attention_bias * (d * (cfg.n_head + 2 * cfg.n_kv_head) + c)
+    mlp = 3 * c * f + cfg.mlp_bias * (2 * f + c)
+    embed = cfg.vocab_size * c
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * c
+    n = embed + cfg.n_layer * (attn + mlp + 2 * c) + c + head
+    return n - embed if non_embedding and not cfg.tie_embeddings else n
+
+
+def flops_per_token(cfg: LlamaConfig) -> float:
+    """Training FLOPs per token: 6 N + 12 L (n_head head_dim) T (see `functrain.models.gpt.flops_per_token`).
+
+    Args:
+      cfg: a `LlamaConfig`.
+
+    Returns:
+      FLOPs per trained token (N: every matmul weight, the head included, the lookup-only embedding not).
+
+    Example:
+      >>> flops_per_token(cfg) * tokens_per_second / peak_flops   # MFU
+    """
+    n = num_params(cfg, non_embedding=True)
+    return float(6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size)

@@ -1,0 +1,218 @@
+"""The Llama as a `functrain.task.Task`: config -> tokenizer, data, model (fresh or from a Hugging
+Face directory), loss, batches, FLOPs, a text sample and the Hugging Face export.
+
+Keys this family reads (`CHECKS`): model.* (vocab_size, block_size, n_layer, n_head, n_kv_head,
+n_embd, intermediate_size, head_dim, rope_theta, norm_eps, tie_embeddings, dropout), data.* (path,
+cache_dir, tokenizer), init_from, export_hf, loss_chunk_size, remat, sample.*.
+
+`init_from="hf:<dir>"`: the model is built from `<dir>/config.json` (the model.* keys other than
+block_size are ignored), its weights read from `<dir>/*.safetensors` (each rank reads only its own
+shards) and, with `data.tokenizer="auto"`, the data tokenized with `<dir>/tokenizer.json`.
+`model.block_size` is the training sequence length (at most the directory's
+max_position_embeddings). A resume from this run's own checkpoint wins over `init_from`.
+
+Example:
+    >>> with parallel.setup(config.mesh) as ctx:
+    ...     task = build(config, ctx, "runs/llama")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functrain import data as data_lib
+from functrain import parallel
+from functrain import validate as v
+from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
+from functrain.models import lm
+from functrain.models.llama import hf as hf_lib
+from functrain.models.llama import model as llama_lib
+from functrain.models.llama.loss import make_loss_fn
+from functrain.task import Task
+
+__all__ = ["CHECKS", "build"]
+
+
+def _init_from_ok(value) -> bool:
+    """'' or 'hf:<dir>'."""
+    return isinstance(value, str) and (value == "" or (value.startswith("hf:") and len(value) > 3))
+
+
+def _tokenizer_ok(value) -> bool:
+    """'auto', 'bytes', 'bpe:N' (N >= 257) or a path."""
+    if not isinstance(value, str) or not value:
+        return False
+    if value.startswith("bpe:"):
+        return value[4:].isdigit() and int(value[4:]) >= 257
+    return True
+
+
+CHECKS: list = [
+    ("model.vocab_size", v.int_at_least(0)),
+    ("model.block_size", v.int_at_least(1)),
+    ("model.n_layer", v.int_at_least(1)),
+    ("model.n_head", v.int_at_least(1)),
+    ("model.n_kv_head", v.int_at_least(1)),
+    ("model.n_embd", v.int_at_least(1)),
+    ("model.intermediate_size", v.int_at_least(0)),
+    ("model.head_dim", v.int_at_least(0)),
+    ("model.rope_theta", v.number_at_least(1.0)),
+    ("model.norm_eps", v.number_at_least(0.0)),
+    ("model.tie_embeddings", v.boolean()),
+    ("model.dropout", v.number_in(0.0, 1.0)),
+    ("data.tokenizer", (_tokenizer_ok, "'auto', 'bytes', 'bpe:N' (N >= 257) or a tokenizer.json path")),
+    ("init_from", (_init_from_ok, "'' or 'hf:<Hugging Face model directory>'")),
+    ("export_hf", v.boolean()),
+    ("loss_chunk_size", v.int_at_least(0)),
+    lm.REMAT_CHECK,
+    ("sample.max_new_tokens", v.int_at_least(0)),
+    ("sample.temperature", v.number_at_least(0.0)),
+    ("sample.top_k", v.int_at_least(0)),
+]
+"""The checks of the keys the Llama family reads (see `functrain.validate`)."""
+
+
+def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.LlamaConfig:
+    """The LlamaConfig: the HF directory's, or the model.* keys with `vocab` ids."""
+    if hf is not None:
+        cfg = hf_lib.config_from_hf(hf.config, hf.path / "config.json")
+        if config.model.block_size > cfg.block_size:
+            raise v.ConfigError(
+                f"model.block_size={config.model.block_size} exceeds {hf.path / 'config.json'}'s "
+                f"max_position_embeddings={cfg.block_size}; lower --config.model.block_size")
+        return cfg
+    m = config.model
+    try:
+        return llama_lib.LlamaConfig(
+            vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head, n_kv_head=m.n_kv_head,
+            n_embd=m.n_embd, intermediate_size=m.intermediate_size, head_dim=m.head_dim, rope_theta=m.rope_theta,
+            norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, dropout=m.dropout)
+    except ValueError as exc:
+        raise v.ConfigError(f"model: {exc} (--config.model.*)") from None
+
+
+def _tokenizer(config: Any, hf: HFDirectory | None, cache_dir: str):
+    """The tokenizer `data.tokenizer` names (None: bytes, the data layer's default)."""
+    spec = config.data.tokenizer
+    if spec == "auto":
+        if hf is not None and hf.tokenizer_file is not None:
+            return data_lib.HFTokenizer(hf.tokenizer_file)
+        spec = f"bpe:{config.model.vocab_size or 2048}"
+    if spec == "bytes":
+        return None
+    if spec.startswith("bpe:"):
+        return data_lib.train_tokenizer(config.data.path, cache_dir, int(spec[4:]))
+    return data_lib.HFTokenizer(spec)
+
+
+def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
+    """The Llama `Task` for `config` on this process's place in `ctx`.
+
+    Args:
+      config: the run config (`configs/llama.py`).
+      ctx: the parallel context.
+      workdir: the run directory (data cache and trained tokenizer in `<workdir>/data`, the Hugging
+        Face export in `<workdir>/hf`).
+
+    Returns:
+      A `Task`; with `init_from="hf:<dir>"` its `init_params` reads the directory's weights.
+
+    Raises:
+      ConfigError: a bad key, or an unusable Hugging Face directory (one line naming the file).
+      DataError: missing data, or a tokenizer whose vocabulary exceeds the model's (naming it).
+
+    Example:
+      >>> task = build(get_config("tiny"), ctx, "runs/llama-tiny")
+    """
+    v.check_all(config, CHECKS)
+    try:
+        hf = HFDirectory(config.init_from[3:]) if config.init_from else None
+        cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
+        tokenizer = _tokenizer(config, hf, cache_dir)
+        tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
+        cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
+        weights = hf.weights if hf is not None else None  # opened now: a missing shard fails before training
+    except HFError as exc:
+        raise v.ConfigError(f"init_from: {exc}") from None
+    if tok_vocab > cfg.vocab_size:
+        where = getattr(tokenizer, "path", "the byte tokenizer")
+        raise data_lib.DataError(
+            f"{where}: the tokenizer has {tok_vocab} ids but the model only {cfg.vocab_size}; use the model's own "
+            "tokenizer (--config.data.tokenizer) or a larger --config.model.vocab_size")
+    if ctx.tp_world > 1 and (cfg.n_head % ctx.tp_world or cfg.n_kv_head % ctx.tp_world):
+        raise v.ConfigError(
+            f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
+            f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp")
+    seq = config.model.block_size
+    dataset = data_lib.load_dataset(config.data.path, cache_dir, vocab_size=cfg.vocab_size, block_size=seq,
+                                    tokenizer=tokenizer)
+    with torch.device("meta"):
+        template = llama_lib.Llama(cfg)  # shapes only
+    rules = parallel.default_rules(llama_lib.TP_RULES)
+    model = parallel.tensor_parallel(template, ctx.mesh, rules)
+    remat = lm.resolve_remat(config.remat, ctx.mesh)
+    loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=ctx.mesh is not None)
+    dp = dict(parallel.data_parallel_kwargs(ctx), device=ctx.device)
+    sample = config.sample
+    tokenizer_file = getattr(tokenizer, "path", None)
+    if ctx.is_main_process:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        info = {"model": vars(cfg), "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
+                "init_from": config.init_from}
+        (Path(workdir) / "model.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    def init_params(key, device, where=None):
+        """Fresh params from `key`, or the Hugging Face directory's (only this rank's blocks with `where`)."""
+        if weights is not None:
+            return hf_lib.load_hf_params(weights, template, device=device, where=where)
+        return llama_lib.init_params(template, key, device=device, where=where)
+
+    def train_batch(step: int):
+        """This rank's rows of the training batch of `step`."""
+        return data_lib.get_batch(dataset.train, batch_size=config.batch_size, block_size=seq, seed=config.seed,
+                                  step=step, **dp)
+
+    def eval_batches():
+        """This rank's rows of the fixed evaluation batches."""
+        return data_lib.eval_batches(dataset.val, batch_size=config.batch_size, block_size=seq,
+                                     num_batches=config.eval_batches, **dp)
+
+    def export(params, out):
+        """Writes full `params` as a Hugging Face directory `out` (config, weights, tokenizer)."""
+        eos = getattr(tokenizer, "eos_id", None)
+        return save_hf_directory(out, hf_lib.export_hf_llama(params, cfg),
+                                 hf_lib.hf_llama_config(cfg, bos_token_id=eos, eos_token_id=eos),
+                                 tokenizer_file=tokenizer_file)
+
+    def finish(params, key):
+        """A text sample from the prompt; the Hugging Face export with `export_hf`."""
+        prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
+        out = lm.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
+                          top_k=sample.top_k or None, key=key)
+        result = {"sample": dataset.decode(out[0].tolist())}
+        if config.export_hf:
+            result["hf_export"] = str(export(params, Path(workdir) / "hf"))
+        return result
+
+    n_params = llama_lib.num_params(cfg)
+    origin = f"from {config.init_from}" if hf is not None else "fresh"
+    return Task(
+        describe=(f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
+                  f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), "
+                  f"{len(dataset.train):,} train tokens"),
+        init_params=init_params,
+        shard_rules=rules,
+        loss_fn=loss_fn,
+        train_batch=train_batch,
+        eval_batches=eval_batches,
+        tokens_per_step=config.batch_size * seq,
+        flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # the trained length
+        finish=finish,
+        export=export,
+    )
+

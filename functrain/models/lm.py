@@ -1,0 +1,288 @@
+"""What every decoder-only language model family shares: the next-token loss through the output
+head (plain, chunked or as `functrain.remat` stages), stage helpers, and sampling.
+
+A family provides an nn.Module whose forward is `forward(idx, dropout_key=None, *, return_hidden=False)`
+(logits (B, T, V), or the final hidden states (B, T, C) before the head), a `cfg.block_size`, and its
+forward cut into `LMStages` (embedding, blocks, final norm), each stage reading only its own
+parameters. `make_lm_loss_fn` turns that into the `loss_fn(params, (x, y), key)` a `Task` carries;
+on sharded params its stages make the train step gather one block at a time (`functrain.remat`).
+
+Example:
+    >>> loss_fn = make_lm_loss_fn(template, gpt.stages(template), head="wte.weight", chunk_size=1024)
+    >>> out = generate(template, params, torch.tensor([[10]]), 100, key=rng.key(1))
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from functrain import remat as remat_lib
+from functrain import rng
+from functrain.losses import chunked_cross_entropy
+from functrain.remat import Stage
+
+__all__ = [
+    "LMStages", "REMAT_CHECK", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "make_lm_loss_fn",
+    "resolve_remat", "submodule_stage",
+]
+
+
+class LMStages(NamedTuple):
+    """A decoder LM's forward (up to the hidden states the head reads) cut into `remat.Stage`s."""
+
+    embed: Stage  # fn(p, idx, key) -> (B, T, C)
+    blocks: list[Stage]  # blocks[i].fn(p, h, key) -> (B, T, C)
+    final: Stage  # fn(p, h, key) -> (B, T, C): the final norm
+
+
+def submodule_stage(model: nn.Module, prefix: str, fn: Callable) -> Stage:
+    """A stage over the parameters under `prefix` (e.g. "layers.3."), running `fn(module, p, *args)`.
+
+    `fn` gets the submodule and its parameters with the prefix stripped (ready for
+    `torch.func.functional_call`), so a tensor-parallel copy of the model (Linears swapped) works
+    unchanged.
+
+    Args:
+      model: the (meta-device) model.
+      prefix: a submodule path ending in ".".
+      fn: `fn(module, own_params, *args) -> tensor`.
+
+    Returns:
+      `Stage(names under prefix, lambda p, *args: fn(module, own(p), *args))`.
+
+    Example:
+      >>> st = submodule_stage(model, "norm.", lambda m, p, h, key: functional_call(m, p, (h,)))
+    """
+    module = model.get_submodule(prefix.rstrip("."))
+    names = tuple(n for n, _ in model.named_parameters() if n.startswith(prefix))
+
+    def run(p, *args):
+        """`fn` on this submodule's own parameters."""
+        own = {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
+        return fn(module, own, *args)
+
+    return Stage(names, run)
+
+
+def init_blocks(model: nn.Module, block: Callable, *, device=None, dtype: torch.dtype = torch.float32,
+                where: Callable | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` (or only `where`'s block of each) from a family's block initializer.
+
+    Args:
+      model: the (meta-device) model.
+      block: `block(name, shape, offset, local_shape) -> CPU float32 tensor`: the values of that block
+        of parameter `name`, a pure function of its arguments (and the family's key).
+      device: where to put the tensors.
+      dtype: their dtype.
+      where: optional `where(name, shape) -> (offset, local_shape)` (this rank's shard); default whole.
+
+    Returns:
+      {name: tensor} in `model.named_parameters()` order (a tied weight once).
+
+    Example:
+      >>> params = init_blocks(template, lambda n, s, o, l: torch.zeros(l), where=where)
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        offset, local = where(name, p.shape) if where is not None else ([0] * p.ndim, list(p.shape))
+        out[name] = block(name, p.shape, offset, local).to(device=device, dtype=dtype)
+    return out
+
+
+def _is_remat(value) -> bool:
+    """Whether `value` is a remat policy or "auto"."""
+    if value == "auto":
+        return True
+    try:
+        remat_lib.parse_policy(value)
+        return True
+    except ValueError:
+        return False
+
+
+REMAT_CHECK = ("remat", (_is_remat, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)"))
+"""The `functrain.validate` check of a family's `remat` key."""
+
+
+def resolve_remat(value, mesh) -> "str | int":
+    """`remat="auto"` -> "full" on a mesh (a recomputed block's gathered params go after its forward:
+    no rank ever holds the whole model), "none" on one process; other values unchanged."""
+    if value == "auto":
+        return "full" if mesh is not None else "none"
+    return value
+
+
+def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tensor,
+              dropout_key: torch.Tensor | None = None) -> torch.Tensor:
+    """Final hidden states (after the last norm, before the head) with `params`, functionally.
+
+    Args:
+      model: a decoder LM (a meta-device template is fine).
+      params: its parameters, {name: tensor}.
+      idx: int64 token ids (B, T).
+      dropout_key: an `rng` key for dropout, or None.
+
+    Returns:
+      (B, T, C) hidden states; `hidden @ head.T` are the model's logits.
+
+    Example:
+      >>> h = lm_hidden(template, state.params, x, key)
+    """
+    return torch.func.functional_call(model, params, (idx,), {"dropout_key": dropout_key, "return_hidden": True})
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in float32.
+
+    Args:
+      logits: (B, T, V) in any floating dtype.
+      targets: int64 (B, T); positions equal to `ignore_index` are left out of the mean.
+      ignore_index: target value to ignore (nanoGPT uses -1).
+
+    Returns:
+      A float32 scalar tensor.
+
+    Example:
+      >>> loss = cross_entropy(model(x), y)
+    """
+    flat = rearrange(logits, "b t v -> (b t) v").float()  # (B*T, V)
+    return F.cross_entropy(flat, rearrange(targets, "b t -> (b t)"), ignore_index=ignore_index)
+
+
+def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T` against y, chunked when chunk_size > 0."""
+    if chunk_size > 0:
+        return chunked_cross_entropy(hidden, weight, y, chunk_size=chunk_size, ignore_index=ignore_index)
+    return cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
+
+
+def lm_loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+            key: torch.Tensor | None = None, *, head: str, chunk_size: int = 0, ignore_index: int = -1) -> torch.Tensor:
+    """Next-token cross-entropy; with `chunk_size > 0` the (B, T, V) logits never exist whole.
+
+    Args:
+      model: the decoder LM (meta template is fine).
+      params: its parameters.
+      x: int64 input ids (B, T).
+      y: int64 targets (B, T).
+      key: dropout key (or None).
+      head: the name of the output projection's weight (V, C) in `params` (a tied model's embedding).
+      chunk_size: 0 = plain loss over the full logits; > 0 = `chunked_cross_entropy`.
+      ignore_index: target value to ignore.
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> loss = lm_loss(template, params, x, y, key, head="wte.weight", chunk_size=2048)
+    """
+    hidden = lm_hidden(model, params, x, key)  # (B, T, C)
+    return _head_loss(hidden, params[head], y, chunk_size, ignore_index)
+
+
+def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size: int = 0, ignore_index: int = -1,
+                    remat: "str | int" = "none", staged: bool = False) -> Callable:
+    """`loss_fn(params, (x, y), key) -> (loss, {})` for `make_train_step` / `make_eval_step`.
+
+    Args:
+      model: the (meta-device) LM template, or its tensor-parallel copy.
+      stages: its forward as `LMStages` (used when `remat != "none"` or `staged`).
+      head: the output projection's parameter name (see `lm_loss`).
+      chunk_size: see `lm_loss`.
+      ignore_index: target value to ignore.
+      remat: activation checkpointing of the blocks (`functrain.remat.parse_policy`): "none", "full"
+        or an int N (every N-th block). Other than "none" the loss is a `remat.staged_loss` whose
+        `value_and_grad` the train step uses; loss and gradients are unchanged (to float rounding).
+      staged: build the staged loss even with remat "none": on sharded (DTensor) params the train
+        step then gathers each block's parameters just before it runs and reduce-scatters its
+        gradients as soon as they exist, instead of gathering the whole model.
+
+    Returns:
+      The loss function.
+
+    Raises:
+      ValueError: for a bad `remat` policy.
+
+    Example:
+      >>> loss_fn = make_lm_loss_fn(template, llama.stages(template), head="lm_head.weight", remat="full")
+    """
+    remat = remat_lib.parse_policy(remat)
+    if remat == "none" and not staged:
+        def loss_fn(params, batch, key):
+            """(lm_loss of batch = (x, y), {})."""
+            x, y = batch
+            return lm_loss(model, params, x, y, key, head=head, chunk_size=chunk_size, ignore_index=ignore_index), {}
+
+        return loss_fn
+
+    def embed(p, batch, key):
+        """Embeddings of the inputs x of batch = (x, y)."""
+        return stages.embed.fn(p, batch[0], key)
+
+    def head_stage(p, h, batch, key):
+        """The final norm, then the (chunked) cross-entropy through the head against y."""
+        hidden = stages.final.fn({n: p[n] for n in stages.final.names}, h, key)  # (B, T, C)
+        return _head_loss(hidden, p[head], batch[1], chunk_size, ignore_index)
+
+    head_names = stages.final.names + ((head,) if head not in stages.final.names else ())
+    return remat_lib.staged_loss(Stage(stages.embed.names, embed), stages.blocks, Stage(head_names, head_stage),
+                                 policy=remat)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    prompt_idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    key: torch.Tensor,
+) -> torch.Tensor:
+    """Samples a continuation autoregressively (eager), with randomness from an explicit key.
+
+    At step i the logits of the last position (context cropped to the last `model.cfg.block_size`
+    tokens) are divided by `temperature`, restricted to the `top_k` largest, and a token is drawn by
+    Gumbel-max with noise `rng.uniform(rng.fold_in(key, i), ...)`. `temperature=0` picks the argmax.
+    No global RNG is used: the same (params, prompt, key) give the same tokens.
+
+    Args:
+      model: a decoder LM with `cfg.block_size` (a meta template is fine: weights come from `params`).
+      params: name -> tensor, as for `torch.func.functional_call`.
+      prompt_idx: int64 token ids, (B, T0) or (T0,), T0 >= 1.
+      max_new_tokens: how many tokens to append.
+      temperature: softmax temperature; 0 means greedy.
+      top_k: keep only the k most likely tokens (None: all).
+      key: an `rng` key.
+
+    Returns:
+      int64 ids of shape (B, T0 + max_new_tokens) (or (T0 + max_new_tokens,) for a 1-D prompt).
+
+    Example:
+      >>> out = generate(model, params, torch.tensor([[10]]), 100, top_k=50, key=rng.key(1))
+      >>> text = dataset.decode(out[0].tolist())
+    """
+    squeeze = prompt_idx.ndim == 1
+    idx = prompt_idx[None] if squeeze else prompt_idx  # (B, T0)
+    key = key.to(idx.device)
+    block_size = model.cfg.block_size
+    for i in range(max_new_tokens):
+        ctx = idx[:, -block_size:]  # (B, T<=block_size)
+        logits = torch.func.functional_call(model, params, (ctx,))[:, -1, :].float()  # (B, V)
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            u = rng.uniform(rng.fold_in(key, i), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
+            nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0] if squeeze else idx
