@@ -78,6 +78,10 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_every = 0  # also keep every N-th step forever; 0 = off
     c.checkpoint.enabled = True
     c.checkpoint.async_restore = True  # stream the restore in while the step compiles
+    # On resume the config's hyper-parameters (lr, schedule, betas, eps, weight decay, clip,
+    # momentum: tensors in the optimizer state) replace the checkpoint's, and the run prints which
+    # changed; "checkpoint" keeps the checkpoint's.
+    c.checkpoint.resume_hyperparams = "config"
     # Start from another run's params (a step dir, its checkpoints dir or its workdir) with a fresh
     # optimizer; ignored once this workdir has its own checkpoint (a restart resumes that instead).
     c.checkpoint.init_from = ""

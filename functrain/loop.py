@@ -46,6 +46,7 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain import tensorboard as tensorboard_lib
 from functrain import validate
+from functrain import optim as optim_lib
 from functrain.optim.base import Transform
 from functrain.state import TrainState, init_state
 from functrain.step import make_eval_step, make_train_step
@@ -515,6 +516,7 @@ def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, pri
     # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
     # fresh state; leaves this code does not know are an error (strict).
     future = manager.restore(latest, ckpt_lib.abstract(state), defaults=state, strict=True)
+    configured = optim_lib.get_hyperparams(state)  # read now: the compile below consumes `state`
     if future.missing:
         print_fn(f"checkpoint step {latest} has no {', '.join(future.missing)} (written by an older version): "
                  "taken from the fresh state")
@@ -526,7 +528,23 @@ def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, pri
     restored = future.result()
     how = "compile overlapped" if config.checkpoint.async_restore and config.compile else "blocking"
     print_fn(f"restored checkpoint step {latest} in {time.perf_counter() - t0:.1f}s ({how})")
-    return restored
+    return _resume_hyperparams(restored, configured, config.checkpoint.resume_hyperparams, print_fn)
+
+
+def _resume_hyperparams(restored: TrainState, configured: dict, policy: str, print_fn) -> TrainState:
+    """The config's hyper-parameters over the checkpoint's ("config"), or the checkpoint's kept."""
+    stored = optim_lib.get_hyperparams(restored)
+    changed = {k: v for k, v in configured.items() if k in stored and stored[k] != v}
+    if not changed:
+        return restored
+    diff = ", ".join(f"{k} {stored[k]:g} -> {v:g}" for k, v in changed.items())
+    if policy == "checkpoint":
+        print_fn(f"hyper-parameters differ from the config ({diff}); keeping the checkpoint's "
+                 "(checkpoint.resume_hyperparams=checkpoint)")
+        return restored
+    print_fn(f"hyper-parameters from the config replace the checkpoint's: {diff} "
+             "(--config.checkpoint.resume_hyperparams=checkpoint keeps the checkpoint's)")
+    return optim_lib.set_hyperparams(restored, **changed)
 
 
 class _PreemptionFlag:

@@ -124,6 +124,7 @@ LOOP_CHECKS: list[Check] = [
     ("checkpoint.keep", int_at_least(1)),
     ("checkpoint.keep_every", int_at_least(0)),
     ("checkpoint.async_restore", boolean()),
+    ("checkpoint.resume_hyperparams", one_of("config", "checkpoint")),
     ("profile.start", int_at_least(0)),
     ("profile.stop", int_at_least(0)),
 ]

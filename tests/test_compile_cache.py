@@ -1,9 +1,10 @@
 """functrain.compile_cache: mode validation and directories, and a real warm start across processes.
 
-The warm-start tests compile a tiny MLP train step (the real `make_train_step`: grad, SGD update,
-metrics, one fullgraph graph) in fresh Python processes that share a cache directory set through
-`compile_cache.setup`: the first compiles cold (misses), the next ones must load everything from
-the cache (hits, no misses) and compute bit-identical results.
+The warm-start tests compile a tiny MLP train step (the real `make_train_step`: grad, clipped AdamW
+with a warm-up cosine schedule, metrics, one fullgraph graph) in fresh Python processes that share
+a cache directory set through `compile_cache.setup`: the first compiles cold (misses), the next
+ones must load everything from the cache (hits, no misses) and compute bit-identical results. The
+hyper-parameters are tensors in the optimizer state, so an LR sweep is warm too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def loss_fn(params, batch, key):
     x, y = batch
     return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean(), {}
 
-opt = optim.sgd(0.1)
+lr = float(sys.argv[3]) if len(sys.argv) > 3 else 0.1
+opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(lr, 0, 10), weight_decay=0.1))
 state = init_state(model, opt)
 step = make_train_step(loss_fn, opt, donate=False)
 x = torch.linspace(-2, 2, 32).reshape(8, 4)
@@ -51,13 +53,13 @@ print(json.dumps({"dir": str(cache), "stats": compile_cache.stats(), "losses": l
 """
 
 
-def _compile_in_subprocess(mode: str, workdir: Path) -> dict:
+def _compile_in_subprocess(mode: str, workdir: Path, *args: str) -> dict:
     """Runs the worker in a fresh Python process; returns what it printed."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
                         "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _WORKER, mode, str(workdir)], env=env, cwd=str(workdir),
+    out = subprocess.run([sys.executable, "-c", _WORKER, mode, str(workdir), *args], env=env, cwd=str(workdir),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -87,6 +89,19 @@ def test_second_process_with_same_dir_is_warm(cold_run, tmp_path):
     assert s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
     assert second["losses"] == first["losses"] and second["params"] == first["params"]
     assert f"{s['fxgraph_hit'] + s['aot_hit']} hits, 0 misses" in second["report"]
+
+
+def test_lr_sweep_compiles_once(cold_run, tmp_path):
+    """Other learning rates (the schedule's peak, a tensor in the optimizer state) hit the cache."""
+    workdir, first = cold_run
+    seen = [first["losses"][1]]
+    for lr in ("0.05", "0.2", "0.3"):
+        run = _compile_in_subprocess(str(workdir / "compile_cache"), tmp_path, lr)
+        s = run["stats"]
+        assert s["fxgraph_miss"] == 0 and s["aot_miss"] == 0 and s["aot_hit"] > 0, (lr, s)
+        assert run["losses"][0] == first["losses"][0]  # the first loss is before any update
+        seen.append(run["losses"][1])
+    assert len(set(seen)) == 4  # each rate really trained differently
 
 
 def test_copied_workdir_is_warm(cold_run, tmp_path):

@@ -108,3 +108,26 @@ def test_bad_values_are_one_clear_error_line(tmp_path, flag, expected):
     proc = _main("--config.compile=False", *flag.split(), f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
     line = _error_line(proc)
     assert expected in line, line
+
+
+def test_resume_takes_the_configs_hyperparameters_unless_told_otherwise(tmp_path):
+    """Hyper-parameters are optimizer state: on resume the config's values replace the checkpoint's
+    (printed), and `checkpoint.resume_hyperparams=checkpoint` keeps the checkpoint's."""
+    common = ["--config.compile=False", "--config.steps=8", "--config.log_every=1", "--config.eval_every=8",
+              "--config.eval_batches=1", "--config.sample.max_new_tokens=0", "--config.optim.schedule=constant",
+              "--config.optim.warmup_steps=0", "--config.checkpoint.every=4"]
+
+    def lr_at_step(workdir, step):
+        rows = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+        return next(r["lr"] for r in rows if r.get("step") == step and "lr" in r)
+
+    for policy, expected in (("config", 0.02), ("checkpoint", 0.01)):
+        workdir = tmp_path / policy
+        first = _main(f"--workdir={workdir}", *common, "--config.optim.lr=0.01", "--config.stop_at=4", cwd=tmp_path)
+        assert first.returncode == 0, first.stderr[-2000:]
+        second = _main(f"--workdir={workdir}", *common, "--config.optim.lr=0.02", "--config.optim.b2=0.9",
+                       f"--config.checkpoint.resume_hyperparams={policy}", cwd=tmp_path)
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert "restored checkpoint step 4" in second.stdout
+        assert "b2 0.95 -> 0.9, lr 0.01 -> 0.02" in second.stdout, second.stdout
+        assert lr_at_step(workdir, 4) == pytest.approx(0.01) and lr_at_step(workdir, 5) == pytest.approx(expected)

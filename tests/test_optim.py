@@ -237,7 +237,7 @@ def test_chain_applies_in_order_and_keeps_a_tuple_of_states():
     a = optim.chain(wd, optim.scale(2.0))
     b = optim.chain(optim.scale(2.0), wd)
     sa, sb = a.init(params), b.init(params)
-    assert sa == ((), ()) and isinstance(sa, tuple)
+    assert isinstance(sa, tuple) and len(sa) == 2 and sa[1] == () and float(sa[0].hyper["weight_decay"]) == 0.5
     ua, _ = a.update(grads, sa, params)
     ub, _ = b.update(grads, sb, params)
     for k in params:
@@ -347,8 +347,59 @@ def test_a_known_norm_reaches_the_first_transform_only():
     assert seen == [("first", fake), ("second", None), ("third", "no keyword")]
 
     clip = optim.clip_by_global_norm(1.0)
-    told, _ = optim.call_update(clip, grads, (), norm=fake)  # scaled by 1 / 1e6
-    own, _ = clip.update(grads, ())
+    told, _ = optim.call_update(clip, grads, clip.init(grads), norm=fake)  # scaled by 1 / 1e6
+    own, _ = clip.update(grads, clip.init(grads))
     for k in grads:
         torch.testing.assert_close(told[k], grads[k] / (1e6 + 1e-6))
     assert float(tree.global_norm(own)) == pytest.approx(min(float(tree.global_norm(grads)), 1.0), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyper-parameters as state.
+
+def _build(h):
+    """Clipped AdamW on a warm-up cosine schedule, from a dict of hyper-parameters."""
+    sched = optim.warmup_cosine(h["lr"], h["warmup_steps"], h["decay_steps"], end_value=h["min_lr"])
+    adamw = optim.adamw(sched, h["b1"], h["b2"], h["eps"], h["weight_decay"], mask=lambda p: {k: v.ndim > 1 for k, v in p.items()})
+    return optim.chain(optim.clip_by_global_norm(h["clip"]), adamw)
+
+
+def test_set_hyperparams_equals_building_with_those_values():
+    params, grads = _params(), _grads()
+    a = dict(clip=1.0, lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=20, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1)
+    b = dict(clip=0.5, lr=3e-2, min_lr=2e-3, warmup_steps=1, decay_steps=9, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.0)
+    opt, ref = _build(a), _build(b)
+    fresh = opt.init(params)
+    state, ref_state = optim.set_hyperparams(fresh, **b), ref.init(params)
+    assert optim.get_hyperparams(fresh) == {**a, "init_lr": 0.0}  # the input is not modified
+    assert optim.get_hyperparams(state) == {**b, "init_lr": 0.0}
+    for _ in range(4):  # the same bits as an optimizer built with those values
+        u, state = opt.update(grads, state, params)
+        v, ref_state = ref.update(grads, ref_state, params)
+        assert all(torch.equal(u[k], v[k]) for k in u)
+    assert optim.report(opt, state) == optim.report(ref, ref_state)
+    with pytest.raises(KeyError, match="no hyper-parameter 'momentum'.*'b1'"):
+        optim.set_hyperparams(state, momentum=0.9)
+    sgd = optim.sgd(0.1, momentum=0.9, weight_decay=1e-4)
+    assert optim.get_hyperparams(optim.set_hyperparams(sgd.init(params), momentum=0.5)) == {
+        "weight_decay": 1e-4, "momentum": 0.5, "lr": 0.1}
+
+
+def test_hyperparams_are_float64_state_tensors_and_match_torch_adamw():
+    """float64 so derived factors (1 - b2, bias corrections) round as torch.optim's Python floats."""
+    params, grads = _params(), _grads()
+    opt = optim.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    state = opt.init(params)
+    ours = dict(params)
+    torch_params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = torch.optim.AdamW(torch_params.values(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for _ in range(3):
+        u, state = opt.update(grads, state, ours)
+        ours = optim.apply_updates(ours, u)
+        for k, p in torch_params.items():
+            p.grad = grads[k].clone()
+        ref.step()
+    hyper = [t for s in state if hasattr(s, "hyper") for t in s.hyper.values()]
+    assert hyper and all(t.dtype == torch.float64 and t.shape == () for t in hyper)
+    for k in params:  # one step of elementwise float32 math each: a few ulps
+        torch.testing.assert_close(ours[k], torch_params[k].detach(), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)

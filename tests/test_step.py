@@ -45,8 +45,12 @@ def _n(model, batch_size):
 
 
 def _storages(state: TrainState, fields=("params", "opt_state", "step")):
-    """data_ptr of every tensor leaf of the given state fields."""
-    return [x.data_ptr() for f in fields for x in tree.leaves(getattr(state, f))]
+    """data_ptr of every tensor leaf of the given state fields, but the hyper-parameters (read-only
+    inputs the step passes through unchanged)."""
+    from functrain.optim.hyperparams import _states
+
+    hyper = {v.data_ptr() for s in _states(state) for v in s.hyper.values()}
+    return [x.data_ptr() for f in fields for x in tree.leaves(getattr(state, f)) if x.data_ptr() not in hyper]
 
 
 def _assert_trees_equal(a, b):
@@ -79,6 +83,9 @@ def test_compiled_step_matches_eager_with_one_graph_and_no_recompiles(
     c_losses, e_losses = [], []
     tol = _tol.rtol(_n(model, 4))
     for i, batch in enumerate(data):
+        if i == 5:  # hyper-parameters are state: changing them mid-run rebuilds nothing
+            c_state = optim.set_hyperparams(c_state, lr=0.02, momentum=0.5)
+            e_state = optim.set_hyperparams(e_state, lr=0.02, momentum=0.5)
         before = _storages(c_state)
         new_c, c_m = compiled(c_state, batch)
         # Donation under compile: the new state lives in the input's buffers.
@@ -90,6 +97,9 @@ def test_compiled_step_matches_eager_with_one_graph_and_no_recompiles(
         for k in ("grad_norm", "update_norm", "lr"):
             _tol.assert_close(c_m[k], e_m[k], tol * (i + 1), msg=k)  # the trajectories drift linearly
 
+    # the last step's rate follows the schedule with its new peak (the floor and warm-up unchanged)
+    want = optim.warmup_cosine(0.02, 3, 10, end_value=LR / 10, init_value=LR / 10)(torch.tensor(9))
+    assert float(c_m["lr"]) == pytest.approx(float(want), rel=1e-6) and float(e_m["lr"]) == pytest.approx(float(want), rel=1e-6)
     # The compile contract: one graph for the whole step, built once, never rebuilt.
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])

@@ -3,8 +3,10 @@
 from functrain.optim.aliases import adam, adamw, sgd
 from functrain.optim.base import MaskedState, Transform, apply_updates, call_update, chain, identity, masked, report
 from functrain.optim import config
-from functrain.optim.schedules import constant, linear, linear_warmup, warmup_cosine
+from functrain.optim.hyperparams import get_hyperparams, set_hyperparams
+from functrain.optim.schedules import Schedule, constant, linear, linear_warmup, warmup_cosine, warmup_linear
 from functrain.optim.transforms import (
+    HyperState,
     ScaleByAdamState,
     ScaleByLearningRateState,
     TraceState,
@@ -34,6 +36,11 @@ __all__ = [
     "scale",
     "trace",
     "learning_rate",
+    "get_hyperparams",
+    "set_hyperparams",
+    "HyperState",
+    "Schedule",
+    "warmup_linear",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "TraceState",

@@ -19,7 +19,7 @@ from functrain import precision as precision_lib
 from functrain import validate as v
 from functrain.optim.aliases import adamw, sgd
 from functrain.optim.base import Transform, chain
-from functrain.optim.schedules import Schedule, linear, linear_warmup, warmup_cosine
+from functrain.optim.schedules import Schedule, linear_warmup, warmup_cosine, warmup_linear
 from functrain.optim.transforms import clip_by_global_norm
 
 __all__ = ["CHECKS", "decay_mask", "from_config", "schedule_from_config"]
@@ -62,9 +62,7 @@ def schedule_from_config(c: Any, steps: int) -> Schedule:
         return warmup_cosine(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr)
     if c.schedule == "constant":
         return linear_warmup(c.lr, warmup)
-    ramp = linear_warmup(c.lr, warmup)  # "linear"
-    decay = linear(c.lr, c.min_lr, max(steps - warmup, 1), transition_begin=warmup)
-    return lambda count: torch.where(count < warmup, ramp(count), decay(count))
+    return warmup_linear(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr)  # "linear"
 
 
 def decay_mask(params: dict) -> dict:

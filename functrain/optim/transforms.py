@@ -1,9 +1,11 @@
 """Gradient transforms (verbs): each returns a `Transform` of two pure functions.
 
-All arithmetic runs as fused `torch._foreach_*` kernels over the leaves. Hyper-parameters that stay
-fixed are Python floats (constants in the compiled graph); anything that changes during training
-(the update count, the learning rate) is a tensor in the optimizer state, so a compiled step never
-recompiles from one step to the next.
+All arithmetic runs as fused `torch._foreach_*` kernels over the leaves. Every numeric
+hyper-parameter (Adam's b1, b2, eps, the weight decay, the clip norm, the momentum, the learning
+rate and its schedule's constants) is a float64 0-d tensor in the transform's state, under `hyper`
+(optax's `inject_hyperparams`, built in): the compiled step reads them as inputs, so changing one
+(`optim.set_hyperparams`) changes no graph, and an LR sweep compiles once. float64 so that derived
+factors (1 - b2, bias corrections) round exactly as torch.optim's Python floats do.
 
 Per-step scalars (the learning rate, Adam's bias corrections, the clip coefficient) go through
 `functrain.ops.hoist`: computed once per step, then read by the per-element loops as plain factors
@@ -20,8 +22,10 @@ import torch
 from functrain import metric_names, ops
 from functrain import tree as tree_lib
 from functrain.optim.base import Transform, resolve_mask
+from functrain.optim.schedules import Schedule
 
 __all__ = [
+    "HyperState",
     "ScaleByAdamState",
     "TraceState",
     "ScaleByLearningRateState",
@@ -35,8 +39,7 @@ __all__ = [
 ]
 
 PyTree = Any
-Schedule = Callable[[torch.Tensor], torch.Tensor]
-ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
+ScalarOrSchedule = Union[float, torch.Tensor, Schedule, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def _flat(tree: PyTree):
@@ -52,12 +55,18 @@ def _count_like(params: PyTree) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
+def _hyper(like: torch.Tensor, **values) -> dict[str, torch.Tensor]:
+    """Hyper-parameters as float64 0-d tensors on `like`'s device (a state's `hyper` field)."""
+    return {k: torch.as_tensor(v, dtype=torch.float64).to(like.device).clone() for k, v in values.items()}
+
+
 class ScaleByAdamState(NamedTuple):
-    """Adam moments: `count` updates done, first moment `mu`, second moment `nu`."""
+    """Adam moments: `count` updates done, first moment `mu`, second moment `nu`; `hyper`: b1, b2, eps."""
 
     count: torch.Tensor
     mu: PyTree
     nu: PyTree
+    hyper: dict = {}
 
 
 def scale_by_adam(
@@ -87,10 +96,12 @@ def scale_by_adam(
     """
 
     def init(params):
+        count = _count_like(params)
         return ScaleByAdamState(
-            count=_count_like(params),
+            count=count,
             mu=tree_lib.zeros_like(params, dtype=mu_dtype),
             nu=tree_lib.zeros_like(params, dtype=nu_dtype or mu_dtype),
+            hyper=_hyper(count, b1=b1, b2=b2, eps=eps),
         )
 
     def update(updates, state, params=None):
@@ -103,12 +114,16 @@ def scale_by_adam(
         mu = [m.to(a) for m, a in zip(mu_store, acc)]
         nu = [n.to(a) for n, a in zip(nu_store, acc)]
         count = state.count + 1
-        # Bias corrections in float64 as torch computes them (b2 -> 1), used as float32 factors.
+        h = state.hyper
+        # Bias corrections in float64 as torch computes them (b2 -> 1); every factor is computed
+        # once (hoisted) in float64 and read by the loops as a float32 scalar, as torch's floats are.
         t = count.to(torch.float64)
-        inv_bc1, inv_bc2_sqrt = ops.hoist(1.0 / (1.0 - torch.pow(b1, t)), torch.rsqrt(1.0 - torch.pow(b2, t)))
-        mu = torch._foreach_lerp(mu, g, 1.0 - b1)  # m = b1 m + (1 - b1) g
+        inv_bc1, inv_bc2_sqrt, one_minus_b1, b2, one_minus_b2, eps = ops.hoist(
+            1.0 / (1.0 - torch.pow(h["b1"], t)), torch.rsqrt(1.0 - torch.pow(h["b2"], t)),
+            1.0 - h["b1"], h["b2"], 1.0 - h["b2"], h["eps"])
+        mu = torch._foreach_lerp(mu, g, one_minus_b1)  # m = b1 m + (1 - b1) g
         nu = torch._foreach_mul(nu, b2)
-        nu = torch._foreach_addcmul(nu, g, g, value=1.0 - b2)  # v = b2 v + (1 - b2) g^2
+        nu = torch._foreach_addcmul(nu, torch._foreach_mul(g, one_minus_b2), g)  # v = b2 v + (1 - b2) g^2
         # m_hat / (sqrt(v_hat) + eps) with one division per element
         denom = torch._foreach_sqrt(nu)
         denom = torch._foreach_mul(denom, inv_bc2_sqrt)
@@ -119,6 +134,7 @@ def scale_by_adam(
             count=count,
             mu=optree.tree_unflatten(spec, [m.to(s.dtype) for m, s in zip(mu, mu_store)]),
             nu=optree.tree_unflatten(spec, [n.to(s.dtype) for n, s in zip(nu, nu_store)]),
+            hyper=h,
         )
         return optree.tree_unflatten(spec, list(out)), new_state
 
@@ -133,6 +149,12 @@ def _math_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
+class HyperState(NamedTuple):
+    """The state of a transform whose only state is its hyper-parameters (weight decay, clip norm)."""
+
+    hyper: dict
+
+
 def add_decayed_weights(
     weight_decay: float = 0.0, mask: PyTree | Callable[[PyTree], PyTree] | None = None
 ) -> Transform:
@@ -144,7 +166,7 @@ def add_decayed_weights(
         (biases and norm scales, typically).
 
     Returns:
-      A stateless `Transform` (it needs `params` in `update`).
+      A `Transform` (it needs `params` in `update`) whose state holds `hyper["weight_decay"]`.
 
     Example:
       >>> decay_matrices = lambda p: {k: v.ndim >= 2 for k, v in p.items()}
@@ -152,22 +174,19 @@ def add_decayed_weights(
     """
 
     def init(params):
-        return ()
+        return HyperState(_hyper(_count_like(params), weight_decay=weight_decay))
 
     def update(updates, state, params=None):
-        if weight_decay == 0.0:
-            return updates, state
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
         u, spec = _flat(updates)
         p = spec.flatten_up_to(params)
         flags = resolve_mask(mask, params) if mask is not None else [True] * len(u)
         idx = [i for i, f in enumerate(flags) if f]
-        if idx:
-            decayed = torch._foreach_add(
-                [u[i] for i in idx], [p[i].to(u[i].dtype) for i in idx], alpha=weight_decay
-            )
-            for i, d in zip(idx, decayed):
+        if idx:  # u + wd p (wd is a state tensor: a sweep over it, 0 included, is one graph)
+            (wd,) = ops.hoist(state.hyper["weight_decay"])
+            scaled = torch._foreach_mul([p[i].to(u[i].dtype) for i in idx], wd)
+            for i, d in zip(idx, torch._foreach_add([u[i] for i in idx], scaled)):
                 u[i] = d
         return optree.tree_unflatten(spec, u), state
 
@@ -181,29 +200,31 @@ def clip_by_global_norm(max_norm: float) -> Transform:
       max_norm: the largest allowed global L2 norm.
 
     Returns:
-      A stateless `Transform`.
+      A `Transform` whose state holds `hyper["clip"]`.
 
     Example:
       >>> optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
     """
 
     def init(params):
-        return ()
+        return HyperState(_hyper(_count_like(params), clip=max_norm))
 
     def update(updates, state, params=None, norm=None):
         u, spec = _flat(updates)
         if norm is None:  # not given by the caller (see optim.call_update)
             norm = tree_lib.global_norm(u)
-        (coef,) = ops.hoist(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        # in the norm's dtype, as torch.nn.utils.clip_grad_norm_ computes it
+        (coef,) = ops.hoist(torch.clamp(state.hyper["clip"].to(norm.dtype) / (norm + 1e-6), max=1.0))
         return optree.tree_unflatten(spec, list(torch._foreach_mul(u, coef))), state
 
     return Transform(init, update)
 
 
 class TraceState(NamedTuple):
-    """Momentum buffer of `trace`."""
+    """Momentum buffer of `trace`; `hyper`: momentum."""
 
     trace: PyTree
+    hyper: dict = {}
 
 
 def trace(decay: float, nesterov: bool = False) -> Transform:
@@ -221,14 +242,15 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
     """
 
     def init(params):
-        return TraceState(tree_lib.zeros_like(params))
+        return TraceState(tree_lib.zeros_like(params), _hyper(_count_like(params), momentum=decay))
 
     def update(updates, state, params=None):
         g, spec = _flat(updates)
         t = spec.flatten_up_to(state.trace)
-        t = torch._foreach_add(torch._foreach_mul(t, decay), g)
-        out = torch._foreach_add(g, t, alpha=decay) if nesterov else t
-        return optree.tree_unflatten(spec, list(out)), TraceState(optree.tree_unflatten(spec, list(t)))
+        (momentum,) = ops.hoist(state.hyper["momentum"])
+        t = torch._foreach_add(torch._foreach_mul(t, momentum), g)
+        out = torch._foreach_add(g, torch._foreach_mul(t, momentum)) if nesterov else t
+        return optree.tree_unflatten(spec, list(out)), TraceState(optree.tree_unflatten(spec, list(t)), state.hyper)
 
     return Transform(init, update)
 
@@ -244,10 +266,12 @@ def scale(factor: float) -> Transform:
 
 
 class ScaleByLearningRateState(NamedTuple):
-    """Update counter and the learning rate used by the latest update (for logging)."""
+    """Update counter, the learning rate used by the latest update (for logging), and `hyper`: the
+    rate ("lr") or its schedule's constants."""
 
     count: torch.Tensor
     lr: torch.Tensor
+    hyper: dict = {}
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> Transform:
@@ -266,23 +290,32 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
       >>> optim.scale_by_learning_rate(optim.warmup_cosine(3e-4, 100, 5000))
     """
 
-    def lr_at(count):
+    if isinstance(learning_rate, Schedule):
+        defaults = learning_rate.hyper
+    elif callable(learning_rate):  # a plain function: its constants are its own (not settable)
+        defaults = {}
+    else:
+        defaults = {"lr": learning_rate}
+
+    def lr_at(count, hyper):
+        if isinstance(learning_rate, Schedule):
+            return learning_rate.at(count, hyper)
         if callable(learning_rate):
-            return learning_rate(count).to(torch.float32)
-        if isinstance(learning_rate, torch.Tensor):
-            return learning_rate.to(device=count.device, dtype=torch.float32)
-        return torch.full((), float(learning_rate), dtype=torch.float32, device=count.device)
+            return learning_rate(count)
+        return hyper["lr"]
 
     def init(params):
         count = _count_like(params)
-        return ScaleByLearningRateState(count=count, lr=torch.zeros((), dtype=torch.float32, device=count.device))
+        return ScaleByLearningRateState(count=count, lr=torch.zeros((), dtype=torch.float32, device=count.device),
+                                        hyper=_hyper(count, **defaults))
 
     def update(updates, state, params=None):
-        lr = lr_at(state.count)
-        (factor,) = ops.hoist(-lr if flip_sign else lr)
+        rate = lr_at(state.count, state.hyper)
+        (factor,) = ops.hoist(-rate if flip_sign else rate)
         u, spec = _flat(updates)
         out = torch._foreach_mul(u, factor)
-        return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr)
+        lr = rate.to(torch.float32)
+        return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr, state.hyper)
 
     return Transform(init, update, lambda state: {metric_names.LR: state.lr})
 
