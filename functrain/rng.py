@@ -142,6 +142,16 @@ def _(key, shape, dtype):
     return key.new_empty(shape, dtype=dtype)
 
 
+def _uniform_vmap(info, in_dims, key, shape, dtype):
+    """A batch of keys (a population's members): one draw per key, stacked on dim 0."""
+    if in_dims[0] is None:
+        return _uniform_op(key, shape, dtype), None
+    return torch.stack([_uniform_op(k, shape, dtype) for k in key.unbind(in_dims[0])]), 0
+
+
+_uniform_op.register_vmap(_uniform_vmap)
+
+
 def uniform(key: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Draws uniform [0, 1) numbers that depend only on `key` (same key, same numbers).
 

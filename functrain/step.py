@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from functrain import metric_names as M
-from functrain import ops, optim
+from functrain import foreach, ops, optim
 from functrain import precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
@@ -226,7 +226,7 @@ def _to_master(grads: PyTree, master: PyTree, loss_scale) -> PyTree:
     dtypes = [p.dtype for p in spec.flatten_up_to(master)]
     if loss_scale is not None:  # unscale in float32 (or wider), then cast
         wide = [g.to(torch.promote_types(d, torch.float32)) for g, d in zip(leaves, dtypes)]
-        leaves = torch._foreach_mul(wide, torch.reciprocal(loss_scale))
+        leaves = foreach.mul(wide, torch.reciprocal(loss_scale))
     leaves = [g if g.dtype == d else g.to(d) for g, d in zip(leaves, dtypes)]
     return optree.tree_unflatten(spec, leaves)
 
@@ -402,6 +402,7 @@ def make_train_step(
         return steps.get(state.params)(state, batch)
 
     step.uncompiled = lambda state, batch: eager.get(state.params)(state, batch)  # type: ignore[attr-defined]
+    step.uncompiled_for = eager.for_layout  # type: ignore[attr-defined]  # the eager body of one layout
     return step
 
 
@@ -515,7 +516,10 @@ class _PerLayout:
 
     def get(self, params: PyTree):
         """The function for `params`' layout."""
-        lay = layout_of(params)
+        return self.for_layout(layout_of(params))
+
+    def for_layout(self, lay: Layout):
+        """The function for layout `lay` (built on first use)."""
         fn = self.fns.get(id(lay))
         if fn is None:
             fn = self.fns[id(lay)] = self.wrap(self.build(lay))

@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import optree
 import torch
 
+from functrain import foreach
+
 __all__ = [
     "map",
     "leaves",
@@ -181,7 +183,7 @@ def squared_norms(xs: list, *, fused: bool = False) -> list:
     """
     acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
     if not torch.compiler.is_compiling():
-        return [n.square() for n in torch._foreach_norm(xs, 2.0, dtype=acc)]
+        return [n.square() for n in foreach.norms(xs, acc)]
     if fused:
         return [x.to(acc).square().sum() for x in xs]
     return [_rows(x.to(acc)).square().sum(-1).sum() for x in xs]

@@ -37,6 +37,7 @@ import inspect
 import optree
 import torch
 
+from functrain import foreach
 from functrain import tree as tree_lib
 
 __all__ = [
@@ -174,7 +175,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     p_leaves, spec = optree.tree_flatten(params)
     u_leaves = spec.flatten_up_to(updates)
     u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
-    return optree.tree_unflatten(spec, list(torch._foreach_add(p_leaves, u_leaves)))
+    return optree.tree_unflatten(spec, foreach.add(p_leaves, u_leaves))
 
 
 def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:

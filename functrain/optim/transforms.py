@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
-from functrain import metric_names, ops
+from functrain import foreach, metric_names, ops
 from functrain import tree as tree_lib
 from functrain.optim.base import Transform, resolve_mask
 from functrain.optim.schedules import Schedule
@@ -121,15 +121,15 @@ def scale_by_adam(
         inv_bc1, inv_bc2_sqrt, one_minus_b1, b2, one_minus_b2, eps = ops.hoist(
             1.0 / (1.0 - torch.pow(h["b1"], t)), torch.rsqrt(1.0 - torch.pow(h["b2"], t)),
             1.0 - h["b1"], h["b2"], 1.0 - h["b2"], h["eps"])
-        mu = torch._foreach_lerp(mu, g, one_minus_b1)  # m = b1 m + (1 - b1) g
-        nu = torch._foreach_mul(nu, b2)
-        nu = torch._foreach_addcmul(nu, torch._foreach_mul(g, one_minus_b2), g)  # v = b2 v + (1 - b2) g^2
+        mu = foreach.lerp(mu, g, one_minus_b1)  # m = b1 m + (1 - b1) g
+        nu = foreach.mul(nu, b2)
+        nu = foreach.addcmul(nu, foreach.mul(g, one_minus_b2), g)  # v = b2 v + (1 - b2) g^2
         # m_hat / (sqrt(v_hat) + eps) with one division per element
-        denom = torch._foreach_sqrt(nu)
-        denom = torch._foreach_mul(denom, inv_bc2_sqrt)
-        denom = torch._foreach_add(denom, eps)
-        out = torch._foreach_mul(mu, inv_bc1)
-        out = torch._foreach_div(out, denom)
+        denom = foreach.sqrt(nu)
+        denom = foreach.mul(denom, inv_bc2_sqrt)
+        denom = foreach.add(denom, eps)
+        out = foreach.mul(mu, inv_bc1)
+        out = foreach.div(out, denom)
         new_state = ScaleByAdamState(
             count=count,
             mu=optree.tree_unflatten(spec, [m.to(s.dtype) for m, s in zip(mu, mu_store)]),
@@ -185,8 +185,8 @@ def add_decayed_weights(
         idx = [i for i, f in enumerate(flags) if f]
         if idx:  # u + wd p (wd is a state tensor: a sweep over it, 0 included, is one graph)
             (wd,) = ops.hoist(state.hyper["weight_decay"])
-            scaled = torch._foreach_mul([p[i].to(u[i].dtype) for i in idx], wd)
-            for i, d in zip(idx, torch._foreach_add([u[i] for i in idx], scaled)):
+            scaled = foreach.mul([p[i].to(u[i].dtype) for i in idx], wd)
+            for i, d in zip(idx, foreach.add([u[i] for i in idx], scaled)):
                 u[i] = d
         return optree.tree_unflatten(spec, u), state
 
@@ -215,7 +215,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
             norm = tree_lib.global_norm(u)
         # in the norm's dtype, as torch.nn.utils.clip_grad_norm_ computes it
         (coef,) = ops.hoist(torch.clamp(state.hyper["clip"].to(norm.dtype) / (norm + 1e-6), max=1.0))
-        return optree.tree_unflatten(spec, list(torch._foreach_mul(u, coef))), state
+        return optree.tree_unflatten(spec, foreach.mul(u, coef)), state
 
     return Transform(init, update)
 
@@ -248,8 +248,8 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
         g, spec = _flat(updates)
         t = spec.flatten_up_to(state.trace)
         (momentum,) = ops.hoist(state.hyper["momentum"])
-        t = torch._foreach_add(torch._foreach_mul(t, momentum), g)
-        out = torch._foreach_add(g, torch._foreach_mul(t, momentum)) if nesterov else t
+        t = foreach.add(foreach.mul(t, momentum), g)
+        out = foreach.add(g, foreach.mul(t, momentum)) if nesterov else t
         return optree.tree_unflatten(spec, list(out)), TraceState(optree.tree_unflatten(spec, list(t)), state.hyper)
 
     return Transform(init, update)
@@ -260,7 +260,7 @@ def scale(factor: float) -> Transform:
 
     def update(updates, state, params=None):
         u, spec = _flat(updates)
-        return optree.tree_unflatten(spec, list(torch._foreach_mul(u, factor))), state
+        return optree.tree_unflatten(spec, foreach.mul(u, factor)), state
 
     return Transform(lambda params: (), update)
 
@@ -313,7 +313,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         rate = lr_at(state.count, state.hyper)
         (factor,) = ops.hoist(-rate if flip_sign else rate)
         u, spec = _flat(updates)
-        out = torch._foreach_mul(u, factor)
+        out = foreach.mul(u, factor)
         lr = rate.to(torch.float32)
         return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr, state.hyper)
 

@@ -24,6 +24,7 @@ from typing import Any
 import optree
 import torch
 
+from functrain import foreach
 from functrain import tree as tree_lib
 
 __all__ = ["Layout", "Local", "LOCAL", "is_dtensor", "layout_of"]
@@ -102,7 +103,7 @@ class Local(Layout):
         old_leaves, spec = optree.tree_flatten(old)
         pairs = [(o, n) for o, n in zip(old_leaves, spec.flatten_up_to(new)) if o is not n]
         if pairs:
-            torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
+            foreach.copy_([o for o, _ in pairs], [n for _, n in pairs])
         return old
 
 

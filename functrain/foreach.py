@@ -1,0 +1,93 @@
+"""List ops over tensor leaves: fused `torch._foreach_*` kernels, or one op per tensor under
+`torch.func.vmap`.
+
+The optimizer and the tree helpers update every leaf with one fused `_foreach_*` call per
+operation. `torch.func.vmap` has no batching rules for those (torch 2.13: "Batching rule not
+implemented for aten::_foreach_norm.Scalar"), so a population step (`functrain.population`),
+which vmaps the whole train step over K stacked states, switches to per-tensor ops with
+`per_tensor()`. Compiled, both forms fuse into the same kind of loops; the switch is a Python flag
+read while tracing (the compiled step guards on it).
+
+Example:
+    >>> ys = foreach.mul(xs, 0.5)                 # torch._foreach_mul(xs, 0.5)
+    >>> with foreach.per_tensor():
+    ...     ys = foreach.mul(xs, 0.5)             # [x * 0.5 for x in xs]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+__all__ = ["add", "addcmul", "copy_", "div", "lerp", "mul", "norms", "per_tensor", "sqrt"]
+
+_PER_TENSOR = False
+
+Tensors = Sequence[torch.Tensor]
+
+
+@contextlib.contextmanager
+def per_tensor():
+    """Within it, every op here runs one torch op per tensor (vmap-able) instead of a fused kernel."""
+    global _PER_TENSOR
+    before, _PER_TENSOR = _PER_TENSOR, True
+    try:
+        yield
+    finally:
+        _PER_TENSOR = before
+
+
+def _at(y, i):
+    """y[i] for a list, y itself for a scalar or tensor."""
+    return y[i] if isinstance(y, (list, tuple)) else y
+
+
+def add(xs: Tensors, ys) -> list[torch.Tensor]:
+    """xs + ys (ys: a list, a scalar or a 0-d tensor)."""
+    return [x + _at(ys, i) for i, x in enumerate(xs)] if _PER_TENSOR else list(torch._foreach_add(xs, ys))
+
+
+def mul(xs: Tensors, ys) -> list[torch.Tensor]:
+    """xs * ys (ys: a list, a scalar or a 0-d tensor)."""
+    return [x * _at(ys, i) for i, x in enumerate(xs)] if _PER_TENSOR else list(torch._foreach_mul(xs, ys))
+
+
+def div(xs: Tensors, ys: Tensors) -> list[torch.Tensor]:
+    """xs / ys."""
+    return [x / y for x, y in zip(xs, ys)] if _PER_TENSOR else list(torch._foreach_div(xs, ys))
+
+
+def sqrt(xs: Tensors) -> list[torch.Tensor]:
+    """sqrt(xs)."""
+    return [x.sqrt() for x in xs] if _PER_TENSOR else list(torch._foreach_sqrt(xs))
+
+
+def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
+    """xs + weight (ys - xs) (weight: a scalar or a 0-d tensor)."""
+    if _PER_TENSOR:
+        return [torch.lerp(x, y, weight.to(x.dtype) if isinstance(weight, torch.Tensor) else float(weight))
+                for x, y in zip(xs, ys)]
+    return list(torch._foreach_lerp(xs, ys, weight))
+
+
+def addcmul(xs: Tensors, ys: Tensors, zs: Tensors) -> list[torch.Tensor]:
+    """xs + ys * zs."""
+    return [x + y * z for x, y, z in zip(xs, ys, zs)] if _PER_TENSOR else list(torch._foreach_addcmul(xs, ys, zs))
+
+
+def norms(xs: Tensors, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in `dtype`."""
+    if _PER_TENSOR:
+        return [torch.linalg.vector_norm(x, 2, dtype=dtype) for x in xs]
+    return list(torch._foreach_norm(xs, 2.0, dtype=dtype))
+
+
+def copy_(dst: Tensors, src: Tensors) -> None:
+    """dst[i].copy_(src[i]) for each i."""
+    if _PER_TENSOR:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(list(dst), list(src))

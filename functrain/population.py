@@ -1,0 +1,133 @@
+"""Populations: K models (different seeds and/or hyper-parameters) trained by one compiled step.
+
+For small-model research (sweeps, ensembles, seeds) one step over K stacked states beats K steps:
+`torch.func.vmap` maps the whole train step (forward, backward, clipping, optimizer, schedule, skip
+guard) over a leading member dimension of every state leaf, so each kernel runs once over K
+members. Hyper-parameters are state (`functrain.optim.set_hyperparams`), so members may differ in
+learning rate, betas, weight decay... and still share the one graph. Each member computes what
+its solo run computes (tests/test_population.py: 20 steps, 1e-5).
+
+Under vmap the optimizer's fused `torch._foreach_*` kernels, which have no batching rules, run as
+per-tensor ops (`functrain.foreach.per_tensor`); compiled, both fuse into the same loops.
+
+Example:
+    >>> states = [optim.set_hyperparams(init_state(params_k, opt, seed=k), lr=lr_k) for k, ...]
+    >>> pop = population.stack(states)
+    >>> step = population.make_population_step(loss_fn, opt)
+    >>> pop, metrics = step(pop, batch)       # metrics["loss"]: (K,)
+    >>> best = population.member(pop, int(metrics["loss"].argmin()))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from functrain import foreach
+from functrain import step as step_lib
+from functrain.parallel.layout import LOCAL
+from functrain.state import TrainState
+
+__all__ = ["make_population_step", "member", "stack", "unstack"]
+
+PyTree = Any
+
+
+def stack(states: Sequence[TrainState]) -> TrainState:
+    """K states of the same structure as one state whose leaves have a leading dimension K.
+
+    Args:
+      states: the members (e.g. `init_state` with different seeds, then `optim.set_hyperparams`).
+
+    Returns:
+      The population state.
+
+    Example:
+      >>> pop = stack([init_state(model, opt, seed=s) for s in range(8)])
+    """
+    return optree.tree_map(lambda *xs: torch.stack(xs), *states)
+
+
+def member(state: TrainState, i: int) -> TrainState:
+    """Member `i` of a population state (views of its leaves).
+
+    Args:
+      state: a population state.
+      i: the member's index.
+
+    Returns:
+      A plain `TrainState`.
+
+    Example:
+      >>> solo = member(pop, 3)
+    """
+    return optree.tree_map(lambda x: x[i], state)
+
+
+def unstack(state: TrainState) -> list[TrainState]:
+    """Every member of a population state, in order.
+
+    Args:
+      state: a population state.
+
+    Returns:
+      A list of K plain `TrainState`s.
+
+    Example:
+      >>> members = unstack(pop)
+    """
+    k = optree.tree_leaves(state)[0].shape[0]
+    return [member(state, i) for i in range(k)]
+
+
+def make_population_step(
+    loss_fn: Callable,
+    optimizer,
+    *,
+    batch_axis: int | None = None,
+    compile: bool = True,
+    donate: bool = True,
+    precision=None,
+    skip_nonfinite: bool = True,
+    compile_options: dict | None = None,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """`step(population, batch) -> (population, metrics)`: the train step of every member at once.
+
+    Args:
+      loss_fn: as for `make_train_step`.
+      optimizer: as for `make_train_step` (its hyper-parameters may differ per member: they are state).
+      batch_axis: None: every member trains on the same batch; 0: batch leaves have a leading K dim,
+        one batch per member.
+      compile: compile the vmapped step as one graph (`torch.compile(fullgraph=True)`).
+      donate: write the new population into the input's buffers (the input is consumed).
+      precision, skip_nonfinite: as for `make_train_step` (the skip guard is per member).
+      compile_options: extra keyword arguments for `torch.compile`.
+
+    Returns:
+      The step; its metrics have a leading K dimension (`metrics["loss"][k]` is member k's loss).
+
+    Example:
+      >>> step = make_population_step(loss_fn, optim.adamw(1e-3))
+      >>> pop, metrics = step(pop, batch)
+    """
+    # The eager body for unsharded params, resolved now (not inside the trace: that would recompile).
+    body = step_lib.make_train_step(loss_fn, optimizer, compile=False, donate=False, precision=precision,
+                                    skip_nonfinite=skip_nonfinite).uncompiled_for(LOCAL)
+
+    def population_step(state: TrainState, batch: PyTree):
+        new, metrics = torch.func.vmap(body, in_dims=(0, batch_axis))(state, batch)
+        if donate:
+            new = LOCAL.write_into(state, new)
+        return new, metrics
+
+    if compile:
+        population_step = torch.compile(population_step, **{"fullgraph": True, "dynamic": False,
+                                                              **(compile_options or {})})
+
+    def step(state: TrainState, batch: PyTree):
+        with foreach.per_tensor():  # vmap has no batching rules for the fused foreach kernels
+            return population_step(state, batch)
+
+    return step
