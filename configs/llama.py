@@ -5,11 +5,12 @@ Command (from the repository root):
 
     python -m functrain.main --config=configs/llama.py:tiny
 
-Expected result (tiny; 2-core AMD EPYC, torch 2.13, fresh workdir, 1:46 wall in all): the BPE
-trains and the stdlib is tokenized once (~15 s: 12.0M train tokens, ~2.6 bytes per token), 25 s of
-cold compilation, then 800 steps at ~0.065 s/step (~31k tokens/s); train loss falls from ~6.9
-(ln 1024, uniform) to 3.84, val 3.92 at step 800 (4.80 at step 200), and the sample looks like
-Python (`def __excepk__(self, ...):` / `return self.spampath.extime`).
+Expected result (tiny; 2-core AMD EPYC, torch 2.13, fresh workdir, 1:46-2:00 wall in all): the BPE
+trains and the stdlib is tokenized once (~15 s: 12.0M train tokens, ~2.6 bytes per token), 25-40 s
+of cold compilation, then 800 steps at 0.065-0.074 s/step (~30k tokens/s); train loss falls from
+~6.9 (ln 1024, uniform) to 3.79, val 3.90 at step 800 (4.78 at step 200), and the sample looks like
+Python (`def err, loc, vars():` / `def __exceptionsock__ import unittest.TestCase):`). Peak RSS
+~0.95 GB.
 
 Variants (`--config=configs/llama.py:<variant>`):
   (default) a 4-layer, 256-wide model (BPE of 2048 ids), 1000 steps of 32 x 128 tokens on CPU
