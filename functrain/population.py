@@ -122,9 +122,7 @@ def make_population_step(
             new = LOCAL.write_into(state, new)
         return new, metrics
 
-    if compile:
-        population_step = torch.compile(population_step, **{"fullgraph": True, "dynamic": False,
-                                                              **(compile_options or {})})
+    population_step = step_lib._maybe_compile(population_step, compile, compile_options)  # as make_train_step
 
     def step(state: TrainState, batch: PyTree):
         with foreach.per_tensor():  # vmap has no batching rules for the fused foreach kernels
