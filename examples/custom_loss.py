@@ -1,18 +1,13 @@
-"""Custom loss: label-smoothed cross-entropy + z-loss, with aux metrics, in `make_train_step`.
+"""A custom loss with aux metrics: label-smoothed cross-entropy + z-loss, trained with accumulation.
 
-A loss is any pure `loss_fn(params, batch, key) -> (loss, aux)`. The step differentiates `loss`
-and reports every aux entry (0-d tensors, averaged over microbatches) next to its own `loss`,
-`grad_norm`, `lr`, ... Here the loss is cross-entropy with label smoothing plus the PaLM z-loss
-`z_coef * logsumexp(logits)**2`, which keeps the softmax normalizer near 1; aux carries the plain
-NLL, the z-loss and the accuracy. Trains a tiny GPT on the stdlib corpus.
+`loss_fn(params, batch, key) -> (loss, aux)` is all `make_train_step` needs; the aux metrics (NLL,
+z-loss, accuracy) come back averaged over the 2 accumulation micro-batches. The smoothing term is
+checked against torch's own `label_smoothing`.
 
-    python examples/custom_loss.py [--steps 40] [--compile] [--cache-dir DIR]
+    python examples/custom_loss.py [--steps 40] [--compile]
 """
 
-import argparse
-import os
-import tempfile
-
+import _common as common
 import torch
 import torch.nn.functional as F
 
@@ -20,60 +15,33 @@ import functrain as ft
 from functrain import optim, rng
 from functrain.models import gpt
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=40)
-parser.add_argument("--compile", action="store_true", help="torch.compile the step (~1 min on CPU)")
-parser.add_argument("--cache-dir", default=os.environ.get(
-    "FUNCTRAIN_CACHE_DIR", os.path.join(tempfile.gettempdir(), "functrain-data")))
-parser.add_argument("--threads", type=int, default=1, help="a tiny model runs fastest on one thread")
-args = parser.parse_args()
-torch.set_num_threads(args.threads)
+args = common.parse(steps=40)
+model, ds = common.tiny_gpt(), common.corpus(args)
 
 
-def smoothed_ce_with_z_loss(logits, targets, smoothing=0.1, z_coef=1e-4):
-    """(loss, aux) for logits (B, T, V) and int64 targets (B, T)."""
-    logits = logits.float()
+def loss_fn(params, batch, key, z_coef=1e-4):
+    x, y = batch
+    logits = ft.apply(model, params, x, dropout_key=key).float()  # (B, T, V)
     lse = torch.logsumexp(logits, dim=-1)  # (B, T)
     logp = logits - lse[..., None]  # (B, T, V)
-    nll = -logp.gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
-    uniform_ce = -logp.mean(dim=-1)  # (B, T): cross-entropy against the uniform distribution
+    nll = -logp.gather(-1, y[..., None]).squeeze(-1)  # (B, T)
     z_loss = (lse**2).mean()
-    loss = ((1 - smoothing) * nll + smoothing * uniform_ce).mean() + z_coef * z_loss
-    acc = (logits.argmax(-1) == targets).float().mean()
+    loss = (0.9 * nll - 0.1 * logp.mean(-1)).mean() + z_coef * z_loss  # smoothing 0.1
+    acc = (logits.argmax(-1) == y).float().mean()
     return loss, {"nll": nll.mean().detach(), "z_loss": z_loss.detach(), "acc": acc}
 
 
-# The smoothing term is torch's own label smoothing: check it (z-loss off) on random logits.
-logits, targets = torch.randn(2, 8, 256), torch.randint(0, 256, (2, 8))
-ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)
-assert torch.allclose(smoothed_ce_with_z_loss(logits, targets, z_coef=0.0)[0], ref, atol=1e-5)
-
-cfg = gpt.GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, dropout=0.0)
-with torch.device("meta"):
-    model = gpt.GPT(cfg)  # a storage-free template; the weights live in the state
-
-
-def loss_fn(params, batch, key):
-    x, y = batch
-    return smoothed_ce_with_z_loss(ft.apply(model, params, x, dropout_key=key), y)
-
-
-ds = ft.load_dataset("stdlib", args.cache_dir)
-opt = optim.chain(optim.clip_by_global_norm(1.0),
-                  optim.adamw(optim.warmup_cosine(3e-3, 5, args.steps), weight_decay=0.1))
-state = ft.init_state(gpt.init_params(model, rng.key(0)), opt, seed=0)
+schedule = optim.warmup_cosine(3e-3, 5, args.steps)
+opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(schedule, weight_decay=0.1))
+state, history = ft.init_state(gpt.init_params(model, rng.key(0)), opt, seed=0), []
 step = ft.make_train_step(loss_fn, opt, accum_steps=2, compile=args.compile)  # aux averaged over 2
 for i in range(args.steps):
-    batch = ft.get_batch(ds.train, batch_size=16, block_size=cfg.block_size, seed=0, step=i)
-    state, metrics = step(state, batch)
-    m = {k: float(v) for k, v in metrics.items()}
-    if i == 0:
-        first = m
-    if i % 10 == 0 or i == args.steps - 1:
-        print(f"step {i:3d} | loss {m['loss']:.3f} | nll {m['nll']:.3f} | z {m['z_loss']:.2f} "
-              f"| acc {m['acc']:.3f} | lr {m['lr']:.2e}")
-
-assert {"loss", "nll", "z_loss", "acc", "grad_norm", "lr"} <= m.keys(), m.keys()
-assert m["nll"] < first["nll"] - 1.0, (first["nll"], m["nll"])
-print(f"custom_loss: OK nll {first['nll']:.3f} -> {m['nll']:.3f}, z_loss {m['z_loss']:.2f}, "
-      f"acc {m['acc']:.3f}")
+    state, metrics = step(state, common.batch(args, ds, i))
+    history.append({k: float(v) for k, v in metrics.items()})
+x, y = common.batch(args, ds, 0)
+ref = F.cross_entropy(ft.apply(model, state.params, x).flatten(0, 1), y.flatten(), label_smoothing=0.1)
+assert torch.allclose(loss_fn(state.params, (x, y), None, z_coef=0.0)[0], ref, rtol=1e-5)
+first, last = history[0], history[-1]
+assert {"nll", "z_loss", "acc", "grad_norm", "lr"} <= last.keys() and last["nll"] < first["nll"] - 1.0
+print(f"custom_loss: OK nll {first['nll']:.3f} -> {last['nll']:.3f}, z_loss {last['z_loss']:.2f}, "
+      f"acc {last['acc']:.3f}")

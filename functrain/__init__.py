@@ -5,7 +5,7 @@ optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`),
 (`functrain.loop`) that runs any model family's `Task` (the GPT: `functrain.models.gpt`).
 """
 
-from functrain import checkpoint, losses, memory, metric_names, ops, optim, precision, remat, rng, tree
+from functrain import checkpoint, losses, memory, metric_names, ops, optim, per_example, precision, remat, rng, tree
 from functrain.checkpoint import CheckpointError
 from functrain.data import DataError, eval_batches, get_batch, load_dataset
 from functrain.state import Guard, TrainState, init_guard, init_state, params_of
@@ -22,6 +22,7 @@ __all__ = [
     "metric_names",
     "ops",
     "optim",
+    "per_example",
     "precision",
     "remat",
     "rng",

@@ -35,6 +35,7 @@ __all__ = [
     "unflatten",
     "cast",
     "clone",
+    "incremental_update",
 ]
 
 PyTree = Any
@@ -102,6 +103,27 @@ def cast(tree: PyTree, dtype: torch.dtype) -> PyTree:
 def clone(tree: PyTree) -> PyTree:
     """Deep copy of every tensor leaf (new storage)."""
     return map(lambda x: x.clone(), tree)
+
+
+def incremental_update(new: PyTree, old: PyTree, step_size: "float | torch.Tensor") -> PyTree:
+    """`old + step_size * (new - old)` leafwise (optax's name): a moving average of weights.
+
+    One fused `_foreach_lerp` over all leaves (per tensor under `foreach.per_tensor()`); pure: new
+    tensors, `old` is left as it was. Traceable: compiles into the step that calls it.
+
+    Args:
+      new: the latest values (e.g. the params after a step).
+      old: the running average, the same structure as `new`.
+      step_size: weight of `new`, a Python float or a 0-d tensor (an EMA with decay d: 1 - d).
+
+    Returns:
+      A tree like `old`.
+
+    Example:
+      >>> ema = tree.incremental_update(state.params, ema, 1 - 0.999)   # EMA, decay 0.999
+    """
+    olds, spec = optree.tree_flatten(old)
+    return optree.tree_unflatten(spec, foreach.lerp(olds, spec.flatten_up_to(new), step_size))
 
 
 def size(tree: PyTree) -> int:

@@ -140,3 +140,58 @@ def test_normal_is_standard_normal_and_rows_are_independent():
     c = torch.corrcoef(x[:50])  # (50, 50): rows from neighbouring seeds are uncorrelated
     off = c[~torch.eye(50, dtype=torch.bool)]
     assert off.abs().max().item() < 5 / 500**0.5
+
+
+def _old_fold_in(key, data):  # the pre-op formulation (elementwise int64 ops), for the equality check
+    m = rng._mix
+    d = m(torch.as_tensor(data, dtype=torch.int64))
+    n0 = m(key[0] ^ m(d + key[1]))
+    return torch.stack([n0, m(key[1] ^ m(n0 + d + rng._GOLDEN))])
+
+
+def test_fold_in_and_split_ops_keep_the_keys_and_vmap():
+    keys = torch.stack([rng.key(s) for s in range(5)])  # (5, 2)
+    data = torch.tensor([0, 1, 7, 2**33 + 5, -3])
+    for k, d in zip(keys, data):
+        assert torch.equal(rng.fold_in(k, d), _old_fold_in(k, d))
+        words = rng._split_words(k[0], k[1], torch.arange(3))
+        assert torch.equal(rng.split(k, 3), torch.stack(words, -1))
+    by_key = torch.func.vmap(rng.fold_in)(keys, data)
+    assert torch.equal(by_key, torch.stack([rng.fold_in(k, d) for k, d in zip(keys, data)]))
+    one_key = torch.func.vmap(rng.fold_in, in_dims=(None, 0))(keys[0], data)
+    assert torch.equal(one_key, torch.stack([rng.fold_in(keys[0], d) for d in data]))
+    columns = torch.func.vmap(lambda k: rng.split(k, 4), in_dims=1)(keys.T.contiguous())
+    assert torch.equal(columns, torch.stack([rng.split(k, 4) for k in keys]))
+
+
+def test_key_derivation_is_one_opaque_op_in_a_compiled_graph():
+    """fold_in / split are single ops for the compiler: as elementwise int64 chains inductor re-traced
+    them per read (44 s to compile one draw from split(fold_in(k, step)), minutes for a few dozen)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def derive(key, step):
+        k1, k2 = rng.split(rng.fold_in(key, step))
+        return rng.uniform(k1, (3,)) + rng.gaussian(rng.fold_in(k2, 5), (3,))
+
+    torch._dynamo.reset()
+    out = torch.compile(derive, backend=capture, fullgraph=True)(rng.key(0), torch.tensor(4))
+    assert torch.equal(out, derive(rng.key(0), torch.tensor(4)))
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("functrain.fold_in" in t for t in targets) == 2 and sum("functrain.split" in t for t in targets) == 1
+    assert not [t for t in targets if any(op in t for op in ("xor", "rshift", "and_", "bitwise"))], targets
+
+
+def test_gaussian_is_keyed_standard_normal_and_vmaps_per_key():
+    n = 200_000
+    z = rng.gaussian(rng.key(3), (n,), dtype=torch.float64)
+    assert torch.equal(z, rng.gaussian(rng.key(3), (n,), dtype=torch.float64))
+    assert not torch.equal(z[:100], rng.gaussian(rng.key(4), (100,), dtype=torch.float64))
+    # Mean 0 and variance 1; standard errors 1/sqrt(n) and sqrt(2/n): allow 5 of them.
+    assert abs(float(z.mean())) < 5 / n**0.5 and abs(float(z.var()) - 1.0) < 5 * (2 / n) ** 0.5
+    keys = rng.split(rng.key(0), 3)
+    batched = torch.func.vmap(lambda k: rng.gaussian(k, (4, 2)))(keys)
+    assert torch.equal(batched, torch.stack([rng.gaussian(k, (4, 2)) for k in keys]))

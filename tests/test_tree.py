@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -86,3 +88,21 @@ def test_clone_makes_independent_copies():
         assert torch.equal(x, y) and x.data_ptr() != y.data_ptr()
     c["a"].add_(1.0)
     assert not torch.equal(c["a"], t["a"])
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_incremental_update_is_a_pure_lerp(per_tensor):
+    from functrain import foreach
+
+    g = torch.Generator().manual_seed(1)
+    old = {"w": torch.randn(4, 3, generator=g), "b": [torch.randn(5, generator=g, dtype=torch.float64)]}
+    new = tree.map(lambda x: x + torch.randn(x.shape, generator=g, dtype=x.dtype), old)
+    before = tree.clone(old)
+    for step_size in (0.1, torch.tensor(0.1, dtype=torch.float64)):
+        with foreach.per_tensor() if per_tensor else contextlib.nullcontext():
+            out = tree.incremental_update(new, old, step_size)
+        for o, n, r in zip(tree.leaves(old), tree.leaves(new), tree.leaves(out)):
+            assert r.dtype == o.dtype
+            torch.testing.assert_close(r, o + 0.1 * (n - o), rtol=4 * torch.finfo(o.dtype).eps, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(tree.leaves(before), tree.leaves(old)))  # pure
+    assert tree.structure(out) == tree.structure(old)
