@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from functrain import init_state, make_train_step, optim, population, rng, tree
+from functrain import init_state, make_train_step, metrics, optim, population, rng, tree
 from functrain.models import gpt
 
 
@@ -69,10 +69,17 @@ def main() -> None:
         print(f"round {r}: population {times['pop']:.1f} ms/step, {args.k} solo steps {times['solo']:.1f} ms: "
               f"{ratios[-1]:.2f}x")
     ratio = statistics.median(ratios)
+    # The most any batching can give: K steps' FLOPs at the machine's dense matmul rate (the best
+    # any kernel here reaches) vs the K solo steps as measured.
+    peak = metrics.measure_peak_flops(torch.device("cpu"))
+    floor_ms = args.k * gpt.flops_per_token(cfg) * x[:, :-1].numel() / peak * 1e3
+    bound = statistics.median(solo_ms) / floor_ms
+    print(f"compute floor: {args.k} steps' FLOPs at the {peak / 1e9:.0f} GFLOP/s matmul rate take {floor_ms:.1f} ms: "
+          f"no step over K members can beat {bound:.2f}x here")
     print(f"K={args.k}: population throughput / sequential solo steps: {ratio:.2f}x (target >= 3)")
     if args.json:
         print(json.dumps({"k": args.k, "population_ms": statistics.median(pop_ms), "solo_ms": statistics.median(solo_ms),
-                          "ratio": ratio, "compile_s": {"population": compile_pop, "solo": compile_solo}}))
+                          "ratio": ratio, "flop_bound_ratio": bound, "compile_s": {"population": compile_pop, "solo": compile_solo}}))
 
 
 if __name__ == "__main__":
