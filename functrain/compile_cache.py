@@ -22,6 +22,12 @@ picks that directory and turns both caches on; call it before anything is compil
   "off"      a fresh temporary directory, removed at exit: every run compiles cold.
   a path     any string containing "/" (or starting with "~"): that directory.
 
+Every mode keeps its entries in a subdirectory named after the CPU vector ISA the kernels target
+(`torch.backends.cpu.get_cpu_capability()`, lower case: `avx512`, `avx2`, ...; ATEN_CPU_CAPABILITY
+overrides it). torch 2.13's cache key leaves the ISA out: kernels cached under AVX-512 were served
+under ATEN_CPU_CAPABILITY=avx2 and computed garbage (measured in CI: params 3e32, indices out of
+bounds), and a workdir copied to a machine without AVX-512 would load them too.
+
 Entries are keyed by content, so a shared directory never serves a stale graph: a changed model,
 config value baked into the graph, or torch version is simply a miss. An explicit
 `TORCHINDUCTOR_FX_GRAPH_CACHE=0`, `TORCHINDUCTOR_AUTOGRAD_CACHE=0` or
@@ -33,7 +39,7 @@ Example:
     >>> before = compile_cache.stats()
     >>> ...  # build and run the compiled step
     >>> print(compile_cache.report(cache_dir, since=before))
-    compile cache /home/me/.cache/functrain/inductor: 2 hits, 0 misses (FX graph 1/0, AOTAutograd 1/0)
+    compile cache /home/me/.cache/functrain/inductor/avx512: 2 hits, 0 misses (FX graph 1/0, AOTAutograd 1/0)
 """
 
 from __future__ import annotations
@@ -78,17 +84,19 @@ def setup(mode: str, workdir: str | os.PathLike | None = None) -> Path:
       workdir: the run directory; required for mode "workdir", ignored otherwise.
 
     Returns:
-      The cache directory (absolute; created if missing).
+      The cache directory (absolute; created if missing): the mode's directory / the CPU ISA.
 
     Raises:
       ValueError: `mode` is not one of the modes nor a path, or "workdir" without a workdir.
 
     Example:
       >>> setup("workdir", "runs/gpt")
-      PosixPath('/home/me/functrain/runs/gpt/compile_cache')
+      PosixPath('/home/me/functrain/runs/gpt/compile_cache/avx512')
     """
     global _set_by_setup, _set_by_user
     path = _resolve(mode, workdir)
+    if path.name != _isa():  # (a child process inherits the keyed directory: not keyed twice)
+        path = path / _isa()
     path.mkdir(parents=True, exist_ok=True)
     previous = os.environ.get(_ENV)
     if previous and previous != _set_by_setup:
@@ -104,6 +112,13 @@ def setup(mode: str, workdir: str | os.PathLike | None = None) -> Path:
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     return path
+
+
+def _isa() -> str:
+    """The vector ISA compiled CPU kernels target, as a directory name (e.g. "avx512")."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability().lower()
 
 
 def _resolve(mode: str, workdir) -> Path:

@@ -387,9 +387,9 @@ def run(
     if stopped:
         summary["preempted"] = True
         return summary
-    full_params = parallel.gather(state.params)  # a collective: every rank takes part
+    # On every rank: a sharded task gathers stage by stage (collectives), never the whole model.
+    finished = task.finish(state.params, rng_lib.fold_in(state.rng, state.step))
     if main:
-        finished = task.finish(full_params, rng_lib.fold_in(state.rng, state.step))
         for name, value in finished.items():
             print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
         summary.update(finished)

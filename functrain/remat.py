@@ -268,7 +268,10 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
     parameters are gathered just before its forward, and its gradients reduced to the params'
     placements (a reduce-scatter) as soon as its vjp has made them. A recomputed block lets its
     gathered parameters go after its forward and gathers them again for its backward (reshard after
-    forward); a kept block's vjp closure holds them until its backward.
+    forward); a kept block's vjp closure holds them until its backward. Sharded, the embedding is
+    recomputed as well and the head's closure dropped after its backward, so with every block
+    recomputed at most one stage's gathered parameters are alive at a time (memory trace:
+    tests/test_parallel_dist.py::test_at_most_one_stage_is_gathered_at_a_time).
     """
 
     def local(stage, after=None):
@@ -283,7 +286,14 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
         _add_grads(grads, g if layout is None else layout.reduce_grads(g, stage.params(params)))
 
     # Forward: keep vjp closures of the embedding and of kept blocks, only the input of the others.
-    h, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), local(embed))
+    # Sharded, the embedding is recomputed too: its vjp would hold its gathered parameters (often
+    # the largest stage: the token embedding) through the whole step.
+    if layout is None:
+        h, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), local(embed))
+    else:
+        with torch.no_grad():
+            h = embed.fn(local(embed), batch, key)
+        embed_vjp = None
     saved = []  # per block: its vjp closure, or its input when it is recomputed
     for block, again in zip(blocks, recompute):
         if again:
@@ -300,6 +310,7 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
     # Backward: head, blocks in reverse (recomputing where asked), embedding.
     grads: Params = {}
     g_head, g = head_vjp(_seed(loss, loss_scale))
+    del head_vjp  # its closure holds the head's gathered parameters
     add(head, g_head)
     for i in reversed(range(len(blocks))):
         block_vjp = saved[i]
@@ -310,7 +321,10 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
                 lambda p_, h_, fn=blocks[i].fn: fn(p_, h_, key), local(blocks[i], after=g), h_in
             )
         g_block, g = block_vjp(g)
+        del block_vjp  # (the closure holds the block's gathered parameters)
         add(blocks[i], g_block)
+    if embed_vjp is None:  # sharded: gathered again, once g exists
+        _, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), local(embed, after=g))
     (g_embed,) = embed_vjp(g)
     add(embed, g_embed)
     grads = {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in params.items()}

@@ -48,11 +48,13 @@ class Task(NamedTuple):
       eval_batches: `() -> iterable of batches`: this rank's part of the fixed evaluation set.
       tokens_per_step: tokens in one global training batch (for throughput).
       flops_per_token: training FLOPs per token (for MFU; 0 if unknown).
-      finish: `(full params, key) -> dict`: called on the main process after the last step with
-        the gathered params, e.g. `{"sample": text}`; the loop prints and records what it returns.
-      export: optional `(full params, out_dir) -> path`: writes the params in the family's
-        interchange format (a Hugging Face directory); `python -m functrain.main --export_hf=DIR`
-        calls it on a checkpoint. None: the family has none.
+      finish: `(params, key) -> dict`: called on every process after the last step with the params
+        as trained (DTensors when sharded: gather them a stage or a tensor at a time, e.g.
+        `models.lm.generate(..., stages=...)`, so no rank holds the whole model; each gather is a
+        collective, hence every rank), e.g. `{"sample": text}`; the loop prints and records rank 0's.
+      export: optional `(params, out_dir) -> path`: writes the params (full or sharded) in the
+        family's interchange format (a Hugging Face directory); `python -m functrain.main
+        --export_hf=DIR` calls it on a checkpoint. None: the family has none.
     """
 
     describe: str

@@ -199,6 +199,45 @@ def s_stages(ctx, remat="full", precision=None, steps=STEPS):
     return out
 
 
+def s_gathered_live(ctx, remat="full"):
+    """A memory trace of one eager per-block step: the bytes of gathered parameters alive (their
+    storages not yet freed, `StorageWeakRef`) right after each gather, with each stage's size."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    cfg = gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32, dropout=0.0, bias=False)
+    model = gpt.GPT(cfg, key=rng.key(0))
+    rules = parallel.default_rules(gpt.TP_RULES)
+    opt = sgd()
+    step = make_train_step(staged_loss_for(remat)(parallel.tensor_parallel(model, ctx.mesh, rules)), opt,
+                           compile=False, donate=False)
+    state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
+    lay = parallel.layout_of(state.params)
+    live, trace, real = {}, [], type(lay).gather
+
+    def spy(self, params):
+        out = real(self, params)
+        for ptr in [p for p, (ref, _) in live.items() if ref.expired()]:  # freed (before a reused address)
+            del live[ptr]
+        own = {p.to_local().untyped_storage().data_ptr() for p in params.values()}  # replicated: no copy
+        for t in out.values():
+            st = t.untyped_storage()
+            if st.data_ptr() not in own:
+                live.setdefault(st.data_ptr(), (StorageWeakRef(st), st.nbytes()))
+        trace.append(sum(n for _, n in live.values()))
+        return out
+
+    type(lay).gather = spy
+    try:
+        step(state, parallel.split_batch(global_batches(1)[0], ctx.dp_rank, ctx.dp_world))
+    finally:
+        type(lay).gather = real
+    sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    st = gpt.stages(model)
+    return {"trace": trace, "embed": sum(sizes[n] for n in st.embed.names),
+            "block": max(sum(sizes[n] for n in b.names) for b in st.blocks),
+            "head": sizes["wte.weight"] + sum(sizes[n] for n in st.final.names), "model": sum(sizes.values())}
+
+
 def s_init(ctx):
     """Sharded init: each rank draws only its blocks; gathered, they equal the single-process init."""
     cfg = gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True)
@@ -225,6 +264,62 @@ def s_init(ctx):
         "model_numel": sum(v.numel() for v in whole.values()),
         "largest_fraction": max(math.prod(local) / math.prod(shape) for _, shape, local in drawn
                                 if math.prod(shape) >= 32 * 32),
+    }
+
+
+def s_sample(ctx):
+    """The end-of-run sample and HF export over sharded params: the tokens and the file's bytes equal
+    the full params' ones, and each gather holds one stage (sampling) or one tensor (export)."""
+    from functrain.interop.hf import save_hf_directory
+
+    model = tiny_gpt(bias=True)
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    sharded = parallel.shard_params(full.items(), ctx.mesh, parallel.default_rules(gpt.TP_RULES))
+    prompt, kw = torch.tensor([[1, 2, 3]]), dict(temperature=1.0, top_k=10, key=rng.key(5))
+    want = gpt.generate(model, full, prompt, 12, **kw)
+    gathered, real = [], parallel.gather
+
+    def spy(tree):
+        gathered.append(sum(t.numel() for t in tree.values()))
+        return real(tree)
+
+    parallel.gather = spy
+    try:
+        got = gpt.generate(model, sharded, prompt, 12, stages=gpt.stages(model), head="wte.weight", **kw)
+    finally:
+        parallel.gather = real
+    try:
+        gpt.generate(model, sharded, prompt, 1, **kw)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    seen, real_full = [], torch.distributed.tensor.DTensor.full_tensor
+
+    def spy_full(self, *args, **kwargs):
+        seen.append(self.numel())
+        return real_full(self, *args, **kwargs)
+
+    out = os.path.join(OUTDIR, f"sample_{'_'.join(map(str, ctx.mesh.shape))}_{ctx.tp_world}")
+    torch.distributed.tensor.DTensor.full_tensor = spy_full
+    try:
+        save_hf_directory(os.path.join(out, "sharded"), sharded, {"model_type": "test"})
+    finally:
+        torch.distributed.tensor.DTensor.full_tensor = real_full
+    save_hf_directory(os.path.join(out, "full"), full, {"model_type": "test"})
+    same_bytes = None
+    if dist.get_rank() == 0:
+        import safetensors.torch
+
+        a, b = (open(os.path.join(out, d, "model.safetensors"), "rb").read() for d in ("sharded", "full"))
+        back = safetensors.torch.load_file(os.path.join(out, "sharded", "model.safetensors"))  # the package reads it
+        same_bytes = a == b and back.keys() == full.keys() and all(torch.equal(back[n], full[n]) for n in full)
+    st = gpt.stages(model)
+    return {
+        "equal": bool(torch.equal(got, want)), "tokens": got.tolist(), "gathers": gathered, "refused": refused,
+        "stage_max": max(sum(full[n].numel() for n in names)
+                         for names in [st.embed.names, *(b.names for b in st.blocks), st.final.names]),
+        "model_numel": sum(t.numel() for t in full.values()), "export_gathers": seen,
+        "largest_tensor": max(t.numel() for t in full.values()), "same_bytes": same_bytes,
     }
 
 
@@ -404,6 +499,10 @@ SUITES = {
         ("stages_kept_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, remat="none")),
         ("stages_tp", {"dp_shard": 1, "tp": 2}, s_stages),
         ("stages_bf16_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, precision="bf16", steps=10)),
+        ("sample_fsdp", {"dp_shard": 2}, s_sample),
+        ("live_fsdp", {"dp_shard": 2}, s_gathered_live),
+        ("live_kept_fsdp", {"dp_shard": 2}, lambda ctx: s_gathered_live(ctx, remat="none")),
+        ("sample_tp", {"dp_shard": 1, "tp": 2}, s_sample),
     ],
     "compiled2": [
         ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, "inductor")),
@@ -418,12 +517,18 @@ SUITES = {
         ("init_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_init),
         ("init_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_init),
         ("stages_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_stages),
+        ("sample_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_sample),
     ],
     "single": [("single", None, s_single)],
 }
 
 
+OUTDIR = ""  # the suite's output directory (shared by the ranks), set by main
+
+
 def main(outdir: str, suite: str, only: list[str]) -> None:
+    global OUTDIR
+    OUTDIR = outdir
     results = {}
     for name, mesh_cfg, fn in SUITES[suite]:
         if only and name not in only:

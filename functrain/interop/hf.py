@@ -25,10 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import safetensors.torch
 import torch
 
-from functrain.interop.safetensors import SafetensorsError, open_safetensors
+from functrain.interop.safetensors import SafetensorsError, _rank_and_world, open_safetensors, save_safetensors
 
 __all__ = ["HFDirectory", "HFError", "HFWeights", "save_hf_directory"]
 
@@ -184,11 +183,13 @@ def save_hf_directory(directory: str | os.PathLike, state_dict: Mapping[str, tor
                       *, tokenizer_file: str | os.PathLike | None = None) -> Path:
     """Writes a directory `from_pretrained` loads: `config.json`, `model.safetensors`, `tokenizer.json`.
 
-    Not a collective: call it on one process with whole tensors (`functrain.parallel.gather` first).
+    Tensors are streamed to the file one at a time (`save_safetensors`): DTensors are gathered one
+    by one and rank 0 writes, so with sharded params every rank must call it (a collective), and
+    none holds the whole model. Plain tensors on one process: no communication.
 
     Args:
       directory: where to write (created).
-      state_dict: {Hugging Face name: tensor}.
+      state_dict: {Hugging Face name: tensor or DTensor}.
       config: the model's `config.json` contents.
       tokenizer_file: a `tokenizer.json` to copy beside the weights (optional).
 
@@ -199,12 +200,14 @@ def save_hf_directory(directory: str | os.PathLike, state_dict: Mapping[str, tor
       >>> save_hf_directory("runs/llama/hf", export_hf_llama(params, cfg), hf_llama_config(cfg))
     """
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
-    tmp = out / f".{_SINGLE}.tmp"
-    safetensors.torch.save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / _SINGLE)
-    (out / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
-    if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / "tokenizer.json").resolve():
-        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    save_safetensors(dict(state_dict), out / _SINGLE, metadata={"format": "pt"})  # every rank; rank 0 writes
+    rank, distributed = _rank_and_world()
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+        if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / "tokenizer.json").resolve():
+            shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
     return out

@@ -1,19 +1,20 @@
-"""Read and write Hugging Face safetensors files, through the `safetensors` package.
+"""Read and write Hugging Face safetensors files.
 
 The format (https://github.com/huggingface/safetensors) is an 8-byte header length, a JSON header
 (name -> dtype, shape, data offsets; optional `__metadata__` of str -> str) and the tensors' bytes.
-The `safetensors` package writes and reads it (memory-mapped, checked against truncation and
-overlap); this module adds what training needs around it:
+The `safetensors` package reads it (memory-mapped, checked against truncation and overlap). This
+module writes it itself, because the package's writer needs every tensor whole in memory at once:
 
-`save_safetensors` writes a params dict (or any pytree of tensors, named by its dotted paths;
-DTensor leaves are gathered with `full_tensor()`, and only rank 0 writes when torch.distributed is
-initialized), atomically (a temporary file renamed into place). `load_safetensors` reads one back,
+`save_safetensors` writes a params dict (or any pytree of tensors, named by its dotted paths)
+atomically (a temporary file renamed into place), streaming: the header comes from shapes and
+dtypes, then DTensor leaves are gathered one at a time with `full_tensor()` and written by rank 0,
+so no rank holds the whole model. `load_safetensors` reads a file back through the package,
 optionally shaped, typed, placed (device, DTensor placements) and ordered like a template. Every
-failure is a `SafetensorsError` naming the file. (Until issue 13 this was a hand-written reader and
-writer; the package replaced it: same files, less code to keep.)
+failure is a `SafetensorsError` naming the file. Tests check both directions against the package.
 
-Note on order: the package lays tensors out by dtype alignment, then name, so a file read without a
-template comes back in the file's order, not the saving dict's; a template restores any order.
+Note on order: our files keep the saving dict's order; the package's writer lays tensors out by
+dtype alignment, then name, so a file of its making comes back in that order without a template;
+a template restores any order.
 
 Example:
     >>> save_safetensors(state.params, "model.safetensors", metadata={"step": "1000"})
@@ -22,12 +23,13 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 from typing import Any, Mapping
 
 import safetensors
-import safetensors.torch
 import torch
 
 from functrain import tree as tree_lib
@@ -60,13 +62,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole value of a (D)Tensor on the CPU, contiguous (a collective for a DTensor)."""
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.detach().to("cpu").contiguous()
-
-
 def _rank_and_world() -> tuple[int, bool]:
     """(this process's rank, whether torch.distributed is initialized)."""
     import torch.distributed as dist
@@ -76,13 +71,35 @@ def _rank_and_world() -> tuple[int, bool]:
     return 0, False
 
 
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _header(items: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None) -> bytes:
+    """The 8-byte little-endian length and the JSON header (padded to 8 bytes, as the package does)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in items:
+        size = t.numel() * t.element_size()  # a DTensor's global numel: the gathered size
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
-    """Writes tensors to a `.safetensors` file.
+    """Writes tensors to a `.safetensors` file, streaming: one whole tensor in memory at a time.
 
     Tensors are written in the dict's order (a nested tree: flattening order, names are dotted
-    paths). DTensors are gathered first (`full_tensor()`, so every rank must call this); with
-    torch.distributed initialized only rank 0 writes, and all ranks wait for the file. The write
-    goes to `<path>.tmp` and is renamed, so a crash never leaves a truncated file under `path`.
+    paths). The header comes from shapes and dtypes alone, then each tensor is made whole
+    (`full_tensor()` for a DTensor, so every rank must call this), written by rank 0 and dropped:
+    sharded params are exported without any rank holding the whole model. All ranks wait for the
+    file. The write goes to `<path>.tmp` and is renamed, so a crash never leaves a truncated file
+    under `path`; a failed write on rank 0 still takes part in every gather (no rank hangs), then raises.
 
     Args:
       params: {name: tensor} (or any pytree of tensors), any device, any dtype in the format.
@@ -98,20 +115,40 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
     path = Path(path)
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError(f"safetensors metadata must map str to str, got {dict(metadata)!r}")
-    items = {name: _full(t) for name, t in _named_tensors(params)}
+    items = _named_tensors(params)
+    for name, t in items:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors code; cast it to one of {sorted(_DTYPES.values())}")
     rank, distributed = _rank_and_world()
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            safetensors.torch.save_file(items, str(tmp), metadata=dict(metadata) if metadata else None)
+    tmp = path.with_name(path.name + ".tmp")
+    failed: BaseException | None = None
+    out = None
+    try:
+        if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(tmp, "wb")
+            out.write(_header(items, metadata))
+    except OSError as exc:
+        failed = exc
+    for _, t in items:
+        whole = _full(t)  # a collective for a DTensor: every rank, even after a failed write
+        if out is not None and failed is None:
+            try:
+                out.write(whole.reshape(-1).view(torch.uint8).numpy())  # little-endian, as the format
+            except OSError as exc:
+                failed = exc
+        del whole
+    if out is not None:
+        out.close()
+        if failed is None:
             os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
     if distributed:
         import torch.distributed as dist
 
         dist.barrier()
+    if failed is not None:
+        raise SafetensorsError(f"{path}: could not write ({failed}); free space or pick another path") from None
     return path
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from functrain import parallel
 from functrain import remat as remat_lib
 from functrain import rng
 from functrain.losses import chunked_cross_entropy
@@ -244,6 +245,8 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     key: torch.Tensor,
+    stages: LMStages | None = None,
+    head: str | None = None,
 ) -> torch.Tensor:
     """Samples a continuation autoregressively (eager), with randomness from an explicit key.
 
@@ -252,14 +255,21 @@ def generate(
     Gumbel-max with noise `rng.uniform(rng.fold_in(key, i), ...)`. `temperature=0` picks the argmax.
     No global RNG is used: the same (params, prompt, key) give the same tokens.
 
+    Sharded (DTensor) params are sampled stage by stage: each forward gathers one stage's
+    parameters (`functrain.parallel.gather`), runs it and lets them go, so no rank ever holds the
+    whole model; every rank must call it (the gathers are collectives) and all get the same tokens,
+    equal to sampling the full params (the stages compose to the model's forward, same ops).
+
     Args:
       model: a decoder LM with `cfg.block_size` (a meta template is fine: weights come from `params`).
-      params: name -> tensor, as for `torch.func.functional_call`.
+      params: name -> tensor, as for `torch.func.functional_call`; or DTensors (then `stages`, `head`).
       prompt_idx: int64 token ids, (B, T0) or (T0,), T0 >= 1.
       max_new_tokens: how many tokens to append.
       temperature: softmax temperature; 0 means greedy.
       top_k: keep only the k most likely tokens (None: all).
       key: an `rng` key.
+      stages: the model's `LMStages` (e.g. `gpt.stages(model)`): needed for sharded params.
+      head: the output projection's weight name (e.g. "wte.weight" when tied), with `stages`.
 
     Returns:
       int64 ids of shape (B, T0 + max_new_tokens) (or (T0 + max_new_tokens,) for a 1-D prompt).
@@ -267,22 +277,40 @@ def generate(
     Example:
       >>> out = generate(model, params, torch.tensor([[10]]), 100, top_k=50, key=rng.key(1))
       >>> text = dataset.decode(out[0].tolist())
+      >>> out = generate(model, state.params, prompt, 100, key=k, stages=gpt.stages(model), head="wte.weight")
     """
     squeeze = prompt_idx.ndim == 1
     idx = prompt_idx[None] if squeeze else prompt_idx  # (B, T0)
     key = key.to(idx.device)
     block_size = model.cfg.block_size
-    for i in range(max_new_tokens):
-        ctx = idx[:, -block_size:]  # (B, T<=block_size)
-        logits = torch.func.functional_call(model, params, (ctx,))[:, -1, :].float()  # (B, V)
-        if temperature == 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            u = rng.uniform(rng.fold_in(key, i), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
-            nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
-        idx = torch.cat([idx, nxt], dim=1)
+    staged = any(parallel.is_dtensor(t) for t in params.values())
+    if staged and (stages is None or head is None):
+        raise ValueError("generate: the params are sharded (DTensors); pass the model's `stages=` and `head=` so "
+                         "they are gathered one stage at a time, or `functrain.parallel.gather` them first")
+    with torch.no_grad():
+        for i in range(max_new_tokens):
+            ctx = idx[:, -block_size:]  # (B, T<=block_size)
+            if staged:
+                logits = _staged_logits(stages, head, params, ctx, parallel.gather)[:, -1, :].float()  # (B, V)
+            else:
+                logits = torch.func.functional_call(model, params, (ctx,))[:, -1, :].float()  # (B, V)
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                u = rng.uniform(rng.fold_in(key, i), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
+                nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)
     return idx[0] if squeeze else idx
+
+
+def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gather: Callable) -> torch.Tensor:
+    """Logits (B, T, V): every stage run on `gather` of its own params only (one stage held at a time)."""
+    h = stages.embed.fn(gather(stages.embed.params(params)), idx, None)  # (B, T, C)
+    for block in stages.blocks:
+        h = block.fn(gather(block.params(params)), h, None)  # (B, T, C)
+    h = stages.final.fn(gather(stages.final.params(params)), h, None)  # (B, T, C)
+    return F.linear(h, gather({head: params[head]})[head])  # (B, T, V): the forward's lm_head

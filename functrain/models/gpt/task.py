@@ -24,7 +24,7 @@ from functrain.interop.hf import save_hf_directory
 from functrain.models import lm
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt import model as gpt_lib
-from functrain.models.gpt.loss import make_loss_fn
+from functrain.models.gpt.loss import _head_name, make_loss_fn
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -111,10 +111,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                                      num_batches=config.eval_batches, **dp)
 
     def finish(params, key):
-        """A text sample from the prompt, drawn from `key`."""
+        """A text sample from the prompt, drawn from `key` (sharded params: gathered a stage at a time)."""
         prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
         out = gpt_lib.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
-                               top_k=sample.top_k or None, key=key)
+                               top_k=sample.top_k or None, key=key, stages=gpt_lib.stages(template),
+                               head=_head_name(params))
         return {"sample": dataset.decode(out[0].tolist())}
 
     def export(params, out):

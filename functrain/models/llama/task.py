@@ -190,10 +190,12 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                                  tokenizer_file=tokenizer_file)
 
     def finish(params, key):
-        """A text sample from the prompt; the Hugging Face export with `export_hf`."""
+        """A text sample from the prompt (sharded params: gathered a stage at a time); the Hugging Face
+        export with `export_hf` (gathered a tensor at a time, written by rank 0)."""
         prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
+        head = "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
         out = lm.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
-                          top_k=sample.top_k or None, key=key)
+                          top_k=sample.top_k or None, key=key, stages=llama_lib.stages(template), head=head)
         result = {"sample": dataset.decode(out[0].tolist())}
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
