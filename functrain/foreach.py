@@ -26,6 +26,7 @@ __all__ = ["add", "addcmul", "copy_", "div", "lerp", "mul", "norms", "per_tensor
 _PER_TENSOR = False
 
 Tensors = Sequence[torch.Tensor]
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (anything else is a subclass such as DTensor)
 
 
 @contextlib.contextmanager
@@ -39,6 +40,14 @@ def per_tensor():
         _PER_TENSOR = before
 
 
+def _per_tensor_for(xs: Tensors, scalar) -> bool:
+    """Per-tensor ops for this call: inside `per_tensor()`, or a tensor subclass (DTensor) with a 0-d
+    tensor scalar. The foreach Scalar overloads turn that tensor into an unbacked float under
+    torch.compile, which plain tensors take but DTensor's sharding propagation cannot ("Could not
+    guard on data-dependent expression"); per-tensor ops keep it a (replicated) tensor."""
+    return _PER_TENSOR or (isinstance(scalar, torch.Tensor) and bool(xs) and type(xs[0]) not in _PLAIN)
+
+
 def _at(y, i):
     """y[i] for a list, y itself for a scalar or tensor."""
     return y[i] if isinstance(y, (list, tuple)) else y
@@ -46,12 +55,12 @@ def _at(y, i):
 
 def add(xs: Tensors, ys) -> list[torch.Tensor]:
     """xs + ys (ys: a list, a scalar or a 0-d tensor)."""
-    return [x + _at(ys, i) for i, x in enumerate(xs)] if _PER_TENSOR else list(torch._foreach_add(xs, ys))
+    return [x + _at(ys, i) for i, x in enumerate(xs)] if _per_tensor_for(xs, ys) else list(torch._foreach_add(xs, ys))
 
 
 def mul(xs: Tensors, ys) -> list[torch.Tensor]:
     """xs * ys (ys: a list, a scalar or a 0-d tensor)."""
-    return [x * _at(ys, i) for i, x in enumerate(xs)] if _PER_TENSOR else list(torch._foreach_mul(xs, ys))
+    return [x * _at(ys, i) for i, x in enumerate(xs)] if _per_tensor_for(xs, ys) else list(torch._foreach_mul(xs, ys))
 
 
 def div(xs: Tensors, ys: Tensors) -> list[torch.Tensor]:
@@ -66,7 +75,7 @@ def sqrt(xs: Tensors) -> list[torch.Tensor]:
 
 def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
     """xs + weight (ys - xs) (weight: a scalar or a 0-d tensor)."""
-    if _PER_TENSOR:
+    if _per_tensor_for(xs, weight):
         return [torch.lerp(x, y, weight.to(x.dtype) if isinstance(weight, torch.Tensor) else float(weight))
                 for x, y in zip(xs, ys)]
     return list(torch._foreach_lerp(xs, ys, weight))

@@ -482,6 +482,11 @@ SUITES = {
         ("ddp", {"dp_replicate": 2, "dp_shard": 1}, s_ddp),
         ("adamw_fsdp", {"dp_shard": 2}, s_adamw_step),
         ("adamw_tp", {"dp_shard": 1, "tp": 2}, s_adamw_step),
+        # traced by dynamo (the "eager" backend: no inductor cost): AdamW's 0-d hyper-parameter
+        # tensors in foreach ops on DTensors once failed there ("could not guard on zuf0")
+        ("adamw_traced_fsdp", {"dp_shard": 2}, lambda ctx: compare(
+            ctx, make_opt=adamw, steps=1, compile=True, compile_options={"backend": "eager"},
+            make_loss=staged_loss_for("full"))),
         ("fsdp_bias", {"dp_shard": 2}, s_bias),
         ("tp_bias", {"dp_shard": 1, "tp": 2}, s_bias),
         ("tp_is_local", {"dp_shard": 1, "tp": 2}, s_tp_is_local),

@@ -93,7 +93,7 @@ def test_twenty_steps_match_single_process(eager2, name, placement):
         assert res["placements"]["blocks.0.attn.q.weight"] == placement
 
 
-@pytest.mark.parametrize("name", ["adamw_fsdp", "adamw_tp"])
+@pytest.mark.parametrize("name", ["adamw_fsdp", "adamw_tp", "adamw_traced_fsdp"])
 def test_adamw_step_and_sharded_moments_match_single_process(eager2, name):
     for res in _result(eager2, name):
         assert res["metric_keys_equal"] and res["step"] == 1
