@@ -94,9 +94,9 @@ def setup(mode: str, workdir: str | os.PathLike | None = None) -> Path:
       PosixPath('/home/me/functrain/runs/gpt/compile_cache/avx512')
     """
     global _set_by_setup, _set_by_user
-    path = _resolve(mode, workdir)
-    if path.name != _isa():  # (a child process inherits the keyed directory: not keyed twice)
-        path = path / _isa()
+    path, isa = _resolve(mode, workdir), _isa()
+    if path.name != isa:  # (a child process inherits the keyed directory: not keyed twice)
+        path = path / isa
     path.mkdir(parents=True, exist_ok=True)
     previous = os.environ.get(_ENV)
     if previous and previous != _set_by_setup:

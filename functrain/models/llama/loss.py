@@ -18,6 +18,11 @@ from functrain.models.llama import model as llama_lib
 __all__ = ["make_loss_fn"]
 
 
+def _head_name(cfg) -> str:
+    """The output projection's weight: the token embedding when tied, else `lm_head.weight`."""
+    return "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+
+
 def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none",
                  staged: bool = False) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` of a `Llama` (see `functrain.models.lm.make_lm_loss_fn`).
@@ -35,6 +40,5 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
     Example:
       >>> loss, aux = make_loss_fn(template)(params, (x, y), None)
     """
-    head = "embed_tokens.weight" if model.cfg.tie_embeddings else "lm_head.weight"
-    return lm.make_lm_loss_fn(model, llama_lib.stages(model), head=head, chunk_size=chunk_size,
+    return lm.make_lm_loss_fn(model, llama_lib.stages(model), head=_head_name(model.cfg), chunk_size=chunk_size,
                               ignore_index=ignore_index, remat=remat, staged=staged)

@@ -32,7 +32,7 @@ from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm
 from functrain.models.llama import hf as hf_lib
 from functrain.models.llama import model as llama_lib
-from functrain.models.llama.loss import make_loss_fn
+from functrain.models.llama.loss import _head_name, make_loss_fn
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -193,9 +193,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         """A text sample from the prompt (sharded params: gathered a stage at a time); the Hugging Face
         export with `export_hf` (gathered a tensor at a time, written by rank 0)."""
         prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
-        head = "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
         out = lm.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
-                          top_k=sample.top_k or None, key=key, stages=llama_lib.stages(template), head=head)
+                          top_k=sample.top_k or None, key=key, stages=llama_lib.stages(template),
+                          head=_head_name(cfg))
         result = {"sample": dataset.decode(out[0].tolist())}
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
