@@ -318,12 +318,12 @@ def run(
     state = init_state(params, optimizer, seed=config.seed, copy=False)  # moments mirror the placements
     del params
     train_step = make_train_step(
-        task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=config.compile, donate=config.donate,
+        task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=_compile(config), donate=config.donate,
         precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
     )
-    eval_step = make_eval_step(task.loss_fn, compile=config.compile, precision=config.precision)
+    eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision)
 
-    print_fn(f"functrain: {task.describe}, device {device}, compile={'on' if config.compile else 'off'}, "
+    print_fn(f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
              f"precision {config.precision}, mesh {dict(ctx.shape)}")
     peak = ctx.world_size * (metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device))
     throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps)
@@ -399,6 +399,16 @@ def run(
 
 def _silent(*args, **kwargs) -> None:
     """print_fn of the ranks other than 0."""
+
+
+def _compile(config) -> "bool | str":
+    """`make_train_step`'s `compile` from the config: False, True (one graph) or "blocks"."""
+    return "blocks" if config.compile and config.compile_unit == "blocks" else bool(config.compile)
+
+
+def _compile_label(config) -> str:
+    """How the step is compiled, for the start-up line: "on", "blocks" or "off"."""
+    return {True: "on", False: "off"}.get(_compile(config), "blocks")
 
 
 def _device(config, ctx) -> torch.device:

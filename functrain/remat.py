@@ -40,6 +40,16 @@ Why this route and not SimpleFSDP-style gathers at the point of use under `torch
 (DESIGN.md): it needs no autograd of collectives and no inductor recompute tags, runs eagerly and
 compiled as one graph (tests/test_parallel_dist.py), and the schedule is explicit in the code.
 
+Compiled stage by stage (`loss_fn.compile_stages()`, `make_train_step(..., compile="blocks")`). In
+the one-graph step every block is inlined, so compile time grows with depth. Compiled stage by
+stage, the embedding, the head and ONE block graph (`Stage.shared`, run by every block on its own
+params and index) are separate `torch.compile` functions called from eager code, differentiated by
+autograd through AOTAutograd's forward/backward graphs (`torch.func.vjp` cannot differentiate a
+compiled function from eager code). Graphs: embedding, block and head, each with grad and (for a
+no-grad forward: a recomputed block, the sharded embedding, eval) without; none per block. Measured
+(2-core CPU, torch 2.13, width-64 GPT, caches off; bench/compile_depth.py): see README "Compile
+time and depth". The optimizer update stays one graph over every tensor (`make_train_step`).
+
 Example:
     >>> loss_fn = staged_loss(embed, blocks, head, policy="full")
     >>> loss, aux = loss_fn(params, batch, key)                 # plain composition (eval)
@@ -102,6 +112,13 @@ class Stage:
           block  `fn(p, h, key) -> h` (same shape in and out is not required)
           head   `fn(p, h, batch, key) -> loss` or `(loss, aux dict)`
         `key` is the step's RNG key (or None); a stage derives its own dropout keys from it.
+      shared: for a block, optionally the computation every block shares:
+        `shared(own, h, key, index) -> h` with `own` its params named without `prefix` and `index`
+        the block's position as a 0-d int64 tensor; `shared(stage.own(p), h, key, tensor(index))`
+        must equal `fn(p, h, key)`. Every block of a model passing the same `shared` object lets
+        `compile_stages` compile one block graph for all of them (compile time flat in depth).
+      prefix: stripped from `names` to make `own` (e.g. "blocks.3.").
+      index: the block's position (what `shared` gets as `index`).
 
     Example:
       >>> block = Stage(("w0",), lambda p, h, key: h + torch.tanh(h @ p["w0"]))
@@ -109,10 +126,18 @@ class Stage:
 
     names: tuple[str, ...]
     fn: Callable
+    shared: Callable | None = None
+    prefix: str = ""
+    index: int = 0
 
     def params(self, params: Params) -> Params:
         """The sub-dict of `params` this stage reads."""
         return {n: params[n] for n in self.names}
+
+    def own(self, params: Params) -> Params:
+        """The sub-dict of `params` this stage reads, named without `prefix` (what `shared` takes)."""
+        k = len(self.prefix)
+        return {n[k:]: params[n] for n in self.names}
 
 
 def parse_policy(policy: Any) -> "str | int":
@@ -187,6 +212,8 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
       gets zeros. Each stage is differentiated with respect to its own parameters only. With
       policy "none" it is `torch.func.grad_and_value` of the composition. `functrain.step` uses
       this method in place of its own `grad_and_value`.
+      `loss_fn.compile_stages(options=None)` returns the same loss with every stage compiled on its
+      own (`make_train_step(..., compile="blocks")`; see `compile_stages`).
 
     Raises:
       ValueError: for a bad policy.
@@ -197,14 +224,47 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
     """
     policy = parse_policy(policy)
     blocks = tuple(blocks)
+    loss_fn = _staged(embed, blocks, head, policy, _Traced(embed, blocks, head))
+
+    def compile_stages(options: dict | None = None) -> Callable:
+        """This loss with each stage its own compiled graph, one block graph shared by every block.
+
+        For `make_train_step(..., compile="blocks")`: the stages run as separate `torch.compile`d
+        functions (embedding, block, head), called in order by eager Python, with gradients by
+        autograd through the compiled graphs. Every block runs the same compiled graph (its
+        `Stage.shared` computation), so compile time does not grow with depth; the price is that
+        the compiler cannot fuse across stage boundaries.
+
+        Args:
+          options: extra keyword arguments for `torch.compile` (always fullgraph, static shapes).
+
+        Returns:
+          A loss function with the same interface (call, `value_and_grad`,
+          `value_and_grad_sharded`, `apply_sharded`), gradients equal to this one's to float rounding.
+
+        Raises:
+          ValueError: the blocks do not all carry the same `Stage.shared` function.
+
+        Example:
+          >>> fast = loss_fn.compile_stages()
+          >>> loss, aux, grads = fast.value_and_grad(params, batch, key)
+        """
+        return _staged(embed, blocks, head, policy, _Compiled(embed, blocks, head, options))
+
+    loss_fn.compile_stages = compile_stages  # type: ignore[attr-defined]
+    return loss_fn
+
+
+def _staged(embed, blocks, head, policy, run) -> Callable:
+    """The staged loss function and its gradient methods, running its stages with `run`."""
     recompute = _recomputed(policy, len(blocks))
 
     def compose(params: Params, batch, key, gather=lambda p: p) -> tuple[torch.Tensor, dict]:
         """embed, every block, head, each on `gather` of its own params (no recomputation)."""
-        h = embed.fn(gather(embed.params(params)), batch, key)
-        for block in blocks:
-            h = block.fn(gather(block.params(params)), h, key)
-        return _loss_and_aux(head.fn(gather(head.params(params)), h, batch, key))
+        h = run.embed(gather(embed.params(params)), batch, key)
+        for block, fn in zip(blocks, run.blocks):
+            h = fn(gather(block.params(params)), h, key)
+        return run.head(gather(head.params(params)), h, batch, key)
 
     def loss_fn(params: Params, batch, key) -> tuple[torch.Tensor, dict]:
         """The loss: embed, every block, head (no recomputation, no gradients)."""
@@ -212,14 +272,14 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
 
     def value_and_grad(params: Params, batch, key, *, loss_scale=None):
         """(loss, aux, grads of loss * loss_scale), recomputing the policy's blocks in backward."""
-        if policy == "none":
+        if policy == "none" and not run.compiled:
             return _plain_value_and_grad(loss_fn, params, batch, key, loss_scale)
-        return _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale)
+        return _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale, run=run)
 
     def value_and_grad_sharded(params: Params, batch, key, *, layout, loss_scale=None):
         """`value_and_grad` over sharded params, each stage gathered just before it runs (see below)."""
         return _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale,
-                                      layout=layout)
+                                      layout=layout, run=run)
 
     def apply_sharded(params: Params, batch, key, *, layout):
         """The loss over sharded params, each stage gathered just before it runs (no gradients)."""
@@ -230,6 +290,90 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
     loss_fn.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
     loss_fn.apply_sharded = apply_sharded  # type: ignore[attr-defined]
     return loss_fn
+
+
+class _Traced:
+    """Stages as plain calls, differentiated by `torch.func.vjp` (eager, or traced into one graph)."""
+
+    compiled = False
+    barrier = True  # in one traced graph, order the recomputation after the cotangent (see above)
+
+    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage):
+        self.embed = embed.fn
+        self.blocks = [b.fn for b in blocks]
+        self.head = lambda p, h, batch, key: _loss_and_aux(head.fn(p, h, batch, key))
+
+    @staticmethod
+    def vjp(fn, primals: tuple, *rest, has_aux: bool = False):
+        """`torch.func.vjp` of `fn(*primals, *rest)` with respect to `primals`."""
+        return torch.func.vjp(lambda *xs: fn(*xs, *rest), *primals, has_aux=has_aux)
+
+
+class _Compiled:
+    """Stages as separately compiled graphs (one for all blocks), differentiated by autograd.
+
+    `torch.func.vjp` cannot differentiate a compiled function from eager code (Dynamo: "Calling
+    torch.func.grad(compiled_fn) function from eager mode is not supported"), but autograd can:
+    AOTAutograd compiles a forward and a backward graph, the forward saving what the backward needs.
+    So a stage's vjp here runs its compiled function on fresh leaves that require grad and returns
+    `torch.autograd.grad` through that as the vjp function. Graphs: one per stage function and grad
+    mode (a recomputed block's no-grad forward is a second block graph), none per block.
+    The stages run in program order from eager code, so no `remat_barrier` is needed.
+    """
+
+    compiled = True
+    barrier = False
+
+    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, options: dict | None):
+        shared = {id(b.shared) for b in blocks}
+        if blocks and (None in {b.shared for b in blocks} or len(shared) != 1):
+            raise ValueError(
+                "compile='blocks' needs every block stage to carry the same Stage.shared function (one "
+                "compiled graph for all blocks); build the blocks with functrain.models.lm.repeated_stages, "
+                "or compile the whole step (compile=True)"
+            )
+        kw = {"fullgraph": True, "dynamic": False, **(options or {})}
+        head_fn = head.fn
+        self.embed = torch.compile(embed.fn, **kw)
+        self.head = torch.compile(lambda p, h, batch, key: _loss_and_aux(head_fn(p, h, batch, key)), **kw)
+        if blocks:
+            block = torch.compile(blocks[0].shared, **kw)
+            self.blocks = [_SharedBlock(block, b) for b in blocks]
+        else:
+            self.blocks = []
+
+    @staticmethod
+    def vjp(fn, primals: tuple, *rest, has_aux: bool = False):
+        """`fn(*primals, *rest)` and its vjp function with respect to `primals`, by autograd."""
+        import optree
+
+        flat, spec = optree.tree_flatten(primals)
+        leaves = [x.detach().requires_grad_(True) for x in flat]
+        with torch.enable_grad():
+            out = fn(*optree.tree_unflatten(spec, leaves), *rest)
+        aux = None
+        if has_aux:
+            out, aux = out
+            aux = {k: v.detach() for k, v in aux.items()}
+
+        def vjp_fn(g):
+            """The cotangents of `primals` for the output cotangent `g` (zeros where unused)."""
+            got = torch.autograd.grad(out, leaves, g, allow_unused=True)
+            return optree.tree_unflatten(spec, [torch.zeros_like(x) if d is None else d for x, d in zip(leaves, got)])
+
+        return (out.detach(), vjp_fn, aux) if has_aux else (out.detach(), vjp_fn)
+
+
+class _SharedBlock:
+    """Block `stage` as a call of the compiled shared block graph on its own params and index."""
+
+    def __init__(self, compiled: Callable, stage: Stage):
+        self.compiled, self.stage, self.index = compiled, stage, torch.tensor(stage.index, dtype=torch.int64)
+
+    def __call__(self, p: Params, h: torch.Tensor, key):
+        if self.index.device != h.device:
+            self.index = self.index.to(h.device)
+        return self.compiled(self.stage.own(p), h, key, self.index)
 
 
 def _plain_value_and_grad(loss_fn, params, batch, key, loss_scale):
@@ -261,9 +405,11 @@ def _barrier_tree(params: Params, after: torch.Tensor) -> Params:
     return out
 
 
-def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale, layout=None):
+def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale, layout=None, *,
+                           run):
     """(loss, aux, grads) through per-stage vjps, recomputing the blocks marked in `recompute`.
 
+    `run` (`_Traced` or `_Compiled`) holds the stage functions and the vjp that differentiates them.
     With a `layout` (sharded params, `functrain.parallel.layout.Layout`), FSDP's schedule: each stage's
     parameters are gathered just before its forward, and its gradients reduced to the params'
     placements (a reduce-scatter) as soon as its vjp has made them. A recomputed block lets its
@@ -279,7 +425,7 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
         p = stage.params(params)
         if layout is None:
             return p
-        return layout.gather(p if after is None else _barrier_tree(p, after))
+        return layout.gather(p if after is None or not run.barrier else _barrier_tree(p, after))
 
     def add(stage, g):
         """Adds a stage's gradients to the total, reduced to the params' placements when sharded."""
@@ -289,23 +435,21 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
     # Sharded, the embedding is recomputed too: its vjp would hold its gathered parameters (often
     # the largest stage: the token embedding) through the whole step.
     if layout is None:
-        h, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), local(embed))
+        h, embed_vjp = run.vjp(run.embed, (local(embed),), batch, key)
     else:
         with torch.no_grad():
-            h = embed.fn(local(embed), batch, key)
+            h = run.embed(local(embed), batch, key)
         embed_vjp = None
     saved = []  # per block: its vjp closure, or its input when it is recomputed
-    for block, again in zip(blocks, recompute):
+    for block, fn, again in zip(blocks, run.blocks, recompute):
         if again:
             saved.append(h)
             with torch.no_grad():
-                h = block.fn(local(block), h, key)
+                h = fn(local(block), h, key)
         else:
-            h, block_vjp = torch.func.vjp(lambda p_, h_, fn=block.fn: fn(p_, h_, key), local(block), h)
+            h, block_vjp = run.vjp(fn, (local(block), h), key)
             saved.append(block_vjp)
-    loss, head_vjp, aux = torch.func.vjp(
-        lambda p, h_: _loss_and_aux(head.fn(p, h_, batch, key)), local(head), h, has_aux=True
-    )
+    loss, head_vjp, aux = run.vjp(run.head, (local(head), h), batch, key, has_aux=True)
 
     # Backward: head, blocks in reverse (recomputing where asked), embedding.
     grads: Params = {}
@@ -316,15 +460,13 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
         block_vjp = saved[i]
         saved[i] = None  # free the closure / saved input as soon as the block is done
         if recompute[i]:  # block_vjp is the block's saved input: recompute it once g exists
-            h_in = remat_barrier(block_vjp, g)
-            _, block_vjp = torch.func.vjp(
-                lambda p_, h_, fn=blocks[i].fn: fn(p_, h_, key), local(blocks[i], after=g), h_in
-            )
+            h_in = remat_barrier(block_vjp, g) if run.barrier else block_vjp
+            _, block_vjp = run.vjp(run.blocks[i], (local(blocks[i], after=g), h_in), key)
         g_block, g = block_vjp(g)
         del block_vjp  # (the closure holds the block's gathered parameters)
         add(blocks[i], g_block)
     if embed_vjp is None:  # sharded: gathered again, once g exists
-        _, embed_vjp = torch.func.vjp(lambda p: embed.fn(p, batch, key), local(embed, after=g))
+        _, embed_vjp = run.vjp(run.embed, (local(embed, after=g),), batch, key)
     (g_embed,) = embed_vjp(g)
     add(embed, g_embed)
     grads = {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in params.items()}

@@ -12,6 +12,12 @@ as with `jax.jit(..., donate_argnums=0)`: do not read it after the call, use the
 keeps peak memory near one copy of the state. `donate=False` allocates a new state and leaves the
 input untouched (useful for tests, EMA tricks and debugging).
 
+Compile unit. `compile=True` makes the whole step one graph: the fastest steps, but every block is
+inlined, so compile time grows with depth. `compile="blocks"` (a staged loss only) compiles the
+step's prepare (casts, key) and finish (grads to the masters, metrics, the optimizer update) as two
+graphs and lets the loss run its stages as graphs of their own, one block graph shared by every
+block (`functrain.remat.staged_loss`'s `compile_stages`): no graph per block, none per step.
+
 Precision and safety. `precision="bf16"` (or "fp16", with dynamic loss scaling) runs forward and
 backward on a cast copy of the params inside the same graph while the state keeps fp32 masters
 (`functrain.precision`). A step whose loss or gradient norm is not finite keeps the old params and
@@ -325,7 +331,7 @@ def make_train_step(
     optimizer: optim.Transform,
     *,
     accum_steps: int = 1,
-    compile: bool = True,
+    compile: "bool | str" = True,
     donate: bool = True,
     accum_impl: str = "unroll",
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
@@ -340,7 +346,13 @@ def make_train_step(
       optimizer: a `functrain.optim.Transform` (e.g. `optim.adamw(...)`).
       accum_steps: split the batch into this many microbatches and average their gradients
         inside the one call (the batch dimension must divide by it).
-      compile: compile the whole step with `torch.compile(fullgraph=True)`.
+      compile: True (or "step"): the whole step is one `torch.compile(fullgraph=True)` graph.
+        "blocks": for a staged loss (`functrain.remat.staged_loss`, e.g. `gpt.make_loss_fn(...,
+        staged=True)`): each stage kind is its own graph, every block running the same one, so
+        compile time does not grow with depth; graphs: the step's prepare (cast, key) and finish
+        (grads to the masters, metrics, optimizer update), the embedding, the block (a second one
+        for a recomputed block's no-grad forward), the head (see `remat.staged_loss`'s
+        `compile_stages`). False: eager.
       donate: reuse the input state's buffers for the output state (the input is consumed).
       accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
         op; one graph, compile time independent of accum_steps).
@@ -370,32 +382,52 @@ def make_train_step(
     prec = precision_lib.get(precision)
     update = _make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling,
                           precision=prec)
+    mode = _compile_mode(compile)
+    stage_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
+    if mode == "blocks" and accum_impl == "scan":
+        raise ValueError("compile='blocks' runs the microbatches as a Python loop: use accum_impl='unroll'")
+    # "step": the whole body is one graph; "blocks": prepare and finish are graphs of their own and
+    # the loss runs its stages' graphs from eager code
+    piece = (lambda f: _maybe_compile(f, True, compile_options)) if mode == "blocks" else (lambda f: f)
 
-    def build(lay: Layout):
+    def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f):
         """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
 
         # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters
         # its own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
         per_stage = lay.sharded and _gathers_per_stage(loss_fn, accum_impl, accum_steps)
 
-        def train_step(state: TrainState, batch: PyTree):
-            # compute copies (cast before the gather: half the bytes on the wire)
+        @piece
+        def prepare(state: TrainState, batch: PyTree):
+            """The params and batch to compute with (cast before the gather: half the bytes on the
+            wire), and this step's key (per step, per dp rank)."""
             params, batch = precision_lib.to_compute(prec, state.params, batch)
             if not per_stage:
                 params = lay.gather(params)
-            key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))  # per step, per dp rank
+            return params, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
+
+        @piece
+        def finish(state: TrainState, aux: dict, grads: PyTree):
+            """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update."""
+            grads = _to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
+            if not per_stage:  # grads back to the params' placements (per stage: done already)
+                grads = lay.reduce_grads(grads, state.params)
+            return update(state, lay.mean_over_dp(aux), grads)
+
+        def train_step(state: TrainState, batch: PyTree):
+            params, batch, key = prepare(state, batch)
             loss_scale = state.guard.loss_scale if prec.loss_scaling else None
             aux, grads = _accumulated_value_and_grad(
                 loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale, layout=lay if per_stage else None
             )
-            grads = _to_master(grads, state.params, loss_scale)
-            if not per_stage:  # grads back to the params' placements (per stage: done already)
-                grads = lay.reduce_grads(grads, state.params)
-            return update(state, lay.mean_over_dp(aux), grads)  # metrics averaged over all dp ranks
+            return finish(state, aux, grads)
 
         return train_step
 
-    steps = _PerLayout(build, lambda f: _maybe_compile(f, compile, compile_options))
+    if mode == "blocks":
+        steps = _PerLayout(lambda lay: build(lay, stage_loss, piece), lambda f: f)
+    else:
+        steps = _PerLayout(build, lambda f: _maybe_compile(f, mode == "step", compile_options))
     eager = _PerLayout(build, lambda f: f)
 
     def step(state: TrainState, batch: PyTree):
@@ -404,6 +436,27 @@ def make_train_step(
     step.uncompiled = lambda state, batch: eager.get(state.params)(state, batch)  # type: ignore[attr-defined]
     step.uncompiled_for = eager.for_layout  # type: ignore[attr-defined]  # the eager body of one layout
     return step
+
+
+def _compile_mode(compile) -> "str | None":
+    """`compile` as "step", "blocks" or None (eager)."""
+    if compile is True or compile == "step":
+        return "step"
+    if compile is False or compile is None or compile == "off":
+        return None
+    if compile == "blocks":
+        return "blocks"
+    raise ValueError(f"compile must be True/'step' (one graph), 'blocks' (a graph per stage kind) or False, got {compile!r}")
+
+
+def _stage_compiled(loss_fn, options: dict | None):
+    """`loss_fn` with each stage compiled on its own (`compile="blocks"`), or a clear error."""
+    if not hasattr(loss_fn, "compile_stages"):
+        raise ValueError(
+            "compile='blocks' compiles a staged loss stage by stage, and this loss has no stages: build it "
+            "with functrain.remat.staged_loss (e.g. gpt.make_loss_fn(template, staged=True)), or use compile=True"
+        )
+    return loss_fn.compile_stages(options)
 
 
 def _make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision):
@@ -462,7 +515,7 @@ def update_step(
 def make_eval_step(
     loss_fn: LossFn,
     *,
-    compile: bool = True,
+    compile: "bool | str" = True,
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
     compile_options: dict | None = None,
 ) -> Callable[[TrainState, PyTree], dict]:
@@ -470,7 +523,8 @@ def make_eval_step(
 
     Args:
       loss_fn: the same `(params, batch, key) -> (loss, aux)` as for training; it gets key=None.
-      compile: compile with `torch.compile(fullgraph=True)`.
+      compile: True / "step": one `torch.compile(fullgraph=True)` graph; "blocks": the staged loss's
+        stage graphs (see `make_train_step`); False: eager.
       precision: compute precision, as for `make_train_step` (params and inputs are cast).
       compile_options: extra keyword arguments for `torch.compile`.
 
@@ -483,6 +537,9 @@ def make_eval_step(
     """
 
     prec = precision_lib.get(precision)
+    mode = _compile_mode(compile)
+    if mode == "blocks":  # the stages' own graphs (the no-grad ones the train step's recompute uses)
+        loss_fn = _stage_compiled(loss_fn, compile_options)
 
     def build(lay: Layout):
         """The eval function for params laid out as `lay`."""
@@ -500,7 +557,7 @@ def make_eval_step(
 
         return eval_step
 
-    fns = _PerLayout(build, lambda f: _maybe_compile(f, compile, compile_options))
+    fns = _PerLayout(build, lambda f: _maybe_compile(f, mode == "step", compile_options))
 
     def evaluate(state: TrainState, batch: PyTree):
         return fns.get(state.params)(state, batch)

@@ -421,8 +421,9 @@ def s_eval_and_keys(ctx):
             "dp_ranks": [ctx.dp_rank], "tp_rank": ctx.tp_rank}
 
 
-def s_compiled(ctx, backend, make_loss=loss_fn_for):
-    """Compiled sharded step: one graph, no recompile over 6 steps, equal to eager and to 1 process."""
+def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
+    """Compiled sharded step: one graph (compile="blocks": one per stage kind), no recompile over 6
+    steps, equal to eager and to 1 process."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -436,7 +437,7 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for):
     ref, ref_hist = run(make_train_step(make_loss(model), opt, compile=False), init_state(model, opt), batches)
     eager, eager_hist = run(make_train_step(make_loss(tp_model), opt, compile=False),
                             parallel.shard_state(init_state(model, opt), ctx.mesh, rules), batches, ctx)
-    step = make_train_step(make_loss(tp_model), opt, compile=True, compile_options={"backend": backend})
+    step = make_train_step(make_loss(tp_model), opt, compile=compile, compile_options={"backend": backend})
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     hist = []
     try:
@@ -514,6 +515,12 @@ SUITES = {
         ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
         ("compiled_stages_fsdp", {"dp_shard": 2},
          lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("full"))),
+        ("blocks_fsdp", {"dp_shard": 2},
+         lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
+        ("blocks_kept_fsdp", {"dp_shard": 2},
+         lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("none"), compile="blocks")),
+        ("blocks_tp", {"dp_shard": 1, "tp": 2},
+         lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
     ],
     "eager4": [
         ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),

@@ -177,10 +177,13 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
     _assert_matches_single_process(res, steps=5)
 
 
-@pytest.mark.parametrize("name", ["compiled_fsdp", "compiled_tp", "compiled_stages_fsdp"])
-def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name):
+# compile="blocks" graphs: prepare, finish, embedding and block without grad (the sharded forward)
+# and with grad (recomputed in backward), head; kept blocks: no no-grad block graph.
+@pytest.mark.parametrize("name, graphs", [("compiled_fsdp", 1), ("compiled_tp", 1), ("compiled_stages_fsdp", 1),
+                                          ("blocks_fsdp", 7), ("blocks_kept_fsdp", 6), ("blocks_tp", 7)])
+def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
     for res in _result(compiled2, name):
-        assert res["unique_graphs"] == 1
+        assert res["unique_graphs"] == graphs
         assert res["metric_types"] == ["Tensor"]
         loss_tol, params_tol = _tols(6)
         assert res["vs_eager_loss"] <= loss_tol and res["vs_eager_params"] <= params_tol

@@ -29,7 +29,7 @@ from functrain.remat import Stage
 
 __all__ = [
     "LMStages", "REMAT_CHECK", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "make_lm_loss_fn",
-    "resolve_remat", "submodule_stage",
+    "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
 ]
 
 
@@ -68,6 +68,45 @@ def submodule_stage(model: nn.Module, prefix: str, fn: Callable) -> Stage:
         return fn(module, own, *args)
 
     return Stage(names, run)
+
+
+def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stage]:
+    """One stage per block of `model.<container>` (an `nn.ModuleList`), all sharing one computation.
+
+    Block i's stage runs `fn(block_i, own_params, h, key, i)`; its `Stage.shared` runs
+    `fn(block_0, own_params, h, key, index)` with `index` a 0-d tensor, the same function object for
+    every block, so `remat.staged_loss(...).compile_stages()` compiles one block graph for all of them.
+    `fn` must therefore use `index` only through tensor ops (e.g. `rng.fold_in(key, 1 + 2 * index)`),
+    and the blocks must have the same parameter names and shapes (checked: else no `shared`).
+
+    Args:
+      model: the (meta-device) model.
+      container: the attribute holding the blocks (e.g. "blocks", "layers").
+      fn: `fn(module, own, h, key, index) -> h`, `own` the block's params without its prefix.
+
+    Returns:
+      The block stages, in order.
+
+    Example:
+      >>> blocks = repeated_stages(model, "layers", lambda m, p, h, key, i: functional_call(m, p, (h,)))
+    """
+    modules = getattr(model, container)
+    first = modules[0] if len(modules) else None
+
+    def shared(own, h, key, index):
+        """Any block: block 0's module (they are alike) on `own`, at position `index`."""
+        return fn(first, own, h, key, index)
+
+    def signature(m: nn.Module):
+        """A block's parameter names and shapes."""
+        return [(n, tuple(p.shape), type(m.get_submodule(n.rpartition(".")[0]))) for n, p in m.named_parameters()]
+
+    alike = all(signature(m) == signature(first) for m in modules)
+    stages = []
+    for i, module in enumerate(modules):
+        stage = submodule_stage(model, f"{container}.{i}.", lambda m, own, h, key, i=i: fn(m, own, h, key, i))
+        stages.append(Stage(stage.names, stage.fn, shared if alike else None, f"{container}.{i}.", i))
+    return stages
 
 
 def init_blocks(model: nn.Module, block: Callable, *, device=None, dtype: torch.dtype = torch.float32,
@@ -116,6 +155,12 @@ def resolve_remat(value, mesh) -> "str | int":
     if value == "auto":
         return "full" if mesh is not None else "none"
     return value
+
+
+def wants_stages(config, ctx) -> bool:
+    """Whether a family's loss must be staged even with remat "none": sharded params (per-block
+    gathers) or `compile_unit="blocks"` (a graph per stage)."""
+    return ctx.mesh is not None or config.get("compile_unit", "step") == "blocks"
 
 
 def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tensor,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from functrain import ops, rng
-from functrain.models.lm import LMStages, init_blocks, cross_entropy, generate, submodule_stage
+from functrain.models.lm import LMStages, init_blocks, cross_entropy, generate, repeated_stages, submodule_stage
 from functrain.remat import Stage
 
 __all__ = [
@@ -259,17 +259,15 @@ def stages(model: GPT) -> GPTStages:
         """Token ids (B, T) -> embeddings (B, T, C), dropout site 0 (the forward's `_embed`)."""
         return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key))
 
-    def block(i: int):
-        """Block i's stage function, dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""
-        def run(module, own, h, key):
-            key = _dropout_key(cfg, key)
-            return torch.func.functional_call(module, own, (h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i)))
-        return run
+    def block(module, own, h, key, i):
+        """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""
+        key = _dropout_key(cfg, key)
+        return torch.func.functional_call(module, own, (h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i)))
 
     names = tuple(n for n, _ in model.named_parameters() if n.startswith(("wte.", "wpe.")))
     return GPTStages(
         embed=Stage(names, embed),
-        blocks=[submodule_stage(model, f"blocks.{i}.", block(i)) for i in range(len(model.blocks))],
+        blocks=repeated_stages(model, "blocks", block),
         final=submodule_stage(model, "ln_f.", lambda module, own, h, key: torch.func.functional_call(module, own, (h,))),
     )
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from functrain import ops, rng
-from functrain.models.lm import LMStages, init_blocks, submodule_stage
+from functrain.models.lm import LMStages, init_blocks, repeated_stages, submodule_stage
 from functrain.remat import Stage
 
 __all__ = ["LlamaConfig", "Llama", "TP_RULES", "flops_per_token", "init_params", "num_params", "stages"]
@@ -271,16 +271,14 @@ def stages(model: Llama) -> LMStages:
         """Token ids (B, T) -> embeddings (B, T, C)."""
         return model.embed(p["embed_tokens.weight"], idx, _dropout_key(cfg, key))
 
-    def block(i: int):
-        """Block i's stage function (dropout sites 1 + 2i, 2 + 2i)."""
-        def run(module, own, h, key):
-            key = _dropout_key(cfg, key)
-            return torch.func.functional_call(module, own, (h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i)))
-        return run
+    def block(module, own, h, key, i):
+        """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i, 2 + 2i."""
+        key = _dropout_key(cfg, key)
+        return torch.func.functional_call(module, own, (h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i)))
 
     return LMStages(
         embed=Stage(("embed_tokens.weight",), embed),
-        blocks=[submodule_stage(model, f"layers.{i}.", block(i)) for i in range(cfg.n_layer)],
+        blocks=repeated_stages(model, "layers", block),
         final=submodule_stage(model, "norm.", lambda module, own, h, key: torch.func.functional_call(module, own, (h,))),
     )
 

@@ -156,7 +156,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     rules = parallel.default_rules(llama_lib.TP_RULES)
     model = parallel.tensor_parallel(template, ctx.mesh, rules)
     remat = lm.resolve_remat(config.remat, ctx.mesh)
-    loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=ctx.mesh is not None)
+    loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
     dp = dict(parallel.data_parallel_kwargs(ctx), device=ctx.device)
     sample = config.sample
     tokenizer_file = getattr(tokenizer, "path", None)
