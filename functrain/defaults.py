@@ -35,8 +35,8 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's embedding, block, head and the update each a
-    # graph of their own, every block running the same one: forward/backward compile time flat in
-    # depth; see make_train_step's `compile`).
+    # graph of their own, every block running the same one: as many graphs at any depth, though the
+    # update's compile still grows with the number of tensors; README "Compile unit").
     c.compile_unit = "step"
     # Where compiled graphs are cached across runs (functrain/compile_cache.py): "user" (per-user
     # dir: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/functrain/inductor), "workdir" (<workdir>/compile_cache:

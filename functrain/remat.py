@@ -46,9 +46,9 @@ stage, the embedding, the head and ONE block graph (`Stage.shared`, run by every
 params and index) are separate `torch.compile` functions called from eager code, differentiated by
 autograd through AOTAutograd's forward/backward graphs (`torch.func.vjp` cannot differentiate a
 compiled function from eager code). Graphs: embedding, block and head, each with grad and (for a
-no-grad forward: a recomputed block, the sharded embedding, eval) without; none per block. Measured
-(2-core CPU, torch 2.13, width-64 GPT, caches off; bench/compile_depth.py): see README "Compile
-time and depth". The optimizer update stays one graph over every tensor (`make_train_step`).
+no-grad forward: a recomputed block, the sharded embedding, eval) without; none per block. The
+optimizer update stays one graph over every tensor (`make_train_step`), and cold compile time still
+grows with depth, mostly in that graph (bench/compile_depth.py; README "Compile unit").
 
 Example:
     >>> loss_fn = staged_loss(embed, blocks, head, policy="full")
@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import optree
 import torch
 
 __all__ = ["Stage", "parse_policy", "remat_barrier", "staged_loss"]
@@ -116,7 +117,7 @@ class Stage:
         `shared(own, h, key, index) -> h` with `own` its params named without `prefix` and `index`
         the block's position as a 0-d int64 tensor; `shared(stage.own(p), h, key, tensor(index))`
         must equal `fn(p, h, key)`. Every block of a model passing the same `shared` object lets
-        `compile_stages` compile one block graph for all of them (compile time flat in depth).
+        `compile_stages` compile one block graph for all of them (no block graph per block).
       prefix: stripped from `names` to make `own` (e.g. "blocks.3.").
       index: the block's position (what `shared` gets as `index`).
 
@@ -232,8 +233,8 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
         For `make_train_step(..., compile="blocks")`: the stages run as separate `torch.compile`d
         functions (embedding, block, head), called in order by eager Python, with gradients by
         autograd through the compiled graphs. Every block runs the same compiled graph (its
-        `Stage.shared` computation), so compile time does not grow with depth; the price is that
-        the compiler cannot fuse across stage boundaries.
+        `Stage.shared` computation), so the number of graphs does not grow with depth; the price is
+        that the compiler cannot fuse across stage boundaries.
 
         Args:
           options: extra keyword arguments for `torch.compile` (always fullgraph, static shapes).
@@ -325,8 +326,7 @@ class _Compiled:
     barrier = False
 
     def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, options: dict | None):
-        shared = {id(b.shared) for b in blocks}
-        if blocks and (None in {b.shared for b in blocks} or len(shared) != 1):
+        if blocks and (blocks[0].shared is None or any(b.shared is not blocks[0].shared for b in blocks)):
             raise ValueError(
                 "compile='blocks' needs every block stage to carry the same Stage.shared function (one "
                 "compiled graph for all blocks); build the blocks with functrain.models.lm.repeated_stages, "
@@ -345,8 +345,6 @@ class _Compiled:
     @staticmethod
     def vjp(fn, primals: tuple, *rest, has_aux: bool = False):
         """`fn(*primals, *rest)` and its vjp function with respect to `primals`, by autograd."""
-        import optree
-
         flat, spec = optree.tree_flatten(primals)
         leaves = [x.detach().requires_grad_(True) for x in flat]
         with torch.enable_grad():

@@ -349,7 +349,8 @@ def make_train_step(
       compile: True (or "step"): the whole step is one `torch.compile(fullgraph=True)` graph.
         "blocks": for a staged loss (`functrain.remat.staged_loss`, e.g. `gpt.make_loss_fn(...,
         staged=True)`): each stage kind is its own graph, every block running the same one, so
-        compile time does not grow with depth; graphs: the step's prepare (cast, key) and finish
+        the number of graphs does not grow with depth (compile time still does: README "Compile
+        unit"); graphs: the step's prepare (cast, key) and finish
         (grads to the masters, metrics, optimizer update), the embedding, the block (a second one
         for a recomputed block's no-grad forward), the head (see `remat.staged_loss`'s
         `compile_stages`). False: eager.
@@ -383,12 +384,13 @@ def make_train_step(
     update = _make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling,
                           precision=prec)
     mode = _compile_mode(compile)
-    stage_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
     if mode == "blocks" and accum_impl == "scan":
         raise ValueError("compile='blocks' runs the microbatches as a Python loop: use accum_impl='unroll'")
     # "step": the whole body is one graph; "blocks": prepare and finish are graphs of their own and
     # the loss runs its stages' graphs from eager code
-    piece = (lambda f: _maybe_compile(f, True, compile_options)) if mode == "blocks" else (lambda f: f)
+    run_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
+    piece = functools.partial(_maybe_compile, compile=mode == "blocks", options=compile_options)
+    whole = functools.partial(_maybe_compile, compile=mode == "step", options=compile_options)
 
     def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f):
         """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
@@ -424,10 +426,7 @@ def make_train_step(
 
         return train_step
 
-    if mode == "blocks":
-        steps = _PerLayout(lambda lay: build(lay, stage_loss, piece), lambda f: f)
-    else:
-        steps = _PerLayout(build, lambda f: _maybe_compile(f, mode == "step", compile_options))
+    steps = _PerLayout(lambda lay: build(lay, run_loss, piece), whole)
     eager = _PerLayout(build, lambda f: f)
 
     def step(state: TrainState, batch: PyTree):

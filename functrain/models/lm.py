@@ -101,7 +101,8 @@ def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stag
         """A block's parameter names and shapes."""
         return [(n, tuple(p.shape), type(m.get_submodule(n.rpartition(".")[0]))) for n, p in m.named_parameters()]
 
-    alike = all(signature(m) == signature(first) for m in modules)
+    first_signature = signature(first) if first is not None else None
+    alike = all(signature(m) == first_signature for m in modules)
     stages = []
     for i, module in enumerate(modules):
         stage = submodule_stage(model, f"{container}.{i}.", lambda m, own, h, key, i=i: fn(m, own, h, key, i))
