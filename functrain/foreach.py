@@ -8,6 +8,13 @@ which vmaps the whole train step over K stacked states, switches to per-tensor o
 `per_tensor()`. Compiled, both forms fuse into the same kind of loops; the switch is a Python flag
 read while tracing (the compiled step guards on it).
 
+A 0-d tensor scalar (the optimizer's hoisted learning rate, betas, eps) given to a `_foreach_*`
+Scalar overload becomes `.item()` in the compiled code. On a CPU that is a load; on a GPU it is a
+device-to-host copy and a sync, which stalls the host until the GPU has drained everything queued
+before it (the AdamW update had two per step: the lerp weight and eps). On any device but the CPU
+the scalar therefore travels as a list of broadcast views (`s.expand_as(x)`, no copy) through
+the List overloads, computing the same elements (`device_scalars()` forces this route, for tests).
+
 Example:
     >>> ys = foreach.mul(xs, 0.5)                 # torch._foreach_mul(xs, 0.5)
     >>> with foreach.per_tensor():
@@ -21,9 +28,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["add", "addcmul", "copy_", "div", "lerp", "mul", "norms", "per_tensor", "sqrt"]
+__all__ = ["add", "addcmul", "copy_", "device_scalars", "div", "lerp", "mul", "norms", "per_tensor", "sqrt"]
 
 _PER_TENSOR = False
+_DEVICE_SCALARS = False
 
 Tensors = Sequence[torch.Tensor]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # (anything else is a subclass such as DTensor)
@@ -40,12 +48,32 @@ def per_tensor():
         _PER_TENSOR = before
 
 
+@contextlib.contextmanager
+def device_scalars():
+    """Within it, 0-d tensor scalars take the broadcast-list route on every device (the CPU too)."""
+    global _DEVICE_SCALARS
+    before, _DEVICE_SCALARS = _DEVICE_SCALARS, True
+    try:
+        yield
+    finally:
+        _DEVICE_SCALARS = before
+
+
+def _broadcast_for(xs: Tensors, scalar) -> "list[torch.Tensor] | None":
+    """`scalar` as views shaped like each of `xs` off the CPU (or in `device_scalars()`), else None."""
+    if not (isinstance(scalar, torch.Tensor) and len(xs) > 0):
+        return None
+    if not _DEVICE_SCALARS and xs[0].device.type == "cpu":
+        return None
+    return [scalar.to(x.dtype).expand_as(x) for x in xs]
+
+
 def _per_tensor_for(xs: Tensors, scalar) -> bool:
     """Per-tensor ops for this call: inside `per_tensor()`, or a tensor subclass (DTensor) with a 0-d
     tensor scalar. The foreach Scalar overloads turn that tensor into an unbacked float under
     torch.compile, which plain tensors take but DTensor's sharding propagation cannot ("Could not
     guard on data-dependent expression"); per-tensor ops keep it a (replicated) tensor."""
-    return _PER_TENSOR or (isinstance(scalar, torch.Tensor) and bool(xs) and type(xs[0]) not in _PLAIN)
+    return _PER_TENSOR or (isinstance(scalar, torch.Tensor) and len(xs) > 0 and type(xs[0]) not in _PLAIN)
 
 
 def _at(y, i):
@@ -55,12 +83,16 @@ def _at(y, i):
 
 def add(xs: Tensors, ys) -> list[torch.Tensor]:
     """xs + ys (ys: a list, a scalar or a 0-d tensor)."""
-    return [x + _at(ys, i) for i, x in enumerate(xs)] if _per_tensor_for(xs, ys) else list(torch._foreach_add(xs, ys))
+    if _per_tensor_for(xs, ys):
+        return [x + _at(ys, i) for i, x in enumerate(xs)]
+    return list(torch._foreach_add(xs, _broadcast_for(xs, ys) or ys))
 
 
 def mul(xs: Tensors, ys) -> list[torch.Tensor]:
     """xs * ys (ys: a list, a scalar or a 0-d tensor)."""
-    return [x * _at(ys, i) for i, x in enumerate(xs)] if _per_tensor_for(xs, ys) else list(torch._foreach_mul(xs, ys))
+    if _per_tensor_for(xs, ys):
+        return [x * _at(ys, i) for i, x in enumerate(xs)]
+    return list(torch._foreach_mul(xs, _broadcast_for(xs, ys) or ys))
 
 
 def div(xs: Tensors, ys: Tensors) -> list[torch.Tensor]:
@@ -78,7 +110,7 @@ def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
     if _per_tensor_for(xs, weight):
         return [torch.lerp(x, y, weight.to(x.dtype) if isinstance(weight, torch.Tensor) else float(weight))
                 for x, y in zip(xs, ys)]
-    return list(torch._foreach_lerp(xs, ys, weight))
+    return list(torch._foreach_lerp(xs, ys, _broadcast_for(xs, weight) or weight))
 
 
 def addcmul(xs: Tensors, ys: Tensors, zs: Tensors) -> list[torch.Tensor]:

@@ -183,8 +183,10 @@ class Throughput:
         return out
 
 
-# Dense bf16 peak FLOP/s per device, by device-name fragment.
-_GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+# Dense bf16 peak FLOP/s per device (NVIDIA data sheets), by device-name fragment; the first match
+# wins, so the PCIe and NVL boards of the H100 come before its SXM one ("NVIDIA H100 80GB HBM3").
+_GPU_PEAKS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
+              "L40S": 362e12, "A10": 125e12, "V100": 125e12}
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -403,3 +403,33 @@ def test_hyperparams_are_float64_state_tensors_and_match_torch_adamw():
     assert hyper and all(t.dtype == torch.float64 and t.shape == () for t in hyper)
     for k in params:  # one step of elementwise float32 math each: a few ulps
         torch.testing.assert_close(ours[k], torch_params[k].detach(), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)
+
+
+def test_gpu_scalar_route_reads_no_scalar_on_the_host_and_computes_the_same_update():
+    """On a GPU, a 0-d tensor scalar (Adam's betas, eps, the clip factor) given to a `_foreach_*`
+    Scalar overload compiles to `.item()`: a device-to-host sync per call. Off the CPU, functrain's
+    foreach ops pass it as broadcast views instead; `foreach.device_scalars()` forces that route
+    here. Its compiled update has no `.item()` and equals the eager update of the usual route."""
+    from torch._inductor.utils import run_and_get_code
+
+    from functrain import foreach
+    from functrain import step as step_lib
+
+    from _tol import assert_close, rtol
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    opt = optim.chain(optim.clip_by_global_norm(1.0),
+                      optim.adamw(optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1, mask=_decay_mask))
+    aux = {"loss": torch.tensor(1.0)}
+    eager = step_lib.update_step(opt, donate=False, compile=False)
+    compiled = step_lib.update_step(opt, donate=False)
+    ref, _ = eager(eager(init_state(params, opt), grads, aux)[0], grads, aux)
+    with foreach.device_scalars():
+        state, _ = compiled(init_state(params, opt), grads, aux)
+        (state, _), code = run_and_get_code(compiled, state, grads, aux)
+    assert code and not any(".item()" in c for c in code), "a scalar is read on the host"
+    n = sum(v.numel() for v in params.values())  # the global norm's reduction length
+    assert_close(state.params, ref.params, rtol(n), msg="params")
+    assert_close(state.opt_state, ref.opt_state, rtol(n), msg="opt_state")

@@ -112,7 +112,7 @@ def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0)
     """
     def fn(count, lr, warmup_steps, init_lr):
         t = _t(count)
-        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64), min=1.0)
+        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
         return torch.where(t < warmup_steps, warm, torch.zeros_like(t) + lr)
 
     return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "init_lr": init_value})
@@ -146,7 +146,7 @@ def warmup_cosine(
 
     def fn(count, lr, warmup_steps, decay_steps, min_lr, init_lr):
         t = _t(count)
-        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64), min=1.0)
+        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
         frac = torch.clamp((t - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
         cos = min_lr + 0.5 * (lr - min_lr) * (1.0 + torch.cos(math.pi * frac))
         return torch.where(t < warmup_steps, warm, cos)
@@ -175,7 +175,7 @@ def warmup_linear(peak_value: float, warmup_steps: int, decay_steps: int, end_va
 
     def fn(count, lr, warmup_steps, decay_steps, min_lr):
         t = _t(count)
-        warm = lr * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64), min=1.0)
+        warm = lr * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
         return torch.where(t < warmup_steps, warm, _linear(count, lr, min_lr, decay_steps - warmup_steps, warmup_steps))
 
     return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "decay_steps": decay_steps, "min_lr": end_value})
