@@ -167,6 +167,9 @@ def _rows(workdir):
 
 
 @pytest.mark.numeric
+@pytest.mark.skipif(not os.environ.get("FUNCTRAIN_SLOW_TESTS"),
+                    reason="three compiled runs (~2-2.5 min CPU; CI's 30 minutes; kill -9 during a save and bit-exact "
+                           "resume keep their own tests here); set FUNCTRAIN_SLOW_TESTS=1")
 def test_compiled_runs_are_reproducible_and_survive_kill_9(tmp_path):
     """The default (compiled) step is deterministic: a second run of the same command logs the same
     losses at every step, and one killed with SIGKILL mid-run and restarted continues exactly."""
