@@ -38,25 +38,24 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # (anything else is a subclass such
 
 
 @contextlib.contextmanager
+def _switched_on(flag: str):
+    """The module flag named `flag` is True within the block (restored after)."""
+    before = globals()[flag]
+    globals()[flag] = True
+    try:
+        yield
+    finally:
+        globals()[flag] = before
+
+
 def per_tensor():
     """Within it, every op here runs one torch op per tensor (vmap-able) instead of a fused kernel."""
-    global _PER_TENSOR
-    before, _PER_TENSOR = _PER_TENSOR, True
-    try:
-        yield
-    finally:
-        _PER_TENSOR = before
+    return _switched_on("_PER_TENSOR")
 
 
-@contextlib.contextmanager
 def device_scalars():
     """Within it, 0-d tensor scalars take the broadcast-list route on every device (the CPU too)."""
-    global _DEVICE_SCALARS
-    before, _DEVICE_SCALARS = _DEVICE_SCALARS, True
-    try:
-        yield
-    finally:
-        _DEVICE_SCALARS = before
+    return _switched_on("_DEVICE_SCALARS")
 
 
 def _broadcast_for(xs: Tensors, scalar) -> "list[torch.Tensor] | None":
