@@ -11,9 +11,10 @@ the ratio of the deepest to the shallowest; with `--json`, one JSON object as th
 (`compile_s` per depth, `ratio`).
 
 `--compile blocks` times `make_train_step(..., compile="blocks")` (a graph per stage kind, one block
-graph for every block) instead of the one-graph step. `--update` also times, in its own fresh
-process per depth, the cold compile of the optimizer update alone (`update_step`, the graph both
-modes end with): the part of the step whose graph still grows with the number of parameter tensors.
+graph for every block, the optimizer update block by block: `functrain.update_groups`) instead of
+the one-graph step. `--update` also times, in its own fresh process per depth, the cold compile of
+the whole-tree optimizer update alone (`update_step`, the graph the one-graph step ends with): one
+fused loop per parameter tensor, so it grows with depth.
 
 The issue-12 target is ratio <= 1.3 at 12 vs 2 layers. The one-graph step inlines every block, so
 its compile time grows with depth (DESIGN.md "Scaling the sharded step": 24 s at 1 layer, 49 s at 4,

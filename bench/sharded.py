@@ -18,6 +18,8 @@ reset through /proc/self/clear_refs), max over rounds. Step times are the max ov
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --bucket-numel 1000000 --reorder
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --n-layer 6 --n-embd 512 \
         --n-head 8 --rounds 3 --steps 3 --whole --json     # the issue-12 comparison; last line is JSON
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --compile-unit blocks
+        # functrain compiled stage by stage, the update group by group (README "Compile unit")
 """
 
 from __future__ import annotations
@@ -170,6 +172,9 @@ def main():
                          "after forward), 'none' keeps blocks gathered until their backward")
     ap.add_argument("--whole", action="store_true",
                     help="also time the whole-model gather route (functrain-whole, before per-block gathers)")
+    ap.add_argument("--compile-unit", choices=("step", "blocks"), default="step",
+                    help="functrain's compile unit: one graph per step, or per stage kind with the "
+                         "update group by group (README 'Compile unit')")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()
 
@@ -183,7 +188,8 @@ def main():
 
     rss0 = _rss_kib("VmRSS")
     options = {"options": {"reorder_for_compute_comm_overlap": True}} if args.reorder else None
-    methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
+    unit = True if args.compile_unit == "step" else "blocks"
+    methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
                                       compile_options=options, remat=args.remat)}
     if args.whole:
         methods["functrain-whole"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,

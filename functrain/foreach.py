@@ -72,7 +72,12 @@ def _per_tensor_for(xs: Tensors, scalar) -> bool:
     tensor scalar. The foreach Scalar overloads turn that tensor into an unbacked float under
     torch.compile, which plain tensors take but DTensor's sharding propagation cannot ("Could not
     guard on data-dependent expression"); per-tensor ops keep it a (replicated) tensor."""
-    return _PER_TENSOR or (isinstance(scalar, torch.Tensor) and len(xs) > 0 and type(xs[0]) not in _PLAIN)
+    return _listwise(xs) or (isinstance(scalar, torch.Tensor) and type(xs[0]) not in _PLAIN)
+
+
+def _listwise(xs: Tensors) -> bool:
+    """One op per tensor: inside `per_tensor()`, or for an empty list (the fused kernels reject one)."""
+    return _PER_TENSOR or len(xs) == 0
 
 
 def _at(y, i):
@@ -96,12 +101,12 @@ def mul(xs: Tensors, ys) -> list[torch.Tensor]:
 
 def div(xs: Tensors, ys: Tensors) -> list[torch.Tensor]:
     """xs / ys."""
-    return [x / y for x, y in zip(xs, ys)] if _PER_TENSOR else list(torch._foreach_div(xs, ys))
+    return [x / y for x, y in zip(xs, ys)] if _listwise(xs) else list(torch._foreach_div(xs, ys))
 
 
 def sqrt(xs: Tensors) -> list[torch.Tensor]:
     """sqrt(xs)."""
-    return [x.sqrt() for x in xs] if _PER_TENSOR else list(torch._foreach_sqrt(xs))
+    return [x.sqrt() for x in xs] if _listwise(xs) else list(torch._foreach_sqrt(xs))
 
 
 def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
@@ -114,19 +119,19 @@ def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
 
 def addcmul(xs: Tensors, ys: Tensors, zs: Tensors) -> list[torch.Tensor]:
     """xs + ys * zs."""
-    return [x + y * z for x, y, z in zip(xs, ys, zs)] if _PER_TENSOR else list(torch._foreach_addcmul(xs, ys, zs))
+    return [x + y * z for x, y, z in zip(xs, ys, zs)] if _listwise(xs) else list(torch._foreach_addcmul(xs, ys, zs))
 
 
 def norms(xs: Tensors, dtype: torch.dtype) -> list[torch.Tensor]:
     """The L2 norm of each tensor, accumulated in `dtype`."""
-    if _PER_TENSOR:
+    if _listwise(xs):
         return [torch.linalg.vector_norm(x, 2, dtype=dtype) for x in xs]
     return list(torch._foreach_norm(xs, 2.0, dtype=dtype))
 
 
 def copy_(dst: Tensors, src: Tensors) -> None:
     """dst[i].copy_(src[i]) for each i."""
-    if _PER_TENSOR:
+    if _listwise(dst):
         for d, s in zip(dst, src):
             d.copy_(s)
     else:

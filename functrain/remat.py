@@ -47,8 +47,9 @@ params and index) are separate `torch.compile` functions called from eager code,
 autograd through AOTAutograd's forward/backward graphs (`torch.func.vjp` cannot differentiate a
 compiled function from eager code). Graphs: embedding, block and head, each with grad and (for a
 no-grad forward: a recomputed block, the sharded embedding, eval) without; none per block. The
-optimizer update stays one graph over every tensor (`make_train_step`), and cold compile time still
-grows with depth, mostly in that graph (bench/compile_depth.py; README "Compile unit").
+train step's optimizer update then runs group by group, one graph for every block
+(`functrain.update_groups`), and the cold compile is flat in depth (bench/compile_depth.py; README
+"Compile unit").
 
 Example:
     >>> loss_fn = staged_loss(embed, blocks, head, policy="full")
@@ -290,6 +291,7 @@ def _staged(embed, blocks, head, policy, run) -> Callable:
     loss_fn.value_and_grad = value_and_grad  # type: ignore[attr-defined]
     loss_fn.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
     loss_fn.apply_sharded = apply_sharded  # type: ignore[attr-defined]
+    loss_fn.blocks = blocks  # type: ignore[attr-defined]  # (the step's update groups follow them)
     return loss_fn
 
 

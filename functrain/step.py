@@ -14,9 +14,11 @@ input untouched (useful for tests, EMA tricks and debugging).
 
 Compile unit. `compile=True` makes the whole step one graph: the fastest steps, but every block is
 inlined, so compile time grows with depth. `compile="blocks"` (a staged loss only) compiles the
-step's prepare (casts, key) and finish (grads to the masters, metrics, the optimizer update) as two
-graphs and lets the loss run its stages as graphs of their own, one block graph shared by every
-block (`functrain.remat.staged_loss`'s `compile_stages`): no graph per block, none per step.
+step's prepare (casts, key) as a graph and lets the loss run its stages as graphs of their own, one
+block graph shared by every block (`functrain.remat.staged_loss`'s `compile_stages`); the finish
+(grads to the masters, metrics, the optimizer update) runs group by group, one update graph for
+every block (`functrain.update_groups`; one finish graph when the optimizer or its masks do not
+allow that). No graph per block, none per step.
 
 Precision and safety. `precision="bf16"` (or "fp16", with dynamic loss scaling) runs forward and
 backward on a cast copy of the params inside the same graph while the state keeps fp32 masters
@@ -54,6 +56,7 @@ from functrain import foreach, ops, optim
 from functrain import precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
+from functrain import update_groups
 from functrain.parallel.layout import Layout, layout_of
 from functrain.state import Guard, TrainState
 
@@ -349,11 +352,12 @@ def make_train_step(
       compile: True (or "step"): the whole step is one `torch.compile(fullgraph=True)` graph.
         "blocks": for a staged loss (`functrain.remat.staged_loss`, e.g. `gpt.make_loss_fn(...,
         staged=True)`): each stage kind is its own graph, every block running the same one, so
-        the number of graphs does not grow with depth (compile time still does: README "Compile
-        unit"); graphs: the step's prepare (cast, key) and finish
-        (grads to the masters, metrics, optimizer update), the embedding, the block (a second one
+        neither the number of graphs nor the cold compile grows with depth (README "Compile
+        unit"); graphs: the step's prepare (cast, key), the embedding, the block (a second one
         for a recomputed block's no-grad forward), the head (see `remat.staged_loss`'s
-        `compile_stages`). False: eager.
+        `compile_stages`), and the optimizer update block by block: one graph for every block, one
+        for the rest (`functrain.update_groups`; one finish graph over every tensor when the
+        optimizer is not leafwise). False: eager.
       donate: reuse the input state's buffers for the output state (the input is consumed).
       accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
         op; one graph, compile time independent of accum_steps).
@@ -381,18 +385,18 @@ def make_train_step(
     if accum_impl not in ("unroll", "scan"):
         raise ValueError(f"accum_impl must be 'unroll' or 'scan', got {accum_impl!r}")
     prec = precision_lib.get(precision)
-    update = _make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling,
-                          precision=prec)
+    guarded = skip_nonfinite or prec.loss_scaling
+    update = _make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec)
     mode = _compile_mode(compile)
     if mode == "blocks" and accum_impl == "scan":
         raise ValueError("compile='blocks' runs the microbatches as a Python loop: use accum_impl='unroll'")
-    # "step": the whole body is one graph; "blocks": prepare and finish are graphs of their own and
-    # the loss runs its stages' graphs from eager code
+    # "step": the whole body is one graph; "blocks": prepare and the update are graphs of their own
+    # and the loss runs its stages' graphs from eager code
     run_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
     piece = functools.partial(_maybe_compile, compile=mode == "blocks", options=compile_options)
     whole = functools.partial(_maybe_compile, compile=mode == "step", options=compile_options)
 
-    def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f):
+    def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False):
         """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
 
         # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters
@@ -409,12 +413,25 @@ def make_train_step(
             return params, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
 
         @piece
-        def finish(state: TrainState, aux: dict, grads: PyTree):
+        def whole_finish(state: TrainState, aux: dict, grads: PyTree):
             """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update."""
             grads = _to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
             if not per_stage:  # grads back to the params' placements (per stage: done already)
                 grads = lay.reduce_grads(grads, state.params)
             return update(state, lay.mean_over_dp(aux), grads)
+
+        chosen: list = []  # compile="blocks": the finish, chosen at the first call (it needs the params)
+
+        def grouped_finish(state: TrainState, aux: dict, grads: PyTree):
+            """The update group by group (functrain.update_groups) when the plan allows, else whole."""
+            if not chosen:
+                groups, _ = update_groups.plan(state.params, loss_fn.blocks, optimizer)
+                chosen.append(update_groups.make_finish(
+                    optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec, piece=piece,
+                    to_master=_to_master, next_guard=_next_guard) if groups else whole_finish)
+            return chosen[0](state, aux, grads)
+
+        finish = grouped_finish if grouped and (per_stage or not lay.sharded) else whole_finish
 
         def train_step(state: TrainState, batch: PyTree):
             params, batch, key = prepare(state, batch)
@@ -426,7 +443,7 @@ def make_train_step(
 
         return train_step
 
-    steps = _PerLayout(lambda lay: build(lay, run_loss, piece), whole)
+    steps = _PerLayout(lambda lay: build(lay, run_loss, piece, grouped=mode == "blocks"), whole)
     eager = _PerLayout(build, lambda f: f)
 
     def step(state: TrainState, batch: PyTree):

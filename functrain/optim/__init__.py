@@ -1,7 +1,17 @@
 """optax-style composable optimizers for PyTorch pytrees."""
 
 from functrain.optim.aliases import adam, adamw, sgd
-from functrain.optim.base import MaskedState, Transform, apply_updates, call_update, chain, identity, masked, report
+from functrain.optim.base import (
+    MaskedState,
+    Transform,
+    apply_updates,
+    call_update,
+    chain,
+    identity,
+    is_leafwise,
+    masked,
+    report,
+)
 from functrain.optim import config
 from functrain.optim.hyperparams import get_hyperparams, set_hyperparams
 from functrain.optim.schedules import Schedule, constant, linear, linear_warmup, warmup_cosine, warmup_linear
@@ -22,6 +32,7 @@ from functrain.optim.transforms import (
 __all__ = [
     "config",
     "Transform",
+    "is_leafwise",
     "call_update",
     "report",
     "chain",

@@ -16,6 +16,13 @@ A transform reports the metrics it owns through its optional third function,
 `metric_names.LR`); `chain` and `masked` merge their parts' reports, and the train step logs
 `optim.report(optimizer, opt_state)`. A custom schedule transform reports its rate the same way.
 
+A transform may declare itself `leafwise` (its fourth field): each leaf's new update and state
+depend only on that leaf's update, param and state, plus state shared by all leaves (counters,
+hyper-parameters). True for every transform here; "norm" for `clip_by_global_norm`, leafwise
+once it is handed the global norm. Only then may the train step update the parameters group by
+group, one compiled graph reused for every block (`functrain.update_groups`); a custom transform
+is assumed not leafwise unless it says so.
+
 `updates` has the structure of the params; `apply_updates` adds them. Transforms compose with
 `chain`; an optimizer such as `adamw` is just a chain. Every update is written out of place with
 fused `torch._foreach_*` kernels over the leaves; the compiled train step is what turns this into
@@ -35,7 +42,6 @@ from typing import Any, Callable, NamedTuple
 import inspect
 
 import optree
-import torch
 
 from functrain import foreach
 from functrain import tree as tree_lib
@@ -50,6 +56,7 @@ __all__ = [
     "identity",
     "MaskedState",
     "resolve_mask",
+    "is_leafwise",
 ]
 
 PyTree = Any
@@ -61,11 +68,29 @@ ReportFn = Callable[[PyTree], dict]
 class Transform(NamedTuple):
     """A gradient transformation: `init(params) -> state` and
     `update(updates, state, params=None) -> (updates, state)`, both pure; optionally
-    `report(state) -> {metric name: 0-d tensor}`, the metrics it owns (e.g. the learning rate)."""
+    `report(state) -> {metric name: 0-d tensor}`, the metrics it owns (e.g. the learning rate), and
+    `leafwise`: True, "norm" (leafwise given the global norm) or False (see the module docstring)."""
 
     init: InitFn
     update: UpdateFn
     report: ReportFn | None = None
+    leafwise: bool | str = False
+
+
+def is_leafwise(t: Transform) -> bool:
+    """Whether `t` may update a subset of the params on its own when handed the global norm.
+
+    Args:
+      t: a transform.
+
+    Returns:
+      True when `t.leafwise` is True or "norm" (the train step always passes the norm).
+
+    Example:
+      >>> optim.is_leafwise(optim.adamw(1e-3))
+      True
+    """
+    return t.leafwise is True or t.leafwise == "norm"
 
 
 def report(t: Transform, state: PyTree) -> dict:
@@ -122,7 +147,7 @@ def identity() -> Transform:
     Example:
       >>> optim.chain(optim.identity(), optim.sgd(0.1))
     """
-    return Transform(lambda params: (), lambda updates, state, params=None: (updates, state))
+    return Transform(lambda params: (), lambda updates, state, params=None: (updates, state), leafwise=True)
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -156,7 +181,11 @@ def chain(*transforms: Transform) -> Transform:
             out.update(report(t, s))
         return out
 
-    return Transform(init, update, report_all)
+    # leafwise when every part is; a norm-reading first part keeps the chain norm-reading (the
+    # chain passes the norm to its first transform only)
+    first, rest = (transforms[0].leafwise, transforms[1:]) if transforms else (True, ())
+    whole = (first if first in (True, "norm") else False) if all(t.leafwise is True for t in rest) else False
+    return Transform(init, update, report_all, whole)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
@@ -178,13 +207,18 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     return optree.tree_unflatten(spec, foreach.add(p_leaves, u_leaves))
 
 
+_MASK_LOG: list | None = None  # {leaf name: flag} per resolve_mask call while a mask is probed
+
+
 def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:
     """The mask (a bool tree or a callable params -> bool tree) as a flat list of Python bools."""
     if callable(mask):
         mask = mask(params)
     spec = optree.tree_structure(params)
-    flat = spec.flatten_up_to(mask)
-    return [bool(m) for m in flat]
+    flat = [bool(m) for m in spec.flatten_up_to(mask)]
+    if _MASK_LOG is not None:  # functrain.update_groups checks masks resolved on a group of leaves
+        _MASK_LOG.append({n: f for (n, _), f in zip(tree_lib.named_leaves(params), flat)})
+    return flat
 
 
 class MaskedState(NamedTuple):
@@ -233,4 +267,6 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
         merged = [sub_updates.get(n, u) for n, u in zip(names, flat)]
         return optree.tree_unflatten(spec, merged), MaskedState(inner_state)
 
-    return Transform(init, update, lambda state: report(inner, state.inner))
+    # leafwise when `inner` is (a norm-reading inner is not: masked does not pass the norm on); the
+    # mask itself is checked against the full tree before a grouped update uses it
+    return Transform(init, update, lambda state: report(inner, state.inner), inner.leafwise is True)

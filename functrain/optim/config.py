@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from functrain import precision as precision_lib
 from functrain import validate as v

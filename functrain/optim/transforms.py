@@ -138,7 +138,7 @@ def scale_by_adam(
         )
         return optree.tree_unflatten(spec, list(out)), new_state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def _math_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -190,7 +190,7 @@ def add_decayed_weights(
                 u[i] = d
         return optree.tree_unflatten(spec, u), state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def clip_by_global_norm(max_norm: float) -> Transform:
@@ -217,7 +217,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         (coef,) = ops.hoist(torch.clamp(state.hyper["clip"].to(norm.dtype) / (norm + 1e-6), max=1.0))
         return optree.tree_unflatten(spec, foreach.mul(u, coef)), state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise="norm")
 
 
 class TraceState(NamedTuple):
@@ -252,7 +252,7 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
         out = foreach.add(g, foreach.mul(t, momentum)) if nesterov else t
         return optree.tree_unflatten(spec, list(out)), TraceState(optree.tree_unflatten(spec, list(t)), state.hyper)
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def scale(factor: float) -> Transform:
@@ -262,7 +262,7 @@ def scale(factor: float) -> Transform:
         u, spec = _flat(updates)
         return optree.tree_unflatten(spec, foreach.mul(u, factor)), state
 
-    return Transform(lambda params: (), update)
+    return Transform(lambda params: (), update, leafwise=True)
 
 
 class ScaleByLearningRateState(NamedTuple):
@@ -317,7 +317,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         lr = rate.to(torch.float32)
         return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr, state.hyper)
 
-    return Transform(init, update, lambda state: {metric_names.LR: state.lr})
+    return Transform(init, update, lambda state: {metric_names.LR: state.lr}, leafwise=True)
 
 
 def learning_rate(opt_state: PyTree) -> torch.Tensor | None:

@@ -1,0 +1,319 @@
+"""The optimizer update group by group: one compiled graph reused by every block (compile="blocks").
+
+Why. With `compile="blocks"` the forward and backward graphs no longer grow with depth, but the
+update did: one graph over every parameter, one fused loop per tensor, its inductor scheduling
+and C++ compile growing with the tensor count. Measured (2-core AMD EPYC, torch 2.13 CPU, width-64
+GPT, caches off, `bench/compile_depth.py --compile blocks --update`): the update graph alone took
+42 s of the step's 58 s cold compile at 2 layers, 111 of 142 s at 6, 205 of 262 s at 12.
+
+How. The parameters fall into groups: one per block (`Stage.prefix`, same names, shapes, dtypes
+and placements as block 0) and one for everything else. A group of blocks presents its tensors
+under block 0's names, so every block runs the same compiled graph: two update graphs in all (the
+blocks' and the rest's), whatever the depth. The step's finish runs in four phases:
+
+  1. `grads`   per group: the grads in the masters' dtype (unscaled under fp16), their squared norm
+               (one fused foreach norm; mesh-wide for DTensors).                        eager
+  2. `norm`    the global grad norm from the groups' squares, the skip flag, the metrics averaged
+               over the dp ranks.                                                       eager
+  3. `update`  per group: the optimizer on the group's params, grads and state (its moments plus
+               the state every leaf shares: counters, hyper-parameters), the update's squared
+               norm, the skip select, the donation of params and moments.    one graph per group kind
+  4. `finish`  the shared optimizer state (every group computed the same), the step counter and the
+               skip guard written back, the update norm.                                eager
+
+Phases 1, 2 and 4 are a few fused kernels and 0-d arithmetic: compiled, each cost a graph's cold
+compile and made nothing faster. Measured (same machine, `OMP_NUM_THREADS=1 python
+bench/compile_depth.py --layers 2,6,12 --compile blocks --json`): 82.0 / 82.4 / 80.0 s at 2 / 6 /
+12 layers (ratio 0.98) with these phases compiled; with them eager, the 2-layer step's graphs: the
+blocks' update 29.6 s (Dynamo 7.8 s of it), the rest's 9.8 s, embedding 6.3, block 6.6, head 3.6,
+prepare 2.9 (`torch._dynamo.utils.compilation_time_metrics`).
+
+What it needs. The optimizer must be leafwise (`optim.is_leafwise`: each leaf's update depends on
+its own grad, param and state plus shared state; `clip_by_global_norm` gets the global norm from
+phase 2). Its param-shaped state must live in dicts keyed by parameter names (what every
+transform in `functrain.optim` keeps). Masks (weight decay's, `optim.masked`'s) are resolved on a
+group's names: before the first step, `plan` runs the optimizer on meta tensors (no memory, no
+arithmetic) on the full tree and on each group kind and checks that every leaf gets the same mask
+flag both ways; if not (e.g. a mask that treats block 0 differently), the step keeps the one
+update graph. Numerics: the norms sum per group and then over groups, so `grad_norm` and the clip
+factor may differ from the one-graph step in the last float32 bit; the per-element math is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from functrain import metric_names as M
+from functrain import optim
+from functrain.optim import base as optim_base
+from functrain.parallel import Layout
+from functrain.state import TrainState
+
+__all__ = ["Group", "plan", "make_finish"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Parameters updated together by one call of a compiled update graph.
+
+    Attributes:
+      names: the full names of its parameters.
+      as_names: the names its graph sees them under (block 0's for a block; its own otherwise).
+      kind: which compiled graphs it runs (groups of one kind share them).
+    """
+
+    names: tuple[str, ...]
+    as_names: tuple[str, ...]
+    kind: int
+
+
+def _signature(params: dict, names: Sequence[str], as_names: Sequence[str]) -> tuple:
+    """What a compiled graph specializes on: names seen, shapes, dtypes, placements, local shapes."""
+    out = []
+    for n, a in sorted(zip(names, as_names), key=lambda x: x[1]):
+        x = params[n]
+        placed = (tuple(x.placements), tuple(x.to_local().shape)) if hasattr(x, "placements") else ()
+        out.append((a, tuple(x.shape), x.dtype, x.device.type, placed))
+    return tuple(out)
+
+
+def plan(params: PyTree, blocks: Sequence, optimizer: optim.Transform) -> "tuple[list[Group] | None, str]":
+    """The update groups for `params`, or None and the reason the whole-tree update must stay.
+
+    Args:
+      params: the params (a flat dict {name: tensor or DTensor}).
+      blocks: the staged loss's block stages (`functrain.remat.Stage`: `names`, `prefix`).
+      optimizer: the transform the step applies.
+
+    Returns:
+      `(groups, "")`, or `(None, reason)`.
+
+    Example:
+      >>> groups, why = update_groups.plan(state.params, loss_fn.blocks, opt)
+    """
+    if not isinstance(params, dict) or not all(isinstance(v, torch.Tensor) for v in params.values()):
+        return None, "the params are not a flat dict of tensors"
+    if not optim.is_leafwise(optimizer):
+        return None, "the optimizer is not leafwise (optim.is_leafwise; a custom transform must declare it)"
+    if len(blocks) < 2:
+        return None, "fewer than two blocks"
+    lead = blocks[0]
+    as_block0 = lambda b: tuple(lead.prefix + n[len(b.prefix):] for n in b.names)  # noqa: E731
+    want = _signature(params, lead.names, lead.names)
+    seen: set = set()
+    groups: list[Group] = []
+    for b in blocks:
+        if not set(b.names) <= params.keys() or seen & set(b.names):
+            return None, f"block {b.prefix!r} reads a parameter another block reads, or one the params lack"
+        seen |= set(b.names)
+        as_names = as_block0(b)
+        if not all(n.startswith(b.prefix) for n in b.names) or _signature(params, b.names, as_names) != want:
+            return None, f"block {b.prefix!r} differs from block {lead.prefix!r} in names, shapes or placements"
+        groups.append(Group(tuple(b.names), as_names, 0))
+    rest = tuple(n for n in params if n not in seen)
+    if rest:
+        groups.append(Group(rest, rest, 1))
+    why = _check_masks(params, groups, optimizer)
+    return (None, why) if why else (groups, "")
+
+
+def _meta(params: dict, names: Sequence[str], as_names: Sequence[str]) -> dict:
+    """Meta tensors shaped like `params[names]` (global shapes), named `as_names`."""
+    return {a: torch.empty(params[n].shape, dtype=params[n].dtype, device="meta") for n, a in zip(names, as_names)}
+
+
+def _mask_log(optimizer: optim.Transform, params: dict) -> list:
+    """The masks the optimizer resolves on `params` (meta tensors) in its init and one update."""
+    optim_base._MASK_LOG = log = []
+    try:
+        state = optimizer.init(params)
+        optim.call_update(optimizer, params, state, params, norm=torch.ones((), device="meta"))
+    finally:
+        optim_base._MASK_LOG = None
+    return log
+
+
+def _check_masks(params: dict, groups: list[Group], optimizer: optim.Transform) -> str:
+    """"" when every leaf gets the same mask flags grouped as on the full tree, else the reason."""
+    names = tuple(params)
+    try:
+        full = _mask_log(optimizer, _meta(params, names, names))
+        kinds = {g.kind: _mask_log(optimizer, _meta(params, g.names, g.as_names)) for g in reversed(groups)}
+    except Exception as e:  # an optimizer that does not run on meta tensors: keep the one graph
+        return f"the optimizer could not be checked on meta tensors ({type(e).__name__}: {e})"
+    for g in groups:
+        got = kinds[g.kind]
+        if len(got) != len(full):
+            return "the optimizer resolves a different number of masks on a group than on the full tree"
+        for whole, part in zip(full, got):
+            for n, a in zip(g.names, g.as_names):
+                if (n in whole) != (a in part) or (n in whole and whole[n] != part[a]):
+                    return f"a mask gives {n!r} a different flag when resolved on its group"
+    return ""
+
+
+def _param_dicts(names: Sequence[str]) -> Callable:
+    """The predicate "a dict keyed by parameter names" (an empty dict counts: nothing to split)."""
+    known = frozenset(names)
+    return lambda x: isinstance(x, dict) and all(k in known for k in x)
+
+
+class _Split:
+    """The optimizer state cut into per-group parts: param-name dicts split, the rest shared."""
+
+    def __init__(self, opt_state: PyTree, names: Sequence[str]):
+        self.is_dict = _param_dicts(names)
+        nodes, self.spec = optree.tree_flatten(opt_state, is_leaf=self.is_dict, none_is_leaf=True)
+        self.dicts = [self.is_dict(x) for x in nodes]
+
+    def nodes(self, tree: PyTree) -> list:
+        """The param dicts and shared leaves of a state tree, in order."""
+        return self.spec.flatten_up_to(tree)
+
+    def part(self, nodes: list, g: Group) -> PyTree:
+        """Group `g`'s state: its entries of every param dict (under `g.as_names`), shared leaves as they are."""
+        pairs = list(zip(g.names, g.as_names))
+        out = [{a: x[n] for n, a in pairs if n in x} if d else x for x, d in zip(nodes, self.dicts)]
+        return optree.tree_unflatten(self.spec, out)
+
+    def shared(self, nodes: list) -> list:
+        """The shared leaves of a node list."""
+        return [x for x, d in zip(nodes, self.dicts) if not d]
+
+    def merge(self, old_nodes: list, parts: list, groups: list[Group], shared: list) -> PyTree:
+        """The full state from the groups' new parts and the new shared leaves."""
+        where = {n: (i, a) for i, g in enumerate(groups) for n, a in zip(g.names, g.as_names)}
+        new = [self.nodes(p) for p in parts]
+        it = iter(shared)
+        out = []
+        for j, (x, d) in enumerate(zip(old_nodes, self.dicts)):
+            out.append({n: new[where[n][0]][j][where[n][1]] for n in x} if d else next(it))
+        return optree.tree_unflatten(self.spec, out)
+
+
+def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool,
+                prec, piece: Callable, to_master: Callable, next_guard: Callable) -> Callable:
+    """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
+
+    Args:
+      optimizer: the leafwise transform.
+      groups: from `plan`.
+      lay: the params' layout.
+      donate: write the new state into the input state's buffers.
+      guarded: skip a non-finite update (keep params and optimizer state).
+      prec: the `functrain.precision.Precision` (its loss-scaling rule).
+      piece: wraps the update phase (`torch.compile` for compile="blocks"); the others run eagerly.
+      to_master, next_guard: the train step's grads-to-masters cast and skip-guard rule.
+
+    Returns:
+      The finish function; the same new state and metrics as the whole-tree update, to float32
+      rounding of the norms (module docstring).
+
+    Example:
+      >>> finish = update_groups.make_finish(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
+      ...                                    piece=torch.compile, to_master=..., next_guard=...)
+    """
+    def grads_phase(grads: dict, like: dict, loss_scale):
+        """Grads cast to the masters' dtypes (unscaled) and their squared norm."""
+        grads = to_master(grads, like, loss_scale)
+        norm = lay.global_norm(grads)
+        return grads, norm * norm
+
+    def norm_phase(aux: dict, squares: list):
+        """Metrics averaged over dp, the global grad norm, the skip flag (None when not guarded)."""
+        metrics = dict(lay.mean_over_dp(aux))
+        metrics[M.GRAD_NORM] = grad_norm = torch.stack(squares).sum().sqrt()
+        ok = None
+        if guarded:
+            ok = torch.isfinite(grad_norm)
+            if M.LOSS in metrics:
+                ok = ok & torch.isfinite(metrics[M.LOSS])
+        return metrics, grad_norm, ok
+
+    def update_phase_for(split: _Split) -> Callable:
+        """The per-group update for optimizer states cut by `split`."""
+
+        def update_phase(params: dict, grads: dict, opt_state: PyTree, grad_norm, ok):
+            """The optimizer on one group; its params and moments donated; new shared leaves returned."""
+            updates, new_opt = optim.call_update(optimizer, grads, opt_state, params, norm=grad_norm)
+            new_params = optim.apply_updates(params, updates)
+            unorm = lay.global_norm(updates, fused=True)
+            if guarded:
+                new_params = lay.select(ok, new_params, params)
+                new_opt = lay.select(ok, new_opt, opt_state)
+            if donate:  # params and moments only: the shared leaves are every group's input
+                new_params = lay.write_into(params, new_params)
+                old, spec = optree.tree_flatten(opt_state, is_leaf=split.is_dict, none_is_leaf=True)
+                new = spec.flatten_up_to(new_opt)  # (a spec made inside the trace: Dynamo reads it)
+                new_opt = optree.tree_unflatten(
+                    spec, [lay.write_into(o, n) if split.is_dict(o) else n for o, n in zip(old, new)])
+            return new_params, new_opt, unorm * unorm
+
+        return update_phase
+
+    def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
+        """Update norm, skip guard and step counter; the shared optimizer leaves written back."""
+        metrics = dict(metrics)
+        metrics[M.UPDATE_NORM] = torch.stack(squares).sum().sqrt()
+        guard = state.guard
+        if guarded:
+            guard = next_guard(guard, ok, prec)
+            metrics[M.SKIPPED] = (~ok).to(torch.float32)
+            metrics[M.CONSECUTIVE_SKIPS] = guard.consecutive
+            metrics[M.SKIPPED_TOTAL] = guard.skipped
+            if prec.loss_scaling:
+                metrics[M.LOSS_SCALE] = state.guard.loss_scale.clone()  # its buffer is donated below
+        step = state.step + 1
+        if donate:
+            new_shared = lay.write_into(old_shared, new_shared)
+            step, guard = lay.write_into((state.step, state.guard), (step, guard))
+        return step, guard, new_shared, metrics
+
+    # Only the update is compiled: the other phases are a few fused kernels (a foreach norm per group)
+    # and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain nothing from one.
+    grads_fns = {g.kind: grads_phase for g in groups}
+    norm_fn, finish_fn = norm_phase, finish_phase
+    made: dict = {}  # optimizer-state structure -> (its _Split, the compiled update per group kind)
+
+    def finish(state: TrainState, aux: dict, grads: dict):
+        loss_scale = state.guard.loss_scale if prec.loss_scaling else None
+        master, squares = [], []
+        for g in groups:
+            gg, sq = grads_fns[g.kind](_pick(grads, g), _pick(state.params, g), loss_scale)
+            master.append(gg)
+            squares.append(sq)
+        metrics, grad_norm, ok = norm_fn(aux, squares)
+        structure = optree.tree_structure(state.opt_state, none_is_leaf=True)
+        if structure not in made:
+            split = _Split(state.opt_state, list(state.params))
+            made[structure] = (split, {g.kind: piece(update_phase_for(split)) for g in groups})
+        split, update_fns = made[structure]
+        nodes = split.nodes(state.opt_state)
+        params, parts, usq = {}, [], []
+        for g, gg in zip(groups, master):
+            p, o, u = update_fns[g.kind](_pick(state.params, g), gg, split.part(nodes, g), grad_norm, ok)
+            params.update({n: p[a] for n, a in zip(g.names, g.as_names)})
+            parts.append(o)
+            usq.append(u)
+        new_shared = split.shared(split.nodes(parts[0]))  # every group computed the same ones
+        step, guard, shared, metrics = finish_fn(state, split.shared(nodes), new_shared, usq, metrics, ok)
+        opt_state = split.merge(nodes, parts, groups, shared)
+        params = {n: params[n] for n in state.params}  # the input's key order
+        # reported values (e.g. the learning rate) are copied: with donation the state's buffers
+        # are overwritten by the next step
+        metrics.update({k: v.clone() for k, v in optim.report(optimizer, opt_state).items()})
+        return TrainState(params, opt_state, step, state.rng, guard), metrics
+
+    finish.groups = groups  # type: ignore[attr-defined]
+    return finish
+
+
+def _pick(tree: dict, g: Group) -> dict:
+    """`tree`'s entries for group `g`, under the names its graph sees."""
+    return {a: tree[n] for n, a in zip(g.names, g.as_names)}
