@@ -420,12 +420,30 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
     tests/test_parallel_dist.py::test_at_most_one_stage_is_gathered_at_a_time).
     """
 
+    # Compiled stage by stage (eager stage loop, sharded): each stage's gather starts while the stage
+    # before it computes (`Layout.gather_start`), so at most two stages are gathered at a time. The
+    # gathers come in a fixed order: forward embed, blocks, head; backward the recomputed blocks
+    # from the last, the embedding.
+    schedule = []
+    if layout is not None and run.compiled:
+        schedule = [embed, *blocks, head, *[b for b, again in zip(blocks[::-1], recompute[::-1]) if again], embed]
+    started: dict = {}  # position in `schedule` -> the function that finishes its gather
+    taken = [0]
+
     def local(stage, after=None):
         """The stage's params to compute with: gathered (after `after` exists) when sharded."""
         p = stage.params(params)
         if layout is None:
             return p
-        return layout.gather(p if after is None or not run.barrier else _barrier_tree(p, after))
+        if not schedule:
+            return layout.gather(p if after is None or not run.barrier else _barrier_tree(p, after))
+        k = taken[0]
+        taken[0] += 1
+        assert schedule[k] is stage, "the staged loss gathered its stages out of the expected order"
+        finish = started.pop(k, None) or layout.gather_start(p)
+        if k + 1 < len(schedule):  # the next stage's gather runs while this one computes
+            started[k + 1] = layout.gather_start(schedule[k + 1].params(params))
+        return finish()
 
     def add(stage, g):
         """Adds a stage's gradients to the total, reduced to the params' placements when sharded."""

@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import optree
@@ -425,7 +426,10 @@ def make_train_step(
         def grouped_finish(state: TrainState, aux: dict, grads: PyTree):
             """The update group by group (functrain.update_groups) when the plan allows, else whole."""
             if not chosen:
-                groups, _ = update_groups.plan(state.params, loss_fn.blocks, optimizer)
+                groups, why = update_groups.plan(state.params, loss_fn.blocks, optimizer)
+                if why and len(loss_fn.blocks) > 1:  # (one block: nothing to share, nothing to say)
+                    warnings.warn(f"compile='blocks': the optimizer update stays one graph over every "
+                                  f"tensor, so its compile grows with depth: {why}", stacklevel=2)
                 chosen.append(update_groups.make_finish(
                     optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec, piece=piece,
                     to_master=_to_master, next_guard=_next_guard) if groups else whole_finish)

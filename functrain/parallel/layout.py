@@ -54,6 +54,11 @@ class Layout:
         """Plain tensors to compute with (all-gathered over the dp axes when sharded)."""
         raise NotImplementedError
 
+    def gather_start(self, params: PyTree):
+        """`gather` in two halves: starts it, returns a function that waits and gives the result."""
+        gathered = self.gather(params)
+        return lambda: gathered
+
     def reduce_grads(self, grads: PyTree, params: PyTree) -> PyTree:
         """Gradients of the computed tensors, averaged over dp ranks, in the params' placements."""
         raise NotImplementedError

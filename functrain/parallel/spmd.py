@@ -43,6 +43,11 @@ from functrain import tree as tree_lib
 from functrain.parallel.layout import Layout
 from functrain.parallel.mesh import DP_AXES, dp_coordinates
 
+# torch 2.13 renamed these (the old names warn on every eager call: one line per stage per step
+# when compile="blocks" gathers from eager code); older torch has only the old names
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
 __all__ = ["Spmd", "global_norm", "mesh_of"]
 
 PyTree = Any
@@ -155,9 +160,19 @@ class Spmd(Layout):
 
     def gather(self, params: PyTree) -> PyTree:
         """Plain local tensors to compute with: all-gathered on dp, this rank's slice on tp."""
+        return self.gather_start(params)()
+
+    def gather_start(self, params: PyTree):
+        """Starts `gather(params)`'s all-gathers; returns a function that waits and gives the result.
+
+        Eagerly the collectives run in the background until that function is called (compiled,
+        it is `gather` in two halves). Lets an eager stage loop gather the next stage while the
+        current one computes (`functrain.remat`, compile="blocks").
+        """
         ps, spec = optree.tree_flatten(params)
         out: list = [None] * len(ps)
         buckets, other = self._buckets(ps)
+        pending = []  # (leaf indices, local shards, rows per rank, ranks, started all-gather)
         for (kind, dim, _, _), idx in buckets.items():
             if kind == "ddp":
                 for i in idx:
@@ -167,17 +182,24 @@ class Spmd(Layout):
             locs = [ps[i].to_local() for i in idx]
             chunks = [_chunk(ps[i].shape[0], w) for i in idx]
             flat = torch.cat([_pad_rows(x, c).reshape(-1) for x, c in zip(locs, chunks)])  # (S,)
-            full = _wait(funcol.all_gather_tensor(flat, 0, (self.mesh, dim))).view(w, -1)  # (w, S)
-            off = 0
-            for i, x, c in zip(idx, locs, chunks):
-                size = c * _row_numel(x)
-                rows = full[:, off:off + size].reshape(w * c, *x.shape[1:])  # (w c, ...)
-                out[i] = rows[: ps[i].shape[0]]
-                off += size
+            pending.append((idx, locs, chunks, w, _all_gather(flat, 0, (self.mesh, dim))))
         for i in other:
             p = ps[i]
             out[i] = p.redistribute(self.mesh, self._compute_placements(p.placements)).to_local()
-        return optree.tree_unflatten(spec, out)
+
+        def finish() -> PyTree:
+            """The gathered tensors (waits for the all-gathers)."""
+            for idx, locs, chunks, w, started in pending:
+                full = _wait(started).view(w, -1)  # (w, S)
+                off = 0
+                for i, x, c in zip(idx, locs, chunks):
+                    size = c * _row_numel(x)
+                    rows = full[:, off:off + size].reshape(w * c, *x.shape[1:])  # (w c, ...)
+                    out[i] = rows[: ps[i].shape[0]]
+                    off += size
+            return optree.tree_unflatten(spec, out)
+
+        return finish
 
     def reduce_grads(self, grads: PyTree, params: PyTree) -> PyTree:
         """Averages local grads over the dp ranks into the params' placements (reduce-scatter)."""
@@ -205,7 +227,7 @@ class Spmd(Layout):
             chunks = [_chunk(ps[i].shape[0], w) for i in idx]
             # (w, S): row j holds every param's chunk for rank j, back to back
             buf = torch.cat([_pad_rows(gs[i], w * c).reshape(w, -1) for i, c in zip(idx, chunks)], dim=1)
-            mine = _wait(funcol.reduce_scatter_tensor(buf.reshape(-1), "sum", 0, (self.mesh, dim)))  # (S,)
+            mine = _wait(_reduce_scatter(buf.reshape(-1), "sum", 0, (self.mesh, dim)))  # (S,)
             mine = self._all_reduce(mine, [d for d in self.dp_dims if d != dim]) * scale
             off = 0
             for i, c in zip(idx, chunks):
