@@ -162,20 +162,20 @@ def staged_loss_for(remat):
 
 
 def _gathered_numels(ctx, step_fn, state, batch):
-    """Elements of every all-gather one eager step issues (funcol calls, in order)."""
-    import torch.distributed._functional_collectives as funcol
+    """Elements of every all-gather one eager step issues (spmd's funcol calls, in order)."""
+    from functrain.parallel import spmd
 
-    seen, real = [], funcol.all_gather_tensor
+    seen, real = [], spmd._all_gather
 
     def spy(x, *args, **kwargs):
         seen.append(x.numel() * ctx.dp_world)
         return real(x, *args, **kwargs)
 
-    funcol.all_gather_tensor = spy
+    spmd._all_gather = spy
     try:
         step_fn(state, parallel.split_batch(batch, ctx.dp_rank, ctx.dp_world))
     finally:
-        funcol.all_gather_tensor = real
+        spmd._all_gather = real
     return seen
 
 
