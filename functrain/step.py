@@ -257,6 +257,25 @@ def _next_guard(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision) -
     return Guard(skipped, consecutive, scale, torch.where(grow, torch.zeros_like(good), good))
 
 
+def _update_ok(grad_norm: torch.Tensor, metrics: dict) -> torch.Tensor:
+    """Whether an update may be applied: a finite gradient norm and, when reported, a finite loss."""
+    ok = torch.isfinite(grad_norm)
+    if M.LOSS in metrics:
+        ok = ok & torch.isfinite(metrics[M.LOSS])
+    return ok
+
+
+def _guard_after(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision, metrics: dict) -> Guard:
+    """`_next_guard`, with the skip counters (and the fp16 scale this step used) added to `metrics`."""
+    new = _next_guard(guard, ok, prec)
+    metrics[M.SKIPPED] = (~ok).to(torch.float32)
+    metrics[M.CONSECUTIVE_SKIPS] = new.consecutive
+    metrics[M.SKIPPED_TOTAL] = new.skipped
+    if prec.loss_scaling:
+        metrics[M.LOSS_SCALE] = guard.loss_scale.clone()  # its buffer may be donated
+    return new
+
+
 def _zeros_aux(loss_fn, params, micro, keys):
     """Zeros shaped like the (loss, aux) of one microbatch, to start the scan's carry."""
     mb = tree_lib.map(lambda x: x[0], micro)
@@ -306,10 +325,7 @@ def apply_gradients(
     metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
     guarded = skip_nonfinite or prec.loss_scaling
     if guarded:  # decided before the update math, so every per-element loop runs after it
-        ok = torch.isfinite(grad_norm)
-        if M.LOSS in metrics:
-            ok = ok & torch.isfinite(metrics[M.LOSS])
-        (flag,) = ops.hoist(ok)
+        (flag,) = ops.hoist(_update_ok(grad_norm, metrics))
         ok = flag > 0.5
     updates, opt_state = optim.call_update(optimizer, grads, state.opt_state, state.params, norm=grad_norm)
     params = optim.apply_updates(state.params, updates)
@@ -320,12 +336,7 @@ def apply_gradients(
     if guarded:  # non-finite: keep the old params and optimizer state
         params = lay.select(ok, params, state.params)
         opt_state = lay.select(ok, opt_state, state.opt_state)
-        guard = _next_guard(guard, ok, prec)
-        metrics[M.SKIPPED] = (~ok).to(torch.float32)
-        metrics[M.CONSECUTIVE_SKIPS] = guard.consecutive
-        metrics[M.SKIPPED_TOTAL] = guard.skipped
-        if prec.loss_scaling:
-            metrics[M.LOSS_SCALE] = state.guard.loss_scale.clone()  # its buffer may be donated
+        guard = _guard_after(guard, ok, prec, metrics)
     metrics.update(optim.report(optimizer, opt_state))  # e.g. the learning rate this update used
     return TrainState(params, opt_state, state.step + 1, state.rng, guard), metrics
 
@@ -432,7 +443,8 @@ def make_train_step(
                                   f"tensor, so its compile grows with depth: {why}", stacklevel=2)
                 chosen.append(update_groups.make_finish(
                     optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec, piece=piece,
-                    to_master=_to_master, next_guard=_next_guard) if groups else whole_finish)
+                    to_master=_to_master, update_ok=_update_ok, guard_after=_guard_after) if groups
+                    else whole_finish)
             return chosen[0](state, aux, grads)
 
         finish = grouped_finish if grouped and (per_stage or not lay.sharded) else whole_finish

@@ -198,7 +198,7 @@ class _Split:
 
 
 def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool,
-                prec, piece: Callable, to_master: Callable, next_guard: Callable) -> Callable:
+                prec, piece: Callable, to_master: Callable, update_ok: Callable, guard_after: Callable) -> Callable:
     """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
 
     Args:
@@ -209,7 +209,8 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       guarded: skip a non-finite update (keep params and optimizer state).
       prec: the `functrain.precision.Precision` (its loss-scaling rule).
       piece: wraps the update phase (`torch.compile` for compile="blocks"); the others run eagerly.
-      to_master, next_guard: the train step's grads-to-masters cast and skip-guard rule.
+      to_master, update_ok, guard_after: the train step's grads-to-masters cast, its finite check
+        and its skip-guard rule (with the skip metrics), as `apply_gradients` uses them.
 
     Returns:
       The finish function; the same new state and metrics as the whole-tree update, to float32
@@ -217,7 +218,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
 
     Example:
       >>> finish = update_groups.make_finish(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
-      ...                                    piece=torch.compile, to_master=..., next_guard=...)
+      ...                                    piece=torch.compile, to_master=..., update_ok=..., guard_after=...)
     """
     def grads_phase(grads: dict, like: dict, loss_scale):
         """Grads cast to the masters' dtypes (unscaled) and their squared norm."""
@@ -229,12 +230,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         """Metrics averaged over dp, the global grad norm, the skip flag (None when not guarded)."""
         metrics = dict(lay.mean_over_dp(aux))
         metrics[M.GRAD_NORM] = grad_norm = torch.stack(squares).sum().sqrt()
-        ok = None
-        if guarded:
-            ok = torch.isfinite(grad_norm)
-            if M.LOSS in metrics:
-                ok = ok & torch.isfinite(metrics[M.LOSS])
-        return metrics, grad_norm, ok
+        return metrics, grad_norm, update_ok(grad_norm, metrics) if guarded else None
 
     def update_phase_for(split: _Split) -> Callable:
         """The per-group update for optimizer states cut by `split`."""
@@ -261,14 +257,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         """Update norm, skip guard and step counter; the shared optimizer leaves written back."""
         metrics = dict(metrics)
         metrics[M.UPDATE_NORM] = torch.stack(squares).sum().sqrt()
-        guard = state.guard
-        if guarded:
-            guard = next_guard(guard, ok, prec)
-            metrics[M.SKIPPED] = (~ok).to(torch.float32)
-            metrics[M.CONSECUTIVE_SKIPS] = guard.consecutive
-            metrics[M.SKIPPED_TOTAL] = guard.skipped
-            if prec.loss_scaling:
-                metrics[M.LOSS_SCALE] = state.guard.loss_scale.clone()  # its buffer is donated below
+        guard = guard_after(state.guard, ok, prec, metrics) if guarded else state.guard
         step = state.step + 1
         if donate:
             new_shared = lay.write_into(old_shared, new_shared)
@@ -277,18 +266,16 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
 
     # Only the update is compiled: the other phases are a few fused kernels (a foreach norm per group)
     # and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain nothing from one.
-    grads_fns = {g.kind: grads_phase for g in groups}
-    norm_fn, finish_fn = norm_phase, finish_phase
     made: dict = {}  # optimizer-state structure -> (its _Split, the compiled update per group kind)
 
     def finish(state: TrainState, aux: dict, grads: dict):
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
         master, squares = [], []
         for g in groups:
-            gg, sq = grads_fns[g.kind](_pick(grads, g), _pick(state.params, g), loss_scale)
+            gg, sq = grads_phase(_pick(grads, g), _pick(state.params, g), loss_scale)
             master.append(gg)
             squares.append(sq)
-        metrics, grad_norm, ok = norm_fn(aux, squares)
+        metrics, grad_norm, ok = norm_phase(aux, squares)
         structure = optree.tree_structure(state.opt_state, none_is_leaf=True)
         if structure not in made:
             split = _Split(state.opt_state, list(state.params))
@@ -302,7 +289,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
             parts.append(o)
             usq.append(u)
         new_shared = split.shared(split.nodes(parts[0]))  # every group computed the same ones
-        step, guard, shared, metrics = finish_fn(state, split.shared(nodes), new_shared, usq, metrics, ok)
+        step, guard, shared, metrics = finish_phase(state, split.shared(nodes), new_shared, usq, metrics, ok)
         opt_state = split.merge(nodes, parts, groups, shared)
         params = {n: params[n] for n in state.params}  # the input's key order
         # reported values (e.g. the learning rate) are copied: with donation the state's buffers

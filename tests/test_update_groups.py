@@ -18,7 +18,7 @@ from functrain import init_state, optim, update_groups
 from functrain import precision as precision_lib
 from functrain.models.gpt import make_loss_fn
 from functrain.parallel import LOCAL
-from functrain.step import _next_guard, _to_master, apply_gradients
+from functrain.step import _guard_after, _to_master, _update_ok, apply_gradients
 
 import _tol
 
@@ -51,7 +51,7 @@ def _clone(tree):
 def _finish(opt, groups, *, donate=True, prec="fp32"):
     return update_groups.make_finish(opt, groups, LOCAL, donate=donate, guarded=True,
                                      prec=precision_lib.get(prec), piece=lambda f: f,
-                                     to_master=_to_master, next_guard=_next_guard)
+                                     to_master=_to_master, update_ok=_update_ok, guard_after=_guard_after)
 
 
 def _exactly_equal(a, b, msg):
