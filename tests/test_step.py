@@ -11,7 +11,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from functrain import TrainState, init_state, make_eval_step, make_train_step, optim, tree
-from functrain import apply_gradients, value_and_grad
+from functrain import apply_gradients, update_step, value_and_grad
 from functrain.models import gpt
 
 import _tol
@@ -145,6 +145,43 @@ def test_compiled_adamw_update_matches_eager_and_has_no_atomic_adds():
             if i != 3:
                 _tol.assert_close(c_m[k], e_m[k], tol, msg=k)
     assert codes and not any("atomic_add" in code for code in codes)  # deterministic kernels only
+
+
+def test_float64_hyperparameters_trace_once_and_come_back_as_the_callers_tensors():
+    """The optimizer's float64 0-d hyper-parameters reach the compiled graph as (1,) views
+    (step._lift): one Dynamo trace, not two (torch 2.13 restarts the trace when it meets float64
+    scalar inputs), no recompile when one changes, and the state that comes back holds the
+    caller's own 0-d tensors. aot_eager: the restart happens in AOTAutograd, no inductor needed."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+    grads = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(4)]
+    opt = _opt()
+    state = init_state(params, opt)
+    hypers = [x for x in tree.leaves(state.opt_state) if x.dtype == torch.float64]
+    assert hypers and all(x.ndim == 0 for x in hypers)  # what this test is about
+
+    torch._dynamo.reset()
+    counters.clear()
+    compilation_time_metrics.clear()
+    compiled = update_step(opt, compile_options={"backend": "aot_eager"})
+    eager = update_step(opt, compile=False)
+    c_state, e_state = state, tree.clone(state)
+    for i, gr in enumerate(grads):
+        if i == 2:  # a new learning rate: a new tensor, the same graph
+            c_state, e_state = (optim.set_hyperparams(s, lr=0.05) for s in (c_state, e_state))
+        ids = {id(x) for x in tree.leaves(c_state.opt_state) if x.dtype == torch.float64}
+        c_state, c_m = compiled(c_state, gr, {"loss": torch.zeros(())})
+        e_state, e_m = eager(e_state, gr, {"loss": torch.zeros(())})
+        back = [x for x in tree.leaves(c_state.opt_state) if x.dtype == torch.float64]
+        assert {id(x) for x in back} == ids and all(x.ndim == 0 for x in back)  # the caller's own
+        _tol.assert_close(c_state.params, e_state.params, _tol.rtol(16) * (i + 1), msg=f"step {i}")
+        _tol.assert_close(c_m["lr"], e_m["lr"], _tol.rtol(1), msg="lr")
+    assert 0.02 < float(c_m["lr"]) < 0.0501 and int(c_state.step) == len(grads)  # the new peak (was 1e-2)
+    attempts = sorted(k for k in compilation_time_metrics if k.startswith("compile_attempt_"))
+    assert attempts == ["compile_attempt_0"], attempts  # traced once: no restart
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["recompiles"])
 
 
 @pytest.mark.skipif(not os.environ.get("FUNCTRAIN_SLOW_TESTS"),
