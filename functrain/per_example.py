@@ -28,6 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from functrain import rng
+from functrain import tree as tree_lib
 
 __all__ = ["grads", "norms", "clipped_sum", "privatize"]
 
@@ -121,9 +122,9 @@ def privatize(grads: PyTree, max_norm: "float | torch.Tensor", noise_multiplier:
       >>> mean, n = per_example.privatize(g, 1.0, 1.1, rng.fold_in(state.rng, state.step))
     """
     summed, n = clipped_sum(grads, max_norm)
-    leaves, spec = optree.tree_flatten(summed)
+    leaves, spec = tree_lib.flatten(summed)
     keys = rng.split(key, len(leaves))  # (L, 2): one noise stream per leaf
     b = n.shape[0]
     noisy = [(s + noise_multiplier * max_norm * rng.gaussian(keys[i], s.shape, s.dtype)) / b
              for i, s in enumerate(leaves)]
-    return optree.tree_unflatten(spec, noisy), n
+    return spec.unflatten(noisy), n

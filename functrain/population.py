@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from functrain import foreach
+from functrain import compiling, foreach
 from functrain import step as step_lib
 from functrain.parallel.layout import LOCAL
 from functrain.state import TrainState
@@ -126,7 +126,7 @@ def make_population_step(
             new = LOCAL.write_into(state, new)
         return new, metrics
 
-    population_step = step_lib._maybe_compile(population_step, compile, compile_options)  # as make_train_step
+    population_step = compiling.maybe_compile(population_step, compile, compile_options)  # as make_train_step
 
     def step(state: TrainState, batch: PyTree):
         with foreach.per_tensor():  # vmap has no batching rules for the fused foreach kernels

@@ -63,8 +63,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-import optree
 import torch
+
+from functrain import tree as tree_lib
 
 __all__ = ["Stage", "parse_policy", "remat_barrier", "staged_loss"]
 
@@ -347,10 +348,10 @@ class _Compiled:
     @staticmethod
     def vjp(fn, primals: tuple, *rest, has_aux: bool = False):
         """`fn(*primals, *rest)` and its vjp function with respect to `primals`, by autograd."""
-        flat, spec = optree.tree_flatten(primals)
+        flat, spec = tree_lib.flatten(primals)
         leaves = [x.detach().requires_grad_(True) for x in flat]
         with torch.enable_grad():
-            out = fn(*optree.tree_unflatten(spec, leaves), *rest)
+            out = fn(*spec.unflatten(leaves), *rest)
         aux = None
         if has_aux:
             out, aux = out
@@ -359,7 +360,7 @@ class _Compiled:
         def vjp_fn(g):
             """The cotangents of `primals` for the output cotangent `g` (zeros where unused)."""
             got = torch.autograd.grad(out, leaves, g, allow_unused=True)
-            return optree.tree_unflatten(spec, [torch.zeros_like(x) if d is None else d for x, d in zip(leaves, got)])
+            return spec.unflatten([torch.zeros_like(x) if d is None else d for x, d in zip(leaves, got)])
 
         return (out.detach(), vjp_fn, aux) if has_aux else (out.detach(), vjp_fn)
 

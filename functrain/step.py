@@ -45,16 +45,14 @@ Example:
 from __future__ import annotations
 
 import functools
-import types
 import warnings
 from typing import Any, Callable
 
-import optree
 import torch
 from torch import nn
 
 from functrain import metric_names as M
-from functrain import foreach, ops, optim
+from functrain import compiling, foreach, ops, optim
 from functrain import precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
@@ -233,13 +231,13 @@ def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, i
 
 def _to_master(grads: PyTree, master: PyTree, loss_scale) -> PyTree:
     """Grads cast to the master params' dtypes, divided by the loss scale when there is one."""
-    leaves, spec = optree.tree_flatten(grads)
+    leaves, spec = tree_lib.flatten(grads)
     dtypes = [p.dtype for p in spec.flatten_up_to(master)]
     if loss_scale is not None:  # unscale in float32 (or wider), then cast
         wide = [g.to(torch.promote_types(d, torch.float32)) for g, d in zip(leaves, dtypes)]
         leaves = foreach.mul(wide, torch.reciprocal(loss_scale))
     leaves = [g if g.dtype == d else g.to(d) for g, d in zip(leaves, dtypes)]
-    return optree.tree_unflatten(spec, leaves)
+    return spec.unflatten(leaves)
 
 
 def _next_guard(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision) -> Guard:
@@ -406,8 +404,8 @@ def make_train_step(
     # "step": the whole body is one graph; "blocks": prepare and the update are graphs of their own
     # and the loss runs its stages' graphs from eager code
     run_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
-    piece = functools.partial(_maybe_compile, compile=mode == "blocks", options=compile_options)
-    whole = functools.partial(_maybe_compile, compile=mode == "step", options=compile_options)
+    piece = functools.partial(compiling.maybe_compile, compile=mode == "blocks", options=compile_options)
+    whole = functools.partial(compiling.maybe_compile, compile=mode == "step", options=compile_options)
 
     def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False):
         """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
@@ -542,7 +540,7 @@ def update_step(
     def update(state: TrainState, grads: PyTree, aux: dict | None = None):
         return inner(state, dict(aux or {}), grads)
 
-    return _maybe_compile(update, compile, compile_options)
+    return compiling.maybe_compile(update, compile, compile_options)
 
 
 def make_eval_step(
@@ -590,7 +588,7 @@ def make_eval_step(
 
         return eval_step
 
-    fns = _PerLayout(build, lambda f: _maybe_compile(f, mode == "step", compile_options))
+    fns = _PerLayout(build, lambda f: compiling.maybe_compile(f, mode == "step", compile_options))
 
     def evaluate(state: TrainState, batch: PyTree):
         return fns.get(state.params)(state, batch)
@@ -614,70 +612,3 @@ class _PerLayout:
         if fn is None:
             fn = self.fns[id(lay)] = self.wrap(self.build(lay))
         return fn
-
-
-def _maybe_compile(fn, compile: bool, options: dict | None):
-    """`torch.compile(fn, fullgraph=True, dynamic=False, **options)` when asked, with the 0-d CPU
-    scalars of its arguments passed in as (1,) views (see `_lift`)."""
-    if not compile:
-        return fn
-    kwargs = {"fullgraph": True, "dynamic": False}
-    kwargs.update(options or {})
-
-    def lowered(lifted: tuple, *args):
-        if not lifted:
-            return fn(*args)
-        leaves, spec = optree.tree_flatten(args)
-        pairs = []  # (the 0-d tensor fn sees, the caller's (1,) view)
-        for i in lifted:
-            pairs.append((leaves[i].view(()), leaves[i]))
-            leaves[i] = pairs[-1][0]
-        out_leaves, out_spec = optree.tree_flatten(fn(*optree.tree_unflatten(spec, leaves)))
-        # a scalar fn hands back as it came (a hyper-parameter; a donated counter) leaves as the
-        # caller's own tensor: an output that is a view of an input costs a regeneration per call
-        for j, x in enumerate(out_leaves):
-            out_leaves[j] = next((flat for scalar, flat in pairs if x is scalar), x)
-        return optree.tree_unflatten(out_spec, out_leaves)
-
-    # a code object of its own per `fn`: Dynamo caches (and counts recompiles) per code object
-    code = lowered.__code__.replace(co_name=getattr(fn, "__name__", "step"))
-    lowered = types.FunctionType(code, lowered.__globals__, code.co_name, None, lowered.__closure__)
-    compiled = torch.compile(lowered, **kwargs)
-
-    @functools.wraps(fn)
-    def call(*args):
-        lifted, args, back = _lift(args)
-        out = compiled(lifted, *args)
-        if not back:
-            return out
-        leaves, spec = optree.tree_flatten(out)
-        return optree.tree_unflatten(spec, [back.get(id(x), x) for x in leaves])
-
-    return call
-
-
-# Why lift. torch 2.13's fake tensors give every 0-d CPU int or float64 input a symbol for its value
-# (FakeTensor.item_memo). The step never reads them as numbers, but inductor's tensorify pass meets the
-# float64 ones (the optimizer's hyper-parameters), has Dynamo specialize them and restarts the whole
-# trace ("Restarting analysis due to _tensorify_python_scalars"): a second Dynamo trace and AOT pass.
-# Passed as (1,) views of the same storage they are plain tensors to Dynamo; in-place writes still land
-# in the caller's tensors, and what comes back unchanged is the caller's own tensor. Measured (2 CPU
-# cores, default run, compiled kernels cached so gcc does not blur it): first step 95 s -> 82 s (mean
-# of two runs each). Integer scalars (step, counts) make no restart and stay as they are.
-
-
-def _lift(args: tuple) -> tuple[tuple, tuple, dict]:
-    """(flat indices lifted, args with each 0-d float64 CPU tensor as a (1,) view, {id(view): tensor})."""
-    leaves, spec = optree.tree_flatten(args)
-    lifted = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dtype is torch.float64
-                   and x.ndim == 0 and type(x) is torch.Tensor and x.is_cpu)
-    if not lifted:
-        return lifted, args, {}
-    views, back = {}, {}  # one view per tensor: two views of one storage would be two aliased inputs
-    for i in lifted:
-        x = leaves[i]
-        if id(x) not in views:
-            views[id(x)] = x.view(1)
-            back[id(views[id(x)])] = x
-        leaves[i] = views[id(x)]
-    return lifted, optree.tree_unflatten(spec, leaves), back

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+from typing import Any, NamedTuple
 
+import optree
 import pytest
 import torch
 
@@ -106,3 +109,47 @@ def test_incremental_update_is_a_pure_lerp(per_tensor):
             torch.testing.assert_close(r, o + 0.1 * (n - o), rtol=4 * torch.finfo(o.dtype).eps, atol=0)
         assert all(torch.equal(a, b) for a, b in zip(tree.leaves(before), tree.leaves(old)))  # pure
     assert tree.structure(out) == tree.structure(old)
+
+
+class _Pair(NamedTuple):
+    mu: Any
+    nu: Any
+
+
+@pytest.mark.parametrize("case", ["nested", "namedtuple", "none", "leaf", "empty", "ordered_dict", "int_keys",
+                                  "ordered_dict_inside"])
+def test_flatten_agrees_with_optree_and_falls_back_to_it(case):
+    """tree.flatten walks plain nodes itself (cheap under Dynamo) and must give optree's leaves, order
+    and structure; other node types go to optree whole."""
+    x = torch.ones(2)
+    t = {
+        "nested": {"z": x, "b": [1, (2.0, None)], "a": {"q": "s", "p": x + 1}},
+        "namedtuple": _Pair({"w": x, "b": x * 2}, [None, x * 3]),
+        "none": None,
+        "leaf": x,
+        "empty": {"a": [], "b": ()},
+        "ordered_dict": collections.OrderedDict(b=x, a=x + 1),
+        "int_keys": {1: x, 0: x + 1},
+        "ordered_dict_inside": {"o": collections.OrderedDict(b=x, a=x + 1)},
+    }[case]
+    leaves, spec = tree.flatten(t)
+    ref_leaves, ref_spec = optree.tree_flatten(t)
+    assert len(leaves) == len(ref_leaves) and all(a is b for a, b in zip(leaves, ref_leaves))
+    assert tree.leaves(t) == leaves or all(a is b for a, b in zip(tree.leaves(t), ref_leaves))
+    rebuilt = spec.unflatten([object() for _ in leaves])
+    assert optree.tree_structure(rebuilt) == ref_spec
+    assert type(rebuilt) is (object if ref_spec.is_leaf() else type(t))
+    if isinstance(t, dict):
+        assert list(rebuilt) == list(t)  # the template's key order, as optree's unflatten keeps it
+    doubled = optree.tree_map(lambda v: [v, v], t)
+    assert all(a == b for a, b in zip(spec.flatten_up_to(doubled), ref_spec.flatten_up_to(doubled)))
+
+
+def test_flatten_spec_rejects_other_structures_with_optrees_error():
+    _, spec = tree.flatten({"a": torch.ones(1), "b": [torch.ones(1)]})
+    with pytest.raises(ValueError, match="key"):
+        spec.flatten_up_to({"a": 1, "c": [2]})
+    with pytest.raises(ValueError):
+        spec.flatten_up_to({"a": 1, "b": (2,)})  # a tuple where the template has a list
+    with pytest.raises(ValueError, match="expected 2 leaves, got 1"):
+        spec.unflatten([1])

@@ -18,7 +18,6 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from functrain import parallel
@@ -197,8 +196,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     Example:
       >>> loss = cross_entropy(model(x), y)
     """
-    flat = rearrange(logits, "b t v -> (b t) v").float()  # (B*T, V)
-    return F.cross_entropy(flat, rearrange(targets, "b t -> (b t)"), ignore_index=ignore_index)
+    flat = logits.flatten(0, 1).float()  # (B, T, V) -> (B*T, V)
+    return F.cross_entropy(flat, targets.flatten(), ignore_index=ignore_index)  # targets (B*T,)
 
 
 def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.Tensor:

@@ -41,7 +41,6 @@ from typing import Any, Callable, NamedTuple
 
 import inspect
 
-import optree
 
 from functrain import foreach
 from functrain import tree as tree_lib
@@ -201,10 +200,10 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     Example:
       >>> params = optim.apply_updates(params, updates)
     """
-    p_leaves, spec = optree.tree_flatten(params)
+    p_leaves, spec = tree_lib.flatten(params)
     u_leaves = spec.flatten_up_to(updates)
     u_leaves = [u.to(p.dtype) for p, u in zip(p_leaves, u_leaves)]
-    return optree.tree_unflatten(spec, foreach.add(p_leaves, u_leaves))
+    return spec.unflatten(foreach.add(p_leaves, u_leaves))
 
 
 _MASK_LOG: list | None = None  # {leaf name: flag} per resolve_mask call while a mask is probed
@@ -214,7 +213,7 @@ def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> l
     """The mask (a bool tree or a callable params -> bool tree) as a flat list of Python bools."""
     if callable(mask):
         mask = mask(params)
-    spec = optree.tree_structure(params)
+    spec = tree_lib.flatten(params)[1]
     flat = [bool(m) for m in spec.flatten_up_to(mask)]
     if _MASK_LOG is not None:  # functrain.update_groups checks masks resolved on a group of leaves
         _MASK_LOG.append({n: f for (n, _), f in zip(tree_lib.named_leaves(params), flat)})
@@ -249,7 +248,7 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
     def select(tree, params):
         names = [n for n, _ in tree_lib.named_leaves(params)]
         flags = resolve_mask(mask, params)
-        flat = optree.tree_structure(params).flatten_up_to(tree)
+        flat = tree_lib.flatten(params)[1].flatten_up_to(tree)
         return {n: x for n, x, m in zip(names, flat, flags) if m}
 
     def init(params):
@@ -262,10 +261,10 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
             select(updates, params), state.inner, select(params, params)
         )
         names = [n for n, _ in tree_lib.named_leaves(params)]
-        spec = optree.tree_structure(params)
+        spec = tree_lib.flatten(params)[1]
         flat = spec.flatten_up_to(updates)
         merged = [sub_updates.get(n, u) for n, u in zip(names, flat)]
-        return optree.tree_unflatten(spec, merged), MaskedState(inner_state)
+        return spec.unflatten(merged), MaskedState(inner_state)
 
     # leafwise when `inner` is (a norm-reading inner is not: masked does not pass the norm on); the
     # mask itself is checked against the full tree before a grouped update uses it

@@ -44,7 +44,7 @@ ScalarOrSchedule = Union[float, torch.Tensor, Schedule, Callable[[torch.Tensor],
 
 def _flat(tree: PyTree):
     """(leaves, treespec) of a tree."""
-    leaves, spec = optree.tree_flatten(tree)
+    leaves, spec = tree_lib.flatten(tree)
     return list(leaves), spec
 
 
@@ -132,11 +132,11 @@ def scale_by_adam(
         out = foreach.div(out, denom)
         new_state = ScaleByAdamState(
             count=count,
-            mu=optree.tree_unflatten(spec, [m.to(s.dtype) for m, s in zip(mu, mu_store)]),
-            nu=optree.tree_unflatten(spec, [n.to(s.dtype) for n, s in zip(nu, nu_store)]),
+            mu=spec.unflatten([m.to(s.dtype) for m, s in zip(mu, mu_store)]),
+            nu=spec.unflatten([n.to(s.dtype) for n, s in zip(nu, nu_store)]),
             hyper=h,
         )
-        return optree.tree_unflatten(spec, list(out)), new_state
+        return spec.unflatten(list(out)), new_state
 
     return Transform(init, update, leafwise=True)
 
@@ -188,7 +188,7 @@ def add_decayed_weights(
             scaled = foreach.mul([p[i].to(u[i].dtype) for i in idx], wd)
             for i, d in zip(idx, foreach.add([u[i] for i in idx], scaled)):
                 u[i] = d
-        return optree.tree_unflatten(spec, u), state
+        return spec.unflatten(u), state
 
     return Transform(init, update, leafwise=True)
 
@@ -215,7 +215,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
             norm = tree_lib.global_norm(u)
         # in the norm's dtype, as torch.nn.utils.clip_grad_norm_ computes it
         (coef,) = ops.hoist(torch.clamp(state.hyper["clip"].to(norm.dtype) / (norm + 1e-6), max=1.0))
-        return optree.tree_unflatten(spec, foreach.mul(u, coef)), state
+        return spec.unflatten(foreach.mul(u, coef)), state
 
     return Transform(init, update, leafwise="norm")
 
@@ -250,7 +250,7 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
         (momentum,) = ops.hoist(state.hyper["momentum"])
         t = foreach.add(foreach.mul(t, momentum), g)
         out = foreach.add(g, foreach.mul(t, momentum)) if nesterov else t
-        return optree.tree_unflatten(spec, list(out)), TraceState(optree.tree_unflatten(spec, list(t)), state.hyper)
+        return spec.unflatten(list(out)), TraceState(spec.unflatten(list(t)), state.hyper)
 
     return Transform(init, update, leafwise=True)
 
@@ -260,7 +260,7 @@ def scale(factor: float) -> Transform:
 
     def update(updates, state, params=None):
         u, spec = _flat(updates)
-        return optree.tree_unflatten(spec, foreach.mul(u, factor)), state
+        return spec.unflatten(foreach.mul(u, factor)), state
 
     return Transform(lambda params: (), update, leafwise=True)
 
@@ -315,7 +315,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         u, spec = _flat(updates)
         out = foreach.mul(u, factor)
         lr = rate.to(torch.float32)
-        return optree.tree_unflatten(spec, list(out)), ScaleByLearningRateState(state.count + 1, lr, state.hyper)
+        return spec.unflatten(list(out)), ScaleByLearningRateState(state.count + 1, lr, state.hyper)
 
     return Transform(init, update, lambda state: {metric_names.LR: state.lr}, leafwise=True)
 

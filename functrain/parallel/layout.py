@@ -21,7 +21,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import optree
 import torch
 
 from functrain import foreach
@@ -100,12 +99,12 @@ class Local(Layout):
         return key
 
     def select(self, ok, new, old):
-        old_leaves, spec = optree.tree_flatten(old)
+        old_leaves, spec = tree_lib.flatten(old)
         out = [o if n is o else torch.where(ok, n, o) for o, n in zip(old_leaves, spec.flatten_up_to(new))]
-        return optree.tree_unflatten(spec, out)
+        return spec.unflatten(out)
 
     def write_into(self, old, new):
-        old_leaves, spec = optree.tree_flatten(old)
+        old_leaves, spec = tree_lib.flatten(old)
         pairs = [(o, n) for o, n in zip(old_leaves, spec.flatten_up_to(new)) if o is not n]
         if pairs:
             foreach.copy_([o for o, _ in pairs], [n for _, n in pairs])

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -169,7 +168,7 @@ class Spmd(Layout):
         it is `gather` in two halves). Lets an eager stage loop gather the next stage while the
         current one computes (`functrain.remat`, compile="blocks").
         """
-        ps, spec = optree.tree_flatten(params)
+        ps, spec = tree_lib.flatten(params)
         out: list = [None] * len(ps)
         buckets, other = self._buckets(ps)
         pending = []  # (leaf indices, local shards, rows per rank, ranks, started all-gather)
@@ -197,13 +196,13 @@ class Spmd(Layout):
                     rows = full[:, off:off + size].reshape(w * c, *x.shape[1:])  # (w c, ...)
                     out[i] = rows[: ps[i].shape[0]]
                     off += size
-            return optree.tree_unflatten(spec, out)
+            return spec.unflatten(out)
 
         return finish
 
     def reduce_grads(self, grads: PyTree, params: PyTree) -> PyTree:
         """Averages local grads over the dp ranks into the params' placements (reduce-scatter)."""
-        ps, spec = optree.tree_flatten(params)
+        ps, spec = tree_lib.flatten(params)
         gs = spec.flatten_up_to(grads)
         out: list = [None] * len(ps)
         buckets, other = self._buckets(ps)
@@ -241,7 +240,7 @@ class Spmd(Layout):
             src = [Partial("avg") if d in self.dp_dims else pl for d, pl in enumerate(p.placements)]
             d = DTensor.from_local(gs[i], self.mesh, src, run_check=False, shape=p.shape, stride=p.stride())
             out[i] = d.redistribute(self.mesh, p.placements)
-        return optree.tree_unflatten(spec, out)
+        return spec.unflatten(out)
 
     def _all_reduce(self, x: torch.Tensor, dims) -> torch.Tensor:
         """Sum of `x` over the mesh dims `dims`, one after the other."""
@@ -276,7 +275,7 @@ class Spmd(Layout):
 
     def select(self, ok: torch.Tensor, new: PyTree, old: PyTree) -> PyTree:
         """Leafwise `new if ok else old` on the local shards, in `old`'s placements."""
-        old_leaves, spec = optree.tree_flatten(old)
+        old_leaves, spec = tree_lib.flatten(old)
         out = []
         for o, n in zip(old_leaves, spec.flatten_up_to(new)):
             if n is o:
@@ -287,11 +286,11 @@ class Spmd(Layout):
                                               shape=o.shape, stride=o.stride()))
             else:
                 out.append(torch.where(ok, n, o))
-        return optree.tree_unflatten(spec, out)
+        return spec.unflatten(out)
 
     def write_into(self, old: PyTree, new: PyTree) -> PyTree:
         """Copies the local shard of every leaf of `new` into `old`'s (donation); returns `old`."""
-        old_leaves, spec = optree.tree_flatten(old)
+        old_leaves, spec = tree_lib.flatten(old)
         pairs = [(o, n) for o, n in zip(old_leaves, spec.flatten_up_to(new)) if o is not n]
         if pairs:
             torch._foreach_copy_([_local(o) for o, _ in pairs], [_local(n, like=o) for o, n in pairs])
