@@ -37,10 +37,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-
 import inspect
-
+from typing import Any, Callable, NamedTuple
 
 from functrain import foreach
 from functrain import tree as tree_lib
