@@ -19,6 +19,7 @@ rounds=${4:-2}
 variant=${5:-}
 config="configs/gpt.py${variant:+:$variant}"
 python=${PYTHON:-python}
+case $python in */*) python=$(realpath -s "$python") ;; esac  # the runs cd into worktrees
 repo=$(git rev-parse --show-toplevel)
 tmp=$(mktemp -d)
 trap 'git -C "$repo" worktree remove --force "$tmp/a" >/dev/null 2>&1 || true; git -C "$repo" worktree remove --force "$tmp/b" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
@@ -27,10 +28,14 @@ git -C "$repo" worktree add --detach "$tmp/b" "$b" >/dev/null 2>&1
 for round in $(seq "$rounds"); do
   for side in a b; do
     rev=$([ "$side" = a ] && echo "$a" || echo "$b")
-    out=$(cd "$tmp/$side" && PYTHONPATH="$tmp/$side" OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$python" -m functrain.main \
+    if ! out=$(cd "$tmp/$side" && PYTHONPATH="$tmp/$side" OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$python" -m functrain.main \
       --config="$config" --config.steps="$steps" --config.eval_every=100000 \
       --config.checkpoint.enabled=False --config.sample.max_new_tokens=1 --config.log_every="${LOG_EVERY:-100}" \
-      --config.tensorboard=False --workdir="$tmp/run_$side" 2>&1)
+      --config.tensorboard=False --workdir="$tmp/run_$side" 2>&1); then
+      echo "$rev: the run failed; its last lines:" >&2
+      echo "$out" | tail -20 >&2
+      exit 1
+    fi
     digest=$("$python" -c "import json,sys,hashlib; rows=[json.loads(l) for l in open(sys.argv[1])]; \
 print(hashlib.sha1(repr([(r['step'], r['loss']) for r in rows if 'loss' in r]).encode()).hexdigest()[:12])" \
       "$tmp/run_$side/metrics.jsonl")
