@@ -42,12 +42,6 @@ PyTree = Any
 ScalarOrSchedule = Union[float, torch.Tensor, Schedule, Callable[[torch.Tensor], torch.Tensor]]
 
 
-def _flat(tree: PyTree):
-    """(leaves, treespec) of a tree."""
-    leaves, spec = tree_lib.flatten(tree)
-    return list(leaves), spec
-
-
 def _count_like(params: PyTree) -> torch.Tensor:
     """A 0-d int64 zero on the device of the first leaf (the update counter)."""
     leaves = tree_lib.leaves(params)
@@ -105,7 +99,7 @@ def scale_by_adam(
         )
 
     def update(updates, state, params=None):
-        g, spec = _flat(updates)
+        g, spec = tree_lib.flatten(updates)
         mu_store = spec.flatten_up_to(state.mu)
         nu_store = spec.flatten_up_to(state.nu)
         # Math in the widest of (moment, gradient, float32) dtype; narrow moments are rounded back.
@@ -179,7 +173,7 @@ def add_decayed_weights(
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
-        u, spec = _flat(updates)
+        u, spec = tree_lib.flatten(updates)
         p = spec.flatten_up_to(params)
         flags = resolve_mask(mask, params) if mask is not None else [True] * len(u)
         idx = [i for i, f in enumerate(flags) if f]
@@ -210,7 +204,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         return HyperState(_hyper(_count_like(params), clip=max_norm))
 
     def update(updates, state, params=None, norm=None):
-        u, spec = _flat(updates)
+        u, spec = tree_lib.flatten(updates)
         if norm is None:  # not given by the caller (see optim.call_update)
             norm = tree_lib.global_norm(u)
         # in the norm's dtype, as torch.nn.utils.clip_grad_norm_ computes it
@@ -245,7 +239,7 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
         return TraceState(tree_lib.zeros_like(params), _hyper(_count_like(params), momentum=decay))
 
     def update(updates, state, params=None):
-        g, spec = _flat(updates)
+        g, spec = tree_lib.flatten(updates)
         t = spec.flatten_up_to(state.trace)
         (momentum,) = ops.hoist(state.hyper["momentum"])
         t = foreach.add(foreach.mul(t, momentum), g)
@@ -259,7 +253,7 @@ def scale(factor: float) -> Transform:
     """Multiplies updates by a constant `factor`."""
 
     def update(updates, state, params=None):
-        u, spec = _flat(updates)
+        u, spec = tree_lib.flatten(updates)
         return spec.unflatten(foreach.mul(u, factor)), state
 
     return Transform(lambda params: (), update, leafwise=True)
@@ -312,7 +306,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     def update(updates, state, params=None):
         rate = lr_at(state.count, state.hyper)
         (factor,) = ops.hoist(-rate if flip_sign else rate)
-        u, spec = _flat(updates)
+        u, spec = tree_lib.flatten(updates)
         out = foreach.mul(u, factor)
         lr = rate.to(torch.float32)
         return spec.unflatten(list(out)), ScaleByLearningRateState(state.count + 1, lr, state.hyper)
