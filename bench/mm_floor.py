@@ -17,11 +17,12 @@ each run on the next of a pool of input copies larger than the last-level cache,
 step, where a kernel's inputs were written by other kernels since (activations, weights, the
 optimizer's state in between). A step's kernels see something between the two.
 
-Measured on a 2-core AMD EPYC (AVX-512, 32 MB L3, torch 2.13.0+cpu), 2026-11-24, 2048^2 rate 182 GFLOP/s:
-  --size default (4096 tokens, 23.4 GFLOP): kernels 160.6 ms hot / 177.2 ms cold per step, floor_mfu
-      80.0% / 72.5%; the default run itself reaches ~67%. Its 128 x 128 q/k/v/proj weight gradients
-      (122 GFLOP/s cold) and the attention (75 GFLOP/s) pull the floor down.
-  --size 100m (256 tokens, 151.6 GFLOP): 924.5 / 947.8 ms, floor_mfu 90.2% / 88.0%.
+Measured on a 2-core AMD EPYC (AVX-512, 32 MB L3, torch 2.13.0+cpu), 2026-11-24, 2048^2 rate 185-191
+GFLOP/s (the spread is machine load: the VM is shared):
+  --size default, 3 runs (4096 tokens, 23.4 GFLOP): kernels 144-167 ms hot / 159-181 ms cold per step,
+      floor_mfu 74-85% hot / 68-78% cold; the default run itself reaches ~67%. Its 128 x 128
+      q/k/v/proj weight gradients and the attention (75-90 GFLOP/s) pull the floor down.
+  --size 100m, 1 run (256 tokens, 151.6 GFLOP): 874 ms hot / 901 ms cold, floor_mfu 93.0% / 90.2%.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from functrain import metrics  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -127,15 +129,10 @@ def main():
     torch.manual_seed(0)
     cfg, batch = step_bench._cfg(args.size)
     tokens = batch * cfg.block_size
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-
-    def peak():
-        """The 2048^2 float32 matmul rate (hot, as `functrain.metrics` measures it)."""
-        return 2.0 * 2048**3 / _timed(lambda: a @ b, args.reps, [(), ()])[0]
-
-    peak_before = peak()
+    cpu = torch.device("cpu")
+    peak_before = metrics.measure_peak_flops(cpu)  # the denominator of the run's and bench/step.py's MFU
     rows = matmul_rows(cfg, tokens, args.reps) + [attention_row(cfg, batch, args.reps)]
-    peak_after = peak()
+    peak_after = metrics.measure_peak_flops(cpu)
     rate = max(peak_before, peak_after)  # the machine's rate; a lower one was load from elsewhere
     step_flops = gpt.flops_per_token(cfg) * tokens
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size}: {tokens} tokens per step, "
