@@ -34,8 +34,10 @@ Sharded params (FSDP's per-block schedule). On DTensor params the train step cal
 own parameters just before its forward and reduce-scatters its own gradients as soon as its vjp has
 made them, so the whole model is never gathered. A recomputed block lets its gathered parameters go
 after its forward and gathers them again (behind the barrier) for its backward: "reshard after
-forward", at most the block computing and the next one gathered at a time; a kept block (policy
-"none") holds them in its vjp closure until its backward (FSDP's reshard_after_forward=False).
+forward", at most the block computing and the next one gathered at a time. A kept block (policy
+"none") holds them in its vjp closure until its backward, except in the compiled one-graph step,
+where `functrain.parallel.reshard` rewrites the graph so that its backward reads a second gather
+(reshard after forward, FSDP's default; `staged_loss(..., reshard_after_forward=False)` keeps them).
 Why this route and not SimpleFSDP-style gathers at the point of use under `torch.autograd.grad`
 (DESIGN.md): it needs no autograd of collectives and no inductor recompute tags, runs eagerly and
 compiled as one graph (tests/test_parallel_dist.py), and the schedule is explicit in the code.
@@ -195,7 +197,8 @@ def _seed(loss: torch.Tensor, loss_scale) -> torch.Tensor:
     return scale.to(loss.dtype).expand(loss.shape)
 
 
-def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full") -> Callable:
+def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full",
+                reshard_after_forward: bool = True) -> Callable:
     """A loss function over stages that brings its own `value_and_grad`, recomputing blocks in backward.
 
     Args:
@@ -204,6 +207,11 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
       head: the last stage, `fn(p, h, batch, key) -> loss` or `(loss, aux)`.
       policy: which blocks to recompute (see `parse_policy`): "none", "full" or an int N (every
         N-th block). Blocks not recomputed keep their activations from the forward.
+      reshard_after_forward: on sharded params in the compiled one-graph step, a kept block's
+        gathered parameters are freed after its forward and gathered again for its backward
+        (`functrain.parallel.reshard`; FSDP's default). False: kept blocks hold them until their
+        backward (one all-gather less per kept block, the whole model gathered at the end of the
+        forward when no block is recomputed). Recomputed blocks always gather again.
 
     Returns:
       `loss_fn(params, batch, key) -> (loss, aux)`, the plain composition (for eval and for
@@ -227,7 +235,7 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
     """
     policy = parse_policy(policy)
     blocks = tuple(blocks)
-    loss_fn = _staged(embed, blocks, head, policy, _Traced(embed, blocks, head))
+    loss_fn = _staged(embed, blocks, head, policy, _Traced(embed, blocks, head, reshard_after_forward))
 
     def compile_stages(options: dict | None = None) -> Callable:
         """This loss with each stage its own compiled graph, one block graph shared by every block.
@@ -302,7 +310,8 @@ class _Traced:
     compiled = False
     barrier = True  # in one traced graph, order the recomputation after the cotangent (see above)
 
-    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage):
+    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, reshard: bool = True):
+        self.reshard = reshard  # mark the forward's end for parallel.reshard (kept blocks regathered)
         self.embed = embed.fn
         self.blocks = [b.fn for b in blocks]
         self.head = lambda p, h, batch, key: _loss_and_aux(head.fn(p, h, batch, key))
@@ -327,6 +336,7 @@ class _Compiled:
 
     compiled = True
     barrier = False
+    reshard = False  # (autograd saves a kept block's gathered params: no graph to rewrite)
 
     def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, options: dict | None):
         if blocks and (blocks[0].shared is None or any(b.shared is not blocks[0].shared for b in blocks)):
@@ -468,6 +478,11 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
         else:
             h, block_vjp = run.vjp(fn, (local(block), h), key)
             saved.append(block_vjp)
+    if layout is not None and run.reshard and not all(recompute):
+        # kept blocks' gathered params: the compiled step gathers them again for their backward
+        from functrain.parallel.reshard import mark_forward_done
+
+        h = mark_forward_done(h)
     loss, head_vjp, aux = run.vjp(run.head, (local(head), h), batch, key, has_aux=True)
 
     # Backward: head, blocks in reverse (recomputing where asked), embedding.

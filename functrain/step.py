@@ -405,7 +405,8 @@ def make_train_step(
     # and the loss runs its stages' graphs from eager code
     run_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
     piece = functools.partial(compiling.maybe_compile, compile=mode == "blocks", options=compile_options)
-    whole = functools.partial(compiling.maybe_compile, compile=mode == "step", options=compile_options)
+    step_options = _regathering(compile_options) if mode == "step" else None  # (+ parallel.reshard's pass)
+    whole = functools.partial(compiling.maybe_compile, compile=mode == "step", options=step_options)
 
     def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False):
         """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
@@ -467,6 +468,22 @@ def make_train_step(
     step.uncompiled = lambda state, batch: eager.get(state.params)(state, batch)  # type: ignore[attr-defined]
     step.uncompiled_for = eager.for_layout  # type: ignore[attr-defined]  # the eager body of one layout
     return step
+
+
+def _regathering(options: dict | None) -> dict:
+    """`torch.compile` options with `parallel.reshard.RegatherPass` added to inductor's post-grad passes
+    (a sharded staged loss's kept blocks reshard after forward; a no-op on any other graph)."""
+    from functrain.parallel.reshard import RegatherPass
+
+    options = dict(options or {})
+    if options.get("backend", "inductor") != "inductor" or "mode" in options:  # (torch.compile takes
+        return options  # a mode or options, not both: with a mode, kept blocks hold their params)
+    inductor = dict(options.get("options") or {})
+    mine = inductor.get("post_grad_custom_post_pass")
+    mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
+    inductor["post_grad_custom_post_pass"] = [*mine, RegatherPass()]
+    options["options"] = inductor
+    return options
 
 
 def _compile_mode(compile) -> "str | None":

@@ -31,6 +31,7 @@ from functrain.parallel.mesh import (
     teardown,
     world_size,
 )
+from functrain.parallel.reshard import RegatherPass, mark_forward_done
 from functrain.parallel.sharding import (
     FSDP_RULES,
     Rule,
@@ -53,6 +54,8 @@ __all__ = [
     "layout_of",
     "dp_coordinates",
     "spmd",
+    "RegatherPass",
+    "mark_forward_done",
     "AXES",
     "DP_AXES",
     "TP_AXIS",
