@@ -11,7 +11,11 @@ Measurements are interleaved (each round runs every method for --steps steps, in
 warm-up (compilation included there, reported separately). Printed: median step time and steps/s of
 each method, the ratio functrain / fsdp2, and peak memory: RSS growth during a round over the RSS
 at its start (free heap returned to the OS with malloc_trim first; the kernel's high-water mark
-reset through /proc/self/clear_refs), max over rounds. Step times are the max over ranks.
+reset through /proc/self/clear_refs), max over rounds. Step times are the max over ranks. Also
+printed: each method's peak of live tensor bytes over one more step under the profiler (what glibc
+keeps mapped after a free inflates the RSS, not this), and for the compiled step the gathered
+params alive at once from a model of its graph's buffers (`parallel.gathered_in_flight`, logged by
+the reshard pass while inductor compiles; not when the graph comes from inductor's cache).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --eager   # + uncompiled
@@ -25,6 +29,7 @@ reset through /proc/self/clear_refs), max over rounds. Step times are the max ov
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -124,28 +129,64 @@ class FSDP2:
         return loss.detach()
 
 
+def _live_growth_mib(m, batch) -> float:
+    """The most tensor bytes alive at once during one step beyond those alive before it, in MiB.
+
+    From the profiler's record of every allocation and free (torch's CPU allocator, any thread): the
+    live bytes the step needs, whatever malloc keeps mapped afterwards (which the RSS shows).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        float(m.step(batch))
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+class _Gathered(logging.Handler):
+    """Keeps what functrain.parallel.reshard logs for each compiled graph (its gathered-params model)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.models = []
+
+    def emit(self, record):
+        if hasattr(record, "gathered"):
+            self.models.append((record.gathered, record.regathered))
+
+
 def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
     """functrain's per-rank training memory from first principles (fp32, AdamW), in MiB.
 
     state: (params + Adam m, v) / N; grads: the reduce-scattered shards / N plus the largest stage's
     full gradient before its reduce-scatter; gathered: two stages' params in flight (the one computing
-    and the next); activations: per block its input (remat "full") or a block's internals (~(16 d +
-    2 h T) per token, "none"), plus one block's internals for the block being recomputed, plus the
-    head's logits and their gradient (2 V per token).
+    and the next); activations: a recomputed block holds its input (d per token), a kept block what
+    its backward reads once `functrain.recompute` has moved the layer norms' and GELU's outputs into
+    the backward: its input, q, k, v, the attention output, the residual after attention and the
+    MLP's pre-activation (10 d per token, plus per-token statistics); plus one block's internals
+    before the mark is reached or while a block is recomputed, and the head's logits and their
+    gradient (2 V per token).
     """
+    from functrain.remat import _recomputed, parse_policy
+
     p = gpt.num_params(cfg)
     d, t, v, h = cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.n_head
     block = 12 * d * d + 13 * d  # one block's params (bias=True)
     stage = max(block, v * d + t * d)
     tokens = local_batch * t
-    internals = tokens * (16 * d + 2 * h * t)
-    per_block = tokens * d if remat == "full" else internals
+    internals = tokens * (10 * d + h + 4)
+    held = sum(tokens * d if again else internals for again in _recomputed(parse_policy(remat), cfg.n_layer))
     mib = 4 / 2**20
     out = {
         "state": 3 * p / n * mib,
         "grads": (p / n + stage) * mib,
         "gathered": 2 * stage * mib,
-        "activations": (cfg.n_layer * per_block + internals + 2 * tokens * v) * mib,
+        "activations": (held + internals + 2 * tokens * v) * mib,
     }
     out["total"] = sum(out.values())
     return out
@@ -200,6 +241,10 @@ def main():
     methods["fsdp2"] = FSDP2(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip)
     setup_mib = (_rss_kib("VmRSS") - rss0) / 1024
 
+    gathered = _Gathered()  # the compile happens in the warm-up
+    reshard_log = logging.getLogger("functrain.parallel.reshard")
+    reshard_log.addHandler(gathered)
+    reshard_log.setLevel(logging.INFO)
     losses = {k: [] for k in methods}
     warm_s = {}
     for name, m in methods.items():
@@ -225,6 +270,11 @@ def main():
             peak[name] = max(peak[name], (_rss_kib("VmHWM") - before) / 1024)
             hwm[name] = max(hwm[name], _rss_kib("VmHWM") / 1024)
 
+    live = {}  # one more step per method under the profiler: live tensor bytes, not RSS
+    for name, m in methods.items():
+        parallel.barrier()
+        live[name] = _live_growth_mib(m, batches[-1])
+
     # the slowest rank sets the pace: take each step time's max over ranks
     med = {}
     for name, ts in times.items():
@@ -238,7 +288,8 @@ def main():
     # training memory per rank: its params + optimizer state + the step's peak growth; max over ranks
     train_mib = {}
     for name, m in methods.items():
-        t = torch.tensor([m.state_bytes() / 2**20 + peak[name], peak[name], hwm[name]], dtype=torch.float64)
+        t = torch.tensor([m.state_bytes() / 2**20 + peak[name], peak[name], hwm[name],
+                          m.state_bytes() / 2**20 + live[name]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         train_mib[name] = t.tolist()
     expected = _expected_mib(cfg, args.batch_size // ctx.dp_world, ctx.dp_world, args.remat)
@@ -249,19 +300,33 @@ def main():
               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, functrain remat={args.remat}")
         print(f"state set-up RSS (all methods, rank 0): {setup_mib:.0f} MiB; process RSS before any: {rss0 / 1024:.0f} MiB")
         print(f"{'method':<16} {'warm-up s':>10} {'median s/step':>14} {'steps/s':>9} {'peak growth MiB':>16} "
-              f"{'train peak MiB':>15} {'process HWM MiB':>16}  losses first/last")
+              f"{'train peak MiB':>15} {'live peak MiB':>14} {'process HWM MiB':>16}  losses first/last")
         for name in methods:
-            total, growth, high = train_mib[name]
+            total, growth, high, live_total = train_mib[name]
             pk = f"{growth:.1f}" if can_peak else "n/a"
             print(f"{name:<16} {warm_s[name]:>10.1f} {med[name]:>14.4f} {1 / med[name]:>9.2f} {pk:>16} "
-                  f"{total:>15.1f} {high:>16.0f}  {losses[name][0]:.4f} / {losses[name][-1]:.4f}")
+                  f"{total:>15.1f} {live_total:>14.1f} {high:>16.0f}  {losses[name][0]:.4f} / {losses[name][-1]:.4f}")
         print("(train peak = this rank's params + optimizer state + the step's peak RSS growth, max over ranks; "
-              "process HWM includes every method's state, all live in one process)")
+              "live peak = the same with the step's peak of live tensor bytes (profiler) instead of RSS, "
+              "which glibc's retained heap inflates; process HWM includes every method's state, all live in one "
+              "process)")
         print("expected functrain train peak from first principles: " +
               ", ".join(f"{k} {v:.1f}" for k, v in expected.items()) + " MiB")
+        block_mib = (12 * cfg.n_embd**2 + 13 * cfg.n_embd) * 4 / 2**20
+        if gathered.models:  # the step's graph: the one with the most all-gathers
+            model, added = max(gathered.models, key=lambda g: g[0]["gathers"])
+            alive_blocks = model["peak_bytes"] / 2**20 / block_mib
+            print(f"gathered params alive at most (model of the compiled graph's buffers, rank 0): "
+                  f"{model['peak_bytes'] / 2**20:.1f} MiB = {alive_blocks:.2f} blocks' params "
+                  f"({model['alive_at_peak']} of {model['gathers']} all-gathers; {added} added by the reshard pass)")
+        else:
+            alive_blocks = None
+            print("gathered params alive: not modelled (no graph compiled in this process: inductor's cache "
+                  "served it, or the step is eager; TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 compiles it here)")
         speed = med["fsdp2"] / med["functrain"]
         peak_ratio = train_mib["functrain"][0] / train_mib["fsdp2"][0]
-        print(f"steps/s ratio functrain / fsdp2: {speed:.3f}; train peak ratio functrain / fsdp2: {peak_ratio:.3f}")
+        print(f"steps/s ratio functrain / fsdp2: {speed:.3f}; train peak ratio functrain / fsdp2: {peak_ratio:.3f} "
+              f"(RSS), {train_mib['functrain'][3] / train_mib['fsdp2'][3]:.3f} (live tensor bytes)")
         for other in ("functrain-whole", "functrain-eager"):
             if other in med:
                 print(f"steps/s ratio {other} / fsdp2: {med['fsdp2'] / med[other]:.3f}; train peak ratio "
@@ -272,6 +337,9 @@ def main():
             print(json.dumps({
                 "speed_ratio": round(speed, 4), "peak_ratio": round(peak_ratio, 4),
                 "growth_ratio": round(train_mib["functrain"][1] / max(train_mib["fsdp2"][1], 1e-9), 4),
+                "live_peak_ratio": round(train_mib["functrain"][3] / train_mib["fsdp2"][3], 4),
+                "functrain_live_peak_mib": train_mib["functrain"][3], "fsdp2_live_peak_mib": train_mib["fsdp2"][3],
+                "gathered_blocks_alive": None if alive_blocks is None else round(alive_blocks, 3),
                 "functrain_s_per_step": med["functrain"], "fsdp2_s_per_step": med["fsdp2"],
                 "functrain_train_peak_mib": train_mib["functrain"][0], "fsdp2_train_peak_mib": train_mib["fsdp2"][0],
                 "expected_train_peak_mib": expected["total"], "warmup_s": warm_s["functrain"],

@@ -37,7 +37,9 @@ after its forward and gathers them again (behind the barrier) for its backward: 
 forward", at most the block computing and the next one gathered at a time. A kept block (policy
 "none") holds them in its vjp closure until its backward, except in the compiled one-graph step,
 where `functrain.parallel.reshard` rewrites the graph so that its backward reads a second gather
-(reshard after forward, FSDP's default; `staged_loss(..., reshard_after_forward=False)` keeps them).
+(reshard after forward, FSDP's default; `staged_loss(..., reshard_after_forward=False)` keeps them),
+and `functrain.recompute` computes the kept blocks' cheap activations (layer norms' and GELU's
+outputs) again in the backward instead of holding them, as AOTAutograd's partitioner would.
 Why this route and not SimpleFSDP-style gathers at the point of use under `torch.autograd.grad`
 (DESIGN.md): it needs no autograd of collectives and no inductor recompute tags, runs eagerly and
 compiled as one graph (tests/test_parallel_dist.py), and the schedule is explicit in the code.

@@ -405,7 +405,7 @@ def make_train_step(
     # and the loss runs its stages' graphs from eager code
     run_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
     piece = functools.partial(compiling.maybe_compile, compile=mode == "blocks", options=compile_options)
-    step_options = _regathering(compile_options) if mode == "step" else None  # (+ parallel.reshard's pass)
+    step_options = _step_passes(compile_options) if mode == "step" else None  # (+ recompute, reshard passes)
     whole = functools.partial(compiling.maybe_compile, compile=mode == "step", options=step_options)
 
     def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False):
@@ -470,10 +470,13 @@ def make_train_step(
     return step
 
 
-def _regathering(options: dict | None) -> dict:
-    """`torch.compile` options with `parallel.reshard.RegatherPass` added to inductor's post-grad passes
-    (a sharded staged loss's kept blocks reshard after forward; a no-op on any other graph)."""
+def _step_passes(options: dict | None) -> dict:
+    """`torch.compile` options with functrain's post-grad passes added after the caller's: cheap held
+    activations recomputed after the forward (`functrain.recompute`), then a sharded staged loss's
+    kept blocks regathered for their backward (`parallel.reshard`); both no-ops on a graph without
+    `mark_forward_done`."""
     from functrain.parallel.reshard import RegatherPass
+    from functrain.recompute import RecomputePass
 
     options = dict(options or {})
     if options.get("backend", "inductor") != "inductor" or "mode" in options:  # (torch.compile takes
@@ -481,7 +484,7 @@ def _regathering(options: dict | None) -> dict:
     inductor = dict(options.get("options") or {})
     mine = inductor.get("post_grad_custom_post_pass")
     mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
-    inductor["post_grad_custom_post_pass"] = [*mine, RegatherPass()]
+    inductor["post_grad_custom_post_pass"] = [*mine, RecomputePass(), RegatherPass()]
     options["options"] = inductor
     return options
 

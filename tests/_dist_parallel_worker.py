@@ -10,6 +10,7 @@ batches, computed in the same process; its numbers (or its traceback) go to
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -421,6 +422,28 @@ def s_eval_and_keys(ctx):
             "dp_ranks": [ctx.dp_rank], "tp_rank": ctx.tp_rank}
 
 
+class _PassLog(logging.Handler):
+    """Sums what functrain.recompute and functrain.parallel.reshard log for each graph they rewrite."""
+
+    LOGGERS = ("functrain.recompute", "functrain.parallel.reshard")
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.counts = {"recomputed": 0, "regathered": 0}
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+            logging.getLogger(name).setLevel(logging.INFO)
+
+    def emit(self, record):
+        for k in self.counts:
+            self.counts[k] += getattr(record, k, 0)
+
+    def close(self):
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+        super().close()
+
+
 def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
     """Compiled sharded step: one graph (compile="blocks": one per stage kind), no recompile over 6
     steps, equal to eager and to 1 process."""
@@ -429,6 +452,7 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
 
     torch._dynamo.reset()
     counters.clear()
+    passes = _PassLog()  # what functrain's post-grad passes did to the step's graph (inductor only)
     model = tiny_gpt()
     rules = parallel.default_rules(gpt.TP_RULES)
     tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
@@ -447,9 +471,11 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
             hist.append({k: float(v) for k, v in m.items()})
     finally:
         torch._dynamo.config.error_on_recompile = False
+        passes.close()
     full, full_eager = parallel.gather(state), parallel.gather(eager)
     return {
         "unique_graphs": counters["stats"]["unique_graphs"],
+        "recomputed": passes.counts["recomputed"], "regathered": passes.counts["regathered"],
         "metric_types": sorted({type(v).__name__ for v in m.values()}),
         "vs_eager_loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(eager_hist, hist)),
         "vs_eager_params": max_diff(full.params, full_eager.params),
@@ -518,6 +544,10 @@ SUITES = {
         ("compiled_stages_fsdp", {"dp_shard": 2},
          lambda ctx: s_compiled(ctx, "inductor" if os.environ.get("FUNCTRAIN_SLOW_TESTS") else "aot_eager",
                                 make_loss=staged_loss_for("full"))),
+        # kept blocks under inductor: the post-grad passes (functrain.recompute's cheap activations
+        # recomputed after the forward, parallel.reshard's second gathers) rewrite this step's graph
+        ("compiled_kept_fsdp", {"dp_shard": 2},
+         lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("none"))),
         ("blocks_fsdp", {"dp_shard": 2},
          lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
         ("blocks_kept_fsdp", {"dp_shard": 2},
@@ -548,6 +578,7 @@ def main(outdir: str, suite: str, only: list[str]) -> None:
     for name, mesh_cfg, fn in SUITES[suite]:
         if only and name not in only:
             continue
+        print(f"scenario {name}", flush=True)  # a rank that dies names where in its failure's output tail
         try:
             ctx = parallel.setup(mesh_cfg) if mesh_cfg is not None else None
             results[name] = {"result": fn(ctx)}

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from functrain import rng
 from functrain.models import gpt
+
+
+# Every child process the tests start (torchrun ranks, workers) prints each thread's Python stack
+# if it dies on a signal (SIGABRT from a heap check, SIGSEGV), so a crash names where it happened.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def _tiny_gpt(*, n_layer=1, dropout=0.0, bias=False, vocab_size=64, block_size=16, n_embd=32,

@@ -32,7 +32,9 @@ def _run(workdir, data, *extra, nproc=2):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     out = subprocess.run([*launch, f"--workdir={workdir}", *args, *extra], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    if out.returncode != 0:  # pytest.fail prints it whole (an assert's message is cut to a few lines)
+        pytest.fail(f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr (every rank's) ---\n"
+                    f"{out.stderr[-12000:]}", pytrace=False)
     return [json.loads(l) for l in open(workdir / "metrics.jsonl") if "loss" in json.loads(l)]
 
 

@@ -34,7 +34,9 @@ def _run(workdir, *extra, nproc=2):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     out = subprocess.run([*launch, f"--workdir={workdir}", *TINY, *extra], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    if out.returncode != 0:  # pytest.fail prints it whole (a tuple in an assert's message is cut short)
+        pytest.fail(f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr (every rank's) ---\n"
+                    f"{out.stderr[-12000:]}", pytrace=False)
     return out
 
 

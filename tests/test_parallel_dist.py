@@ -181,6 +181,7 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
 # grad (recomputed in backward), head; kept blocks: no no-grad block graph; + the optimizer update
 # group by group (functrain.update_groups): one graph for every block, one for the rest.
 @pytest.mark.parametrize("name, graphs", [("compiled_fsdp", 1), ("compiled_tp", 1), ("compiled_stages_fsdp", 1),
+                                          ("compiled_kept_fsdp", 1),
                                           ("blocks_fsdp", 6 + 2), ("blocks_kept_fsdp", 5 + 2),
                                           ("blocks_tp", 6 + 2)])
 def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
@@ -191,6 +192,10 @@ def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
         assert res["vs_eager_loss"] <= loss_tol and res["vs_eager_params"] <= params_tol
         assert res["vs_single_loss"] <= loss_tol and res["vs_single_params"] <= params_tol
         assert res["vs_single_opt_state"] <= params_tol
+        if name == "compiled_kept_fsdp":  # both post-grad passes rewrote the step: 2 kept blocks
+            assert res["regathered"] == 2 and res["recomputed"] >= 2 * 4, res
+        else:  # nothing to rewrite: every block recomputed, or no staged loss, or not inductor
+            assert res["regathered"] == 0 and res["recomputed"] == 0, res
 
 
 @pytest.mark.parametrize("name, remat", [("stages_fsdp", "full"), ("stages_kept_fsdp", "none"),

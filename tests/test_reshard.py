@@ -2,7 +2,7 @@
 
 The graphs are traced with make_fx in one process over torch's fake process group (collectives
 are recorded, not run). End to end (compiled on 2 gloo ranks, losses and params bit-identical with
-and without the pass; memory): bench/sharded.py --remat none, numbers in README "Sharded step".
+and without the pass; memory): bench/sharded.py --remat none, numbers in README "Sharded training".
 """
 
 import pytest
@@ -98,18 +98,20 @@ def test_no_mark_no_change(fake_group):
 
 
 def test_pass_is_cacheable_and_the_step_installs_it():
-    """Inductor caches a graph only when every custom pass has a uuid; make_train_step adds the pass
-    to the compiled step's options, after any pass of the caller's."""
-    from functrain.step import _regathering
+    """Inductor caches a graph only when every custom pass has a uuid; make_train_step adds the
+    passes (recompute, then regather) to the compiled step's options, after any pass of the caller's."""
+    from functrain.recompute import RecomputePass
+    from functrain.step import _step_passes
 
     p = RegatherPass()
     assert p.uuid() and p.uuid() == RegatherPass().uuid()
     mine = object()
-    opts = _regathering({"options": {"post_grad_custom_post_pass": mine, "max_autotune": False}})
+    opts = _step_passes({"options": {"post_grad_custom_post_pass": mine, "max_autotune": False}})
     passes = opts["options"]["post_grad_custom_post_pass"]
-    assert passes[0] is mine and isinstance(passes[1], RegatherPass) and opts["options"]["max_autotune"] is False
-    assert "options" not in _regathering({"backend": "aot_eager"})
-    assert "options" not in _regathering({"mode": "max-autotune"})  # torch.compile refuses mode + options
+    assert passes[0] is mine and isinstance(passes[1], RecomputePass) and isinstance(passes[2], RegatherPass)
+    assert opts["options"]["max_autotune"] is False
+    assert "options" not in _step_passes({"backend": "aot_eager"})
+    assert "options" not in _step_passes({"mode": "max-autotune"})  # torch.compile refuses mode + options
 
 
 def test_mark_is_a_copy():
@@ -161,4 +163,45 @@ def test_prefetch_issues_the_next_blocks_gather_one_block_early(fake_group, pref
         assert nodes.index(wait0) > nodes.index(read1)  # and is waited for only where it is read
     else:
         assert nodes.index(again0) > nodes.index(read1) and again0.args[0].args[1].target is torch.ops.aten.tanh.default
+    gm.recompile()
+
+
+def _trace_blocks(group, n: int):
+    """`n` linear 'blocks' gathered one ahead as the staged loss does (block i+1's all-gather issued
+    before block i computes), the mark, then their backward in reverse reading each weight again."""
+
+    def step(*args):
+        *shards, x, gy = args
+        pending = _all_gather(shards[0].reshape(-1), 0, group)
+        weights, h = [], x
+        for i in range(n):
+            w = funcol.wait_tensor(pending).view(4, 4)  # (4, 4) block i's whole weight
+            if i + 1 < n:
+                pending = _all_gather(shards[i + 1].reshape(-1), 0, group)  # the next block's, in flight
+            weights.append(w)
+            h = torch.tanh(h @ w.t())
+        y = mark_forward_done(h)
+        g = gy
+        for w in reversed(weights):
+            g = torch.tanh(g) @ w
+        return y, g
+
+    args = [torch.randn(2, 4) for _ in range(n)] + [torch.randn(5, 4), torch.randn(5, 4)]
+    return make_fx(step, tracing_mode="fake")(*args)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_at_most_two_blocks_are_gathered_at_once(fake_group, prefetch):
+    """The model of the graph's buffers: without the pass every kept block is gathered at the mark;
+    with it, two at most (the block computing and the one in flight), forward and backward."""
+    from functrain.parallel.reshard import gathered_in_flight
+
+    n, block = 4, 16 * 4  # (4, 4) float32 per block
+    gm = _trace_blocks(fake_group, n)
+    before = gathered_in_flight(gm.graph)
+    assert before == {"peak_bytes": n * block, "gathers": n, "largest_bytes": block, "alive_at_peak": n}
+    assert regather(gm.graph, prefetch=prefetch) == n
+    after = gathered_in_flight(gm.graph)
+    assert after["gathers"] == 2 * n and after["largest_bytes"] == block
+    assert after["peak_bytes"] == 2 * block and after["alive_at_peak"] == 2
     gm.recompile()

@@ -31,7 +31,7 @@ from functrain.parallel.mesh import (
     teardown,
     world_size,
 )
-from functrain.parallel.reshard import RegatherPass, mark_forward_done
+from functrain.parallel.reshard import RegatherPass, gathered_in_flight, mark_forward_done
 from functrain.parallel.sharding import (
     FSDP_RULES,
     Rule,
@@ -55,6 +55,7 @@ __all__ = [
     "dp_coordinates",
     "spmd",
     "RegatherPass",
+    "gathered_in_flight",
     "mark_forward_done",
     "AXES",
     "DP_AXES",

@@ -45,10 +45,14 @@ Example:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-__all__ = ["RegatherPass", "mark_forward_done"]
+__all__ = ["RegatherPass", "gathered_in_flight", "mark_forward_done", "regather"]
+
+_log = logging.getLogger(__name__)  # INFO: each compiled graph's gathered-params model (bench/sharded.py)
 
 
 @torch.library.custom_op("functrain::forward_done", mutates_args=())
@@ -106,7 +110,13 @@ class RegatherPass(CustomGraphPass):
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        regather(graph)
+        added = regather(graph)
+        if _log.isEnabledFor(logging.INFO):
+            m = gathered_in_flight(graph)
+            if m["gathers"]:
+                _log.info("regathered %d; gathered params alive at most %.1f MiB (%d of %d all-gathers, "
+                          "the largest %.1f MiB)", added, m["peak_bytes"] / 2**20, m["alive_at_peak"],
+                          m["gathers"], m["largest_bytes"] / 2**20, extra={"gathered": m, "regathered": added})
 
     def uuid(self):
         return get_hash_for_files((__file__,))
@@ -141,13 +151,10 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
         waits = [u for u in gather.users if u.target is wait_op]
         if len(waits) != 1 or len(gather.users) != 1:
             continue
-        # the gathered values: the wait and everything rearranged from it alone
-        derived = {waits[0]}
-        for n in nodes[pos[waits[0]] + 1:]:
-            if (n.target in _REARRANGE or n.target is wait_op) and n.args and n.args[0] in derived:
-                derived.add(n)
-        late = [u for d in derived for u in d.users if u not in derived and pos[u] > mark]
-        if not late or not any(pos[u] < mark for d in derived for u in d.users if u not in derived):
+        derived = _derived(waits[0])
+        readers = [u for d in derived for u in d.users if u not in derived]
+        late = list(dict.fromkeys(u for u in readers if pos[u] > mark))
+        if not late or len(late) == len(set(readers)):
             continue  # read only before, or only after, the mark: nothing to free in between
         first = min(late, key=pos.__getitem__)
         after = next((a for a in first.all_input_nodes if a not in derived), marks[0])
@@ -184,6 +191,57 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
     return len(plans)
 
 
+def gathered_in_flight(graph: torch.fx.Graph) -> dict:
+    """A model of the gathered parameters' buffers in `graph`: how many bytes are alive at once, at most.
+
+    Each all-gather's output counts from the node that issues it to the last reader of it or of
+    anything rearranged from it (views, slices, clones: the gathered values in parameter layout),
+    in the graph's order; a buffer inductor frees after its last reader lives exactly that long.
+
+    Args:
+      graph: an FX graph with functional all-gathers (post-grad, or traced with make_fx).
+
+    Returns:
+      `{"peak_bytes", "gathers", "largest_bytes", "alive_at_peak"}`: the most gathered bytes alive
+      at one point, the number of all-gathers, the largest one's bytes (one stage's parameters when
+      each stage is gathered in one bucket) and how many were alive at the peak.
+
+    Example:
+      >>> m = gathered_in_flight(gm.graph)
+      >>> m["peak_bytes"] / m["largest_bytes"]     # ~2: the block computing and the next one
+      2.0
+    """
+    gather_op = torch.ops._c10d_functional.all_gather_into_tensor.default
+    wait_op = torch.ops._c10d_functional.wait_tensor.default
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    spans = []  # (issued, last read, bytes)
+    for g in (n for n in graph.nodes if n.target is gather_op):
+        val = g.meta.get("val")
+        size = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+        alive = set().union(*(_derived(w) for w in g.users if w.target is wait_op)) | {g}
+        spans.append((pos[g], max(pos[u] for n in alive for u in [n, *n.users]), size))
+    events = sorted([(a, 1, b) for a, _, b in spans] + [(e + 0.5, -1, b) for _, e, b in spans])
+    peak = live = count = at_peak = 0
+    for _, sign, size in events:
+        live += sign * size
+        count += sign
+        if live > peak:
+            peak, at_peak = live, count
+    return {"peak_bytes": peak, "gathers": len(spans), "largest_bytes": max((b for *_, b in spans), default=0),
+            "alive_at_peak": at_peak}
+
+
+def _derived(wait) -> set:
+    """The gathered values: `wait` and everything rearranged (or waited) from it alone."""
+    out, stack = {wait}, [wait]
+    while stack:
+        for u in stack.pop().users:
+            if u not in out and (u.target in _REARRANGE or u.target is wait.target) and u.args and u.args[0] in out:
+                out.add(u)
+                stack.append(u)
+    return out
+
+
 def _recomputed(graph: torch.fx.Graph, node, new: dict):
     """A copy of `node` computed again from the graph's inputs when it is only a flattening of them
     (else `node` itself)."""
@@ -193,7 +251,6 @@ def _recomputed(graph: torch.fx.Graph, node, new: dict):
         return new[node]
     if node.op != "call_function" or node.target not in _FLATTEN:
         return node
-    args = [a for a in node.all_input_nodes]
-    copies = {a: _recomputed(graph, a, new) for a in args}
+    copies = {a: _recomputed(graph, a, new) for a in node.all_input_nodes}
     new[node] = graph.node_copy(node, lambda a: copies.get(a, a))
     return new[node]
