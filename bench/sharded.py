@@ -160,6 +160,11 @@ class _Gathered(logging.Handler):
             self.models.append((record.gathered, record.regathered))
 
 
+def _block_numel(cfg) -> int:
+    """One block's parameters (bias=True): attention 4 d^2 + 4 d, MLP 8 d^2 + 5 d, two layer norms 4 d."""
+    return 12 * cfg.n_embd**2 + 13 * cfg.n_embd
+
+
 def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
     """functrain's per-rank training memory from first principles (fp32, AdamW), in MiB.
 
@@ -176,7 +181,7 @@ def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
 
     p = gpt.num_params(cfg)
     d, t, v, h = cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.n_head
-    block = 12 * d * d + 13 * d  # one block's params (bias=True)
+    block = _block_numel(cfg)
     stage = max(block, v * d + t * d)
     tokens = local_batch * t
     internals = tokens * (10 * d + h + 4)
@@ -312,7 +317,7 @@ def main():
               "process)")
         print("expected functrain train peak from first principles: " +
               ", ".join(f"{k} {v:.1f}" for k, v in expected.items()) + " MiB")
-        block_mib = (12 * cfg.n_embd**2 + 13 * cfg.n_embd) * 4 / 2**20
+        block_mib = _block_numel(cfg) * 4 / 2**20
         if gathered.models:  # the step's graph: the one with the most all-gathers
             model, added = max(gathered.models, key=lambda g: g[0]["gathers"])
             alive_blocks = model["peak_bytes"] / 2**20 / block_mib

@@ -88,14 +88,13 @@ def recompute_cheap(graph: torch.fx.Graph) -> int:
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    mark = next((pos[n] for n in nodes if n.target is torch.ops.functrain.forward_done.default), None)
+    mark = reshard.forward_end(nodes)
     if mark is None:
         return 0
-
-    def late_readers(n):
-        return [u for u in n.users if pos[u] > mark and u.op != "output"]
-
-    held = {n for n in nodes[:mark] if n.op == "call_function" and late_readers(n)}
+    mark = pos[mark]
+    # the values held across the mark -> their readers after it
+    held = {n: readers for n in nodes[:mark] if n.op == "call_function"
+            for readers in [[u for u in n.users if pos[u] > mark and u.op != "output"]] if readers}
     small = max((_numel(n) for n in held), default=0) // _SMALL
     chain: dict = {}  # node -> the nodes to copy to compute it again (itself included), or None
 
@@ -108,7 +107,7 @@ def recompute_cheap(graph: torch.fx.Graph) -> int:
             return None
         out: dict = {}
         for a in n.all_input_nodes:
-            sub = plan(a) if pos[a] < mark else None
+            sub = plan(a)
             if sub is not None:
                 out.update(dict.fromkeys(sub))
             elif not (a.op in ("placeholder", "get_attr") or a in held or _numel(a) <= small):
@@ -117,10 +116,10 @@ def recompute_cheap(graph: torch.fx.Graph) -> int:
         chain[n] = list(out) if len(out) <= _MAX_CHAIN else None
         return chain[n]
 
-    todo = sorted((n for n in held if plan(n)), key=lambda n: min(pos[u] for u in late_readers(n)))
+    todo = sorted((n for n in held if plan(n)), key=lambda n: min(pos[u] for u in held[n]))
     copies: dict = {}
     for n in todo:
-        readers = late_readers(n)
+        readers = held[n]
         with graph.inserting_before(min(readers, key=pos.__getitem__)):
             for c in sorted(chain[n], key=pos.__getitem__):
                 if c not in copies:

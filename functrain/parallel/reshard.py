@@ -142,10 +142,10 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
     barrier = torch.ops.functrain.remat_barrier.default
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    marks = [n for n in nodes if n.target is torch.ops.functrain.forward_done.default]
-    if not marks:
+    end = forward_end(nodes)
+    if end is None:
         return 0
-    mark = pos[marks[0]]
+    mark = pos[end]
     plans = []  # (first late reader, its cotangent, the gather, its wait, the derived values needed, late readers)
     for gather in [n for n in nodes if n.target is gather_op and pos[n] < mark]:
         waits = [u for u in gather.users if u.target is wait_op]
@@ -157,7 +157,7 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
         if not late or len(late) == len(set(readers)):
             continue  # read only before, or only after, the mark: nothing to free in between
         first = min(late, key=pos.__getitem__)
-        after = next((a for a in first.all_input_nodes if a not in derived), marks[0])
+        after = next((a for a in first.all_input_nodes if a not in derived), end)
         # the derived values the late readers need, and the tensors those come from
         need: set = set()
         stack = [a for u in late for a in u.all_input_nodes if a in derived]
@@ -189,6 +189,11 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
         graph.eliminate_dead_code()
         graph.lint()
     return len(plans)
+
+
+def forward_end(nodes):
+    """The first `mark_forward_done` node among `nodes` (a graph's, in order), or None."""
+    return next((n for n in nodes if n.target is torch.ops.functrain.forward_done.default), None)
 
 
 def gathered_in_flight(graph: torch.fx.Graph) -> dict:
