@@ -312,6 +312,8 @@ def run(
         compile_dir = compile_cache.setup(config.compile_cache, workdir)
     except ValueError as exc:
         raise validate.ConfigError(f"{exc} (--config.compile_cache)") from None
+    if _compile(config) and device.type == "cpu":
+        compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
     compile_before = compile_cache.stats()
 
     params = _init_params(task, rng_lib.key(config.seed), device, ctx)

@@ -167,3 +167,29 @@ def test_directories_are_keyed_by_the_cpu_isa(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         dirs[cap] = out.stdout.strip().splitlines()[-1]
     assert dirs == {"avx2": str(tmp_path / "c" / "avx2"), "default": str(tmp_path / "c" / "default")}
+
+
+def test_isa_probe_runs_in_the_background_and_is_memoized(tmp_path):
+    """`start_isa_probe` does inductor's vector-ISA probe in a thread, into the cache dir, once."""
+    code = r"""
+import json, sys
+from functrain import compile_cache
+cache = compile_cache.setup(sys.argv[1])
+from torch._inductor import cpu_vec_isa
+before = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+thread = compile_cache.start_isa_probe()
+thread.join(300)
+print(json.dumps({"before": before, "alive": thread.is_alive(),
+                  "memoized": cpu_vec_isa.valid_vec_isa_list.cache_info().currsize,
+                  "programs": sorted(str(p.relative_to(cache)) for p in cache.rglob("*.so"))}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"] == 0 and not got["alive"]
+    assert got["memoized"] == 1  # the answer is memoized: inductor's own call finds it, no second probe
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":  # a vector ISA: its test programs were built there
+        assert got["programs"], got
