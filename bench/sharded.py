@@ -177,7 +177,7 @@ def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
     before the mark is reached or while a block is recomputed, and the head's logits and their
     gradient (2 V per token).
     """
-    from functrain.remat import _recomputed, parse_policy
+    from functrain.remat import parse_policy, recomputed_blocks
 
     p = gpt.num_params(cfg)
     d, t, v, h = cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.n_head
@@ -185,7 +185,7 @@ def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
     stage = max(block, v * d + t * d)
     tokens = local_batch * t
     internals = tokens * (10 * d + h + 4)
-    held = sum(tokens * d if again else internals for again in _recomputed(parse_policy(remat), cfg.n_layer))
+    held = sum(tokens * d if again else internals for again in recomputed_blocks(parse_policy(remat), cfg.n_layer))
     mib = 4 / 2**20
     out = {
         "state": 3 * p / n * mib,

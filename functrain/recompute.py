@@ -144,4 +144,4 @@ def _cheap(n) -> bool:
     tags = n.target.tags
     if torch.Tag.nondeterministic_seeded in tags or not isinstance(n.meta.get("val"), torch.Tensor):
         return False
-    return torch.Tag.pointwise in tags or n.target in reshard._REARRANGE
+    return torch.Tag.pointwise in tags or n.target in reshard.REARRANGE

@@ -71,7 +71,7 @@ import torch
 
 from functrain import tree as tree_lib
 
-__all__ = ["Stage", "parse_policy", "remat_barrier", "staged_loss"]
+__all__ = ["Stage", "parse_policy", "recomputed_blocks", "remat_barrier", "staged_loss"]
 
 
 def _loss_and_aux(out):
@@ -176,8 +176,21 @@ def parse_policy(policy: Any) -> "str | int":
     )
 
 
-def _recomputed(policy: "str | int", n_blocks: int) -> list[bool]:
-    """Which blocks the policy recomputes."""
+def recomputed_blocks(policy: "str | int", n_blocks: int) -> list[bool]:
+    """Which blocks a parsed remat policy recomputes in its backward.
+
+    Args:
+      policy: "none", "full" or N (`parse_policy`'s result): every N-th block (the N-th, 2N-th, ...).
+      n_blocks: how many blocks the model has.
+
+    Returns:
+      One flag per block, True where the block is recomputed (its gathered params freed after its
+      forward, its activations not held).
+
+    Example:
+      >>> recomputed_blocks(2, 4)
+      [False, True, False, True]
+    """
     if policy == "none":
         return [False] * n_blocks
     if policy == "full":
@@ -270,7 +283,7 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
 
 def _staged(embed, blocks, head, policy, run) -> Callable:
     """The staged loss function and its gradient methods, running its stages with `run`."""
-    recompute = _recomputed(policy, len(blocks))
+    recompute = recomputed_blocks(policy, len(blocks))
 
     def compose(params: Params, batch, key, gather=lambda p: p) -> tuple[torch.Tensor, dict]:
         """embed, every block, head, each on `gather` of its own params (no recomputation)."""

@@ -89,12 +89,13 @@ def _ops(*names: str) -> frozenset:
     return frozenset(out)
 
 
-# one tensor in, its values rearranged (no arithmetic): what turns a gathered flat buffer into params
-_REARRANGE = _ops("view.default", "reshape.default", "_unsafe_view.default", "slice.Tensor", "clone.default",
+REARRANGE = _ops("view.default", "reshape.default", "_unsafe_view.default", "slice.Tensor", "clone.default",
                   "permute.default", "t.default", "transpose.int", "expand.default", "select.int",
                   "squeeze.dim", "unsqueeze.default", "alias.default", "as_strided.default")
+"""The aten ops that take one tensor and rearrange its values, with no arithmetic: what turns a
+gathered flat buffer into parameters (and what `functrain.recompute` may copy freely)."""
 # what builds an all-gather's input from the local shards (the parameters): recomputed, not held
-_FLATTEN = _REARRANGE | _ops("cat.default", "constant_pad_nd.default", "_to_copy.default",
+_FLATTEN = REARRANGE | _ops("cat.default", "constant_pad_nd.default", "_to_copy.default",
                              "convert_element_type.default", "new_zeros.default", "zeros.default",
                              "full.default")
 
@@ -137,8 +138,7 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
     Example:
       >>> regather(gm.graph)
     """
-    gather_op = torch.ops._c10d_functional.all_gather_into_tensor.default
-    wait_op = torch.ops._c10d_functional.wait_tensor.default
+    gather_op, wait_op = _collectives()
     barrier = torch.ops.functrain.remat_barrier.default
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -216,8 +216,7 @@ def gathered_in_flight(graph: torch.fx.Graph) -> dict:
       >>> m["peak_bytes"] / m["largest_bytes"]     # ~2: the block computing and the next one
       2.0
     """
-    gather_op = torch.ops._c10d_functional.all_gather_into_tensor.default
-    wait_op = torch.ops._c10d_functional.wait_tensor.default
+    gather_op, wait_op = _collectives()
     pos = {n: i for i, n in enumerate(graph.nodes)}
     spans = []  # (issued, last read, bytes)
     for g in (n for n in graph.nodes if n.target is gather_op):
@@ -236,12 +235,17 @@ def gathered_in_flight(graph: torch.fx.Graph) -> dict:
             "alive_at_peak": at_peak}
 
 
+def _collectives() -> tuple:
+    """(all-gather, wait): the functional collectives' ops as they appear in a traced graph."""
+    return torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default
+
+
 def _derived(wait) -> set:
     """The gathered values: `wait` and everything rearranged (or waited) from it alone."""
     out, stack = {wait}, [wait]
     while stack:
         for u in stack.pop().users:
-            if u not in out and (u.target in _REARRANGE or u.target is wait.target) and u.args and u.args[0] in out:
+            if u not in out and (u.target in REARRANGE or u.target is wait.target) and u.args and u.args[0] in out:
                 out.add(u)
                 stack.append(u)
     return out
