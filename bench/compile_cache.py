@@ -21,30 +21,45 @@ load on a hit); both summed over the compiled graphs of the process (here: the t
 Before `config.compile_cache` exists, TORCHINDUCTOR_CACHE_DIR picks the directory (what the "user"
 mode honors); with it, the workdir runs also pass `--config.compile_cache=workdir`.
 
-Measured at f6e00f3 (2 CPU cores shared with other jobs, load average 2-3, torch 2.13 CPU),
-`python bench/compile_cache.py --variants default,tiny` (7.5 minutes):
+Measured at 38d46ec + this docstring's commit (2 CPU cores, quiet, torch 2.13 CPU),
+`python bench/compile_cache.py --variants default,tiny` (6 minutes); FX/AOT misses count 2 graphs
+(the train step and the eval step the stop at step 2 runs):
 
   | variant | case            | time to first step s | vs cold | dynamo trace s | AOT+inductor s | FX hit/miss | AOT hit/miss |
-  |---------|-----------------|------|-------|------|------|-----|-----|
-  | default | cold            | 76.8 | 1.00x | 13.0 | 59.9 | 0/1 | 0/1 |
-  | default | warm            | 19.0 | 0.25x | 13.2 |  2.0 | 1/0 | 1/0 |
-  | default | restart (copy)  | 21.1 | 0.27x | 13.5 |  2.1 | 1/0 | 1/0 |
-  | default | mega-cache only | 40.3 | 0.52x | 12.7 | 24.4 | 1/0 | 1/0 |
-  | tiny    | cold            | 53.0 | 1.00x |  9.2 | 41.2 | 0/1 | 0/1 |
-  | tiny    | warm            | 12.8 | 0.24x |  9.5 |  1.7 | 1/0 | 1/0 |
-  | tiny    | restart (copy)  | 14.0 | 0.26x |  8.5 |  1.6 | 1/0 | 1/0 |
-  | tiny    | mega-cache only | 30.0 | 0.57x |  8.2 | 20.8 | 1/0 | 1/0 |
+  |---------|-----------------|------|-------|-----|------|-----|-----|
+  | default | cold            | 46.2 | 1.00x | 6.3 | 43.1 | 0/2 | 0/2 |
+  | default | warm            |  8.5 | 0.18x | 5.5 |  1.2 | 2/0 | 2/0 |
+  | default | restart (copy)  |  9.5 | 0.21x | 6.6 |  1.1 | 2/0 | 2/0 |
+  | default | mega-cache only | 26.8 | 0.58x | 6.3 | 22.6 | 2/0 | 2/0 |
+  | tiny    | cold            | 27.4 | 1.00x | 3.9 | 26.0 | 0/2 | 0/2 |
+  | tiny    | warm            |  6.3 | 0.23x | 3.8 |  1.1 | 2/0 | 2/0 |
+  | tiny    | restart (copy)  |  6.9 | 0.25x | 4.1 |  1.3 | 2/0 | 2/0 |
+  | tiny    | mega-cache only | 20.2 | 0.74x | 3.9 | 17.9 | 2/0 | 2/0 |
 
-  cold / warm: 4.0x (default), 4.1x (tiny). Cache dir after the cold run: 4.6 MiB (default),
-  3.1 MiB (tiny); mega-cache artifacts 1.8 / 1.1 MiB.
+  cold / warm: 5.4x (default), 4.4x (tiny). Cache dir after the cold run: 7.1 MiB (default),
+  4.9 MiB (tiny); mega-cache artifacts 2.5 / 1.6 MiB. The default cold run gave 40.4 and 42.6 s in
+  two earlier runs of the same code, and 51.4 / 51.3 s without `compile_cache.start_isa_probe`
+  (back to back; see that module). (At f6e00f3, on a loaded machine: 76.8 s cold, 19.0 s warm.)
 
-Reading it: a warm start removes ~58 s of AOTAutograd + inductor (default model); what is left is
-dynamo re-tracing the step (~13 s, about 70% of the warm time to first step, not cached by these
+Where the default step's cold compile goes (2 cores, caches off, `compilation_time_metrics`): Dynamo
+~6 s; AOTAutograd ~2 s; post-grad passes 2.4 s (1.5 s of it inductor's reinplacing); lowering 2.9 s;
+the scheduler's fusion 5.3 s; C++ code generation ~5 s (+7.4 s of the vector-ISA probe when it is
+not started early); g++ 34 CPU-s for 44 compilations, of which ~19 s are waited for after code
+generation. Each kernel is its own g++ process and shared library: 0.6-0.9 s each, ~0.45 s of it
+g++ instantiating the templates of the ATen vector headers that every kernel includes (a
+precompiled header does not save that), 0.12 s linking; -O1/-O2 instead of -O3 changed nothing;
+inductor's `cpp_wrapper` (one C++ file for the whole graph) was slower (one 14.3 s g++ run, serial,
+55 s in all). With SGD instead of AdamW the cold first step is 8 s shorter (the update's foreach
+kernel over every parameter is the longest C++ file, 4,550 lines, 2.3 s of g++ alone).
+
+Reading it: a warm start removes ~42 s of AOTAutograd + inductor (default model); what is left is
+dynamo re-tracing the step (~6 s, about 65% of the warm time to first step, not cached by these
 caches) plus data/model setup and the first step itself. The copied workdir restarts as warm as
 the same directory (entries are content-keyed; nothing in them depends on the directory's path).
-The mega-cache alone reports "hits" but is only half as fast: on CPU it carries inductor's
-generated source, not the compiled C++ libraries, so g++ still runs; hence the "workdir" mode keeps
-the whole cache directory instead. Cache keys include the Python numbers baked into the graph as
+The mega-cache alone hits but is much slower than warm: on CPU it carries inductor's generated
+source, not the compiled C++ libraries, so g++ still runs; hence the "workdir" mode keeps the whole
+cache directory instead. (It is loaded into the ISA-keyed directory `compile_cache.setup` gives;
+loaded into its parent, as this bench did until this commit, it missed.) Cache keys include the Python numbers baked into the graph as
 constants: changing `steps` (the schedule's decay length) or `optim.lr` was measured to be a miss
 (a cold compile, ~30 s on tiny), while changing `seed` (a tensor in the state) is a hit.
 
@@ -70,6 +85,8 @@ import atexit, json, sys
 spec = json.loads(sys.argv.pop(1))
 if spec.get("load_mega"):
     import torch
+    from functrain import compile_cache
+    compile_cache.setup("user")  # into the ISA-keyed directory the run will read (not its parent)
     with open(spec["load_mega"], "rb") as f:
         torch.compiler.load_cache_artifacts(f.read())
 

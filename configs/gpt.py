@@ -5,7 +5,7 @@ Command (from the repository root):
     python -m functrain.main --config=configs/gpt.py
 
 Expected result (2 CPU cores, torch 2.13), measured from a fresh clone with the README's command
-(14 minutes in all, pip included): 75 s of cold compilation (~20 s warm: `compile_cache`), then
+(14 minutes in all, pip included): 40-50 s of cold compilation (~9 s warm: `compile_cache`), then
 0.26-0.31 s/step for 2500 steps; train loss falls from ~5.6 (ln 256, uniform over bytes) to 1.15,
 val loss 1.26 at the end, and the final sample looks like indented Python (`def`, `raise
 ValueError(...)`, `return`). Session 1 measured 0.22 s/step on a quieter machine; an A/B of that
@@ -13,7 +13,7 @@ commit against this one, run back to back, gave 0.30 vs 0.28 s/step with identic
 Metrics land in `runs/gpt/metrics.jsonl`, TensorBoard events in `runs/gpt/tb`.
 
 Variants (`--config=configs/gpt.py:<variant>`):
-  tiny   smoke test: about a minute (45 s of it compiling); loss ~5.6 -> 2.84, val 2.90 at step 150.
+  tiny   smoke test: under a minute (~30 s of it compiling); loss ~5.6 -> 2.84, val 2.90 at step 150.
   gpt2   GPT-2 small (124M with a 50304 vocab; 85M non-embedding) for a GPU: point data.path at
          nanoGPT-style uint16 .bin files (e.g. OpenWebText) and set the batch to your memory.
 
