@@ -90,14 +90,14 @@ def _ops(*names: str) -> frozenset:
 
 
 REARRANGE = _ops("view.default", "reshape.default", "_unsafe_view.default", "slice.Tensor", "clone.default",
-                  "permute.default", "t.default", "transpose.int", "expand.default", "select.int",
-                  "squeeze.dim", "unsqueeze.default", "alias.default", "as_strided.default")
+                 "permute.default", "t.default", "transpose.int", "expand.default", "select.int",
+                 "squeeze.dim", "unsqueeze.default", "alias.default", "as_strided.default")
 """The aten ops that take one tensor and rearrange its values, with no arithmetic: what turns a
 gathered flat buffer into parameters (and what `functrain.recompute` may copy freely)."""
 # what builds an all-gather's input from the local shards (the parameters): recomputed, not held
 _FLATTEN = REARRANGE | _ops("cat.default", "constant_pad_nd.default", "_to_copy.default",
-                             "convert_element_type.default", "new_zeros.default", "zeros.default",
-                             "full.default")
+                            "convert_element_type.default", "new_zeros.default", "zeros.default",
+                            "full.default")
 
 
 class RegatherPass(CustomGraphPass):
