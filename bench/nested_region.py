@@ -20,10 +20,11 @@ is right; only the fake reachability is wrong. Upstream PR pytorch/pytorch#17877
 bench applies the same idea to its own process only (`_reuse_keeps_autograd`, a patch of
 `stamp_out_subgraph`; functrain's library does not patch torch) to measure the route.
 
-Each case runs in a fresh process, with inductor's caches off and the vector-ISA probe done before
-the clock starts: a residual stack of width-`--width` blocks (layer norm, matmul, GELU, matmul back),
-loss = mean square of the output, gradients of every block's weight; it prints the cold compile time
-of the first call and the largest difference of the loss and gradients from eager.
+Each case runs in a fresh process (OMP_NUM_THREADS=1 unless set), with inductor's caches off and
+the vector-ISA probe done before the clock starts: a residual stack of width-`--width` blocks
+(layer norm, matmul, GELU, matmul back), loss = mean square of the output, gradients of every
+block's weight; it prints the cold compile time of the first call and the largest difference of
+the loss and gradients from eager.
 
   stock     torch as installed: nested_compile_region + trace_autograd_ops + autograd.grad
   patched   the same with the reuse fix above
