@@ -88,13 +88,15 @@ def recompute_cheap(graph: torch.fx.Graph) -> int:
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    mark = reshard.forward_end(nodes)
-    if mark is None:
+    end = reshard.forward_end(nodes)
+    if end is None:
         return 0
-    mark = pos[mark]
-    # the values held across the mark -> their readers after it
-    held = {n: readers for n in nodes[:mark] if n.op == "call_function"
-            for readers in [[u for u in n.users if pos[u] > mark and u.op != "output"]] if readers}
+    mark = pos[end]
+    held: dict = {}  # the values held across the mark -> their readers after it
+    for n in nodes[:mark]:
+        readers = [u for u in n.users if pos[u] > mark and u.op != "output"] if n.op == "call_function" else []
+        if readers:
+            held[n] = readers
     small = max((_numel(n) for n in held), default=0) // _SMALL
     chain: dict = {}  # node -> the nodes to copy to compute it again (itself included), or None
 
