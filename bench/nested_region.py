@@ -13,12 +13,13 @@ its reuse cache, Dynamo "stamps out" the cached subgraph and makes the call's fa
 `torch.empty_strided(..., requires_grad=True)`: leaves without a `grad_fn`. `trace_autograd_ops`
 runs `torch.autograd.grad` on those fake tensors to learn which gradients exist, so every reused call
 cuts the fake autograd graph: the loss no longer reaches the earlier blocks' inputs. The second call
-is still traced (its input, the first call's output, is not a graph input like the first's, so the
-cache misses), the third is served from the cache: 2 blocks work, 3 or more fail. The FX graph itself
-is right; only the fake reachability is wrong. Upstream PR pytorch/pytorch#178777 (closed; not in
-2.13's build) connects the stamped-out outputs to the call's inputs with a zero-valued sum. This
-bench applies the same idea to its own process only (`_reuse_keeps_autograd`, a patch of
-`stamp_out_subgraph`; functrain's library does not patch torch) to measure the route.
+is still traced (`TORCH_LOGS=+hierarchical_compile`: "reuse failed -- input 0 tensor metadata
+mismatch": the first call's input does not require grad, the second's does), the third is served
+from the cache ("cache hit ... reusing subgraph 'subgraph_1'"): 2 blocks work, 3 or more fail. The
+FX graph itself is right; only the fake reachability is wrong. Upstream PR pytorch/pytorch#178777
+(closed; not in 2.13's build) connects the stamped-out outputs to the call's inputs with a
+zero-valued sum. This bench applies the same idea to its own process only (`_reuse_keeps_autograd`,
+a patch of `stamp_out_subgraph`; functrain's library does not patch torch) to measure the route.
 
 Each case runs in a fresh process (OMP_NUM_THREADS=1 unless set), with inductor's caches off and
 the vector-ISA probe done before the clock starts: a residual stack of width-`--width` blocks
