@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,38 +22,65 @@ def _free_port() -> int:
 
 
 def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0) -> None:
-    """Runs `python script *args` as `nprocs` ranks (RANK/WORLD_SIZE/... set); raises if any fails."""
+    """Runs `python script *args` as `nprocs` ranks (RANK/WORLD_SIZE/... set); raises if any fails.
+
+    Each rank writes into its own file, not a pipe: a rank blocked on a full pipe that nobody reads
+    (the launcher waiting on another rank) would stall the collective the others wait in. Python's
+    faulthandler is on in every rank, so a crash prints the Python stack; past `timeout` every
+    rank still running is sent SIGABRT (which prints every thread's stack) and the error shows where
+    each one waited.
+    """
     port = _free_port()
-    procs = []
-    for r in range(nprocs):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]),
-        )
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, logs = [], []
+    with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
+        for r in range(nprocs):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
+                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]),
+            )
+            logs.append(open(os.path.join(tmp, f"rank{r}.log"), "w+"))
+            procs.append(subprocess.Popen([sys.executable, script, *args], env=env, cwd=REPO,
+                                          stdout=logs[-1], stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            for p in procs:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGABRT)  # faulthandler: every thread's Python stack
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        outs = []
+        for f in logs:
+            f.seek(0)
+            outs.append(f.read())
+            f.close()
     bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
-        tails = "\n".join(f"--- rank {r} (exit {rc}) ---\n{outs[r][-4000:]}" for r, rc in bad)
-        raise RuntimeError(f"{script} failed on ranks {[r for r, _ in bad]}:\n{tails}")
+        tails = "\n".join(f"--- rank {r} (exit {rc}) ---\n{outs[r][-6000:]}" for r, rc in bad)
+        why = f"timed out after {timeout:.0f} s (stacks at SIGABRT below)" if timed_out else "failed"
+        raise RuntimeError(f"{script} {why} on ranks {[r for r, _ in bad]}:\n{tails}")
 
 
 def run_single(script: str, args: list[str], timeout: float = 600.0) -> None:
     """Runs `python script *args` as one process WITHOUT torchrun's env vars; raises if it fails."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1",
+    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, script, *args], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=timeout)
