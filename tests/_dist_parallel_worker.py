@@ -404,6 +404,38 @@ def s_uneven(ctx):
     }
 
 
+def s_reduce_routes(ctx):
+    """Gradients reduce-scattered by the backend's reduce-scatter and by all-to-all + a local sum
+    (spmd.REDUCE_SCATTER), against the mean of every rank's gradients computed here."""
+    from functrain.parallel import spmd
+
+    g = torch.Generator().manual_seed(2)
+    shapes = {"w": (7, 5), "m": (64, 33), "b": (9,)}  # uneven rows: 7 and 9 over 2 or 4 ranks
+    params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    sharded = parallel.shard_state(init_state(params, sgd()), ctx.mesh).params
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(world)]
+    lay = parallel.layout_of(sharded)
+    dp_of = [None] * world  # every rank's dp index: tp peers share one, and the same gradients
+    dist.all_gather_object(dp_of, lay.dp_rank)
+    grads = per_rank[dp_of[rank]]
+    want = {k: sum(per_rank[dp_of[r]][k] for r in range(world)) / world for k in shapes}
+    out = {}
+    old = spmd.REDUCE_SCATTER
+    try:
+        for route in ("reduce_scatter", "all_to_all"):
+            spmd.REDUCE_SCATTER = route
+            red = lay.reduce_grads(grads, sharded)
+            out[route] = {k: v.full_tensor() for k, v in red.items()}
+    finally:
+        spmd.REDUCE_SCATTER = old
+    return {
+        "dp_world": lay.dp_world,
+        "to_mean": {r: max_diff(o, want) for r, o in out.items()},
+        "a2a_vs_rs": max_diff(out["all_to_all"], out["reduce_scatter"]),
+    }
+
+
 def s_eval_and_keys(ctx):
     """The sharded eval step equals the plain one; dropout keys differ across dp ranks only."""
     model = tiny_gpt()
@@ -519,6 +551,7 @@ SUITES = {
         ("tp_is_local", {"dp_shard": 1, "tp": 2}, s_tp_is_local),
         ("accum_fsdp", {"dp_shard": 2}, s_accum),
         ("uneven", {"dp_shard": 2}, s_uneven),
+        ("reduce_fsdp", {"dp_shard": 2}, s_reduce_routes),
         ("eval_keys_fsdp", {"dp_shard": 2}, s_eval_and_keys),
         ("eval_keys_tp", {"dp_shard": 1, "tp": 2}, s_eval_and_keys),
         ("bf16_fsdp", {"dp_shard": 2}, s_bf16),
@@ -557,6 +590,9 @@ SUITES = {
     ],
     "eager4": [
         ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),
+        ("reduce_fsdp4", {"dp_shard": 4}, s_reduce_routes),
+        ("reduce_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_reduce_routes),
+        ("reduce_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_reduce_routes),
         ("hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_fsdp),
         ("stages_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_stages),
         ("init_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_init),

@@ -11,6 +11,7 @@ within 1.3e-7 of one process after 20 steps).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -273,3 +274,20 @@ def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager
         assert "stages=" in res["refused"]  # no silent whole-model path for sharded params
         assert res["export_gathers"] and max(res["export_gathers"]) <= res["largest_tensor"] < res["model_numel"]
     assert ranks[0]["same_bytes"] is True
+
+
+@pytest.mark.parametrize("suite, name, dp", [
+    ("eager2", "reduce_fsdp", 2), ("eager4", "reduce_fsdp4", 4), ("eager4", "reduce_hsdp", 4),
+    ("eager4", "reduce_fsdp_tp", 2)])
+def test_gradients_reduce_scattered_by_all_to_all_equal_the_backends_reduce_scatter(request, suite, name, dp):
+    # spmd.REDUCE_SCATTER="all_to_all": rows sent to their owners and summed there (opt-in)
+    for res in _result(request.getfixturevalue(suite), name):
+        assert res["dp_world"] == dp
+        # a mean of dp unit normals: each sum is rounded dp - 1 times, in some order per route
+        tol = (dp - 1) * torch.finfo(torch.float32).eps * 4 * math.sqrt(dp)
+        for route, diff in res["to_mean"].items():
+            assert diff <= tol, (route, res)
+        if dp == 2 or name == "reduce_hsdp":  # a + b: the same bits whichever rank adds
+            assert res["a2a_vs_rs"] == 0.0, res
+        else:
+            assert res["a2a_vs_rs"] <= tol, res

@@ -26,6 +26,21 @@ FSDP + TP) is redistributed per parameter through DTensor. Measured on 2 gloo ra
 tensors: per-tensor all-gathers 0.07-0.14 s vs 0.04-0.06 s flat; per-tensor reduce-scatters
 0.15-0.26 s vs 0.05-0.07 s flat.
 
+Reduce-scatter by all-to-all (opt-in, `REDUCE_SCATTER = "all_to_all"`). On gloo the reduce-scatter
+collective is slower than an all-to-all by more than the local sum that turns one into the other:
+each rank sends row j of its gradient buffer (w, S) to rank j with `all_to_all_single` (nothing to
+itself) and adds the w-1 rows it receives to its own. The collectives alone, on 2 gloo ranks (2-core
+AMD EPYC, torch 2.13, OMP_NUM_THREADS=1, median of 5 rounds of 5): one 512-wide GPT block's
+gradients (3.15M floats) 14.3 ms by reduce-scatter vs 6.4 ms by all-to-all + sum; 0.8M: 6.6 vs 2.8
+ms; 12.6M: 61.1 vs 24.4 ms. In the compiled step it does not pay on that machine (bench/sharded.py
+--reduce-scatter, remat none, functrain s/step all-to-all vs reduce-scatter, back to back: 6 x 512
+1.007 vs 1.180 and 1.096 vs 1.085; 12 x 512 2.301 vs 2.229; the first and third with an earlier form
+that also sent each rank's own row), where the collectives run beside the compute, and its step's
+peak of live tensor bytes is 12-21 MiB higher (one to two blocks' gradients: the rows sent, kept and
+received, and their sum, are alive together). Kept for other machines (more cores, other backends)
+to measure. On 2 ranks the result is bit-identical to the reduce-scatter (a + b either way); on
+more, the received rows are added in rank order.
+
 Everything is traceable: the compiled step is one graph including the collectives.
 """
 
@@ -55,6 +70,11 @@ BUCKET_NUMEL = 1 << 62
 """Largest bucket in elements (global sizes); default: one bucket per (kind, axis, dtype). Smaller
 buckets (~one block each) with inductor's `reorder_for_compute_comm_overlap` gave no measurable gain
 on 2 gloo CPU ranks (bench/sharded.py --bucket-numel 1000000 --reorder)."""
+
+REDUCE_SCATTER = "reduce_scatter"
+"""How gradients are reduce-scattered over dp_shard: "reduce_scatter" (the backend's collective) or
+"all_to_all" (each rank's rows sent to their owners, then a local sum; see the module docstring:
+faster alone on gloo, no faster step in bench/sharded.py there, more live memory)."""
 
 
 def mesh_of(params: PyTree):
@@ -224,9 +244,8 @@ class Spmd(Layout):
             w = self.mesh.size(dim)
             r = self.mesh.get_local_rank(dim)
             chunks = [_chunk(ps[i].shape[0], w) for i in idx]
-            # (w, S): row j holds every param's chunk for rank j, back to back
-            buf = torch.cat([_pad_rows(gs[i], w * c).reshape(w, -1) for i, c in zip(idx, chunks)], dim=1)
-            mine = _wait(_reduce_scatter(buf.reshape(-1), "sum", 0, (self.mesh, dim)))  # (S,)
+            parts = [_pad_rows(gs[i], w * c).reshape(w, -1) for i, c in zip(idx, chunks)]  # (w, n_i)
+            mine = self._reduce_scatter(parts, dim, r)  # (S,)
             mine = self._all_reduce(mine, [d for d in self.dp_dims if d != dim]) * scale
             off = 0
             for i, c in zip(idx, chunks):
@@ -241,6 +260,21 @@ class Spmd(Layout):
             d = DTensor.from_local(gs[i], self.mesh, src, run_check=False, shape=p.shape, stride=p.stride())
             out[i] = d.redistribute(self.mesh, p.placements)
         return spec.unflatten(out)
+
+    def _reduce_scatter(self, parts: list, dim: int, r: int) -> torch.Tensor:
+        """Row r of the (w, n_i) `parts`, concatenated and summed over the ranks of mesh dim `dim`
+        (this rank is r there): (S,), S = sum n_i."""
+        w = parts[0].shape[0]
+        if not _by_all_to_all():
+            buf = torch.cat(parts, dim=1)  # (w, S): row j holds every param's chunk for rank j
+            return _wait(_reduce_scatter(buf.reshape(-1), "sum", 0, (self.mesh, dim)))
+        # send row j to rank j, keep row r: the buffers of a reduce-scatter, S each, no more
+        own = torch.cat([p[r] for p in parts])  # (S,)
+        send = torch.cat([p[j] for j in range(w) if j != r for p in parts])  # ((w-1) S,)
+        n = own.numel()
+        splits = [0 if j == r else n for j in range(w)]
+        got = _wait(funcol.all_to_all_single(send, splits, splits, (self.mesh, dim)))  # ((w-1) S,)
+        return own + got.view(w - 1, n).sum(0)  # rank order after own: a + b on 2 ranks
 
     def _all_reduce(self, x: torch.Tensor, dims) -> torch.Tensor:
         """Sum of `x` over the mesh dims `dims`, one after the other."""
@@ -295,6 +329,13 @@ class Spmd(Layout):
         if pairs:
             torch._foreach_copy_([_local(o) for o, _ in pairs], [_local(n, like=o) for o, n in pairs])
         return old
+
+
+def _by_all_to_all() -> bool:
+    """Whether gradients are reduce-scattered by all-to-all (REDUCE_SCATTER)."""
+    if REDUCE_SCATTER not in ("reduce_scatter", "all_to_all"):
+        raise ValueError(f"spmd.REDUCE_SCATTER={REDUCE_SCATTER!r}: use 'reduce_scatter' or 'all_to_all'")
+    return REDUCE_SCATTER == "all_to_all"
 
 
 def _local(x, like=None):
