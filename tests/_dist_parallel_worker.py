@@ -412,7 +412,7 @@ def s_reduce_routes(ctx):
     g = torch.Generator().manual_seed(2)
     shapes = {"w": (7, 5), "m": (64, 33), "b": (9,)}  # uneven rows: 7 and 9 over 2 or 4 ranks
     params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    sharded = parallel.shard_state(init_state(params, sgd()), ctx.mesh).params
+    sharded = parallel.shard_params(params, ctx.mesh)
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in range(world)]
     lay = parallel.layout_of(sharded)

@@ -264,10 +264,10 @@ class Spmd(Layout):
     def _reduce_scatter(self, parts: list, dim: int, r: int) -> torch.Tensor:
         """Row r of the (w, n_i) `parts`, concatenated and summed over the ranks of mesh dim `dim`
         (this rank is r there): (S,), S = sum n_i."""
-        w = parts[0].shape[0]
         if not _by_all_to_all():
             buf = torch.cat(parts, dim=1)  # (w, S): row j holds every param's chunk for rank j
             return _wait(_reduce_scatter(buf.reshape(-1), "sum", 0, (self.mesh, dim)))
+        w = parts[0].shape[0]
         # send row j to rank j, keep row r: the buffers of a reduce-scatter, S each, no more
         own = torch.cat([p[r] for p in parts])  # (S,)
         send = torch.cat([p[j] for j in range(w) if j != r for p in parts])  # ((w-1) S,)
