@@ -21,8 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0) -> None:
-    """Runs `python script *args` as `nprocs` ranks (RANK/WORLD_SIZE/... set); raises if any fails.
+def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0) -> list[str]:
+    """Runs `python script *args` as `nprocs` ranks (RANK/WORLD_SIZE/... set); raises if any fails,
+    else returns each rank's output (stdout and stderr).
 
     Each rank writes into its own file, not a pipe: a rank blocked on a full pipe that nobody reads
     (the launcher waiting on another rank) would stall the collective the others wait in. Python's
@@ -57,8 +58,7 @@ def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0)
                 try:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+                    pass  # killed below
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -74,6 +74,7 @@ def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0)
         tails = "\n".join(f"--- rank {r} (exit {rc}) ---\n{outs[r][-6000:]}" for r, rc in bad)
         why = f"timed out after {timeout:.0f} s (stacks at SIGABRT below)" if timed_out else "failed"
         raise RuntimeError(f"{script} {why} on ranks {[r for r, _ in bad]}:\n{tails}")
+    return outs
 
 
 def run_single(script: str, args: list[str], timeout: float = 600.0) -> None:

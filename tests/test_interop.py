@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from _dist_launch import run_ranks
 from functrain import apply, rng
 from functrain.interop import SafetensorsError, load_safetensors, safetensors_metadata, save_safetensors
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config, import_hf_gpt2
 from functrain.models import gpt
 
 pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mixed() -> dict[str, torch.Tensor]:
@@ -157,20 +152,11 @@ _DIST_WORKER = textwrap.dedent(
 
 
 def test_dtensor_params_two_ranks(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = tmp_path / "worker.py"
     script.write_text(_DIST_WORKER)
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "d.safetensors")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"OK {rank}" in out, out
+    outs = run_ranks(str(script), [str(tmp_path / "d.safetensors")], nprocs=2, timeout=240)
+    for rank, out in enumerate(outs):
+        assert f"OK {rank}" in out, out
 
 
 def _gpt(bias: bool, seed: int = 0):
