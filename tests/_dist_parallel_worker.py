@@ -529,6 +529,14 @@ def s_single(_ctx):
     out["mesh_shape"] = dict(ctx.shape)
     out["pg_world"] = dist.get_world_size()
     out.update(compare(ctx, steps=5))
+    # A second mesh of the same shape: equal to the first by DeviceMesh's rules (shape and axis
+    # names), yet its own object with its own groups; its params' layout must be its own.
+    mesh2 = parallel.setup({"dp_shard": -1}, mesh_on_single_process=True).mesh
+    named = dict(tiny_gpt().named_parameters())
+    p1, p2 = parallel.shard_params(named, ctx.mesh), parallel.shard_params(named, mesh2)
+    m1, m2 = (next(iter(p.values())).device_mesh for p in (p1, p2))
+    out["meshes_equal_not_same"] = m1 == m2 and m1 is not m2
+    out["layout_per_mesh_object"] = [parallel.layout_of(p1).mesh is m1, parallel.layout_of(p2).mesh is m2]
     parallel.teardown()
     out["pg_after_teardown"] = dist.is_initialized()
     return out
@@ -605,6 +613,16 @@ SUITES = {
 
 
 OUTDIR = ""  # the suite's output directory (shared by the ranks), set by main
+# Every collective's timeout (torch's default is 30 minutes): a scenario that fails on some ranks
+# fails on the others after this long (gloo's timeout error) instead of hanging the whole suite,
+# and the ranks meet again in the next scenario's mesh. Far above any wait here (a cold compile).
+COLLECTIVE_TIMEOUT_S = 300
+
+
+def _group_timeouts(mesh) -> list[float]:
+    """The collective timeout of each of the mesh's process groups (seconds)."""
+    return [mesh.get_group(i)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for i in range(mesh.ndim)]
 
 
 def main(outdir: str, suite: str, only: list[str]) -> None:
@@ -616,10 +634,14 @@ def main(outdir: str, suite: str, only: list[str]) -> None:
             continue
         print(f"scenario {name}", flush=True)  # a rank that dies names where in its failure's output tail
         try:
-            ctx = parallel.setup(mesh_cfg) if mesh_cfg is not None else None
+            ctx = parallel.setup(mesh_cfg, timeout_s=COLLECTIVE_TIMEOUT_S) if mesh_cfg is not None else None
             results[name] = {"result": fn(ctx)}
+            if ctx is not None and ctx.mesh is not None:
+                results[name]["group_timeouts"] = _group_timeouts(ctx.mesh)
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"error": traceback.format_exc()}
+            # now, not only in the results file: a rank left waiting for this one shows it too
+            print(f"scenario {name} raised:\n{results[name]['error']}", flush=True)
     r = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(outdir, f"{suite}_rank{r}.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -20,6 +20,7 @@ import torch
 
 import _tol
 from _dist_launch import REPO, read_results, run_ranks, run_single
+from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S
 
 pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
 
@@ -168,6 +169,9 @@ def test_eval_step_and_dropout_keys_per_dp_rank(eager2):
 def test_two_dim_meshes_on_four_ranks(eager4, name):
     for res in _result(eager4, name):
         _assert_matches_single_process(res)
+    # setup's timeout_s reaches every mesh group (a mesh's subgroups do not inherit the world's)
+    for ranks in eager4:
+        assert ranks[name]["group_timeouts"] == [float(COLLECTIVE_TIMEOUT_S)] * 3
 
 
 def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
@@ -175,6 +179,9 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
     assert res["plain_mesh"] and not res["plain_pg"] and res["plain_identity"]
     assert res["mesh_shape"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1} and res["pg_world"] == 1
     assert not res["pg_after_teardown"]
+    # two meshes equal by value (same shape and names, different groups): each params tree gets its
+    # own mesh's layout (a cache keyed by mesh equality gave the second one the first one's groups)
+    assert res["meshes_equal_not_same"] and res["layout_per_mesh_object"] == [True, True]
     _assert_matches_single_process(res, steps=5)
 
 

@@ -112,7 +112,11 @@ class Local(Layout):
 
 
 LOCAL = Local()
-_SPMD: dict = {}  # one Spmd per mesh (its Python-level bookkeeping is reused by every trace)
+# One Spmd per mesh object (its Python-level bookkeeping is reused by every trace), keyed by
+# identity: DeviceMesh compares equal by shape and axis names, so two meshes built one after the
+# other (each with its own process groups) would share one Spmd and the second mesh's params
+# would run their collectives on the first mesh's groups.
+_SPMD: dict = {}
 
 
 def layout_of(params: PyTree) -> Layout:
@@ -137,6 +141,7 @@ def layout_of(params: PyTree) -> Layout:
     from functrain.parallel import spmd  # DTensor-only machinery
 
     mesh = spmd.mesh_of(params)  # validates: every leaf a DTensor on one mesh
-    if mesh not in _SPMD:
-        _SPMD[mesh] = spmd.Spmd(mesh)
-    return _SPMD[mesh]
+    lay = _SPMD.get(id(mesh))
+    if lay is None:  # (the Spmd holds its mesh, so the id is never reused while the entry lives)
+        lay = _SPMD[id(mesh)] = spmd.Spmd(mesh)
+    return lay

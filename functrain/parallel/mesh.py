@@ -175,6 +175,16 @@ def _init_process_group(backend: str | None, timeout_s: float | None, single: bo
     _OWNED_GROUP = True
 
 
+def _timeout_override(timeout_s: float | None):
+    """init_device_mesh's backend_override that gives every mesh group `timeout_s` (None: torch's)."""
+    backend = dist.get_backend()
+    if timeout_s is None or backend not in ("gloo", "nccl"):
+        return None
+    opts = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)  # a mesh's subgroups do not inherit the world's
+    return {axis: (backend, opts) for axis in AXES}
+
+
 def setup(
     mesh_config: Any = None,
     *,
@@ -191,7 +201,8 @@ def setup(
     Args:
       mesh_config: axis sizes (see `mesh_shape`); None = FSDP over all processes.
       backend: force a torch.distributed backend ("gloo", "nccl").
-      timeout_s: collective timeout in seconds (torch's default when None).
+      timeout_s: collective timeout in seconds of the default group and of every mesh group
+        (torch's default when None).
       mesh_on_single_process: build a 1-device mesh (and a single-rank group) even on 1 process.
 
     Returns:
@@ -216,7 +227,8 @@ def setup(
             _init_process_group(backend, timeout_s, single=True)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES)
+        mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
+                                backend_override=_timeout_override(timeout_s))
     r = dist.get_rank() if dist.is_initialized() else 0
     dp_rank, dp_world = dp_coordinates(mesh) if mesh is not None else (0, 1)
     return ParallelContext(
