@@ -4,7 +4,9 @@ Usage: python tests/_dist_parallel_worker.py <outdir> <suite>
 Suites: eager2 (2 ranks), compiled2 (2 ranks), eager4 (4 ranks), single (1 process, no torchrun).
 Every scenario compares the sharded run with the plain single-process run of the same global
 batches, computed in the same process; its numbers (or its traceback) go to
-<outdir>/<suite>_rank<r>.json, so one failing scenario does not hide the others.
+<outdir>/<suite>_rank<r>.json, so one failing scenario does not hide the others: a scenario that
+raises on some ranks prints its traceback at once, the ranks left waiting in its collectives fail
+after COLLECTIVE_TIMEOUT_S, and all of them meet again in the next scenario's mesh.
 """
 
 from __future__ import annotations
