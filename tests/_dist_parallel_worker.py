@@ -621,10 +621,11 @@ OUTDIR = ""  # the suite's output directory (shared by the ranks), set by main
 COLLECTIVE_TIMEOUT_S = 300
 
 
-def _group_timeouts(mesh) -> list[float]:
-    """The collective timeout of each of the mesh's process groups (seconds)."""
-    return [mesh.get_group(i)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for i in range(mesh.ndim)]
+def _group_timeouts(mesh) -> dict:
+    """{axis: collective timeout in seconds} of the mesh's groups of more than one rank."""
+    groups = {name: mesh.get_group(i) for i, name in enumerate(mesh.mesh_dim_names)}
+    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, g in groups.items() if g.size() > 1}
 
 
 def main(outdir: str, suite: str, only: list[str]) -> None:

@@ -175,14 +175,18 @@ def _init_process_group(backend: str | None, timeout_s: float | None, single: bo
     _OWNED_GROUP = True
 
 
-def _timeout_override(timeout_s: float | None):
-    """init_device_mesh's backend_override that gives every mesh group `timeout_s` (None: torch's)."""
+def _timeout_override(timeout_s: float | None, sizes: dict, world: int):
+    """init_device_mesh's backend_override that gives the mesh's subgroups `timeout_s` (None: torch's).
+
+    Only axes of 1 < size < world need it: an axis spanning the world reuses the default group
+    (which has `timeout_s`), and a one-rank group never waits."""
     backend = dist.get_backend()
-    if timeout_s is None or backend not in ("gloo", "nccl"):
+    axes = [a for a in AXES if 1 < sizes[a] < world]
+    if timeout_s is None or not axes or backend not in ("gloo", "nccl"):
         return None
     opts = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)  # a mesh's subgroups do not inherit the world's
-    return {axis: (backend, opts) for axis in AXES}
+    return {axis: (backend, opts) for axis in axes}
 
 
 def setup(
@@ -228,7 +232,7 @@ def setup(
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
-                                backend_override=_timeout_override(timeout_s))
+                                backend_override=_timeout_override(timeout_s, shape, world))
     r = dist.get_rank() if dist.is_initialized() else 0
     dp_rank, dp_world = dp_coordinates(mesh) if mesh is not None else (0, 1)
     return ParallelContext(
