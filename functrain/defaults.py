@@ -56,6 +56,11 @@ def trainer_config() -> ml_collections.ConfigDict:
     # Python's automatic garbage collection is off during training; a collection runs every this many
     # steps on every rank at once (0 = leave Python's own collector on).
     c.gc_every = 50
+    # Collective timeout, in seconds, of the process group and of every group of the mesh: a rank
+    # left waiting (a peer crashed or issued another collective) fails after this long with the
+    # backend's error. 0 = torch's default (30 minutes); keep it above the longest first-step
+    # compile and checkpoint wait of the run.
+    c.dist_timeout_s = 0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # adamw | sgd

@@ -107,7 +107,8 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     # Every key checked before anything is loaded: the loop's, the optimizer's, the family's.
     validate.check_all(config, [*validate.LOOP_CHECKS, *optim.config.CHECKS, *family.CHECKS])
     try:
-        ctx = parallel.setup(config.mesh)  # torchrun env -> process group + mesh; plain python: none
+        # torchrun env -> process group + mesh; plain python: none
+        ctx = parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None)
     except ValueError as exc:
         raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     with ctx:
@@ -143,7 +144,7 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
     family = _family(config)
     validate.check_all(config, [*validate.LOOP_CHECKS, *family.CHECKS])
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
-    with parallel.setup(config.mesh) as ctx:
+    with parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None) as ctx:
         task = family.build(config, ctx, workdir)
         if task.export is None:
             raise validate.ConfigError(f"model family {config.model.name!r} has no export format")

@@ -120,6 +120,7 @@ LOOP_CHECKS: list[Check] = [
     ("tensorboard", boolean()),
     ("host_memory", one_of("keep", "default")),
     ("gc_every", int_at_least(0)),
+    ("dist_timeout_s", int_at_least(0)),
     ("checkpoint.enabled", boolean()),
     ("checkpoint.every", int_at_least(0)),
     ("checkpoint.keep", int_at_least(1)),

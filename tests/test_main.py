@@ -81,6 +81,31 @@ def test_unknown_config_key_error_quotes_the_flag_as_typed(tmp_path):
     assert "--config.optim.lrr" in line and "\\" not in line, line
 
 
+@pytest.mark.parametrize("value, expected", [(120, 120), (0, None)])
+def test_dist_timeout_reaches_the_parallel_setup(tmp_path, monkeypatch, value, expected):
+    """--config.dist_timeout_s is the collective timeout `parallel.setup` gets (0: torch's default);
+    that setup gives it to every mesh group is tests/test_parallel_dist.py's."""
+    import importlib.util
+
+    from functrain import main, parallel
+
+    spec = importlib.util.spec_from_file_location("gpt_config", CONFIG)
+    gpt_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt_config)
+    seen = {}
+
+    def setup(mesh_config, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("setup reached")
+
+    monkeypatch.setattr(parallel, "setup", setup)
+    config = gpt_config.get_config("tiny")
+    config.dist_timeout_s = value
+    with pytest.raises(RuntimeError, match="setup reached"):
+        main.train(config, tmp_path / "run")
+    assert seen == {"timeout_s": expected}
+
+
 def test_missing_data_path_is_one_clear_error_line(tmp_path):
     missing = tmp_path / "nonexistent"
     proc = _main("--config.compile=False", f"--config.data.path={missing}",
