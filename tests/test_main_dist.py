@@ -49,7 +49,7 @@ def test_torchrun_fsdp_matches_single_process_and_logs_once(tmp_path):
     # AdamW would turn the rounding noise of near-zero gradients into full-size steps (tests/_tol.py).
     sgd = ["--config.steps=20", "--config.log_every=1", "--config.optim.name=sgd", "--config.optim.lr=0.05"]
     single = _run(tmp_path / "one", *sgd, nproc=1)
-    sharded = _run(tmp_path / "two", *sgd, "--config.mesh.dp_shard=2")
+    sharded = _run(tmp_path / "two", *sgd, "--config.mesh.dp_shard=2", "--config.dist_timeout_s=600")
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["step"] for r in two if "loss" in r] == list(range(1, 21))  # written once, by rank 0
     assert [r["step"] for r in two if "val_loss" in r] == [10, 20]
