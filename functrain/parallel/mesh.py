@@ -176,11 +176,9 @@ def _init_process_group(backend: str | None, timeout_s: float | None, single: bo
 
 
 def _timeout_override(timeout_s: float | None, sizes: dict, world: int):
-    """init_device_mesh's backend_override that gives the mesh's subgroups `timeout_s` (None: torch's).
-
-    Only axes of 1 < size < world need it: an axis spanning the world reuses the default group
-    (which has `timeout_s`), and a one-rank group never waits."""
+    """init_device_mesh's backend_override giving the mesh's subgroups `timeout_s` (None: torch's)."""
     backend = dist.get_backend()
+    # a world-wide axis reuses the default group (made with timeout_s); a one-rank group never waits
     axes = [a for a in AXES if 1 < sizes[a] < world]
     if timeout_s is None or not axes or backend not in ("gloo", "nccl"):
         return None
