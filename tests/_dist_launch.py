@@ -32,7 +32,7 @@ def _env(extra: dict) -> dict:
 
 
 def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0,
-              env: dict | None = None) -> list[str]:
+              env: dict | None = None, grace: float = 60.0) -> list[str]:
     """Runs `python script *args` as `nprocs` ranks (RANK/WORLD_SIZE/... set, plus `env`); raises if
     any fails, else returns each rank's output (stdout and stderr).
 
@@ -40,7 +40,8 @@ def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0,
     (the launcher waiting on another rank) would stall the collective the others wait in. Python's
     faulthandler is on in every rank, so a crash prints the Python stack; past `timeout` every
     rank still running is sent SIGABRT (which prints every thread's stack) and the error shows where
-    each one waited.
+    each one waited. So are the others `grace` seconds after one rank has failed (a crashed peer
+    leaves them waiting in a collective until their own timeouts).
     """
     port = _free_port()
     procs, logs = [], []
@@ -53,20 +54,26 @@ def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0,
             procs.append(subprocess.Popen([sys.executable, script, *args], env=rank_env, cwd=REPO,
                                           stdout=logs[-1], stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
-        timed_out = False
+        timed_out, stopped = False, False
+        failed_at = None  # when a rank first exited with an error
         try:
-            for p in procs:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGABRT)  # faulthandler: every thread's Python stack
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass  # killed below
+            while None in (codes := [p.poll() for p in procs]):  # (every rank polled each time)
+                now = time.monotonic()
+                if failed_at is None and any(codes):
+                    failed_at = now
+                timed_out = now > deadline
+                if timed_out or (failed_at is not None and now > failed_at + grace):
+                    stopped = True
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGABRT)  # faulthandler: every thread's Python stack
+                    for p in procs:
+                        try:
+                            p.wait(timeout=30)
+                        except subprocess.TimeoutExpired:
+                            pass  # killed below
+                    break
+                time.sleep(0.1)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -80,7 +87,11 @@ def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0,
     bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
         tails = "\n".join(f"--- rank {r} (exit {rc}) ---\n{outs[r][-6000:]}" for r, rc in bad)
-        why = f"timed out after {timeout:.0f} s (stacks at SIGABRT below)" if timed_out else "failed"
+        why = "failed"
+        if timed_out:
+            why = f"timed out after {timeout:.0f} s (stacks at SIGABRT below)"
+        elif stopped:
+            why = f"failed (ranks still running {grace:.0f} s after the first failure stopped: stacks below)"
         raise RuntimeError(f"{script} {why} on ranks {[r for r, _ in bad]}:\n{tails}")
     return outs
 

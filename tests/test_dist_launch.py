@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from _dist_launch import run_ranks
@@ -25,6 +27,12 @@ if sys.argv[1] == "hang" and rank == 1:
     wait_forever()
 if sys.argv[1] == "fail" and rank == 0:
     raise SystemExit("rank 0 gives up")
+if sys.argv[1] == "crash":  # rank 1 dies as a heap corruption would; rank 0 waits for it forever
+    if rank == 1:
+        os.abort()
+    def wait_forever():
+        time.sleep(3600)
+    wait_forever()
 print("done", rank)
 """
 
@@ -50,3 +58,13 @@ def test_a_hanging_rank_is_stopped_with_its_stack(worker):
     with pytest.raises(RuntimeError, match=r"timed out after 5 s .* on ranks \[1\]") as e:
         run_ranks(worker, ["hang"], nprocs=2, timeout=5)
     assert "wait_forever" in str(e.value)  # faulthandler's dump of the waiting thread
+
+
+def test_the_others_are_stopped_soon_after_a_rank_crashes(worker):
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"failed \(ranks still running 2 s after the first failure") as e:
+        run_ranks(worker, ["crash"], nprocs=2, timeout=300, grace=2)
+    assert time.monotonic() - t < 60  # not the 300 s timeout
+    msg = str(e.value)
+    assert "--- rank 1 (exit -6)" in msg and "Fatal Python error: Aborted" in msg  # the crash
+    assert "wait_forever" in msg  # where the rank left waiting was
