@@ -44,10 +44,11 @@ def _tols(steps, dtype=torch.float32):
 # The 4-rank suite runs with torch's collective desync check: before each collective every rank
 # compares the op, its shapes and its sequence number with the other ranks' (a helper gloo group),
 # so ranks that issue different collectives fail at once naming both ops, where plain gloo pairs
-# them by arrival and may wait forever (this suite hung twice in ~20 CI runs, once with two ranks
-# past a scenario and two waiting in it; not reproduced in 62 launches on 2 cores, idle or loaded).
-# It costs ~30% of the suite's time (~10 s on 2 cores). The 2-rank suites run without it: they keep
-# the unchecked, overlapping collectives of a real run.
+# them by arrival and may wait forever. (This suite hung twice in ~20 CI runs; reproduced once in
+# ~64 launches here: a heap corruption aborted one rank, `malloc(): unaligned tcache chunk
+# detected`, and the check named the missing peer.) It costs ~30% of the suite's time (~10 s on
+# 2 cores). The 2-rank suites run without it: they keep the unchecked, overlapping collectives of
+# a real run.
 _DEBUG_ENV = {"eager4": {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}}
 
 
