@@ -530,6 +530,11 @@ def s_single(_ctx):
     ctx = parallel.setup({"dp_shard": -1}, mesh_on_single_process=True)
     out["mesh_shape"] = dict(ctx.shape)
     out["pg_world"] = dist.get_world_size()
+    out["group_threads"] = _group_threads(ctx.mesh)
+    from functrain.checkpoint import _dist as ckpt_dist
+    from functrain.parallel import gloo
+
+    out["ckpt_group_threads"] = gloo.threads_of(ckpt_dist.new_group())  # the writer's barrier group
     out.update(compare(ctx, steps=5))
     # A second mesh of the same shape: equal to the first by DeviceMesh's rules (shape and axis
     # names), yet its own object with its own groups; its params' layout must be its own.
@@ -621,6 +626,14 @@ OUTDIR = ""  # the suite's output directory (shared by the ranks), set by main
 COLLECTIVE_TIMEOUT_S = 300
 
 
+def _group_threads(mesh) -> dict:
+    """{axis: gloo worker threads} of every group of the mesh, and of the default group ("world")."""
+    from functrain.parallel import gloo
+
+    out = {name: gloo.threads_of(mesh.get_group(i)) for i, name in enumerate(mesh.mesh_dim_names)}
+    return {**out, "world": gloo.threads_of(dist.group.WORLD)}
+
+
 def _group_timeouts(mesh) -> dict:
     """{axis: collective timeout in seconds} of the mesh's groups of more than one rank."""
     groups = {name: mesh.get_group(i) for i, name in enumerate(mesh.mesh_dim_names)}
@@ -641,6 +654,7 @@ def main(outdir: str, suite: str, only: list[str]) -> None:
             results[name] = {"result": fn(ctx)}
             if ctx is not None and ctx.mesh is not None:
                 results[name]["group_timeouts"] = _group_timeouts(ctx.mesh)
+                results[name]["group_threads"] = _group_threads(ctx.mesh)
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"error": traceback.format_exc()}
             # now, not only in the results file: a rank left waiting for this one shows it too

@@ -41,20 +41,15 @@ def _tols(steps, dtype=torch.float32):
     return 4.0 * per_step * steps, params  # loss ~4: per_step relative, growing linearly
 
 
-# Extra env per suite. TORCH_DISTRIBUTED_DEBUG=DETAIL (each collective's op and shapes compared
-# across ranks first) was tried on the 4-rank suite: it named the missing peer when one rank died of
-# an intermittent heap corruption (`malloc(): unaligned tcache chunk detected`, in scenario
-# stages_fsdp_tp), but that crash came in 2 of ~14 launches with it against 0 of 52 without, so the
-# suite runs without it; set it by hand to hunt.
-_DEBUG_ENV: dict = {}
-
-
 def _suite(tmp_path_factory, suite: str, nprocs: int):
+    # To hunt a rank that dies or desynchronizes, add env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} to
+    # run_ranks: each collective's op and shapes are compared across ranks first, and a dead peer is
+    # named (it costs ~30% of the suite).
     out = str(tmp_path_factory.mktemp(suite))
     if nprocs == 1:
         run_single(WORKER, [out, suite])
     else:
-        run_ranks(WORKER, [out, suite], nprocs=nprocs, timeout=900, env=_DEBUG_ENV.get(suite))
+        run_ranks(WORKER, [out, suite], nprocs=nprocs, timeout=900)
     return [read_results(os.path.join(out, f"{suite}_rank{r}.json")) for r in range(nprocs)]
 
 
@@ -181,12 +176,17 @@ def test_two_dim_meshes_on_four_ranks(eager4, name):
     for ranks in eager4:
         timeouts = ranks[name]["group_timeouts"]
         assert len(timeouts) == 2 and set(timeouts.values()) == {float(COLLECTIVE_TIMEOUT_S)}, timeouts
+        # every gloo group setup made runs one collective at a time (functrain.parallel.gloo: two
+        # collectives of one group in flight at once on torch's two threads corrupt the heap)
+        assert set(ranks[name]["group_threads"].values()) == {1}, ranks[name]["group_threads"]
 
 
 def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
     (res,) = _result(_suite(tmp_path_factory, "single", 1), "single")
     assert res["plain_mesh"] and not res["plain_pg"] and res["plain_identity"]
     assert res["mesh_shape"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1} and res["pg_world"] == 1
+    # setup's groups and the checkpoint writer's run one collective at a time (functrain.parallel.gloo)
+    assert set(res["group_threads"].values()) == {1} and res["ckpt_group_threads"] == 1, res["group_threads"]
     assert not res["pg_after_teardown"]
     # two meshes equal by value (same shape and names, different groups): each params tree gets its
     # own mesh's layout (a cache keyed by mesh equality gave the second one the first one's groups)

@@ -24,7 +24,10 @@ def new_group():
     """A new gloo process group over all ranks (collective), or None on a single process."""
     if not initialized():
         return None
-    return dist.new_group(backend="gloo")
+    from functrain.parallel import gloo
+
+    with gloo.worker_threads(1):  # one collective at a time (see functrain.parallel.gloo)
+        return dist.new_group(backend="gloo")
 
 
 def exchange(group, status: str | None) -> list[str | None]:

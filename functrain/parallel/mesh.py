@@ -33,6 +33,8 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from functrain.parallel import gloo
+
 __all__ = [
     "AXES",
     "DP_AXES",
@@ -171,7 +173,8 @@ def _init_process_group(backend: str | None, timeout_s: float | None, single: bo
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if single:
         kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    dist.init_process_group(**kwargs)
+    with gloo.worker_threads(1):  # gloo's two threads per group corrupt the heap (functrain.parallel.gloo)
+        dist.init_process_group(**kwargs)
     _OWNED_GROUP = True
 
 
@@ -229,8 +232,9 @@ def setup(
             _init_process_group(backend, timeout_s, single=True)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
-                                backend_override=_timeout_override(timeout_s, shape, world))
+        with gloo.worker_threads(1):
+            mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
+                                    backend_override=_timeout_override(timeout_s, shape, world))
     r = dist.get_rank() if dist.is_initialized() else 0
     dp_rank, dp_world = dp_coordinates(mesh) if mesh is not None else (0, 1)
     return ParallelContext(
