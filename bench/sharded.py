@@ -238,6 +238,8 @@ def main():
                     help="functrain's gradient route (spmd.REDUCE_SCATTER)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print each method's N costliest ops of one step (inductor kernels named)")
+    ap.add_argument("--gloo-threads", type=int, default=1,
+                    help="worker threads per gloo group (parallel.setup; torch's 2 can corrupt the heap)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()
 
@@ -248,7 +250,7 @@ def main():
     spmd.REDUCE_SCATTER = args.reduce_scatter
     if args.bucket_numel:
         spmd.BUCKET_NUMEL = args.bucket_numel
-    ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1})
+    ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1}, gloo_threads=args.gloo_threads)
     cfg = gpt.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=True)
     lr, clip = 3e-4, 1.0
@@ -373,7 +375,7 @@ def main():
                 "functrain_train_peak_mib": train_mib["functrain"][0], "fsdp2_train_peak_mib": train_mib["fsdp2"][0],
                 "expected_train_peak_mib": expected["total"], "warmup_s": warm_s["functrain"],
                 "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "ranks": ctx.world_size, "remat": args.remat,
-                "reduce_scatter": args.reduce_scatter,
+                "reduce_scatter": args.reduce_scatter, "gloo_threads": args.gloo_threads,
             }))
     parallel.teardown()
 

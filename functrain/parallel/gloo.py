@@ -8,21 +8,28 @@ sometimes corrupted: a later malloc in a gloo worker thread aborts with "malloc(
 chunk detected" or segfaults, in `AsyncAllgatherCoalescedWork::allgather_coalesced` (core dumps,
 gdb), or a rank is left waiting in a collective forever.
 
-Measured (2-core AMD EPYC, torch 2.13.0+cpu, 4 gloo ranks on a 2 x 2 mesh, OMP_NUM_THREADS=1), a
-30-line script with no functrain in it: per iteration one all-gather of 4000 floats started on the
-dp group, four (16, 16) all-gathers issued and waited on the same group meanwhile, one 32-float
-all-reduce on the tp group, then the first waited. With torch's two threads per group every launch
-crashed, within 30-60 s (3 of 3; ~1000-3000 iterations); with one thread per group 4 launches of
-6000 iterations each were clean. The sharded step of the tests hit it in ~1 of 64 launches of the
-4-rank suite here and in 2 of 5 CI runs: the "hangs" and heap aborts of test_parallel_dist.
+Measured (2-core AMD EPYC, torch 2.13.0+cpu, 4 gloo ranks on a 2 x 2 mesh, OMP_NUM_THREADS=1):
+- `bench/gloo_threads.py` (plain torch.distributed: per iteration one all-gather started on the
+  dp group, four small all-gathers issued and waited on the same group meanwhile, then the first
+  waited): with torch's two threads per group 7 of 7 launches of that loop and its variants died
+  within 19-60 s (segfault, "malloc(): unaligned tcache chunk detected", "malloc_consolidate():
+  unaligned fastbin chunk detected"); with one thread 3 of 3 launches finished their 6000
+  iterations; with two threads but the first all-gather waited before the others (never two in
+  flight) 2 of 2 finished.
+- The eager per-block sharded step of the 4-rank tests (dp_shard 2 x tp 2, remat full, where
+  `Spmd.gather_start` starts a stage's bucketed all-gather and DTensor redistributes its
+  tp-sharded weights on the same group meanwhile), 300 steps per launch: 2 of 6 launches died
+  with two threads, 0 of 12 with one. In the test suite it was ~1 of 64 launches of the 4-rank
+  suite here and 2 of the last 5 CI runs (a rank dead or stuck in scenario stages_fsdp_tp).
 
 gloo's python constructor takes no thread count, and torch.distributed does not pass a gloo
 group's options on (only its timeout), so `worker_threads(n)` swaps the class torch.distributed builds
 gloo groups with, for the duration of the `with`, for a subclass that asks for n worker threads
 (`parallel.setup` creates the default group and the mesh's groups inside `worker_threads(1)`, the
-checkpoint writer its barrier group). A group's
-collectives then run one after the other in issue order, still asynchronously to the caller: a
-started all-gather still overlaps the compute that follows it. `threads_of(group)` reads a
+checkpoint writer its barrier group). A group's collectives then run one after the other in
+issue order, still asynchronously to the caller: a started all-gather still overlaps the compute
+that follows it; two collectives of one group no longer overlap each other (those of different
+groups still do: each group has its own context, device and threads). `threads_of(group)` reads a
 group's thread count back (tests check it is 1 on every group of a mesh).
 """
 

@@ -165,7 +165,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _init_process_group(backend: str | None, timeout_s: float | None, single: bool) -> None:
+def _init_process_group(backend: str | None, timeout_s: float | None, single: bool, gloo_threads: int) -> None:
     """Creates the default group from torchrun's env vars, or a 1-rank group on a free port."""
     global _OWNED_GROUP
     kwargs: dict[str, Any] = {"backend": backend or ("nccl" if torch.cuda.is_available() else "gloo")}
@@ -173,7 +173,7 @@ def _init_process_group(backend: str | None, timeout_s: float | None, single: bo
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if single:
         kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    with gloo.worker_threads(1):  # gloo's two threads per group corrupt the heap (functrain.parallel.gloo)
+    with gloo.worker_threads(gloo_threads):  # torch's 2 corrupt the heap (functrain.parallel.gloo)
         dist.init_process_group(**kwargs)
     _OWNED_GROUP = True
 
@@ -196,6 +196,7 @@ def setup(
     backend: str | None = None,
     timeout_s: float | None = None,
     mesh_on_single_process: bool = False,
+    gloo_threads: int = 1,
 ) -> ParallelContext:
     """Starts the process group (from torchrun's env vars) and builds the DeviceMesh.
 
@@ -209,6 +210,9 @@ def setup(
       timeout_s: collective timeout in seconds of the default group and of every mesh group
         (torch's default when None).
       mesh_on_single_process: build a 1-device mesh (and a single-rank group) even on 1 process.
+      gloo_threads: worker threads of each gloo group this creates. 1 runs a group's collectives one
+        at a time; torch's default of 2 lets two of one group run at once, which corrupts the heap
+        in torch 2.13 (`functrain.parallel.gloo`; `bench/gloo_threads.py`).
 
     Returns:
       A `ParallelContext`; also a context manager that calls `teardown()` on exit.
@@ -222,17 +226,17 @@ def setup(
     """
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if launched and not dist.is_initialized():
-        _init_process_group(backend, timeout_s, single=False)
+        _init_process_group(backend, timeout_s, single=False, gloo_threads=gloo_threads)
     world = dist.get_world_size() if dist.is_initialized() else 1
     shape = mesh_shape(mesh_config, world)  # validate before anything else can hang
     device = _device()
     mesh = None
     if world > 1 or mesh_on_single_process:
         if not dist.is_initialized():
-            _init_process_group(backend, timeout_s, single=True)
+            _init_process_group(backend, timeout_s, single=True, gloo_threads=gloo_threads)
         from torch.distributed.device_mesh import init_device_mesh
 
-        with gloo.worker_threads(1):
+        with gloo.worker_threads(gloo_threads):
             mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
                                     backend_override=_timeout_override(timeout_s, shape, world))
     r = dist.get_rank() if dist.is_initialized() else 0
