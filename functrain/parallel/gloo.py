@@ -55,10 +55,13 @@ def _gloo_class(threads: int):
         """ProcessGroupGloo(store, rank, size, timeout) with a fixed number of worker threads."""
 
         def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
-            opts = base._Options()
-            opts._timeout = timeout
+            if isinstance(timeout, base._Options):  # the constructor's other form: (..., options)
+                opts = timeout
+            else:
+                opts = base._Options()
+                opts._timeout = timeout
+                opts._devices = [base.create_default_device()]
             opts._threads = threads
-            opts._devices = [base.create_default_device()]
             super().__init__(store, rank, size, opts)
 
     return Gloo
