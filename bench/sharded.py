@@ -27,6 +27,7 @@ the reshard pass while inductor compiles; not when the graph comes from inductor
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --n-layer 4 --n-embd 512 \
         --n-head 8 --remat none --profile 45      # + each method's 45 costliest ops of one step
     ... --reduce-scatter all_to_all              # functrain's gradients by all-to-all + sum (spmd)
+    ... --reduce-scatter reduce_scatter,all_reduce   # routes interleaved in one run (functrain-all_reduce)
 
 Per-op profile (`--profile 45`, 2026-11-24, 2-core AMD EPYC, 2 gloo ranks, 512 wide, remat none),
 self CPU ms of one step at 4 -> 8 layers: functrain mm + addmm 474 -> 851, wait_tensor (the
@@ -87,7 +88,9 @@ class Functrain:
     """functrain's sharded step (compiled or eager): per-block gathers (a staged loss) by default,
     the whole model gathered before the forward with `whole=True` (the route before issue 12)."""
 
-    def __init__(self, model, ctx, lr, clip, compile, compile_options=None, remat="full", whole=False):
+    def __init__(self, model, ctx, lr, clip, compile, compile_options=None, remat="full", whole=False,
+                 reduce_scatter=None):
+        self.reduce_scatter = reduce_scatter  # spmd.REDUCE_SCATTER for this method's steps (None: as set)
         opt = optim.chain(optim.clip_by_global_norm(clip), optim.adamw(lr, weight_decay=0.1))
         if whole:
             def loss_fn(params, batch, key):
@@ -105,6 +108,8 @@ class Functrain:
                    for x in optree.tree_leaves((self.state.params, self.state.opt_state)))
 
     def step(self, batch):
+        if self.reduce_scatter:  # read while tracing; Dynamo guards it, so set before every call
+            spmd.REDUCE_SCATTER = self.reduce_scatter
         self.state, m = self.step_fn(self.state, batch)
         return m["loss"]
 
@@ -234,8 +239,9 @@ def main():
     ap.add_argument("--compile-unit", choices=("step", "blocks"), default="step",
                     help="functrain's compile unit: one graph per step, or per stage kind with the "
                          "update group by group (README 'Compile unit')")
-    ap.add_argument("--reduce-scatter", choices=("reduce_scatter", "all_to_all"), default="reduce_scatter",
-                    help="functrain's gradient route (spmd.REDUCE_SCATTER)")
+    ap.add_argument("--reduce-scatter", default="auto",
+                    help="functrain's gradient route (spmd.REDUCE_SCATTER: " + ", ".join(spmd.ROUTES) + "); a "
+                         "comma list times each route after the first as functrain-<route>, interleaved in one run")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print each method's N costliest ops of one step (inductor kernels named)")
     ap.add_argument("--gloo-threads", type=int, default=1,
@@ -247,7 +253,11 @@ def main():
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True
-    spmd.REDUCE_SCATTER = args.reduce_scatter
+    routes = args.reduce_scatter.split(",")
+    for route in routes:
+        if route not in spmd.ROUTES:
+            ap.error(f"--reduce-scatter: unknown route {route!r}; use one of {', '.join(spmd.ROUTES)}")
+    spmd.REDUCE_SCATTER = routes[0]
     if args.bucket_numel:
         spmd.BUCKET_NUMEL = args.bucket_numel
     ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1}, gloo_threads=args.gloo_threads)
@@ -260,7 +270,11 @@ def main():
     options = {"options": {"reorder_for_compute_comm_overlap": True}} if args.reorder else None
     unit = True if args.compile_unit == "step" else "blocks"
     methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
-                                      compile_options=options, remat=args.remat)}
+                                      compile_options=options, remat=args.remat,
+                                      reduce_scatter=routes[0] if len(routes) > 1 else None)}
+    for route in routes[1:]:
+        methods[f"functrain-{route}"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
+                                                  compile_options=options, remat=args.remat, reduce_scatter=route)
     if args.whole:
         methods["functrain-whole"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
                                                compile_options=options, whole=True)
@@ -358,8 +372,8 @@ def main():
         peak_ratio = train_mib["functrain"][0] / train_mib["fsdp2"][0]
         print(f"steps/s ratio functrain / fsdp2: {speed:.3f}; train peak ratio functrain / fsdp2: {peak_ratio:.3f} "
               f"(RSS), {train_mib['functrain'][3] / train_mib['fsdp2'][3]:.3f} (live tensor bytes)")
-        for other in ("functrain-whole", "functrain-eager"):
-            if other in med:
+        for other in methods:
+            if other not in ("functrain", "fsdp2"):
                 print(f"steps/s ratio {other} / fsdp2: {med['fsdp2'] / med[other]:.3f}; train peak ratio "
                       f"{other} / fsdp2: {train_mib[other][0] / train_mib['fsdp2'][0]:.3f}")
         if args.json:
@@ -376,6 +390,8 @@ def main():
                 "expected_train_peak_mib": expected["total"], "warmup_s": warm_s["functrain"],
                 "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "ranks": ctx.world_size, "remat": args.remat,
                 "reduce_scatter": args.reduce_scatter, "gloo_threads": args.gloo_threads,
+                "routes": {r: {"speed_ratio": round(med["fsdp2"] / med[f"functrain-{r}"], 4),
+                               "live_peak_mib": train_mib[f"functrain-{r}"][3]} for r in routes[1:]},
             }))
     parallel.teardown()
 

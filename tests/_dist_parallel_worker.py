@@ -407,8 +407,9 @@ def s_uneven(ctx):
 
 
 def s_reduce_routes(ctx):
-    """Gradients reduce-scattered by the backend's reduce-scatter and by all-to-all + a local sum
-    (spmd.REDUCE_SCATTER), against the mean of every rank's gradients computed here."""
+    """Gradients reduce-scattered by every route of spmd.REDUCE_SCATTER (the backend's reduce-scatter,
+    all-to-all + a local sum, an all-reduce with this rank's row copied out, "auto"), against the
+    mean of every rank's gradients computed here."""
     from functrain.parallel import spmd
 
     g = torch.Generator().manual_seed(2)
@@ -425,7 +426,7 @@ def s_reduce_routes(ctx):
     out = {}
     old = spmd.REDUCE_SCATTER
     try:
-        for route in ("reduce_scatter", "all_to_all"):
+        for route in spmd.ROUTES:
             spmd.REDUCE_SCATTER = route
             red = lay.reduce_grads(grads, sharded)
             out[route] = {k: v.full_tensor() for k, v in red.items()}
@@ -434,7 +435,8 @@ def s_reduce_routes(ctx):
     return {
         "dp_world": lay.dp_world,
         "to_mean": {r: max_diff(o, want) for r, o in out.items()},
-        "a2a_vs_rs": max_diff(out["all_to_all"], out["reduce_scatter"]),
+        "vs_rs": {r: max_diff(o, out["reduce_scatter"]) for r, o in out.items()},
+        "gloo": sorted(lay._gloo.values()),
     }
 
 

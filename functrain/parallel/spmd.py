@@ -26,20 +26,28 @@ FSDP + TP) is redistributed per parameter through DTensor. Measured on 2 gloo ra
 tensors: per-tensor all-gathers 0.07-0.14 s vs 0.04-0.06 s flat; per-tensor reduce-scatters
 0.15-0.26 s vs 0.05-0.07 s flat.
 
-Reduce-scatter by all-to-all (opt-in, `REDUCE_SCATTER = "all_to_all"`). On gloo the reduce-scatter
-collective is slower than an all-to-all by more than the local sum that turns one into the other:
-each rank sends row j of its gradient buffer (w, S) to rank j with `all_to_all_single` (nothing to
-itself) and adds the w-1 rows it receives to its own. The collectives alone, on 2 gloo ranks (2-core
-AMD EPYC, torch 2.13, OMP_NUM_THREADS=1, median of 5 rounds of 5): one 512-wide GPT block's
-gradients (3.15M floats) 14.3 ms by reduce-scatter vs 6.4 ms by all-to-all + sum; 0.8M: 6.6 vs 2.8
-ms; 12.6M: 61.1 vs 24.4 ms. In the compiled step it does not pay on that machine (bench/sharded.py
---reduce-scatter, remat none, functrain s/step all-to-all vs reduce-scatter, back to back: 6 x 512
-1.007 vs 1.180 and 1.096 vs 1.085; 12 x 512 2.301 vs 2.229; the first and third with an earlier form
-that also sent each rank's own row), where the collectives run beside the compute, and its step's
-peak of live tensor bytes is 12-21 MiB higher (one to two blocks' gradients: the rows sent, kept and
-received, and their sum, are alive together). Kept for other machines (more cores, other backends)
-to measure. On 2 ranks the result is bit-identical to the reduce-scatter (a + b either way); on
-more, the received rows are added in rank order.
+Reduce-scatter routes (`REDUCE_SCATTER`). gloo has no reduce-scatter of its own: torch's
+`ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the whole (w, S) input, all-reduces the
+clone and copies this rank's row out when waited on. So on gloo groups the default ("auto") runs
+"all_reduce": the bucket all-reduced (`funcol.all_reduce`) and this rank's row copied out, so the
+(w, S) sum is freed at once. Same collective, same
+bits (tests/test_parallel_dist.py), one whole-bucket copy fewer. Measured interleaved in one run
+(`bench/sharded.py --remat none --reduce-scatter reduce_scatter,all_reduce`, 2 gloo ranks, 2-core
+AMD EPYC, torch 2.13, OMP_NUM_THREADS=1, 2026-11-25): 6 x 512 1.404 vs 1.489 s/step and a live
+peak of 236 vs 262 MiB per rank; 12 x 512 3.083 vs 3.560 s/step, 428 vs 496 MiB. Elsewhere (nccl)
+"auto" is the backend's reduce-scatter, which moves half an all-reduce's bytes.
+
+"all_to_all" (opt-in): each rank sends row j of its gradient buffer (w, S) to rank j with
+`all_to_all_single` (nothing to itself) and adds the w-1 rows it receives to its own. The
+collectives alone, on 2 gloo ranks (same machine, median of 5 rounds of 5): one 512-wide GPT
+block's gradients (3.15M floats) 14.3 ms by gloo's reduce-scatter vs 6.4 ms by all-to-all + sum;
+0.8M: 6.6 vs 2.8 ms; 12.6M: 61.1 vs 24.4 ms. In the compiled step it does not pay on that machine
+(remat none, s/step all-to-all vs reduce-scatter, back to back: 6 x 512 1.007 vs 1.180 and 1.096 vs
+1.085; 12 x 512 2.301 vs 2.229; interleaved in one run, 12 x 512: 2.890 vs 2.836), where the
+collectives run beside the compute, and its step's peak of live tensor bytes is 12-21 MiB higher
+(the rows sent, kept and received, and their sum, are alive together). Kept for other machines to
+measure. On 2 ranks the result is bit-identical to the reduce-scatter (a + b either way); on more,
+the received rows are added in rank order.
 
 Everything is traceable: the compiled step is one graph including the collectives.
 """
@@ -49,6 +57,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -71,10 +80,15 @@ BUCKET_NUMEL = 1 << 62
 buckets (~one block each) with inductor's `reorder_for_compute_comm_overlap` gave no measurable gain
 on 2 gloo CPU ranks (bench/sharded.py --bucket-numel 1000000 --reorder)."""
 
-REDUCE_SCATTER = "reduce_scatter"
-"""How gradients are reduce-scattered over dp_shard: "reduce_scatter" (the backend's collective) or
-"all_to_all" (each rank's rows sent to their owners, then a local sum; see the module docstring:
-faster alone on gloo, no faster step in bench/sharded.py there, more live memory)."""
+ROUTES = ("auto", "reduce_scatter", "all_to_all", "all_reduce")
+"""The values REDUCE_SCATTER takes."""
+
+REDUCE_SCATTER = "auto"
+"""How gradients are reduce-scattered over dp_shard (module docstring): "reduce_scatter" (the
+backend's collective), "all_reduce" (the bucket all-reduced, this rank's row copied out: what gloo's
+reduce-scatter does inside, without its copy of the whole bucket), "all_to_all" (each rank's rows
+sent to their owners, then a local sum), or "auto": "all_reduce" where the mesh dim's group is gloo,
+"reduce_scatter" elsewhere (nccl's reduce-scatter moves half an all-reduce's bytes)."""
 
 
 def mesh_of(params: PyTree):
@@ -141,6 +155,7 @@ class Spmd(Layout):
         # Data-parallel axes with more than one rank: gathered for compute, grads averaged.
         self.dp_dims = [i for i, n in enumerate(names) if n in DP_AXES and mesh.size(i) > 1]
         self.dp_rank, self.dp_world = dp_coordinates(mesh)
+        self._gloo = {d: _is_gloo(mesh, d) for d in self.dp_dims}  # read by the "auto" route
 
     def _kind(self, p: DTensor):
         """("fsdp", dim) for Shard(0) on one dp dim, ("ddp", None) for Replicate on all, else None."""
@@ -264,8 +279,12 @@ class Spmd(Layout):
     def _reduce_scatter(self, parts: list, dim: int, r: int) -> torch.Tensor:
         """Row r of the (w, n_i) `parts`, concatenated and summed over the ranks of mesh dim `dim`
         (this rank is r there): (S,), S = sum n_i."""
-        if not _by_all_to_all():
+        route = _route(self._gloo.get(dim, False))
+        if route != "all_to_all":
             buf = torch.cat(parts, dim=1)  # (w, S): row j holds every param's chunk for rank j
+            if route == "all_reduce":
+                full = _wait(funcol.all_reduce(buf.reshape(-1), "sum", (self.mesh, dim)))
+                return full.view(buf.shape)[r].clone()  # (S,): a copy, so the (w, S) sum can go
             return _wait(_reduce_scatter(buf.reshape(-1), "sum", 0, (self.mesh, dim)))
         w = parts[0].shape[0]
         # send row j to rank j, keep row r: the buffers of a reduce-scatter, S each, no more
@@ -331,11 +350,24 @@ class Spmd(Layout):
         return old
 
 
-def _by_all_to_all() -> bool:
-    """Whether gradients are reduce-scattered by all-to-all (REDUCE_SCATTER)."""
-    if REDUCE_SCATTER not in ("reduce_scatter", "all_to_all"):
-        raise ValueError(f"spmd.REDUCE_SCATTER={REDUCE_SCATTER!r}: use 'reduce_scatter' or 'all_to_all'")
-    return REDUCE_SCATTER == "all_to_all"
+def _route(gloo: bool) -> str:
+    """The reduce-scatter route REDUCE_SCATTER names for a group (gloo or not), "auto" resolved."""
+    if REDUCE_SCATTER not in ROUTES:
+        raise ValueError(f"spmd.REDUCE_SCATTER={REDUCE_SCATTER!r}: use one of {', '.join(map(repr, ROUTES))}")
+    if REDUCE_SCATTER == "auto":
+        return "all_reduce" if gloo else "reduce_scatter"
+    return REDUCE_SCATTER
+
+
+def _is_gloo(mesh, dim: int) -> bool:
+    """Whether the collectives of CPU tensors on mesh dim `dim` run on a gloo process group."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    if gloo is None or mesh.device_type != "cpu":
+        return False
+    try:
+        return isinstance(mesh.get_group(dim)._get_backend(torch.device("cpu")), gloo)
+    except (RuntimeError, ValueError, AttributeError):
+        return False
 
 
 def _local(x, like=None):
