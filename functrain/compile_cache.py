@@ -134,7 +134,8 @@ def start_isa_probe() -> threading.Thread:
     process. Started right after `setup` (it writes its test programs into the cache directory), it
     overlaps Dynamo's trace of the step instead of stalling inductor's code generation. Nothing has
     to wait for the thread: if inductor asks before it is done, inductor probes too (both under
-    inductor's file locks; same answer), which costs what not starting it would have cost.
+    inductor's file locks; same answer), which costs what not starting it would have cost. Its g++
+    runs take a core: time nothing beside it (the loop measures its MFU denominator first).
 
     Returns:
       The started thread (join it to wait for the probe, e.g. in a test).

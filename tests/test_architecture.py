@@ -168,3 +168,37 @@ def test_gc_is_off_during_training_and_collects_every_n_steps_on_schedule(tmp_pa
     # the gc hook runs before user hooks: step 3's collection shows in step 3's record
     assert collected_at in ([3, 6, 9], [4, 7]), seen
     assert all(b - a == 1 for a, b in zip(counts, counts[1:]) if b != a), counts  # one collection each
+
+
+def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, monkeypatch):
+    """The loop times its 2048^2 matmul (the MFU denominator) before it starts the ISA probe's
+    background g++ runs: measured beside them on 2 cores, the peak came out low and a run printed an
+    MFU of 107.7%. The run is stopped where the probe would start (nothing is compiled)."""
+    from functrain import compile_cache, loop, metrics, parallel
+    from functrain.models.gpt import task as gpt_task
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def probe():
+        calls.append("probe")
+        raise Stop
+
+    monkeypatch.setattr(compile_cache, "setup", lambda mode, workdir=None: tmp_path / "cache")  # no global change
+    monkeypatch.setattr(compile_cache, "start_isa_probe", probe)
+    monkeypatch.setattr(metrics, "measure_peak_flops", lambda device, *a, **k: calls.append("peak") or 1e11)
+    spec = importlib.util.spec_from_file_location("gpt_config", PKG.parent / "configs" / "gpt.py")
+    gpt_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt_config)
+    c = gpt_config.get_config("tiny")
+    c.steps, c.compile, c.tensorboard, c.host_memory = 3, True, False, "default"
+    c.checkpoint.enabled = False
+    c.data.cache_dir = str(tmp_path / "data")
+    with parallel.setup(c.mesh) as ctx:
+        t = gpt_task.build(c, ctx, tmp_path / "run")
+        with pytest.raises(Stop):
+            loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx,
+                     print_fn=lambda *a: None)
+    assert calls == ["peak", "probe"]
