@@ -23,6 +23,10 @@ GFLOP/s (the spread is machine load: the VM is shared):
       floor_mfu 74-85% hot / 68-78% cold; the default run itself reaches ~67%. Its 128 x 128
       q/k/v/proj weight gradients and the attention (75-90 GFLOP/s) pull the floor down.
   --size 100m, 1 run (256 tokens, 151.6 GFLOP): 874 ms hot / 901 ms cold, floor_mfu 93.0% / 90.2%.
+On a 2-core AMD EPYC without AVX-512 (AVX2, 32 MB L3), 2026-11-25, 2048^2 rate 171-182 GFLOP/s:
+  --size default: 175 ms hot / 185 ms cold, floor_mfu 75.4% / 71.0%; the default run itself 56-59%
+      (`bench/step.py --sizes default --no-memory --steps 40`: forward + backward 203 ms of a 208 ms
+      step, eager 205 of 207).
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ On a 2-core AMD EPYC (AVX-512, torch 2.13.0+cpu), 2026-11-24, `--rounds 12` (100
 67.2 ms, fused AdamW 57.9, clip_grad_norm_ + fused AdamW 90.7, read_grads 15.3: 1.25x fused AdamW
 against a floor of 1.26x for any clipped update (functrain's own gradient read, fused into its
 norm kernel, costs 12.5 ms in a kernel profile; its AdamW kernels match fused AdamW's time).
+On a 2-core AMD EPYC without AVX-512 (AVX2, 32 MB L3; a noisy hour), 2026-11-25, the same command:
+functrain 107.3 ms, fused AdamW 89.6, clip_grad_norm_ + fused AdamW 140.1, read_grads 29.5: 1.20x
+against a floor of 1.33x.
 
 On one H100 80GB (torch 2.11.0+cu130, `--device cuda`, 100m, 97.6M fp32 params in 99 tensors):
 functrain 9.5 ms, fused AdamW 1.4 ms (6.8x), clip_grad_norm_ + fused AdamW 2.2 ms. Its compiled
