@@ -30,7 +30,8 @@ checkpoint writer its barrier group). A group's collectives then run one after t
 issue order, still asynchronously to the caller: a started all-gather still overlaps the compute
 that follows it; two collectives of one group no longer overlap each other (those of different
 groups still do: each group has its own context, device and threads). `threads_of(group)` reads a
-group's thread count back (tests check it is 1 on every group of a mesh).
+group's thread count back (tests check it is 1 on every group of a mesh); `is_gloo(group)` tells
+whether a group is gloo at all (`parallel.spmd` picks its gradient route by it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["worker_threads", "threads_of"]
+__all__ = ["worker_threads", "threads_of", "is_gloo"]
 
 
 def _gloo_class(threads: int):
@@ -111,9 +112,30 @@ def threads_of(group) -> int | None:
       >>> threads_of(ctx.mesh.get_group(0))
       1
     """
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except (RuntimeError, ValueError):
-        return None
-    opts = getattr(backend, "options", None)
+    opts = getattr(_cpu_backend(group), "options", None)
     return getattr(opts, "_threads", None)
+
+
+def is_gloo(group) -> bool:
+    """Whether `group` runs the collectives of CPU tensors on gloo.
+
+    Args:
+      group: a ProcessGroup (e.g. `mesh.get_group(i)`).
+
+    Returns:
+      True when its backend for CPU tensors is a `ProcessGroupGloo`.
+
+    Example:
+      >>> is_gloo(ctx.mesh.get_group(0))   # a CPU run under torchrun
+      True
+    """
+    cls = getattr(dist, "ProcessGroupGloo", None)
+    return cls is not None and isinstance(_cpu_backend(group), cls)
+
+
+def _cpu_backend(group):
+    """`group`'s backend for CPU tensors, or None where it has none."""
+    try:
+        return group._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError, AttributeError):
+        return None

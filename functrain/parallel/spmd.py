@@ -58,12 +58,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
+from functrain.parallel import gloo
 from functrain.parallel.layout import Layout
 from functrain.parallel.mesh import DP_AXES, dp_coordinates
 
@@ -156,7 +156,8 @@ class Spmd(Layout):
         # Data-parallel axes with more than one rank: gathered for compute, grads averaged.
         self.dp_dims = [i for i, n in enumerate(names) if n in DP_AXES and mesh.size(i) > 1]
         self.dp_rank, self.dp_world = dp_coordinates(mesh)
-        self._gloo = {d: _is_gloo(mesh, d) for d in self.dp_dims}  # read by the "auto" route
+        # read by the "auto" route; on a CUDA mesh the groups' gloo half never sees a gradient
+        self._gloo = {d: mesh.device_type == "cpu" and gloo.is_gloo(mesh.get_group(d)) for d in self.dp_dims}
 
     def _kind(self, p: DTensor):
         """("fsdp", dim) for Shard(0) on one dp dim, ("ddp", None) for Replicate on all, else None."""
@@ -358,17 +359,6 @@ def _route(gloo: bool) -> str:
     if REDUCE_SCATTER == "auto":
         return "all_reduce" if gloo else "reduce_scatter"
     return REDUCE_SCATTER
-
-
-def _is_gloo(mesh, dim: int) -> bool:
-    """Whether the collectives of CPU tensors on mesh dim `dim` run on a gloo process group."""
-    gloo = getattr(dist, "ProcessGroupGloo", None)
-    if gloo is None or mesh.device_type != "cpu":
-        return False
-    try:
-        return isinstance(mesh.get_group(dim)._get_backend(torch.device("cpu")), gloo)
-    except (RuntimeError, ValueError, AttributeError):
-        return False
 
 
 def _local(x, like=None):
