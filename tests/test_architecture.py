@@ -110,17 +110,23 @@ def test_the_learning_rate_is_what_the_optimizer_reports():
     assert lrs == pytest.approx([0.5, 0.25, 0.5 / 3])
 
 
-def test_hooks_run_on_their_steps_and_at_the_end(tmp_path):
-    from functrain import loop, parallel
-
+def _tiny_config(tmp_path):
+    """configs/gpt.py's tiny variant, checkpoints off, its data cache under `tmp_path`."""
     spec = importlib.util.spec_from_file_location("gpt_config", PKG.parent / "configs" / "gpt.py")
     gpt_config = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpt_config)
     c = gpt_config.get_config("tiny")
-    c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 7, False, 100, 100, False
     c.checkpoint.enabled = False
-    c.sample.max_new_tokens = 2
     c.data.cache_dir = str(tmp_path / "data")
+    return c
+
+
+def test_hooks_run_on_their_steps_and_at_the_end(tmp_path):
+    from functrain import loop, parallel
+
+    c = _tiny_config(tmp_path)
+    c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 7, False, 100, 100, False
+    c.sample.max_new_tokens = 2
     seen = []
     hooks = [loop.every(3, lambda info: seen.append(("every3", info.step, info.final))),
              loop.every(5, lambda info: seen.append(("every5", info.step, info.final)), at_end=False)]
@@ -142,14 +148,9 @@ def test_gc_is_off_during_training_and_collects_every_n_steps_on_schedule(tmp_pa
     from functrain import loop, parallel
     from functrain.models.gpt import task as gpt_task
 
-    spec = importlib.util.spec_from_file_location("gpt_config", PKG.parent / "configs" / "gpt.py")
-    gpt_config = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpt_config)
-    c = gpt_config.get_config("tiny")
+    c = _tiny_config(tmp_path)
     c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard, c.gc_every = 9, False, 100, 100, False, 3
-    c.checkpoint.enabled = False
     c.sample.max_new_tokens = 2
-    c.data.cache_dir = str(tmp_path / "data")
     seen = []
 
     def record(info):
@@ -189,13 +190,8 @@ def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, m
     monkeypatch.setattr(compile_cache, "setup", lambda mode, workdir=None: tmp_path / "cache")  # no global change
     monkeypatch.setattr(compile_cache, "start_isa_probe", probe)
     monkeypatch.setattr(metrics, "measure_peak_flops", lambda device, *a, **k: calls.append("peak") or 1e11)
-    spec = importlib.util.spec_from_file_location("gpt_config", PKG.parent / "configs" / "gpt.py")
-    gpt_config = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpt_config)
-    c = gpt_config.get_config("tiny")
+    c = _tiny_config(tmp_path)
     c.steps, c.compile, c.tensorboard, c.host_memory = 3, True, False, "default"
-    c.checkpoint.enabled = False
-    c.data.cache_dir = str(tmp_path / "data")
     with parallel.setup(c.mesh) as ctx:
         t = gpt_task.build(c, ctx, tmp_path / "run")
         with pytest.raises(Stop):
