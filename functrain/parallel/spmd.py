@@ -30,13 +30,12 @@ Reduce-scatter routes (`REDUCE_SCATTER`). gloo has no reduce-scatter of its own:
 `ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the whole (w, S) input, all-reduces the
 clone and copies this rank's row out when waited on. So on gloo groups the default ("auto") runs
 "all_reduce": the bucket all-reduced (`funcol.all_reduce`) and this rank's row copied out, so the
-(w, S) sum is freed at once. Same collective, same
-bits (tests/test_parallel_dist.py), one whole-bucket copy fewer. Measured interleaved in one run
-(`bench/sharded.py --remat none --reduce-scatter reduce_scatter,all_reduce`, 2 gloo ranks, 2-core
-AMD EPYC, torch 2.13, OMP_NUM_THREADS=1, 2026-11-25): 6 x 512 1.404 vs 1.489 and 1.663 vs 1.696
-s/step, a live peak of 236 vs 262 and 248 vs 278 MiB per rank (two runs); 12 x 512 3.083 vs 3.560
-s/step, 428 vs 496 MiB. Elsewhere (nccl)
-"auto" is the backend's reduce-scatter, which moves half an all-reduce's bytes.
+(w, S) sum is freed at once. Same collective, same bits (tests/test_parallel_dist.py), one
+whole-bucket copy fewer. Measured interleaved in one run (`bench/sharded.py --remat none
+--reduce-scatter reduce_scatter,all_reduce`, 2 gloo ranks, 2-core AMD EPYC, torch 2.13,
+OMP_NUM_THREADS=1, 2026-11-25): 6 x 512 1.404 vs 1.489 and 1.663 vs 1.696 s/step, a live peak of 236
+vs 262 and 248 vs 278 MiB per rank (two runs); 12 x 512 3.083 vs 3.560 s/step, 428 vs 496 MiB.
+Elsewhere (nccl) "auto" is the backend's reduce-scatter, which moves half an all-reduce's bytes.
 
 "all_to_all" (opt-in): each rank sends row j of its gradient buffer (w, S) to rank j with
 `all_to_all_single` (nothing to itself) and adds the w-1 rows it receives to its own. The
