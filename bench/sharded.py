@@ -89,8 +89,8 @@ class Functrain:
     the whole model gathered before the forward with `whole=True` (the route before issue 12)."""
 
     def __init__(self, model, ctx, lr, clip, compile, compile_options=None, remat="full", whole=False,
-                 reduce_scatter=None):
-        self.reduce_scatter = reduce_scatter  # spmd.REDUCE_SCATTER for this method's steps (None: as set)
+                 reduce_scatter="auto"):
+        self.reduce_scatter = reduce_scatter  # spmd.REDUCE_SCATTER for this method's steps
         opt = optim.chain(optim.clip_by_global_norm(clip), optim.adamw(lr, weight_decay=0.1))
         if whole:
             def loss_fn(params, batch, key):
@@ -108,8 +108,7 @@ class Functrain:
                    for x in optree.tree_leaves((self.state.params, self.state.opt_state)))
 
     def step(self, batch):
-        if self.reduce_scatter:  # read while tracing; Dynamo guards it, so set before every call
-            spmd.REDUCE_SCATTER = self.reduce_scatter
+        spmd.REDUCE_SCATTER = self.reduce_scatter  # read while tracing; Dynamo guards it: set before every call
         self.state, m = self.step_fn(self.state, batch)
         return m["loss"]
 
@@ -257,7 +256,6 @@ def main():
     for route in routes:
         if route not in spmd.ROUTES:
             ap.error(f"--reduce-scatter: unknown route {route!r}; use one of {', '.join(spmd.ROUTES)}")
-    spmd.REDUCE_SCATTER = routes[0]
     if args.bucket_numel:
         spmd.BUCKET_NUMEL = args.bucket_numel
     ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1}, gloo_threads=args.gloo_threads)
@@ -270,17 +268,16 @@ def main():
     options = {"options": {"reorder_for_compute_comm_overlap": True}} if args.reorder else None
     unit = True if args.compile_unit == "step" else "blocks"
     methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
-                                      compile_options=options, remat=args.remat,
-                                      reduce_scatter=routes[0] if len(routes) > 1 else None)}
+                                      compile_options=options, remat=args.remat, reduce_scatter=routes[0])}
     for route in routes[1:]:
         methods[f"functrain-{route}"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
                                                   compile_options=options, remat=args.remat, reduce_scatter=route)
     if args.whole:
         methods["functrain-whole"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
-                                               compile_options=options, whole=True)
+                                               compile_options=options, whole=True, reduce_scatter=routes[0])
     if args.eager:
         methods["functrain-eager"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=False,
-                                               remat=args.remat)
+                                               remat=args.remat, reduce_scatter=routes[0])
     methods["fsdp2"] = FSDP2(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip)
     setup_mib = (_rss_kib("VmRSS") - rss0) / 1024
 
