@@ -349,7 +349,8 @@ def restore(
     Returns:
       A concurrent.futures.Future resolving to the restored pytree (same structure as the template);
       it raises CheckpointError if a chunk is missing or corrupt. Its attribute ``missing`` lists the
-      names of the leaves taken from ``defaults`` (empty if none).
+      names of the leaves taken from ``defaults`` (empty if none). A (non-daemon) thread waits for
+      the reads: a program that exits without asking for the result exits once they have finished.
 
     Example:
       >>> fut = restore("/ckpt/100", abstract(fresh_state), defaults=fresh_state, strict=True)
