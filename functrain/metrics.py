@@ -199,7 +199,7 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
+def measure_peak_flops(device: torch.device | str, dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
     """Measured matmul FLOP/s on `device`: the practical peak MFU is reported against where no
     published peak applies (CPUs).
 
@@ -208,7 +208,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     which once made the run print an MFU of 110.9%).
 
     Args:
-      device: where to measure.
+      device: where to measure (a torch.device or its name, e.g. "cpu").
       dtype: matmul dtype.
       seconds: time budget (the best of the repetitions inside it is kept).
 
@@ -216,8 +216,9 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
       FLOP/s.
 
     Example:
-      >>> measure_peak_flops(torch.device("cpu"))  # e.g. 1.9e11
+      >>> measure_peak_flops("cpu")  # e.g. 1.9e11
     """
+    device = torch.device(device)
     n = 2048 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
