@@ -189,8 +189,19 @@ _GPU_PEAKS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 9
               "L40S": 362e12, "A10": 125e12, "V100": 125e12}
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """Known peak FLOP/s of one accelerator (bf16 dense), or None when unknown (e.g. CPU)."""
+def peak_flops(device: torch.device | str) -> float | None:
+    """Known peak FLOP/s of one accelerator (bf16 dense), or None when unknown (e.g. CPU).
+
+    Args:
+      device: a torch.device or its name (e.g. "cuda:0").
+
+    Returns:
+      The data sheet's dense bf16 FLOP/s, or None.
+
+    Example:
+      >>> peak_flops("cuda")  # 9.89e14 on an H100 SXM
+    """
+    device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for frag, peak in _GPU_PEAKS.items():

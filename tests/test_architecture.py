@@ -201,8 +201,9 @@ def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, m
 
 
 def test_the_mfu_denominator_is_the_best_2048_cubed_matmul_rate_and_takes_a_device_name(monkeypatch):
-    """measure_peak_flops("cpu") (a name, as users write it; it once demanded a torch.device) times a
-    2048^2 matmul and keeps the best rate: on a clock that ticks 1 s a reading, 2 * 2048^3 FLOP/s."""
+    """measure_peak_flops("cpu") (a name, as users write it; it and peak_flops once demanded a
+    torch.device) times a 2048^2 matmul and keeps the best rate: on a clock that ticks 1 s a reading,
+    2 * 2048^3 FLOP/s. A CPU has no data-sheet peak."""
     import itertools
     import time
 
@@ -211,3 +212,4 @@ def test_the_mfu_denominator_is_the_best_2048_cubed_matmul_rate_and_takes_a_devi
     clock = itertools.count()
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
     assert metrics.measure_peak_flops("cpu", seconds=2.5) == 2 * 2048**3
+    assert metrics.peak_flops("cpu") is None
