@@ -26,7 +26,7 @@ ISA = torch.backends.cpu.get_cpu_capability().lower()  # the subdirectory every 
 REPO = Path(__file__).resolve().parent.parent
 
 _WORKER = r"""
-import json, sys
+import json, os, sys
 import torch
 from functrain import compile_cache, init_state, make_train_step, optim
 
@@ -43,6 +43,15 @@ def loss_fn(params, batch, key):
 lr = float(sys.argv[3]) if len(sys.argv) > 3 else 0.1
 opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(lr, 0, 10), weight_decay=0.1))
 state = init_state(model, opt)
+mesh_copies = None
+if os.environ.get("WORKER_MESH"):  # params and optimizer state as DTensors on a 1-process mesh
+    import copy, pickle
+    from functrain import parallel
+    mesh = parallel.setup({"dp_shard": -1}, mesh_on_single_process=True).mesh
+    hash(mesh)  # caches the per-process hash that the mesh's pickle leaves out
+    mesh_copies = [pickle.loads(pickle.dumps(mesh)) == mesh, copy.deepcopy(mesh) == mesh,
+                   hash(pickle.loads(pickle.dumps(mesh))) == hash(mesh)]
+    state = parallel.shard_state(state, mesh)
 step = make_train_step(loss_fn, opt, donate=False)
 x = torch.linspace(-2, 2, 32).reshape(8, 4)
 batch = (x, x.sum(1, keepdim=True).sin())
@@ -51,17 +60,18 @@ for _ in range(2):
     state, metrics = step(state, batch)
     losses.append(metrics["loss"].item())
 print(json.dumps({"dir": str(cache), "stats": compile_cache.stats(), "losses": losses,
-                  "params": {k: v.tolist() for k, v in state.params.items()},
-                  "report": compile_cache.report(cache)}))
+                  "params": {k: getattr(v, "full_tensor", lambda: v)().tolist() for k, v in state.params.items()},
+                  "report": compile_cache.report(cache), "mesh_copies": mesh_copies}))
 """
 
 
-def _compile_in_subprocess(mode: str, workdir: Path, *args: str) -> dict:
-    """Runs the worker in a fresh Python process; returns what it printed."""
+def _compile_in_subprocess(mode: str, workdir: Path, *args: str, extra_env: dict | None = None) -> dict:
+    """Runs the worker in a fresh Python process (`extra_env` added to its environment); returns
+    what it printed."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
                         "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(extra_env or {}))
     out = subprocess.run([sys.executable, "-c", _WORKER, mode, str(workdir), *args], env=env, cwd=str(workdir),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -118,6 +128,21 @@ def test_copied_workdir_is_warm(cold_run, tmp_path):
     s = third["stats"]
     assert s["aot_hit"] > 0 and s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
     assert third["losses"] == first["losses"] and third["params"] == first["params"]
+
+
+def test_sharded_step_is_warm_in_a_process_with_another_string_hash_seed(tmp_path):
+    """A step over DTensors takes the DeviceMesh as a graph input, and torch 2.13 pickled the mesh's
+    per-process string hash into both cache keys: every process missed (functrain.parallel.cache_key).
+    Two processes with different PYTHONHASHSEEDs, params and AdamW state sharded on a 1-process mesh."""
+    cache = str(tmp_path / "cache")
+    first = _compile_in_subprocess(cache, tmp_path, extra_env={"WORKER_MESH": "1", "PYTHONHASHSEED": "1"})
+    assert first["stats"]["fxgraph_miss"] > 0 and first["stats"]["aot_miss"] > 0, first["stats"]
+    second = _compile_in_subprocess(cache, tmp_path, extra_env={"WORKER_MESH": "1", "PYTHONHASHSEED": "2"})
+    s = second["stats"]
+    assert s["fxgraph_hit"] > 0 and s["aot_hit"] > 0, s
+    assert s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
+    assert second["losses"] == first["losses"] and second["params"] == first["params"]
+    assert first["mesh_copies"] == [True, True, True]  # pickle and deepcopy still give the same mesh
 
 
 @pytest.mark.parametrize("mode", ["usr", "", "Workdir", "cache", None])

@@ -14,6 +14,7 @@ Example:
     >>> parallel.teardown()
 """
 
+from functrain.parallel import cache_key  # stable compile-cache keys for sharded steps
 from functrain.parallel import gloo  # gloo groups with one worker thread (a torch heap-corruption bug)
 from functrain.parallel import spmd  # registers the mesh-wide norm with functrain.tree
 from functrain.parallel.data import data_parallel_kwargs, split_batch
@@ -47,6 +48,8 @@ from functrain.parallel.sharding import (
 )
 from functrain.parallel.tp import copy_to_tp, reduce_from_tp, tensor_parallel
 
+cache_key.register()
+
 __all__ = [
     "LOCAL",
     "Layout",
@@ -54,6 +57,7 @@ __all__ = [
     "is_dtensor",
     "layout_of",
     "dp_coordinates",
+    "cache_key",
     "gloo",
     "spmd",
     "RegatherPass",
