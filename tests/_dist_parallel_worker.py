@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import time
 import traceback
 
 import optree
@@ -484,6 +485,8 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
     """Compiled sharded step: one graph (compile="blocks": one per stage kind), no recompile over 6
     steps, equal to eager and to 1 process."""
     import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -500,14 +503,18 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
     step = make_train_step(make_loss(tp_model), opt, compile=compile, compile_options={"backend": backend})
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     hist = []
-    try:
-        for i, b in enumerate(batches):
-            torch._dynamo.config.error_on_recompile = i > 0
-            state, m = step(state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world))
-            hist.append({k: float(v) for k, v in m.items()})
-    finally:
-        torch._dynamo.config.error_on_recompile = False
-        passes.close()
+    # The pass log counts what the post-grad passes did while inductor compiled; a compile-cache hit
+    # runs no pass (sharded steps hit since parallel.cache_key), so this step always compiles (kernels
+    # still come from inductor's code cache: force_disable_caches would compile those again too).
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        try:
+            for i, b in enumerate(batches):
+                torch._dynamo.config.error_on_recompile = i > 0
+                state, m = step(state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world))
+                hist.append({k: float(v) for k, v in m.items()})
+        finally:
+            torch._dynamo.config.error_on_recompile = False
+            passes.close()
     full, full_eager = parallel.gather(state), parallel.gather(eager)
     return {
         "unique_graphs": counters["stats"]["unique_graphs"],
@@ -551,6 +558,8 @@ def s_single(_ctx):
     return out
 
 
+SLOW_BACKEND = "inductor" if os.environ.get("FUNCTRAIN_SLOW_TESTS") else "aot_eager"
+
 SUITES = {
     "eager2": [
         ("fsdp", {"dp_shard": 2}, s_fsdp),
@@ -587,15 +596,16 @@ SUITES = {
         ("sample_tp", {"dp_shard": 1, "tp": 2}, s_sample),
     ],
     "compiled2": [
-        ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, "inductor")),
+        # the whole-model gather and the staged one-graph step: inductor under FUNCTRAIN_SLOW_TESTS
+        # (each a cold inductor compile on both ranks: ~100 s of CI on 2 cores); the collectives they
+        # trace are the same under aot_eager, and inductor lowers those in compiled_kept_fsdp
+        ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, SLOW_BACKEND)),
         ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
-        # the staged one-graph step: inductor under FUNCTRAIN_SLOW_TESTS (~100 s of CI on 2 cores);
-        # the gathers and reduce-scatters it traces are the same under aot_eager
         ("compiled_stages_fsdp", {"dp_shard": 2},
-         lambda ctx: s_compiled(ctx, "inductor" if os.environ.get("FUNCTRAIN_SLOW_TESTS") else "aot_eager",
-                                make_loss=staged_loss_for("full"))),
+         lambda ctx: s_compiled(ctx, SLOW_BACKEND, make_loss=staged_loss_for("full"))),
         # kept blocks under inductor: the post-grad passes (functrain.recompute's cheap activations
-        # recomputed after the forward, parallel.reshard's second gathers) rewrite this step's graph
+        # recomputed after the forward, parallel.reshard's second gathers) rewrite this step's graph;
+        # the one inductor compile of a sharded step in CI
         ("compiled_kept_fsdp", {"dp_shard": 2},
          lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("none"))),
         ("blocks_fsdp", {"dp_shard": 2},
@@ -647,10 +657,13 @@ def main(outdir: str, suite: str, only: list[str]) -> None:
     global OUTDIR
     OUTDIR = outdir
     results = {}
+    t0 = time.monotonic()
     for name, mesh_cfg, fn in SUITES[suite]:
         if only and name not in only:
             continue
-        print(f"scenario {name}", flush=True)  # a rank that dies names where in its failure's output tail
+        # a rank that dies names where in its failure's output tail; the time says where a suite's
+        # minutes go
+        print(f"scenario {name} at {time.monotonic() - t0:.1f} s", flush=True)
         try:
             ctx = parallel.setup(mesh_cfg, timeout_s=COLLECTIVE_TIMEOUT_S) if mesh_cfg is not None else None
             results[name] = {"result": fn(ctx)}
@@ -661,6 +674,7 @@ def main(outdir: str, suite: str, only: list[str]) -> None:
             results[name] = {"error": traceback.format_exc()}
             # now, not only in the results file: a rank left waiting for this one shows it too
             print(f"scenario {name} raised:\n{results[name]['error']}", flush=True)
+    print(f"suite {suite} done at {time.monotonic() - t0:.1f} s", flush=True)
     r = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(outdir, f"{suite}_rank{r}.json"), "w") as f:
         json.dump(results, f, indent=1)

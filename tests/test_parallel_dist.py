@@ -3,10 +3,12 @@
 Each suite is one launch of plain subprocesses with torchrun's env vars (tests/_dist_launch.py);
 the worker (tests/_dist_parallel_worker.py) runs every scenario of the suite, each against the
 plain single-process run of the same global batches, and reports numbers per scenario.
-Cost on 2 CPU cores: eager2 ~15 s, eager4 ~30 s, single ~6 s, compiled2 ~170 s with a cold inductor
-cache, ~105 s warm (one inductor compile of the FSDP step and one aot_eager capture of the TP step,
-each on both ranks at once; the TP step under inductor was checked by hand: one graph, params
-within 1.3e-7 of one process after 20 steps).
+Cost on 2 idle CPU cores: eager2 ~15 s, eager4 ~30 s, single ~6 s, compiled2 ~145 s with a cold
+inductor cache (one inductor compile, the kept-blocks FSDP step, and six aot_eager captures, each
+on both ranks at once; ~240 s when the whole-model-gather FSDP step was inductor too, as it is under
+FUNCTRAIN_SLOW_TESTS; the TP step under inductor was checked by hand: one graph, params within
+1.3e-7 of one process after 20 steps). Each rank prints where its scenarios start
+("scenario compiled_tp at 14.2 s").
 """
 
 from __future__ import annotations
