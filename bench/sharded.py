@@ -15,7 +15,8 @@ reset through /proc/self/clear_refs), max over rounds. Step times are the max ov
 printed: each method's peak of live tensor bytes over one more step under the profiler (what glibc
 keeps mapped after a free inflates the RSS, not this), and for the compiled step the gathered
 params alive at once from a model of its graph's buffers (`parallel.gathered_in_flight`, logged by
-the reshard pass while inductor compiles; not when the graph comes from inductor's cache).
+the reshard pass while inductor compiles; so the step compiles here, past inductor's FX graph and
+AOTAutograd caches, unless --warm-cache).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --eager   # + uncompiled
@@ -246,7 +247,17 @@ def main():
     ap.add_argument("--gloo-threads", type=int, default=1,
                     help="worker threads per gloo group (parallel.setup; torch's 2 can corrupt the heap)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="let functrain's step load from the FX graph and AOTAutograd caches (default: compile it "
+                         "here, so warm-up s is a cold compile and the gathered params are modelled every run)")
     args = ap.parse_args()
+
+    if not args.warm_cache:  # sharded steps' cache keys are stable since parallel.cache_key: a second run hits
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = False
+        functorch_config.enable_autograd_cache = False
 
     if args.profile:  # inductor's kernels appear in the profile by name
         import torch._inductor.config as inductor_config
@@ -364,7 +375,7 @@ def main():
         else:
             alive_blocks = None
             print("gathered params alive: not modelled (no graph compiled in this process: inductor's cache "
-                  "served it, or the step is eager; TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 compiles it here)")
+                  "served it under --warm-cache, or the step is eager)")
         speed = med["fsdp2"] / med["functrain"]
         peak_ratio = train_mib["functrain"][0] / train_mib["fsdp2"][0]
         print(f"steps/s ratio functrain / fsdp2: {speed:.3f}; train peak ratio functrain / fsdp2: {peak_ratio:.3f} "
