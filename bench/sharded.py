@@ -15,8 +15,8 @@ reset through /proc/self/clear_refs), max over rounds. Step times are the max ov
 printed: each method's peak of live tensor bytes over one more step under the profiler (what glibc
 keeps mapped after a free inflates the RSS, not this), and for the compiled step the gathered
 params alive at once from a model of its graph's buffers (`parallel.gathered_in_flight`, logged by
-the reshard pass while inductor compiles; so the step compiles here, past inductor's FX graph and
-AOTAutograd caches, unless --warm-cache).
+the reshard pass while inductor compiles; so the step compiles here, in a fresh cache directory,
+unless --warm-cache).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --eager   # + uncompiled
@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _mem import reset_peak, trim  # noqa: E402
-from functrain import apply, init_state, make_train_step, optim, parallel, rng  # noqa: E402
+from functrain import apply, compile_cache, init_state, make_train_step, optim, parallel, rng  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 from functrain.parallel import spmd  # noqa: E402
 
@@ -248,17 +248,12 @@ def main():
                     help="worker threads per gloo group (parallel.setup; torch's 2 can corrupt the heap)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--warm-cache", action="store_true",
-                    help="let functrain's step load from the FX graph and AOTAutograd caches (default: compile it "
-                         "here, so warm-up s is a cold compile and the gathered params are modelled every run)")
+                    help="let functrain's step load from the user's compile cache (default: compile_cache 'off', a "
+                         "fresh directory: warm-up s is a cold compile and the gathered params are modelled)")
     args = ap.parse_args()
 
-    if not args.warm_cache:  # sharded steps' cache keys are stable since parallel.cache_key: a second run hits
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
-
-        inductor_config.fx_graph_cache = False
-        functorch_config.enable_autograd_cache = False
-
+    # sharded steps' cache keys are stable since parallel.cache_key: a second run would hit
+    compile_cache.setup("user" if args.warm_cache else "off")
     if args.profile:  # inductor's kernels appear in the profile by name
         import torch._inductor.config as inductor_config
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 _WORKER = r"""
 import json, os, sys
 import torch
-from functrain import compile_cache, init_state, make_train_step, optim
+from functrain import compile_cache, init_state, make_train_step, optim, parallel
 
 cache = compile_cache.setup(sys.argv[1], sys.argv[2])
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -46,7 +46,6 @@ state = init_state(model, opt)
 mesh_copies = None
 if os.environ.get("WORKER_MESH"):  # params and optimizer state as DTensors on a 1-process mesh
     import copy, pickle
-    from functrain import parallel
     mesh = parallel.setup({"dp_shard": -1}, mesh_on_single_process=True).mesh
     hash(mesh)  # caches the per-process hash that the mesh's pickle leaves out
     mesh_copies = [pickle.loads(pickle.dumps(mesh)) == mesh, copy.deepcopy(mesh) == mesh,
@@ -60,7 +59,7 @@ for _ in range(2):
     state, metrics = step(state, batch)
     losses.append(metrics["loss"].item())
 print(json.dumps({"dir": str(cache), "stats": compile_cache.stats(), "losses": losses,
-                  "params": {k: getattr(v, "full_tensor", lambda: v)().tolist() for k, v in state.params.items()},
+                  "params": {k: v.tolist() for k, v in parallel.gather(state.params).items()},
                   "report": compile_cache.report(cache), "mesh_copies": mesh_copies}))
 """
 
