@@ -100,12 +100,14 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     Example:
       >>> summary = train(gpt_config.get_config("tiny"), "runs/tiny")
     """
-    from functrain import loop, optim, parallel, validate
+    from functrain import validate
 
     t_program = time.perf_counter()
+    # Every key checked before the heavy modules load: the loop's, the optimizer's, the family's.
+    validate.check_all(config, _checks(config))
+    from functrain import loop, optim, parallel
+
     family = _family(config)
-    # Every key checked before anything is loaded: the loop's, the optimizer's, the family's.
-    validate.check_all(config, [*validate.LOOP_CHECKS, *optim.config.CHECKS, *family.CHECKS])
     try:
         # torchrun env -> process group + mesh; plain python: none
         ctx = parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None)
@@ -138,11 +140,13 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
       >>> export_hf(llama_config.get_config("tiny"), "runs/llama-tiny", "runs/llama-tiny/hf-500",
       ...           "runs/llama-tiny/checkpoints/500")
     """
+    from functrain import validate
+
+    validate.check_all(config, _checks(config))
     from functrain import checkpoint as ckpt_lib
-    from functrain import loop, parallel, validate
+    from functrain import loop, parallel
 
     family = _family(config)
-    validate.check_all(config, [*validate.LOOP_CHECKS, *family.CHECKS])
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
     with parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None) as ctx:
         task = family.build(config, ctx, workdir)
@@ -154,24 +158,33 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
     return Path(path)
 
 
-def _family(config: Any):
-    """The `task` module of the model family `config.model.name`."""
+def _checks(config: Any) -> list:
+    """The checks of every key `config` has: the loop's, the optimizer's, its family's (no torch)."""
+    from functrain import validate
+    from functrain.optim.checks import CHECKS as optim_checks
+
+    return [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS]
+
+
+def _family(config: Any, module: str = "task"):
+    """The `task` (or `checks`) module of the model family `config.model.name`."""
     from functrain import validate
 
     name = config.model.get("name", "gpt")
     try:
-        return importlib.import_module(f"functrain.models.{name}.task")
-    except ModuleNotFoundError:
-        known = sorted(p.name for p in (Path(__file__).parent / "models").iterdir() if (p / "task.py").exists())
-        raise validate.fail("model.name", name, "one of " + ", ".join(repr(k) for k in known)) from None
+        if isinstance(name, str) and name.isidentifier():
+            return importlib.import_module(f"functrain.models.{name}.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name not in (f"functrain.models.{name}", f"functrain.models.{name}.{module}"):
+            raise  # a module the family imports is missing, not the family
+    families = Path(__file__).parent / "models"
+    known = sorted(p.name for p in families.iterdir() if (p / "task.py").exists() and (p / "checks.py").exists())
+    raise validate.fail("model.name", name, "one of " + ", ".join(repr(k) for k in known))
 
 
 def main(argv: list[str]) -> None:
     """Loads the config and runs `train`."""
     del argv
-    from functrain.checkpoint import CheckpointError
-    from functrain.data import DataError
-    from functrain.loop import TrainingError
     from functrain.validate import ConfigError
 
     try:
@@ -185,8 +198,16 @@ def main(argv: list[str]) -> None:
             export_hf(config, workdir, _EXPORT_HF.value, _EXPORT_FROM.value)
         else:
             train(config, workdir)
-    except (CheckpointError, ConfigError, DataError, TrainingError) as exc:
+    except ConfigError as exc:  # also raised before the modules below are loaded
         _fail(str(exc))
+    except Exception as exc:
+        from functrain.checkpoint import CheckpointError
+        from functrain.data import DataError
+        from functrain.loop import TrainingError
+
+        if isinstance(exc, (CheckpointError, DataError, TrainingError)):
+            _fail(str(exc))
+        raise
 
 
 def run() -> None:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Iterator
 
 import optree
@@ -303,6 +304,8 @@ def global_norm(tree: PyTree, *, fused: bool = False) -> torch.Tensor:
     xs = leaves(tree)
     if not xs:
         return torch.zeros((), dtype=torch.float32)
+    if not _NORMS and type(xs[0]).__module__.startswith("torch.distributed.tensor"):
+        importlib.import_module("functrain.parallel")  # DTensors made without it: it registers their norm
     for leaf_type, norm_of in _NORMS:  # e.g. DTensors: functrain.parallel registers the mesh-wide norm
         if isinstance(xs[0], leaf_type):
             return norm_of(xs, fused=fused)

@@ -1,8 +1,9 @@
 """Config validation: every value checked once, each failure one line naming the key and its range.
 
 A check is data: `(key, predicate, valid range in words)`. The loop's keys are in `LOOP_CHECKS`;
-the optimizer's (`functrain.optim.config.CHECKS`) and each model family's (its `task.py`) sit beside
-the code that reads them and use the same helpers. `check_all` raises one `ConfigError`:
+the optimizer's (`functrain.optim.checks`) and each model family's (its `checks.py`) sit beside the
+code that reads them and use the same helpers. Check modules import no torch: `python -m
+functrain.main` runs every check before the heavy modules load. `check_all` raises one `ConfigError`:
 
     functrain: error: batch_size=0 is out of range: an integer >= 1 (--config.batch_size)
 

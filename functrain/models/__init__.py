@@ -1,10 +1,13 @@
 """Model families. Each is a package `functrain/models/<name>/` holding the model (plain nn.Modules
-with no parallelism inside and their sharding rules beside them), its loss factory, and `task.py`,
-whose `build(config, ctx, workdir)` returns the `functrain.task.Task` the training loop runs.
+with no parallelism inside and their sharding rules beside them), its loss factory, `checks.py`
+(the checks of the config keys it reads, torch-free: `functrain.main` runs them before the heavy
+modules load) and `task.py`, whose `build(config, ctx, workdir)` returns the `functrain.task.Task`
+the training loop runs.
 
 The trainer knows no model: outside this package only `functrain.main` imports a model family (by
 the config's `model.name`).
 
 Families: `gpt` (byte-level or BPE GPT-2 style decoder), `llama` (Llama-family decoder with Hugging Face
-interop). What decoder LMs share (the loss factory, sampling) is `lm.py`.
+interop). What decoder LMs share (the loss factory, sampling) is `lm.py`, their shared config checks
+`checks.py`.
 """

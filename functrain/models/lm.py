@@ -27,7 +27,7 @@ from functrain.losses import chunked_cross_entropy
 from functrain.remat import Stage
 
 __all__ = [
-    "LMStages", "REMAT_CHECK", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "make_lm_loss_fn",
+    "LMStages", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "make_lm_loss_fn",
     "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
 ]
 
@@ -132,21 +132,6 @@ def init_blocks(model: nn.Module, block: Callable, *, device=None, dtype: torch.
         offset, local = where(name, p.shape) if where is not None else ([0] * p.ndim, list(p.shape))
         out[name] = block(name, p.shape, offset, local).to(device=device, dtype=dtype)
     return out
-
-
-def _is_remat(value) -> bool:
-    """Whether `value` is a remat policy or "auto"."""
-    if value == "auto":
-        return True
-    try:
-        remat_lib.parse_policy(value)
-        return True
-    except ValueError:
-        return False
-
-
-REMAT_CHECK = ("remat", (_is_remat, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)"))
-"""The `functrain.validate` check of a family's `remat` key."""
 
 
 def resolve_remat(value, mesh) -> "str | int":

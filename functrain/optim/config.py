@@ -13,34 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from functrain import precision as precision_lib
-from functrain import validate as v
+from functrain.optim.checks import CHECKS
 from functrain.optim.aliases import adamw, sgd
 from functrain.optim.base import Transform, chain
 from functrain.optim.schedules import Schedule, linear_warmup, warmup_cosine, warmup_linear
 from functrain.optim.transforms import clip_by_global_norm
 
 __all__ = ["CHECKS", "decay_mask", "from_config", "schedule_from_config"]
-
-_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-
-CHECKS: list = [
-    ("optim.name", v.one_of("adamw", "sgd")),
-    ("optim.lr", v.number_at_least(0.0)),
-    ("optim.min_lr", v.number_at_least(0.0)),
-    ("optim.schedule", v.one_of("cosine", "constant", "linear")),
-    ("optim.warmup_steps", v.int_at_least(0)),
-    ("optim.weight_decay", v.number_at_least(0.0)),
-    ("optim.b1", v.number_in(0.0, 1.0)),
-    ("optim.b2", v.number_in(0.0, 1.0)),
-    ("optim.eps", v.number_at_least(0.0, strict=True)),
-    ("optim.momentum", v.number_in(0.0, 1.0)),
-    ("optim.clip", v.number_at_least(0.0)),
-    ("optim.mu_dtype", v.one_of(*_DTYPES)),
-    ("optim.nu_dtype", v.one_of(*_DTYPES)),
-]
-"""The checks of `config.optim` (see `functrain.validate`)."""
 
 
 def schedule_from_config(c: Any, steps: int) -> Schedule:

@@ -24,27 +24,11 @@ from functrain.interop.hf import save_hf_directory
 from functrain.models import lm
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt import model as gpt_lib
+from functrain.models.gpt.checks import CHECKS
 from functrain.models.gpt.loss import _head_name, make_loss_fn
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
-
-
-CHECKS: list = [
-    ("model.vocab_size", v.int_at_least(0)),
-    ("model.block_size", v.int_at_least(1)),
-    ("model.n_layer", v.int_at_least(1)),
-    ("model.n_head", v.int_at_least(1)),
-    ("model.n_embd", v.int_at_least(1)),
-    ("model.dropout", v.number_in(0.0, 1.0)),
-    ("model.bias", v.boolean()),
-    ("loss_chunk_size", v.int_at_least(0)),
-    lm.REMAT_CHECK,
-    ("sample.max_new_tokens", v.int_at_least(0)),
-    ("sample.temperature", v.number_at_least(0.0)),
-    ("sample.top_k", v.int_at_least(0)),
-]
-"""The checks of the keys the GPT family reads (see `functrain.validate`)."""
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:

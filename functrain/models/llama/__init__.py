@@ -1,6 +1,7 @@
 """The Llama family: the model (`model.py`: RMSNorm, rotary embeddings, SwiGLU, grouped-query
 attention, optional tied head), its loss (`loss.py`), Hugging Face interop (`hf.py`) and the Task
 the training loop runs (`task.py`, imported on its own by `functrain.main`).
+The names below load on first use (`functrain._lazy`), so `checks.py` imports without torch.
 
 Example:
     >>> from functrain.models import llama
@@ -10,30 +11,37 @@ Example:
     >>> loss_fn = llama.make_loss_fn(template, remat="full")
 """
 
-from functrain.models.llama.hf import config_from_hf, export_hf_llama, hf_llama_config, hf_name, load_hf_params
-from functrain.models.llama.loss import make_loss_fn
-from functrain.models.llama.model import (
-    TP_RULES,
-    Llama,
-    LlamaConfig,
-    flops_per_token,
-    init_params,
-    num_params,
-    stages,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "Llama",
-    "LlamaConfig",
-    "TP_RULES",
-    "config_from_hf",
-    "export_hf_llama",
-    "flops_per_token",
-    "hf_llama_config",
-    "hf_name",
-    "init_params",
-    "load_hf_params",
-    "make_loss_fn",
-    "num_params",
-    "stages",
-]
+from functrain._lazy import lazy_exports
+
+_EXPORTS = {
+    "Llama": "functrain.models.llama.model:Llama",
+    "LlamaConfig": "functrain.models.llama.model:LlamaConfig",
+    "TP_RULES": "functrain.models.llama.model:TP_RULES",
+    "config_from_hf": "functrain.models.llama.hf:config_from_hf",
+    "export_hf_llama": "functrain.models.llama.hf:export_hf_llama",
+    "flops_per_token": "functrain.models.llama.model:flops_per_token",
+    "hf_llama_config": "functrain.models.llama.hf:hf_llama_config",
+    "hf_name": "functrain.models.llama.hf:hf_name",
+    "init_params": "functrain.models.llama.model:init_params",
+    "load_hf_params": "functrain.models.llama.hf:load_hf_params",
+    "make_loss_fn": "functrain.models.llama.loss:make_loss_fn",
+    "num_params": "functrain.models.llama.model:num_params",
+    "stages": "functrain.models.llama.model:stages",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
+    from functrain.models.llama.hf import config_from_hf, export_hf_llama, hf_llama_config, hf_name, load_hf_params
+    from functrain.models.llama.loss import make_loss_fn
+    from functrain.models.llama.model import (
+        TP_RULES,
+        Llama,
+        LlamaConfig,
+        flops_per_token,
+        init_params,
+        num_params,
+        stages,
+    )

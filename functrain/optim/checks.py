@@ -1,0 +1,33 @@
+"""The checks of a run config's `optim` keys (see `functrain.validate`): plain Python, no torch, so
+`python -m functrain.main` reports a bad value before the heavy modules load.
+`functrain.optim.config` (which reads these keys) re-exports `CHECKS`.
+
+Example:
+    >>> validate.check_all(config, CHECKS)
+"""
+
+from __future__ import annotations
+
+from functrain import validate as v
+
+__all__ = ["CHECKS", "DTYPES"]
+
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+"""The names `optim.mu_dtype` / `optim.nu_dtype` accept."""
+
+CHECKS: list = [
+    ("optim.name", v.one_of("adamw", "sgd")),
+    ("optim.lr", v.number_at_least(0.0)),
+    ("optim.min_lr", v.number_at_least(0.0)),
+    ("optim.schedule", v.one_of("cosine", "constant", "linear")),
+    ("optim.warmup_steps", v.int_at_least(0)),
+    ("optim.weight_decay", v.number_at_least(0.0)),
+    ("optim.b1", v.number_in(0.0, 1.0)),
+    ("optim.b2", v.number_in(0.0, 1.0)),
+    ("optim.eps", v.number_at_least(0.0, strict=True)),
+    ("optim.momentum", v.number_in(0.0, 1.0)),
+    ("optim.clip", v.number_at_least(0.0)),
+    ("optim.mu_dtype", v.one_of(*DTYPES)),
+    ("optim.nu_dtype", v.one_of(*DTYPES)),
+]
+"""The checks of `config.optim`."""

@@ -1,0 +1,72 @@
+"""The lazily loaded packages (`functrain._lazy`): every public name resolves, to the object that the
+package's `if TYPE_CHECKING:` imports (what static tools and readers see) name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+PACKAGES = ["functrain", "functrain.optim", "functrain.models.gpt", "functrain.models.llama"]
+
+
+def _type_checking_imports(package) -> dict[str, object]:
+    """name -> object for each `from X import name` under the package's `if TYPE_CHECKING:`."""
+    tree = ast.parse(inspect.getsource(package))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    out = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.dump(node)
+        for alias in node.names:
+            module = importlib.import_module(node.module)
+            if not hasattr(module, alias.name):  # a submodule (`from functrain import optim`)
+                importlib.import_module(f"{node.module}.{alias.name}")
+            out[alias.name] = getattr(module, alias.name)
+    return out
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_every_public_name_is_the_one_the_static_imports_name(name):
+    package = importlib.import_module(name)
+    static = _type_checking_imports(package)
+    assert sorted(package.__all__) == sorted(static)
+    for attr in package.__all__:
+        assert getattr(package, attr) is static[attr], attr
+    assert set(package.__all__) <= set(dir(package))
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        getattr(package, "no_such_name")
+
+
+def test_importing_the_packages_and_the_config_checks_loads_no_torch():
+    code = ("import sys, functrain, functrain.optim.checks, functrain.models.gpt.checks, "
+            "functrain.models.llama.checks, functrain.defaults\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'tensorstore') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_global_norm_of_dtensors_made_without_functrain_parallel_is_the_mesh_wide_norm():
+    """`import functrain` no longer imports `functrain.parallel` (which registers the DTensor norm with
+    `functrain.tree`); a tree of DTensors made with torch alone still gets the mesh-wide norm."""
+    code = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from functrain import tree
+assert "functrain.parallel" not in sys.modules
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+xs = {"a": torch.arange(12.0).reshape(4, 3), "b": torch.ones(5)}
+norm = tree.global_norm({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in xs.items()})
+want = torch.cat([v.flatten() for v in xs.values()]).norm()
+print(type(norm).__name__, norm.dtype, bool(torch.equal(norm, want)), "functrain.parallel" in sys.modules)
+dist.destroy_process_group()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["Tensor", "torch.float32", "True", "True"], proc.stdout
