@@ -14,43 +14,12 @@ from functrain._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "checkpoint": "functrain.checkpoint",
-    "CheckpointError": "functrain.checkpoint.errors:CheckpointError",
-    "losses": "functrain.losses",
-    "memory": "functrain.memory",
-    "metric_names": "functrain.metric_names",
-    "ops": "functrain.ops",
-    "optim": "functrain.optim",
-    "per_example": "functrain.per_example",
-    "precision": "functrain.precision",
-    "remat": "functrain.remat",
-    "rng": "functrain.rng",
-    "tree": "functrain.tree",
-    "Task": "functrain.task:Task",
-    "TrainState": "functrain.state:TrainState",
-    "Guard": "functrain.state:Guard",
-    "init_guard": "functrain.state:init_guard",
-    "init_state": "functrain.state:init_state",
-    "params_of": "functrain.state:params_of",
-    "apply": "functrain.step:apply",
-    "apply_gradients": "functrain.step:apply_gradients",
-    "make_train_step": "functrain.step:make_train_step",
-    "make_eval_step": "functrain.step:make_eval_step",
-    "update_step": "functrain.step:update_step",
-    "value_and_grad": "functrain.step:value_and_grad",
-    "load_dataset": "functrain.data.corpus:load_dataset",
-    "get_batch": "functrain.data.batches:get_batch",
-    "eval_batches": "functrain.data.batches:eval_batches",
-    "DataError": "functrain.data.errors:DataError",
-}
-__all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
+if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain import checkpoint, losses, memory, metric_names, ops, optim, per_example, precision, remat, rng, tree
     from functrain.checkpoint import CheckpointError
     from functrain.data import DataError, eval_batches, get_batch, load_dataset
     from functrain.state import Guard, TrainState, init_guard, init_state, params_of
     from functrain.step import apply, apply_gradients, make_train_step, make_eval_step, update_step, value_and_grad
     from functrain.task import Task
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -15,25 +15,7 @@ from typing import TYPE_CHECKING
 
 from functrain._lazy import lazy_exports
 
-_EXPORTS = {
-    "Llama": "functrain.models.llama.model:Llama",
-    "LlamaConfig": "functrain.models.llama.model:LlamaConfig",
-    "TP_RULES": "functrain.models.llama.model:TP_RULES",
-    "config_from_hf": "functrain.models.llama.hf:config_from_hf",
-    "export_hf_llama": "functrain.models.llama.hf:export_hf_llama",
-    "flops_per_token": "functrain.models.llama.model:flops_per_token",
-    "hf_llama_config": "functrain.models.llama.hf:hf_llama_config",
-    "hf_name": "functrain.models.llama.hf:hf_name",
-    "init_params": "functrain.models.llama.model:init_params",
-    "load_hf_params": "functrain.models.llama.hf:load_hf_params",
-    "make_loss_fn": "functrain.models.llama.loss:make_loss_fn",
-    "num_params": "functrain.models.llama.model:num_params",
-    "stages": "functrain.models.llama.model:stages",
-}
-__all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-
-if TYPE_CHECKING:  # what static tools see; at run time each name loads on first use
+if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain.models.llama.hf import config_from_hf, export_hf_llama, hf_llama_config, hf_name, load_hf_params
     from functrain.models.llama.loss import make_loss_fn
     from functrain.models.llama.model import (
@@ -45,3 +27,5 @@ if TYPE_CHECKING:  # what static tools see; at run time each name loads on first
         num_params,
         stages,
     )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)
