@@ -13,6 +13,9 @@ picks that directory and turns both caches on; call it before anything is compil
 
   "user"     a per-user directory shared by all runs: `$TORCHINDUCTOR_CACHE_DIR` if the user set
              it, else `$XDG_CACHE_HOME/functrain/inductor` (default `~/.cache/functrain/inductor`).
+             Importing torch._dynamo writes torch's own default (`/tmp/torchinductor_<user>`) into
+             that variable when it is unset; that value counts as unset (it did not: every run
+             cached into /tmp, which a reboot empties).
   "workdir"  `<workdir>/compile_cache`: the cache travels with the run directory, so a restart on
              another machine (or from a copy of the workdir at another path) compiles warm. The
              directory holds everything a warm start needs, compiled C++ libraries included; torch's
@@ -149,6 +152,15 @@ def start_isa_probe() -> threading.Thread:
     return thread
 
 
+def _torch_default() -> str | None:
+    """The directory torch writes into TORCHINDUCTOR_CACHE_DIR when it is unset (import of Dynamo)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch layout: then only setup's own value is told apart
+        return None
+    return default_cache_dir()
+
+
 def _probe_isa() -> None:
     """Runs (and so memoizes) inductor's vector-ISA probe; a failure is left for inductor to meet."""
     try:
@@ -176,7 +188,7 @@ def _resolve(mode: str, workdir) -> Path:
         )
     if mode == "user":
         env = os.environ.get(_ENV)
-        if env and env != _set_by_setup:  # set by the user, not by an earlier setup() in this process
+        if env and env not in (_set_by_setup, _torch_default()):  # the user's, not setup's nor torch's
             return Path(env).expanduser().absolute()
         if env and _set_by_user:  # an earlier setup() replaced the user's dir: back to it
             return Path(_set_by_user).expanduser().absolute()

@@ -179,6 +179,22 @@ def test_directories(env, tmp_path):
     assert compile_cache.setup("user") == tmp_path / "xdg" / "functrain" / "inductor" / ISA
 
 
+def test_user_mode_is_the_per_user_directory_after_torch_wrote_its_default(tmp_path):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default when the user left
+    it unset; "user" is still $XDG_CACHE_HOME/functrain/inductor then, and a user's value still wins."""
+    code = ("import os, sys, torch._dynamo; from functrain import compile_cache; "
+            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR')); print(compile_cache.setup('user'))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    for user_dir, want in ((None, tmp_path / "xdg" / "functrain" / "inductor"), (tmp_path / "mine", tmp_path / "mine")):
+        if user_dir is not None:
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(user_dir)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        torch_wrote, got = out.stdout.strip().splitlines()[-2:]
+        assert torch_wrote and Path(got) == want / Path(got).name, (torch_wrote, got)  # + the ISA key
+
+
 def test_directories_are_keyed_by_the_cpu_isa(tmp_path):
     """Kernels compiled for one vector ISA are never served under another (torch's key omits it)."""
     code = ("import sys; from functrain import compile_cache; "
