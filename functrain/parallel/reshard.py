@@ -50,6 +50,8 @@ import logging
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from functrain import remat  # noqa: F401 - registers functrain::remat_barrier, which `regather` inserts
+
 __all__ = ["RegatherPass", "gathered_in_flight", "mark_forward_done", "regather"]
 
 _log = logging.getLogger(__name__)  # INFO: each compiled graph's gathered-params model (bench/sharded.py)
