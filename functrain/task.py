@@ -2,7 +2,8 @@
 
 In the spirit of optax's `GradientTransformation`, a `Task` is data: the loop (`functrain.loop.run`)
 calls these functions and knows nothing else about the model. A model family builds one from the
-run config in `functrain/models/<name>/task.py` (`build(config, ctx, workdir) -> Task`); research
+run config in `functrain/models/<name>/task.py` (`build(config, ctx, workdir) -> Task`), beside
+`checks.py` (`CHECKS`: its config keys' checks, torch-free, run by `functrain.main` first); research
 code builds its own, e.g. a loss that turns NaN on purpose, with no monkeypatching.
 
 Example:
