@@ -100,12 +100,9 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     Example:
       >>> summary = train(gpt_config.get_config("tiny"), "runs/tiny")
     """
-    from functrain import validate
-
     t_program = time.perf_counter()
-    # Every key checked before the heavy modules load: the loop's, the optimizer's, the family's.
-    validate.check_all(config, _checks(config))
-    from functrain import loop, optim, parallel
+    _check(config)  # every key, before the heavy modules load
+    from functrain import loop, optim, parallel, validate
 
     family = _family(config)
     try:
@@ -140,11 +137,9 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
       >>> export_hf(llama_config.get_config("tiny"), "runs/llama-tiny", "runs/llama-tiny/hf-500",
       ...           "runs/llama-tiny/checkpoints/500")
     """
-    from functrain import validate
-
-    validate.check_all(config, _checks(config))
+    _check(config)  # every key, before the heavy modules load
     from functrain import checkpoint as ckpt_lib
-    from functrain import loop, parallel
+    from functrain import loop, parallel, validate
 
     family = _family(config)
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
@@ -158,12 +153,12 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
     return Path(path)
 
 
-def _checks(config: Any) -> list:
-    """The checks of every key `config` has: the loop's, the optimizer's, its family's (no torch)."""
+def _check(config: Any) -> None:
+    """Checks every key of `config` (the loop's, the optimizer's, its family's) without torch."""
     from functrain import validate
     from functrain.optim.checks import CHECKS as optim_checks
 
-    return [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS]
+    validate.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
 
 
 def _family(config: Any, module: str = "task"):
