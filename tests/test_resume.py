@@ -247,3 +247,36 @@ def test_init_from_loads_params_only_onto_another_mesh(tmp_path):
     bad = _main(tmp_path / "bad", "--config.steps=1", f"--config.checkpoint.init_from={tmp_path / 'nowhere'}", check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         "functrain: error: checkpoint.init_from=")
+
+
+def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_path):
+    """With async restore and a compiled step the restore line gives the whole wait (the compile)
+    and, apart, when the bytes were in: the step compiling on the fresh state must not read as a
+    slow restore."""
+    import ml_collections
+
+    from functrain import init_state, loop, optim
+
+    params = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    saved = init_state(params, optim.adamw(1e-3), seed=1)
+    with ckpt.Manager(str(tmp_path / "checkpoints"), every=1) as mgr:
+        mgr.save(3, saved)
+        mgr.wait()
+        fresh = init_state({k: torch.zeros_like(v) for k, v in params.items()}, optim.adamw(1e-3), seed=2)
+        config = ml_collections.ConfigDict({"compile": True, "checkpoint": {
+            "async_restore": True, "resume_hyperparams": "config"}})
+        compiles = []
+
+        def slow_compile(state, batch):  # stands in for the first call of a compiled step
+            compiles.append(batch)
+            time.sleep(1.0)
+
+        lines = []
+        restored = loop._maybe_restore(mgr, fresh, slow_compile, lambda step: step, config, lines.append)
+    assert compiles == [3]
+    assert torch.equal(restored.params["w"], params["w"]) and int(restored.step) == int(saved.step)
+    match = re.fullmatch(r"restored checkpoint step 3 in ([\d.]+)s \(compile overlapped; its bytes were read in "
+                         r"([\d.]+)s\)", lines[0])
+    assert match, lines
+    total, read = map(float, match.groups())
+    assert total >= 1.0 and read <= total
