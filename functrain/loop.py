@@ -298,11 +298,7 @@ def run(
     print_fn = print_fn if main else _silent
     workdir = Path(workdir)
     validate.check_all(config, validate.LOOP_CHECKS)
-    if config.batch_size % (ctx.dp_world * config.accum_steps):
-        raise validate.ConfigError(
-            f"batch_size={config.batch_size} must divide by data-parallel ranks ({ctx.dp_world}) x "
-            f"accum_steps ({config.accum_steps}); change batch_size, accum_steps or the mesh (--config.batch_size)"
-        )
+    validate.check_batch(config.batch_size, config.accum_steps, ctx.dp_world)
     device = _device(config, ctx)
     if config.deterministic:
         torch.use_deterministic_algorithms(True)

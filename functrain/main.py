@@ -19,6 +19,7 @@ Bad input (unknown config key, bad value, missing data path) ends the program wi
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 import time
@@ -154,11 +155,22 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
 
 
 def _check(config: Any) -> None:
-    """Checks every key of `config` (the loop's, the optimizer's, its family's) without torch."""
-    from functrain import validate
+    """Checks every key of `config` (the loop's, the optimizer's, its family's), the mesh against
+    torchrun's world size and the batch against the mesh, without torch."""
+    from functrain import mesh_config, validate
     from functrain.optim.checks import CHECKS as optim_checks
 
     validate.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return  # a caller's own process group: parallel.setup checks the mesh against it
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ  # as parallel.setup decides
+    world = int(os.environ["WORLD_SIZE"]) if launched else 1
+    try:
+        shape = mesh_config.mesh_shape(config.mesh, world)
+    except ValueError as exc:
+        raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
+    validate.check_batch(config.batch_size, config.accum_steps, mesh_config.dp_world(shape) if world > 1 else 1)
 
 
 def _family(config: Any, module: str = "task"):

@@ -1,6 +1,7 @@
 """Config validation: every value checked once, each failure one line naming the key and its range.
 
-A check is data: `(key, predicate, valid range in words)`. The loop's keys are in `LOOP_CHECKS`;
+A check is data: `(key, predicate, valid range in words)`; `relation` checks several keys together
+(n_head dividing n_embd), `check_batch` the batch against the mesh. The loop's keys are in `LOOP_CHECKS`;
 the optimizer's (`functrain.optim.checks`) and each model family's (its `checks.py`) sit beside the
 code that reads them and use the same helpers. Check modules import no torch: `python -m
 functrain.main` runs every check before the heavy modules load. `check_all` raises one `ConfigError`:
@@ -28,10 +29,12 @@ __all__ = [
     "number_in",
     "one_of",
     "boolean",
+    "relation",
+    "check_batch",
     "LOOP_CHECKS",
 ]
 
-Check = tuple  # (dotted key, (predicate, valid range in words))
+Check = tuple  # (dotted key, (predicate, valid range in words)); a relation: ((key, ...), (predicate, rule))
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,12 @@ def check_all(config: Any, checks: Sequence[Check]) -> None:
       >>> check_all(config, [("steps", int_at_least(1))])
     """
     for key, (ok, valid) in checks:
+        if isinstance(key, tuple):  # a relation between keys (see `relation`)
+            values = [get(config, k) for k in key]
+            if not ok(*values):
+                named = ", ".join(f"{k}={v!r}" for k, v in zip(key, values))
+                raise ConfigError(f"{named}: {valid} ({' / '.join('--config.' + k for k in key)})")
+            continue
         value = get(config, key)
         if not ok(value):
             raise fail(key, value, valid)
@@ -102,6 +111,43 @@ def one_of(*choices) -> tuple[Callable[[Any], bool], str]:
 def boolean() -> tuple[Callable[[Any], bool], str]:
     """True or False."""
     return (lambda v: isinstance(v, bool)), "True or False"
+
+
+def relation(keys: Sequence[str], ok: Callable[..., bool], rule: str) -> Check:
+    """A check of several keys together, e.g. one that must divide another. List it after the
+    checks of its keys (`check_all` stops at the first failure, so `ok` sees valid values).
+
+    Args:
+      keys: the dotted keys, in the order `ok` takes their values.
+      ok: a predicate over the values.
+      rule: what must hold, in words, with the fix; the error line names every key and value.
+
+    Returns:
+      A check for `check_all`.
+
+    Example:
+      >>> relation(("model.n_embd", "model.n_head"), lambda e, h: e % h == 0,
+      ...          "n_head must divide n_embd")
+      # -> model.n_embd=128, model.n_head=5: n_head must divide n_embd (--config.model.n_embd / --config.model.n_head)
+    """
+    return tuple(keys), (ok, rule)
+
+
+def check_batch(batch_size: int, accum_steps: int, dp_world: int) -> None:
+    """Raises `ConfigError` unless `batch_size` splits into `dp_world` ranks x `accum_steps` micro-batches.
+
+    Args:
+      batch_size: the global batch (`config.batch_size`).
+      accum_steps: gradient-accumulation micro-batches per step.
+      dp_world: data-parallel ranks of the mesh (`functrain.mesh_config.dp_world`).
+
+    Example:
+      >>> check_batch(16, 2, 4)   # 2 rows per micro-batch per rank: fine
+    """
+    if batch_size % (dp_world * accum_steps):
+        raise ConfigError(
+            f"batch_size={batch_size} must divide by data-parallel ranks ({dp_world}) x accum_steps "
+            f"({accum_steps}); change batch_size, accum_steps or the mesh (--config.batch_size)")
 
 
 LOOP_CHECKS: list[Check] = [

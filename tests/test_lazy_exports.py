@@ -48,7 +48,7 @@ def test_the_top_level_names_are_the_documented_ones():
 
 def test_importing_the_packages_and_the_config_checks_loads_no_torch():
     code = ("import sys, functrain, functrain.optim.checks, functrain.models.gpt.checks, "
-            "functrain.models.llama.checks, functrain.defaults\n"
+            "functrain.models.llama.checks, functrain.defaults, functrain.mesh_config\n"
             "print(sorted(m for m in ('torch', 'numpy', 'tensorstore') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

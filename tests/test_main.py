@@ -106,23 +106,40 @@ def test_dist_timeout_reaches_the_parallel_setup(tmp_path, monkeypatch, value, e
     assert seen == {"timeout_s": expected}
 
 
-@pytest.mark.parametrize("flag", ["--config.batch_size=0", "--config.optim.b2=1.5", "--config.remat=sometimes",
-                                  "--config.model.name=nope", "--config.optim.lrr=1"])
-def test_bad_config_is_reported_before_torch_loads(tmp_path, flag):
-    """Every config check (the loop's, the optimizer's, the family's) is torch-free and runs first: a
-    typo costs a user ~0.3 s, not the ~3 s of importing torch, TensorStore and the compiler."""
+@pytest.mark.parametrize("flags, world, expected", [
+    ("--config.batch_size=0", None, "batch_size=0 is out of range"),
+    ("--config.optim.b2=1.5", None, "optim.b2=1.5 is out of range"),
+    ("--config.remat=sometimes", None, "remat='sometimes' is out of range"),
+    ("--config.model.name=nope", None, "model.name='nope'"),
+    ("--config.optim.lrr=1", None, "optim.lrr"),
+    ("--config.model.n_head=3", None, "model.n_embd=64, model.n_head=3: n_head must divide n_embd"),
+    ("--config.batch_size=15 --config.accum_steps=2", None,
+     "batch_size=15 must divide by data-parallel ranks (1) x accum_steps (2)"),
+    ("--config.mesh.dp_shard=2", None, "product 2 != world size 1; fix --config.mesh.*"),
+    ("--config.batch_size=15", "2", "batch_size=15 must divide by data-parallel ranks (2) x accum_steps (1)"),
+    ("--config.mesh.tp=2 --config.batch_size=15", "4", "data-parallel ranks (2)"),
+    ("--config.mesh.tp=3", "4", "world size 4 is not divisible by 3"),
+])
+def test_bad_config_is_reported_before_torch_loads(tmp_path, flags, world, expected):
+    """Every config check (the loop's, the optimizer's, the family's, the mesh against torchrun's
+    world size, the batch against the mesh) is torch-free and runs first: a typo costs a user ~0.4 s,
+    not the ~3-5 s of importing torch, TensorStore and the compiler."""
     code = (
         "import runpy, sys\n"
-        f"sys.argv = ['functrain.main', {f'--config={CONFIG}:tiny'!r}, {flag!r}]\n"
+        f"sys.argv = ['functrain.main', {f'--config={CONFIG}:tiny'!r}, *{flags.split()!r}]\n"
         "try:\n"
         "    runpy.run_module('functrain.main', run_name='__main__', alter_sys=True)\n"
         "except SystemExit as exit:\n"
         "    print('exit', exit.code, sorted(m for m in ('torch', 'tensorstore', 'numpy') if m in sys.modules))\n"
         "    raise\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    if world is not None:  # as torchrun sets them (rank 0 of `world`): no process group is started
+        env.update(WORLD_SIZE=world, RANK="0")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.stdout.strip() == "exit 2 []", proc.stdout + proc.stderr
-    assert flag.split("=")[0].removeprefix("--config.") in _error_line(proc)
+    assert expected in _error_line(proc)
 
 
 def test_missing_data_path_is_one_clear_error_line(tmp_path):
@@ -144,7 +161,8 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
     ("--config.remat=sometimes", "remat='sometimes' is out of range: 'auto', 'none', 'full' or a positive int N"),
     ("--config.optim.mu_dtype=int8", "optim.mu_dtype='int8' is out of range: one of 'float32'"),
     ("--config.max_consecutive_skips=-1", "max_consecutive_skips=-1 is out of range: an integer >= 0"),
-    ("--config.model.n_head=3", "model: n_embd=64 is not divisible by n_head=3"),
+    ("--config.model.n_head=3", "model.n_embd=64, model.n_head=3: n_head must divide n_embd (each head gets "
+                                "n_embd / n_head channels); change either (--config.model.n_embd / --config.model.n_head)"),
     ("--config.batch_size=15 --config.accum_steps=2", "batch_size=15 must divide by data-parallel ranks (1) x "
                                                        "accum_steps (2)"),
 ])

@@ -16,6 +16,7 @@ gpt_config = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpt_config)
 
 ALL = [*validate.LOOP_CHECKS, *optim.config.CHECKS, *gpt_task.CHECKS]
+SINGLE = [c for c in ALL if isinstance(c[0], str)]  # one key each; relations (several keys) below
 
 
 def _bad_value(valid: str, value):
@@ -40,7 +41,7 @@ def test_default_configs_pass_every_check(variant):
     validate.check_all(gpt_config.get_config(variant), ALL)
 
 
-@pytest.mark.parametrize("key, check", ALL, ids=[k for k, _ in ALL])
+@pytest.mark.parametrize("key, check", SINGLE, ids=[k for k, _ in SINGLE])
 def test_every_check_rejects_out_of_range_values_in_one_line(key, check):
     config = gpt_config.get_config("tiny").to_dict()  # plain dicts: ConfigDict would refuse a wrong type itself
     _, valid = check
@@ -58,3 +59,65 @@ def test_every_check_rejects_out_of_range_values_in_one_line(key, check):
 def test_each_key_is_checked_once():
     keys = [k for k, _ in ALL]
     assert len(keys) == len(set(keys))
+
+
+def _llama_config():
+    spec = importlib.util.spec_from_file_location("llama_config", Path(__file__).resolve().parent.parent / "configs" / "llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("tiny").to_dict()
+
+
+def _first_error(config, checks):
+    """The message of the first check `config` fails, or None."""
+    try:
+        validate.check_all(config, checks)
+    except validate.ConfigError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"n_embd": 64, "n_head": 3}, "model.n_embd=64, model.n_head=3: n_head must divide n_embd (each head gets "
+                                  "n_embd / n_head channels); change either (--config.model.n_embd / --config.model.n_head)"),
+    ({"n_embd": 64, "n_head": 4}, None),
+    ({"n_head": 0}, "model.n_head=0 is out of range: an integer >= 1 (--config.model.n_head)"),  # before the relation
+])
+def test_gpt_relations_name_every_key_in_one_line(changes, expected):
+    config = gpt_config.get_config("tiny").to_dict()
+    config["model"].update(changes)
+    assert _first_error(config, gpt_task.CHECKS) == expected
+
+
+@pytest.mark.parametrize("changes, init_from, expected", [
+    ({"n_head": 4, "n_kv_head": 3}, "", "init_from='', model.n_head=4, model.n_kv_head=3: n_kv_head must divide n_head"),
+    ({"n_head": 4, "n_kv_head": 3}, "hf:/models/x", None),  # the shape comes from the HF config.json
+    ({"n_embd": 120, "n_head": 8, "n_kv_head": 8, "head_dim": 0}, "",
+     "init_from='', model.n_embd=120, model.n_head=8, model.head_dim=0: each head needs an even number of channels"),
+    ({"n_embd": 100, "n_head": 8, "n_kv_head": 8, "head_dim": 0}, "", "init_from='', model.n_embd=100, model.n_head=8"),
+    ({"n_embd": 100, "n_head": 8, "n_kv_head": 8, "head_dim": 6}, "", None),
+    ({"n_embd": 128, "n_head": 4, "n_kv_head": 0}, "", "model.n_kv_head=0 is out of range"),
+])
+def test_llama_relations_hold_unless_the_shape_comes_from_hugging_face(changes, init_from, expected):
+    from functrain.models.llama import checks as llama_checks
+
+    config = _llama_config()
+    config["model"].update(changes)
+    config["init_from"] = init_from
+    error = _first_error(config, llama_checks.CHECKS)
+    if expected is None:
+        assert error is None
+    else:
+        assert error is not None and error.startswith(expected), error
+        assert "\n" not in error
+
+
+@pytest.mark.parametrize("batch, accum, dp, ok", [(16, 2, 4, True), (16, 4, 2, True), (15, 1, 2, False),
+                                                  (16, 3, 1, False), (8, 1, 16, False)])
+def test_check_batch_splits_into_ranks_and_micro_batches(batch, accum, dp, ok):
+    if ok:
+        validate.check_batch(batch, accum, dp)
+    else:
+        with pytest.raises(validate.ConfigError, match=rf"^batch_size={batch} must divide by data-parallel "
+                                                       rf"ranks \({dp}\) x accum_steps \({accum}\);"):
+            validate.check_batch(batch, accum, dp)

@@ -28,6 +28,13 @@ def _tokenizer_ok(value) -> bool:
     return True
 
 
+def _head_dim(embd: int, heads: int, head_dim: int) -> int:
+    """The channels per head: head_dim, or n_embd / n_head when 0 (-1 when that is not an integer)."""
+    if head_dim:
+        return head_dim
+    return embd // heads if embd % heads == 0 else -1
+
+
 CHECKS: list = [
     ("model.vocab_size", v.int_at_least(0)),
     ("model.block_size", v.int_at_least(1)),
@@ -45,5 +52,13 @@ CHECKS: list = [
     ("init_from", (_init_from_ok, "'' or 'hf:<Hugging Face model directory>'")),
     ("export_hf", v.boolean()),
     *LM_CHECKS,
+    # With init_from the model's shape comes from the Hugging Face config.json, not these keys.
+    v.relation(("init_from", "model.n_head", "model.n_kv_head"), lambda src, heads, kv: bool(src) or heads % kv == 0,
+               "n_kv_head must divide n_head (grouped-query attention shares each kv head among n_head / "
+               "n_kv_head query heads); change either"),
+    v.relation(("init_from", "model.n_embd", "model.n_head", "model.head_dim"),
+               lambda src, embd, heads, hd: bool(src) or _head_dim(embd, heads, hd) % 2 == 0,
+               "each head needs an even number of channels (rotary embeddings rotate pairs): set head_dim to an "
+               "even number, or n_head dividing n_embd into an even n_embd / n_head"),
 ]
 """The checks of the keys the Llama family reads."""
