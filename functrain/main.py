@@ -106,6 +106,7 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     from functrain import loop, optim, parallel, validate
 
     family = _family(config)
+    _check_init_from(config, workdir, loop)
     try:
         # torchrun env -> process group + mesh; plain python: none
         ctx = parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None)
@@ -171,6 +172,20 @@ def _check(config: Any) -> None:
     except ValueError as exc:
         raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     validate.check_batch(config.batch_size, config.accum_steps, mesh_config.dp_world(shape) if world > 1 else 1)
+
+
+def _check_init_from(config: Any, workdir: str | Path, loop) -> None:
+    """A `checkpoint.init_from` naming no checkpoint stops before any data or model is made (a run
+    that resumes from its own workdir does not read it)."""
+    from functrain.validate import ConfigError
+
+    if not config.checkpoint.init_from:
+        return
+    try:
+        loop.checkpoint_path(str(workdir))
+        return  # resuming
+    except ConfigError:
+        loop.checkpoint_path(config.checkpoint.init_from)
 
 
 def _family(config: Any, module: str = "task"):

@@ -247,6 +247,7 @@ def test_init_from_loads_params_only_onto_another_mesh(tmp_path):
     bad = _main(tmp_path / "bad", "--config.steps=1", f"--config.checkpoint.init_from={tmp_path / 'nowhere'}", check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         "functrain: error: checkpoint.init_from=")
+    assert not (tmp_path / "bad").exists()  # stopped before the data and the workdir were made
 
 
 def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_path):
@@ -280,3 +281,23 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
     assert match, lines
     total, read = map(float, match.groups())
     assert total >= 1.0 and read <= total
+
+
+def test_init_from_is_checked_first_unless_the_run_resumes(tmp_path):
+    """A bad `checkpoint.init_from` stops before data and model are made, but a run resuming from
+    its own workdir never reads it (its source may be gone by then)."""
+    import ml_collections
+
+    from functrain import loop, main, validate
+
+    config = ml_collections.ConfigDict({"checkpoint": {"init_from": str(tmp_path / "gone")}})
+    with pytest.raises(validate.ConfigError, match="^checkpoint.init_from=.*gone.*no committed checkpoint there"):
+        main._check_init_from(config, tmp_path / "run", loop)
+    step = tmp_path / "run" / "checkpoints" / "3"
+    step.mkdir(parents=True)
+    with pytest.raises(validate.ConfigError):  # not committed: a crashed save is not a resume
+        main._check_init_from(config, tmp_path / "run", loop)
+    (step / "commit_success.txt").write_text("committed")
+    main._check_init_from(config, tmp_path / "run", loop)  # resumes: init_from not read
+    config.checkpoint.init_from = ""
+    main._check_init_from(config, tmp_path / "nowhere", loop)
