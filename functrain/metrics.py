@@ -34,7 +34,17 @@ __all__ = [
 
 
 def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Metrics with 0-d tensors turned into Python floats (one device sync)."""
+    """Metrics with 0-d tensors (DTensors too) turned into Python floats.
+
+    Args:
+      metrics: {name: 0-d tensor or number}.
+
+    Returns:
+      {name: float}; each tensor costs a device sync, so call it only on logging steps.
+
+    Example:
+      >>> row = to_python(metrics)   # {'loss': 2.13, 'lr': 0.0003, ...}
+    """
     out = {}
     for k, v in metrics.items():
         if isinstance(v, torch.Tensor):
@@ -47,7 +57,18 @@ def to_python(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def format_eta(seconds: float) -> str:
-    """'1h02m', '3m07s' or '12s'."""
+    """A remaining time as the console line shows it.
+
+    Args:
+      seconds: the time left (NaN, inf or negative: unknown).
+
+    Returns:
+      '1h02m', '3m07s', '12s', or '?' when unknown.
+
+    Example:
+      >>> format_eta(187)
+      '3m07s'
+    """
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
     seconds = int(seconds)

@@ -160,7 +160,17 @@ def _split_words(k0, k1, counter: torch.Tensor):
 
 
 def key_data(key: torch.Tensor) -> int:
-    """The 64-bit integer a key stands for (eager only: it reads the tensor)."""
+    """The 64-bit integer a key stands for (eager only: it reads the tensor).
+
+    Args:
+      key: an int64 key of shape (2,).
+
+    Returns:
+      A Python int in [0, 2**64): the high word, then the low word.
+
+    Example:
+      >>> print(hex(rng.key_data(state.rng)))   # log which stream a run is on
+    """
     k0, k1 = (int(v) for v in key.tolist())
     return ((k0 & _MASK) << 32) | (k1 & _MASK)
 

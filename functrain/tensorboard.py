@@ -32,7 +32,14 @@ MISSING = ("tensorboard events off: the tensorboard package is not installed (pi
 
 
 def available() -> bool:
-    """Whether the `tensorboard` package is installed."""
+    """Whether the `tensorboard` package is installed (without importing it).
+
+    Returns:
+      True when `import tensorboard` would find the package.
+
+    Example:
+      >>> writer = TensorBoardWriter(logdir) if tensorboard.available() else None
+    """
     return importlib.util.find_spec("tensorboard") is not None
 
 

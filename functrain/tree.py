@@ -198,7 +198,18 @@ def flatten(tree: PyTree) -> tuple[list, Any]:
 
 
 def path_name(path: tuple) -> str:
-    """Dotted name of a tree path, e.g. ('params', 'wte.weight') -> 'params.wte.weight'."""
+    """The dotted name of a tree path (as `named_leaves` and checkpoints name leaves).
+
+    Args:
+      path: a path from `optree.tree_flatten_with_path`, a tuple of keys and indices.
+
+    Returns:
+      The entries joined with '.'.
+
+    Example:
+      >>> tree.path_name(("params", "wte.weight"))
+      'params.wte.weight'
+    """
     return ".".join(str(p) for p in path)
 
 
@@ -237,22 +248,66 @@ def zeros_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
 
 
 def ones_like(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
-    """A tree of ones shaped like `tree` (see `zeros_like`)."""
+    """A tree of ones shaped like `tree` (see `zeros_like`).
+
+    Args:
+      tree: a pytree of tensors.
+      dtype: optional dtype for every leaf (default: keep each leaf's dtype).
+
+    Returns:
+      A new pytree of tensors of ones.
+
+    Example:
+      >>> scale = tree.ones_like(params)
+    """
     return map(lambda x: torch.ones_like(x, dtype=dtype), tree)
 
 
 def full_like(tree: PyTree, value: float, dtype: torch.dtype | None = None) -> PyTree:
-    """A tree filled with `value` shaped like `tree` (see `zeros_like`)."""
+    """A tree filled with `value`, shaped like `tree` (see `zeros_like`).
+
+    Args:
+      tree: a pytree of tensors.
+      value: the fill value.
+      dtype: optional dtype for every leaf (default: keep each leaf's dtype).
+
+    Returns:
+      A new pytree of tensors.
+
+    Example:
+      >>> nu = tree.full_like(params, 1e-8)
+    """
     return map(lambda x: torch.full_like(x, value, dtype=dtype), tree)
 
 
 def cast(tree: PyTree, dtype: torch.dtype) -> PyTree:
-    """Casts the floating-point leaves of `tree` to `dtype` (integer leaves are kept)."""
+    """Casts the floating-point leaves of `tree` to `dtype`; integer and bool leaves are kept.
+
+    Args:
+      tree: a pytree of tensors.
+      dtype: a floating dtype.
+
+    Returns:
+      A new pytree (a leaf already of `dtype` is returned as it is, not copied).
+
+    Example:
+      >>> half = tree.cast(params, torch.bfloat16)
+    """
     return map(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
 
 
 def clone(tree: PyTree) -> PyTree:
-    """Deep copy of every tensor leaf (new storage)."""
+    """A deep copy of every tensor leaf (new storage; DTensors keep their placements).
+
+    Args:
+      tree: a pytree of tensors.
+
+    Returns:
+      A new pytree that shares no storage with `tree`.
+
+    Example:
+      >>> before = tree.clone(state.params)   # keep them: a step donates its input state
+    """
     return map(lambda x: x.clone(), tree)
 
 
@@ -278,7 +333,17 @@ def incremental_update(new: PyTree, old: PyTree, step_size: "float | torch.Tenso
 
 
 def size(tree: PyTree) -> int:
-    """Total number of elements over all tensor leaves (global sizes for DTensors)."""
+    """The number of elements over all tensor leaves (a DTensor counts its global size).
+
+    Args:
+      tree: a pytree of tensors.
+
+    Returns:
+      A Python int.
+
+    Example:
+      >>> print(f"{tree.size(params) / 1e6:.1f}M params")
+    """
     return sum(x.numel() for x in leaves(tree))
 
 
@@ -324,6 +389,9 @@ def register_global_norm(leaf_type: type, fn) -> None:
     Args:
       leaf_type: e.g. `torch.distributed.tensor.DTensor`.
       fn: `fn(list_of_leaves, fused=bool) -> 0-d float32 tensor`.
+
+    Returns:
+      None; registering a type again keeps the first function.
 
     Example:
       >>> tree.register_global_norm(DTensor, sharded_global_norm)

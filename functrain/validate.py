@@ -42,7 +42,19 @@ class ConfigError(ValueError):
 
 
 def get(config: Any, key: str) -> Any:
-    """The value of a dotted key ("checkpoint.keep") in an ml_collections ConfigDict or a dict."""
+    """The value of a dotted key in an ml_collections ConfigDict or nested dicts.
+
+    Args:
+      config: the config.
+      key: a dotted key, e.g. "checkpoint.keep".
+
+    Returns:
+      The value (KeyError or AttributeError when a part is missing).
+
+    Example:
+      >>> get(config, "checkpoint.keep")
+      2
+    """
     node = config
     for part in key.split("."):
         node = node[part]
@@ -50,7 +62,20 @@ def get(config: Any, key: str) -> Any:
 
 
 def fail(key: str, value: Any, valid: str) -> ConfigError:
-    """The error for `key=value` (one line, naming the flag as typed on the command line)."""
+    """The error for `key=value`: one line naming the flag as typed on the command line.
+
+    Args:
+      key: the dotted key.
+      value: the rejected value.
+      valid: the valid range in words.
+
+    Returns:
+      A `ConfigError` to raise.
+
+    Example:
+      >>> raise fail("steps", 0, "an integer >= 1")
+      # functrain: error: steps=0 is out of range: an integer >= 1 (--config.steps)
+    """
     return ConfigError(f"{key}={value!r} is out of range: {valid} (--config.{key})")
 
 
@@ -87,29 +112,78 @@ def _is_number(v) -> bool:
 
 
 def int_at_least(n: int) -> tuple[Callable[[Any], bool], str]:
-    """An integer >= n."""
+    """A check: an integer (not a bool) >= n.
+
+    Args:
+      n: the smallest valid value.
+
+    Returns:
+      `(predicate, valid range in words)` for a `(key, check)` pair.
+
+    Example:
+      >>> ("steps", int_at_least(1))
+    """
     return (lambda v: _is_int(v) and v >= n), f"an integer >= {n}"
 
 
 def number_at_least(x: float, *, strict: bool = False) -> tuple[Callable[[Any], bool], str]:
-    """A number >= x (> x with `strict`)."""
+    """A check: a real number (not a bool, not NaN) >= x, or > x with `strict`.
+
+    Args:
+      x: the bound.
+      strict: exclude `x` itself.
+
+    Returns:
+      `(predicate, valid range in words)`.
+
+    Example:
+      >>> ("optim.lr", number_at_least(0.0))
+    """
     if strict:
         return (lambda v: _is_number(v) and v > x), f"a number > {x}"
     return (lambda v: _is_number(v) and v >= x), f"a number >= {x}"
 
 
 def number_in(lo: float, hi: float) -> tuple[Callable[[Any], bool], str]:
-    """A number in [lo, hi)."""
+    """A check: a real number (not a bool, not NaN) in [lo, hi).
+
+    Args:
+      lo: the smallest valid value.
+      hi: the first invalid value above it.
+
+    Returns:
+      `(predicate, valid range in words)`.
+
+    Example:
+      >>> ("model.dropout", number_in(0.0, 1.0))
+    """
     return (lambda v: _is_number(v) and lo <= v < hi), f"a number in [{lo}, {hi})"
 
 
 def one_of(*choices) -> tuple[Callable[[Any], bool], str]:
-    """One of the given values."""
+    """A check: one of the given values.
+
+    Args:
+      *choices: the valid values.
+
+    Returns:
+      `(predicate, valid range in words)`.
+
+    Example:
+      >>> ("precision", one_of("fp32", "bf16", "fp16"))
+    """
     return (lambda v: v in choices), "one of " + ", ".join(repr(c) for c in choices)
 
 
 def boolean() -> tuple[Callable[[Any], bool], str]:
-    """True or False."""
+    """A check: True or False (not 0, 1 or a string).
+
+    Returns:
+      `(predicate, valid range in words)`.
+
+    Example:
+      >>> ("compile", boolean())
+    """
     return (lambda v: isinstance(v, bool)), "True or False"
 
 

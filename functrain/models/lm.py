@@ -135,16 +135,37 @@ def init_blocks(model: nn.Module, block: Callable, *, device=None, dtype: torch.
 
 
 def resolve_remat(value, mesh) -> "str | int":
-    """`remat="auto"` -> "full" on a mesh (a recomputed block's gathered params go after its forward:
-    no rank ever holds the whole model), "none" on one process; other values unchanged."""
+    """The remat policy `value` means on `mesh`.
+
+    Args:
+      value: the config's `remat`: "auto", "none", "full" or N.
+      mesh: the DeviceMesh, or None on one process.
+
+    Returns:
+      "auto" -> "full" on a mesh (a recomputed block's gathered params go after its forward: no
+      rank ever holds the whole model), "none" on one process; other values unchanged.
+
+    Example:
+      >>> remat = lm.resolve_remat(config.remat, ctx.mesh)
+    """
     if value == "auto":
         return "full" if mesh is not None else "none"
     return value
 
 
 def wants_stages(config, ctx) -> bool:
-    """Whether a family's loss must be staged even with remat "none": sharded params (per-block
-    gathers) or `compile_unit="blocks"` (a graph per stage)."""
+    """Whether a family's loss must be staged even with remat "none".
+
+    Args:
+      config: the run config (`compile_unit` is read).
+      ctx: the parallel context.
+
+    Returns:
+      True for sharded params (per-block gathers) or `compile_unit="blocks"` (a graph per stage).
+
+    Example:
+      >>> loss_fn = make_loss_fn(model, remat=remat, staged=lm.wants_stages(config, ctx))
+    """
     return ctx.mesh is not None or config.get("compile_unit", "step") == "blocks"
 
 

@@ -65,7 +65,16 @@ def adam(
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
 ) -> Transform:
-    """Adam without weight decay (see `adamw`).
+    """Adam without weight decay (see `adamw`): `chain(scale_by_adam, scale_by_learning_rate)`.
+
+    Args:
+      learning_rate: a float or a schedule (step -> lr).
+      b1, b2: decay rates of the first and second moment estimates.
+      eps: added to the root of the second moment.
+      mu_dtype, nu_dtype: storage dtypes of the moments (default: the params').
+
+    Returns:
+      A `Transform`.
 
     Example:
       >>> opt = optim.adam(1e-3)

@@ -208,7 +208,19 @@ _MASK_LOG: list | None = None  # {leaf name: flag} per resolve_mask call while a
 
 
 def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:
-    """The mask (a bool tree or a callable params -> bool tree) as a flat list of Python bools."""
+    """A mask as one Python bool per leaf of `params`, in flattening order.
+
+    Args:
+      mask: a bool tree with the structure of `params`, or a callable params -> such a tree.
+      params: the params (or updates) the mask selects from.
+
+    Returns:
+      A list of bools.
+
+    Example:
+      >>> resolve_mask(lambda p: {k: v.ndim >= 2 for k, v in p.items()}, params)
+      [True, False, ...]
+    """
     if callable(mask):
         mask = mask(params)
     spec = tree_lib.flatten(params)[1]

@@ -45,7 +45,17 @@ def schedule_from_config(c: Any, steps: int) -> Schedule:
 
 
 def decay_mask(params: dict) -> dict:
-    """Weight decay on matrices only (not biases or norm scales), as nanoGPT / GPT-2 do."""
+    """Weight decay on matrices only (not biases or norm scales), as nanoGPT / GPT-2 do.
+
+    Args:
+      params: {name: tensor}.
+
+    Returns:
+      {name: bool}: True for tensors of 2 or more dims.
+
+    Example:
+      >>> optim.adamw(3e-4, weight_decay=0.1, mask=decay_mask)
+    """
     return {name: p.ndim >= 2 for name, p in params.items()}
 
 

@@ -250,7 +250,18 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
 
 
 def scale(factor: float) -> Transform:
-    """Multiplies updates by a constant `factor`."""
+    """Multiplies updates by a constant `factor` (a Python number baked into the graph; use
+    `scale_by_learning_rate` for a value that changes without a recompile).
+
+    Args:
+      factor: the multiplier.
+
+    Returns:
+      A stateless `Transform`.
+
+    Example:
+      >>> opt = optim.chain(optim.scale_by_adam(), optim.scale(-1e-3))
+    """
 
     def update(updates, state, params=None):
         u, spec = tree_lib.flatten(updates)
