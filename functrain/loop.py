@@ -354,6 +354,9 @@ def run(
     all_hooks = builtin + list(hooks)
 
     start = int(state.step)
+    if start >= config.steps:
+        print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to "
+                 "train on)")
     stopped = None
     with _PreemptionFlag(device) as preemption, manager or contextlib.nullcontext():
         try:
@@ -383,7 +386,8 @@ def run(
             for h in all_hooks:
                 h.close()
             writer.close()
-    summary: dict[str, Any] = {"steps": int(state.step), "loss": log.last.get(M.LOSS), "val_loss": evaluation.val_loss}
+    summary = _summary(workdir, int(state.step), log.last.get(M.LOSS), evaluation.val_loss,
+                       trained=start < config.steps)
     if stopped:
         summary["preempted"] = True
         return summary
@@ -394,6 +398,19 @@ def run(
             print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
         summary.update(finished)
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary(workdir: Path, steps: int, loss, val_loss: float, *, trained: bool) -> dict[str, Any]:
+    """The run's summary: its last loss and val loss (None, not NaN, when never evaluated); a run
+    that trained nothing (resumed at its end) keeps the losses its `summary.json` already holds."""
+    summary: dict[str, Any] = {"steps": steps, "loss": loss, "val_loss": val_loss if math.isfinite(val_loss) else None}
+    if not trained:
+        try:
+            before = json.loads((workdir / "summary.json").read_text())
+        except (OSError, ValueError):
+            before = {}
+        summary.update({k: before[k] for k in ("loss", "val_loss") if summary[k] is None and k in before})
     return summary
 
 

@@ -6,6 +6,7 @@ Each test runs `python -m functrain.main` (tiny variant, eager to keep it fast) 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -301,3 +302,24 @@ def test_init_from_is_checked_first_unless_the_run_resumes(tmp_path):
     main._check_init_from(config, tmp_path / "run", loop)  # resumes: init_from not read
     config.checkpoint.init_from = ""
     main._check_init_from(config, tmp_path / "nowhere", loop)
+
+
+def _strict_json(path):
+    """A JSON file parsed strictly (NaN / Infinity are not JSON)."""
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
+    return json.loads(open(path).read(), parse_constant=refuse)
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_summary(tmp_path):
+    """The same command again after a run finished: one line says there is nothing to train, and
+    summary.json keeps the run's losses (it was rewritten with loss null and val_loss NaN)."""
+    args = ["--config.steps=4", "--config.checkpoint.every=4", "--config.eval_every=4"]
+    _main(tmp_path, *args)
+    first = _strict_json(tmp_path / "summary.json")
+    assert first["steps"] == 4 and first["loss"] == _losses(tmp_path)[4] and math.isfinite(first["val_loss"])
+    again = _main(tmp_path, *args)
+    assert "step 4 has reached steps=4: nothing to train (raise --config.steps to train on)" in again.stdout
+    second = _strict_json(tmp_path / "summary.json")
+    assert {k: second[k] for k in ("steps", "loss", "val_loss")} == {k: first[k] for k in ("steps", "loss", "val_loss")}
+    assert second["sample"] == first["sample"]  # the same params and key: the same text
