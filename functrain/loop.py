@@ -13,7 +13,9 @@ garbage collection are built-in hooks, and research code adds its own the same w
 A hook is called after each step whose number is a multiple of its `every` (and after the last
 step, unless `at_end=False`) with a `StepInfo`: the step number, the new state and the step's
 metrics (device tensors: reading one syncs). Preemption (SIGTERM) and `stop_at` end the run with a
-checkpoint of the current step; restarting the same command resumes it bit-exactly.
+checkpoint of the current step; restarting the same command resumes it bit-exactly. One run per
+workdir: the main process holds `<workdir>/.lock` while it runs (`functrain.workdir_lock`), so a
+second run started on the same workdir stops with one line instead of deleting the first's checkpoints.
 
 The loop's own config keys (`functrain.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
 accum_steps, log_every, eval_every, compile, compile_cache, donate, deterministic, precision,
@@ -45,7 +47,7 @@ from functrain import metrics as metrics_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain import tensorboard as tensorboard_lib
-from functrain import validate
+from functrain import validate, workdir_lock
 from functrain import optim as optim_lib
 from functrain.optim.base import Transform
 from functrain.state import TrainState, init_state
@@ -294,11 +296,17 @@ def run(
       ...     summary = loop.run(task, opt, config, "runs/gpt", ctx)
     """
     t_program = time.perf_counter() if t_program is None else t_program
-    main = ctx.is_main_process
-    print_fn = print_fn if main else _silent
-    workdir = Path(workdir)
     validate.check_all(config, validate.LOOP_CHECKS)
     validate.check_batch(config.batch_size, config.accum_steps, ctx.dp_world)
+    with workdir_lock.hold(workdir, ctx.is_main_process):  # one run per workdir
+        return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program)
+
+
+def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: parallel.ParallelContext,
+           hooks: Sequence[Hook], print_fn: Callable[..., None], t_program: float) -> dict[str, Any]:
+    """`run`'s body, once the config is checked and the workdir is this run's."""
+    main = ctx.is_main_process
+    print_fn = print_fn if main else _silent
     device = _device(config, ctx)
     if config.deterministic:
         torch.use_deterministic_algorithms(True)
