@@ -547,6 +547,18 @@ def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, pri
     latest = manager.latest_step() if manager is not None else None
     if latest is None:
         return state
+    try:
+        return _restore(manager, latest, state, train_step, batch_at, config, print_fn)
+    except ckpt_lib.MismatchError as exc:
+        if any(name.startswith("params.") for name in exc.leaves):
+            raise  # the params do not fit: starting from them cannot help
+        raise ckpt_lib.CheckpointError(  # what does not fit is optimizer state (or another state field)
+            f"{exc}; to keep its params under this optimizer, start a new --workdir with "
+            f"--config.checkpoint.init_from={manager.step_path(latest)}") from None
+
+
+def _restore(manager, latest: int, state: TrainState, train_step, batch_at, config, print_fn) -> TrainState:
+    """`_maybe_restore`'s restore of step `latest` (MismatchError when the state does not fit)."""
     t0 = time.perf_counter()
     # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
     # fresh state; leaves this code does not know are an error (strict).

@@ -316,14 +316,16 @@ def test_broken_checkpoint_gives_one_clear_error(tmp_path, breakage):
         ),
         ({"params": {"w": torch.empty(64, 64, dtype=torch.bfloat16)}}, "leaf 'params.w' has dtype float32"),
         ({"params": {"b": torch.empty(3)}}, "leaf 'params.b' is missing"),
+        ({"params": {}}, "leaf 'params.w' is in the checkpoint but not in this program's state"),  # strict
     ],
 )
 def test_template_mismatch_gives_one_clear_error(tmp_path, template, words):
     ckpt.save(str(tmp_path / "10"), {"params": {"w": torch.randn(64, 64)}})
-    with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.restore(str(tmp_path / "10"), template)
+    with pytest.raises(ckpt.MismatchError) as err:  # a CheckpointError that names the leaves
+        ckpt.restore(str(tmp_path / "10"), template, strict=not template["params"])
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"checkpoint {tmp_path / '10'}:") and words in msg, msg
+    assert isinstance(err.value, ckpt.CheckpointError) and err.value.leaves == (words.split("'")[1],)
 
 
 def test_restore_without_checkpoints(tmp_path):

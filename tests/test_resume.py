@@ -156,6 +156,17 @@ def test_restore_onto_another_model_is_one_clear_error(tmp_path):
     lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
     assert lines[-1].startswith("functrain: error: checkpoint ")
     assert "shape" in lines[-1] and "Traceback" not in out.stderr
+    assert "init_from" not in lines[-1]  # the params changed: starting from them cannot help
+    # Only the optimizer changed: the line says how to keep the params under the new one.
+    out = _main(work, "--config.steps=4", "--config.optim.name=sgd", check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    line = [l for l in out.stderr.strip().splitlines() if l.strip()][-1]
+    assert line.startswith(f"functrain: error: checkpoint {work / 'checkpoints' / '2'}: leaf 'opt_state."), line
+    assert line.endswith("; to keep its params under this optimizer, start a new --workdir with "
+                         f"--config.checkpoint.init_from={work / 'checkpoints' / '2'}"), line
+    fresh = _main(tmp_path / "fresh", "--config.steps=4", "--config.optim.name=sgd",
+                  f"--config.checkpoint.init_from={work / 'checkpoints' / '2'}")
+    assert "params initialized from checkpoint" in fresh.stdout  # the advice works
 
 
 COMPILED = [a for a in TINY if a not in ("--config.compile=False", "--config.model.dropout=0.1")]

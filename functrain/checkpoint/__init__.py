@@ -7,10 +7,10 @@ Public API:
   metadata_tree          the checkpoint's tree of ArraySpec (a restore template)
   Manager                steps, async save, retention, crash-safe commit, validation
   ArraySpec, abstract    abstract leaves for templates
-  CheckpointError        the one error for bad/unusable checkpoints
+  CheckpointError        the one error for bad/unusable checkpoints (MismatchError: does not fit the template)
 """
 
-from .errors import CheckpointError
+from .errors import CheckpointError, MismatchError
 from .manager import Manager
 from .reader import ArrayInfo, metadata_tree, read_metadata, restore
 from .sharding import ArraySpec, abstract
@@ -22,6 +22,7 @@ __all__ = [
     "AsyncWriter",
     "CheckpointError",
     "Manager",
+    "MismatchError",
     "abstract",
     "metadata_tree",
     "read_metadata",

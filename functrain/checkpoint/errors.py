@@ -11,6 +11,17 @@ class CheckpointError(ValueError):
     """
 
 
+class MismatchError(CheckpointError):
+    """The checkpoint does not fit the template: leaves are extra or missing, or one has another
+    shape or dtype. `leaves` names them (all the extra or missing ones; the first of another shape or
+    dtype, in template order). A program that restores its own state (the training loop) can tell
+    what changed, e.g. only the optimizer, and say how to go on."""
+
+    def __init__(self, message: str, leaves):
+        super().__init__(message)
+        self.leaves = tuple(leaves)
+
+
 def one_line(e: BaseException, limit: int = 240) -> str:
     """An exception as one short line: ``Type: message`` with whitespace collapsed, truncated."""
     text = " ".join(str(e).split())
