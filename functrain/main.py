@@ -139,13 +139,16 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
       >>> export_hf(llama_config.get_config("tiny"), "runs/llama-tiny", "runs/llama-tiny/hf-500",
       ...           "runs/llama-tiny/checkpoints/500")
     """
-    _check(config)  # every key, before the heavy modules load
+    _check(config, mesh=_launched())  # every key, before the heavy modules load
     from functrain import checkpoint as ckpt_lib
     from functrain import loop, parallel, validate
 
     family = _family(config)
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
-    with parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None) as ctx:
+    # One process reads the params whole, whatever mesh trained them: the training run's mesh flags
+    # only count under torchrun.
+    mesh = config.mesh if _launched() else None
+    with parallel.setup(mesh, timeout_s=config.dist_timeout_s or None) as ctx:
         task = family.build(config, ctx, workdir)
         if task.export is None:
             raise validate.ConfigError(f"model family {config.model.name!r} has no export format")
@@ -155,18 +158,22 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
     return Path(path)
 
 
-def _check(config: Any) -> None:
-    """Checks every key of `config` (the loop's, the optimizer's, its family's), the mesh against
-    torchrun's world size and the batch against the mesh, without torch."""
+def _launched() -> bool:
+    """Whether torchrun started this process (as `parallel.setup` decides)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _check(config: Any, mesh: bool = True) -> None:
+    """Checks every key of `config` (the loop's, the optimizer's, its family's) and, with `mesh`,
+    the mesh against torchrun's world size and the batch against the mesh, without torch."""
     from functrain import mesh_config, validate
     from functrain.optim.checks import CHECKS as optim_checks
 
     validate.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return  # a caller's own process group: parallel.setup checks the mesh against it
-    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ  # as parallel.setup decides
-    world = int(os.environ["WORLD_SIZE"]) if launched else 1
+    if not mesh or (dist is not None and dist.is_available() and dist.is_initialized()):
+        return  # no mesh, or a caller's own process group: parallel.setup checks the mesh against it
+    world = int(os.environ["WORLD_SIZE"]) if _launched() else 1
     try:
         shape = mesh_config.mesh_shape(config.mesh, world)
     except ValueError as exc:

@@ -205,8 +205,10 @@ def test_train_from_hf_export_at_the_end_and_from_a_checkpoint(tmp_path):
                                        rtol=0, atol=ATOL)
 
     check(exported, 6)
+    # the flags of a 2-rank run, exported by one process: the mesh only counts under torchrun
     out = subprocess.run([sys.executable, "-m", "functrain.main", *common, f"--export_hf={tmp_path / 'at3'}",
-                          f"--export_from={tmp_path / 'run' / 'checkpoints' / '3'}"], cwd=REPO, env=env,
+                          f"--export_from={tmp_path / 'run' / 'checkpoints' / '3'}", "--config.mesh.dp_shard=2"],
+                         cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-3000:]
     check(tmp_path / "at3", 3)
