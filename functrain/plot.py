@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = plot_metrics(args.workdir, args.out)
     except PlotError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"functrain.plot: error: {e}", file=sys.stderr)  # as functrain.main words its errors
         return 2
     print(out)
     return 0

@@ -83,7 +83,7 @@ def test_command_line_errors_exit_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "functrain.plot", str(tmp_path / "nope")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
-    assert "no such run directory" in r.stderr
+    assert r.stderr.startswith("functrain.plot: error: no such run directory")
     assert plot.main([str(tmp_path)]) == 2  # a directory without metrics.jsonl
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "eta": "1s"}) + "\n")
     assert plot.main([str(tmp_path)]) == 2  # nothing plottable
