@@ -12,10 +12,11 @@ garbage collection are built-in hooks, and research code adds its own the same w
 
 A hook is called after each step whose number is a multiple of its `every` (and after the last
 step, unless `at_end=False`) with a `StepInfo`: the step number, the new state and the step's
-metrics (device tensors: reading one syncs). Preemption (SIGTERM) and `stop_at` end the run with a
-checkpoint of the current step; restarting the same command resumes it bit-exactly. One run per
-workdir: the main process holds `<workdir>/.lock` while it runs (`functrain.workdir_lock`), so a
-second run started on the same workdir stops with one line instead of deleting the first's checkpoints.
+metrics (device tensors: reading one syncs). Preemption (SIGTERM), a first Ctrl-C and `stop_at` end
+the run with a checkpoint of the current step (a second Ctrl-C stops at once); restarting the same
+command resumes it bit-exactly. One run per workdir: the main process holds `<workdir>/.lock` while
+it runs (`functrain.workdir_lock`), so a second run started on the same workdir stops with one line
+instead of deleting the first's checkpoints.
 
 The loop's own config keys (`functrain.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
 accum_steps, log_every, eval_every, compile, compile_cache, donate, deterministic, precision,
@@ -366,7 +367,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to "
                  "train on)")
     stopped = None
-    with _PreemptionFlag(device) as preemption, manager or contextlib.nullcontext():
+    with _PreemptionFlag(device, print_fn) as preemption, manager or contextlib.nullcontext():
         try:
             for step in range(start, config.steps):
                 for h in all_hooks:
@@ -380,7 +381,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
                         print_fn(compile_cache.report(compile_dir, since=compile_before))
                     throughput.start(done)
                 if preemption.requested():
-                    stopped = "SIGTERM"
+                    stopped = preemption.reason
                 elif done == config.stop_at:
                     stopped = "stop_at"
                 info = StepInfo(done, state, m, final=stopped is not None or done == config.steps)
@@ -601,22 +602,35 @@ def _resume_hyperparams(restored: TrainState, configured: dict, policy: str, pri
 
 
 class _PreemptionFlag:
-    """Turns SIGTERM into a flag the loop checks after each step (agreed over all ranks)."""
+    """Turns SIGTERM, and a first Ctrl-C (SIGINT), into a flag the loop checks after each step
+    (agreed over all ranks): the run saves the step it is at and ends cleanly. A second Ctrl-C
+    stops at once (KeyboardInterrupt; the last committed checkpoint is where it resumes)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, print_fn: Callable[..., None] = _silent):
         self._device = device
         self._flag = False
+        self._print = print_fn
+        self.reason = "SIGTERM"  # what set the flag on this process, for the line the loop prints
 
     def __enter__(self):
-        self._previous = None
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no handler, never preempted
-            pass
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if sig == signal.SIGINT and signal.getsignal(sig) is not signal.default_int_handler:
+                continue  # SIGINT ignored (a background job) or handled by the caller: leave it
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handler, never preempted
+                pass
         return self
 
     def _handle(self, signum, frame):
-        """Records the signal."""
+        """Records the signal; a second Ctrl-C raises KeyboardInterrupt."""
+        if signum == signal.SIGINT:
+            if self._flag and self.reason == "SIGINT":
+                raise KeyboardInterrupt
+            self._print("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)")
+        if not self._flag:
+            self.reason = signal.Signals(signum).name
         self._flag = True
 
     def requested(self) -> bool:
@@ -629,6 +643,6 @@ class _PreemptionFlag:
         return flag
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
         return False

@@ -229,6 +229,10 @@ def main(argv: list[str]) -> None:
             train(config, workdir)
     except ConfigError as exc:  # also raised before the modules below are loaded
         _fail(str(exc))
+    except KeyboardInterrupt:  # a second Ctrl-C while training, or one before the loop started
+        print("functrain: interrupted; the same command resumes from the last committed checkpoint",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
     except Exception as exc:
         from functrain.checkpoint import CheckpointError
         from functrain.data import DataError

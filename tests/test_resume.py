@@ -334,3 +334,52 @@ def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_summary(tmp_path)
     second = _strict_json(tmp_path / "summary.json")
     assert {k: second[k] for k in ("steps", "loss", "val_loss")} == {k: first[k] for k in ("steps", "loss", "val_loss")}
     assert second["sample"] == first["sample"]  # the same params and key: the same text
+
+
+def test_ctrl_c_saves_the_step_and_exits_cleanly(tmp_path):
+    work = tmp_path / "run"
+    p = subprocess.Popen(
+        [PYTHON, "-m", "functrain.main", f"--workdir={work}", *TINY, "--config.steps=100000",
+         "--config.checkpoint.every=0"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as at a terminal (a background job ignores it)
+    )
+    for line in p.stdout:
+        if line.startswith("step") and "loss" in line:
+            break
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+    assert "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)" in stdout
+    stopped = [l for l in stdout.splitlines() if l.startswith("stopped (SIGINT) at step ")]
+    assert len(stopped) == 1, stdout[-2000:]
+    step = int(stopped[0].split("at step ")[1].split(";")[0])
+    assert os.listdir(work / "checkpoints") == [str(step)]
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, capsys):
+    """The flag's handler: the first SIGINT asks for a clean stop, the second raises
+    KeyboardInterrupt, which `functrain.main` turns into one line and exit status 130."""
+    from functrain import loop, main
+
+    lines = []
+    with loop._PreemptionFlag(torch.device("cpu"), lines.append) as flag:
+        assert signal.getsignal(signal.SIGINT) == flag._handle  # installed (pytest runs tests on the main thread)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.requested() and flag.reason == "SIGINT" and len(lines) == 1
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode: well before this ends
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    def interrupted(config, workdir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main, "train", interrupted)
+    monkeypatch.setattr(main, "_CONFIG", type("Flag", (), {"value": object()})())
+    monkeypatch.setattr(main, "_WORKDIR", type("Flag", (), {"value": str(tmp_path)})())
+    monkeypatch.setattr(main, "_EXPORT_HF", type("Flag", (), {"value": None})())
+    with pytest.raises(SystemExit) as exit_:
+        main.main([])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == "functrain: interrupted; the same command resumes from the last committed checkpoint\n"
