@@ -107,6 +107,11 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
 
     family = _family(config)
     _check_init_from(config, workdir, loop)
+    try:  # before any data is prepared in it
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise validate.ConfigError(f"workdir {workdir}: cannot be created ({exc.strerror or exc}); pass a writable "
+                                   "--workdir") from None
     try:
         # torchrun env -> process group + mesh; plain python: none
         ctx = parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None)

@@ -193,3 +193,16 @@ def test_resume_takes_the_configs_hyperparameters_unless_told_otherwise(tmp_path
         assert "restored checkpoint step 4" in second.stdout
         assert "b2 0.95 -> 0.9, lr 0.01 -> 0.02" in second.stdout, second.stdout
         assert lr_at_step(workdir, 4) == pytest.approx(0.01) and lr_at_step(workdir, 5) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("where", ["workdir", "data.cache_dir"])
+def test_a_workdir_or_cache_that_cannot_be_made_is_one_line(tmp_path, where):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")  # under a file: no directory can be made, even by root
+    bad = blocker / "run"
+    flags = [f"--workdir={bad}"] if where == "workdir" else [f"--workdir={tmp_path / 'ok'}",
+                                                                f"--config.data.cache_dir={bad}"]
+    line = _error_line(_main("--config.compile=False", *flags, cwd=tmp_path))
+    name = "workdir" if where == "workdir" else "data cache"
+    assert line.startswith(f"functrain: error: {name} {bad}: cannot be created (Not a directory); pass a writable "
+                           "--workdir"), line

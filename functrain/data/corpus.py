@@ -289,7 +289,11 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
     info = _read_cache_info(out, dtype)
     if info is None:
         train_pieces, val_pieces, val_files, split = _plan(stats, val_fraction)
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataError(f"data cache {cache_dir}: cannot be created ({exc.strerror or exc}); pass a writable "
+                            "--workdir or --config.data.cache_dir") from None
         t0 = time.perf_counter()
         n_train = _write_tokens(out / "train.bin", train_pieces, tokenizer, dtype)
         n_val = _write_tokens(out / "val.bin", val_pieces, tokenizer, dtype)

@@ -297,7 +297,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) ->
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"tokenizer cache {path.parent}: cannot be created ({exc.strerror or exc}); pass a writable "
+                        "--workdir or --config.data.cache_dir") from None
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         tmp.write_text(tok.to_str())
