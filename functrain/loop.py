@@ -442,9 +442,18 @@ def _device(config, ctx) -> torch.device:
     if config.device == "auto":
         return ctx.device
     try:
-        return torch.device(config.device)
+        device = torch.device(config.device)
     except RuntimeError:
         raise validate.fail("device", config.device, "'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise validate.ConfigError(f"device={config.device!r} but this torch ({torch.__version__}) sees no CUDA "
+                                       "device; use 'auto' or 'cpu' (--config.device)")
+        if (device.index or 0) >= n:
+            raise validate.ConfigError(f"device={config.device!r} but this torch sees {n} CUDA device(s); use "
+                                       f"'auto' or 'cuda:N' with N < {n} (--config.device)")
+    return device
 
 
 def _git_revision() -> str | None:

@@ -63,7 +63,20 @@ def _explain_flag_error(exc: Exception, argv: list[str]) -> str:
         return msg + "; the valid keys are in the config file's get_config()"
     if isinstance(exc, flags.UnrecognizedFlagError):
         return f"{text}; run with --helpfull to list the flags"
+    if isinstance(exc, (SyntaxError, ImportError, OSError)):  # the config file itself
+        return _explain_config_error(exc)
+    if "Traceback (most recent call last)" in text:  # the config file's get_config raised: its last line
+        flag = text.split(": Error whilst parsing")[0]
+        return f"{flag}: {[l for l in text.splitlines() if l.strip()][-1].strip()}"
     return text.splitlines()[0]
+
+
+def _explain_config_error(exc: Exception) -> str:
+    """One line for a config file that cannot be loaded (missing, not Python, raising)."""
+    arg = next((a for a in sys.argv[1:] if a.startswith("--config=")), "--config")
+    lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+    errno = next((l for l in lines if l.startswith("[Errno")), None)  # e.g. no such file
+    return f"cannot load {arg}: {errno or type(exc).__name__ + ': ' + (lines[-1] if lines else '')}"
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -223,9 +236,9 @@ def main(argv: list[str]) -> None:
 
     try:
         config = _CONFIG.value
+        config.keys()  # a file that failed to load is an object that raises on first use
     except Exception as exc:  # noqa: BLE001 - a config file that fails to load
-        first = str(exc).splitlines()
-        _fail(f"cannot load --config: {' '.join(l.strip() for l in first[:4])}")
+        _fail(_explain_config_error(exc))
     workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[-1])
     try:
         if _EXPORT_HF.value:

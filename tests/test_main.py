@@ -161,6 +161,7 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
     ("--config.remat=sometimes", "remat='sometimes' is out of range: 'auto', 'none', 'full' or a positive int N"),
     ("--config.optim.mu_dtype=int8", "optim.mu_dtype='int8' is out of range: one of 'float32'"),
     ("--config.max_consecutive_skips=-1", "max_consecutive_skips=-1 is out of range: an integer >= 0"),
+    ("--config.device=cuda:99", "device='cuda:99' but this torch "),  # no machine has 100 GPUs
     ("--config.model.n_head=3", "model.n_embd=64, model.n_head=3: n_head must divide n_embd (each head gets "
                                 "n_embd / n_head channels); change either (--config.model.n_embd / --config.model.n_head)"),
     ("--config.batch_size=15 --config.accum_steps=2", "batch_size=15 must divide by data-parallel ranks (1) x "
@@ -206,3 +207,15 @@ def test_a_workdir_or_cache_that_cannot_be_made_is_one_line(tmp_path, where):
     name = "workdir" if where == "workdir" else "data cache"
     assert line.startswith(f"functrain: error: {name} {bad}: cannot be created (Not a directory); pass a writable "
                            "--workdir"), line
+
+
+@pytest.mark.parametrize("config, expected", [
+    ("configs/nope.py", "cannot load --config=configs/nope.py: [Errno 2] No such file or directory"),
+    ("README.md", "cannot load --config=README.md: SyntaxError: "),
+    ("configs/gpt.py:nope", "flag --config=configs/gpt.py:nope: ValueError: unknown variant 'nope'; use one of: "),
+])
+def test_a_config_file_that_cannot_load_is_one_line(tmp_path, config, expected):
+    proc = subprocess.run([sys.executable, "-m", "functrain.main", f"--config={config}", f"--workdir={tmp_path}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    line = _error_line(proc)
+    assert line.startswith(f"functrain: error: {expected}"), line
