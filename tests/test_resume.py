@@ -128,21 +128,25 @@ def test_kill_9_during_async_save_keeps_previous_step_and_resumes(tmp_path):
     assert sorted(_losses(work))[-1] == 15
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_sigterm_or_ctrl_c_saves_the_step_and_exits_cleanly(tmp_path, sig):
     work = tmp_path / "run"
     p = subprocess.Popen(
         [PYTHON, "-m", "functrain.main", f"--workdir={work}", *TINY, "--config.steps=100000",
          "--config.checkpoint.every=0"],
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as at a terminal (a background job ignores it)
     )
     for line in p.stdout:
         if line.startswith("step") and "loss" in line:
             break
-    p.send_signal(signal.SIGTERM)
+    p.send_signal(sig)
     stdout, stderr = p.communicate(timeout=300)
-    assert p.returncode == 0, stderr[-2000:]
-    stopped = [l for l in stdout.splitlines() if "stopped (SIGTERM)" in l]
-    assert stopped, stdout[-2000:]
+    assert p.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+    if sig == signal.SIGINT:
+        assert "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)" in stdout
+    stopped = [l for l in stdout.splitlines() if l.startswith(f"stopped ({sig.name}) at step ")]
+    assert len(stopped) == 1, stdout[-2000:]
     step = int(stopped[0].split("at step ")[1].split(";")[0])
     assert os.listdir(work / "checkpoints") == [str(step)]
     assert int(_restore_all(work, step)["step"]) == step
@@ -336,27 +340,6 @@ def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_summary(tmp_path)
     assert second["sample"] == first["sample"]  # the same params and key: the same text
 
 
-def test_ctrl_c_saves_the_step_and_exits_cleanly(tmp_path):
-    work = tmp_path / "run"
-    p = subprocess.Popen(
-        [PYTHON, "-m", "functrain.main", f"--workdir={work}", *TINY, "--config.steps=100000",
-         "--config.checkpoint.every=0"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as at a terminal (a background job ignores it)
-    )
-    for line in p.stdout:
-        if line.startswith("step") and "loss" in line:
-            break
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=300)
-    assert p.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
-    assert "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)" in stdout
-    stopped = [l for l in stdout.splitlines() if l.startswith("stopped (SIGINT) at step ")]
-    assert len(stopped) == 1, stdout[-2000:]
-    step = int(stopped[0].split("at step ")[1].split(";")[0])
-    assert os.listdir(work / "checkpoints") == [str(step)]
-
-
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, capsys):
     """The flag's handler: the first SIGINT asks for a clean stop, the second raises
     KeyboardInterrupt, which `functrain.main` turns into one line and exit status 130."""
@@ -376,7 +359,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
         raise KeyboardInterrupt
 
     monkeypatch.setattr(main, "train", interrupted)
-    monkeypatch.setattr(main, "_CONFIG", type("Flag", (), {"value": object()})())
+    monkeypatch.setattr(main, "_CONFIG", type("Flag", (), {"value": {}})())  # a loaded config: it has keys()
     monkeypatch.setattr(main, "_WORKDIR", type("Flag", (), {"value": str(tmp_path)})())
     monkeypatch.setattr(main, "_EXPORT_HF", type("Flag", (), {"value": None})())
     with pytest.raises(SystemExit) as exit_:
