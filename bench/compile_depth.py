@@ -1,6 +1,6 @@
 """Cold compile time of the train step against depth: is it flat in the number of layers?
 
-    python bench/compile_depth.py [--layers 2,6,12] [--n-embd 64] [--remat none] [--compile step|blocks]
+    python bench/compile_depth.py [--layers 2,6,12] [--n-embd 64] [--remat none] [--compile step|regions|blocks]
                                   [--update] [--json]
 
 For each depth, a fresh subprocess (empty inductor and AOT caches in a temporary directory, so
@@ -12,7 +12,8 @@ the ratio of the deepest to the shallowest; with `--json`, one JSON object as th
 
 `--compile blocks` times `make_train_step(..., compile="blocks")` (a graph per stage kind, one block
 graph for every block, the optimizer update block by block: `functrain.update_groups`) instead of
-the one-graph step. `--update` also times, in its own fresh process per depth, the cold compile of
+the one-graph step; `--compile regions` the one-graph step whose block, and the blocks' update, are
+compiled regions (`functrain.regions`). `--update` also times, in its own fresh process per depth, the cold compile of
 the whole-tree optimizer update alone (`update_step`, the graph the one-graph step ends with): one
 fused loop per parameter tensor, so it grows with depth.
 
@@ -47,8 +48,8 @@ if mode == "update":  # the optimizer update alone, on gradients of ones
     upd, grads = update_step(opt), tree.map(torch.ones_like, params)
     step = lambda state, batch: upd(state, grads, {"loss": torch.ones(())})
 else:
-    step = make_train_step(gpt.make_loss_fn(template, remat=remat, staged=mode == "blocks"), opt,
-                           compile="blocks" if mode == "blocks" else True)
+    step = make_train_step(gpt.make_loss_fn(template, remat=remat, staged=mode != "step"), opt,
+                           compile=True if mode == "step" else mode)
 g = torch.Generator().manual_seed(0)
 batch = (torch.randint(0, 256, (4, 64), generator=g), torch.randint(0, 256, (4, 64), generator=g))
 times = []
@@ -77,7 +78,7 @@ def main() -> None:
     ap.add_argument("--layers", default="2,6,12", help="comma-separated depths")
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--remat", default="none", help="remat policy of the loss (none, full, N)")
-    ap.add_argument("--compile", default="step", choices=["step", "blocks"], help="what one graph covers")
+    ap.add_argument("--compile", default="step", choices=["step", "regions", "blocks"], help="what one graph covers")
     ap.add_argument("--update", action="store_true", help="also time the optimizer update's compile alone")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()

@@ -42,11 +42,16 @@ Measured (2-core EPYC, quiet, torch 2.13.0+cpu), `python bench/nested_region.py 
   patched: depth 32 / depth 2 = 1.32x; inlined: 2.83x. Stock torch at 8 and 32: "The
   differentiated Tensor at index 0 appears to not have been used in the graph".
 
-What it would take in functrain: the one-graph step's gradient route would change from
-`torch.func.vjp` (the staged loss) to `torch.autograd.grad` under `trace_autograd_ops`, which needs
-that Dynamo fix from torch (or a guarded patch), and the post-grad passes (`functrain.recompute`,
-`parallel.reshard`) would meet the blocks inside subgraphs. Not done; `compile="blocks"` is the
-flat-in-depth mode until then (README "Compile unit").
+In functrain: `make_train_step(..., compile="regions")` (`functrain.regions`) takes this route,
+with the reuse fix applied while its step traces. This toy missed a second bug that the real GPT
+block met (found 2026-11-25): inductor's memory planner frees and reuses the buffer of a block's
+input while the forward region still returns it as a saved tensor for the backward (an output
+aliasing an operand, not seen as one), e.g. for the loss's cotangent, so the backward reads a
+clobbered input. With the loss returned as an output beside the gradients (as every train step
+does), the 2-block GPT's gradients were off by 50-100% of their size for everything before the
+last block's MLP under inductor, exact under aot_eager; this toy returns only gradients and so
+never hit it. functrain compiles the regions step with `allow_buffer_reuse=False`
+(tests/test_compile_regions.py fails without it).
 """
 
 from __future__ import annotations

@@ -428,13 +428,16 @@ def _silent(*args, **kwargs) -> None:
 
 
 def _compile(config) -> "bool | str":
-    """`make_train_step`'s `compile` from the config: False, True (one graph) or "blocks"."""
-    return "blocks" if config.compile and config.compile_unit == "blocks" else bool(config.compile)
+    """`make_train_step`'s `compile` from the config: False, True (one graph), "regions" or "blocks"."""
+    if config.compile and config.compile_unit in ("regions", "blocks"):
+        return config.compile_unit
+    return bool(config.compile)
 
 
 def _compile_label(config) -> str:
-    """How the step is compiled, for the start-up line: "on", "blocks" or "off"."""
-    return {True: "on", False: "off"}.get(_compile(config), "blocks")
+    """How the step is compiled, for the start-up line: "on", "regions", "blocks" or "off"."""
+    mode = _compile(config)
+    return mode if isinstance(mode, str) else "on" if mode else "off"
 
 
 def _device(config, ctx) -> torch.device:

@@ -266,6 +266,8 @@ def _staged(embed, blocks, head, policy, run) -> Callable:
     loss_fn.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
     loss_fn.apply_sharded = apply_sharded  # type: ignore[attr-defined]
     loss_fn.blocks = blocks  # type: ignore[attr-defined]  # (the step's update groups follow them)
+    loss_fn.stages = (embed, blocks, head)  # type: ignore[attr-defined]  # (functrain.regions reads them)
+    loss_fn.recompute = recompute  # type: ignore[attr-defined]  # per block: recomputed in the backward
     return loss_fn
 
 

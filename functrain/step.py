@@ -13,7 +13,9 @@ keeps peak memory near one copy of the state. `donate=False` allocates a new sta
 input untouched (useful for tests, EMA tricks and debugging).
 
 Compile unit. `compile=True` makes the whole step one graph: the fastest steps, but every block is
-inlined, so compile time grows with depth. `compile="blocks"` (a staged loss only) compiles the
+inlined, so compile time grows with depth. `compile="regions"` keeps the one graph and makes the
+blocks calls of one compiled region (`functrain.regions`: compiled once, gradients by a traced
+`torch.autograd.grad`). `compile="blocks"` (a staged loss only) compiles the
 step's prepare (casts, key) as a graph and lets the loss run its stages as graphs of their own, one
 block graph shared by every block (`functrain.remat.staged_loss`'s `compile_stages`); the finish
 (grads to the masters, metrics, the optimizer update) runs group by group, one update graph for
@@ -52,7 +54,7 @@ import torch
 from torch import nn
 
 from functrain import metric_names as M
-from functrain import compiling, foreach, ops, optim
+from functrain import compiling, foreach, ops, optim, regions
 from functrain import precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
@@ -361,6 +363,10 @@ def make_train_step(
       accum_steps: split the batch into this many microbatches and average their gradients
         inside the one call (the batch dimension must divide by it).
       compile: True (or "step"): the whole step is one `torch.compile(fullgraph=True)` graph.
+        "regions": the same one graph, its blocks (a staged loss whose blocks share one
+        computation, remat "none", one process) calls of one `nested_compile_region`, and its
+        optimizer update group by group as regions too, so the block is compiled once and the cold
+        compile grows less with depth (`functrain.regions`; README "Compile unit").
         "blocks": for a staged loss (`functrain.remat.staged_loss`, e.g. `gpt.make_loss_fn(...,
         staged=True)`): each stage kind is its own graph, every block running the same one, so
         neither the number of graphs nor the cold compile grows with depth (README "Compile
@@ -399,16 +405,19 @@ def make_train_step(
     guarded = skip_nonfinite or prec.loss_scaling
     update = _make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec)
     mode = _compile_mode(compile)
-    if mode == "blocks" and accum_impl == "scan":
-        raise ValueError("compile='blocks' runs the microbatches as a Python loop: use accum_impl='unroll'")
-    # "step": the whole body is one graph; "blocks": prepare and the update are graphs of their own
-    # and the loss runs its stages' graphs from eager code
-    run_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
+    if mode in ("blocks", "regions") and accum_impl == "scan":
+        raise ValueError(f"compile={mode!r} runs the microbatches as a Python loop: use accum_impl='unroll'")
+    # "step": the whole body is one graph; "regions": the same, its blocks one compiled region;
+    # "blocks": prepare and the update are graphs of their own and the loss runs its stages' graphs
+    # from eager code
+    run_loss = {"blocks": lambda: _stage_compiled(loss_fn, compile_options),
+                "regions": lambda: regions.region_loss(loss_fn)}.get(mode, lambda: loss_fn)()
     piece = functools.partial(compiling.maybe_compile, compile=mode == "blocks", options=compile_options)
-    step_options = _step_passes(compile_options) if mode == "step" else None  # (+ recompute, reshard passes)
-    whole = functools.partial(compiling.maybe_compile, compile=mode == "step", options=step_options)
+    one_graph = mode in ("step", "regions")
+    step_options = _step_passes(compile_options) if one_graph else None  # (+ recompute, reshard passes)
+    whole = functools.partial(compiling.maybe_compile, compile=one_graph, options=step_options)
 
-    def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False):
+    def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False, in_regions=False):
         """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
 
         # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters
@@ -432,19 +441,34 @@ def make_train_step(
                 grads = lay.reduce_grads(grads, state.params)
             return update(state, lay.mean_over_dp(aux), grads)
 
-        chosen: list = []  # compile="blocks": the finish, chosen at the first call (it needs the params)
+        chosen: list = []  # compile="blocks"/"regions": the finish, chosen at the first call (from the params)
+
+        def choose(state: TrainState):
+            """Picks the finish (eagerly: the plan runs the optimizer on meta tensors) and prepares it."""
+            if not chosen:
+                pick(state)
+            if hasattr(chosen[0], "prepare") and not torch.compiler.is_compiling():
+                chosen[0].prepare(state)
+
+        def pick(state: TrainState):
+            """The finish for these params and this optimizer."""
+            groups, why = update_groups.plan(state.params, loss_fn.blocks, optimizer)
+            if why and len(loss_fn.blocks) > 1:  # (one block: nothing to share, nothing to say)
+                warnings.warn(f"compile={mode!r}: the optimizer update stays one graph over every "
+                              f"tensor, so its compile grows with depth: {why}", stacklevel=3)
+            # "regions": the groups' grads and update phases are nested compile regions of the one
+            # step graph (a region cannot write into its inputs: donated after it returns)
+            plain = lambda f: f  # noqa: E731
+            update = functools.partial(regions.region, out_like=lambda p, g, s, norm, ok: (p, s, norm))
+            chosen.append(update_groups.make_finish(
+                optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec,
+                piece=update if in_regions else piece, grads_piece=regions.region if in_regions else plain,
+                to_master=_to_master, update_ok=_update_ok, guard_after=_guard_after,
+                donate_outside=in_regions) if groups else whole_finish)
 
         def grouped_finish(state: TrainState, aux: dict, grads: PyTree):
             """The update group by group (functrain.update_groups) when the plan allows, else whole."""
-            if not chosen:
-                groups, why = update_groups.plan(state.params, loss_fn.blocks, optimizer)
-                if why and len(loss_fn.blocks) > 1:  # (one block: nothing to share, nothing to say)
-                    warnings.warn(f"compile='blocks': the optimizer update stays one graph over every "
-                                  f"tensor, so its compile grows with depth: {why}", stacklevel=2)
-                chosen.append(update_groups.make_finish(
-                    optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec, piece=piece,
-                    to_master=_to_master, update_ok=_update_ok, guard_after=_guard_after) if groups
-                    else whole_finish)
+            choose(state)
             return chosen[0](state, aux, grads)
 
         finish = grouped_finish if grouped and (per_stage or not lay.sharded) else whole_finish
@@ -457,13 +481,22 @@ def make_train_step(
             )
             return finish(state, aux, grads)
 
+        if finish is grouped_finish:
+            train_step.choose = choose  # type: ignore[attr-defined]  # (called before a trace: "regions")
         return train_step
 
-    steps = _PerLayout(lambda lay: build(lay, run_loss, piece, grouped=mode == "blocks"), whole)
+    steps = _PerLayout(lambda lay: build(lay, run_loss, piece, grouped=mode in ("blocks", "regions"),
+                                         in_regions=mode == "regions"), whole)
     eager = _PerLayout(build, lambda f: f)
 
     def step(state: TrainState, batch: PyTree):
-        return steps.get(state.params)(state, batch)
+        fn = steps.get(state.params)
+        if mode != "regions":
+            return fn(state, batch)
+        if hasattr(fn, "choose"):
+            fn.choose(state)
+        with regions.tracing():  # (trace_autograd_ops, Dynamo's region reuse mended, inductor's buffer reuse off)
+            return fn(state, batch)
 
     step.uncompiled = lambda state, batch: eager.get(state.params)(state, batch)  # type: ignore[attr-defined]
     step.uncompiled_for = eager.for_layout  # type: ignore[attr-defined]  # the eager body of one layout
@@ -490,14 +523,15 @@ def _step_passes(options: dict | None) -> dict:
 
 
 def _compile_mode(compile) -> "str | None":
-    """`compile` as "step", "blocks" or None (eager)."""
+    """`compile` as "step", "regions", "blocks" or None (eager)."""
     if compile is True or compile == "step":
         return "step"
     if compile is False or compile is None or compile == "off":
         return None
-    if compile == "blocks":
-        return "blocks"
-    raise ValueError(f"compile must be True/'step' (one graph), 'blocks' (a graph per stage kind) or False, got {compile!r}")
+    if compile in ("blocks", "regions"):
+        return compile
+    raise ValueError(f"compile must be True/'step' (one graph), 'regions' (one graph, the block compiled once), "
+                     f"'blocks' (a graph per stage kind) or False, got {compile!r}")
 
 
 def _stage_compiled(loss_fn, options: dict | None):
@@ -574,8 +608,9 @@ def make_eval_step(
 
     Args:
       loss_fn: the same `(params, batch, key) -> (loss, aux)` as for training; it gets key=None.
-      compile: True / "step": one `torch.compile(fullgraph=True)` graph; "blocks": the staged loss's
-        stage graphs (see `make_train_step`); False: eager.
+      compile: True / "step": one `torch.compile(fullgraph=True)` graph; "regions": one graph, its
+        blocks calls of one compiled region; "blocks": the staged loss's stage graphs (see
+        `make_train_step`); False: eager.
       precision: compute precision, as for `make_train_step` (params and inputs are cast).
       compile_options: extra keyword arguments for `torch.compile`.
 
@@ -591,6 +626,8 @@ def make_eval_step(
     mode = _compile_mode(compile)
     if mode == "blocks":  # the stages' own graphs (the no-grad ones the train step's recompute uses)
         loss_fn = _stage_compiled(loss_fn, compile_options)
+    elif mode == "regions":  # (a forward only: neither of regions' torch mends is needed)
+        loss_fn = regions.region_loss(loss_fn)
 
     def build(lay: Layout):
         """The eval function for params laid out as `lay`."""
@@ -608,7 +645,7 @@ def make_eval_step(
 
         return eval_step
 
-    fns = _PerLayout(build, lambda f: compiling.maybe_compile(f, mode == "step", compile_options))
+    fns = _PerLayout(build, lambda f: compiling.maybe_compile(f, mode in ("step", "regions"), compile_options))
 
     def evaluate(state: TrainState, batch: PyTree):
         return fns.get(state.params)(state, batch)

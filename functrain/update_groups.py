@@ -1,4 +1,5 @@
-"""The optimizer update group by group: one compiled graph reused by every block (compile="blocks").
+"""The optimizer update group by group: one compiled graph reused by every block (compile="blocks"),
+or one compiled region of the step graph (compile="regions").
 
 Why. With `compile="blocks"` the forward and backward graphs no longer grow with depth, but the
 update did: one graph over every parameter, one fused loop per tensor, its inductor scheduling
@@ -20,6 +21,10 @@ blocks' and the rest's), whatever the depth. The step's finish runs in four phas
                norm, the skip select, the donation of params and moments.    one graph per group kind
   4. `finish`  the shared optimizer state (every group computed the same), the step counter and the
                skip guard written back, the update norm.                                eager
+
+Under compile="regions" the whole finish is traced into the one step graph: a group's squared norm
+(phase 1) and its update (phase 3) are nested compile regions, and the donation runs after the
+update region returns (a region cannot write into its inputs).
 
 Phases 1, 2 and 4 are a few fused kernels and 0-d arithmetic: compiled, each cost a graph's cold
 compile and made nothing faster. Measured (same machine, `OMP_NUM_THREADS=1 python
@@ -167,26 +172,31 @@ def _param_dicts(names: Sequence[str]) -> Callable:
 class _Split:
     """The optimizer state cut into per-group parts: param-name dicts split, the rest shared."""
 
+    # (Specs are made from the tree at hand, never kept: a step traced into one graph, "regions",
+    # runs these under Dynamo, which can read a spec made inside the trace but not one from outside.)
     def __init__(self, opt_state: PyTree, names: Sequence[str]):
         self.is_dict = _param_dicts(names)
-        nodes, self.spec = optree.tree_flatten(opt_state, is_leaf=self.is_dict, none_is_leaf=True)
-        self.dicts = [self.is_dict(x) for x in nodes]
+        self.dicts = [self.is_dict(x) for x in self.nodes(opt_state)]
 
     def nodes(self, tree: PyTree) -> list:
         """The param dicts and shared leaves of a state tree, in order."""
-        return self.spec.flatten_up_to(tree)
+        return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)[0]
 
-    def part(self, nodes: list, g: Group) -> PyTree:
+    def spec(self, tree: PyTree):
+        """The structure of a state tree down to its param dicts and shared leaves."""
+        return optree.tree_structure(tree, is_leaf=self.is_dict, none_is_leaf=True)
+
+    def part(self, nodes: list, spec, g: Group) -> PyTree:
         """Group `g`'s state: its entries of every param dict (under `g.as_names`), shared leaves as they are."""
         pairs = list(zip(g.names, g.as_names))
         out = [{a: x[n] for n, a in pairs if n in x} if d else x for x, d in zip(nodes, self.dicts)]
-        return optree.tree_unflatten(self.spec, out)
+        return optree.tree_unflatten(spec, out)
 
     def shared(self, nodes: list) -> list:
         """The shared leaves of a node list."""
         return [x for x, d in zip(nodes, self.dicts) if not d]
 
-    def merge(self, old_nodes: list, parts: list, groups: list[Group], shared: list) -> PyTree:
+    def merge(self, old_nodes: list, spec, parts: list, groups: list[Group], shared: list) -> PyTree:
         """The full state from the groups' new parts and the new shared leaves."""
         where = {n: (i, a) for i, g in enumerate(groups) for n, a in zip(g.names, g.as_names)}
         new = [self.nodes(p) for p in parts]
@@ -194,11 +204,12 @@ class _Split:
         out = []
         for j, (x, d) in enumerate(zip(old_nodes, self.dicts)):
             out.append({n: new[where[n][0]][j][where[n][1]] for n in x} if d else next(it))
-        return optree.tree_unflatten(self.spec, out)
+        return optree.tree_unflatten(spec, out)
 
 
 def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool,
-                prec, piece: Callable, to_master: Callable, update_ok: Callable, guard_after: Callable) -> Callable:
+                prec, piece: Callable, to_master: Callable, update_ok: Callable, guard_after: Callable,
+                grads_piece: Callable = lambda f: f, donate_outside: bool = False) -> Callable:
     """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
 
     Args:
@@ -208,7 +219,11 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       donate: write the new state into the input state's buffers.
       guarded: skip a non-finite update (keep params and optimizer state).
       prec: the `functrain.precision.Precision` (its loss-scaling rule).
-      piece: wraps the update phase (`torch.compile` for compile="blocks"); the others run eagerly.
+      piece: wraps the update phase (`torch.compile` for compile="blocks", a nested compile region
+        for compile="regions"); the others run eagerly (or traced into the caller's graph).
+      grads_piece: wraps the grads phase's squared norm (a region for compile="regions").
+      donate_outside: donate after `piece` returns, not inside it (a nested compile region cannot
+        write into its inputs; the copies then run in the caller's graph).
       to_master, update_ok, guard_after: the train step's grads-to-masters cast, its finite check
         and its skip-guard rule (with the skip metrics), as `apply_gradients` uses them.
 
@@ -220,11 +235,10 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       >>> finish = update_groups.make_finish(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
       ...                                    piece=torch.compile, to_master=..., update_ok=..., guard_after=...)
     """
-    def grads_phase(grads: dict, like: dict, loss_scale):
-        """Grads cast to the masters' dtypes (unscaled) and their squared norm."""
-        grads = to_master(grads, like, loss_scale)
+    def squared_norm(grads: dict):
+        """The squared norm of a group's grads (one fused foreach norm; mesh-wide for DTensors)."""
         norm = lay.global_norm(grads)
-        return grads, norm * norm
+        return norm * norm
 
     def norm_phase(aux: dict, squares: list):
         """Metrics averaged over dp, the global grad norm, the skip flag (None when not guarded)."""
@@ -243,15 +257,19 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
             if guarded:
                 new_params = lay.select(ok, new_params, params)
                 new_opt = lay.select(ok, new_opt, opt_state)
-            if donate:  # params and moments only: the shared leaves are every group's input
-                new_params = lay.write_into(params, new_params)
-                old, spec = optree.tree_flatten(opt_state, is_leaf=split.is_dict, none_is_leaf=True)
-                new = spec.flatten_up_to(new_opt)  # (a spec made inside the trace: Dynamo reads it)
-                new_opt = optree.tree_unflatten(
-                    spec, [lay.write_into(o, n) if split.is_dict(o) else n for o, n in zip(old, new)])
+            if donate and not donate_outside:
+                new_params, new_opt = donate_phase(split, params, opt_state, new_params, new_opt)
             return new_params, new_opt, unorm * unorm
 
         return update_phase
+
+    def donate_phase(split: _Split, params: dict, opt_state: PyTree, new_params: dict, new_opt: PyTree):
+        """New params and moments written into the old buffers (the shared leaves are every group's input)."""
+        new_params = lay.write_into(params, new_params)
+        old, spec = optree.tree_flatten(opt_state, is_leaf=split.is_dict, none_is_leaf=True)
+        new = spec.flatten_up_to(new_opt)  # (a spec made inside the trace: Dynamo reads it)
+        new_opt = optree.tree_unflatten(spec, [lay.write_into(o, n) if split.is_dict(o) else n for o, n in zip(old, new)])
+        return new_params, new_opt
 
     def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
         """Update norm, skip guard and step counter; the shared optimizer leaves written back."""
@@ -267,30 +285,47 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
     # Only the update is compiled: the other phases are a few fused kernels (a foreach norm per group)
     # and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain nothing from one.
     made: dict = {}  # optimizer-state structure -> (its _Split, the compiled update per group kind)
+    prepared: list = []  # the last `prepare`'s (split, update fns)
+
+    def prepare(state: TrainState):
+        """The state split and the update per group kind for `state`'s optimizer-state structure."""
+        structure = optree.tree_structure(state.opt_state, none_is_leaf=True)
+        if structure not in made:
+            split = _Split(state.opt_state, list(state.params))
+            made[structure] = (split, {g.kind: piece(update_phase_for(split)) for g in groups})
+        prepared[:] = [made[structure]]
+        return made[structure]
+
+    squared_fns = {g.kind: grads_piece(squared_norm) for g in groups}  # (a region per kind, in "regions")
 
     def finish(state: TrainState, aux: dict, grads: dict):
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
         master, squares = [], []
         for g in groups:
-            gg, sq = grads_phase(_pick(grads, g), _pick(state.params, g), loss_scale)
+            gg = to_master(_pick(grads, g), _pick(state.params, g), loss_scale)  # masters' dtypes, unscaled
+            sq = squared_fns[g.kind](gg)
             master.append(gg)
             squares.append(sq)
         metrics, grad_norm, ok = norm_phase(aux, squares)
-        structure = optree.tree_structure(state.opt_state, none_is_leaf=True)
-        if structure not in made:
-            split = _Split(state.opt_state, list(state.params))
-            made[structure] = (split, {g.kind: piece(update_phase_for(split)) for g in groups})
-        split, update_fns = made[structure]
-        nodes = split.nodes(state.opt_state)
+        # (traced into a step graph, "regions": `prepare` made the split; Dynamo cannot hash a treespec)
+        split, update_fns = prepared[0] if torch.compiler.is_compiling() else prepare(state)
+        nodes, spec = split.nodes(state.opt_state), split.spec(state.opt_state)
         params, parts, usq = {}, [], []
         for g, gg in zip(groups, master):
-            p, o, u = update_fns[g.kind](_pick(state.params, g), gg, split.part(nodes, g), grad_norm, ok)
+            old_p, old_o = _pick(state.params, g), split.part(nodes, spec, g)
+            if donate_outside:  # (a region's trace is reused for a later call only on intermediates,
+                # not on the step's own inputs, which Dynamo guards by identity: detached views)
+                p, o, u = update_fns[g.kind](*_detached((old_p, gg, old_o, grad_norm, ok)))
+            else:
+                p, o, u = update_fns[g.kind](old_p, gg, old_o, grad_norm, ok)
+            if donate and donate_outside:
+                p, o = donate_phase(split, old_p, old_o, p, o)
             params.update({n: p[a] for n, a in zip(g.names, g.as_names)})
             parts.append(o)
             usq.append(u)
         new_shared = split.shared(split.nodes(parts[0]))  # every group computed the same ones
         step, guard, shared, metrics = finish_phase(state, split.shared(nodes), new_shared, usq, metrics, ok)
-        opt_state = split.merge(nodes, parts, groups, shared)
+        opt_state = split.merge(nodes, spec, parts, groups, shared)
         params = {n: params[n] for n in state.params}  # the input's key order
         # reported values (e.g. the learning rate) are copied: with donation the state's buffers
         # are overwritten by the next step
@@ -298,7 +333,13 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         return TrainState(params, opt_state, step, state.rng, guard), metrics
 
     finish.groups = groups  # type: ignore[attr-defined]
+    finish.prepare = prepare  # type: ignore[attr-defined]  # (call it before a trace of `finish`)
     return finish
+
+
+def _detached(tree: PyTree) -> PyTree:
+    """Every tensor of `tree` as a detached view."""
+    return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
 
 
 def _pick(tree: dict, g: Group) -> dict:

@@ -94,7 +94,7 @@ def test_blocks_eval_step_uses_the_stage_graphs(tiny_gpt, batches):
     assert counters["stats"]["unique_graphs"] == 3  # embedding, block, head (no grad): not one per block
 
 
-def _toy_stages(shared: bool):
+def _toy_stages(shared: bool, policy="full"):
     """A 3-block toy staged loss; its blocks share one function only when `shared`."""
     def block_fn(own, h, key, index):
         return h + torch.tanh(h @ own["w"])
@@ -103,7 +103,7 @@ def _toy_stages(shared: bool):
                     block_fn if shared else None, f"b{i}.", i) for i in range(3)]
     embed = Stage(("e",), lambda p, batch, key: batch @ p["e"])
     head = Stage((), lambda p, h, batch, key: h.square().mean())
-    return staged_loss(embed, blocks, head, policy="full")
+    return staged_loss(embed, blocks, head, policy=policy)
 
 
 def test_toy_blocks_share_one_graph_and_equal_eager():
