@@ -1,4 +1,4 @@
-"""`compile="regions"`: the one-graph train step with the block traced and compiled once.
+"""`compile="regions"`: the one-graph train step with the block compiled once.
 
 In the one-graph step (`compile="step"`) every block is inlined, so Dynamo traces, AOTAutograd
 differentiates and inductor lowers and builds kernels for each block again: cold compile time grows
@@ -135,7 +135,7 @@ def region_loss(loss_fn: Callable) -> Callable:
         )
 
     def forward(p: Params, batch, key):
-        """(loss, aux): the embedding, each block a call of the region, the head."""
+        """(loss, aux): the embedding, each block a call of the region, the head (also the eval loss)."""
         h = embed.fn(embed.params(p), batch, key)
         for b in blocks:
             own = b.own(p)
@@ -143,14 +143,10 @@ def region_loss(loss_fn: Callable) -> Callable:
             h = block(h, key, index, *(own[n] for n in names))
         return _loss_and_aux(head.fn(head.params(p), h, batch, key))
 
-    def call(params: Params, batch, key):
-        """The loss (eval; the same composition as `loss_fn`'s)."""
-        return forward(params, batch, key)
-
-    call.value_and_grad = value_and_grad  # type: ignore[attr-defined]
-    call.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
-    call.blocks = loss_fn.blocks  # type: ignore[attr-defined]
-    return call
+    forward.value_and_grad = value_and_grad  # type: ignore[attr-defined]
+    forward.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
+    forward.blocks = loss_fn.blocks  # type: ignore[attr-defined]
+    return forward
 
 
 _patch_lock = threading.Lock()

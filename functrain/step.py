@@ -444,32 +444,32 @@ def make_train_step(
         chosen: list = []  # compile="blocks"/"regions": the finish, chosen at the first call (from the params)
 
         def choose(state: TrainState):
-            """Picks the finish (eagerly: the plan runs the optimizer on meta tensors) and prepares it."""
-            if not chosen:
-                pick(state)
-            if hasattr(chosen[0], "prepare") and not torch.compiler.is_compiling():
-                chosen[0].prepare(state)
-
-        def pick(state: TrainState):
-            """The finish for these params and this optimizer."""
+            """The finish for these params and this optimizer, picked at the first call (eagerly: the
+            plan runs the optimizer on meta tensors)."""
+            if chosen:
+                return chosen[0]
             groups, why = update_groups.plan(state.params, loss_fn.blocks, optimizer)
             if why and len(loss_fn.blocks) > 1:  # (one block: nothing to share, nothing to say)
                 warnings.warn(f"compile={mode!r}: the optimizer update stays one graph over every "
                               f"tensor, so its compile grows with depth: {why}", stacklevel=3)
             # "regions": the groups' grads and update phases are nested compile regions of the one
             # step graph (a region cannot write into its inputs: donated after it returns)
-            plain = lambda f: f  # noqa: E731
-            update = functools.partial(regions.region, out_like=lambda p, g, s, norm, ok: (p, s, norm))
+            pieces = dict(piece=functools.partial(regions.region, out_like=lambda p, g, s, norm, ok: (p, s, norm)),
+                          grads_piece=regions.region, in_regions=True) if in_regions else dict(piece=piece)
             chosen.append(update_groups.make_finish(
-                optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec,
-                piece=update if in_regions else piece, grads_piece=regions.region if in_regions else plain,
-                to_master=_to_master, update_ok=_update_ok, guard_after=_guard_after,
-                donate_outside=in_regions) if groups else whole_finish)
+                optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec, to_master=_to_master,
+                update_ok=_update_ok, guard_after=_guard_after, **pieces) if groups else whole_finish)
+            return chosen[0]
+
+        def ready(state: TrainState):
+            """Chooses and prepares the finish eagerly, before the one step graph traces it ("regions")."""
+            chosen_finish = choose(state)
+            if hasattr(chosen_finish, "prepare"):
+                chosen_finish.prepare(state)
 
         def grouped_finish(state: TrainState, aux: dict, grads: PyTree):
             """The update group by group (functrain.update_groups) when the plan allows, else whole."""
-            choose(state)
-            return chosen[0](state, aux, grads)
+            return choose(state)(state, aux, grads)
 
         finish = grouped_finish if grouped and (per_stage or not lay.sharded) else whole_finish
 
@@ -482,7 +482,7 @@ def make_train_step(
             return finish(state, aux, grads)
 
         if finish is grouped_finish:
-            train_step.choose = choose  # type: ignore[attr-defined]  # (called before a trace: "regions")
+            train_step.ready = ready  # type: ignore[attr-defined]  # (called before a trace: "regions")
         return train_step
 
     steps = _PerLayout(lambda lay: build(lay, run_loss, piece, grouped=mode in ("blocks", "regions"),
@@ -493,8 +493,8 @@ def make_train_step(
         fn = steps.get(state.params)
         if mode != "regions":
             return fn(state, batch)
-        if hasattr(fn, "choose"):
-            fn.choose(state)
+        if hasattr(fn, "ready"):
+            fn.ready(state)
         with regions.tracing():  # (trace_autograd_ops, Dynamo's region reuse mended, inductor's buffer reuse off)
             return fn(state, batch)
 

@@ -178,13 +178,13 @@ class _Split:
         self.is_dict = _param_dicts(names)
         self.dicts = [self.is_dict(x) for x in self.nodes(opt_state)]
 
+    def flatten(self, tree: PyTree) -> tuple[list, Any]:
+        """(the param dicts and shared leaves of a state tree in order, its structure down to them)."""
+        return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)
+
     def nodes(self, tree: PyTree) -> list:
         """The param dicts and shared leaves of a state tree, in order."""
-        return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)[0]
-
-    def spec(self, tree: PyTree):
-        """The structure of a state tree down to its param dicts and shared leaves."""
-        return optree.tree_structure(tree, is_leaf=self.is_dict, none_is_leaf=True)
+        return self.flatten(tree)[0]
 
     def part(self, nodes: list, spec, g: Group) -> PyTree:
         """Group `g`'s state: its entries of every param dict (under `g.as_names`), shared leaves as they are."""
@@ -209,7 +209,7 @@ class _Split:
 
 def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool,
                 prec, piece: Callable, to_master: Callable, update_ok: Callable, guard_after: Callable,
-                grads_piece: Callable = lambda f: f, donate_outside: bool = False) -> Callable:
+                grads_piece: Callable = lambda f: f, in_regions: bool = False) -> Callable:
     """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
 
     Args:
@@ -222,8 +222,9 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       piece: wraps the update phase (`torch.compile` for compile="blocks", a nested compile region
         for compile="regions"); the others run eagerly (or traced into the caller's graph).
       grads_piece: wraps the grads phase's squared norm (a region for compile="regions").
-      donate_outside: donate after `piece` returns, not inside it (a nested compile region cannot
-        write into its inputs; the copies then run in the caller's graph).
+      in_regions: the pieces are nested compile regions of the caller's graph: the update gets
+        detached inputs (Dynamo reuses a region's trace only on intermediates) and its results are
+        donated after it returns (a region cannot write into its inputs).
       to_master, update_ok, guard_after: the train step's grads-to-masters cast, its finite check
         and its skip-guard rule (with the skip metrics), as `apply_gradients` uses them.
 
@@ -257,7 +258,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
             if guarded:
                 new_params = lay.select(ok, new_params, params)
                 new_opt = lay.select(ok, new_opt, opt_state)
-            if donate and not donate_outside:
+            if donate and not in_regions:
                 new_params, new_opt = donate_phase(split, params, opt_state, new_params, new_opt)
             return new_params, new_opt, unorm * unorm
 
@@ -309,16 +310,16 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         metrics, grad_norm, ok = norm_phase(aux, squares)
         # (traced into a step graph, "regions": `prepare` made the split; Dynamo cannot hash a treespec)
         split, update_fns = prepared[0] if torch.compiler.is_compiling() else prepare(state)
-        nodes, spec = split.nodes(state.opt_state), split.spec(state.opt_state)
+        nodes, spec = split.flatten(state.opt_state)
         params, parts, usq = {}, [], []
         for g, gg in zip(groups, master):
             old_p, old_o = _pick(state.params, g), split.part(nodes, spec, g)
-            if donate_outside:  # (a region's trace is reused for a later call only on intermediates,
+            if in_regions:  # (a region's trace is reused for a later call only on intermediates,
                 # not on the step's own inputs, which Dynamo guards by identity: detached views)
                 p, o, u = update_fns[g.kind](*_detached((old_p, gg, old_o, grad_norm, ok)))
             else:
                 p, o, u = update_fns[g.kind](old_p, gg, old_o, grad_norm, ok)
-            if donate and donate_outside:
+            if donate and in_regions:
                 p, o = donate_phase(split, old_p, old_o, p, o)
             params.update({n: p[a] for n, a in zip(g.names, g.as_names)})
             parts.append(o)
