@@ -41,9 +41,20 @@ _EXPORT_FROM = flags.DEFINE_string(
     "export_from", None, "With --export_hf: a step directory, checkpoints directory or workdir (default: --workdir).")
 
 
+def _say(line: str) -> None:
+    """Writes `line` and its newline to stderr in one write (ranks sharing a pipe cannot split it)."""
+    text = line + "\n"
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), text.encode(sys.stderr.encoding or "utf-8", "backslashreplace"))
+    except (AttributeError, OSError, ValueError):  # a stderr without a descriptor (captured in tests)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
 def _fail(message: str) -> None:
     """Prints one error line and exits with status 2."""
-    print(f"functrain: error: {message}", file=sys.stderr, flush=True)
+    _say(f"functrain: error: {message}")
     sys.exit(2)
 
 
@@ -252,8 +263,7 @@ def main(argv: list[str]) -> None:
     except ConfigError as exc:  # also raised before the modules below are loaded
         _fail(str(exc))
     except KeyboardInterrupt:  # a second Ctrl-C while training, or one before the loop started
-        print("functrain: interrupted; the same command resumes from the last committed checkpoint",
-              file=sys.stderr, flush=True)
+        _say("functrain: interrupted; the same command resumes from the last committed checkpoint")
         sys.exit(130)
     except Exception as exc:
         from functrain.checkpoint import CheckpointError

@@ -73,3 +73,20 @@ def test_a_run_on_a_workdir_in_use_stops_on_every_rank_with_one_line(tmp_path):
                       f"{os.uname().nodename}, pid {holder.pid}); wait for it to end or pass another --workdir"] * 2, \
         out.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.json").exists()
+
+
+_SAYER = """
+from functrain.main import _say
+for _ in range(500):
+    _say("functrain: error: " + "x" * 200)
+"""
+
+
+def test_error_lines_from_ranks_sharing_one_pipe_stay_whole():
+    """Every rank prints the error line into the stderr pipe torchrun shares between them; each line
+    must arrive whole (print's message-then-newline writes were split by another rank's line)."""
+    script = "".join([f"{sys.executable} -c '{_SAYER}' &\n"] * 6) + "wait"
+    out = subprocess.run(["bash", "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                         capture_output=True, text=True, timeout=300)
+    lines = out.stderr.splitlines()
+    assert len(lines) == 3000 and set(lines) == {"functrain: error: " + "x" * 200}, out.stderr[:2000]
