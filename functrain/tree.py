@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import optree
 import torch
@@ -138,11 +138,12 @@ def _rebuild(x, leaves: list, at: int):
     return (tuple(items) if type(x) is tuple else type(x)(*items)), at
 
 
-class _PlainSpec:
-    """The two `optree.PyTreeSpec` methods functrain uses, for a tree of plain nodes (see `flatten`)."""
+class _PlainSpec(NamedTuple):
+    """The two `optree.PyTreeSpec` methods functrain uses, for a tree of plain nodes (see `flatten`).
+    (A NamedTuple: Dynamo makes one of these per flatten, and a tuple costs it far less than an object.)"""
 
-    def __init__(self, template, num_leaves: int):
-        self.template, self.num_leaves = template, num_leaves
+    template: Any
+    num_leaves: int
 
     def flatten_up_to(self, other) -> list:
         """`other`'s subtrees at the template's leaf positions."""

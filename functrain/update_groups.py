@@ -47,13 +47,14 @@ factor may differ from the one-graph step in the last float32 bit; the per-eleme
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import optree
 import torch
 
 from functrain import metric_names as M
 from functrain import optim
+from functrain import tree as tree_lib
 from functrain.optim import base as optim_base
 from functrain.parallel import Layout
 from functrain.state import TrainState
@@ -169,18 +170,85 @@ def _param_dicts(names: Sequence[str]) -> Callable:
     return lambda x: isinstance(x, dict) and all(k in known for k in x)
 
 
+def _first_key_dicts(names: Sequence[str]) -> Callable:
+    """`_param_dicts` by a dict's first key only (a fraction of its cost under Dynamo)."""
+    known = frozenset(names)
+    return lambda x: type(x) is dict and (not x or next(iter(x)) in known)
+
+
+def _dicts_in(x) -> list:
+    """Every dict of a state tree, nested ones included (eager: `_Split` checks its predicate on them)."""
+    if isinstance(x, dict):
+        return [x, *(d for v in x.values() for d in _dicts_in(v))]
+    if isinstance(x, (list, tuple)):
+        return [d for v in x for d in _dicts_in(v)]
+    return []
+
+
+class _NodesSpec(NamedTuple):
+    """A state tree's structure down to `_Split`'s nodes, walked in plain Python (`unflatten` only)."""
+
+    split: Any  # the _Split
+    template: PyTree
+
+    def unflatten(self, nodes: list) -> PyTree:
+        """The template's structure with `nodes` in place of its nodes."""
+        return self.split._fill(self.template, nodes, 0)[0]
+
+
 class _Split:
     """The optimizer state cut into per-group parts: param-name dicts split, the rest shared."""
 
     # (Specs are made from the tree at hand, never kept: a step traced into one graph, "regions",
-    # runs these under Dynamo, which can read a spec made inside the trace but not one from outside.)
+    # runs these under Dynamo, which can read a spec made inside the trace but not one from outside.
+    # The walks are plain Python in optree's order, as `functrain.tree`'s: Dynamo runs optree's
+    # flatten as a polyfill that costs it ~10x more per node, and the regions step walks the state
+    # per block.)
     def __init__(self, opt_state: PyTree, names: Sequence[str]):
-        self.is_dict = _param_dicts(names)
+        full, quick = _param_dicts(names), _first_key_dicts(names)
+        # the first key decides, when it decides alike for every dict of this state (checked here, eagerly)
+        self.is_dict = quick if all(full(d) == quick(d) for d in _dicts_in(opt_state)) else full
         self.dicts = [self.is_dict(x) for x in self.nodes(opt_state)]
 
     def flatten(self, tree: PyTree) -> tuple[list, Any]:
         """(the param dicts and shared leaves of a state tree in order, its structure down to them)."""
-        return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)
+        out: list = []
+        if self._gather(tree, out):
+            return out, _NodesSpec(self, tree)
+        return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)  # (a node type of its own)
+
+    def _gather(self, x, out: list) -> bool:
+        """Appends `x`'s nodes to `out`; False at a node type `functrain.tree` leaves to optree."""
+        if x is None or isinstance(x, torch.Tensor) or self.is_dict(x):
+            out.append(x)
+            return True
+        kind = tree_lib._kind(x)
+        if kind == tree_lib._LEAF:
+            out.append(x)
+            return True
+        if kind == tree_lib._OTHER:
+            return False
+        for child in tree_lib._children(x):
+            if not self._gather(child, out):
+                return False
+        return True
+
+    def _fill(self, x, nodes: list, at: int):
+        """(`x`'s structure with nodes[at:] at its nodes, the index after the last one used)."""
+        if x is None or isinstance(x, torch.Tensor) or self.is_dict(x) or tree_lib._kind(x) == tree_lib._LEAF:
+            return nodes[at], at + 1
+        if type(x) is dict:
+            new = {}
+            for k in sorted(x):
+                new[k], at = self._fill(x[k], nodes, at)
+            return {k: new[k] for k in x}, at  # the template's key order, as optree's unflatten keeps it
+        items = []
+        for child in x:
+            item, at = self._fill(child, nodes, at)
+            items.append(item)
+        if type(x) is list:
+            return items, at
+        return (tuple(items) if type(x) is tuple else type(x)(*items)), at
 
     def nodes(self, tree: PyTree) -> list:
         """The param dicts and shared leaves of a state tree, in order."""
@@ -190,7 +258,7 @@ class _Split:
         """Group `g`'s state: its entries of every param dict (under `g.as_names`), shared leaves as they are."""
         pairs = list(zip(g.names, g.as_names))
         out = [{a: x[n] for n, a in pairs if n in x} if d else x for x, d in zip(nodes, self.dicts)]
-        return optree.tree_unflatten(spec, out)
+        return spec.unflatten(out)
 
     def shared(self, nodes: list) -> list:
         """The shared leaves of a node list."""
@@ -204,7 +272,7 @@ class _Split:
         out = []
         for j, (x, d) in enumerate(zip(old_nodes, self.dicts)):
             out.append({n: new[where[n][0]][j][where[n][1]] for n in x} if d else next(it))
-        return optree.tree_unflatten(spec, out)
+        return spec.unflatten(out)
 
 
 def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool,
@@ -267,9 +335,12 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
     def donate_phase(split: _Split, params: dict, opt_state: PyTree, new_params: dict, new_opt: PyTree):
         """New params and moments written into the old buffers (the shared leaves are every group's input)."""
         new_params = lay.write_into(params, new_params)
-        old, spec = optree.tree_flatten(opt_state, is_leaf=split.is_dict, none_is_leaf=True)
-        new = spec.flatten_up_to(new_opt)  # (a spec made inside the trace: Dynamo reads it)
-        new_opt = optree.tree_unflatten(spec, [lay.write_into(o, n) if split.is_dict(o) else n for o, n in zip(old, new)])
+        old, spec = split.flatten(opt_state)
+        new = split.nodes(new_opt)  # (the update keeps the state's structure)
+        if len(new) != len(old):
+            raise ValueError(f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
+                             "nodes); a grouped update needs the structure kept: use compile=True")
+        new_opt = spec.unflatten([lay.write_into(o, n) if split.is_dict(o) else n for o, n in zip(old, new)])
         return new_params, new_opt
 
     def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
@@ -340,7 +411,8 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
 
 def _detached(tree: PyTree) -> PyTree:
     """Every tensor of `tree` as a detached view."""
-    return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
+    xs, spec = tree_lib.flatten(tree)
+    return spec.unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in xs])
 
 
 def _pick(tree: dict, g: Group) -> dict:

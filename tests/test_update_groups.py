@@ -17,6 +17,7 @@ import torch
 from functrain import init_state, optim, update_groups
 from functrain import precision as precision_lib
 from functrain.models.gpt import make_loss_fn
+from functrain.optim.transforms import ScaleByAdamState
 from functrain.parallel import LOCAL
 from functrain.step import _guard_after, _to_master, _update_ok, apply_gradients
 
@@ -148,3 +149,32 @@ def test_leafwise_declarations_compose():
     assert not optim.is_leafwise(optim.chain(adamw, clip))
     assert not optim.is_leafwise(optim.masked(clip, lambda p: p))  # masked does not pass the norm on
     assert optim.is_leafwise(optim.masked(adamw, lambda p: p))
+
+
+def _optree_nodes(state, names):
+    """The reference split: optree's flatten with the full "dict of parameter names" predicate."""
+    known = set(names)
+    return optree.tree_flatten(state, is_leaf=lambda x: isinstance(x, dict) and all(k in known for k in x),
+                               none_is_leaf=True)
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_split_walks_the_state_as_optree_does(odd):
+    # the plain-Python walk (what Dynamo traces per block under compile="regions") gives optree's
+    # nodes in optree's order and rebuilds the state; a dict whose first key is a parameter name but
+    # not all its keys ("odd") makes the split fall back to the full predicate, as it must
+    names = ["b.w", "a.w"]
+    t = lambda: torch.randn(2)
+    inner = {"b.w": t(), "a.w": t()}
+    state = (ScaleByAdamState(count=torch.zeros((), dtype=torch.int32), mu=dict(inner), nu=dict(inner)),
+             [None, {"lr": torch.tensor(0.1)}, (t(), {})])
+    if odd:
+        state = (*state, {"b.w": t(), "count": t()})
+    split = update_groups._Split(state, names)
+    nodes, spec = split.flatten(state)
+    want, want_spec = _optree_nodes(state, names)
+    assert len(nodes) == len(want) and all(a is b for a, b in zip(nodes, want))
+    assert split.dicts == [isinstance(x, dict) and all(k in names for k in x) for x in want]
+    rebuilt = spec.unflatten(nodes)
+    assert optree.tree_structure(rebuilt, none_is_leaf=True) == optree.tree_structure(state, none_is_leaf=True)
+    assert all(a is b for a, b in zip(optree.tree_leaves(rebuilt), optree.tree_leaves(state)))
