@@ -1,7 +1,7 @@
 """Cold compile time of the train step against depth: is it flat in the number of layers?
 
     python bench/compile_depth.py [--layers 2,6,12] [--n-embd 64] [--remat none] [--compile step|regions|blocks]
-                                  [--update] [--json]
+                                  [--update] [--no-donate] [--json]
 
 For each depth, a fresh subprocess (empty inductor and AOT caches in a temporary directory, so
 nothing is reused between depths) builds a width-`--n-embd` GPT, its compiled AdamW train step
@@ -13,7 +13,8 @@ the ratio of the deepest to the shallowest; with `--json`, one JSON object as th
 `--compile blocks` times `make_train_step(..., compile="blocks")` (a graph per stage kind, one block
 graph for every block, the optimizer update block by block: `functrain.update_groups`) instead of
 the one-graph step; `--compile regions` the one-graph step whose block, and the blocks' update, are
-compiled regions (`functrain.regions`). `--update` also times, in its own fresh process per depth, the cold compile of
+compiled regions (`functrain.regions`). `--no-donate` builds the step with `donate=False`.
+`--update` also times, in its own fresh process per depth, the cold compile of
 the whole-tree optimizer update alone (`update_step`, the graph the one-graph step ends with): one
 fused loop per parameter tensor, so it grows with depth.
 
@@ -36,7 +37,7 @@ import json, sys, time
 import torch
 from functrain import init_state, make_train_step, optim, rng
 from functrain.models import gpt
-n_layer, n_embd, remat, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+n_layer, n_embd, remat, mode, donate = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
 cfg = gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=n_layer, n_head=4, n_embd=n_embd, dropout=0.0)
 with torch.device("meta"):
     template = gpt.GPT(cfg)
@@ -49,7 +50,7 @@ if mode == "update":  # the optimizer update alone, on gradients of ones
     step = lambda state, batch: upd(state, grads, {"loss": torch.ones(())})
 else:
     step = make_train_step(gpt.make_loss_fn(template, remat=remat, staged=mode != "step"), opt,
-                           compile=True if mode == "step" else mode)
+                           compile=True if mode == "step" else mode, donate=donate)
 g = torch.Generator().manual_seed(0)
 batch = (torch.randint(0, 256, (4, 64), generator=g), torch.randint(0, 256, (4, 64), generator=g))
 times = []
@@ -62,12 +63,12 @@ print(json.dumps({"first": times[0], "step": min(times[1:])}))
 """
 
 
-def _cold(n_layer: int, n_embd: int, remat: str, mode: str) -> dict:
+def _cold(n_layer: int, n_embd: int, remat: str, mode: str, donate: bool = True) -> dict:
     """First-step and steady step time of a fresh process with empty compile caches."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
                    TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-        out = subprocess.run([sys.executable, "-c", CHILD, str(n_layer), str(n_embd), remat, mode], env=env,
+        out = subprocess.run([sys.executable, "-c", CHILD, str(n_layer), str(n_embd), remat, mode, str(int(donate))], env=env,
                              capture_output=True, text=True, check=True,
                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -80,15 +81,17 @@ def main() -> None:
     ap.add_argument("--remat", default="none", help="remat policy of the loss (none, full, N)")
     ap.add_argument("--compile", default="step", choices=["step", "regions", "blocks"], help="what one graph covers")
     ap.add_argument("--update", action="store_true", help="also time the optimizer update's compile alone")
+    ap.add_argument("--no-donate", dest="donate", action="store_false",
+                    help="make_train_step(donate=False): the state's buffers not reused")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()
     depths = [int(x) for x in args.layers.split(",")]
     print(f"cold compile of the GPT train step, width {args.n_embd}, remat={args.remat}, compile={args.compile}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+          f"donate={args.donate}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     print(f"{'layers':>6} {'first step s':>13} {'step s':>8} {'compile s':>10}" + (f" {'update s':>9}" * args.update))
     compile_s, update_s = {}, {}
     for n in depths:
-        r = _cold(n, args.n_embd, args.remat, args.compile)
+        r = _cold(n, args.n_embd, args.remat, args.compile, args.donate)
         compile_s[n] = r["first"] - r["step"]
         row = f"{n:>6} {r['first']:>13.1f} {r['step']:>8.3f} {compile_s[n]:>10.1f}"
         if args.update:
@@ -99,7 +102,7 @@ def main() -> None:
     ratio = compile_s[depths[-1]] / compile_s[depths[0]]
     print(f"compile time ratio {depths[-1]} / {depths[0]} layers: {ratio:.2f}")
     out = {"compile_s": compile_s, "ratio": round(ratio, 3), "n_embd": args.n_embd, "remat": args.remat,
-           "compile": args.compile}
+           "compile": args.compile, "donate": args.donate}
     if args.update:
         without = {n: compile_s[n] - update_s[n] for n in depths}
         out.update(update_s=update_s, ratio_without_update=round(without[depths[-1]] / without[depths[0]], 3))
