@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The GPU checks, in one go on a CUDA machine (no network needed): CUDA-only failures of the main
-# job (compiled step, compile_unit=blocks, bf16, nccl on one rank, async checkpoints), then the
-# compiled-vs-eager benchmarks in bf16 and fp32 and the optimizer update alone.
+# The GPU checks, in one go on a CUDA machine (no network needed): the compiled-vs-eager benchmark in
+# bf16 (timed alone), then CUDA-only failures of the main job (fp32 and bf16, compile_unit step and
+# regions, a resume onto CUDA, bf16 + per-block compile on one nccl rank; these run side by side).
 #
-#     bash bench/gpu.sh [part ...]      # parts: smoke step_bf16 step_fp32 optimizer (default: all)
+#     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke step_fp32 optimizer (default: step_bf16 smoke)
 #
 # Each part runs under its own time limit and appends to $OUT/gpu.log (default runs/gpu); a
-# summary of each part (exit code, seconds, its last lines) is printed. Without functrain
-# installed it runs from the checkout (PYTHONPATH); the machine's torch is used as it is.
+# summary of each run (exit code, seconds, its last lines) is printed. A failing compiled run
+# leaves its inductor output code (every generated module with a `call`) in $OUT/<run>_code.tgz.
+# Without functrain installed it runs from the checkout (PYTHONPATH); the machine's torch is used
+# as it is.
 set -u
 OUT=${OUT:-runs/gpu}
-mkdir -p "$OUT"
+LOGS=${LOGS:-$OUT/runs}  # one log per run (gpu.log gets them all)
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 py=${PYTHON:-python3}
 log="$OUT/gpu.log"
-parts=${*:-smoke step_bf16 step_fp32 optimizer}
+parts=${*:-step_bf16 smoke}
 
 # torch < 2.12 on CUDA: inductor's loop reordering after fusion asserts on a fused node that holds a
 # foreach node (pytorch/pytorch#176591, fixed by #176849 in 2.12; the update graph mixes _foreach
@@ -25,43 +28,67 @@ if ! $py -c "import sys, torch; sys.exit(tuple(int(x) for x in torch.__version__
   echo "torch < 2.12: TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION=0 (pytorch/pytorch#176591)" | tee -a "$log"
 fi
 
-part() {  # part NAME LIMIT_S CMD...: run, log, print the tail
+run() {  # run NAME LIMIT_S CMD...: run with its own inductor cache, log to $OUT/NAME.log
     local name=$1 limit=$2 s rc
     shift 2
-    echo "=== $name: $*" | tee -a "$log"
     s=$(date +%s)
-    timeout "$limit" "$@" > "$OUT/part.log" 2>&1
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ic_$name timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
     rc=$?
-    cat "$OUT/part.log" >> "$log"
-    echo "--- $name rc=$rc $(( $(date +%s) - s )) s" | tee -a "$log"
-    grep -E "^(step |\| |eval|sample|functrain|Traceback|[A-Za-z]*Error)" "$OUT/part.log" | tail -n "${TAILN:-14}"
-    tail -n 3 "$OUT/part.log"
+    echo "$rc $(( $(date +%s) - s ))" > "/tmp/$name.rc"
+    if [ "$rc" != 0 ] && [ -d "/tmp/ic_$name" ]; then
+      grep -rl --include="*.py" "def call(" "/tmp/ic_$name" | tar -czf "$OUT/${name}_code.tgz" -T - 2>/dev/null
+    fi
+}
+
+report() {  # report NAME: the run's exit code, seconds and its telling lines
+    local name=$1
+    { echo "=== $name rc/seconds: $(cat "/tmp/$name.rc" 2>/dev/null || echo 'not finished')"
+      cat "$LOGS/$name.log"; } >> "$log"
+    echo "=== $name rc/seconds: $(cat "/tmp/$name.rc" 2>/dev/null || echo 'not finished')"
+    grep -E "^(step |\| |  memory|  \[|eval|functrain|first step|peak FLOP|Traceback|[A-Za-z.]*Error|torch)" "$LOGS/$name.log" \
+      | tail -n "${TAILN:-14}"
+    tail -n 3 "$LOGS/$name.log"
+}
+
+main() {  # main NAME LIMIT_S ARGS...: the main job
+    local name=$1 limit=$2
+    shift 2
+    run "$name" "$limit" $py -m functrain.main --config=configs/gpt.py --workdir="/tmp/ft_$name" "$@"
 }
 
 for p in $parts; do
   case $p in
-    smoke)
+    step_bf16)
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee -a "$log"
       $py -c "import torch, functrain; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" 2>&1 | tee -a "$log"
-      # The default run (300 steps): compiled step, eval, async checkpoint, sample, on cuda:0.
-      part main_default 200 $py -m functrain.main --config=configs/gpt.py --workdir=/tmp/ft_default \
-        --config.steps=300 --config.eval_every=150 --config.checkpoint.every=150
-      # Resume from its checkpoint: restore onto CUDA, 100 more steps.
-      part main_resume 90 $py -m functrain.main --config=configs/gpt.py --workdir=/tmp/ft_default \
-        --config.steps=400 --config.eval_every=150 --config.checkpoint.every=150
-      # bf16, per-block compile, remat full, on one nccl rank (a 1-process mesh).
-      part main_blocks_bf16_nccl 170 $py -m torch.distributed.run --standalone --nproc_per_node=1 -m functrain.main \
-        --config=configs/gpt.py:tiny --workdir=/tmp/ft_blocks --config.precision=bf16 \
-        --config.compile_unit=blocks --config.remat=full
+      run step_bf16 "${STEP_LIMIT:-300}" $py bench/step.py --sizes default,gpt2 --precision bf16 --steps 12 --rounds 3 \
+        --mem-steps 2 --no-breakdown --json
+      TAILN=30 report step_bf16
       ;;
-    step_bf16)
-      part step_bf16 420 $py bench/step.py --sizes default,gpt2 --precision bf16 --steps 20 --rounds 4 --json
+    smoke)
+      # Side by side (they are small; 16 cores): the default run (fp32, compile_unit=step; failed on
+      # torch 2.11 at the first step, a Triton launch given a pointer it could not read), the same
+      # with compile_unit=regions, the default in bf16 with a checkpoint and then a resume onto CUDA,
+      # and bf16 + per-block compile + remat on one nccl rank.
+      L=${SMOKE_LIMIT:-200}
+      TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 main fp32_step "$L" --config.steps=100 --config.eval_every=50 &
+      main fp32_regions "$L" --config.steps=100 --config.eval_every=50 --config.compile_unit=regions &
+      { main bf16_step "$L" --config.steps=100 --config.eval_every=50 --config.checkpoint.every=50 --config.precision=bf16 &&
+        run bf16_resume 90 $py -m functrain.main --config=configs/gpt.py --workdir=/tmp/ft_bf16_step \
+          --config.steps=150 --config.eval_every=50 --config.checkpoint.every=50 --config.precision=bf16; } &
+      run blocks_bf16_nccl "$L" $py -m torch.distributed.run --standalone --nproc_per_node=1 -m functrain.main \
+        --config=configs/gpt.py:tiny --workdir=/tmp/ft_blocks --config.precision=bf16 \
+        --config.compile_unit=blocks --config.remat=full --config.steps=100 &
+      wait
+      for n in fp32_step fp32_regions bf16_step bf16_resume blocks_bf16_nccl; do TAILN=6 report $n; done
       ;;
     step_fp32)
-      part step_fp32 300 $py bench/step.py --sizes 100m --precision fp32 --steps 20 --rounds 4 --json
+      run step_fp32 300 $py bench/step.py --sizes 100m --precision fp32 --steps 20 --rounds 4 --json
+      report step_fp32
       ;;
     optimizer)
-      part optimizer 150 $py bench/optimizer.py --size 100m --device cuda --rounds 30 --profile 5 --json
+      run optimizer 150 $py bench/optimizer.py --size 100m --device cuda --rounds 30 --profile 5 --json
+      report optimizer
       ;;
     *) echo "unknown part $p"; exit 2 ;;
   esac

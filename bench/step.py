@@ -10,7 +10,14 @@ against the eager loop under `torch.autocast(bf16)`. MFU = tokens/s x `gpt.flops
 the large-matmul rate measured in the same process in that dtype, and over the published bf16
 dense peak where the device is known (`functrain.metrics.peak_flops`).
 
-Measured on one H100 80GB HBM3 (torch 2.11.0+cu130, the lent machine's own build; 8192^3 bf16
+Measured on one H200 (2026-11-26, torch 2.11.0+cu130, 8192^3 bf16 matmul 791 TFLOP/s, published
+989), `--sizes default,gpt2 --precision bf16 --steps 12 --rounds 3 --mem-steps 2 --no-breakdown`
+(bench/gpu.sh step_bf16): gpt2 functrain 36.8 steps/s vs eager 26.5 (1.39x), 452.4k vs 325.5k
+tokens/s, MFU 48.9% vs 35.2% of the measured matmul (39.1% vs 28.1% of 989 TFLOP/s), peak 7879 vs
+13206 MB (growth per step +6421 vs +11717 MB), first step (compile) 85 s; default (0.84M params)
+116.5 vs 116.8 steps/s (0.94x, launch-bound), peak 116 vs 171 MB, compile 34 s.
+
+Measured on one H100 80GB HBM3 (2026-11-23, torch 2.11.0+cu130, the lent machine's own build; 8192^3 bf16
 matmul 773 TFLOP/s, published 989), `--sizes gpt2 --precision bf16 --steps 12 --rounds 3
 --breakdown-rounds 4`: functrain 29.7 steps/s vs eager 23.1 (1.29x), 364.8k vs 283.6k tokens/s,
 MFU 40.1% vs 31.2% of the measured matmul (31.5% vs 24.5% of 989 TFLOP/s), peak growth per step
@@ -41,7 +48,7 @@ compiling the step whole fuses across the cut).
 Memory ("peak growth per step"): how far memory rises above the resident training state during a
 steady-state step (activations, gradients, temporaries). Each variant runs in its own child process:
 build, warm up, then release what the warm-up left behind (gc, `malloc_trim`) and take the
-baseline; then run the measured steps and report peak - baseline.
+baseline; then run the measured steps and report peak - baseline (and the absolute peak, `peak_mb`).
   CPU:  peak = the process's RSS high-water mark (VmHWM), reset to the current RSS at the baseline
         by writing 5 to /proc/self/clear_refs (Linux >= 4.0). Without that reset the high-water mark
         would include compilation and warm-up; the output says if it could not be reset.
@@ -343,8 +350,9 @@ def memory_child(variant, size, steps, device):
         for i in range(steps):
             float(r.step(data[i % N_BATCHES]))
         _sync(device)
-        out.update(method="cuda max_memory_allocated", base_mb=base / 2**20,
-                   growth_mb=(torch.cuda.max_memory_allocated(device) - base) / 2**20)
+        peak = torch.cuda.max_memory_allocated(device)
+        out.update(method="cuda max_memory_allocated", base_mb=base / 2**20, growth_mb=(peak - base) / 2**20,
+                   peak_mb=peak / 2**20)
     else:
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -355,7 +363,8 @@ def memory_child(variant, size, steps, device):
         base = _rss_kb("VmRSS")
         for i in range(steps):
             float(r.step(data[i % N_BATCHES]))
-        out.update(method=method, base_mb=base / 1024, growth_mb=(_rss_kb("VmHWM") - base) / 1024)
+        peak = _rss_kb("VmHWM")
+        out.update(method=method, base_mb=base / 1024, growth_mb=(peak - base) / 1024, peak_mb=peak / 1024)
     print(json.dumps(out), flush=True)
 
 
@@ -430,7 +439,8 @@ def main():
         mem = None if args.no_memory else measure_memory(size, args.mem_steps, device, args.threads, args.host_memory)
         if mem:
             print(f"  memory: {mem['functrain']['method']}; resident state "
-                  f"functrain {mem['functrain']['base_mb']:.0f} MB, torch {mem['torch']['base_mb']:.0f} MB")
+                  f"functrain {mem['functrain']['base_mb']:.0f} MB, torch {mem['torch']['base_mb']:.0f} MB; "
+                  f"peak functrain {mem['functrain']['peak_mb']:.0f} MB, torch {mem['torch']['peak_mb']:.0f} MB")
         if not args.no_breakdown:
             bd = breakdown(size, args.breakdown_rounds, device)
             f, t = bd["functrain"], bd["torch"]
@@ -447,6 +457,10 @@ def main():
         if published:
             sp["mfu_published"] = {n: v * fpt / published for n, v in sp["tokens_per_s"].items()}
         rows.append((size, sp, mem))
+        print(f"  [{size}] steps/s functrain {sp['steps_per_s']['functrain']:.3f} torch {sp['steps_per_s']['torch']:.3f} "
+              f"(ratio {sp['ratio']:.2f}x); tokens/s {sp['tokens_per_s']['functrain']:,.0f} vs "
+              f"{sp['tokens_per_s']['torch']:,.0f}; MFU of the measured matmul {sp['mfu_matmul']['functrain']:.1%} vs "
+              f"{sp['mfu_matmul']['torch']:.1%}", flush=True)
 
     print("\n| size | params | functrain steps/s | torch steps/s | ratio (functrain/torch) | "
           "first step functrain (compile) | first step torch | peak growth/step functrain | peak growth/step torch |")

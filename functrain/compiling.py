@@ -99,7 +99,7 @@ def _child(node, key) -> tuple[bool, Any]:
     """(True, node[key]) for a dict, list, tuple or NamedTuple `node` that has `key`; else (False, None)."""
     if type(node) is dict:
         return (True, node[key]) if key in node else (False, None)
-    if (type(node) in (list, tuple) or (isinstance(node, tuple) and hasattr(type(node), "_fields"))) \
+    if (type(node) in (list, tuple) or (isinstance(node, tuple) and hasattr(node, "_fields"))) \
             and type(key) is int and 0 <= key < len(node):
         return True, node[key]
     return False, None

@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from functrain import metric_names as M
 from functrain import compiling, foreach, ops, optim, regions
@@ -270,8 +271,12 @@ def _guard_after(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision, 
     """`_next_guard`, with the skip counters (and the fp16 scale this step used) added to `metrics`."""
     new = _next_guard(guard, ok, prec)
     metrics[M.SKIPPED] = (~ok).to(torch.float32)
-    metrics[M.CONSECUTIVE_SKIPS] = new.consecutive
-    metrics[M.SKIPPED_TOTAL] = new.skipped
+    # float32, as every metric is logged. An int64 0-d graph output here broke the fp32 step on CUDA
+    # (torch 2.11): inductor gave it the buffer of SDPA's efficient-attention philox offset, a CPU
+    # tensor, and a Triton kernel then failed on it ("Pointer argument ... cannot be accessed from
+    # Triton (cpu tensor?)"). As float32 the new counts are computed into the donated state alone.
+    metrics[M.CONSECUTIVE_SKIPS] = new.consecutive.to(torch.float32)
+    metrics[M.SKIPPED_TOTAL] = new.skipped.to(torch.float32)
     if prec.loss_scaling:
         metrics[M.LOSS_SCALE] = guard.loss_scale.clone()  # its buffer may be donated
     return new
@@ -517,9 +522,37 @@ def _step_passes(options: dict | None) -> dict:
     inductor = dict(options.get("options") or {})
     mine = inductor.get("post_grad_custom_post_pass")
     mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
-    inductor["post_grad_custom_post_pass"] = [*mine, RecomputePass(), RegatherPass()]
+    inductor["post_grad_custom_post_pass"] = _post_passes([*mine, RecomputePass(), RegatherPass()])
     options["options"] = inductor
     return options
+
+
+def _post_passes(passes: list):
+    """`passes` as this torch's inductor takes `post_grad_custom_post_pass`: the list itself (torch
+    2.13 runs a list in order), or one pass running them in turn (torch 2.11, the CUDA build the lent
+    GPU machines carry, calls the option as one pass: "'list' object is not callable")."""
+    from torch._inductor.fx_passes import post_grad
+
+    return passes if hasattr(post_grad, "get_custom_graph_passes") else InTurn(passes)
+
+
+class InTurn(CustomGraphPass):
+    """One inductor graph pass that runs `passes` in order; its cache key is made of theirs.
+
+    Example:
+      >>> torch.compile(fn, options={"post_grad_custom_post_pass": InTurn([RecomputePass(), RegatherPass()])})
+    """
+
+    def __init__(self, passes: list):
+        self.passes = list(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        keys = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes)
+        return None if None in keys else keys  # (None: a member cannot be cached, so neither can this)
 
 
 def _compile_mode(compile) -> "str | None":

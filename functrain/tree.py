@@ -70,7 +70,7 @@ def _kind(x) -> int:
         return _NODE
     if t in (int, float, bool, complex, str):
         return _LEAF
-    if isinstance(x, tuple) and hasattr(t, "_fields"):
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # (of the instance: Dynamo 2.11 cannot ask a class)
         return _NODE
     return _OTHER
 

@@ -114,6 +114,36 @@ def test_pass_is_cacheable_and_the_step_installs_it():
     assert "options" not in _step_passes({"mode": "max-autotune"})  # torch.compile refuses mode + options
 
 
+def test_in_turn_runs_the_passes_in_order_as_one_pass():
+    """Torch 2.11 (the lent GPU machines' CUDA build) takes one post-grad pass, not a list: `InTurn`
+    is that one pass. Inductor runs it given alone; it runs each member in order, and its cache key is
+    made of theirs (None when one member has none: then inductor does not cache the graph)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from functrain.step import InTurn
+
+    calls = []
+
+    class Note(CustomGraphPass):
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, graph):
+            calls.append((self.name, sum(n.op == "call_function" for n in graph.nodes)))
+
+        def uuid(self):
+            return self.name
+
+    both = InTurn([Note("a"), Note("b")])
+    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", fullgraph=True,
+                       options={"post_grad_custom_post_pass": both, "fx_graph_cache": False})
+    x = torch.randn(8)
+    assert torch.allclose(fn(x), (x.sin() * 2).sum())
+    assert [name for name, _ in calls] == ["a", "b"] and calls[0][1] > 0
+    assert both.uuid() == ("a", "b") and InTurn([Note("a"), Note("c")]).uuid() != both.uuid()
+    assert InTurn([Note("a"), lambda graph: None]).uuid() is None
+
+
 def test_mark_is_a_copy():
     h = torch.randn(3, 4)
     out = mark_forward_done(h)
