@@ -82,9 +82,9 @@ def _children(x) -> list:
     return [] if x is None else x
 
 
-def _gather_leaves(x, out: list) -> bool:
-    """Appends `x`'s leaves to `out`; False when a node is not one `_kind` knows."""
-    if isinstance(x, torch.Tensor):
+def _gather_leaves(x, out: list, stop=None) -> bool:
+    """Appends `x`'s leaves to `out` (and whole each subtree `stop` accepts); False at a node `_kind` does not know."""
+    if isinstance(x, torch.Tensor) or (stop is not None and stop(x)):
         out.append(x)
         return True
     kind = _kind(x)
@@ -94,7 +94,7 @@ def _gather_leaves(x, out: list) -> bool:
     if kind == _OTHER:
         return False
     for child in _children(x):
-        if not _gather_leaves(child, out):
+        if not _gather_leaves(child, out, stop):
             return False
     return True
 
@@ -117,21 +117,21 @@ def _gather_up_to(x, other, out: list) -> bool:
     return True
 
 
-def _rebuild(x, leaves: list, at: int):
-    """(`x`'s structure filled with leaves[at:], the index after the last one used)."""
-    kind = _kind(x)
-    if kind == _LEAF:
+def _rebuild(x, leaves: list, at: int, stop=None):
+    """(`x`'s structure filled with leaves[at:], the index after the last one used); a subtree `stop`
+    accepts is one leaf, as in `_gather_leaves`."""
+    if (stop is not None and stop(x)) or _kind(x) == _LEAF:
         return leaves[at], at + 1
     if x is None:
         return None, at
     if type(x) is dict:
         new = {}
         for k in sorted(x):
-            new[k], at = _rebuild(x[k], leaves, at)
+            new[k], at = _rebuild(x[k], leaves, at, stop)
         return {k: new[k] for k in x}, at  # the template's key order, as optree's unflatten keeps it
     items = []
     for child in x:
-        item, at = _rebuild(child, leaves, at)
+        item, at = _rebuild(child, leaves, at, stop)
         items.append(item)
     if type(x) is list:
         return items, at

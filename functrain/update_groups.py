@@ -193,7 +193,7 @@ class _NodesSpec(NamedTuple):
 
     def unflatten(self, nodes: list) -> PyTree:
         """The template's structure with `nodes` in place of its nodes."""
-        return self.split._fill(self.template, nodes, 0)[0]
+        return tree_lib._rebuild(self.template, nodes, 0, self.split._stop)[0]
 
 
 class _Split:
@@ -213,42 +213,13 @@ class _Split:
     def flatten(self, tree: PyTree) -> tuple[list, Any]:
         """(the param dicts and shared leaves of a state tree in order, its structure down to them)."""
         out: list = []
-        if self._gather(tree, out):
+        if tree_lib._gather_leaves(tree, out, self._stop):
             return out, _NodesSpec(self, tree)
         return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)  # (a node type of its own)
 
-    def _gather(self, x, out: list) -> bool:
-        """Appends `x`'s nodes to `out`; False at a node type `functrain.tree` leaves to optree."""
-        if x is None or isinstance(x, torch.Tensor) or self.is_dict(x):
-            out.append(x)
-            return True
-        kind = tree_lib._kind(x)
-        if kind == tree_lib._LEAF:
-            out.append(x)
-            return True
-        if kind == tree_lib._OTHER:
-            return False
-        for child in tree_lib._children(x):
-            if not self._gather(child, out):
-                return False
-        return True
-
-    def _fill(self, x, nodes: list, at: int):
-        """(`x`'s structure with nodes[at:] at its nodes, the index after the last one used)."""
-        if x is None or isinstance(x, torch.Tensor) or self.is_dict(x) or tree_lib._kind(x) == tree_lib._LEAF:
-            return nodes[at], at + 1
-        if type(x) is dict:
-            new = {}
-            for k in sorted(x):
-                new[k], at = self._fill(x[k], nodes, at)
-            return {k: new[k] for k in x}, at  # the template's key order, as optree's unflatten keeps it
-        items = []
-        for child in x:
-            item, at = self._fill(child, nodes, at)
-            items.append(item)
-        if type(x) is list:
-            return items, at
-        return (tuple(items) if type(x) is tuple else type(x)(*items)), at
+    def _stop(self, x) -> bool:
+        """Whether `x` is one node of the split: None (a leaf, as optree's `none_is_leaf`) or a param dict."""
+        return x is None or self.is_dict(x)
 
     def nodes(self, tree: PyTree) -> list:
         """The param dicts and shared leaves of a state tree, in order."""
