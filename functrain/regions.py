@@ -20,7 +20,9 @@ EPYC, width-64 GPT, aot_eager, 6 layers): running the block through `torch._dyna
 hides the swap and Dynamo then reuses the block's trace, but the first step went from 30.9 to only
 29.9 s, so it is not used; the walks of the optimizer state around each update region cost Dynamo
 more (optree's polyfill and a user object per spec: ~2/3 of its time), and plain-Python walks
-(`update_groups._Split`, `functrain.tree`) took the first step to 24.1 s. With inductor, the
+(`update_groups._Split`, `functrain.tree`) took the first step to 24.1 s (in that script; another
+timed the same 6-layer step at 45-50 s on this host a day later, whichever walks it ran: compare
+within one script only). With inductor, the
 largest cost that grows with depth is donation: the copies of each block's new params and moments
 back into the state's buffers after its update region returns (a region cannot write into its
 inputs) are compiled one by one. Measured (same host, width 64, caches off, `python

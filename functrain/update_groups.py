@@ -188,12 +188,12 @@ def _dicts_in(x) -> list:
 class _NodesSpec(NamedTuple):
     """A state tree's structure down to `_Split`'s nodes, walked in plain Python (`unflatten` only)."""
 
-    split: Any  # the _Split
+    stop: Callable  # the split's `_stop`: which subtrees are its nodes
     template: PyTree
 
     def unflatten(self, nodes: list) -> PyTree:
         """The template's structure with `nodes` in place of its nodes."""
-        return tree_lib._rebuild(self.template, nodes, 0, self.split._stop)[0]
+        return tree_lib._rebuild(self.template, nodes, 0, self.stop)[0]
 
 
 class _Split:
@@ -214,7 +214,7 @@ class _Split:
         """(the param dicts and shared leaves of a state tree in order, its structure down to them)."""
         out: list = []
         if tree_lib._gather_leaves(tree, out, self._stop):
-            return out, _NodesSpec(self, tree)
+            return out, _NodesSpec(self._stop, tree)
         return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)  # (a node type of its own)
 
     def _stop(self, x) -> bool:
@@ -311,7 +311,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         if len(new) != len(old):
             raise ValueError(f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
                              "nodes); a grouped update needs the structure kept: use compile=True")
-        new_opt = spec.unflatten([lay.write_into(o, n) if split.is_dict(o) else n for o, n in zip(old, new)])
+        new_opt = spec.unflatten([lay.write_into(o, n) if d else n for o, n, d in zip(old, new, split.dicts)])
         return new_params, new_opt
 
     def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
