@@ -22,13 +22,24 @@ hides the swap and Dynamo then reuses the block's trace, but the first step went
 more (optree's polyfill and a user object per spec: ~2/3 of its time), and plain-Python walks
 (`update_groups._Split`, `functrain.tree`) took the first step to 24.1 s (in that script; another
 timed the same 6-layer step at 45-50 s on this host a day later, whichever walks it ran: compare
-within one script only). With inductor, the
-largest cost that grows with depth is donation: the copies of each block's new params and moments
-back into the state's buffers after its update region returns (a region cannot write into its
-inputs) are compiled one by one. Measured (same host, width 64, caches off, `python
-bench/compile_depth.py --compile regions --layers 2,12 [--no-donate]`): 78.1 / 180.8 s at 2 / 12
-layers donated (ratio 2.32), 60.4 / 96.0 s with `donate=False` (ratio 1.59), which costs a second
-copy of params and optimizer state during a step.
+within one script only).
+
+Donation: a region cannot write into its inputs, so each block's new params and moments are
+copied back into the state's buffers after its update region returns. As `torch._foreach_copy_`
+these copies were inductor's largest depth-growing cost: lowered as one pointwise node per tensor
+(params and both AdamW moments: 36 per GPT block), all depending on the region's output, so the
+fusion search compared them pairwise (`Scheduler.__init__` 10.5 -> 30.5 s from 2 to 6 layers, two
+runs side by side).
+`write_into` makes each donated node's copy one opaque op (`functrain::copy_into`, a
+`torch._foreach_copy_` inductor does not lower); inductor's reinplace pass then writes it
+straight into the step's input buffers (tests/test_compile_regions.py checks the generated code),
+and the fusion search no longer grows (3.9 -> 7.4 s). Measured (2-core AMD EPYC, width 64, caches
+off, `OMP_NUM_THREADS=1 python bench/compile_depth.py --compile regions --layers 2,12
+[--no-donate]`, one after the other): 72.4 / 120.1 s at 2 / 12 layers (ratio 1.66) against
+79.1 / 158.4 s (2.00) with the old copies and 51.7 / 101.7 s (1.97) with `donate=False`; steady
+step 49 / 51 / 52 ms at 12 layers, and the same losses bit for bit (old vs new copies, one process,
+6 layers). What still grows, per added layer (2 vs 6 layers, `compilation_time_metrics`): Dynamo's
+trace ~2.5 s, inductor's lowering and wrapper codegen of the outer graph ~3 s.
 
 Two torch 2.13 bugs sit on this route, and this module works around both (`tracing()`,
 `INDUCTOR_OPTIONS`; tests/test_compile_regions.py fails without either):
@@ -70,7 +81,7 @@ import torch
 
 from functrain import tree as tree_lib
 
-__all__ = ["INDUCTOR_OPTIONS", "region", "region_loss", "tracing"]
+__all__ = ["INDUCTOR_OPTIONS", "region", "region_loss", "tracing", "write_into"]
 
 # The inductor settings a step with block regions compiles with (bug 2 of the module docstring): set
 # by `tracing()` for the calls of the step, so they hold whatever `torch.compile` options or mode the
@@ -266,3 +277,40 @@ def region(fn: Callable, out_like: Callable | None = None) -> Callable:
         return tree_lib.flatten(out_like(*args))[1].unflatten(body(*args))
 
     return call
+
+
+@torch.library.custom_op("functrain::copy_into", mutates_args=("dst",))
+def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for each i: one opaque call in a compiled graph."""
+    torch._foreach_copy_(dst, src)
+
+
+@_copy_into.register_fake
+def _(dst, src):
+    """Nothing to compute: the op writes into `dst`."""
+    return None
+
+
+def write_into(old, new):
+    """Copies every leaf of `new` into the matching leaf of `old`: donation after a region returns.
+
+    In a compiled graph the copies are ONE call of the opaque op `functrain::copy_into` (a
+    `torch._foreach_copy_`), which inductor writes straight into `old`'s buffers when they are the
+    graph's inputs, instead of a pointwise node per tensor for its fusion search to weigh (module
+    docstring, "Donation"). Eagerly it is `torch._foreach_copy_`.
+
+    Args:
+      old: a pytree of tensors, written into.
+      new: a pytree of the same structure, shapes and dtypes.
+
+    Returns:
+      `old`, its leaves now holding `new`'s values.
+
+    Example:
+      >>> p = regions.write_into(state.params, new_params)   # state.params' buffers, new values
+    """
+    olds, spec = tree_lib.flatten(old)
+    pairs = [(o, n) for o, n in zip(olds, spec.flatten_up_to(new)) if o is not n]
+    if pairs:
+        _copy_into([o for o, _ in pairs], [n for _, n in pairs])
+    return old

@@ -54,6 +54,7 @@ import torch
 
 from functrain import metric_names as M
 from functrain import optim
+from functrain import regions
 from functrain import tree as tree_lib
 from functrain.optim import base as optim_base
 from functrain.parallel import Layout
@@ -263,7 +264,8 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       grads_piece: wraps the grads phase's squared norm (a region for compile="regions").
       in_regions: the pieces are nested compile regions of the caller's graph: the update gets
         detached inputs (Dynamo reuses a region's trace only on intermediates) and its results are
-        donated after it returns (a region cannot write into its inputs).
+        donated after it returns (a region cannot write into its inputs) by `regions.write_into`,
+        one opaque copy per donated node.
       to_master, update_ok, guard_after: the train step's grads-to-masters cast, its finite check
         and its skip-guard rule (with the skip metrics), as `apply_gradients` uses them.
 
@@ -305,13 +307,14 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
 
     def donate_phase(split: _Split, params: dict, opt_state: PyTree, new_params: dict, new_opt: PyTree):
         """New params and moments written into the old buffers (the shared leaves are every group's input)."""
-        new_params = lay.write_into(params, new_params)
+        write_into = regions.write_into if in_regions else lay.write_into
+        new_params = write_into(params, new_params)
         old, spec = split.flatten(opt_state)
         new = split.nodes(new_opt)  # (the update keeps the state's structure)
         if len(new) != len(old):
             raise ValueError(f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
                              "nodes); a grouped update needs the structure kept: use compile=True")
-        new_opt = spec.unflatten([lay.write_into(o, n) if d else n for o, n, d in zip(old, new, split.dicts)])
+        new_opt = spec.unflatten([write_into(o, n) if d else n for o, n, d in zip(old, new, split.dicts)])
         return new_params, new_opt
 
     def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):

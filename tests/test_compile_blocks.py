@@ -27,13 +27,13 @@ def _opt():
     return optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(optim.warmup_cosine(LR, 2, 10), momentum=MOMENTUM))
 
 
-def _run(tiny_gpt, batches, n_layer, policy, compile, options=None, steps=3):
+def _run(tiny_gpt, batches, n_layer, policy, compile, options=None, steps=3, wrap=lambda step: step):
     """(final state, per-step metrics, dynamo stats) of `steps` steps of a tiny GPT with dropout."""
     model = tiny_gpt(n_layer=n_layer, n_embd=32, block_size=16, dropout=0.1)
     loss_fn = make_gpt_loss_fn(model, remat=policy, staged=True)
     torch._dynamo.reset()
     counters.clear()
-    step = make_train_step(loss_fn, _opt(), compile=compile, compile_options=options)
+    step = wrap(make_train_step(loss_fn, _opt(), compile=compile, compile_options=options))
     state, hist = init_state(model, _opt(), seed=0), []
     for b in batches(model.cfg, steps, batch_size=4):
         state, m = step(state, b)

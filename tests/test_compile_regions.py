@@ -9,12 +9,17 @@ code generation); one runs inductor, where torch 2.13 needs both of `functrain.r
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch._dynamo
+import torch._functorch.config
+import torch._inductor.config
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
-from functrain import init_state, make_eval_step, make_train_step, optim
+from functrain import init_state, make_eval_step, make_train_step, optim, regions
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 from functrain.validate import ConfigError, check_all
 from functrain.models.checks import LM_CHECKS
@@ -58,10 +63,30 @@ def test_regions_step_is_one_graph_with_one_body_per_region_at_any_depth(tiny_gp
 def test_regions_with_inductor_equal_eager(tiny_gpt, batches):
     # Three blocks: the third is served from Dynamo's region cache (the reuse mend), and inductor's
     # buffer reuse would clobber the blocks' saved inputs (the allow_buffer_reuse mend).
-    state, hist, stats, model = _run(tiny_gpt, batches, 3, "none", "regions")
+    codes = []
+
+    def keep_code(step):
+        """The step, its first call's inductor code kept in `codes` (compiled past the FX/AOT caches)."""
+        def first(state, batch):
+            if codes:
+                return step(state, batch)
+            with torch._inductor.config.patch(fx_graph_cache=False), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
+                out, code = run_and_get_code(step, state, batch)
+            codes.extend(code)
+            return out
+        return first
+
+    state, hist, stats, model = _run(tiny_gpt, batches, 3, "none", "regions", wrap=keep_code)
     assert stats == {"graphs": 1, "recompiles": 0, "breaks": 0}, stats
     e_state, e_hist, _, _ = _run(tiny_gpt, batches, 3, "none", False)
     _assert_same_run((state, hist), (e_state, e_hist), model)
+    # Donation after each update region is one opaque copy per donated node (regions.write_into),
+    # written straight into the step's input buffers (graph inputs are named arg*): per group (3
+    # blocks + the rest) its params and its momentum (SGD's one moment), and nothing else.
+    calls = re.findall(r"torch\.ops\.functrain\.copy_into\.default\(\[([^\]]*)\]", "\n".join(codes))
+    assert len(calls) == 2 * (3 + 1), calls
+    assert all(re.fullmatch(r"arg\d+_1", d.strip()) for c in calls for d in c.split(",")), calls
 
 
 def test_a_pure_block_is_traced_once_and_its_gradients_reach_every_block():
@@ -117,3 +142,15 @@ def test_regions_config_needs_remat_none():
         check_all(config, LM_CHECKS)
     check_all({**config, "remat": "auto"}, LM_CHECKS)
     check_all({**config, "compile_unit": "step"}, LM_CHECKS)
+
+
+def test_write_into_copies_into_the_old_buffers_with_a_well_declared_op():
+    old = {"a": torch.zeros(3, 2), "b": {"c": torch.zeros(4)}}
+    new = {"a": torch.randn(3, 2), "b": {"c": torch.randn(4)}}
+    ptrs = [old["a"].data_ptr(), old["b"]["c"].data_ptr()]
+    got = regions.write_into(old, new)
+    assert got is old and [got["a"].data_ptr(), got["b"]["c"].data_ptr()] == ptrs
+    assert torch.equal(got["a"], new["a"]) and torch.equal(got["b"]["c"], new["b"]["c"])
+    # schema (dst mutated, nothing returned), fake rule and autograd registration agree with the op
+    torch.library.opcheck(torch.ops.functrain.copy_into.default, ([torch.zeros(3), torch.zeros(2, 2)],
+                                                                  [torch.randn(3), torch.randn(2, 2)]))
