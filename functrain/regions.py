@@ -30,13 +30,15 @@ these copies were inductor's largest depth-growing cost: lowered as one pointwis
 (params and both AdamW moments: 36 per GPT block), all depending on the region's output, so the
 fusion search compared them pairwise (`Scheduler.__init__` 10.5 -> 30.5 s from 2 to 6 layers, two
 runs side by side).
-`write_into` makes each donated node's copy one opaque op (`functrain::copy_into`, a
-`torch._foreach_copy_` inductor does not lower); inductor's reinplace pass then writes it
+`write_into` makes a block group's copies (params and moments) one opaque op
+(`functrain::copy_into`, a `torch._foreach_copy_` inductor does not lower); inductor's reinplace
+pass then writes it
 straight into the step's input buffers (tests/test_compile_regions.py checks the generated code),
 and the fusion search no longer grows (3.9 -> 7.4 s). Measured (2-core AMD EPYC, width 64, caches
 off, `OMP_NUM_THREADS=1 python bench/compile_depth.py --compile regions --layers 2,12
-[--no-donate]`, one after the other): 72.4 / 120.1 s at 2 / 12 layers (ratio 1.66) against
-79.1 / 158.4 s (2.00) with the old copies and 51.7 / 101.7 s (1.97) with `donate=False`; steady
+[--no-donate]`, one after the other): 72.4 / 120.1 s at 2 / 12 layers (ratio 1.66; an op per
+donated node then, one per group now: 58.9 / 108.3 s, 1.84, half an hour later) against 79.1 /
+158.4 s (2.00) with the old copies and 51.7 / 101.7 s (1.97) with `donate=False`; steady
 step 49 / 51 / 52 ms at 12 layers, and the same losses bit for bit (old vs new copies, one process,
 6 layers). What still grows, per added layer (2 vs 6 layers, `compilation_time_metrics`): Dynamo's
 trace ~2.5 s, inductor's lowering and wrapper codegen of the outer graph ~3 s.

@@ -265,7 +265,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       in_regions: the pieces are nested compile regions of the caller's graph: the update gets
         detached inputs (Dynamo reuses a region's trace only on intermediates) and its results are
         donated after it returns (a region cannot write into its inputs) by `regions.write_into`,
-        one opaque copy per donated node.
+        one opaque copy per group.
       to_master, update_ok, guard_after: the train step's grads-to-masters cast, its finite check
         and its skip-guard rule (with the skip metrics), as `apply_gradients` uses them.
 
@@ -306,16 +306,16 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         return update_phase
 
     def donate_phase(split: _Split, params: dict, opt_state: PyTree, new_params: dict, new_opt: PyTree):
-        """New params and moments written into the old buffers (the shared leaves are every group's input)."""
-        write_into = regions.write_into if in_regions else lay.write_into
-        new_params = write_into(params, new_params)
+        """New params and moments written into the old buffers by one copy call (shared leaves: every group's)."""
         old, spec = split.flatten(opt_state)
         new = split.nodes(new_opt)  # (the update keeps the state's structure)
         if len(new) != len(old):
             raise ValueError(f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
                              "nodes); a grouped update needs the structure kept: use compile=True")
-        new_opt = spec.unflatten([write_into(o, n) if d else n for o, n, d in zip(old, new, split.dicts)])
-        return new_params, new_opt
+        moments = [(o, n) for o, n, d in zip(old, new, split.dicts) if d]
+        write_into = regions.write_into if in_regions else lay.write_into
+        write_into((params, [o for o, _ in moments]), (new_params, [n for _, n in moments]))
+        return params, spec.unflatten([o if d else n for o, n, d in zip(old, new, split.dicts)])
 
     def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
         """Update norm, skip guard and step counter; the shared optimizer leaves written back."""
