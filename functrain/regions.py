@@ -32,9 +32,8 @@ fusion search compared them pairwise (`Scheduler.__init__` 10.5 -> 30.5 s from 2
 runs side by side).
 `write_into` makes a block group's copies (params and moments) one opaque op
 (`functrain::copy_into`, a `torch._foreach_copy_` inductor does not lower); inductor's reinplace
-pass then writes it
-straight into the step's input buffers (tests/test_compile_regions.py checks the generated code),
-and the fusion search no longer grows (3.9 -> 7.4 s). Measured (2-core AMD EPYC, width 64, caches
+pass then writes it straight into the step's input buffers (tests/test_compile_regions.py checks
+the generated code), and the fusion search no longer grows (3.9 -> 7.4 s). Measured (2-core AMD EPYC, width 64, caches
 off, `OMP_NUM_THREADS=1 python bench/compile_depth.py --compile regions --layers 2,12
 [--no-donate]`, one after the other): 72.4 / 120.1 s at 2 / 12 layers (ratio 1.66; an op per
 donated node then, one per group now: 58.9 / 108.3 s, 1.84, half an hour later) against 79.1 /
@@ -311,8 +310,7 @@ def write_into(old, new):
     Example:
       >>> p = regions.write_into(state.params, new_params)   # state.params' buffers, new values
     """
-    olds, spec = tree_lib.flatten(old)
-    pairs = [(o, n) for o, n in zip(olds, spec.flatten_up_to(new)) if o is not n]
+    pairs = tree_lib._copy_pairs(old, new)
     if pairs:
         _copy_into([o for o, _ in pairs], [n for _, n in pairs])
     return old

@@ -198,6 +198,12 @@ def flatten(tree: PyTree) -> tuple[list, Any]:
     return list(flat), spec
 
 
+def _copy_pairs(old: PyTree, new: PyTree) -> list:
+    """(old leaf, new leaf) at every leaf position where the two are not one tensor: what a donation copies."""
+    olds, spec = flatten(old)
+    return [(o, n) for o, n in zip(olds, spec.flatten_up_to(new)) if o is not n]
+
+
 def path_name(path: tuple) -> str:
     """The dotted name of a tree path (as `named_leaves` and checkpoints name leaves).
 

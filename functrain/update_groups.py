@@ -305,6 +305,8 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
 
         return update_phase
 
+    write_into = regions.write_into if in_regions else lay.write_into  # (after a region: one opaque copy)
+
     def donate_phase(split: _Split, params: dict, opt_state: PyTree, new_params: dict, new_opt: PyTree):
         """New params and moments written into the old buffers by one copy call (shared leaves: every group's)."""
         old, spec = split.flatten(opt_state)
@@ -313,7 +315,6 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
             raise ValueError(f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
                              "nodes); a grouped update needs the structure kept: use compile=True")
         moments = [(o, n) for o, n, d in zip(old, new, split.dicts) if d]
-        write_into = regions.write_into if in_regions else lay.write_into
         write_into((params, [o for o, _ in moments]), (new_params, [n for _, n in moments]))
         return params, spec.unflatten([o if d else n for o, n, d in zip(old, new, split.dicts)])
 

@@ -104,8 +104,7 @@ class Local(Layout):
         return spec.unflatten(out)
 
     def write_into(self, old, new):
-        old_leaves, spec = tree_lib.flatten(old)
-        pairs = [(o, n) for o, n in zip(old_leaves, spec.flatten_up_to(new)) if o is not n]
+        pairs = tree_lib._copy_pairs(old, new)
         if pairs:
             foreach.copy_([o for o, _ in pairs], [n for _, n in pairs])
         return old

@@ -344,8 +344,7 @@ class Spmd(Layout):
 
     def write_into(self, old: PyTree, new: PyTree) -> PyTree:
         """Copies the local shard of every leaf of `new` into `old`'s (donation); returns `old`."""
-        old_leaves, spec = tree_lib.flatten(old)
-        pairs = [(o, n) for o, n in zip(old_leaves, spec.flatten_up_to(new)) if o is not n]
+        pairs = tree_lib._copy_pairs(old, new)
         if pairs:
             torch._foreach_copy_([_local(o) for o, _ in pairs], [_local(n, like=o) for o, n in pairs])
         return old
