@@ -40,7 +40,12 @@ donated node then, one per group now: 58.9 / 108.3 s, 1.84, half an hour later) 
 158.4 s (2.00) with the old copies and 51.7 / 101.7 s (1.97) with `donate=False`; steady
 step 49 / 51 / 52 ms at 12 layers, and the same losses bit for bit (old vs new copies, one process,
 6 layers). What still grows, per added layer (2 vs 6 layers, `compilation_time_metrics`): Dynamo's
-trace ~2.5 s, inductor's lowering and wrapper codegen of the outer graph ~3 s.
+trace ~2.5 s, inductor's lowering and wrapper codegen of the outer graph ~3 s. Most of Dynamo's part
+is the tree walks around each block group's update region (its state split, detached, donated):
+`functrain.tree`'s walks are stack loops that take a param dict whole since, and Dynamo steps through
+387k bytecodes at 6 layers instead of 534k; `bench/compile_depth.py --compile regions --layers 2,12`
+then gave 58.4 / 122.9 s against 64.8 / 134.4 s with the recursive walks, one after the other (both
+depths ~10% faster, the ratio unchanged at 2.1; a slower day on this host than the runs above).
 
 Two torch 2.13 bugs sit on this route, and this module works around both (`tracing()`,
 `INDUCTOR_OPTIONS`; tests/test_compile_regions.py fails without either):

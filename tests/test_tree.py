@@ -153,3 +153,62 @@ def test_flatten_spec_rejects_other_structures_with_optrees_error():
         spec.flatten_up_to({"a": 1, "b": (2,)})  # a tuple where the template has a list
     with pytest.raises(ValueError, match="expected 2 leaves, got 1"):
         spec.unflatten([1])
+
+
+def _state_like(n: int):
+    """A param dict of `n` tensors (keys in a non-sorted order) inside a state-like tree."""
+    names = [f"h.{i % 3}.w{i}" for i in range(n)][::-1]
+    params = {k: torch.full((2,), float(i)) for i, k in enumerate(names)}
+    return (params, _Pair(dict(params), [None, torch.zeros(())]), {"b": 1, "a": (2.0, params)})
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_flatten_traced_by_dynamo_equals_eager(n):
+    """Under torch.compile (fullgraph) the walks give the eager leaves and structure (bulk paths included)."""
+    t = _state_like(n)
+
+    def walk(t):
+        xs, spec = tree.flatten(t)
+        doubled = spec.unflatten([x * 2 if isinstance(x, torch.Tensor) else x for x in xs])
+        return xs, doubled, spec.flatten_up_to(doubled), tree.leaves(t)
+
+    got = torch.compile(walk, backend="eager", fullgraph=True)(t)
+    ref = walk(t)
+    assert optree.tree_structure(got) == optree.tree_structure(ref)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(ref)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert list(got[1][0]) == list(t[0])  # the template's key order
+
+
+def test_walks_cost_dynamo_few_bytecodes_per_leaf_of_a_param_dict(monkeypatch):
+    """Dynamo steps through bytecodes one by one (and inlines calls at a far higher cost): the walks
+    take a node whose children are all tensors whole, so tracing `flatten` and `leaves` does not grow
+    with its size, and `unflatten` only by the dict's construction (Dynamo's `dict(zip(...))` is a
+    polyfill: ~9 bytecodes per entry). The recursive walks cost ~30 bytecodes and two inlined calls
+    per leaf."""
+    symbolic_convert = pytest.importorskip("torch._dynamo.symbolic_convert")
+    base = symbolic_convert.InstructionTranslatorBase
+    if not hasattr(base, "step"):
+        pytest.skip("this torch's Dynamo has no per-bytecode step to count")
+    steps = []
+    original = base.step
+
+    def counting_step(self):
+        steps[-1] += 1
+        return original(self)
+
+    monkeypatch.setattr(base, "step", counting_step)
+
+    def traced_bytecodes(fn, n: int) -> int:
+        """Bytecodes Dynamo steps through to trace `fn` on `_state_like(n)`."""
+        torch._dynamo.reset()
+        steps.append(0)
+        torch.compile(fn, backend="eager", fullgraph=True)(_state_like(n))
+        return steps[-1]
+
+    more_leaves = 3 * (64 - 4)  # three param dicts of 64 tensors instead of 4
+    for fn, per_leaf in [(lambda t: (tree.leaves(t), tree.flatten(t)[0]), 0),
+                         (lambda t: tree.flatten(t)[1].unflatten(tree.leaves(t)), 12)]:
+        small, large = traced_bytecodes(fn, 4), traced_bytecodes(fn, 64)
+        assert small > 0
+        assert large - small <= per_leaf * more_leaves + 30, (small, large)
