@@ -43,7 +43,7 @@ step 49 / 51 / 52 ms at 12 layers, and the same losses bit for bit (old vs new c
 trace ~2.5 s, inductor's lowering and wrapper codegen of the outer graph ~3 s. Most of Dynamo's part
 is the tree walks around each block group's update region (its state split, detached, donated):
 `functrain.tree`'s walks are stack loops that take a param dict whole since, and Dynamo steps through
-387k bytecodes at 6 layers instead of 534k; `bench/compile_depth.py --compile regions --layers 2,12`,
+393k bytecodes at 6 layers instead of 534k; `bench/compile_depth.py --compile regions --layers 2,12`,
 three pairs run one after the other against the recursive walks: 108.9-122.9 s at 12 layers against
 129.5-134.4 s, 58.0-64.8 s at 2 against 61.7-71.0 (ratio 1.83-2.10 against 1.82-2.15; ~12% and
 ~8% faster). This host's timings moved by up to 40% within the hour: compare pairs only.

@@ -63,12 +63,12 @@ unflatten = optree.tree_unflatten
 # the recursive walks cost ~40 bytecodes and two inlined calls per leaf and walk (tests/test_tree.py
 # counts).
 # Measured (2-core AMD EPYC, caches off, aot_eager, width-64 GPT, compile="regions", 6 layers):
-# Dynamo's whole trace went from 534k to 387k bytecodes and from 14.6k to 7.2k inlined calls, and
+# Dynamo's whole trace went from 534k to 393k bytecodes and from 14.6k to 7.1k inlined calls, and
 # its `bytecode_tracing` time from 32.5 to 26.1 s (two runs side by side; 30.7 vs 29.2 s in another
 # pair, with a test running beside it). Eagerly (compile="blocks" walks the optimizer state every
 # step) they cost what the recursive walks did, `_key_order` being memoized per key set: 702 vs 724
 # us to flatten, unflatten and flatten_up_to a 453-leaf state.
-_LEAF, _NODE, _OTHER = 0, 1, 2
+_LEAF, _NODE, _FLAT, _OTHER = 0, 1, 2, 3  # _FLAT: a node whose children are all tensors, taken whole
 
 
 _KEY_ORDERS: dict = {}  # a dict's keys -> `_key_order`'s answer (a run has a handful of key sets)
@@ -97,25 +97,30 @@ def _same_keys(keys: tuple, others: tuple) -> bool:
 
 
 def _expand(x) -> tuple:
-    """(_LEAF, None), (_NODE, its children in optree's order) or (_OTHER, None: a node left to optree).
+    """(_LEAF, None), (_NODE or _FLAT, its children in optree's order) or (_OTHER, None: a node left to optree).
 
-    Nodes: None, a dict with str keys, a list, a tuple, a NamedTuple.
+    Nodes: None, a dict with str keys, a list, a tuple, a NamedTuple; _FLAT when every child is a tensor.
     """
     if isinstance(x, torch.Tensor):  # (the walks test for a tensor before they call this)
         return _LEAF, None
     t = type(x)
     if t is dict:
         order = _key_order(tuple(x))
-        return (_OTHER, None) if order is None else (_NODE, list(builtins.map(x.__getitem__, order[0])))
-    if t is list or t is tuple:
-        return _NODE, x
-    if x is None:
+        if order is None:
+            return _OTHER, None
+        children = list(builtins.map(x.__getitem__, order[0]))
+    elif t is list or t is tuple:
+        children = x
+    elif x is None:
         return _NODE, ()
-    if t in (int, float, bool, complex, str):
+    elif t in (int, float, bool, complex, str):
         return _LEAF, None
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # (of the instance: Dynamo 2.11 cannot ask a class)
-        return _NODE, x
-    return _OTHER, None
+    elif isinstance(x, tuple) and hasattr(x, "_fields"):  # (of the instance: Dynamo 2.11 cannot ask a class)
+        children = x
+    else:
+        return _OTHER, None
+    # (`in` over a list, not `all`: Dynamo runs the one natively and steps through the other's polyfill)
+    return (_FLAT if False not in list(builtins.map(torch.is_tensor, children)) else _NODE), children
 
 
 def _gather_leaves(x, out: list, stop=None) -> bool:
@@ -131,7 +136,7 @@ def _gather_leaves(x, out: list, stop=None) -> bool:
             out.append(x)
         elif kind == _OTHER:
             return False
-        elif False not in list(builtins.map(torch.is_tensor, children)):
+        elif kind == _FLAT:
             out.extend(children)
         else:
             todo.extend(children[::-1])  # the first child on top
@@ -156,8 +161,9 @@ def _gather_up_to(x, other, out: list) -> bool:
             continue
         if len(x) != len(other) or (type(x) is dict and not _same_keys(tuple(x), tuple(other))):
             return False
-        theirs = _expand(other)[1]
-        if False not in list(builtins.map(torch.is_tensor, mine)):
+        # (the same keys as x's, so in x's sorted order)
+        theirs = list(builtins.map(other.__getitem__, _key_order(tuple(x))[0])) if type(x) is dict else other
+        if kind == _FLAT:
             out.extend(theirs)
         else:
             todo.extend(list(zip(mine, theirs))[::-1])
@@ -202,7 +208,7 @@ def _rebuild(x, leaves: list, at: int, stop=None):
             built.append(None)
         elif kind == _OTHER:  # (a template comes from a walk that succeeded)
             raise TypeError(f"not a plain tree node: {type(x).__name__}")
-        elif False not in list(builtins.map(torch.is_tensor, children)):
+        elif kind == _FLAT:
             built.append(_node_like(x, leaves[at:at + len(children)]))
             at += len(children)
         else:
