@@ -68,10 +68,12 @@ for p in $parts; do
     smoke)
       # Side by side (they are small; 16 cores): the default run (fp32, compile_unit=step; failed on
       # torch 2.11 at the first step, a Triton launch given a pointer it could not read), the same
-      # with compile_unit=regions, the default in bf16 with a checkpoint and then a resume onto CUDA,
+      # with donate=False (failed the same way until functrain.sdpa_seeds), the same with
+      # compile_unit=regions, the default in bf16 with a checkpoint and then a resume onto CUDA,
       # and bf16 + per-block compile + remat on one nccl rank.
       L=${SMOKE_LIMIT:-200}
       TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 main fp32_step "$L" --config.steps=100 --config.eval_every=50 &
+      main fp32_nodonate "$L" --config.steps=100 --config.eval_every=50 --config.donate=False &
       main fp32_regions "$L" --config.steps=100 --config.eval_every=50 --config.compile_unit=regions &
       { main bf16_step "$L" --config.steps=100 --config.eval_every=50 --config.checkpoint.every=50 --config.precision=bf16 &&
         run bf16_resume 90 $py -m functrain.main --config=configs/gpt.py --workdir=/tmp/ft_bf16_step \
@@ -80,7 +82,7 @@ for p in $parts; do
         --config=configs/gpt.py:tiny --workdir=/tmp/ft_blocks --config.precision=bf16 \
         --config.compile_unit=blocks --config.remat=full --config.steps=100 &
       wait
-      for n in fp32_step fp32_regions bf16_step bf16_resume blocks_bf16_nccl; do TAILN=6 report $n; done
+      for n in fp32_step fp32_nodonate fp32_regions bf16_step bf16_resume blocks_bf16_nccl; do TAILN=6 report $n; done
       ;;
     step_fp32)
       run step_fp32 300 $py bench/step.py --sizes 100m --precision fp32 --steps 20 --rounds 4 --json

@@ -511,10 +511,12 @@ def make_train_step(
 def _step_passes(options: dict | None) -> dict:
     """`torch.compile` options with functrain's post-grad passes added after the caller's: cheap held
     activations recomputed after the forward (`functrain.recompute`), then a sharded staged loss's
-    kept blocks regathered for their backward (`parallel.reshard`); both no-ops on a graph without
-    `mark_forward_done`."""
+    kept blocks regathered for their backward (`parallel.reshard`), both no-ops on a graph without
+    `mark_forward_done`; last, dropout-free efficient attention's seed and offset kept out of
+    inductor's buffer reuse (`functrain.sdpa_seeds`: a CUDA step crashed without it)."""
     from functrain.parallel.reshard import RegatherPass
     from functrain.recompute import RecomputePass
+    from functrain.sdpa_seeds import SdpaSeedPass
 
     options = dict(options or {})
     if options.get("backend", "inductor") != "inductor" or "mode" in options:  # (torch.compile takes
@@ -522,7 +524,7 @@ def _step_passes(options: dict | None) -> dict:
     inductor = dict(options.get("options") or {})
     mine = inductor.get("post_grad_custom_post_pass")
     mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
-    inductor["post_grad_custom_post_pass"] = _post_passes([*mine, RecomputePass(), RegatherPass()])
+    inductor["post_grad_custom_post_pass"] = _post_passes([*mine, RecomputePass(), RegatherPass(), SdpaSeedPass()])
     options["options"] = inductor
     return options
 

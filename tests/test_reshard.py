@@ -99,8 +99,9 @@ def test_no_mark_no_change(fake_group):
 
 def test_pass_is_cacheable_and_the_step_installs_it():
     """Inductor caches a graph only when every custom pass has a uuid; make_train_step adds the
-    passes (recompute, then regather) to the compiled step's options, after any pass of the caller's."""
+    passes (recompute, regather, then the attention seeds') to the compiled step's options, after any pass of the caller's."""
     from functrain.recompute import RecomputePass
+    from functrain.sdpa_seeds import SdpaSeedPass
     from functrain.step import _step_passes
 
     p = RegatherPass()
@@ -109,6 +110,8 @@ def test_pass_is_cacheable_and_the_step_installs_it():
     opts = _step_passes({"options": {"post_grad_custom_post_pass": mine, "max_autotune": False}})
     passes = opts["options"]["post_grad_custom_post_pass"]
     assert passes[0] is mine and isinstance(passes[1], RecomputePass) and isinstance(passes[2], RegatherPass)
+    assert isinstance(passes[3], SdpaSeedPass) and len(passes) == 4
+    assert SdpaSeedPass().uuid() and SdpaSeedPass().uuid() == passes[3].uuid()
     assert opts["options"]["max_autotune"] is False
     assert "options" not in _step_passes({"backend": "aot_eager"})
     assert "options" not in _step_passes({"mode": "max-autotune"})  # torch.compile refuses mode + options

@@ -1,0 +1,122 @@
+"""The efficient-attention RNG seed and offset, unused without dropout, kept out of inductor's buffer reuse.
+
+The bug this avoids. `aten._scaled_dot_product_efficient_attention` (the CUDA attention kernel that
+`F.scaled_dot_product_attention` picks for float32) returns a philox seed and offset for its
+backward: 0-d int64 tensors that the CUDA kernel allocates on the *CPU* (`at::empty({}, kLong)`
+when there is no dropout). Fake-tensor propagation gives them the query's device, so inductor plans
+them as CUDA buffers. Once the backward has read them they go to inductor's pool of freed buffers
+(keyed by device, dtype, size, alignment and stream), and a later fresh 0-d int64 CUDA buffer (an
+optimizer's step count when the state is not donated, an integer metric) can take one over. The
+Triton kernel that writes it is then handed a CPU pointer and the step dies at its first launch:
+"CUDA driver error: invalid argument" (or "Pointer argument ... cannot be accessed from Triton (cpu
+tensor?)").
+
+Measured on an NVIDIA H200 with torch 2.11.0+cu130, the only CUDA build on the lent machines (stop
+38): `python -m functrain.main --config=configs/gpt.py --config.donate=False` (fp32) failed at its
+first step; its generated code had `buf781 = buf11; del buf11  # reuse`, buf11 being output 3 (the
+offset) of the forward attention and buf781 the AdamW count `where(ok, count + 1, count)`. The same
+run with this pass: see the README's GPU paragraph. Torch 2.13 plans these outputs the same way
+(fake propagation gives them cuda:0: `tests/test_sdpa_seeds.py` checks it), so whether a graph hits
+the reuse depends only on the order of its buffers; no 2.13 CUDA build could be run here.
+
+What the pass does. Without dropout (`dropout_p == 0`) the backward never reads the seed and offset
+(eager hands it the forward's CPU tensors as they are). Each such backward gets fresh CPU `empty`
+0-d int64 tensors instead, planned as CPU buffers, as eager's are; the forward's seed and offset then
+have no reader, so inductor allocates no buffer for them and nothing can reuse one. With dropout the
+backward needs them, and the graph is left alone.
+
+Example:
+    >>> torch.compile(step, options={"post_grad_custom_post_pass": SdpaSeedPass()})
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+__all__ = ["SdpaSeedPass", "unlink_unused_sdpa_seeds"]
+
+_log = logging.getLogger(__name__)
+_SEED, _OFFSET = 2, 3  # the forward's outputs; the backward takes them as its arguments 7 and 8
+
+
+def _ops():
+    """The efficient attention's forward and backward ops (None where this torch has none)."""
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_efficient_attention", None)
+    bwd = getattr(aten, "_scaled_dot_product_efficient_attention_backward", None)
+    return (fwd.default if fwd else None), (bwd.default if bwd else None)
+
+
+class SdpaSeedPass(CustomGraphPass):
+    """Inductor post-grad pass: dropout-free efficient attention's seed and offset never become buffers.
+
+    Why and what: the module docstring. `functrain.step.make_train_step` installs it after the
+    recompute and regather passes; on a graph without efficient attention it does nothing.
+
+    Example:
+      >>> torch._inductor.config.post_grad_custom_post_pass = SdpaSeedPass()
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        n = unlink_unused_sdpa_seeds(graph)
+        if n:
+            _log.info("gave %d efficient-attention backward(s) CPU seeds", n, extra={"sdpa_seeds": n})
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
+
+
+def unlink_unused_sdpa_seeds(graph: torch.fx.Graph) -> int:
+    """Rewrites `graph` in place (see the module docstring); returns how many backward calls it changed.
+
+    Args:
+      graph: an FX graph of aten ops (post-grad, or traced with make_fx) whose nodes carry fake
+        values in `meta["val"]`.
+
+    Returns:
+      The number of `_scaled_dot_product_efficient_attention_backward` calls without dropout that
+      now read fresh CPU seed and offset tensors (0 on a graph without them).
+
+    Example:
+      >>> unlink_unused_sdpa_seeds(gm.graph)
+    """
+    fwd_op, bwd_op = _ops()
+    if fwd_op is None or bwd_op is None:
+        return 0
+    changed = set()
+    for fwd in [n for n in graph.nodes if n.op == "call_function" and n.target is fwd_op]:
+        if _dropout(fwd, 5) != 0:
+            continue
+        for out in [u for u in fwd.users if u.target is operator.getitem and u.args[1] in (_SEED, _OFFSET)]:
+            readers = list(out.users)
+            if not all(r.target is bwd_op and _dropout(r, 9) == 0 for r in readers):
+                continue  # (read by something else: leave it)
+            for reader in readers:
+                with graph.inserting_before(reader):
+                    cpu = graph.call_function(torch.ops.aten.empty.memory_format, ([],),
+                                              {"dtype": torch.int64, "device": torch.device("cpu")})
+                cpu.meta["val"] = _cpu_like(out.meta.get("val"))
+                reader.replace_input_with(out, cpu)
+                changed.add(reader)
+            graph.erase_node(out)
+    return len(changed)
+
+
+def _dropout(node: torch.fx.Node, index: int) -> float:
+    """The call's `dropout_p` (positional `index`, or keyword, default 0)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get("dropout_p", 0.0)
+
+
+def _cpu_like(val):
+    """A fake 0-d int64 CPU tensor in `val`'s fake mode (None without one)."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return None
+    with mode:
+        return torch.empty((), dtype=torch.int64, device="cpu")
