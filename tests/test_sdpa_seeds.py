@@ -53,18 +53,18 @@ def test_fake_propagation_puts_the_seed_on_cuda_while_the_kernel_makes_it_on_cpu
     assert seed.dtype == offset.dtype == torch.int64 and seed.shape == offset.shape == ()
 
 
-def test_backward_reads_fresh_cpu_seeds_and_the_forward_outputs_are_gone():
+def test_backward_reads_fresh_seeds_and_the_forward_outputs_are_gone():
     gm, args, mode = _trace(_step(0.0))
     bwd = next(n for n in gm.graph.nodes if n.target is BWD)
     assert unlink_unused_sdpa_seeds(gm.graph) == 1
     gm.graph.lint()
     gm.recompile()
     assert _outputs(gm, 2) == [] and _outputs(gm, 3) == []  # no buffer left to plan, none to reuse
-    for arg in bwd.args[7:9]:
+    for arg in bwd.args[7:9]:  # fresh tensors made where inductor plans them (and where they will be)
         assert arg.target is torch.ops.aten.empty.memory_format
-        assert arg.kwargs == {"dtype": torch.int64, "device": torch.device("cpu")}
+        assert arg.kwargs == {"dtype": torch.int64, "device": torch.device("cuda", 0)}
         val = arg.meta["val"]
-        assert val.device.type == "cpu" and val.dtype == torch.int64 and val.shape == ()
+        assert val.device == torch.device("cuda", 0) and val.dtype == torch.int64 and val.shape == ()
     assert _outputs(gm, 0) and _outputs(gm, 1)  # the output and logsumexp are untouched
     with mode:  # fake propagation through the rewritten graph, as inductor reruns it: same outputs
         out = gm(*args)
