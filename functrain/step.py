@@ -419,7 +419,7 @@ def make_train_step(
                 "regions": lambda: regions.region_loss(loss_fn)}.get(mode, lambda: loss_fn)()
     piece = functools.partial(compiling.maybe_compile, compile=mode == "blocks", options=compile_options)
     one_graph = mode in ("step", "regions")
-    step_options = _step_passes(compile_options) if one_graph else None  # (+ recompute, reshard passes)
+    step_options = _step_passes(compile_options) if one_graph else None  # (+ recompute, reshard, sdpa seeds)
     whole = functools.partial(compiling.maybe_compile, compile=one_graph, options=step_options)
 
     def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False, in_regions=False):

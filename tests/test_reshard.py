@@ -99,7 +99,8 @@ def test_no_mark_no_change(fake_group):
 
 def test_pass_is_cacheable_and_the_step_installs_it():
     """Inductor caches a graph only when every custom pass has a uuid; make_train_step adds the
-    passes (recompute, regather, then the attention seeds') to the compiled step's options, after any pass of the caller's."""
+    passes (recompute, regather, then the attention seeds') to the compiled step's options, after
+    any pass of the caller's."""
     from functrain.recompute import RecomputePass
     from functrain.sdpa_seeds import SdpaSeedPass
     from functrain.step import _step_passes

@@ -40,7 +40,8 @@ def _trace(f):
 
 def _outputs(gm, index):
     """The forward attention's getitem nodes with this output index."""
-    return [n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0].target is FWD and n.args[1] == index]
+    return [n for n in gm.graph.nodes
+            if n.target is operator.getitem and n.args[0].target is FWD and n.args[1] == index]
 
 
 def test_fake_propagation_puts_the_seed_on_cuda_while_the_kernel_makes_it_on_cpu():
