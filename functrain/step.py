@@ -513,15 +513,23 @@ def _step_passes(options: dict | None) -> dict:
     activations recomputed after the forward (`functrain.recompute`), then a sharded staged loss's
     kept blocks regathered for their backward (`parallel.reshard`), both no-ops on a graph without
     `mark_forward_done`; last, dropout-free efficient attention's seed and offset kept out of
-    inductor's buffer reuse (`functrain.sdpa_seeds`: a CUDA step crashed without it)."""
+    inductor's buffer reuse (`functrain.sdpa_seeds`: a CUDA step crashed without it). torch.compile
+    takes a mode or options, not both: a `mode` becomes the inductor options it stands for
+    (`torch._inductor.list_mode_options`, what torch.compile applies for it), so the passes run
+    under a mode too."""
     from functrain.parallel.reshard import RegatherPass
     from functrain.recompute import RecomputePass
     from functrain.sdpa_seeds import SdpaSeedPass
 
     options = dict(options or {})
-    if options.get("backend", "inductor") != "inductor" or "mode" in options:  # (torch.compile takes
-        return options  # a mode or options, not both: with a mode, kept blocks hold their params)
+    if options.get("backend", "inductor") != "inductor" or ("mode" in options and "options" in options):
+        return options  # (another backend; or both, which torch.compile refuses with its own error)
     inductor = dict(options.get("options") or {})
+    mode = options.pop("mode", None)
+    if mode is not None:
+        from torch._inductor import list_mode_options
+
+        inductor = dict(list_mode_options(mode, options.get("dynamic"))) if mode != "default" else {}
     mine = inductor.get("post_grad_custom_post_pass")
     mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
     inductor["post_grad_custom_post_pass"] = _post_passes([*mine, RecomputePass(), RegatherPass(), SdpaSeedPass()])

@@ -115,7 +115,24 @@ def test_pass_is_cacheable_and_the_step_installs_it():
     assert SdpaSeedPass().uuid() and SdpaSeedPass().uuid() == passes[3].uuid()
     assert opts["options"]["max_autotune"] is False
     assert "options" not in _step_passes({"backend": "aot_eager"})
-    assert "options" not in _step_passes({"mode": "max-autotune"})  # torch.compile refuses mode + options
+    both = {"mode": "max-autotune", "options": {"max_autotune": False}}
+    assert _step_passes(both) == both  # (torch.compile refuses a mode with options: its error, unchanged)
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead", "default"])
+def test_a_mode_becomes_its_options_and_the_passes_run_under_it(mode):
+    """torch.compile takes a mode or options: the step turns a mode into the inductor options it
+    stands for (so the post-grad passes can be added), and torch.compile's inductor config is then
+    the mode's, plus the passes."""
+    from functrain.sdpa_seeds import SdpaSeedPass
+    from functrain.step import _step_passes
+
+    opts = _step_passes({"mode": mode, "fullgraph": True})
+    assert "mode" not in opts and opts["fullgraph"] is True
+    passes = opts["options"].pop("post_grad_custom_post_pass")
+    assert isinstance(passes[-1], SdpaSeedPass)
+    wrapper = torch._TorchCompileInductorWrapper
+    assert wrapper(None, opts["options"], None).config == wrapper(mode, None, None).config
 
 
 def test_in_turn_runs_the_passes_in_order_as_one_pass():
