@@ -389,7 +389,9 @@ def make_train_step(
       skip_nonfinite: when the loss or the gradient norm is not finite, skip the update: params
         and optimizer state come back bit-identical, `step` still advances (the next batch is a
         new one) and `state.guard` counts the skip. Always on under fp16 loss scaling.
-      compile_options: extra keyword arguments for `torch.compile`.
+      compile_options: extra keyword arguments for `torch.compile`. For the one-graph step a
+        `mode` is passed as the inductor options it stands for, with functrain's post-grad
+        passes added (`options` are extended the same way).
 
     Returns:
       The step function. Metrics (0-d tensors): `loss`, `grad_norm` (before clipping),
