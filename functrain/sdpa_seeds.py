@@ -46,15 +46,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 __all__ = ["SdpaSeedPass", "unlink_unused_sdpa_seeds"]
 
 _log = logging.getLogger(__name__)
-_SEED, _OFFSET = 2, 3  # the forward's outputs; the backward takes them as its arguments 7 and 8
-
-
-def _ops():
-    """The efficient attention's forward and backward ops (None where this torch has none)."""
-    aten = torch.ops.aten
-    fwd = getattr(aten, "_scaled_dot_product_efficient_attention", None)
-    bwd = getattr(aten, "_scaled_dot_product_efficient_attention_backward", None)
-    return (fwd.default if fwd else None), (bwd.default if bwd else None)
+_FWD = torch.ops.aten._scaled_dot_product_efficient_attention.default
+_BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+_SEED, _OFFSET = 2, 3  # _FWD's outputs; _BWD takes them as its arguments 7 and 8
 
 
 class SdpaSeedPass(CustomGraphPass):
@@ -90,16 +84,13 @@ def unlink_unused_sdpa_seeds(graph: torch.fx.Graph) -> int:
     Example:
       >>> unlink_unused_sdpa_seeds(gm.graph)
     """
-    fwd_op, bwd_op = _ops()
-    if fwd_op is None or bwd_op is None:
-        return 0
     changed = set()
-    for fwd in [n for n in graph.nodes if n.op == "call_function" and n.target is fwd_op]:
+    for fwd in [n for n in graph.nodes if n.op == "call_function" and n.target is _FWD]:
         if _dropout(fwd, 5) != 0:
             continue
         for out in [u for u in fwd.users if u.target is operator.getitem and u.args[1] in (_SEED, _OFFSET)]:
             readers = list(out.users)
-            if not all(r.target is bwd_op and _dropout(r, 9) == 0 for r in readers):
+            if not all(r.target is _BWD and _dropout(r, 9) == 0 for r in readers):
                 continue  # (read by something else: leave it)
             val = out.meta.get("val")
             if val is None:

@@ -524,14 +524,15 @@ def _step_passes(options: dict | None) -> dict:
     from functrain.sdpa_seeds import SdpaSeedPass
 
     options = dict(options or {})
-    if options.get("backend", "inductor") != "inductor" or ("mode" in options and "options" in options):
+    if options.get("backend", "inductor") != "inductor" or (
+            options.get("mode") is not None and options.get("options") is not None):
         return options  # (another backend; or both, which torch.compile refuses with its own error)
     inductor = dict(options.get("options") or {})
     mode = options.pop("mode", None)
-    if mode is not None:
+    if mode is not None:  # ("default" stands for no options)
         from torch._inductor import list_mode_options
 
-        inductor = dict(list_mode_options(mode, options.get("dynamic"))) if mode != "default" else {}
+        inductor = dict(list_mode_options(mode, options.get("dynamic")))
     mine = inductor.get("post_grad_custom_post_pass")
     mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
     inductor["post_grad_custom_post_pass"] = _post_passes([*mine, RecomputePass(), RegatherPass(), SdpaSeedPass()])

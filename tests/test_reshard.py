@@ -117,6 +117,8 @@ def test_pass_is_cacheable_and_the_step_installs_it():
     assert "options" not in _step_passes({"backend": "aot_eager"})
     both = {"mode": "max-autotune", "options": {"max_autotune": False}}
     assert _step_passes(both) == both  # (torch.compile refuses a mode with options: its error, unchanged)
+    none = _step_passes({"mode": None, "options": {"max_autotune": False}})  # (mode=None is no mode)
+    assert "mode" not in none and isinstance(none["options"]["post_grad_custom_post_pass"][-1], SdpaSeedPass)
 
 
 @pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead", "default"])
