@@ -52,10 +52,11 @@ inductor's `cpp_wrapper` (one C++ file for the whole graph) was slower (one 14.3
 55 s in all). With SGD instead of AdamW the cold first step is 8 s shorter (the update's foreach
 kernel over every parameter is the longest C++ file, 4,550 lines, 2.3 s of g++ alone).
 Measured again on 2026-11-26 (same host kind, slower hour, inductor's own command line re-run by
-hand): 1.52-1.56 s per kernel, 1.01-1.12 s of it without the `-ltorch -ltorch_cpu -ltorch_python`
-link. Inductor's `aot_inductor.link_libtorch=False` drops those libraries, but then its vector-ISA
-check program (which calls Sleef from libtorch_cpu) fails to load in its own process, and inductor
-silently falls back to scalar kernels (`std::sin` where `tmp0.sin()` was): a pitfall, not a lever.
+hand): 1.52-1.56 s per kernel, and 1.01-1.12 s for the same command without `-ltorch -ltorch_cpu
+-ltorch_python`. Inductor's `aot_inductor.link_libtorch=False` drops those libraries, but then its
+vector-ISA check program (it calls `Sleef_expf8_u10`, which lives in libtorch_cpu) fails to load in
+its own process, `pick_vec_isa()` returns InvalidVecISA instead of VecAVX2, and inductor silently
+generates scalar kernels (`std::sin(tmp0)` where `tmp0.sin()` was): a pitfall, not a lever.
 
 Reading it: a warm start removes ~42 s of AOTAutograd + inductor (default model); what is left is
 dynamo re-tracing the step (~6 s, about 65% of the warm time to first step, not cached by these
