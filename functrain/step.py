@@ -527,12 +527,13 @@ def _step_passes(options: dict | None) -> dict:
     if options.get("backend", "inductor") != "inductor" or (
             options.get("mode") is not None and options.get("options") is not None):
         return options  # (another backend; or both, which torch.compile refuses with its own error)
-    inductor = dict(options.get("options") or {})
     mode = options.pop("mode", None)
     if mode is not None:  # ("default" stands for no options)
         from torch._inductor import list_mode_options
 
         inductor = dict(list_mode_options(mode, options.get("dynamic")))
+    else:
+        inductor = dict(options.get("options") or {})
     mine = inductor.get("post_grad_custom_post_pass")
     mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
     inductor["post_grad_custom_post_pass"] = _post_passes([*mine, RecomputePass(), RegatherPass(), SdpaSeedPass()])
