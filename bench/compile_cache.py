@@ -91,7 +91,7 @@ import atexit, json, sys
 spec = json.loads(sys.argv.pop(1))
 if spec.get("load_mega"):
     import torch
-    from functrain import compile_cache
+    from functrain.compiler import cache as compile_cache
     compile_cache.setup("user")  # into the ISA-keyed directory the run will read (not its parent)
     with open(spec["load_mega"], "rb") as f:
         torch.compiler.load_cache_artifacts(f.read())
@@ -99,7 +99,7 @@ if spec.get("load_mega"):
 def _report():
     import torch
     from torch._dynamo.utils import compilation_time_metrics
-    from functrain import compile_cache
+    from functrain.compiler import cache as compile_cache
     if spec.get("save_mega"):
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:

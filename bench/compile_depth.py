@@ -1,6 +1,6 @@
 """Cold compile time of the train step against depth: is it flat in the number of layers?
 
-    python bench/compile_depth.py [--layers 2,6,12] [--n-embd 64] [--remat none] [--compile step|regions|blocks]
+    python bench/compile_depth.py [--layers 2,6,12] [--n-embd 64] [--remat none] [--compile step|blocks]
                                   [--update] [--no-donate] [--json]
 
 For each depth, a fresh subprocess (empty inductor and AOT caches in a temporary directory, so
@@ -12,15 +12,13 @@ the ratio of the deepest to the shallowest; with `--json`, one JSON object as th
 
 `--compile blocks` times `make_train_step(..., compile="blocks")` (a graph per stage kind, one block
 graph for every block, the optimizer update block by block: `functrain.update_groups`) instead of
-the one-graph step; `--compile regions` the one-graph step whose block, and the blocks' update, are
-compiled regions (`functrain.regions`). `--no-donate` builds the step with `donate=False`.
+the one-graph step. `--no-donate` builds the step with `donate=False`.
 `--update` also times, in its own fresh process per depth, the cold compile of
 the whole-tree optimizer update alone (`update_step`, the graph the one-graph step ends with): one
 fused loop per parameter tensor, so it grows with depth.
 
-The issue-12 target is ratio <= 1.3 at 12 vs 2 layers. The one-graph step inlines every block, so
-its compile time grows with depth (DESIGN.md "Scaling the sharded step": 24 s at 1 layer, 49 s at 4,
-85 s at 8, caches off).
+The one-graph step inlines every block, so its compile time grows with depth (24 s at 1 layer, 49 s
+at 4, 85 s at 8, caches off: docs/results.md).
 """
 
 from __future__ import annotations
@@ -79,7 +77,7 @@ def main() -> None:
     ap.add_argument("--layers", default="2,6,12", help="comma-separated depths")
     ap.add_argument("--n-embd", type=int, default=64)
     ap.add_argument("--remat", default="none", help="remat policy of the loss (none, full, N)")
-    ap.add_argument("--compile", default="step", choices=["step", "regions", "blocks"], help="what one graph covers")
+    ap.add_argument("--compile", default="step", choices=["step", "blocks"], help="what one graph covers")
     ap.add_argument("--update", action="store_true", help="also time the optimizer update's compile alone")
     ap.add_argument("--no-donate", dest="donate", action="store_false",
                     help="make_train_step(donate=False): the state's buffers not reused")

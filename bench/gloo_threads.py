@@ -5,7 +5,7 @@ torch.distributed, no functrain model: on a 2 x 2 mesh (dp_shard, tp), each iter
 all-gather on the dp group and, while it is in flight, issues and waits four small all-gathers on
 the same group (a tp all-reduce after each), then waits the first. `--threads` sets the gloo worker
 threads of every group (torch's default is 2; torch.distributed cannot pass it: the groups are built
-inside `functrain.parallel.gloo.worker_threads`, 1 or 2 threads alike).
+by `functrain.parallel.gloo.backend(threads)`, 1 or 2 threads alike).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/gloo_threads.py --threads 2
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/gloo_threads.py --threads 1
@@ -45,9 +45,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6000)
     ap.add_argument("--no-overlap", action="store_true", help="wait the first all-gather before the others")
     args = ap.parse_args()
-    with gloo.worker_threads(args.threads):
-        dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    dist.init_process_group(gloo.backend(args.threads))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     threads = {gloo.threads_of(mesh.get_group(i)) for i in range(2)}
     torch.manual_seed(0)
     weights = [distribute_tensor(torch.randn(rows, 32), mesh, [Shard(1), Shard(0)]) for rows in (32, 32, 32, 128)]

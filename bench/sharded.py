@@ -14,7 +14,7 @@ at its start (free heap returned to the OS with malloc_trim first; the kernel's 
 reset through /proc/self/clear_refs), max over rounds. Step times are the max over ranks. Also
 printed: each method's peak of live tensor bytes over one more step under the profiler (what glibc
 keeps mapped after a free inflates the RSS, not this), and for the compiled step the gathered
-params alive at once from a model of its graph's buffers (`parallel.gathered_in_flight`, logged by
+params alive at once from a model of its graph's buffers (`compiler.gathered_in_flight`, logged by
 the reshard pass while inductor compiles; so the step compiles here, in a fresh cache directory,
 unless --warm-cache).
 
@@ -22,7 +22,7 @@ unless --warm-cache).
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --eager   # + uncompiled
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --bucket-numel 1000000 --reorder
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --n-layer 6 --n-embd 512 \
-        --n-head 8 --rounds 3 --steps 3 --whole --json     # the issue-12 comparison; last line is JSON
+        --n-head 8 --rounds 3 --steps 3 --whole --json     # the FSDP2 comparison; last line is JSON
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --compile-unit blocks
         # functrain compiled stage by stage, the update group by group (README "Compile unit")
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/sharded.py --n-layer 4 --n-embd 512 \
@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _mem import reset_peak, trim  # noqa: E402
-from functrain import apply, compile_cache, init_state, make_train_step, optim, parallel, rng  # noqa: E402
+from functrain import apply, compiler, init_state, make_train_step, optim, parallel, rng  # noqa: E402
+from functrain.compiler import cache as compile_cache  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 from functrain.parallel import spmd  # noqa: E402
 
@@ -167,7 +168,7 @@ def _live_growth_mib(m, batch, top=0) -> tuple[float, str]:
 
 
 class _Gathered(logging.Handler):
-    """Keeps what functrain.parallel.reshard logs for each compiled graph (its gathered-params model)."""
+    """Keeps what functrain.compiler.regather logs for each compiled graph (its gathered-params model)."""
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -189,7 +190,7 @@ def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
     state: (params + Adam m, v) / N; grads: the reduce-scattered shards / N plus the largest stage's
     full gradient before its reduce-scatter; gathered: two stages' params in flight (the one computing
     and the next); activations: a recomputed block holds its input (d per token), a kept block what
-    its backward reads once `functrain.recompute` has moved the layer norms' and GELU's outputs into
+    its backward reads once `functrain.compiler.recompute` has moved the layer norms' and GELU's outputs into
     the backward: its input, q, k, v, the attention output, the residual after attention and the
     MLP's pre-activation (10 d per token, plus per-token statistics); plus one block's internals
     before the mark is reached or while a block is recomputed, and the head's logits and their
@@ -252,7 +253,7 @@ def main():
                          "fresh directory: warm-up s is a cold compile and the gathered params are modelled)")
     args = ap.parse_args()
 
-    # sharded steps' cache keys are stable since parallel.cache_key: a second run would hit
+    # sharded steps' cache keys are stable since compiler.mesh_key: a second run would hit
     compile_cache.setup("user" if args.warm_cache else "off")
     if args.profile:  # inductor's kernels appear in the profile by name
         import torch._inductor.config as inductor_config
@@ -288,7 +289,7 @@ def main():
     setup_mib = (_rss_kib("VmRSS") - rss0) / 1024
 
     gathered = _Gathered()  # the compile happens in the warm-up
-    reshard_log = logging.getLogger("functrain.parallel.reshard")
+    reshard_log = logging.getLogger("functrain.compiler.regather")
     reshard_log.addHandler(gathered)
     reshard_log.setLevel(logging.INFO)
     losses = {k: [] for k in methods}

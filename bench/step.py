@@ -16,11 +16,11 @@ Measured on one H200 (2026-11-26, torch 2.11.0+cu130, 8192^3 bf16 matmul 791 TFL
 tokens/s, MFU 48.9% vs 35.2% of the measured matmul (39.1% vs 28.1% of 989 TFLOP/s), peak 7879 vs
 13206 MB (growth per step +6421 vs +11717 MB), first step (compile) 85 s; default (0.84M params)
 116.5 vs 116.8 steps/s (0.94x, launch-bound), peak 116 vs 171 MB, compile 34 s. The same command
-on the same kind of machine later that day (stop 38): gpt2 36.8 vs 26.5 steps/s (1.39x), 452.1k vs
+on the same kind of machine later that day: gpt2 36.8 vs 26.5 steps/s (1.39x), 452.1k vs
 326.0k tokens/s, MFU 48.6% vs 35.1% of the measured 794 TFLOP/s (39.1% vs 28.2% of 989), the same
 peaks, compile 66 s; default 107.4 vs 112.0 steps/s (0.97x), compile 29 s.
 
-Measured on one H100 80GB HBM3 (2026-11-23, torch 2.11.0+cu130, the lent machine's own build; 8192^3 bf16
+Measured on one H100 80GB HBM3 (2026-11-23, torch 2.11.0+cu130; 8192^3 bf16
 matmul 773 TFLOP/s, published 989), `--sizes gpt2 --precision bf16 --steps 12 --rounds 3
 --breakdown-rounds 4`: functrain 29.7 steps/s vs eager 23.1 (1.29x), 364.8k vs 283.6k tokens/s,
 MFU 40.1% vs 31.2% of the measured matmul (31.5% vs 24.5% of 989 TFLOP/s), peak growth per step

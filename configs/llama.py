@@ -14,7 +14,7 @@ Python (`def err, loc, vars():` / `def __exceptionsock__ import unittest.TestCas
 
 Variants (`--config=configs/llama.py:<variant>`):
   (default) a 4-layer, 256-wide model (BPE of 2048 ids), 1000 steps of 32 x 128 tokens on CPU
-            (not timed in this session).
+            (not timed yet).
   tiny      CPU smoke test: 2 layers x 128, BPE of 1024 ids, 800 steps of 16 x 128 tokens.
   smollm    SmolLM-135M's shape (30 layers x 576, 9 query / 3 kv heads, tied head, 49152 ids) for a
             GPU, in bf16. With a local copy of the real model, fine-tune it instead:

@@ -34,8 +34,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.eval_batches = 8
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
-    # grows with depth), "regions" (the same one graph with the block and its optimizer update each a
-    # compiled region compiled once: one process, remat none) or "blocks" (a staged model's
+    # grows with depth) or "blocks" (a staged model's
     # embedding, block and head each a graph of their own, every block running the same one, and the
     # optimizer update block by block: as many graphs and about the same cold compile at any depth;
     # README "Compile unit").

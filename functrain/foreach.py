@@ -110,11 +110,18 @@ def sqrt(xs: Tensors) -> list[torch.Tensor]:
 
 
 def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
-    """xs + weight (ys - xs) (weight: a scalar or a 0-d tensor)."""
+    """xs + weight (ys - xs) (weight: a scalar or a 0-d tensor).
+
+    A tensor weight always takes the List overload (broadcast views), on the CPU too: compiled,
+    the Scalar overload turns it into an unbacked float that torch 2.14's decomposition branches on
+    (`weight >= 0.5`: "GuardOnDataDependentSymNode"), and on 2.13 it rounded 1 ulp off eager lerp;
+    the List overload compiles on both and equals eager `torch._foreach_lerp` bit for bit."""
     if _per_tensor_for(xs, weight):
         return [torch.lerp(x, y, weight.to(x.dtype) if isinstance(weight, torch.Tensor) else float(weight))
                 for x, y in zip(xs, ys)]
-    return list(torch._foreach_lerp(xs, ys, _broadcast_for(xs, weight) or weight))
+    if isinstance(weight, torch.Tensor):
+        weight = [weight.to(x.dtype).expand_as(x) for x in xs]
+    return list(torch._foreach_lerp(xs, ys, weight))
 
 
 def addcmul(xs: Tensors, ys: Tensors, zs: Tensors) -> list[torch.Tensor]:

@@ -42,7 +42,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from functrain import checkpoint as ckpt_lib
-from functrain import compile_cache, memory, parallel
+from functrain import memory, parallel
+from functrain.compiler import cache as compile_cache
 from functrain import metric_names as M
 from functrain import metrics as metrics_lib
 from functrain import rng as rng_lib
@@ -428,14 +429,14 @@ def _silent(*args, **kwargs) -> None:
 
 
 def _compile(config) -> "bool | str":
-    """`make_train_step`'s `compile` from the config: False, True (one graph), "regions" or "blocks"."""
-    if config.compile and config.compile_unit in ("regions", "blocks"):
+    """`make_train_step`'s `compile` from the config: False, True (one graph) or "blocks"."""
+    if config.compile and config.compile_unit == "blocks":
         return config.compile_unit
     return bool(config.compile)
 
 
 def _compile_label(config) -> str:
-    """How the step is compiled, for the start-up line: "on", "regions", "blocks" or "off"."""
+    """How the step is compiled, for the start-up line: "on", "blocks" or "off"."""
     mode = _compile(config)
     return mode if isinstance(mode, str) else "on" if mode else "off"
 

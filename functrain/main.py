@@ -208,10 +208,6 @@ def _check(config: Any, mesh: bool = True) -> None:
     except ValueError as exc:
         raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     validate.check_batch(config.batch_size, config.accum_steps, mesh_config.dp_world(shape) if world > 1 else 1)
-    if world > 1 and config.compile and config.compile_unit == "regions":
-        raise validate.ConfigError(
-            f"compile_unit='regions' runs on one process, and this run has {world}: use --config.compile_unit=step "
-            "(one graph, per-block gathers) or blocks")
 
 
 def _check_init_from(config: Any, workdir: str | Path, loop) -> None:

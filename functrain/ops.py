@@ -10,7 +10,7 @@ Embedding backward (measured 2026-11-22, torch 2.13 CPU, 2 threads, the default 
   gave 12 different `wte.weight` results (every other parameter was bit-identical).
   `embedding` below looks rows up with `torch.gather` on an expanded index instead. Its derivative is
   `scatter_add`, which inductor hands to aten's CPU kernel when it runs on more than one thread
-  (`torch._inductor.config.cpp.fallback_scatter_reduce_sum`, on by default); that kernel sums each
+  (inductor's `cpp.fallback_scatter_reduce_sum` config, on by default); that kernel sums each
   row's contributions in index order, and on one thread inductor's own loop is serial. Result: 12 of
   12 calls bit-identical, at no measurable cost (0.206-0.228 s vs 0.228-0.234 s per step, best of 5,
   alternating processes). `torch.use_deterministic_algorithms(True)` would also fix it, but it is a

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from functrain import compiling, foreach
+from functrain import compiler, foreach
 from functrain import step as step_lib
 from functrain.parallel.layout import LOCAL
 from functrain.state import TrainState
@@ -118,7 +118,7 @@ def make_population_step(
     """
     # The eager body for unsharded params, resolved now (not inside the trace: that would recompile).
     body = step_lib.make_train_step(loss_fn, optimizer, compile=False, donate=False, precision=precision,
-                                    skip_nonfinite=skip_nonfinite).uncompiled_for(LOCAL)
+                                    skip_nonfinite=skip_nonfinite, layout=LOCAL)
 
     def population_step(state: TrainState, batch: PyTree):
         new, metrics = torch.func.vmap(body, in_dims=(0, batch_axis))(state, batch)
@@ -126,7 +126,7 @@ def make_population_step(
             new = LOCAL.write_into(state, new)
         return new, metrics
 
-    population_step = compiling.maybe_compile(population_step, compile, compile_options)  # as make_train_step
+    population_step = compiler.maybe_compile(population_step, compile, compile_options)  # as make_train_step
 
     def step(state: TrainState, batch: PyTree):
         with foreach.per_tensor():  # vmap has no batching rules for the fused foreach kernels

@@ -36,12 +36,12 @@ made them, so the whole model is never gathered. A recomputed block lets its gat
 after its forward and gathers them again (behind the barrier) for its backward: "reshard after
 forward", at most the block computing and the next one gathered at a time. A kept block (policy
 "none") holds them in its vjp closure until its backward, except in the compiled one-graph step,
-where `functrain.parallel.reshard` rewrites the graph so that its backward reads a second gather
-(reshard after forward, FSDP's default; `staged_loss(..., reshard_after_forward=False)` keeps them),
-and `functrain.recompute` computes the kept blocks' cheap activations (layer norms' and GELU's
+where `functrain.compiler.regather` rewrites the graph so that its backward reads a second gather
+(reshard after forward, FSDP's default),
+and `functrain.compiler.recompute` computes the kept blocks' cheap activations (layer norms' and GELU's
 outputs) again in the backward instead of holding them, as AOTAutograd's partitioner would.
-Why this route and not SimpleFSDP-style gathers at the point of use under `torch.autograd.grad`
-(DESIGN.md): it needs no autograd of collectives and no inductor recompute tags, runs eagerly and
+Why this route and not SimpleFSDP-style gathers at the point of use under `torch.autograd.grad`:
+it needs no autograd of collectives and no inductor recompute tags, runs eagerly and
 compiled as one graph (tests/test_parallel_dist.py), and the schedule is explicit in the code.
 
 Compiled stage by stage (`loss_fn.compile_stages()`, `make_train_step(..., compile="blocks")`). In
@@ -69,42 +69,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from functrain import compiler
 from functrain import tree as tree_lib
+from functrain.compiler.marks import mark_forward_done, remat_barrier
+from functrain.loss_contract import loss_and_aux
 from functrain.remat_policy import parse_policy, recomputed_blocks
 
-__all__ = ["Stage", "parse_policy", "recomputed_blocks", "remat_barrier", "staged_loss"]
+__all__ = ["Stage", "StagedLoss", "parse_policy", "recomputed_blocks", "remat_barrier", "staged_loss"]
 
-
-def _loss_and_aux(out):
-    """A head result as (loss, aux dict), under the loss contract of `functrain.step.loss_and_aux`."""
-    from functrain.step import loss_and_aux  # step does not import this module: no cycle
-
-    return loss_and_aux(out)
 
 Params = dict[str, torch.Tensor]
-
-
-@torch.library.custom_op("functrain::remat_barrier", mutates_args=())
-def remat_barrier(x: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """A copy of `x` that the compiler cannot compute before `after` exists nor merge with `x`'s producer.
-
-    Args:
-      x: the tensor to pass through (a saved block input).
-      after: any tensor the result must wait for (the cotangent arriving at that block); unused.
-
-    Returns:
-      `x.clone()`.
-
-    Example:
-      >>> h = remat_barrier(saved_input, cotangent)   # then recompute the block from h
-    """
-    return x.clone()
-
-
-@remat_barrier.register_fake
-def _remat_barrier_fake(x, after):
-    """Shape/dtype propagation for tracing."""
-    return torch.empty_like(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,61 +136,82 @@ def _seed(loss: torch.Tensor, loss_scale) -> torch.Tensor:
     return scale.to(loss.dtype).expand(loss.shape)
 
 
-def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full",
-                reshard_after_forward: bool = True) -> Callable:
-    """A loss function over stages that brings its own `value_and_grad`, recomputing blocks in backward.
+class StagedLoss:
+    """A loss over stages (embedding, blocks, head) with its own gradient routes: the loss contract's type.
 
-    Args:
-      embed: the first stage, `fn(p, batch, key) -> h`.
-      blocks: the repeated stages, `fn(p, h, key) -> h`, applied in order.
-      head: the last stage, `fn(p, h, batch, key) -> loss` or `(loss, aux)`.
-      policy: which blocks to recompute (see `parse_policy`): "none", "full" or an int N (every
-        N-th block). Blocks not recomputed keep their activations from the forward.
-      reshard_after_forward: on sharded params in the compiled one-graph step, a kept block's
-        gathered parameters are freed after its forward and gathered again for its backward
-        (`functrain.parallel.reshard`; FSDP's default). False: kept blocks hold them until their
-        backward (one all-gather less per kept block, the whole model gathered at the end of the
-        forward when no block is recomputed). Recomputed blocks always gather again.
+    `functrain.step` recognises it by type (no attribute probing) and takes its routes:
+    `value_and_grad` (blocks recomputed in the backward as `recompute` says), on sharded params
+    `value_and_grad_sharded` and `apply_sharded` (each stage gathered just before it runs), and
+    under `compile="blocks"` `compile_stages` (each stage its own compiled graph). Called, it is
+    the plain composition `(params, batch, key) -> (loss, aux)`, so it is also an ordinary loss
+    function (eval, `torch.func.grad_and_value`). Build one with `staged_loss`.
 
-    Returns:
-      `loss_fn(params, batch, key) -> (loss, aux)`, the plain composition (for eval and for
-      `torch.func.grad_and_value`), with a method
-      `loss_fn.value_and_grad(params, batch, key, *, loss_scale=None) -> (loss, aux, grads)`:
-      the loss (detached, never scaled), the aux dict, and the gradients of `loss * loss_scale`
-      (of `loss` when `loss_scale` is None) as a dict in `params`' key order. A parameter read by
-      several stages (a tied embedding / head) gets the sum of their gradients; one read by none
-      gets zeros. Each stage is differentiated with respect to its own parameters only. With
-      policy "none" it is `torch.func.grad_and_value` of the composition. `functrain.step` uses
-      this method in place of its own `grad_and_value`.
-      `loss_fn.compile_stages(options=None)` returns the same loss with every stage compiled on its
-      own (`make_train_step(..., compile="blocks")`; see `compile_stages`).
-
-    Raises:
-      ValueError: for a bad policy.
+    Attributes:
+      embed, blocks, head: the stages (`blocks` a tuple).
+      recompute: per block, whether its backward recomputes it (from the policy).
+      compiled: whether each stage runs as its own compiled graph (`compile_stages`).
 
     Example:
-      >>> loss_fn = staged_loss(embed, blocks, head, policy=2)    # recompute blocks 1, 3, 5, ...
-      >>> loss, aux, grads = loss_fn.value_and_grad(params, batch, key, loss_scale=torch.tensor(1024.0))
+      >>> loss_fn = staged_loss(embed, blocks, head, policy="full")
+      >>> loss, aux = loss_fn(params, batch, key)
+      >>> loss, aux, grads = loss_fn.value_and_grad(params, batch, key)
     """
-    policy = parse_policy(policy)
-    blocks = tuple(blocks)
-    loss_fn = _staged(embed, blocks, head, policy, _Traced(embed, blocks, head, reshard_after_forward))
 
-    def compile_stages(options: dict | None = None) -> Callable:
+    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, policy: Any, run):
+        self.embed, self.blocks, self.head = embed, tuple(blocks), head
+        self.policy = policy
+        self.recompute = tuple(recomputed_blocks(policy, len(self.blocks)))
+        self._run = run
+
+    @property
+    def compiled(self) -> bool:
+        """Whether each stage runs as its own compiled graph."""
+        return self._run.compiled
+
+    def _compose(self, params: Params, batch, key, gather=lambda p: p) -> tuple[torch.Tensor, dict]:
+        """embed, every block, head, each on `gather` of its own params (no recomputation)."""
+        run = self._run
+        h = run.embed(gather(self.embed.params(params)), batch, key)
+        for block, fn in zip(self.blocks, run.blocks):
+            h = fn(gather(block.params(params)), h, key)
+        return run.head(gather(self.head.params(params)), h, batch, key)
+
+    def __call__(self, params: Params, batch, key) -> tuple[torch.Tensor, dict]:
+        """The loss: embed, every block, head (no recomputation, no gradients)."""
+        return self._compose(params, batch, key)
+
+    def value_and_grad(self, params: Params, batch, key, *, loss_scale=None):
+        """`(loss, aux, grads)`: the loss (detached, never scaled), the aux dict, and the gradients of
+        `loss * loss_scale` (of `loss` when `loss_scale` is None) in `params`' key order, recomputing
+        the policy's blocks in the backward. A parameter read by several stages (a tied embedding and
+        head) gets the sum of their gradients; one read by none gets zeros."""
+        if self.policy == "none" and not self._run.compiled:
+            return _plain_value_and_grad(self, params, batch, key, loss_scale)
+        return _staged_value_and_grad(self, params, batch, key, loss_scale)
+
+    def value_and_grad_sharded(self, params: Params, batch, key, *, layout, loss_scale=None):
+        """`value_and_grad` over sharded params, each stage gathered just before it runs (module docstring)."""
+        return _staged_value_and_grad(self, params, batch, key, loss_scale, layout=layout)
+
+    def apply_sharded(self, params: Params, batch, key, *, layout):
+        """The loss over sharded params, each stage gathered just before it runs (no gradients)."""
+        with torch.no_grad():
+            return self._compose(params, batch, key, gather=layout.gather)
+
+    def compile_stages(self, options: dict | None = None) -> "StagedLoss":
         """This loss with each stage its own compiled graph, one block graph shared by every block.
 
-        For `make_train_step(..., compile="blocks")`: the stages run as separate `torch.compile`d
-        functions (embedding, block, head), called in order by eager Python, with gradients by
-        autograd through the compiled graphs. Every block runs the same compiled graph (its
-        `Stage.shared` computation), so the number of graphs does not grow with depth; the price is
-        that the compiler cannot fuse across stage boundaries.
+        For `make_train_step(..., compile="blocks")`: the stages run as separate compiled functions
+        (embedding, block, head), called in order by eager Python, with gradients by autograd through
+        the compiled graphs. Every block runs the same compiled graph (its `Stage.shared`
+        computation), so the number of graphs does not grow with depth; the price is that the
+        compiler cannot fuse across stage boundaries.
 
         Args:
           options: extra keyword arguments for `torch.compile` (always fullgraph, static shapes).
 
         Returns:
-          A loss function with the same interface (call, `value_and_grad`,
-          `value_and_grad_sharded`, `apply_sharded`), gradients equal to this one's to float rounding.
+          A `StagedLoss` with the same routes, gradients equal to this one's to float rounding.
 
         Raises:
           ValueError: the blocks do not all carry the same `Stage.shared` function.
@@ -225,50 +220,35 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
           >>> fast = loss_fn.compile_stages()
           >>> loss, aux, grads = fast.value_and_grad(params, batch, key)
         """
-        return _staged(embed, blocks, head, policy, _Compiled(embed, blocks, head, options))
-
-    loss_fn.compile_stages = compile_stages  # type: ignore[attr-defined]
-    return loss_fn
+        run = _Compiled(self.embed, self.blocks, self.head, options)
+        return StagedLoss(self.embed, self.blocks, self.head, self.policy, run)
 
 
-def _staged(embed, blocks, head, policy, run) -> Callable:
-    """The staged loss function and its gradient methods, running its stages with `run`."""
-    recompute = recomputed_blocks(policy, len(blocks))
+def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full") -> StagedLoss:
+    """A loss over stages that brings its own gradient routes, recomputing blocks in the backward.
 
-    def compose(params: Params, batch, key, gather=lambda p: p) -> tuple[torch.Tensor, dict]:
-        """embed, every block, head, each on `gather` of its own params (no recomputation)."""
-        h = run.embed(gather(embed.params(params)), batch, key)
-        for block, fn in zip(blocks, run.blocks):
-            h = fn(gather(block.params(params)), h, key)
-        return run.head(gather(head.params(params)), h, batch, key)
+    Args:
+      embed: the first stage, `fn(p, batch, key) -> h`.
+      blocks: the repeated stages, `fn(p, h, key) -> h`, applied in order.
+      head: the last stage, `fn(p, h, batch, key) -> loss` or `(loss, aux)`.
+      policy: which blocks to recompute (see `parse_policy`): "none", "full" or an int N (every
+        N-th block). Blocks not recomputed keep their activations from the forward.
 
-    def loss_fn(params: Params, batch, key) -> tuple[torch.Tensor, dict]:
-        """The loss: embed, every block, head (no recomputation, no gradients)."""
-        return compose(params, batch, key)
+    Returns:
+      A `StagedLoss`: called, the plain composition `(params, batch, key) -> (loss, aux)`; its
+      `value_and_grad(params, batch, key, *, loss_scale=None) -> (loss, aux, grads)` is what
+      `functrain.step` uses in place of its own `grad_and_value`. With policy "none" that is
+      `torch.func.grad_and_value` of the composition.
 
-    def value_and_grad(params: Params, batch, key, *, loss_scale=None):
-        """(loss, aux, grads of loss * loss_scale), recomputing the policy's blocks in backward."""
-        if policy == "none" and not run.compiled:
-            return _plain_value_and_grad(loss_fn, params, batch, key, loss_scale)
-        return _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale, run=run)
+    Raises:
+      ValueError: for a bad policy.
 
-    def value_and_grad_sharded(params: Params, batch, key, *, layout, loss_scale=None):
-        """`value_and_grad` over sharded params, each stage gathered just before it runs (see below)."""
-        return _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale,
-                                      layout=layout, run=run)
-
-    def apply_sharded(params: Params, batch, key, *, layout):
-        """The loss over sharded params, each stage gathered just before it runs (no gradients)."""
-        with torch.no_grad():
-            return compose(params, batch, key, gather=layout.gather)
-
-    loss_fn.value_and_grad = value_and_grad  # type: ignore[attr-defined]
-    loss_fn.value_and_grad_sharded = value_and_grad_sharded  # type: ignore[attr-defined]
-    loss_fn.apply_sharded = apply_sharded  # type: ignore[attr-defined]
-    loss_fn.blocks = blocks  # type: ignore[attr-defined]  # (the step's update groups follow them)
-    loss_fn.stages = (embed, blocks, head)  # type: ignore[attr-defined]  # (functrain.regions reads them)
-    loss_fn.recompute = recompute  # type: ignore[attr-defined]  # per block: recomputed in the backward
-    return loss_fn
+    Example:
+      >>> loss_fn = staged_loss(embed, blocks, head, policy=2)    # recompute blocks 1, 3, 5, ...
+      >>> loss, aux, grads = loss_fn.value_and_grad(params, batch, key, loss_scale=torch.tensor(1024.0))
+    """
+    blocks = tuple(blocks)
+    return StagedLoss(embed, blocks, head, parse_policy(policy), _Traced(embed, blocks, head))
 
 
 class _Traced:
@@ -277,11 +257,12 @@ class _Traced:
     compiled = False
     barrier = True  # in one traced graph, order the recomputation after the cotangent (see above)
 
-    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, reshard: bool = True):
-        self.reshard = reshard  # mark the forward's end for parallel.reshard (kept blocks regathered)
+    reshard = True  # mark the forward's end for compiler.regather (kept blocks gathered again)
+
+    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage):
         self.embed = embed.fn
         self.blocks = [b.fn for b in blocks]
-        self.head = lambda p, h, batch, key: _loss_and_aux(head.fn(p, h, batch, key))
+        self.head = lambda p, h, batch, key: loss_and_aux(head.fn(p, h, batch, key))
 
     @staticmethod
     def vjp(fn, primals: tuple, *rest, has_aux: bool = False):
@@ -312,12 +293,11 @@ class _Compiled:
                 "compiled graph for all blocks); build the blocks with functrain.models.lm.repeated_stages, "
                 "or compile the whole step (compile=True)"
             )
-        kw = {"fullgraph": True, "dynamic": False, **(options or {})}
         head_fn = head.fn
-        self.embed = torch.compile(embed.fn, **kw)
-        self.head = torch.compile(lambda p, h, batch, key: _loss_and_aux(head_fn(p, h, batch, key)), **kw)
+        self.embed = compiler.graph(embed.fn, options)
+        self.head = compiler.graph(lambda p, h, batch, key: loss_and_aux(head_fn(p, h, batch, key)), options)
         if blocks:
-            block = torch.compile(blocks[0].shared, **kw)
+            block = compiler.graph(blocks[0].shared, options)
             self.blocks = [_SharedBlock(block, b) for b in blocks]
         else:
             self.blocks = []
@@ -383,11 +363,10 @@ def _barrier_tree(params: Params, after: torch.Tensor) -> Params:
     return out
 
 
-def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, loss_scale, layout=None, *,
-                           run):
-    """(loss, aux, grads) through per-stage vjps, recomputing the blocks marked in `recompute`.
+def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, layout=None):
+    """(loss, aux, grads) through per-stage vjps, recomputing the blocks marked in `staged.recompute`.
 
-    `run` (`_Traced` or `_Compiled`) holds the stage functions and the vjp that differentiates them.
+    `staged._run` (`_Traced` or `_Compiled`) holds the stage functions and the vjp that differentiates them.
     With a `layout` (sharded params, `functrain.parallel.layout.Layout`), FSDP's schedule: each stage's
     parameters are gathered just before its forward, and its gradients reduced to the params'
     placements (a reduce-scatter) as soon as its vjp has made them. A recomputed block lets its
@@ -397,6 +376,7 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
     recomputed at most one stage's gathered parameters are alive at a time (memory trace:
     tests/test_parallel_dist.py::test_at_most_one_stage_is_gathered_at_a_time).
     """
+    embed, blocks, head, recompute, run = staged.embed, staged.blocks, staged.head, staged.recompute, staged._run
 
     # Compiled stage by stage (eager stage loop, sharded): each stage's gather starts while the stage
     # before it computes (`Layout.gather_start`), so at most two stages are gathered at a time. The
@@ -446,10 +426,7 @@ def _staged_value_and_grad(embed, blocks, head, recompute, params, batch, key, l
             h, block_vjp = run.vjp(fn, (local(block), h), key)
             saved.append(block_vjp)
     if layout is not None and run.reshard and not all(recompute):
-        # kept blocks' gathered params: the compiled step gathers them again for their backward
-        from functrain.parallel.reshard import mark_forward_done
-
-        h = mark_forward_done(h)
+        h = mark_forward_done(h)  # kept blocks' gathered params: gathered again for their backward
     loss, head_vjp, aux = run.vjp(run.head, (local(head), h), batch, key, has_aux=True)
 
     # Backward: head, blocks in reverse (recomputing where asked), embedding.

@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 import builtins
-import importlib
+import sys
 from typing import Any, Iterator, NamedTuple
 
 import optree
@@ -62,7 +62,7 @@ unflatten = optree.tree_unflatten
 # bytecode per leaf of such a node, and `unflatten` ~9 (Dynamo's `dict(zip(...))` is a polyfill);
 # the recursive walks cost ~40 bytecodes and two inlined calls per leaf and walk (tests/test_tree.py
 # counts).
-# Measured (2-core AMD EPYC, caches off, aot_eager, width-64 GPT, compile="regions", 6 layers):
+# Measured (2-core AMD EPYC, caches off, aot_eager, width-64 GPT, one-graph step with each block a compiled region, 6 layers):
 # Dynamo's whole trace went from 534k to 393k bytecodes and from 14.6k to 7.1k inlined calls, and
 # its `bytecode_tracing` time from 32.5 to 26.1 s (two runs side by side; 30.7 vs 29.2 s in another
 # pair, with a test running beside it). Eagerly (compile="blocks" walks the optimizer state every
@@ -437,9 +437,11 @@ def size(tree: PyTree) -> int:
 def global_norm(tree: PyTree, *, fused: bool = False) -> torch.Tensor:
     """L2 norm of all leaves taken together, as a float32 0-d tensor.
 
-    For DTensor leaves the norm is the global norm over the whole mesh
-    (`functrain.parallel.spmd.global_norm`: the local squared norms are summed over the mesh dims
-    that shard each leaf, a few all-reduces in all).
+    For DTensor leaves the norm is the global norm over the whole mesh: once `functrain.parallel`
+    is imported (it is wherever functrain shards a state) the local squared norms are summed over
+    the mesh dims that shard each leaf, a few bucketed all-reduces in all
+    (`functrain.parallel.spmd.global_norm`); before, DTensor's own dispatch of the same ops gives
+    the same norm.
 
     Args:
       tree: a pytree of floating-point tensors.
@@ -456,12 +458,14 @@ def global_norm(tree: PyTree, *, fused: bool = False) -> torch.Tensor:
     xs = leaves(tree)
     if not xs:
         return torch.zeros((), dtype=torch.float32)
-    if not _NORMS and type(xs[0]).__module__.startswith("torch.distributed.tensor"):
-        importlib.import_module("functrain.parallel")  # DTensors made without it: it registers their norm
     for leaf_type, norm_of in _NORMS:  # e.g. DTensors: functrain.parallel registers the mesh-wide norm
         if isinstance(xs[0], leaf_type):
             return norm_of(xs, fused=fused)
-    return torch.stack(squared_norms(xs, fused=fused)).sum().sqrt().to(torch.float32)
+    norm = torch.stack(squared_norms(xs, fused=fused)).sum().sqrt().to(torch.float32)
+    dtensor = sys.modules.get("torch.distributed.tensor")  # (none can exist unless it was imported)
+    if dtensor is not None and isinstance(norm, dtensor.DTensor):  # DTensor's own dispatch: replicated
+        norm = norm.full_tensor()
+    return norm
 
 
 _NORMS: list = []  # (leaf type, fn(leaves, fused=) -> norm), see register_global_norm

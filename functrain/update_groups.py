@@ -1,5 +1,4 @@
-"""The optimizer update group by group: one compiled graph reused by every block (compile="blocks"),
-or one compiled region of the step graph (compile="regions").
+"""The optimizer update group by group: one compiled graph reused by every block (compile="blocks").
 
 Why. With `compile="blocks"` the forward and backward graphs no longer grow with depth, but the
 update did: one graph over every parameter, one fused loop per tensor, its inductor scheduling
@@ -22,16 +21,7 @@ blocks' and the rest's), whatever the depth. The step's finish runs in four phas
   4. `finish`  the shared optimizer state (every group computed the same), the step counter and the
                skip guard written back, the update norm.                                eager
 
-Under compile="regions" the whole finish is traced into the one step graph: a group's squared norm
-(phase 1) and its update (phase 3) are nested compile regions, and the donation runs after the
-update region returns (a region cannot write into its inputs).
-
-Phases 1, 2 and 4 are a few fused kernels and 0-d arithmetic: compiled, each cost a graph's cold
-compile and made nothing faster. Measured (same machine, `OMP_NUM_THREADS=1 python
-bench/compile_depth.py --layers 2,6,12 --compile blocks --json`): 82.0 / 82.4 / 80.0 s at 2 / 6 /
-12 layers (ratio 0.98) with these phases compiled; with them eager, the 2-layer step's graphs: the
-blocks' update 29.6 s (Dynamo 7.8 s of it), the rest's 9.8 s, embedding 6.3, block 6.6, head 3.6,
-prepare 2.9 (`torch._dynamo.utils.compilation_time_metrics`).
+Measured results: docs/results.md.
 
 What it needs. The optimizer must be leafwise (`optim.is_leafwise`: each leaf's update depends on
 its own grad, param and state plus shared state; `clip_by_global_norm` gets the global norm from
@@ -54,11 +44,11 @@ import torch
 
 from functrain import metric_names as M
 from functrain import optim
-from functrain import regions
 from functrain import tree as tree_lib
 from functrain.optim import base as optim_base
 from functrain.parallel import Layout
 from functrain.state import TrainState
+from functrain.update import guard_after, to_master, update_ok
 
 __all__ = ["Group", "plan", "make_finish"]
 
@@ -200,11 +190,8 @@ class _NodesSpec(NamedTuple):
 class _Split:
     """The optimizer state cut into per-group parts: param-name dicts split, the rest shared."""
 
-    # (Specs are made from the tree at hand, never kept: a step traced into one graph, "regions",
-    # runs these under Dynamo, which can read a spec made inside the trace but not one from outside.
-    # The walks are plain Python in optree's order, as `functrain.tree`'s: Dynamo runs optree's
-    # flatten as a polyfill that costs it ~10x more per node, and the regions step walks the state
-    # per block.)
+    # (Specs are made from the tree at hand, never kept. The walks are plain Python in optree's
+    # order, as `functrain.tree`'s.)
     def __init__(self, opt_state: PyTree, names: Sequence[str]):
         full, quick = _param_dicts(names), _first_key_dicts(names)
         # the first key decides, when it decides alike for every dict of this state (checked here, eagerly)
@@ -248,8 +235,7 @@ class _Split:
 
 
 def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool,
-                prec, piece: Callable, to_master: Callable, update_ok: Callable, guard_after: Callable,
-                grads_piece: Callable = lambda f: f, in_regions: bool = False) -> Callable:
+                prec, piece: Callable) -> Callable:
     """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
 
     Args:
@@ -259,15 +245,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       donate: write the new state into the input state's buffers.
       guarded: skip a non-finite update (keep params and optimizer state).
       prec: the `functrain.precision.Precision` (its loss-scaling rule).
-      piece: wraps the update phase (`torch.compile` for compile="blocks", a nested compile region
-        for compile="regions"); the others run eagerly (or traced into the caller's graph).
-      grads_piece: wraps the grads phase's squared norm (a region for compile="regions").
-      in_regions: the pieces are nested compile regions of the caller's graph: the update gets
-        detached inputs (Dynamo reuses a region's trace only on intermediates) and its results are
-        donated after it returns (a region cannot write into its inputs) by `regions.write_into`,
-        one opaque copy per group.
-      to_master, update_ok, guard_after: the train step's grads-to-masters cast, its finite check
-        and its skip-guard rule (with the skip metrics), as `apply_gradients` uses them.
+      piece: wraps the update phase (`torch.compile` for compile="blocks"); the others run eagerly.
 
     Returns:
       The finish function; the same new state and metrics as the whole-tree update, to float32
@@ -275,7 +253,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
 
     Example:
       >>> finish = update_groups.make_finish(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
-      ...                                    piece=torch.compile, to_master=..., update_ok=..., guard_after=...)
+      ...                                    piece=torch.compile)
     """
     def squared_norm(grads: dict):
         """The squared norm of a group's grads (one fused foreach norm; mesh-wide for DTensors)."""
@@ -299,13 +277,11 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
             if guarded:
                 new_params = lay.select(ok, new_params, params)
                 new_opt = lay.select(ok, new_opt, opt_state)
-            if donate and not in_regions:
+            if donate:
                 new_params, new_opt = donate_phase(split, params, opt_state, new_params, new_opt)
             return new_params, new_opt, unorm * unorm
 
         return update_phase
-
-    write_into = regions.write_into if in_regions else lay.write_into  # (after a region: one opaque copy)
 
     def donate_phase(split: _Split, params: dict, opt_state: PyTree, new_params: dict, new_opt: PyTree):
         """New params and moments written into the old buffers by one copy call (shared leaves: every group's)."""
@@ -315,7 +291,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
             raise ValueError(f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
                              "nodes); a grouped update needs the structure kept: use compile=True")
         moments = [(o, n) for o, n, d in zip(old, new, split.dicts) if d]
-        write_into((params, [o for o, _ in moments]), (new_params, [n for _, n in moments]))
+        lay.write_into((params, [o for o, _ in moments]), (new_params, [n for _, n in moments]))
         return params, spec.unflatten([o if d else n for o, n, d in zip(old, new, split.dicts)])
 
     def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
@@ -332,7 +308,6 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
     # Only the update is compiled: the other phases are a few fused kernels (a foreach norm per group)
     # and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain nothing from one.
     made: dict = {}  # optimizer-state structure -> (its _Split, the compiled update per group kind)
-    prepared: list = []  # the last `prepare`'s (split, update fns)
 
     def prepare(state: TrainState):
         """The state split and the update per group kind for `state`'s optimizer-state structure."""
@@ -340,33 +315,23 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         if structure not in made:
             split = _Split(state.opt_state, list(state.params))
             made[structure] = (split, {g.kind: piece(update_phase_for(split)) for g in groups})
-        prepared[:] = [made[structure]]
         return made[structure]
-
-    squared_fns = {g.kind: grads_piece(squared_norm) for g in groups}  # (a region per kind, in "regions")
 
     def finish(state: TrainState, aux: dict, grads: dict):
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
         master, squares = [], []
         for g in groups:
             gg = to_master(_pick(grads, g), _pick(state.params, g), loss_scale)  # masters' dtypes, unscaled
-            sq = squared_fns[g.kind](gg)
+            sq = squared_norm(gg)
             master.append(gg)
             squares.append(sq)
         metrics, grad_norm, ok = norm_phase(aux, squares)
-        # (traced into a step graph, "regions": `prepare` made the split; Dynamo cannot hash a treespec)
-        split, update_fns = prepared[0] if torch.compiler.is_compiling() else prepare(state)
+        split, update_fns = prepare(state)
         nodes, spec = split.flatten(state.opt_state)
         params, parts, usq = {}, [], []
         for g, gg in zip(groups, master):
             old_p, old_o = _pick(state.params, g), split.part(nodes, spec, g)
-            if in_regions:  # (a region's trace is reused for a later call only on intermediates,
-                # not on the step's own inputs, which Dynamo guards by identity: detached views)
-                p, o, u = update_fns[g.kind](*_detached((old_p, gg, old_o, grad_norm, ok)))
-            else:
-                p, o, u = update_fns[g.kind](old_p, gg, old_o, grad_norm, ok)
-            if donate and in_regions:
-                p, o = donate_phase(split, old_p, old_o, p, o)
+            p, o, u = update_fns[g.kind](old_p, gg, old_o, grad_norm, ok)
             params.update({n: p[a] for n, a in zip(g.names, g.as_names)})
             parts.append(o)
             usq.append(u)
@@ -379,15 +344,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         metrics.update({k: v.clone() for k, v in optim.report(optimizer, opt_state).items()})
         return TrainState(params, opt_state, step, state.rng, guard), metrics
 
-    finish.groups = groups  # type: ignore[attr-defined]
-    finish.prepare = prepare  # type: ignore[attr-defined]  # (call it before a trace of `finish`)
     return finish
-
-
-def _detached(tree: PyTree) -> PyTree:
-    """Every tensor of `tree` as a detached view."""
-    xs, spec = tree_lib.flatten(tree)
-    return spec.unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in xs])
 
 
 def _pick(tree: dict, g: Group) -> dict:

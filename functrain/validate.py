@@ -233,7 +233,7 @@ LOOP_CHECKS: list[Check] = [
     ("eval_every", int_at_least(1)),
     ("eval_batches", int_at_least(1)),
     ("compile", boolean()),
-    ("compile_unit", one_of("step", "regions", "blocks")),
+    ("compile_unit", one_of("step", "blocks")),
     ("donate", boolean()),
     ("deterministic", boolean()),
     ("precision", one_of("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),

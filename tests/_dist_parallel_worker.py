@@ -460,9 +460,9 @@ def s_eval_and_keys(ctx):
 
 
 class _PassLog(logging.Handler):
-    """Sums what functrain.recompute and functrain.parallel.reshard log for each graph they rewrite."""
+    """Sums what functrain.recompute and functrain.compiler.regather log for each graph they rewrite."""
 
-    LOGGERS = ("functrain.recompute", "functrain.parallel.reshard")
+    LOGGERS = ("functrain.compiler.recompute", "functrain.compiler.regather")
 
     def __init__(self):
         super().__init__(logging.INFO)
@@ -504,7 +504,7 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     hist = []
     # The pass log counts what the post-grad passes did while inductor compiled; a compile-cache hit
-    # runs no pass (sharded steps hit since parallel.cache_key), so this step always compiles (kernels
+    # runs no pass (sharded steps hit since compiler.mesh_key), so this step always compiles (kernels
     # still come from inductor's code cache: force_disable_caches would compile those again too).
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         try:
@@ -604,7 +604,7 @@ SUITES = {
         ("compiled_stages_fsdp", {"dp_shard": 2},
          lambda ctx: s_compiled(ctx, SLOW_BACKEND, make_loss=staged_loss_for("full"))),
         # kept blocks under inductor: the post-grad passes (functrain.recompute's cheap activations
-        # recomputed after the forward, parallel.reshard's second gathers) rewrite this step's graph;
+        # recomputed after the forward, compiler.regather's second gathers) rewrite this step's graph;
         # the one inductor compile of a sharded step in CI
         ("compiled_kept_fsdp", {"dp_shard": 2},
          lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("none"))),

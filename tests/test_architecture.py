@@ -1,11 +1,14 @@
 """The layout's rules, checked on the source: the trainer knows no model, only parallel/ knows
-DTensor, no import cycles; and the contracts that replaced strings and attributes (the loss's
-result, the optimizer's report, hooks with an `every`)."""
+DTensor, only compiler/ touches torch's compiler internals, no import circle (function-local and
+importlib imports counted), no patch of torch and no attribute hung on a function; and the contracts
+that replaced strings and attributes (the loss's result and type, the optimizer's report, hooks with
+an `every`)."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import json
 import subprocess
 import sys
@@ -20,7 +23,8 @@ PKG = Path(__file__).resolve().parent.parent / "functrain"
 
 
 def _imports(path: Path) -> set[str]:
-    """Every module a source file imports (absolute names; relative imports resolved)."""
+    """Every module a source file imports, at any depth (absolute names; relative imports resolved;
+    `importlib.import_module` of a constant string included)."""
     tree = ast.parse(path.read_text())
     pkg = ".".join(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
     out = set()
@@ -34,6 +38,9 @@ def _imports(path: Path) -> set[str]:
                 base = ".".join(parts + ([base] if base else []))
             out.add(base)
             out.update(f"{base}.{a.name}" for a in node.names)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            out.add(node.args[0].value)
     return out
 
 
@@ -52,9 +59,10 @@ def test_only_main_imports_a_model_family_outside_models():
 
 def test_only_parallel_and_storage_know_dtensor():
     """DTensor logic lives in parallel/; the storage formats (checkpoints, safetensors) read and
-    write shards as they are laid out."""
+    write shards as they are laid out; the compile cache's key for a DeviceMesh is the compiler's."""
     offenders = [name for name, path in _modules()
                  if not name.startswith(("functrain.parallel", "functrain.checkpoint", "functrain.interop"))
+                 and name != "functrain.compiler.mesh_key"
                  and any(i.startswith("torch.distributed") for i in _imports(path))]
     assert offenders == []
     code = ast.parse((PKG / "step.py").read_text())
@@ -62,6 +70,67 @@ def test_only_parallel_and_storage_know_dtensor():
         n.attr for n in ast.walk(code) if isinstance(n, ast.Attribute)}
     assert not names & {"DTensor", "Spmd", "spmd", "_is_dtensor", "is_dtensor"}  # one body, via the Layout
     assert not any(i.startswith("functrain.parallel") for i in _imports(PKG / "tree.py"))
+
+
+_PRIVATE_COMPILER = re.compile(r"torch\._(dynamo|inductor|functorch|higher_order_ops)\b")
+
+
+def test_only_the_compiler_package_touches_torch_compiler_internals():
+    """No import, attribute or name of torch._dynamo / _inductor / _functorch / _higher_order_ops in
+    code (docstrings included) outside functrain/compiler/."""
+    offenders = []
+    for name, path in _modules():
+        if name.startswith("functrain.compiler"):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if _PRIVATE_COMPILER.search(line.split("#", 1)[0]):
+                offenders.append(f"{name}:{i}")
+    assert offenders == []
+
+
+def test_no_torch_patch_and_no_attribute_hung_on_a_function():
+    """Nothing assigns into torch's modules (a process-wide change), and no `type: ignore[attr-defined]`
+    marks an attribute set on a function or a foreign object."""
+    patch = re.compile(r"^\s*torch(\.\w+)+\s*=[^=]|setattr\(\s*torch\b|c10d\.\w+\s*=[^=]")
+    offenders = [f"{name}:{i}" for name, path in _modules()
+                 for i, line in enumerate(path.read_text().splitlines(), 1)
+                 if (patch.search(line) and ".config." not in line)  # (compiler settings are settings)
+                 or "type: ignore[attr-defined]" in line]
+    assert offenders == []
+
+
+def test_no_import_circle_counting_local_and_importlib_imports():
+    """The static import graph among functrain modules (imports at any depth, importlib included;
+    a module's own packages are not edges) has no circle."""
+    names = {name.removesuffix(".__init__"): path for name, path in _modules()}
+
+    def targets(name, path):
+        out = set()
+        for imported in _imports(path):
+            parts = imported.split(".")
+            for k in range(len(parts), 0, -1):
+                t = ".".join(parts[:k])
+                if t in names:
+                    if t != name and not name.startswith(t + "."):
+                        out.add(t)
+                    break
+        return out
+
+    edges = {n: targets(n, p) for n, p in names.items()}
+    state: dict = {}
+
+    def visit(n, trail):
+        state[n] = "open"
+        for t in sorted(edges[n]):
+            if state.get(t) == "open":
+                raise AssertionError("import circle: " + " -> ".join(trail[trail.index(t):] + [t]))
+            if t not in state:
+                visit(t, trail + [t])
+        state[n] = "done"
+
+    for n in sorted(names):
+        if n not in state:
+            visit(n, [n])
 
 
 def test_no_import_cycles():
@@ -74,6 +143,27 @@ def test_no_import_cycles():
     out = subprocess.run([sys.executable, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_step_tells_a_staged_loss_by_its_type():
+    """A plain function with the staged loss's method names is an ordinary loss: the step
+    differentiates it with torch.func (no attribute probing), and a StagedLoss uses its own route."""
+    from functrain import remat
+
+    def plain(p, b, k):
+        return (p["w"] ** 2).sum()
+
+    plain.value_and_grad = lambda *a, **k: (_ for _ in ()).throw(AssertionError("probed by attribute"))
+    loss, _, grads = step_lib.value_and_grad(plain, {"w": torch.ones(2)}, None, None)
+    assert torch.equal(grads["w"], 2 * torch.ones(2))
+    embed = remat.Stage(("w",), lambda p, batch, key: p["w"])
+    head = remat.Stage((), lambda p, h, batch, key: (h ** 2).sum())
+    staged = remat.staged_loss(embed, [], head, policy="none")
+    assert isinstance(staged, remat.StagedLoss)
+    loss2, _, grads2 = step_lib.value_and_grad(staged, {"w": torch.ones(2)}, None, None)
+    assert torch.equal(loss2, loss) and torch.equal(grads2["w"], grads["w"])
+    with pytest.raises(ValueError, match="compile='blocks'.*staged loss"):
+        make_train_step(plain, optim.sgd(0.1), compile="blocks")
 
 
 def test_a_loss_returns_a_scalar_or_loss_and_a_dict():
@@ -175,7 +265,8 @@ def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, m
     """The loop times its 2048^2 matmul (the MFU denominator) before it starts the ISA probe's
     background g++ runs: measured beside them on 2 cores, the peak came out low and a run printed an
     MFU of 107.7%. The run is stopped where the probe would start (nothing is compiled)."""
-    from functrain import compile_cache, loop, metrics, parallel
+    from functrain import loop, metrics, parallel
+    from functrain.compiler import cache as compile_cache
     from functrain.models.gpt import task as gpt_task
 
     class Stop(Exception):

@@ -1,4 +1,4 @@
-"""functrain.compile_cache: mode validation and directories, and a real warm start across processes.
+"""functrain.compiler.cache: mode validation and directories, and a real warm start across processes.
 
 The warm-start tests compile a tiny MLP train step (the real `make_train_step`: grad, clipped AdamW
 with a warm-up cosine schedule, metrics, one fullgraph graph) in fresh Python processes that share
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from functrain import compile_cache
+from functrain.compiler import cache as compile_cache
 
 ISA = torch.backends.cpu.get_cpu_capability().lower()  # the subdirectory every mode keys by
 
@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 _WORKER = r"""
 import json, os, sys
 import torch
-from functrain import compile_cache, init_state, make_train_step, optim, parallel
+from functrain import init_state, make_train_step, optim, parallel
+from functrain.compiler import cache as compile_cache
 
 cache = compile_cache.setup(sys.argv[1], sys.argv[2])
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -131,7 +132,7 @@ def test_copied_workdir_is_warm(cold_run, tmp_path):
 
 def test_sharded_step_is_warm_in_a_process_with_another_string_hash_seed(tmp_path):
     """A step over DTensors takes the DeviceMesh as a graph input, and torch 2.13 pickled the mesh's
-    per-process string hash into both cache keys: every process missed (functrain.parallel.cache_key).
+    per-process string hash into both cache keys: every process missed (functrain.compiler.mesh_key).
     Two processes with different PYTHONHASHSEEDs, params and AdamW state sharded on a 1-process mesh."""
     cache = str(tmp_path / "cache")
     first = _compile_in_subprocess(cache, tmp_path, extra_env={"WORKER_MESH": "1", "PYTHONHASHSEED": "1"})
@@ -182,7 +183,7 @@ def test_directories(env, tmp_path):
 def test_user_mode_is_the_per_user_directory_after_torch_wrote_its_default(tmp_path):
     """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default when the user left
     it unset; "user" is still $XDG_CACHE_HOME/functrain/inductor then, and a user's value still wins."""
-    code = ("import os, sys, torch._dynamo; from functrain import compile_cache; "
+    code = ("import os, sys, torch._dynamo; from functrain.compiler import cache as compile_cache; "
             "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR')); print(compile_cache.setup('user'))")
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.update(PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tmp_path / "xdg"))
@@ -197,7 +198,7 @@ def test_user_mode_is_the_per_user_directory_after_torch_wrote_its_default(tmp_p
 
 def test_directories_are_keyed_by_the_cpu_isa(tmp_path):
     """Kernels compiled for one vector ISA are never served under another (torch's key omits it)."""
-    code = ("import sys; from functrain import compile_cache; "
+    code = ("import sys; from functrain.compiler import cache as compile_cache; "
             "print(compile_cache.setup(sys.argv[1]))")
     dirs = {}
     for cap in ("avx2", "default"):
@@ -213,7 +214,7 @@ def test_isa_probe_runs_in_the_background_and_is_memoized(tmp_path):
     """`start_isa_probe` does inductor's vector-ISA probe in a thread, into the cache dir, once."""
     code = r"""
 import json, sys
-from functrain import compile_cache
+from functrain.compiler import cache as compile_cache
 cache = compile_cache.setup(sys.argv[1])
 from torch._inductor import cpu_vec_isa
 before = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize

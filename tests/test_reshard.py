@@ -1,4 +1,4 @@
-"""functrain.parallel.reshard: the post-grad pass that gathers a kept block's parameters again for its backward.
+"""functrain.compiler.regather: the post-grad pass that gathers a kept block's parameters again for its backward.
 
 The graphs are traced with make_fx in one process over torch's fake process group (collectives
 are recorded, not run). End to end (compiled on 2 gloo ranks, losses and params bit-identical with
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from functrain.parallel.reshard import RegatherPass, mark_forward_done, regather
+from functrain.compiler.regather import RegatherPass, mark_forward_done, regather
 
 GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 BARRIER = torch.ops.functrain.remat_barrier.default
@@ -101,24 +101,26 @@ def test_pass_is_cacheable_and_the_step_installs_it():
     """Inductor caches a graph only when every custom pass has a uuid; make_train_step adds the
     passes (recompute, regather, then the attention seeds') to the compiled step's options, after
     any pass of the caller's."""
-    from functrain.recompute import RecomputePass
-    from functrain.sdpa_seeds import SdpaSeedPass
-    from functrain.step import _step_passes
+    from functrain.compiler.recompute import RecomputePass
+    from functrain.compiler.sdpa_seeds import SdpaSeedPass
+    from functrain.compiler import InTurn, with_step_passes
 
     p = RegatherPass()
     assert p.uuid() and p.uuid() == RegatherPass().uuid()
     mine = object()
-    opts = _step_passes({"options": {"post_grad_custom_post_pass": mine, "max_autotune": False}})
-    passes = opts["options"]["post_grad_custom_post_pass"]
+    opts = with_step_passes({"options": {"post_grad_custom_post_pass": mine, "max_autotune": False}})
+    one = opts["options"]["post_grad_custom_post_pass"]
+    assert isinstance(one, InTurn)  # (one pass: the form every supported torch takes)
+    passes = one.passes
     assert passes[0] is mine and isinstance(passes[1], RecomputePass) and isinstance(passes[2], RegatherPass)
     assert isinstance(passes[3], SdpaSeedPass) and len(passes) == 4
     assert SdpaSeedPass().uuid() and SdpaSeedPass().uuid() == passes[3].uuid()
     assert opts["options"]["max_autotune"] is False
-    assert "options" not in _step_passes({"backend": "aot_eager"})
+    assert "options" not in with_step_passes({"backend": "aot_eager"})
     both = {"mode": "max-autotune", "options": {"max_autotune": False}}
-    assert _step_passes(both) == both  # (torch.compile refuses a mode with options: its error, unchanged)
-    none = _step_passes({"mode": None, "options": {"max_autotune": False}})  # (mode=None is no mode)
-    assert "mode" not in none and isinstance(none["options"]["post_grad_custom_post_pass"][-1], SdpaSeedPass)
+    assert with_step_passes(both) == both  # (torch.compile refuses a mode with options: its error, unchanged)
+    none = with_step_passes({"mode": None, "options": {"max_autotune": False}})  # (mode=None is no mode)
+    assert "mode" not in none and isinstance(none["options"]["post_grad_custom_post_pass"].passes[-1], SdpaSeedPass)
 
 
 @pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead", "default"])
@@ -126,24 +128,24 @@ def test_a_mode_becomes_its_options_and_the_passes_run_under_it(mode):
     """torch.compile takes a mode or options: the step turns a mode into the inductor options it
     stands for (so the post-grad passes can be added), and torch.compile's inductor config is then
     the mode's, plus the passes."""
-    from functrain.sdpa_seeds import SdpaSeedPass
-    from functrain.step import _step_passes
+    from functrain.compiler.sdpa_seeds import SdpaSeedPass
+    from functrain.compiler import InTurn, with_step_passes
 
-    opts = _step_passes({"mode": mode, "fullgraph": True})
+    opts = with_step_passes({"mode": mode, "fullgraph": True})
     assert "mode" not in opts and opts["fullgraph"] is True
-    passes = opts["options"].pop("post_grad_custom_post_pass")
+    passes = opts["options"].pop("post_grad_custom_post_pass").passes
     assert isinstance(passes[-1], SdpaSeedPass)
     wrapper = torch._TorchCompileInductorWrapper
     assert wrapper(None, opts["options"], None).config == wrapper(mode, None, None).config
 
 
 def test_in_turn_runs_the_passes_in_order_as_one_pass():
-    """Torch 2.11 (the lent GPU machines' CUDA build) takes one post-grad pass, not a list: `InTurn`
+    """Torch 2.11 (the GPU machines' CUDA build) takes one post-grad pass, not a list: `InTurn`
     is that one pass. Inductor runs it given alone; it runs each member in order, and its cache key is
     made of theirs (None when one member has none: then inductor does not cache the graph)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    from functrain.step import InTurn
+    from functrain.compiler import InTurn
 
     calls = []
 
@@ -247,7 +249,7 @@ def _trace_blocks(group, n: int):
 def test_at_most_two_blocks_are_gathered_at_once(fake_group, prefetch):
     """The model of the graph's buffers: without the pass every kept block is gathered at the mark;
     with it, two at most (the block computing and the one in flight), forward and backward."""
-    from functrain.parallel.reshard import gathered_in_flight
+    from functrain.compiler.regather import gathered_in_flight
 
     n, block = 4, 16 * 4  # (4, 4) float32 per block
     gm = _trace_blocks(fake_group, n)

@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from functrain.sdpa_seeds import SdpaSeedPass, unlink_unused_sdpa_seeds
+from functrain.compiler.sdpa_seeds import SdpaSeedPass, unlink_unused_sdpa_seeds
 
 FWD = torch.ops.aten._scaled_dot_product_efficient_attention.default
 BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default

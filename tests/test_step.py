@@ -149,7 +149,7 @@ def test_compiled_adamw_update_matches_eager_and_has_no_atomic_adds():
 
 def test_float64_hyperparameters_trace_once_and_come_back_as_the_callers_tensors():
     """The optimizer's float64 0-d hyper-parameters reach the compiled graph as (1,) views
-    (compiling._lift): one Dynamo trace, not two (torch 2.13 restarts the trace when it meets float64
+    (compiler.compile._lift): one Dynamo trace, not two (torch 2.13 restarts the trace when it meets float64
     scalar inputs), no recompile when one changes, and the state that comes back holds the
     caller's own 0-d tensors. aot_eager: the restart happens in AOTAutograd, no inductor needed."""
     from torch._dynamo.utils import compilation_time_metrics

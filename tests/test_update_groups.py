@@ -19,7 +19,7 @@ from functrain import precision as precision_lib
 from functrain.models.gpt import make_loss_fn
 from functrain.optim.transforms import ScaleByAdamState
 from functrain.parallel import LOCAL
-from functrain.step import _guard_after, _to_master, _update_ok, apply_gradients
+from functrain.update import apply_gradients, to_master
 
 import _tol
 
@@ -51,8 +51,7 @@ def _clone(tree):
 
 def _finish(opt, groups, *, donate=True, prec="fp32"):
     return update_groups.make_finish(opt, groups, LOCAL, donate=donate, guarded=True,
-                                     prec=precision_lib.get(prec), piece=lambda f: f,
-                                     to_master=_to_master, update_ok=_update_ok, guard_after=_guard_after)
+                                     prec=precision_lib.get(prec), piece=lambda f: f)
 
 
 def _exactly_equal(a, b, msg):
@@ -84,7 +83,7 @@ def test_grouped_update_is_bit_identical_to_the_whole_tree_update(tiny_gpt, prec
     if p.loss_scaling:  # grads as the backward leaves them: scaled (fp16-sized), in fp16
         grads = {k: (g * 1e-3 * state.guard.loss_scale).to(torch.float16) for k, g in grads.items()}
     aux = {"loss": torch.tensor(2.5)}
-    master = _to_master(grads, state.params, state.guard.loss_scale if p.loss_scaling else None)
+    master = to_master(grads, state.params, state.guard.loss_scale if p.loss_scaling else None)
     want, want_m = apply_gradients(_clone(state), master, opt, aux=aux, precision=p)
     assert float(want_m["skipped"]) == 0.0
     groups, _ = update_groups.plan(state.params, loss_fn.blocks, opt)
@@ -160,7 +159,7 @@ def _optree_nodes(state, names):
 
 @pytest.mark.parametrize("odd", [False, True])
 def test_split_walks_the_state_as_optree_does(odd):
-    # the plain-Python walk (what Dynamo traces per block under compile="regions") gives optree's
+    # the plain-Python walk gives optree's
     # nodes in optree's order and rebuilds the state; a dict whose first key is a parameter name but
     # not all its keys ("odd") makes the split fall back to the full predicate, as it must
     names = ["b.w", "a.w"]

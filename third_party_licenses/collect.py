@@ -11,7 +11,7 @@ the file; README.md lists name, version and license type.
 import importlib.metadata as md
 from pathlib import Path
 
-DEPENDENCIES = ["torch", "optree", "tensorstore", "absl-py", "ml-collections", "numpy", "safetensors", "tokenizers"]
+DEPENDENCIES = ["torch", "optree", "einops", "tensorstore", "absl-py", "ml-collections", "numpy", "safetensors", "tokenizers"]
 HERE = Path(__file__).resolve().parent
 
 

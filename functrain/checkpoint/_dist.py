@@ -26,8 +26,7 @@ def new_group():
         return None
     from functrain.parallel import gloo
 
-    with gloo.worker_threads(1):  # one collective at a time (see functrain.parallel.gloo)
-        return dist.new_group(backend="gloo")
+    return dist.new_group(backend=gloo.backend(1))  # one collective at a time (functrain.parallel.gloo)
 
 
 def exchange(group, status: str | None) -> list[str | None]:

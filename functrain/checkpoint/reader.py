@@ -30,6 +30,14 @@ _FIX_TEMPLATE = "restore onto a model with the same config or start a fresh work
 _FIX_CORRUPT = "the checkpoint is corrupt; restore an earlier step"
 
 
+class RestoreFuture(concurrent.futures.Future):
+    """A restore's future; `missing` names the leaves taken from the template (an older checkpoint)."""
+
+    def __init__(self, missing: list[str]):
+        super().__init__()
+        self.missing = missing
+
+
 @dataclasses.dataclass(frozen=True)
 class ArrayInfo:
     """Abstract metadata of one stored array.
@@ -319,7 +327,7 @@ def restore(
     allow_cast: bool = False,
     defaults: Any = None,
     strict: bool = False,
-) -> concurrent.futures.Future:
+) -> RestoreFuture:
     """Restores a checkpoint onto the structure, shapes, dtypes and meshes of ``template``.
 
     Validation (commit marker, ``_METADATA``, every template leaf present with matching shape and
@@ -398,10 +406,9 @@ def restore(
         None if store is None or t.box is None or t.box.empty else store[t.box.index()].read()
         for t, store in zip(targets, stores)
     ]
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_running_or_notify_cancel()
     names = [k.name for k in keys]
-    future.missing = [names[i] for i in sorted(filled)]  # type: ignore[attr-defined]
+    future = RestoreFuture([names[i] for i in sorted(filled)])
+    future.set_running_or_notify_cancel()
     args = (path, names, targets, reads, treespec, filled, future)
     # Not a daemon: the interpreter joins it before finalizing, so it never meets a finalizing
     # interpreter (a read left unwaited-for delays exit until it finishes; local reads do).

@@ -31,9 +31,6 @@ REMAT_CHECK = ("remat", (_is_remat, "'auto', 'none', 'full' or a positive int N 
 LM_CHECKS: list = [
     ("loss_chunk_size", v.int_at_least(0)),
     REMAT_CHECK,
-    v.relation(("compile_unit", "remat"), lambda unit, remat: unit != "regions" or remat in ("auto", "none"),
-               "compile_unit 'regions' keeps every block's activations: set remat to 'none' (or 'auto'), or "
-               "compile_unit to 'step' or 'blocks'"),
     ("sample.max_new_tokens", v.int_at_least(0)),
     ("sample.temperature", v.number_at_least(0.0)),
     ("sample.top_k", v.int_at_least(0)),

@@ -161,13 +161,12 @@ def wants_stages(config, ctx) -> bool:
       ctx: the parallel context.
 
     Returns:
-      True for sharded params (per-block gathers), `compile_unit="blocks"` (a graph per stage) or
-      `compile_unit="regions"` (the block a compiled region of the one step graph).
+      True for sharded params (per-block gathers) or `compile_unit="blocks"` (a graph per stage).
 
     Example:
       >>> loss_fn = make_loss_fn(model, remat=remat, staged=lm.wants_stages(config, ctx))
     """
-    return ctx.mesh is not None or config.get("compile_unit", "step") in ("blocks", "regions")
+    return ctx.mesh is not None or config.get("compile_unit", "step") == "blocks"
 
 
 def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tensor,

@@ -14,11 +14,11 @@ Example:
     >>> parallel.teardown()
 """
 
-from functrain.parallel import cache_key  # stable compile-cache keys for sharded steps
 from functrain.parallel import gloo  # gloo groups with one worker thread (a torch heap-corruption bug)
 from functrain.parallel import spmd  # registers the mesh-wide norm with functrain.tree
 from functrain.parallel.data import data_parallel_kwargs, split_batch
-from functrain.parallel.layout import LOCAL, Layout, Local, is_dtensor, layout_of
+from functrain.parallel.dispatch import layout_of
+from functrain.parallel.layout import LOCAL, Layout, Local, is_dtensor
 from functrain.parallel.mesh import (
     AXES,
     DP_AXES,
@@ -33,7 +33,6 @@ from functrain.parallel.mesh import (
     teardown,
     world_size,
 )
-from functrain.parallel.reshard import RegatherPass, gathered_in_flight, mark_forward_done
 from functrain.parallel.sharding import (
     FSDP_RULES,
     Rule,
@@ -48,8 +47,6 @@ from functrain.parallel.sharding import (
 )
 from functrain.parallel.tp import copy_to_tp, reduce_from_tp, tensor_parallel
 
-cache_key.register()
-
 __all__ = [
     "LOCAL",
     "Layout",
@@ -57,12 +54,8 @@ __all__ = [
     "is_dtensor",
     "layout_of",
     "dp_coordinates",
-    "cache_key",
     "gloo",
     "spmd",
-    "RegatherPass",
-    "gathered_in_flight",
-    "mark_forward_done",
     "AXES",
     "DP_AXES",
     "TP_AXIS",

@@ -5,98 +5,88 @@ the group's one gloo context. When two collectives of one group are in flight at
 all-gather started and not yet waited while the next one is issued: FSDP's prefetch, a bucketed
 gather beside DTensor redistributes, a compiled graph that waits late), the process's heap is
 sometimes corrupted: a later malloc in a gloo worker thread aborts with "malloc(): unaligned tcache
-chunk detected" or segfaults, in `AsyncAllgatherCoalescedWork::allgather_coalesced` (core dumps,
-gdb), or a rank is left waiting in a collective forever.
+chunk detected" or segfaults, or a rank is left waiting in a collective forever. `bench/gloo_threads.py`
+reproduces it with plain torch.distributed (docs/results.md has the numbers).
 
-Measured (2-core AMD EPYC, torch 2.13.0+cpu, 4 gloo ranks on a 2 x 2 mesh, OMP_NUM_THREADS=1):
-- `bench/gloo_threads.py` (plain torch.distributed: per iteration one all-gather started on the
-  dp group, four small all-gathers issued and waited on the same group meanwhile, then the first
-  waited): with torch's two threads per group 7 of 7 launches of that loop and its variants died
-  within 19-60 s (segfault, "malloc(): unaligned tcache chunk detected", "malloc_consolidate():
-  unaligned fastbin chunk detected"); with one thread 3 of 3 launches finished their 6000
-  iterations; with two threads but the first all-gather waited before the others (never two in
-  flight) 2 of 2 finished.
-- The eager per-block sharded step of the 4-rank tests (dp_shard 2 x tp 2, remat full, where
-  `Spmd.gather_start` starts a stage's bucketed all-gather and DTensor redistributes its
-  tp-sharded weights on the same group meanwhile), 300 steps per launch: 2 of 6 launches died
-  with two threads, 0 of 12 with one. In the test suite it was ~1 of 64 launches of the 4-rank
-  suite here and 2 of the last 5 CI runs (a rank dead or stuck in scenario stages_fsdp_tp).
-
-gloo's python constructor takes no thread count, and torch.distributed does not pass a gloo
-group's options on (only its timeout), so `worker_threads(n)` swaps the class torch.distributed builds
-gloo groups with, for the duration of the `with`, for a subclass that asks for n worker threads
-(`parallel.setup` creates the default group and the mesh's groups inside `worker_threads(1)`, the
-checkpoint writer its barrier group). A group's collectives then run one after the other in
-issue order, still asynchronously to the caller: a started all-gather still overlaps the compute
-that follows it; two collectives of one group no longer overlap each other (those of different
-groups still do: each group has its own context, device and threads). `threads_of(group)` reads a
-group's thread count back (tests check it is 1 on every group of a mesh); `is_gloo(group)` tells
-whether a group is gloo at all (`parallel.spmd` picks its gradient route by it).
+gloo's Python constructor takes no thread count and torch.distributed passes a gloo group none, so
+`backend(threads)` registers, through torch's public backend registry
+(`torch.distributed.Backend.register_backend`), a backend of functrain's own that builds gloo groups
+with `threads` worker threads, and returns its name: `parallel.setup` creates the default group
+with it on CPU, and the mesh's groups and the checkpoint writer's barrier group inherit or name it.
+A group's collectives then run one after the other in issue order, still asynchronously to the
+caller: a started all-gather still overlaps the compute that follows it; those of different groups
+still overlap each other. `threads_of(group)` reads a group's thread count back; `is_gloo(group)`
+tells whether a group runs CPU collectives on gloo at all (`parallel.spmd` picks its gradient route
+by it). Nothing of torch is replaced.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import functools
+import inspect
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["worker_threads", "threads_of", "is_gloo"]
+__all__ = ["backend", "is_gloo", "is_gloo_backend", "premise_problem", "threads_of", "threads_of_backend"]
 
-
-def _gloo_class(threads: int):
-    """A ProcessGroupGloo subclass built with `threads` worker threads (None without gloo)."""
-    base = getattr(dist, "ProcessGroupGloo", None)
-    if base is None:
-        return None
-
-    class Gloo(base):
-        """ProcessGroupGloo(store, rank, size, timeout) with a fixed number of worker threads."""
-
-        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
-            if isinstance(timeout, base._Options):  # the constructor's other form: (..., options)
-                opts = timeout
-            else:
-                opts = base._Options()
-                opts._timeout = timeout
-                opts._devices = [base.create_default_device()]
-            opts._threads = threads
-            super().__init__(store, rank, size, opts)
-
-    return Gloo
+_PREFIX = "functrain_gloo"
 
 
-@contextlib.contextmanager
-def worker_threads(threads: int = 1):
-    """Within it, the gloo process groups torch.distributed creates get `threads` worker threads.
+def _create(threads: int, opts, backend_options):
+    """The backend registry's creator: a ProcessGroupGloo with `threads` worker threads."""
+    gloo = dist.ProcessGroupGloo
+    options = gloo._Options()
+    timeout = getattr(backend_options, "_timeout", None)  # a mesh axis's own (backend_override)
+    options._timeout = timeout if isinstance(timeout, datetime.timedelta) else opts.timeout
+    options._devices = [gloo.create_default_device()]
+    options._threads = threads
+    group = gloo(opts.store, opts.group_rank, opts.group_size, options)
+    group.options.global_ranks_in_group = opts.global_ranks_in_group
+    group.options.group_name = opts.group_id
+    return group
 
-    With one thread a group runs its collectives one at a time, in issue order (still in the
-    background of the caller). Nothing else changes: nccl groups, groups created outside it.
+
+def backend(threads: int = 1) -> str:
+    """The name of a torch.distributed backend whose gloo groups get `threads` worker threads.
+
+    Registered with torch's backend registry on first use (CPU tensors). With one thread a group
+    runs its collectives one at a time, in issue order (still in the background of the caller).
 
     Args:
-      threads: worker threads per gloo group (torch's default is 2; see the module docstring).
+      threads: worker threads per gloo group (torch's own gloo backend uses 2; see the module docstring).
 
     Returns:
-      A context manager.
+      The backend name, for `dist.init_process_group(backend=...)` or `dist.new_group(backend=...)`.
 
     Example:
-      >>> with worker_threads(1):
-      ...     dist.init_process_group("gloo")
+      >>> dist.init_process_group(gloo.backend(1))
       >>> threads_of(dist.group.WORLD)
       1
     """
-    cls = _gloo_class(threads)
-    if cls is None or not hasattr(c10d, "ProcessGroupGloo"):
-        yield
-        return
-    real = c10d.ProcessGroupGloo
-    c10d.ProcessGroupGloo = cls
-    try:
-        yield
-    finally:
-        c10d.ProcessGroupGloo = real
+    if threads < 1:
+        raise ValueError(f"gloo worker threads must be >= 1, got {threads}")
+    name = f"{_PREFIX}{threads}"
+    if not hasattr(dist.Backend, name.upper()):  # (registered once per process)
+        dist.Backend.register_backend(name, functools.partial(_create, threads), extended_api=True, devices=["cpu"])
+    return name
+
+
+def is_gloo_backend(name: str) -> bool:
+    """Whether backend `name` is gloo: torch's own or one from `backend`.
+
+    Args:
+      name: a backend name (`dist.get_backend()`).
+
+    Returns:
+      True for "gloo" and functrain's gloo backends.
+
+    Example:
+      >>> is_gloo_backend(dist.get_backend())
+      True
+    """
+    return name == "gloo" or name.startswith(_PREFIX)
 
 
 def threads_of(group) -> int | None:
@@ -112,8 +102,12 @@ def threads_of(group) -> int | None:
       >>> threads_of(ctx.mesh.get_group(0))
       1
     """
-    opts = getattr(_cpu_backend(group), "options", None)
-    return getattr(opts, "_threads", None)
+    return threads_of_backend(_cpu_backend(group))
+
+
+def threads_of_backend(backend) -> int | None:
+    """The worker threads of a gloo backend object (None for anything else)."""
+    return getattr(getattr(backend, "options", None), "_threads", None)
 
 
 def is_gloo(group) -> bool:
@@ -139,3 +133,32 @@ def _cpu_backend(group):
         return group._get_backend(torch.device("cpu"))
     except (RuntimeError, ValueError, AttributeError):
         return None
+
+
+def premise_problem() -> str | None:
+    """What no longer holds of this module's premises on the installed torch (None: all hold).
+
+    torch's gloo groups default to two worker threads (the bug's condition), the backend registry
+    takes a creator with `extended_api` and `devices`, and a 1-rank group made through
+    `backend(1)`'s creator has one worker thread. A self-test of `functrain.compiler.workarounds`.
+
+    Returns:
+      None, or one line naming what changed.
+
+    Example:
+      >>> assert premise_problem() is None
+    """
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "this torch has no gloo"
+    threads = dist.ProcessGroupGloo._Options()._threads
+    if threads != 2:
+        return f"gloo's default is {threads} worker threads, not 2"
+    if not {"extended_api", "devices"} <= set(inspect.signature(dist.Backend.register_backend).parameters):
+        return "Backend.register_backend takes no extended_api/devices"
+    name = backend(1)
+    opts = dist.distributed_c10d._DistributedBackendOptions()
+    opts.store, opts.group_rank, opts.group_size = dist.HashStore(), 0, 1
+    opts.timeout, opts.group_id, opts.global_ranks_in_group = datetime.timedelta(seconds=30), "check", [0]
+    group = dist.Backend._plugins[name.upper()].creator_fn(opts, None)
+    got = threads_of_backend(group)
+    return None if got == 1 else f"a group of backend {name} got {got} worker threads"

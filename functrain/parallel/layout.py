@@ -1,6 +1,6 @@
 """Where the parameters live, as one interface the train step calls the same way on 1 or N processes.
 
-`layout_of(params)` returns the params' `Layout`:
+`functrain.parallel.dispatch.layout_of(params)` returns the params' `Layout`:
 
   * `Local()` for plain tensors: every collective is the identity, selects and donations are
     plain `torch.where` / `_foreach_copy_`;
@@ -26,7 +26,7 @@ import torch
 from functrain import foreach
 from functrain import tree as tree_lib
 
-__all__ = ["Layout", "Local", "LOCAL", "is_dtensor", "layout_of"]
+__all__ = ["Layout", "Local", "LOCAL", "is_dtensor"]
 
 PyTree = Any
 
@@ -111,36 +111,3 @@ class Local(Layout):
 
 
 LOCAL = Local()
-# One Spmd per mesh object (its Python-level bookkeeping is reused by every trace), keyed by
-# identity: DeviceMesh compares equal by shape and axis names, so two meshes built one after the
-# other (each with its own process groups) would share one Spmd and the second mesh's params
-# would run their collectives on the first mesh's groups.
-_SPMD: dict = {}
-
-
-def layout_of(params: PyTree) -> Layout:
-    """The `Layout` of a params tree: `LOCAL` for plain tensors, the mesh's `Spmd` for DTensors.
-
-    Args:
-      params: the params pytree (all plain tensors, or all DTensors on one mesh).
-
-    Returns:
-      A `Layout`.
-
-    Raises:
-      ValueError: a mix of DTensors and plain tensors, or DTensors on different meshes.
-
-    Example:
-      >>> layout_of(state.params).dp_world
-      1
-    """
-    first = next(iter(tree_lib.leaves(params)), None)
-    if not is_dtensor(first):
-        return LOCAL
-    from functrain.parallel import spmd  # DTensor-only machinery
-
-    mesh = spmd.mesh_of(params)  # validates: every leaf a DTensor on one mesh
-    lay = _SPMD.get(id(mesh))
-    if lay is None:  # (the Spmd holds its mesh, so the id is never reused while the entry lives)
-        lay = _SPMD[id(mesh)] = spmd.Spmd(mesh)
-    return lay

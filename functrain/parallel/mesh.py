@@ -114,26 +114,33 @@ def _device() -> torch.device:
 def _init_process_group(backend: str | None, timeout_s: float | None, single: bool, gloo_threads: int) -> None:
     """Creates the default group from torchrun's env vars, or a 1-rank group on a free port."""
     global _OWNED_GROUP
-    kwargs: dict[str, Any] = {"backend": backend or ("nccl" if torch.cuda.is_available() else "gloo")}
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    # gloo groups with `gloo_threads` worker threads: torch's 2 corrupt the heap (functrain.parallel.gloo)
+    kwargs: dict[str, Any] = {"backend": gloo.backend(gloo_threads) if backend == "gloo" else backend}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if single:
         kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    with gloo.worker_threads(gloo_threads):  # torch's 2 corrupt the heap (functrain.parallel.gloo)
-        dist.init_process_group(**kwargs)
+    dist.init_process_group(**kwargs)
     _OWNED_GROUP = True
 
 
-def _timeout_override(timeout_s: float | None, sizes: dict, world: int):
-    """init_device_mesh's backend_override giving the mesh's subgroups `timeout_s` (None: torch's)."""
-    backend = dist.get_backend()
-    # a world-wide axis reuses the default group (made with timeout_s); a one-rank group never waits
+def _backend_override(timeout_s: float | None, sizes: dict, world: int, gloo_threads: int):
+    """init_device_mesh's backend_override: on gloo the mesh's subgroups get `gloo_threads` worker
+    threads whatever made the default group, and `timeout_s` (None: torch's), which subgroups do not
+    inherit from the default group."""
+    default = dist.get_backend()
+    on_gloo = gloo.is_gloo_backend(default)
+    # a world-wide axis reuses the default group; a one-rank group never communicates
     axes = [a for a in AXES if 1 < sizes[a] < world]
-    if timeout_s is None or not axes or backend not in ("gloo", "nccl"):
+    if not axes or not (on_gloo or (default == "nccl" and timeout_s is not None)):
         return None
-    opts = dist.ProcessGroupGloo._Options() if backend == "gloo" else dist.ProcessGroupNCCL.Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)  # a mesh's subgroups do not inherit the world's
-    return {axis: (backend, opts) for axis in axes}
+    name = gloo.backend(gloo_threads) if on_gloo else default
+    opts = None
+    if timeout_s is not None:
+        opts = dist.ProcessGroupGloo._Options() if on_gloo else dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+    return {axis: (name, opts) for axis in axes}
 
 
 def setup(
@@ -182,9 +189,8 @@ def setup(
             _init_process_group(backend, timeout_s, single=True, gloo_threads=gloo_threads)
         from torch.distributed.device_mesh import init_device_mesh
 
-        with gloo.worker_threads(gloo_threads):
-            mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
-                                    backend_override=_timeout_override(timeout_s, shape, world))
+        mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
+                                backend_override=_backend_override(timeout_s, shape, world, gloo_threads))
     r = dist.get_rank() if dist.is_initialized() else 0
     dp_rank, dp_world = dp_coordinates(mesh) if mesh is not None else (0, 1)
     return ParallelContext(

@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 from functrain import ops, rng
 from functrain.models.lm import LMStages, init_blocks, cross_entropy, generate, repeated_stages, submodule_stage
@@ -139,12 +140,12 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, C) -> (B, T, C); dropout on the output projection when a key is given."""
         # The head count comes from the tensor, so a TP-local slice of heads runs unchanged.
-        q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
-        k = self.k(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
-        v = self.v(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # (B, H, T, D)
+        q = rearrange(self.q(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
+        k = rearrange(self.k(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
+        v = rearrange(self.v(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
         # SDPA's own dropout uses the global RNG: keep it off and drop on the projection instead.
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)  # (B, H, T, D)
-        y = y.transpose(1, 2).flatten(2)  # (B, T, H, D) -> (B, T, C)
+        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, C)
         return rng.dropout(self.proj(y), self.dropout, dropout_key)
 
 

@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange, repeat
 
 from functrain import ops, rng
 from functrain.models.lm import LMStages, init_blocks, repeated_stages, submodule_stage
@@ -160,16 +161,16 @@ class Attention(nn.Module):
         """(B, T, C) -> (B, T, C)."""
         d = self.cfg.head_dim
         # Head counts come from the tensors, so a TP-local slice of heads runs unchanged.
-        q = self.q_proj(x).unflatten(-1, (-1, d)).transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
-        k = self.k_proj(x).unflatten(-1, (-1, d)).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).unflatten(-1, (-1, d)).transpose(1, 2)  # (B, Hkv, T, D)
+        q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", d=d)  # (B, H, T, D)
+        k = rearrange(self.k_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
+        v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
         cos, sin = rotary(d, self.cfg.rope_theta, x.shape[1], x.device)  # (T, D) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         group = q.shape[1] // k.shape[1]  # query heads per kv head; kv head j serves q heads j*group...
-        k = k.repeat_interleave(group, dim=1)  # (B, H, T, D)
-        v = v.repeat_interleave(group, dim=1)  # (B, H, T, D)
+        k = repeat(k, "b h t d -> b (h g) t d", g=group)  # (B, H, T, D)
+        v = repeat(v, "b h t d -> b (h g) t d", g=group)  # (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        y = y.transpose(1, 2).flatten(2)  # (B, T, H, D) -> (B, T, H*D)
+        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, H*D)
         return rng.dropout(self.o_proj(y), self.cfg.dropout, dropout_key)
 
 

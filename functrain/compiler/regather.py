@@ -26,17 +26,7 @@ The values are the same bits (an all-gather of the same shards), so losses and g
 bit-identical with and without the pass. Without it (eager, `compile="blocks"`, a step compiled by
 hand) the mark is a plain copy and kept blocks hold their gathered parameters until their backward.
 
-Measured (2-core AMD EPYC, torch 2.13 CPU, 2 gloo ranks, `OMP_NUM_THREADS=1 torchrun --standalone
---nproc_per_node=2 bench/sharded.py --n-layer 6 --n-embd 512 --n-head 8 --rounds 3 --steps 3 --json
---remat none`, 19.1M params, 12 MiB of gathered params per block):
-  live bytes (run with MALLOC_MMAP_THRESHOLD_=65536, so freed buffers leave the RSS at once):
-    train peak per rank 368.6 MiB without the pass, 303.9 MiB with it (without prefetch): 65 MiB
-    less, the gathered params of ~5.4 of the 6 blocks; eager FSDP2 (reshard after forward)
-    266-267 MiB in the same runs.
-  glibc's default malloc (what bench/sharded.py reports by default): peak_ratio 0.93 without,
-    0.94-0.95 with: the heap keeps freed blocks mapped, so the RSS high-water mark hardly moves.
-  speed_ratio (vs eager FSDP2) 1.19 without, 1.07 with the second gather issued where it is read,
-    1.10 with it issued one block early (`prefetch`, the default); the machine's noise is ~±10%.
+Measured results: docs/results.md.
 
 Example:
     >>> h = mark_forward_done(h)            # in a staged loss, after the last block
@@ -50,34 +40,11 @@ import logging
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from functrain import remat  # noqa: F401 - registers functrain::remat_barrier, which `regather` inserts
+from functrain.compiler.marks import mark_forward_done, remat_barrier  # noqa: F401 - the ops `regather` reads and inserts
 
 __all__ = ["RegatherPass", "gathered_in_flight", "mark_forward_done", "regather"]
 
 _log = logging.getLogger(__name__)  # INFO: each compiled graph's gathered-params model (bench/sharded.py)
-
-
-@torch.library.custom_op("functrain::forward_done", mutates_args=())
-def mark_forward_done(h: torch.Tensor) -> torch.Tensor:
-    """A copy of `h` that marks, in a traced step, the end of the blocks' forward.
-
-    Args:
-      h: the last block's output (the head's input).
-
-    Returns:
-      `h.clone()`; `RegatherPass` regathers, for their readers after this point, the parameters
-      gathered before it.
-
-    Example:
-      >>> h = mark_forward_done(h)
-    """
-    return h.clone()
-
-
-@mark_forward_done.register_fake
-def _forward_done_fake(h):
-    """Shape/dtype propagation for tracing."""
-    return torch.empty_like(h)
 
 
 def _ops(*names: str) -> frozenset:
@@ -95,7 +62,7 @@ REARRANGE = _ops("view.default", "reshape.default", "_unsafe_view.default", "sli
                  "permute.default", "t.default", "transpose.int", "expand.default", "select.int",
                  "squeeze.dim", "unsqueeze.default", "alias.default", "as_strided.default")
 """The aten ops that take one tensor and rearrange its values, with no arithmetic: what turns a
-gathered flat buffer into parameters (and what `functrain.recompute` may copy freely)."""
+gathered flat buffer into parameters (and what `functrain.compiler.recompute` may copy freely)."""
 # what builds an all-gather's input from the local shards (the parameters): recomputed, not held
 _FLATTEN = REARRANGE | _ops("cat.default", "constant_pad_nd.default", "_to_copy.default",
                             "convert_element_type.default", "new_zeros.default", "zeros.default",

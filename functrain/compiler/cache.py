@@ -47,7 +47,7 @@ time to first step of the default run cold 51.4 / 51.3 s -> 40.4 / 42.6 s, warm 
 8.1 / 8.4 s.
 
 Example:
-    >>> from functrain import compile_cache
+    >>> from functrain.compiler import cache as compile_cache
     >>> cache_dir = compile_cache.setup(config.compile_cache, workdir)  # before torch.compile
     >>> compile_cache.start_isa_probe()  # CPU kernels ahead: probe the vector ISA while Dynamo traces
     >>> before = compile_cache.stats()

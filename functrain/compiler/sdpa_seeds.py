@@ -11,13 +11,7 @@ Triton kernel that writes it is then handed a CPU pointer and the step dies at i
 "CUDA driver error: invalid argument" (or "Pointer argument ... cannot be accessed from Triton (cpu
 tensor?)").
 
-Measured on an NVIDIA H200 with torch 2.11.0+cu130, the only CUDA build on the lent machines (stop
-38): `python -m functrain.main --config=configs/gpt.py --config.donate=False` (fp32) failed at its
-first step; its generated code had `buf781 = buf11; del buf11  # reuse`, buf11 being output 3 (the
-offset) of the forward attention and buf781 the AdamW count `where(ok, count + 1, count)`. The same
-run with this pass: see the README's GPU paragraph. Torch 2.13 plans these outputs the same way
-(fake propagation gives them cuda:0: `tests/test_sdpa_seeds.py` checks it), so whether a graph hits
-the reuse depends only on the order of its buffers; no 2.13 CUDA build could be run here.
+Measured results: docs/results.md.
 
 What the pass does. Without dropout (`dropout_p == 0`) the backward never reads the seed and offset
 (eager hands it the forward's CPU tensors as they are). Each such backward gets fresh `empty` 0-d

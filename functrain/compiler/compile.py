@@ -19,14 +19,52 @@ from typing import Any
 import optree
 import torch
 
+from functrain.compiler import mesh_key
+
+__all__ = ["graph", "maybe_compile", "scan"]
+
+
+def scan(body, init, xs):
+    """torch's `scan` higher-order op: `(carry, ys) = scan(body, init, xs)` over xs' leading dim.
+
+    Args:
+      body: `(carry, x) -> (new carry, y)`.
+      init: the initial carry (a pytree of tensors).
+      xs: a pytree of tensors scanned along dim 0.
+
+    Returns:
+      `(final carry, stacked ys)`.
+
+    Example:
+      >>> (total, _), _ = scan(lambda c, x: ((c[0] + x, None), x), (torch.zeros(()), None), xs)
+    """
+    from torch._higher_order_ops.scan import scan as torch_scan
+
+    return torch_scan(body, init, xs)
+
+
+def graph(fn, options: dict | None = None):
+    """`torch.compile(fn, fullgraph=True, dynamic=False, **options)`: one graph, no dynamic shapes.
+
+    Args:
+      fn: the function to compile (a stage of a staged loss, say).
+      options: extra keyword arguments for `torch.compile`.
+
+    Returns:
+      The compiled function.
+
+    Example:
+      >>> block = compiler.graph(block_fn)
+    """
+    mesh_key.register()  # (a sharded step's cache keys must not hold a per-process hash)
+    return torch.compile(fn, **{"fullgraph": True, "dynamic": False, **(options or {})})
+
 
 def maybe_compile(fn, compile: bool, options: dict | None):
     """`torch.compile(fn, fullgraph=True, dynamic=False, **options)` when asked, with the 0-d float64
     CPU tensors of its arguments passed in as (1,) views (see `_lift`)."""
     if not compile:
         return fn
-    kwargs = {"fullgraph": True, "dynamic": False}
-    kwargs.update(options or {})
 
     def lowered(lifted: dict, *args):
         if not lifted:
@@ -43,7 +81,7 @@ def maybe_compile(fn, compile: bool, options: dict | None):
     # a code object of its own per `fn`: Dynamo caches (and counts recompiles) per code object
     code = lowered.__code__.replace(co_name=getattr(fn, "__name__", "step"))
     lowered = types.FunctionType(code, lowered.__globals__, code.co_name, None, lowered.__closure__)
-    compiled = torch.compile(lowered, **kwargs)
+    compiled = graph(lowered, options)
 
     @functools.wraps(fn)
     def call(*args):

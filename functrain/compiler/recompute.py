@@ -12,8 +12,8 @@ the transposed copy are computed again in the backward (read from the post-grad 
 GPT step).
 
 `RecomputePass` (an inductor post-grad pass that `functrain.step` installs next to
-`parallel.reshard.RegatherPass`) does the partitioner's part on the graph. The staged loss marks the
-end of the blocks' forward (`parallel.reshard.mark_forward_done`). Every value computed before the
+`compiler.regather.RegatherPass`) does the partitioner's part on the graph. The staged loss marks the
+end of the blocks' forward (`compiler.marks.mark_forward_done`). Every value computed before the
 mark and read after it that is
   - pointwise or a rearrangement (views, permutes, clones; not random), and
   - computable again from values held across the mark anyway (the step's inputs, other values read
@@ -28,12 +28,7 @@ forward's, so they may differ from the held ones in the last bit (the compiler m
 multiply-add into an FMA in one kernel and not in the other); losses and gradients agree within
 float32 rounding.
 
-Measured (2-core AMD EPYC, torch 2.13 CPU, 2 gloo ranks, `OMP_NUM_THREADS=1 torchrun --standalone
---nproc_per_node=2 bench/sharded.py --n-layer 6 --n-embd 512 --n-head 8 --rounds 3 --steps 3 --json
---remat none`, 19.1M params, 512 tokens per rank): per-rank live tensor peak (params, optimizer
-state and the step's peak) 322.8 -> 272.7 MiB (eager FSDP2: 246-248 MiB in the same runs); RSS
-peak_ratio vs FSDP2 0.95 -> 0.81; speed_ratio 1.16 -> 1.11 (within the machine's ~±10% noise);
-the losses printed are the same (5.6522 / 5.5742).
+Measured results: docs/results.md.
 
 Example:
     >>> torch.compile(step, options={"post_grad_custom_post_pass": RecomputePass()})
@@ -46,7 +41,8 @@ import logging
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from functrain.parallel import reshard  # registers functrain::forward_done (the mark)
+from functrain.compiler import marks  # noqa: F401 - registers functrain::forward_done (the mark)
+from functrain.compiler.regather import REARRANGE, forward_end
 
 __all__ = ["RecomputePass", "recompute_cheap"]
 
@@ -88,7 +84,7 @@ def recompute_cheap(graph: torch.fx.Graph) -> int:
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    end = reshard.forward_end(nodes)
+    end = forward_end(nodes)
     if end is None:
         return 0
     mark = pos[end]
@@ -146,4 +142,4 @@ def _cheap(n) -> bool:
     tags = n.target.tags
     if torch.Tag.nondeterministic_seeded in tags or not isinstance(n.meta.get("val"), torch.Tensor):
         return False
-    return torch.Tag.pointwise in tags or n.target in reshard.REARRANGE
+    return torch.Tag.pointwise in tags or n.target in REARRANGE

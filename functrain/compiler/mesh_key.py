@@ -52,3 +52,12 @@ def register() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     copyreg.pickle(DeviceMesh, _reduce_mesh)
+
+
+def hash_is_pickled() -> bool:
+    """Whether `DeviceMesh.__getstate__` keeps `_hash` (the premise of `register`; a workaround self-test)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.__new__(DeviceMesh)
+    mesh.__dict__.update(_hash=12345, device_type="cpu")
+    return "_hash" in DeviceMesh.__getstate__(mesh)

@@ -1,0 +1,72 @@
+"""functrain's inductor post-grad passes, installed on the one-graph step.
+
+In order: cheap held activations recomputed after the forward (`compiler.recompute`), a sharded
+staged loss's kept blocks gathered again for their backward (`compiler.regather`), both no-ops on a
+graph without `mark_forward_done`; last, dropout-free efficient attention's seed and offset kept out
+of inductor's buffer reuse (`compiler.sdpa_seeds`). They travel as ONE pass (`InTurn`), the form
+every supported torch takes (2.13 and 2.14 also take a list; 2.11 calls the option as one pass).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor import list_mode_options
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from functrain.compiler.recompute import RecomputePass
+from functrain.compiler.regather import RegatherPass
+from functrain.compiler.sdpa_seeds import SdpaSeedPass
+
+__all__ = ["InTurn", "with_step_passes"]
+
+
+class InTurn(CustomGraphPass):
+    """One inductor graph pass that runs `passes` in order; its cache key is made of theirs.
+
+    Example:
+      >>> torch.compile(fn, options={"post_grad_custom_post_pass": InTurn([RecomputePass(), RegatherPass()])})
+    """
+
+    def __init__(self, passes: list):
+        self.passes = list(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        keys = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes)
+        return None if None in keys else keys  # (None: a member cannot be cached, so neither can this)
+
+
+def with_step_passes(options: dict | None) -> dict:
+    """`torch.compile` keyword arguments with functrain's post-grad passes after the caller's own.
+
+    torch.compile takes a mode or inductor options, not both: a `mode` becomes the inductor options
+    it stands for (`list_mode_options`, what torch.compile applies for it), so the passes run under
+    a mode too. Another backend, or a mode given with options (torch.compile's own error), is
+    passed on unchanged.
+
+    Args:
+      options: the caller's `torch.compile` keyword arguments (or None).
+
+    Returns:
+      The keyword arguments to compile the step with.
+
+    Example:
+      >>> torch.compile(step, fullgraph=True, **with_step_passes({"mode": "max-autotune"}))
+    """
+    options = dict(options or {})
+    if options.get("backend", "inductor") != "inductor" or (
+            options.get("mode") is not None and options.get("options") is not None):
+        return options
+    mode = options.pop("mode", None)
+    if mode is not None:  # ("default" stands for no options)
+        inductor = dict(list_mode_options(mode, options.get("dynamic")))
+    else:
+        inductor = dict(options.get("options") or {})
+    mine = inductor.get("post_grad_custom_post_pass")
+    mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
+    inductor["post_grad_custom_post_pass"] = InTurn([*mine, RecomputePass(), RegatherPass(), SdpaSeedPass()])
+    options["options"] = inductor
+    return options

@@ -1,0 +1,160 @@
+"""Every torch workaround in functrain, each with a self-test of the premise it rests on.
+
+A workaround is code that exists only because torch behaves a certain way. Each entry names what it
+mends, the torch issue (or the reproducer in this repository), the releases it was measured on, where
+it lives, and `check()`: a small experiment on the installed torch that raises `PremiseChanged`,
+naming the workaround, when the behaviour it mends is gone (drop the workaround) or the hook it uses
+has moved (fix it). `tests/test_workarounds.py` runs every check on each tested release; the table
+in docs/compiler.md is this list.
+
+Example:
+    >>> from functrain.compiler import workarounds
+    >>> for w in workarounds.WORKAROUNDS:
+    ...     w.check()
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+__all__ = ["PremiseChanged", "Workaround", "WORKAROUNDS", "by_name"]
+
+
+class PremiseChanged(AssertionError):
+    """A workaround's premise no longer holds on the installed torch."""
+
+
+class Workaround(NamedTuple):
+    """One entry of the table.
+
+    Attributes:
+      name: a short identifier (the table's first column).
+      mends: what goes wrong without it.
+      issue: the torch issue, or this repository's reproducer.
+      releases: the torch releases it was measured on.
+      where: the module that holds it.
+      check: `() -> None`; raises `PremiseChanged` when the premise no longer holds.
+    """
+
+    name: str
+    mends: str
+    issue: str
+    releases: str
+    where: str
+    check: Callable[[], None]
+
+
+def _fail(name: str, what: str) -> None:
+    """Raises PremiseChanged for workaround `name`."""
+    raise PremiseChanged(f"torch workaround {name!r} (functrain/compiler/workarounds.py): {what} on torch "
+                         f"{torch.__version__}; revisit it")
+
+
+def _check_float64_lift() -> None:
+    """A 0-d float64 CPU input still makes Dynamo restart its analysis (two traces for one graph)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    torch._dynamo.reset()
+    compilation_time_metrics.clear()
+    fn = torch.compile(lambda x, s: x * s + 1, fullgraph=True, dynamic=False, backend="aot_eager")
+    fn(torch.randn(4), torch.tensor(0.5, dtype=torch.float64))
+    traces = len(compilation_time_metrics.get("bytecode_tracing", []))
+    torch._dynamo.reset()
+    if traces < 2:
+        _fail("float64_scalars_lifted", f"a 0-d float64 input traced {traces} time(s), no restart")
+
+
+def _check_lerp_list() -> None:
+    """Compiled `_foreach_lerp` with the weight as broadcast views equals eager lerp bit for bit."""
+    xs, ys = [torch.linspace(-1, 1, 37), torch.linspace(0, 3, 5)], [torch.linspace(2, -2, 37), torch.ones(5)]
+    w = torch.tensor(0.1)
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b, t: torch._foreach_lerp(a, b, [t.expand_as(x) for x in a]),
+                        fullgraph=True, dynamic=False)(xs, ys, w)
+    torch._dynamo.reset()
+    if not all(torch.equal(g, e) for g, e in zip(got, torch._foreach_lerp(xs, ys, 0.1))):
+        _fail("foreach_lerp_tensor_weight", "the List overload no longer equals eager lerp")
+
+
+def _check_sdpa_seeds() -> None:
+    """Fake propagation still puts efficient attention's CPU-made seed and offset on the query's device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1, 1, 8, 8, device="cuda")
+        out = torch.ops.aten._scaled_dot_product_efficient_attention.default(q, q, q, None, True)
+    if out[2].device.type != "cuda" or out[3].device.type != "cuda":
+        _fail("sdpa_efficient_seeds", f"the seed/offset are fake {out[2].device}/{out[3].device} tensors")
+
+
+def _check_mesh_hash() -> None:
+    """`DeviceMesh.__getstate__` still keeps `_hash` (a per-process salted string hash)."""
+    from functrain.compiler import mesh_key
+
+    if not mesh_key.hash_is_pickled():
+        _fail("mesh_hash_in_cache_key", "DeviceMesh pickles without _hash")
+
+
+def _check_gloo_threads() -> None:
+    """torch's gloo groups still default to two worker threads, and functrain's backend still builds one-thread ones."""
+    from functrain.parallel import gloo
+
+    problem = gloo.premise_problem()
+    if problem:
+        _fail("gloo_one_thread", problem)
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround(
+        "float64_scalars_lifted",
+        "a 0-d float64 CPU input (an optimizer hyper-parameter) makes Dynamo restart its whole analysis "
+        "(`_tensorify_python_scalars`): a second trace and AOT pass of the step; passed as (1,) views",
+        "reproduced by tests/test_step.py (one trace, not two)", "2.13, 2.14",
+        "functrain/compiler/compile.py (`_lift`)", _check_float64_lift),
+    Workaround(
+        "foreach_lerp_tensor_weight",
+        "compiled `_foreach_lerp.Scalar` with a 0-d tensor weight: 2.14's decomposition branches on the "
+        "unbacked weight (GuardOnDataDependentSymNode); the weight travels as broadcast views (List overload)",
+        "reproduced by configs/gpt.py:tiny on 2.14.1", "2.14 (2.13 rounds the Scalar route 1 ulp off eager)",
+        "functrain/foreach.py (`lerp`)", _check_lerp_list),
+    Workaround(
+        "sdpa_efficient_seeds",
+        "CUDA efficient attention makes its philox seed/offset on the CPU while inductor plans CUDA buffers; "
+        "a reused buffer handed Triton a CPU pointer (fp32, donate=False); a post-grad pass gives the "
+        "dropout-free backward fresh ones", "tests/test_sdpa_seeds.py", "2.11 (CUDA), 2.13, 2.14 (fake propagation)",
+        "functrain/compiler/sdpa_seeds.py", _check_sdpa_seeds),
+    Workaround(
+        "mesh_hash_in_cache_key",
+        "a DeviceMesh pickles its per-process salted hash into inductor's and AOTAutograd's cache keys, so "
+        "every sharded run compiled cold; a copyreg reducer leaves it out",
+        "tests/test_compile_cache.py (hits across two PYTHONHASHSEEDs)", "2.13, 2.14",
+        "functrain/compiler/mesh_key.py", _check_mesh_hash),
+    Workaround(
+        "gloo_one_thread",
+        "two collectives of one gloo group in flight on torch's two worker threads corrupt the heap "
+        "(malloc aborts, segfaults, hangs); functrain's groups come from a backend of its own "
+        "(torch's backend registry) that builds them with one thread",
+        "bench/gloo_threads.py", "2.13, 2.14", "functrain/parallel/gloo.py",
+        _check_gloo_threads),
+)
+"""The table (docs/compiler.md shows it)."""
+
+
+def by_name(name: str) -> Workaround:
+    """The workaround called `name`.
+
+    Args:
+      name: its table name.
+
+    Returns:
+      The `Workaround`.
+
+    Example:
+      >>> by_name("gloo_one_thread").check()
+    """
+    for w in WORKAROUNDS:
+        if w.name == name:
+            return w
+    raise KeyError(f"no torch workaround named {name!r}; known: {[w.name for w in WORKAROUNDS]}")

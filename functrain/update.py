@@ -1,0 +1,186 @@
+"""The optimizer half of a train step: gradients in, a new state and metrics out.
+
+`apply_gradients` is the update `make_train_step` runs after the backward: the norms, the optimizer
+(clipping, schedule, update), the skip of a non-finite update (a `torch.where` fused into the update
+kernels: no host sync, no graph break), the fp16 loss scale's rule and the step counter.
+`update_step` compiles it on its own, for gradients made elsewhere.
+
+Example:
+    >>> state, metrics = apply_gradients(state, grads, optim.adamw(3e-4), aux={"loss": loss})
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from functrain import metric_names as M
+from functrain import compiler, foreach, ops, optim
+from functrain import precision as precision_lib
+from functrain import tree as tree_lib
+from functrain.parallel.dispatch import layout_of
+from functrain.state import Guard, TrainState
+
+__all__ = ["apply_gradients", "guard_after", "make_update", "to_master", "update_ok", "update_step"]
+
+PyTree = Any
+
+
+def to_master(grads: PyTree, master: PyTree, loss_scale) -> PyTree:
+    """Grads cast to the master params' dtypes, divided by the loss scale when there is one."""
+    leaves, spec = tree_lib.flatten(grads)
+    dtypes = [p.dtype for p in spec.flatten_up_to(master)]
+    if loss_scale is not None:  # unscale in float32 (or wider), then cast
+        wide = [g.to(torch.promote_types(d, torch.float32)) for g, d in zip(leaves, dtypes)]
+        leaves = foreach.mul(wide, torch.reciprocal(loss_scale))
+    leaves = [g if g.dtype == d else g.to(d) for g, d in zip(leaves, dtypes)]
+    return spec.unflatten(leaves)
+
+
+def _next_guard(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision) -> Guard:
+    """The guard after a step: skip counters, and the dynamic loss scale's GradScaler rule."""
+    bad = (~ok).to(torch.int64)
+    skipped = guard.skipped + bad
+    consecutive = (guard.consecutive + 1) * bad  # back to 0 after a good step
+    if not prec.loss_scaling:
+        return Guard(skipped, consecutive, guard.loss_scale, guard.good_steps)
+    good = (guard.good_steps + 1) * (1 - bad)
+    grow = good >= prec.growth_interval
+    scale = torch.where(
+        ok, torch.where(grow, guard.loss_scale * prec.growth_factor, guard.loss_scale),
+        guard.loss_scale * prec.backoff_factor,
+    )
+    return Guard(skipped, consecutive, scale, torch.where(grow, torch.zeros_like(good), good))
+
+
+def update_ok(grad_norm: torch.Tensor, metrics: dict) -> torch.Tensor:
+    """Whether an update may be applied: a finite gradient norm and, when reported, a finite loss."""
+    ok = torch.isfinite(grad_norm)
+    if M.LOSS in metrics:
+        ok = ok & torch.isfinite(metrics[M.LOSS])
+    return ok
+
+
+def guard_after(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision, metrics: dict) -> Guard:
+    """`_next_guard`, with the skip counters (and the fp16 scale this step used) added to `metrics`."""
+    new = _next_guard(guard, ok, prec)
+    metrics[M.SKIPPED] = (~ok).to(torch.float32)
+    # float32, as every metric is logged. An int64 0-d graph output here broke the fp32 step on CUDA
+    # (torch 2.11): inductor gave it the buffer of SDPA's efficient-attention philox offset, a CPU
+    # tensor, and a Triton kernel then failed on it ("Pointer argument ... cannot be accessed from
+    # Triton (cpu tensor?)"). As float32 the new counts are computed into the donated state alone.
+    metrics[M.CONSECUTIVE_SKIPS] = new.consecutive.to(torch.float32)
+    metrics[M.SKIPPED_TOTAL] = new.skipped.to(torch.float32)
+    if prec.loss_scaling:
+        metrics[M.LOSS_SCALE] = guard.loss_scale.clone()  # its buffer may be donated
+    return new
+
+
+def apply_gradients(
+    state: TrainState,
+    grads: PyTree,
+    optimizer: optim.Transform,
+    *,
+    aux: dict | None = None,
+    skip_nonfinite: bool = True,
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+) -> tuple[TrainState, dict]:
+    """The optimizer half of a train step: `state` updated by `grads` (pure; compiles in a graph).
+
+    For research steps that make their own gradients (DP-SGD clipping and noise, meta-gradients,
+    gradients from `torch.func.vmap`...): the update, the norms, the skip of a non-finite update
+    and the step counter exactly as `make_train_step` does them.
+
+    Args:
+      state: the current `TrainState` (not modified).
+      grads: gradients shaped like `state.params` (already in the params' dtype and placements).
+      optimizer: the `Transform` whose state is `state.opt_state`.
+      aux: metrics to pass through; a "loss" entry takes part in the non-finite check.
+      skip_nonfinite: keep the old params and optimizer state when the loss or the grad norm is
+        not finite (counted in `state.guard`).
+      precision: only its loss-scaling rule is used (the fp16 scale update in `state.guard`).
+
+    Returns:
+      `(new_state, metrics)`: metrics hold `aux`, `grad_norm`, `update_norm` (of the optimizer's
+      update, before a skip), `lr`, and the skip counters when skipping. The params' norm is not
+      taken here (it would cost a pass of its own every step): log `tree.global_norm(state.params)`
+      when you log, as `functrain.loop` does.
+
+    Example:
+      >>> grads = tree.map(lambda g: g + sigma * torch.randn_like(g), clipped_mean_grads)
+      >>> state, metrics = apply_gradients(state, grads, opt, aux={"loss": loss})
+    """
+    prec = precision_lib.get(precision)
+    lay = layout_of(state.params)
+    metrics = dict(aux or {})
+    metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
+    guarded = skip_nonfinite or prec.loss_scaling
+    if guarded:  # decided before the update math, so every per-element loop runs after it
+        (flag,) = ops.hoist(update_ok(grad_norm, metrics))
+        ok = flag > 0.5
+    updates, opt_state = optim.call_update(optimizer, grads, state.opt_state, state.params, norm=grad_norm)
+    params = optim.apply_updates(state.params, updates)
+    # Summed flat inside the update's own loop (one reduction there is nearly free; a second one,
+    # e.g. a param norm, makes inductor split the loop in two passes: 4x the update's time).
+    metrics[M.UPDATE_NORM] = lay.global_norm(updates, fused=True)
+    guard = state.guard
+    if guarded:  # non-finite: keep the old params and optimizer state
+        params = lay.select(ok, params, state.params)
+        opt_state = lay.select(ok, opt_state, state.opt_state)
+        guard = guard_after(guard, ok, prec, metrics)
+    metrics.update(optim.report(optimizer, opt_state))  # e.g. the learning rate this update used
+    return TrainState(params, opt_state, state.step + 1, state.rng, guard), metrics
+
+
+def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision):
+    """`update(state, aux, grads) -> (state, metrics)`: `apply_gradients`, then donation."""
+
+    def update(state: TrainState, aux: dict, grads: PyTree):
+        new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=skip_nonfinite,
+                                             precision=precision)
+        if donate:
+            new_state = layout_of(state.params).write_into(state, new_state)
+        return new_state, metrics
+
+    return update
+
+
+def update_step(
+    optimizer: optim.Transform,
+    *,
+    donate: bool = True,
+    compile: bool = True,
+    skip_nonfinite: bool = True,
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    compile_options: dict | None = None,
+) -> Callable[[TrainState, PyTree, dict], tuple[TrainState, dict]]:
+    """The optimizer half of the train step on its own: `update(state, grads, aux) -> (state, metrics)`.
+
+    The same code `make_train_step` runs after the backward (`apply_gradients`: norms, the optimizer,
+    the non-finite skip, the step counter; then donation), compiled as one graph. For gradients made
+    elsewhere (DP-SGD noise, gradients from another process, `bench/optimizer.py`).
+
+    Args:
+      optimizer: the `Transform` whose state is `state.opt_state`.
+      donate: write the new params and optimizer state into the input state's buffers.
+      compile: compile with `torch.compile(fullgraph=True)`.
+      skip_nonfinite: keep the old state when the gradient norm (or `aux["loss"]`) is not finite.
+      precision: only its loss-scaling rule is used (see `apply_gradients`).
+      compile_options: extra keyword arguments for `torch.compile`.
+
+    Returns:
+      The update function; `aux` (e.g. `{"loss": loss}`) passes into the metrics.
+
+    Example:
+      >>> update = update_step(optim.adamw(3e-4))
+      >>> state, metrics = update(state, grads, {"loss": loss})
+    """
+    prec = precision_lib.get(precision)
+    inner = make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling,
+                         precision=prec)
+
+    def update(state: TrainState, grads: PyTree, aux: dict | None = None):
+        return inner(state, dict(aux or {}), grads)
+
+    return compiler.maybe_compile(update, compile, compile_options)

@@ -1,0 +1,71 @@
+"""Every single-process route the config can reach, compiled, against the eager step: compile unit
+("step": one graph; "blocks": a graph per stage kind) x precision (fp32, bf16, fp16 with loss
+scaling) x gradient accumulation (1, 2 unrolled microbatches). The sharded routes (FSDP, TP) are
+the compiled2 suite of tests/test_parallel_dist.py.
+
+The compiled side uses the "aot_eager" backend: Dynamo and AOTAutograd trace the same graphs the
+step compiles (one graph, or the blocks' graphs), with no code generation, so every cell costs
+seconds; inductor itself runs in tests/test_step.py, tests/test_compile_blocks.py and
+tests/test_precision.py. Tolerances come from the compute dtype (tests/_tol.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from functrain import init_state, make_train_step, optim
+from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
+
+import _tol
+
+pytestmark = pytest.mark.numeric
+
+LR, MOMENTUM, STEPS = 0.05, 0.9, 3
+GRAPHS = {"step": 1, "blocks": 6}  # blocks, remat none: prepare, embedding, block, head, the blocks' update, the rest's
+
+
+def _opt():
+    """Clipping + SGD with momentum: trajectories comparable to rounding (tests/_tol.py)."""
+    return optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(LR, momentum=MOMENTUM))
+
+
+def _run(model, data, *, compile, precision, accum):
+    """Per-step metrics and the final state of `STEPS` steps."""
+    loss_fn = make_gpt_loss_fn(model, remat="none", staged=True)
+    step = make_train_step(loss_fn, _opt(), compile=compile, precision=precision, accum_steps=accum,
+                           compile_options={"backend": "aot_eager"} if compile else None)
+    state, hist = init_state(model, _opt(), seed=0), []
+    for b in data:
+        state, m = step(state, b)
+        hist.append({k: float(v) for k, v in m.items()})
+    return hist, state
+
+
+@pytest.mark.parametrize("accum", [1, 2], ids=["accum1", "accum2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("unit", ["step", "blocks"])
+def test_compiled_route_equals_eager(tiny_gpt, batches, unit, precision, accum):
+    model = tiny_gpt(n_layer=2, n_embd=32, block_size=16)
+    data = batches(model.cfg, STEPS, batch_size=4)
+    want, w_state = _run(model, data, compile=False, precision=precision, accum=accum)
+    torch._dynamo.reset()
+    counters.clear()
+    got, g_state = _run(model, data, compile=unit, precision=precision, accum=accum)
+    assert counters["stats"]["unique_graphs"] == GRAPHS[unit], dict(counters["stats"])
+    assert not counters["recompiles"] and not counters["graph_break"], (dict(counters["recompiles"]),
+                                                                         dict(counters["graph_break"]))
+    n = 4 * model.cfg.block_size * 4 * model.cfg.n_embd  # tokens x the widest matmul
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    # fp32: reduction-order noise; bf16/fp16: one rounding of each op's output in the compute dtype
+    # (traced decompositions may round an intermediate where eager kept it wide), growing per step
+    per_step = _tol.rtol(n) if dtype == torch.float32 else 4 * _tol.SAFETY * torch.finfo(dtype).eps
+    for i, (g, w) in enumerate(zip(got, want)):
+        for k in ("loss", "grad_norm"):
+            _tol.assert_close(torch.tensor(g[k]), torch.tensor(w[k]), per_step * (i + 1), msg=f"step {i} {k}")
+        assert g.get("skipped", 0.0) == w.get("skipped", 0.0) == 0.0
+    atol = 2 * STEPS * _tol.sgd_gain(LR, MOMENTUM) * per_step
+    _tol.assert_close(g_state.params, w_state.params, atol, absolute=True, msg="params")
+    assert {p.dtype for p in g_state.params.values()} == {torch.float32}
