@@ -11,6 +11,7 @@ after COLLECTIVE_TIMEOUT_S, and all of them meet again in the next scenario's me
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -481,9 +482,11 @@ class _PassLog(logging.Handler):
         super().close()
 
 
-def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
-    """Compiled sharded step: one graph (compile="blocks": one per stage kind), no recompile over 6
-    steps, equal to eager and to 1 process."""
+def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True, precision=None, accum=1, steps=6,
+               vs_sharded_eager=True):
+    """Compiled sharded step: one graph (compile="blocks": one per stage kind), no recompile over
+    `steps` steps, equal to 1 process (eager, same precision and accumulation) and, when asked, to
+    the eager sharded step."""
     import torch._dynamo
     import torch._functorch.config
     import torch._inductor.config
@@ -496,11 +499,15 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
     rules = parallel.default_rules(gpt.TP_RULES)
     tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
     opt = sgd()
-    batches = global_batches(6)
-    ref, ref_hist = run(make_train_step(make_loss(model), opt, compile=False), init_state(model, opt), batches)
-    eager, eager_hist = run(make_train_step(make_loss(tp_model), opt, compile=False),
-                            parallel.shard_state(init_state(model, opt), ctx.mesh, rules), batches, ctx)
-    step = make_train_step(make_loss(tp_model), opt, compile=compile, compile_options={"backend": backend})
+    batches = global_batches(steps)
+    kw = dict(precision=precision, accum_steps=accum)
+    ref, ref_hist = run(make_train_step(make_loss(model), opt, compile=False, **kw), init_state(model, opt), batches)
+    eager, eager_hist = ref, ref_hist
+    if vs_sharded_eager:
+        eager, eager_hist = run(make_train_step(make_loss(tp_model), opt, compile=False, **kw),
+                                parallel.shard_state(init_state(model, opt), ctx.mesh, rules), batches, ctx)
+        eager = parallel.gather(eager)
+    step = make_train_step(make_loss(tp_model), opt, compile=compile, compile_options={"backend": backend}, **kw)
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     hist = []
     # The pass log counts what the post-grad passes did while inductor compiled; a compile-cache hit
@@ -515,11 +522,13 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True):
         finally:
             torch._dynamo.config.error_on_recompile = False
             passes.close()
-    full, full_eager = parallel.gather(state), parallel.gather(eager)
+    full, full_eager = parallel.gather(state), eager
     return {
         "unique_graphs": counters["stats"]["unique_graphs"],
         "recomputed": passes.counts["recomputed"], "regathered": passes.counts["regathered"],
         "metric_types": sorted({type(v).__name__ for v in m.values()}),
+        "param_dtypes": sorted({str(p.dtype) for p in full.params.values()}),
+        "skipped": sum(h.get("skipped", 0.0) for h in hist),
         "vs_eager_loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(eager_hist, hist)),
         "vs_eager_params": max_diff(full.params, full_eager.params),
         "vs_single_loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_hist, hist)),
@@ -559,6 +568,28 @@ def s_single(_ctx):
 
 
 SLOW_BACKEND = "inductor" if os.environ.get("FUNCTRAIN_SLOW_TESTS") else "aot_eager"
+MESHES = {"fsdp": {"dp_shard": 2}, "tp": {"dp_shard": 1, "tp": 2}}
+UNITS = {"step": (True, loss_fn_for), "blocks": ("blocks", staged_loss_for("full"))}
+
+
+def matrix_cells():
+    """(name, unit, precision, accum, mesh) of every sharded route the config can reach beyond fp32
+    without accumulation (those are the scenarios above): the compiled2 suite runs each against the
+    single-process eager step (Dynamo + AOTAutograd; 3 steps)."""
+    return [(f"matrix_{unit}_{prec}_accum{accum}_{mesh}", unit, prec, accum, mesh)
+            for unit in UNITS for prec in ("fp32", "bf16", "fp16") for accum in (1, 2) for mesh in MESHES
+            if (prec, accum) != ("fp32", 1)]
+
+
+def _route_matrix():
+    """The compiled2 scenarios of `matrix_cells`."""
+    out = []
+    for name, unit, prec, accum, mesh in matrix_cells():
+        compile, make_loss = UNITS[unit]
+        out.append((name, MESHES[mesh], functools.partial(
+            s_compiled, backend="aot_eager", make_loss=make_loss, compile=compile, precision=prec, accum=accum,
+            steps=3, vs_sharded_eager=False)))
+    return out
 
 SUITES = {
     "eager2": [
@@ -614,6 +645,7 @@ SUITES = {
          lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("none"), compile="blocks")),
         ("blocks_tp", {"dp_shard": 1, "tp": 2},
          lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
+        *_route_matrix(),
     ],
     "eager4": [
         ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),
@@ -626,6 +658,12 @@ SUITES = {
         ("init_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_init),
         ("stages_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_stages),
         ("sample_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_sample),
+        # the compiled units on the 2-D meshes (Dynamo + AOTAutograd, against one process)
+        *[(f"compiled_{unit}_{mesh}", shape, functools.partial(
+            s_compiled, backend="aot_eager", make_loss=UNITS[unit][1], compile=UNITS[unit][0], steps=3,
+            vs_sharded_eager=False))
+          for unit in UNITS for mesh, shape in (("fsdp_tp", {"dp_shard": 2, "tp": 2}),
+                                                ("hsdp", {"dp_replicate": 2, "dp_shard": 2}))],
     ],
     "single": [("single", None, s_single)],
 }

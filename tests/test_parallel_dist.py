@@ -22,7 +22,7 @@ import torch
 
 import _tol
 from _dist_launch import REPO, read_results, run_ranks, run_single
-from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S
+from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S, matrix_cells
 
 pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
 
@@ -183,6 +183,16 @@ def test_two_dim_meshes_on_four_ranks(eager4, name):
         assert set(ranks[name]["group_threads"].values()) == {1}, ranks[name]["group_threads"]
 
 
+@pytest.mark.parametrize("unit", ["step", "blocks"])
+@pytest.mark.parametrize("mesh", ["fsdp_tp", "hsdp"])
+def test_compiled_units_on_two_dim_meshes_equal_one_process(eager4, unit, mesh):
+    for res in _result(eager4, f"compiled_{unit}_{mesh}"):
+        assert res["unique_graphs"] == (1 if unit == "step" else 6 + 2), res
+        loss_tol, params_tol = _tols(3)
+        assert res["vs_single_loss"] <= loss_tol and res["vs_single_params"] <= params_tol, res
+        assert res["vs_single_opt_state"] <= params_tol, res
+
+
 def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
     (res,) = _result(_suite(tmp_path_factory, "single", 1), "single")
     assert res["plain_mesh"] and not res["plain_pg"] and res["plain_identity"]
@@ -215,6 +225,18 @@ def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
             assert res["regathered"] == 2 and res["recomputed"] >= 2 * 4, res
         else:  # nothing to rewrite: every block recomputed, or no staged loss, or not inductor
             assert res["regathered"] == 0 and res["recomputed"] == 0, res
+
+
+@pytest.mark.parametrize("name, unit, precision, accum, mesh", matrix_cells(), ids=[c[0] for c in matrix_cells()])
+def test_every_compiled_sharded_route_equals_one_process(compiled2, name, unit, precision, accum, mesh):
+    """compile unit x precision x accumulation on FSDP and TP (fp32 without accumulation: above)."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    for res in _result(compiled2, name):
+        assert res["unique_graphs"] == (1 if unit == "step" else 6 + 2), res
+        assert res["param_dtypes"] == ["torch.float32"] and res["skipped"] == 0, res
+        loss_tol, params_tol = _tols(3, dtype)
+        assert res["vs_single_loss"] <= loss_tol and res["vs_single_params"] <= params_tol, res
+        assert res["vs_single_opt_state"] <= params_tol, res
 
 
 @pytest.mark.parametrize("name, remat", [("stages_fsdp", "full"), ("stages_kept_fsdp", "none"),
