@@ -279,7 +279,8 @@ def run(
     Args:
       task: the model family's `Task`.
       optimizer: the optimizer (`functrain.optim.config.from_config(config.optim, config.steps)`).
-      config: the run config (the loop reads the keys in the module docstring).
+      config: the run config, checked by `functrain.main.check_config` (the loop reads the keys in
+        the module docstring).
       workdir: the run directory (`metrics.jsonl`, `tb/`, `config.json`, `run.json`, checkpoints).
       ctx: the `functrain.parallel.ParallelContext` (`parallel.setup(config.mesh)`).
       hooks: extra hooks, run after the built-in ones.
@@ -298,8 +299,7 @@ def run(
       ...     summary = loop.run(task, opt, config, "runs/gpt", ctx)
     """
     t_program = time.perf_counter() if t_program is None else t_program
-    validate.check_all(config, validate.LOOP_CHECKS)
-    validate.check_batch(config.batch_size, config.accum_steps, ctx.dp_world)
+    validate.check_batch(config.batch_size, config.accum_steps, ctx.dp_world)  # (the mesh at hand)
     with workdir_lock.hold(workdir, ctx.is_main_process):  # one run per workdir
         return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program)
 

@@ -126,7 +126,7 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
       >>> summary = train(gpt_config.get_config("tiny"), "runs/tiny")
     """
     t_program = time.perf_counter()
-    _check(config)  # every key, before the heavy modules load
+    check_config(config)  # every key, once, before the heavy modules load
     from functrain import loop, optim, parallel, validate
 
     family = _family(config)
@@ -168,7 +168,7 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
       >>> export_hf(llama_config.get_config("tiny"), "runs/llama-tiny", "runs/llama-tiny/hf-500",
       ...           "runs/llama-tiny/checkpoints/500")
     """
-    _check(config, mesh=_launched())  # every key, before the heavy modules load
+    check_config(config, mesh=_launched())  # every key, once, before the heavy modules load
     from functrain import checkpoint as ckpt_lib
     from functrain import loop, parallel, validate
 
@@ -192,9 +192,26 @@ def _launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def _check(config: Any, mesh: bool = True) -> None:
-    """Checks every key of `config` (the loop's, the optimizer's, its family's) and, with `mesh`,
-    the mesh against torchrun's world size and the batch against the mesh, without torch."""
+def check_config(config: Any, mesh: bool = True) -> None:
+    """Checks every key of a run config, once: the loop's, the optimizer's and its model family's
+    (`functrain.validate.LOOP_CHECKS`, `functrain.optim.checks`, `models/<name>/checks.py`) and,
+    with `mesh`, the mesh against torchrun's world size and the batch against the mesh. torch-free:
+    a bad value costs ~0.4 s. `train` calls it; `loop.run` and a family's `build` take a checked
+    config and do not check it again.
+
+    Args:
+      config: the run config.
+      mesh: also check the mesh and the batch against the world size.
+
+    Returns:
+      None.
+
+    Raises:
+      ConfigError: the first bad value (one line naming the key, the valid range and the flag).
+
+    Example:
+      >>> check_config(gpt_config.get_config("tiny"))
+    """
     from functrain import mesh_config, validate
     from functrain.optim.checks import CHECKS as optim_checks
 

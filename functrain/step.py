@@ -154,12 +154,6 @@ def _split_microbatches(batch: PyTree, k: int) -> PyTree:
     return tree_lib.map(split, batch)
 
 
-def _gathers_per_stage(loss_fn, accum_impl: str, accum_steps: int) -> bool:
-    """Whether the loss gathers sharded params stage by stage (a `StagedLoss`); not under the scan
-    accumulation (its carry holds plain tensors)."""
-    return isinstance(loss_fn, StagedLoss) and (accum_steps == 1 or accum_impl == "unroll")
-
-
 def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str, loss_scale=None,
                                 layout=None):
     """Mean loss/aux/grads over `accum_steps` microbatches, inside one graph (grads summed in
@@ -280,7 +274,10 @@ def make_train_step(
 
         # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters
         # its own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
-        per_stage = lay.sharded and _gathers_per_stage(loss_fn, accum_impl, accum_steps)
+        if lay.sharded and accum_impl == "scan" and accum_steps > 1:
+            raise ValueError("accum_impl='scan' runs on one process only (its carry holds plain tensors): "
+                             "use accum_impl='unroll' on sharded params")
+        per_stage = lay.sharded and isinstance(loss_fn, StagedLoss)  # each stage gathers its own params
 
         @piece
         def prepare(state: TrainState, batch: PyTree):

@@ -562,6 +562,13 @@ def s_single(_ctx):
     m1, m2 = (next(iter(p.values())).device_mesh for p in (p1, p2))
     out["meshes_equal_not_same"] = m1 == m2 and m1 is not m2
     out["layout_per_mesh_object"] = [parallel.layout_of(p1).mesh is m1, parallel.layout_of(p2).mesh is m2]
+    # scan accumulation is a one-process route: on sharded params it is one clear error
+    scan = make_train_step(loss_fn_for(tiny_gpt()), sgd(), accum_steps=2, accum_impl="scan", compile=False)
+    try:
+        scan(parallel.shard_state(init_state(tiny_gpt(), sgd()), ctx.mesh), global_batches(1)[0])
+        out["scan_sharded"] = "ran"
+    except ValueError as exc:
+        out["scan_sharded"] = str(exc)
     parallel.teardown()
     out["pg_after_teardown"] = dist.is_initialized()
     return out

@@ -304,3 +304,24 @@ def test_the_mfu_denominator_is_the_best_2048_cubed_matmul_rate_and_takes_a_devi
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
     assert metrics.measure_peak_flops("cpu", seconds=2.5) == 2 * 2048**3
     assert metrics.peak_flops("cpu") is None
+
+
+def test_the_config_is_checked_once(tmp_path, monkeypatch):
+    """`main.check_config` checks every key; a family's `build` and `loop.run` take that config and
+    do not run the key checks again."""
+    from functrain import loop, main, parallel, validate
+    from functrain.models.gpt import task as gpt_task  # a test may import a model family
+
+    c = _tiny_config(tmp_path)
+    c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 2, False, 100, 100, False
+    c.sample.max_new_tokens = 2
+    calls = []
+    real = validate.check_all
+    monkeypatch.setattr(validate, "check_all", lambda config, checks: calls.append(len(checks)) or real(config, checks))
+    main.check_config(c, mesh=False)
+    assert len(calls) == 1 and calls[0] > 40  # every key of the loop, the optimizer and the family
+    with parallel.setup(c.mesh) as ctx:
+        t = gpt_task.build(c, ctx, tmp_path / "run")
+        loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, print_fn=lambda *a: None)
+    assert len(calls) == 1
+

@@ -203,6 +203,7 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
     # two meshes equal by value (same shape and names, different groups): each params tree gets its
     # own mesh's layout (a cache keyed by mesh equality gave the second one the first one's groups)
     assert res["meshes_equal_not_same"] and res["layout_per_mesh_object"] == [True, True]
+    assert res["scan_sharded"].startswith("accum_impl='scan' runs on one process only"), res["scan_sharded"]
     _assert_matches_single_process(res, steps=5)
 
 

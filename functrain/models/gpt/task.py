@@ -35,7 +35,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     """The GPT `Task` for `config` on this process's place in `ctx`.
 
     Args:
-      config: the run config (`configs/gpt.py`).
+      config: the run config (`configs/gpt.py`), checked by `functrain.main.check_config`.
       ctx: the parallel context (mesh, dp rank and world, device).
       workdir: the run directory (the data cache goes to `<workdir>/data` by default).
 
@@ -50,7 +50,6 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     Example:
       >>> task = build(get_config("tiny"), ctx, "runs/tiny")
     """
-    v.check_all(config, CHECKS)
     m = config.model
     try:  # GPTConfig checks its own invariants (n_head divides n_embd)
         gpt_lib.GPTConfig(vocab_size=max(m.vocab_size, 1), block_size=m.block_size, n_layer=m.n_layer,

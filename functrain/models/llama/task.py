@@ -76,7 +76,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     """The Llama `Task` for `config` on this process's place in `ctx`.
 
     Args:
-      config: the run config (`configs/llama.py`).
+      config: the run config (`configs/llama.py`), checked by `functrain.main.check_config`.
       ctx: the parallel context.
       workdir: the run directory (data cache and trained tokenizer in `<workdir>/data`, the Hugging
         Face export in `<workdir>/hf`).
@@ -91,7 +91,6 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     Example:
       >>> task = build(get_config("tiny"), ctx, "runs/llama-tiny")
     """
-    v.check_all(config, CHECKS)
     try:
         hf = HFDirectory(config.init_from[3:]) if config.init_from else None
         cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
