@@ -3,18 +3,11 @@
 `embedding`: a compiled train step should give the same bits for the same (state, batch): that is
 what makes a rerun or a resume bit-exact. On CPU one op broke it: the token embedding's backward.
 
-Embedding backward (measured 2026-11-22, torch 2.13 CPU, 2 threads, the default GPT's step):
-  `F.embedding`'s derivative is `embedding_dense_backward`, which inductor decomposes into an
-  accumulating `index_put` and compiles to a parallel loop of atomic adds; rows hit by several
-  tokens are summed in whatever order the threads arrive. 12 identical calls of the compiled step
-  gave 12 different `wte.weight` results (every other parameter was bit-identical).
-  `embedding` below looks rows up with `torch.gather` on an expanded index instead. Its derivative is
-  `scatter_add`, which inductor hands to aten's CPU kernel when it runs on more than one thread
-  (inductor's `cpp.fallback_scatter_reduce_sum` config, on by default); that kernel sums each
-  row's contributions in index order, and on one thread inductor's own loop is serial. Result: 12 of
-  12 calls bit-identical, at no measurable cost (0.206-0.228 s vs 0.228-0.234 s per step, best of 5,
-  alternating processes). `torch.use_deterministic_algorithms(True)` would also fix it, but it is a
-  global switch that also makes every uninitialized buffer be filled with NaN.
+Embedding backward: inductor compiles `F.embedding`'s derivative to a parallel loop of atomic
+adds, so identical calls differ in the last bits of `wte.weight`'s gradient. `embedding` below
+looks rows up with `torch.gather` on an expanded index instead, whose derivative (`scatter_add`)
+sums each row's contributions in index order: bit-identical calls at no measured cost
+(docs/results.md).
 
 CUDA (documented torch behaviour, not run here): inductor compiles both formulations' backward to
 Triton atomic adds, and FlashAttention's backward accumulates with atomics too, so bit-identical

@@ -97,6 +97,19 @@ def _check_mesh_hash() -> None:
         _fail("mesh_hash_in_cache_key", "DeviceMesh pickles without _hash")
 
 
+def _check_checkpoint_under_func() -> None:
+    """`torch.utils.checkpoint` still cannot run under `torch.func.grad` (saved tensor hooks)."""
+    from torch.utils.checkpoint import checkpoint
+
+    try:
+        torch.func.grad(lambda x: checkpoint(torch.sin, x, use_reentrant=False).sum())(torch.ones(3))
+    except RuntimeError as exc:
+        if "saved tensor hooks" in str(exc):
+            return
+        raise
+    _fail("staged_remat_route", "torch.utils.checkpoint now runs under torch.func.grad")
+
+
 def _check_gloo_threads() -> None:
     """torch's gloo groups still default to two worker threads, and functrain's backend still builds one-thread ones."""
     from functrain.parallel import gloo
@@ -131,6 +144,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "every sharded run compiled cold; a copyreg reducer leaves it out",
         "tests/test_compile_cache.py (hits across two PYTHONHASHSEEDs)", "2.13, 2.14",
         "functrain/compiler/mesh_key.py", _check_mesh_hash),
+    Workaround(
+        "staged_remat_route",
+        "`torch.utils.checkpoint` cannot run under `torch.func.grad` (no saved tensor hooks), and a custom "
+        "autograd.Function's backward is dropped under torch.func + torch.compile; activation checkpointing "
+        "is spelled out as per-stage vjps behind an opaque barrier op",
+        "pytorch#193279", "2.13, 2.14", "functrain/remat.py, functrain/compiler/marks.py",
+        _check_checkpoint_under_func),
     Workaround(
         "gloo_one_thread",
         "two collectives of one gloo group in flight on torch's two worker threads corrupt the heap "

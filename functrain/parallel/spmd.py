@@ -37,17 +37,9 @@ OMP_NUM_THREADS=1, 2026-11-25): 6 x 512 1.404 vs 1.489 and 1.663 vs 1.696 s/step
 vs 262 and 248 vs 278 MiB per rank (two runs); 12 x 512 3.083 vs 3.560 s/step, 428 vs 496 MiB.
 Elsewhere (nccl) "auto" is the backend's reduce-scatter, which moves half an all-reduce's bytes.
 
-"all_to_all" (opt-in): each rank sends row j of its gradient buffer (w, S) to rank j with
-`all_to_all_single` (nothing to itself) and adds the w-1 rows it receives to its own. The
-collectives alone, on 2 gloo ranks (same machine, median of 5 rounds of 5): one 512-wide GPT
-block's gradients (3.15M floats) 14.3 ms by gloo's reduce-scatter vs 6.4 ms by all-to-all + sum;
-0.8M: 6.6 vs 2.8 ms; 12.6M: 61.1 vs 24.4 ms. In the compiled step it does not pay on that machine
-(remat none, s/step all-to-all vs reduce-scatter, back to back: 6 x 512 1.007 vs 1.180 and 1.096 vs
-1.085; 12 x 512 2.301 vs 2.229; interleaved in one run, 12 x 512: 2.890 vs 2.836), where the
-collectives run beside the compute, and its step's peak of live tensor bytes is 12-21 MiB higher
-(the rows sent, kept and received, and their sum, are alive together). Kept for other machines to
-measure. On 2 ranks the result is bit-identical to the reduce-scatter (a + b either way); on more,
-the received rows are added in rank order.
+"all_to_all" (opt-in): each rank sends row j of its gradient buffer to rank j with
+`all_to_all_single` and adds the rows it receives to its own (measured against the other routes:
+docs/results.md).
 
 Everything is traceable: the compiled step is one graph including the collectives.
 """
