@@ -1,5 +1,8 @@
 """Pure train and eval steps: `step(state, batch) -> (state, metrics)`, compiled as one graph.
 
+This module holds the mathematics of a step (value and grad, accumulation, the finish) and asks
+`functrain.compiler` for the compile unit; the optimizer half is `functrain.update`.
+
 The train step does forward, backward (`torch.func.grad_and_value` over the params), gradient
 accumulation, the optimizer (clipping, schedule, update) and the step counter in one function, and
 compiles it whole with `torch.compile(fullgraph=True)`. Everything that changes from step to step is
@@ -13,9 +16,9 @@ keeps peak memory near one copy of the state. `donate=False` allocates a new sta
 input untouched (useful for tests, EMA tricks and debugging).
 
 Compile unit. `compile=True` makes the whole step one graph: the fastest steps, but every block is
-inlined, so compile time grows with depth. `compile="blocks"` (a staged loss only) compiles the
-step's prepare (casts, key) as a graph and lets the loss run its stages as graphs of their own, one
-block graph shared by every block (`functrain.remat.staged_loss`'s `compile_stages`); the finish
+inlined, so compile time grows with depth. `compile="blocks"` (a `functrain.remat.StagedLoss`
+only) compiles the step's prepare (casts, key) as a graph and lets the loss run its stages as graphs
+of their own, one block graph shared by every block (`StagedLoss.compile_stages`); the finish
 (grads to the masters, metrics, the optimizer update) runs group by group, one update graph for
 every block (`functrain.update_groups`; one finish graph when the optimizer or its masks do not
 allow that). No graph per block, none per step.

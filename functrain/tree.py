@@ -437,11 +437,10 @@ def size(tree: PyTree) -> int:
 def global_norm(tree: PyTree, *, fused: bool = False) -> torch.Tensor:
     """L2 norm of all leaves taken together, as a float32 0-d tensor.
 
-    For DTensor leaves the norm is the global norm over the whole mesh: once `functrain.parallel`
-    is imported (it is wherever functrain shards a state) the local squared norms are summed over
-    the mesh dims that shard each leaf, a few bucketed all-reduces in all
-    (`functrain.parallel.spmd.global_norm`); before, DTensor's own dispatch of the same ops gives
-    the same norm.
+    For DTensor leaves the norm is the global norm over the whole mesh, which `functrain.parallel`
+    registers when imported (it is wherever functrain shards a state): the local squared norms
+    summed over the mesh dims that shard each leaf, a few bucketed all-reduces in all
+    (`functrain.parallel.spmd.global_norm`). This module does not import it (it sits below it).
 
     Args:
       tree: a pytree of floating-point tensors.
@@ -461,11 +460,11 @@ def global_norm(tree: PyTree, *, fused: bool = False) -> torch.Tensor:
     for leaf_type, norm_of in _NORMS:  # e.g. DTensors: functrain.parallel registers the mesh-wide norm
         if isinstance(xs[0], leaf_type):
             return norm_of(xs, fused=fused)
-    norm = torch.stack(squared_norms(xs, fused=fused)).sum().sqrt().to(torch.float32)
     dtensor = sys.modules.get("torch.distributed.tensor")  # (none can exist unless it was imported)
-    if dtensor is not None and isinstance(norm, dtensor.DTensor):  # DTensor's own dispatch: replicated
-        norm = norm.full_tensor()
-    return norm
+    if dtensor is not None and isinstance(xs[0], dtensor.DTensor):
+        raise TypeError("tree.global_norm of DTensors is the mesh-wide norm that functrain.parallel "
+                        "registers: import functrain.parallel first")
+    return torch.stack(squared_norms(xs, fused=fused)).sum().sqrt().to(torch.float32)
 
 
 _NORMS: list = []  # (leaf type, fn(leaves, fused=) -> norm), see register_global_norm

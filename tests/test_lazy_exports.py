@@ -54,10 +54,10 @@ def test_importing_the_packages_and_the_config_checks_loads_no_torch():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
-def test_global_norm_of_dtensors_made_without_functrain_parallel_is_the_mesh_wide_norm():
-    """`import functrain` does not import `functrain.parallel` (which registers its bucketed DTensor
-    norm with `functrain.tree`), nor does `tree` import it; a tree of DTensors made with torch alone
-    still gets the mesh-wide norm, through DTensor's own dispatch, as a plain tensor."""
+def test_global_norm_of_dtensors_needs_functrain_parallel_and_is_then_the_mesh_wide_norm():
+    """`import functrain` does not import `functrain.parallel`, which registers the mesh-wide DTensor
+    norm with `functrain.tree` (tree sits below parallel and does not import it): DTensors made with
+    torch alone get one clear error until it is imported, then the mesh-wide norm as a plain tensor."""
     code = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -68,11 +68,18 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 xs = {"a": torch.arange(12.0).reshape(4, 3), "b": torch.ones(5)}
-norm = tree.global_norm({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in xs.items()})
+sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in xs.items()}
+try:
+    tree.global_norm(sharded)
+except TypeError as exc:
+    print("error:", str(exc).split(":")[-1].strip().replace(" ", "_"))
+import functrain.parallel
+norm = tree.global_norm(sharded)
 want = torch.cat([v.flatten() for v in xs.values()]).norm()
-print(type(norm).__name__, norm.dtype, bool(torch.equal(norm, want)), "functrain.parallel" in sys.modules)
+print(type(norm).__name__, norm.dtype, bool(torch.equal(norm, want)))
 dist.destroy_process_group()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["Tensor", "torch.float32", "True", "False"], proc.stdout
+    assert proc.stdout.split() == ["error:", "import_functrain.parallel_first", "Tensor", "torch.float32", "True"], \
+        proc.stdout
