@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go on a CUDA machine (no network needed): the compiled-vs-eager benchmark in
 # bf16 (timed alone), then CUDA-only failures of the main job (fp32 and bf16, compile_unit step and
-# regions, a resume onto CUDA, bf16 + per-block compile on one nccl rank; these run side by side).
+# blocks, a resume onto CUDA, bf16 + per-block compile on one nccl rank; these run side by side).
 #
 #     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke step_fp32 optimizer (default: step_bf16 smoke)
 #
@@ -68,13 +68,13 @@ for p in $parts; do
     smoke)
       # Side by side (they are small; 16 cores): the default run (fp32, compile_unit=step; failed on
       # torch 2.11 at the first step, a Triton launch given a pointer it could not read), the same
-      # with donate=False (failed the same way until functrain.sdpa_seeds), the same with
-      # compile_unit=regions, the default in bf16 with a checkpoint and then a resume onto CUDA,
+      # with donate=False (failed the same way until functrain.compiler.sdpa_seeds), the same with
+      # compile_unit=blocks, the default in bf16 with a checkpoint and then a resume onto CUDA,
       # and bf16 + per-block compile + remat on one nccl rank.
       L=${SMOKE_LIMIT:-200}
       TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 main fp32_step "$L" --config.steps=100 --config.eval_every=50 &
       main fp32_nodonate "$L" --config.steps=100 --config.eval_every=50 --config.donate=False &
-      main fp32_regions "$L" --config.steps=100 --config.eval_every=50 --config.compile_unit=regions &
+      main fp32_blocks "$L" --config.steps=100 --config.eval_every=50 --config.compile_unit=blocks &
       { main bf16_step "$L" --config.steps=100 --config.eval_every=50 --config.checkpoint.every=50 --config.precision=bf16 &&
         run bf16_resume 90 $py -m functrain.main --config=configs/gpt.py --workdir=/tmp/ft_bf16_step \
           --config.steps=150 --config.eval_every=50 --config.checkpoint.every=50 --config.precision=bf16; } &
@@ -82,7 +82,7 @@ for p in $parts; do
         --config=configs/gpt.py:tiny --workdir=/tmp/ft_blocks --config.precision=bf16 \
         --config.compile_unit=blocks --config.remat=full --config.steps=100 &
       wait
-      for n in fp32_step fp32_nodonate fp32_regions bf16_step bf16_resume blocks_bf16_nccl; do TAILN=6 report $n; done
+      for n in fp32_step fp32_nodonate fp32_blocks bf16_step bf16_resume blocks_bf16_nccl; do TAILN=6 report $n; done
       ;;
     step_fp32)
       run step_fp32 300 $py bench/step.py --sizes 100m --precision fp32 --steps 20 --rounds 4 --json

@@ -461,7 +461,7 @@ def s_eval_and_keys(ctx):
 
 
 class _PassLog(logging.Handler):
-    """Sums what functrain.recompute and functrain.compiler.regather log for each graph they rewrite."""
+    """Sums what functrain.compiler.recompute and functrain.compiler.regather log for each graph they rewrite."""
 
     LOGGERS = ("functrain.compiler.recompute", "functrain.compiler.regather")
 
@@ -641,7 +641,7 @@ SUITES = {
         ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
         ("compiled_stages_fsdp", {"dp_shard": 2},
          lambda ctx: s_compiled(ctx, SLOW_BACKEND, make_loss=staged_loss_for("full"))),
-        # kept blocks under inductor: the post-grad passes (functrain.recompute's cheap activations
+        # kept blocks under inductor: the post-grad passes (functrain.compiler.recompute's cheap activations
         # recomputed after the forward, compiler.regather's second gathers) rewrite this step's graph;
         # the one inductor compile of a sharded step in CI
         ("compiled_kept_fsdp", {"dp_shard": 2},

@@ -1,4 +1,4 @@
-"""functrain.recompute: cheap values read after the forward are computed again there, not held.
+"""functrain.compiler.recompute: cheap values read after the forward are computed again there, not held.
 
 Graphs traced with make_fx (one process, no compiler): which values are recomputed, which stay
 held (random ones, ones that would need a large value the backward does not read), and that the

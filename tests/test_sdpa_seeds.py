@@ -1,4 +1,4 @@
-"""functrain.sdpa_seeds: dropout-free efficient attention's seed and offset never become CUDA buffers.
+"""functrain.compiler.sdpa_seeds: dropout-free efficient attention's seed and offset never become CUDA buffers.
 
 The graphs are traced with make_fx on fake CUDA tensors (no GPU and no compiler needed): efficient
 attention exists only for CUDA. The rewritten graphs are checked by running fake propagation

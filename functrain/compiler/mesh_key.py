@@ -44,8 +44,8 @@ def register() -> None:
     Idempotent; a no-op where torch has no distributed support.
 
     Example:
-        >>> from functrain.parallel import cache_key
-        >>> cache_key.register()  # done by `import functrain.parallel`
+        >>> from functrain.compiler import mesh_key
+        >>> mesh_key.register()  # done by `compiler.maybe_compile` and `compiler.graph`
     """
     if not dist.is_available():
         return
