@@ -42,7 +42,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from functrain.compiler import marks  # noqa: F401 - registers functrain::forward_done (the mark)
-from functrain.compiler.regather import REARRANGE, forward_end
+from functrain.compiler.regather import REARRANGE, split_at_mark
 
 __all__ = ["RecomputePass", "recompute_cheap"]
 
@@ -82,12 +82,10 @@ def recompute_cheap(graph: torch.fx.Graph) -> int:
     Example:
       >>> recompute_cheap(gm.graph)
     """
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    end = forward_end(nodes)
-    if end is None:
+    split = split_at_mark(graph)
+    if split is None:
         return 0
-    mark = pos[end]
+    nodes, pos, mark = split
     held: dict = {}  # the values held across the mark -> their readers after it
     for n in nodes[:mark]:
         readers = [u for u in n.users if pos[u] > mark and u.op != "output"] if n.op == "call_function" else []

@@ -112,12 +112,10 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
     """
     gather_op, wait_op = _collectives()
     barrier = torch.ops.functrain.remat_barrier.default
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    end = forward_end(nodes)
-    if end is None:
+    split = split_at_mark(graph)
+    if split is None:
         return 0
-    mark = pos[end]
+    nodes, pos, mark = split
     plans = []  # (first late reader, its cotangent, the gather, its wait, the derived values needed, late readers)
     for gather in [n for n in nodes if n.target is gather_op and pos[n] < mark]:
         waits = [u for u in gather.users if u.target is wait_op]
@@ -129,7 +127,7 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
         if not late or len(late) == len(set(readers)):
             continue  # read only before, or only after, the mark: nothing to free in between
         first = min(late, key=pos.__getitem__)
-        after = next((a for a in first.all_input_nodes if a not in derived), end)
+        after = next((a for a in first.all_input_nodes if a not in derived), nodes[mark])
         # the derived values the late readers need, and the tensors those come from
         need: set = set()
         stack = [a for u in late for a in u.all_input_nodes if a in derived]
@@ -163,9 +161,13 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
     return len(plans)
 
 
-def forward_end(nodes):
-    """The first `mark_forward_done` node among `nodes` (a graph's, in order), or None."""
-    return next((n for n in nodes if n.target is torch.ops.functrain.forward_done.default), None)
+def split_at_mark(graph: torch.fx.Graph):
+    """(the graph's nodes in order, {node: position}, the position of its first `mark_forward_done`),
+    or None for a graph without the mark."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    end = next((n for n in nodes if n.target is torch.ops.functrain.forward_done.default), None)
+    return None if end is None else (nodes, pos, pos[end])
 
 
 def gathered_in_flight(graph: torch.fx.Graph) -> dict:
