@@ -112,16 +112,18 @@ def sqrt(xs: Tensors) -> list[torch.Tensor]:
 def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
     """xs + weight (ys - xs) (weight: a scalar or a 0-d tensor).
 
-    A tensor weight always takes the List overload (broadcast views), on the CPU too: compiled,
-    the Scalar overload turns it into an unbacked float that torch 2.14's decomposition branches on
-    (`weight >= 0.5`: "GuardOnDataDependentSymNode"), and on 2.13 it rounded 1 ulp off eager lerp;
-    the List overload compiles on both and equals eager `torch._foreach_lerp` bit for bit."""
+    Compiled, a tensor weight is written out as `xs + weight * (ys - xs)` (three foreach ops that
+    inductor fuses into the kernels `_foreach_lerp` gave): torch 2.14's decomposition of
+    `_foreach_lerp.Scalar` branches on the weight (`weight >= 0.5`), an unbacked float once compiled
+    ("GuardOnDataDependentSymNode"). For a weight below 0.5 (Adam's 1 - b1) that is lerp's own
+    formula; on torch 2.13 the compiled result is bit-identical to the compiled `_foreach_lerp`."""
     if _per_tensor_for(xs, weight):
         return [torch.lerp(x, y, weight.to(x.dtype) if isinstance(weight, torch.Tensor) else float(weight))
                 for x, y in zip(xs, ys)]
-    if isinstance(weight, torch.Tensor):
-        weight = [weight.to(x.dtype).expand_as(x) for x in xs]
-    return list(torch._foreach_lerp(xs, ys, weight))
+    views = _broadcast_for(xs, weight)
+    if views is None and isinstance(weight, torch.Tensor) and torch.compiler.is_compiling():
+        return list(torch._foreach_add(xs, torch._foreach_mul(torch._foreach_sub(ys, xs), weight)))
+    return list(torch._foreach_lerp(xs, ys, views or weight))
 
 
 def addcmul(xs: Tensors, ys: Tensors, zs: Tensors) -> list[torch.Tensor]:

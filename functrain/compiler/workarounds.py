@@ -66,16 +66,17 @@ def _check_float64_lift() -> None:
         _fail("float64_scalars_lifted", f"a 0-d float64 input traced {traces} time(s), no restart")
 
 
-def _check_lerp_list() -> None:
-    """Compiled `_foreach_lerp` with the weight as broadcast views equals eager lerp bit for bit."""
+def _check_lerp_written_out() -> None:
+    """`foreach.lerp` with a tensor weight compiles (the written-out form) and equals eager `x + w (y - x)`."""
+    from functrain import foreach
+
     xs, ys = [torch.linspace(-1, 1, 37), torch.linspace(0, 3, 5)], [torch.linspace(2, -2, 37), torch.ones(5)]
     w = torch.tensor(0.1)
     torch._dynamo.reset()
-    got = torch.compile(lambda a, b, t: torch._foreach_lerp(a, b, [t.expand_as(x) for x in a]),
-                        fullgraph=True, dynamic=False)(xs, ys, w)
+    got = torch.compile(foreach.lerp, fullgraph=True, dynamic=False)(xs, ys, w)
     torch._dynamo.reset()
-    if not all(torch.equal(g, e) for g, e in zip(got, torch._foreach_lerp(xs, ys, 0.1))):
-        _fail("foreach_lerp_tensor_weight", "the List overload no longer equals eager lerp")
+    if not all(torch.equal(g, x + w * (y - x)) for g, x, y in zip(got, xs, ys)):
+        _fail("foreach_lerp_tensor_weight", "the compiled written-out lerp no longer equals eager x + w (y - x)")
 
 
 def _check_sdpa_seeds() -> None:
@@ -129,9 +130,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         "foreach_lerp_tensor_weight",
         "compiled `_foreach_lerp.Scalar` with a 0-d tensor weight: 2.14's decomposition branches on the "
-        "unbacked weight (GuardOnDataDependentSymNode); the weight travels as broadcast views (List overload)",
-        "reproduced by configs/gpt.py:tiny on 2.14.1", "2.14 (2.13 rounds the Scalar route 1 ulp off eager)",
-        "functrain/foreach.py (`lerp`)", _check_lerp_list),
+        "unbacked weight (GuardOnDataDependentSymNode); compiled, lerp is written out as x + w (y - x)",
+        "reproduced by configs/gpt.py:tiny on 2.14.1", "2.14 (on 2.13 the written-out form gives the same bits)",
+        "functrain/foreach.py (`lerp`)", _check_lerp_written_out),
     Workaround(
         "sdpa_efficient_seeds",
         "CUDA efficient attention makes its philox seed/offset on the CPU while inductor plans CUDA buffers; "
