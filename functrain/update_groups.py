@@ -21,7 +21,8 @@ blocks' and the rest's), whatever the depth. The step's finish runs in four phas
   4. `finish`  the shared optimizer state (every group computed the same), the step counter and the
                skip guard written back, the update norm.                                eager
 
-Measured results: docs/results.md.
+Phases 1, 2 and 4 are a few fused kernels and 0-d arithmetic: compiled, each cost a graph's cold
+compile and made nothing faster (measured: docs/results.md).
 
 What it needs. The optimizer must be leafwise (`optim.is_leafwise`: each leaf's update depends on
 its own grad, param and state plus shared state; `clip_by_global_norm` gets the global norm from
