@@ -21,8 +21,9 @@ Variants (`--config=configs/llama.py:<variant>`):
             `--config.init_from=hf:/path/to/SmolLM-135M` (config, weights and tokenizer.json are
             read from there; `model.block_size` is the training length).
 
-The tokenizer (`data.tokenizer`): "auto" uses the init_from directory's tokenizer.json, else trains a
-byte-level BPE of `model.vocab_size` ids (2048 when 0) on the training split, once, saved in
+The tokenizer (`data.tokenizer`): "auto" uses the init_from directory's tokenizer.json (bytes when it
+has none and its model has 256 ids; any other directory without one is refused up front), else
+trains a byte-level BPE of `model.vocab_size` ids (2048 when 0) on the training split, once, saved in
 `<workdir>/data/` and reused; "bytes", "bpe:N" or a path to a tokenizer.json also work.
 
 Hugging Face export: with `export_hf=True` (default) the run writes `<workdir>/hf` at the end

@@ -69,6 +69,10 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.optim.min_lr = 3e-5
     c.optim.schedule = "cosine"  # cosine | constant | linear
     c.optim.warmup_steps = 100
+    # False: the warm-up rate is lr * (t + 1) / (warmup_steps + 1) at update t (nanoGPT's), so the first
+    # update already moves the params; True: lr * t / warmup_steps, 0 at the first update (optax's
+    # linear warm-up from init_value=0, and functrain's curve before this key existed).
+    c.optim.warmup_from_zero = False
     c.optim.weight_decay = 0.1  # matrices only; biases, norms and embeddings' positions are masked
     c.optim.b1 = 0.9
     c.optim.b2 = 0.95  # GPT practice: faster second-moment adaptation than 0.999

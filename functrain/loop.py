@@ -56,7 +56,7 @@ from functrain.state import TrainState, init_state
 from functrain.step import make_eval_step, make_train_step
 from functrain.task import Task
 
-__all__ = ["Hook", "StepInfo", "TrainingError", "checkpoint_path", "every", "run"]
+__all__ = ["Hook", "StepInfo", "TrainingError", "checkpoint_path", "every", "resolve_device", "run"]
 
 
 class TrainingError(RuntimeError):
@@ -309,7 +309,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     """`run`'s body, once the config is checked and the workdir is this run's."""
     main = ctx.is_main_process
     print_fn = print_fn if main else _silent
-    device = _device(config, ctx)
+    device = resolve_device(config, ctx)
     if config.deterministic:
         torch.use_deterministic_algorithms(True)
     if config.host_memory == "keep" and device.type == "cpu":
@@ -441,14 +441,34 @@ def _compile_label(config) -> str:
     return mode if isinstance(mode, str) else "on" if mode else "off"
 
 
-def _device(config, ctx) -> torch.device:
-    """The compute device: the context's (cuda:LOCAL_RANK or cpu) unless `config.device` names one."""
+def resolve_device(config: Any, ctx: parallel.ParallelContext) -> torch.device:
+    """The compute device: the context's (cuda:LOCAL_RANK or cpu) unless `config.device` names one.
+
+    Args:
+      config: the run config (its `device` key).
+      ctx: the parallel context.
+
+    Returns:
+      The device.
+
+    Raises:
+      ConfigError: a device this torch build or machine lacks (one line naming it and the fix).
+
+    Example:
+      >>> resolve_device(config, ctx)  # device(type='cpu')
+    """
     if config.device == "auto":
         return ctx.device
     try:
         device = torch.device(config.device)
     except RuntimeError:
         raise validate.fail("device", config.device, "'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type not in ("cpu", "cuda"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, NotImplementedError, AssertionError):
+            raise validate.ConfigError(f"device={config.device!r} but this torch ({torch.__version__}) has no "
+                                       f"{device.type} device; use 'auto', 'cpu' or 'cuda' (--config.device)") from None
     if device.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:

@@ -142,6 +142,7 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     except ValueError as exc:
         raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     with ctx:
+        loop.resolve_device(config, ctx)  # a device this torch lacks fails before any data is prepared
         task = family.build(config, ctx, workdir)
         optimizer = optim.config.from_config(config.optim, config.steps)
         return loop.run(task, optimizer, config, workdir, ctx, hooks=hooks, print_fn=print_fn, t_program=t_program)

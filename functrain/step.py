@@ -116,7 +116,9 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
       `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params.
 
     A `functrain.remat.StagedLoss` brings its own gradient route (`value_and_grad`, which recomputes
-    blocks in the backward); any other loss function is differentiated by `torch.func.grad_and_value`.
+    blocks in the backward); any other loss function is differentiated by `torch.func.grad_and_value`
+    when compiled or inside a `torch.func` transform, and eagerly by plain autograd (the same
+    gradients, without the transform's per-op cost).
 
     Example:
       >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
@@ -133,8 +135,26 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
         scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
         return scaled, (loss.detach(), aux)
 
+    if compiler.eager_autograd_ok():  # the same gradients, without torch.func's per-op wrapping
+        return _autograd_value_and_grad(f, params)
     grads, (_, (loss, aux)) = torch.func.grad_and_value(f, has_aux=True)(params)
     return loss, aux, grads
+
+
+def _autograd_value_and_grad(f, params: PyTree):
+    """`torch.func.grad_and_value(f, has_aux=True)(params)`'s (loss, aux, grads) by plain autograd (eager only)."""
+    leaves, spec = tree_lib.flatten(params)
+    leaves = [x.detach().requires_grad_(x.is_floating_point() or x.is_complex()) for x in leaves]
+    with torch.enable_grad():
+        scaled, (loss, aux) = f(spec.unflatten(leaves))
+        wrt = [x for x in leaves if x.requires_grad]
+        found = iter(torch.autograd.grad(scaled, wrt, allow_unused=True) if wrt else ())
+    grads = []
+    for x in leaves:
+        g = next(found) if x.requires_grad else None
+        grads.append(torch.zeros_like(x) if g is None else g)  # an unused param: zeros, as torch.func gives
+    aux = tree_lib.map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)
+    return loss, aux, spec.unflatten(grads)
 
 
 def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None):

@@ -163,6 +163,27 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
         task.build(_config(tmp_path, directory), ctx, tmp_path / "run")
 
 
+def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_front(tmp_path):
+    """data.tokenizer=auto, no tokenizer.json: a 256-id model gets bytes; any other is refused before a BPE is trained."""
+    from functrain import validate
+    from functrain.models.llama import task
+
+    byte_dir, _ = _hf_model(tmp_path, vocab=256, name="bytes")
+    with parallel.setup(None) as ctx:
+        t = task.build(_config(tmp_path, byte_dir), ctx, tmp_path / "run_bytes")
+        x, _ = t.train_batch(0)
+    assert int(x.max()) < 256 and json.loads((tmp_path / "run_bytes" / "model.json").read_text())["tokenizer"] == "bytes"
+    assert not list((tmp_path / "run_bytes" / "data").glob("**/tokenizer*.json"))  # no BPE was trained
+
+    other_dir, _ = _hf_model(tmp_path, vocab=300, name="bpe")
+    with parallel.setup(None) as ctx, pytest.raises(validate.ConfigError) as info:
+        task.build(_config(tmp_path, other_dir), ctx, tmp_path / "run_bpe")
+    assert str(info.value) == (
+        f"init_from: {other_dir} has no tokenizer.json and its model has 300 ids; give the model's tokenizer "
+        "(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size (--config.data.tokenizer=bpe:300)")
+    assert not (tmp_path / "run_bpe" / "data").exists()  # refused before any data was prepared
+
+
 def test_train_from_hf_export_at_the_end_and_from_a_checkpoint(tmp_path):
     """init_from=hf: trains from the directory's weights with its tokenizer; the end-of-run export and
     an export of an earlier checkpoint both load in transformers and compute our logits."""

@@ -163,6 +163,7 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
     ("--config.optim.mu_dtype=int8", "optim.mu_dtype='int8' is out of range: one of 'float32'"),
     ("--config.max_consecutive_skips=-1", "max_consecutive_skips=-1 is out of range: an integer >= 0"),
     ("--config.device=cuda:99", "device='cuda:99' but this torch "),  # no machine has 100 GPUs
+    ("--config.device=mps", "device='mps' but this torch "),  # Apple's Metal: no Linux build has it
     ("--config.model.n_head=3", "model.n_embd=64, model.n_head=3: n_head must divide n_embd (each head gets "
                                 "n_embd / n_head channels); change either (--config.model.n_embd / --config.model.n_head)"),
     ("--config.batch_size=15 --config.accum_steps=2", "batch_size=15 must divide by data-parallel ranks (1) x "

@@ -381,3 +381,36 @@ def test_eval_step_returns_the_loss_and_keeps_the_state(tiny_gpt, batches, gpt_l
     assert not m["loss"].requires_grad
     _assert_trees_equal(state, snapshot)
     assert float(eval_step(state, (x, y))["loss"]) == float(m["loss"])
+
+
+def test_eager_value_and_grad_by_autograd_equals_torch_func(tiny_gpt, batches, gpt_loss_fn):
+    """Eagerly the gradients come from plain autograd; they are torch.func.grad_and_value's, bit for bit
+    (the same backward kernels), with dropout, a loss scale and a param the loss never reads."""
+    from functrain import compiler, rng
+    from functrain.loss_contract import loss_and_aux
+
+    model = tiny_gpt(n_layer=2, dropout=0.1)
+    loss_fn = gpt_loss_fn(model)
+    params = {**dict(model.named_parameters()), "unused": torch.ones(3)}
+    params = {k: v.detach() for k, v in params.items()}
+    batch, key, scale = batches(model.cfg, 1)[0], rng.key(7), torch.tensor(8.0)
+
+    def fn(p, b, k):
+        return loss_fn({n: x for n, x in p.items() if n != "unused"}, b, k)
+
+    assert compiler.eager_autograd_ok()
+    loss, aux, grads = value_and_grad(fn, params, batch, key, loss_scale=scale)
+
+    def f(p):
+        out, extra = loss_and_aux(fn(p, batch, key))
+        return out * scale, (out.detach(), extra)
+
+    ref, (_, (ref_loss, ref_aux)) = torch.func.grad_and_value(f, has_aux=True)(params)
+    assert torch.equal(loss, ref_loss) and aux.keys() == ref_aux.keys()
+    _assert_trees_equal(grads, ref)
+    assert torch.equal(grads["unused"], torch.zeros(3)) and float(grads["wte.weight"].abs().sum()) > 0
+    assert not any(g.requires_grad for g in grads.values()) and not loss.requires_grad
+    assert not any(p.requires_grad for p in params.values())  # the caller's tensors are not touched
+
+    inside = torch.func.vmap(lambda x: torch.tensor(compiler.eager_autograd_ok()))(torch.ones(2))
+    assert not inside.any()  # inside a transform the torch.func route runs

@@ -5,7 +5,7 @@
 `with_step_passes` (the one-graph step's inductor passes), `scan` (torch's scan higher-order op, for
 gradient accumulation). The rest: the compile cache (`cache`), the marks a staged loss places in a
 graph (`marks`) and the graph passes that read them (`recompute`, `regather`), the efficient-attention
-seed pass (`sdpa_seeds`), and the table of torch workarounds with a self-test each
+seed pass (`sdpa_seeds`), whether plain autograd may run (`transforms`), and the table of torch workarounds with a self-test each
 (`workarounds`; docs/compiler.md). Nothing outside this package imports `torch._dynamo`,
 `torch._inductor`, `torch._functorch` or `torch._higher_order_ops` (tests/test_architecture.py).
 
@@ -27,5 +27,6 @@ if TYPE_CHECKING:
     from functrain.compiler.marks import mark_forward_done, remat_barrier
     from functrain.compiler.passes import InTurn, with_step_passes
     from functrain.compiler.regather import RegatherPass, gathered_in_flight
+    from functrain.compiler.transforms import eager_autograd_ok, inside_transform
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -210,24 +210,53 @@ _MASK_LOG: list | None = None  # {leaf name: flag} per resolve_mask call while a
 def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:
     """A mask as one Python bool per leaf of `params`, in flattening order.
 
+    The mask may be the params' whole structure or a prefix of it: a bool where `params` has a
+    subtree applies to every leaf below (as optax's masks do).
+
     Args:
-      mask: a bool tree with the structure of `params`, or a callable params -> such a tree.
+      mask: a bool tree shaped like `params` (or like a prefix of it), or a callable params -> such a tree.
       params: the params (or updates) the mask selects from.
 
     Returns:
       A list of bools.
 
+    Raises:
+      ValueError: the mask's structure is not a prefix of the params' (one line naming both).
+
     Example:
-      >>> resolve_mask(lambda p: {k: v.ndim >= 2 for k, v in p.items()}, params)
-      [True, False, ...]
+      >>> resolve_mask({"blocks": True, "head": {"w": True, "b": False}}, params)
+      [True, True, ..., False, True]
     """
     if callable(mask):
         mask = mask(params)
-    spec = tree_lib.flatten(params)[1]
-    flat = [bool(m) for m in spec.flatten_up_to(mask)]
+    flags, mask_spec = tree_lib.flatten(mask)
+    try:
+        subtrees = mask_spec.flatten_up_to(params)
+    except (ValueError, TypeError) as exc:
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"optim mask: its structure is not a prefix of the params' ({detail}); give a bool "
+                         "per leaf or per subtree of the params") from None
+    flat = []
+    for flag, sub in zip(flags, subtrees):
+        flat.extend([bool(flag)] * len(tree_lib.leaves(sub)))
     if _MASK_LOG is not None:  # functrain.update_groups checks masks resolved on a group of leaves
         _MASK_LOG.append({n: f for (n, _), f in zip(tree_lib.named_leaves(params), flat)})
     return flat
+
+
+def _selected_names(params: PyTree, flags: list[bool]) -> list[tuple[int, str]]:
+    """(position, name) of each selected leaf; a dotted name an earlier leaf has gets `#<position>` appended."""
+    names = [n for n, _ in tree_lib.named_leaves(params)]
+    used = set()
+    out = []
+    for i, n in enumerate(names):
+        if n in used:
+            while n in used or n in names:
+                n = f"{n}#{i}"
+        used.add(n)
+        if flags[i]:
+            out.append((i, n))
+    return out
 
 
 class MaskedState(NamedTuple):
@@ -240,12 +269,15 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
     """Applies `inner` only to the leaves where `mask` is True; other updates pass unchanged.
 
     The inner transform sees a dict {dotted leaf name: leaf} of the selected leaves, so its
-    state keeps readable names (and checkpoints stay inspectable).
+    state keeps readable names (and checkpoints stay inspectable). Leaves are matched by their
+    position in the tree, not by name: where two leaves share a dotted name (a key "a.b" beside
+    a nested "a" -> "b"), the later one is seen as "a.b#<position>".
 
     Args:
       inner: the transform to apply to the selected leaves.
-      mask: a tree of Python bools shaped like the params, or a callable `params -> mask`.
-        It must not depend on tensor values (it is resolved once, outside the compiled graph).
+      mask: a tree of Python bools shaped like the params (or like a prefix of them: one bool for a
+        whole subtree), or a callable `params -> mask`. It must not depend on tensor values (it is
+        resolved outside the compiled graph's data).
 
     Returns:
       A `Transform`.
@@ -255,25 +287,28 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
       >>> optim.masked(optim.add_decayed_weights(0.1), no_norms)
     """
 
-    def select(tree, params):
-        names = [n for n, _ in tree_lib.named_leaves(params)]
-        flags = resolve_mask(mask, params)
+    def select(params):
+        """(position, name) of the selected leaves."""
+        return _selected_names(params, resolve_mask(mask, params))
+
+    def pick(tree, params, chosen):
+        """{name: subtree of `tree`} at the chosen leaf positions of `params`."""
         flat = tree_lib.flatten(params)[1].flatten_up_to(tree)
-        return {n: x for n, x, m in zip(names, flat, flags) if m}
+        return {n: flat[i] for i, n in chosen}
 
     def init(params):
-        return MaskedState(inner.init(select(params, params)))
+        return MaskedState(inner.init(pick(params, params, select(params))))
 
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("optim.masked needs params: call update(updates, state, params)")
+        chosen = select(params)
         sub_updates, inner_state = inner.update(
-            select(updates, params), state.inner, select(params, params)
-        )
-        names = [n for n, _ in tree_lib.named_leaves(params)]
+            pick(updates, params, chosen), state.inner, pick(params, params, chosen))
         spec = tree_lib.flatten(params)[1]
-        flat = spec.flatten_up_to(updates)
-        merged = [sub_updates.get(n, u) for n, u in zip(names, flat)]
+        merged = spec.flatten_up_to(updates)
+        for i, n in chosen:
+            merged[i] = sub_updates[n]
         return spec.unflatten(merged), MaskedState(inner_state)
 
     # leafwise when `inner` is (a norm-reading inner is not: masked does not pass the norm on); the

@@ -21,6 +21,7 @@ CHECKS: list = [
     ("optim.min_lr", v.number_at_least(0.0)),
     ("optim.schedule", v.one_of("cosine", "constant", "linear")),
     ("optim.warmup_steps", v.int_at_least(0)),
+    ("optim.warmup_from_zero", v.boolean()),
     ("optim.weight_decay", v.number_at_least(0.0)),
     ("optim.b1", v.number_in(0.0, 1.0)),
     ("optim.b2", v.number_in(0.0, 1.0)),

@@ -1,7 +1,7 @@
 """The optimizer a run config describes: `from_config(config.optim, steps)`, and its checks.
 
 Keys of `config.optim`: name (adamw | sgd), lr, min_lr, schedule (cosine | constant | linear),
-warmup_steps, weight_decay (matrices only: biases and norm scales get none), b1, b2, eps (adamw),
+warmup_steps, warmup_from_zero, weight_decay (matrices only: biases and norm scales get none), b1, b2, eps (adamw),
 momentum (sgd), clip (global-norm clipping, 0 = off), mu_dtype / nu_dtype (adamw moment storage).
 
 Example:
@@ -26,8 +26,13 @@ __all__ = ["CHECKS", "decay_mask", "from_config", "schedule_from_config"]
 def schedule_from_config(c: Any, steps: int) -> Schedule:
     """The learning-rate schedule of `c` (the optim config) over a run of `steps` steps.
 
+    The warm-up follows nanoGPT: the rate of update t (t = 0 first) is `lr * (t + 1) / (W + 1)` for
+    t < W = warmup_steps, so the first update already moves the params (optax's schedules with
+    `init_value = lr / (W + 1)` give the same curve). `c.warmup_from_zero=True` gives `lr * t / W`
+    instead: rate 0 at the first update (optax's default `init_value=0`).
+
     Args:
-      c: the optim config (lr, min_lr, warmup_steps, schedule).
+      c: the optim config (lr, min_lr, warmup_steps, warmup_from_zero, schedule).
       steps: total training steps (the decay length).
 
     Returns:
@@ -35,13 +40,15 @@ def schedule_from_config(c: Any, steps: int) -> Schedule:
 
     Example:
       >>> sched = schedule_from_config(config.optim, config.steps)
+      >>> sched(torch.tensor(0))  # lr / (warmup_steps + 1)
     """
     warmup = min(c.warmup_steps, max(steps - 1, 0))
+    init = 0.0 if c.warmup_from_zero else c.lr / (warmup + 1)
     if c.schedule == "cosine":
-        return warmup_cosine(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr)
+        return warmup_cosine(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr, init_value=init)
     if c.schedule == "constant":
-        return linear_warmup(c.lr, warmup)
-    return warmup_linear(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr)  # "linear"
+        return linear_warmup(c.lr, warmup, init_value=init)
+    return warmup_linear(c.lr, warmup, max(steps, warmup + 1), end_value=c.min_lr, init_value=init)  # "linear"
 
 
 def decay_mask(params: dict) -> dict:

@@ -155,7 +155,13 @@ def warmup_cosine(
                          "min_lr": end_value, "init_lr": init_value})
 
 
-def warmup_linear(peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0) -> Schedule:
+def warmup_linear(
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+    init_value: float = 0.0,
+) -> Schedule:
     """Linear warm-up to `peak_value`, then linear decay to `end_value` at count `decay_steps`.
 
     Args:
@@ -163,6 +169,7 @@ def warmup_linear(peak_value: float, warmup_steps: int, decay_steps: int, end_va
       warmup_steps: warm-up length ("warmup_steps").
       decay_steps: the count at which the decay ends ("decay_steps").
       end_value: the final rate ("min_lr").
+      init_value: the rate at count 0 ("init_lr").
 
     Returns:
       A schedule.
@@ -173,9 +180,10 @@ def warmup_linear(peak_value: float, warmup_steps: int, decay_steps: int, end_va
     if decay_steps <= warmup_steps:
         raise ValueError(f"warmup_linear: decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
 
-    def fn(count, lr, warmup_steps, decay_steps, min_lr):
+    def fn(count, lr, warmup_steps, decay_steps, min_lr, init_lr):
         t = _t(count)
-        warm = lr * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
+        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
         return torch.where(t < warmup_steps, warm, _linear(count, lr, min_lr, decay_steps - warmup_steps, warmup_steps))
 
-    return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "decay_steps": decay_steps, "min_lr": end_value})
+    return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "decay_steps": decay_steps, "min_lr": end_value,
+                         "init_lr": init_value})

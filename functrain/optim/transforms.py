@@ -14,6 +14,7 @@ Per-step scalars (the learning rate, Adam's bias corrections, the clip coefficie
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, NamedTuple, Union
 
 import optree
@@ -279,12 +280,23 @@ class ScaleByLearningRateState(NamedTuple):
     hyper: dict = {}
 
 
+def _rate_tensor(rate: Any, count: torch.Tensor) -> torch.Tensor:
+    """A learning-rate callable's answer as a tensor on the count's device (a Python number becomes a float32 one)."""
+    if isinstance(rate, torch.Tensor):
+        return rate
+    if isinstance(rate, numbers.Real) and not isinstance(rate, bool):
+        return torch.tensor(float(rate), dtype=torch.float32, device=count.device)
+    raise TypeError(f"the learning-rate callable returned {type(rate).__name__}; return a float or a 0-d tensor "
+                    "(for example a functrain.optim schedule)")
+
+
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> Transform:
     """Multiplies updates by `-learning_rate(count)` (a descent step).
 
     Args:
-      learning_rate: a float, a 0-d tensor, or a schedule `count -> lr` (see `optim.schedules`)
-        evaluated on the number of updates done so far (0 for the first update).
+      learning_rate: a float, a 0-d tensor, or a schedule `count -> lr` (see `optim.schedules`; any
+        callable returning a float or a 0-d tensor) evaluated on the number of updates done so far
+        (0 for the first update).
       flip_sign: negate (descent). Set False for ascent.
 
     Returns:
@@ -306,7 +318,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         if isinstance(learning_rate, Schedule):
             return learning_rate.at(count, hyper)
         if callable(learning_rate):
-            return learning_rate(count)
+            return _rate_tensor(learning_rate(count), count)
         return hyper["lr"]
 
     def init(params):

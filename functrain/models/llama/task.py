@@ -7,7 +7,8 @@ cache_dir, tokenizer), init_from, export_hf, loss_chunk_size, remat, sample.*.
 
 `init_from="hf:<dir>"`: the model is built from `<dir>/config.json` (the model.* keys other than
 block_size are ignored), its weights read from `<dir>/*.safetensors` (each rank reads only its own
-shards) and, with `data.tokenizer="auto"`, the data tokenized with `<dir>/tokenizer.json`.
+shards) and, with `data.tokenizer="auto"`, the data tokenized with `<dir>/tokenizer.json` (bytes for a
+directory without one whose model has 256 ids; any other such directory is refused up front).
 `model.block_size` is the training sequence length (at most the directory's
 max_position_embeddings). A resume from this run's own checkpoint wins over `init_from`.
 
@@ -61,9 +62,17 @@ def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.
 def _tokenizer(config: Any, hf: HFDirectory | None, cache_dir: str):
     """The tokenizer `data.tokenizer` names (None: bytes, the data layer's default)."""
     spec = config.data.tokenizer
-    if spec == "auto":
-        if hf is not None and hf.tokenizer_file is not None:
+    if spec == "auto" and hf is not None:
+        if hf.tokenizer_file is not None:
             return data_lib.HFTokenizer(hf.tokenizer_file)
+        vocab = hf.config.get("vocab_size")
+        if vocab == 256:  # a byte-level model (what functrain exports after a run on bytes)
+            return None
+        raise v.ConfigError(
+            f"init_from: {hf.path} has no tokenizer.json and its model has {vocab} ids; give the model's tokenizer "
+            f"(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size "
+            f"(--config.data.tokenizer=bpe:{vocab})")
+    if spec == "auto":
         spec = f"bpe:{config.model.vocab_size or 2048}"
     if spec == "bytes":
         return None
