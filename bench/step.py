@@ -31,6 +31,9 @@ MFU 40.1% vs 31.2% of the measured matmul (31.5% vs 24.5% of 989 TFLOP/s), peak 
 For each GPT size it compares, on the same model, data and hyper-parameters:
   functrain  `make_train_step(loss_fn, chain(clip_by_global_norm, adamw(warmup_cosine)), donate=True)`,
              compiled with torch.compile (fullgraph, one graph)
+  functrain_eager  the same step with `compile=False` and `adamw(..., fused=True)` (gradients by plain
+             autograd, the update through torch's fused AdamW kernel in place): research code that
+             composes steps eagerly (`--no-eager` skips it); printed as its step time over torch's
   torch      eager `nn.Module` forward/backward + `clip_grad_norm_` + `torch.optim.AdamW(fused=True)`
              (foreach=True where fused is not supported on the device: the output says so) + LambdaLR
 
@@ -181,6 +184,42 @@ class Functrain:
         pass
 
 
+class FunctrainEager(Functrain):
+    """The same functional step run eagerly (`compile=False`), as research code composing steps runs it:
+    gradients by plain autograd, the update through torch's fused AdamW kernel (`adamw(fused=True)`)."""
+
+    name = "functrain_eager"
+
+    def __init__(self, cfg, device):
+        with torch.device("meta"):
+            template = gpt.GPT(cfg)
+        opt = optim.chain(optim.clip_by_global_norm(CLIP),
+                          optim.adamw(_schedule(), *BETAS, 1e-8, WD, fused=True))
+        params = gpt.init_params(template, rng.key(0), device=device)
+        self.state = init_state(params, opt, seed=0, copy=False)
+        self.loss_fn, self.opt = make_loss_fn(template), opt
+        self.step_fn = make_train_step(self.loss_fn, opt, compile=False, donate=True, precision=PRECISION)
+        self.note = f"eager, donate=True, adamw(fused=True), precision {PRECISION}"
+
+    def parts(self):
+        """(forward + backward, update): the eager step's two halves."""
+        loss_fn, prec = self.loss_fn, precision_lib.get(PRECISION)
+        update = step_lib.update_step(self.opt, compile=False)
+        cache = {}
+
+        def fwdbwd(batch):
+            loss, _, grads = value_and_grad(loss_fn, *precision_lib.to_compute(prec, self.state.params, batch), None)
+            cache["grads"] = precision_lib.cast_floating(grads, torch.float32)
+            cache["loss"] = loss = loss.float()
+            return loss
+
+        def opt_update(batch):
+            self.state, m = update(self.state, cache["grads"], {"loss": cache["loss"]})
+            return m["grad_norm"]
+
+        return fwdbwd, opt_update
+
+
 class TorchLoop:
     """The eager nn.Module loop with torch.optim.AdamW (fused where supported)."""
 
@@ -243,11 +282,16 @@ VARIANTS = {"functrain": Functrain, "torch": TorchLoop}
 # Speed: both variants in this process, interleaved.
 
 
-def speed(size, steps, rounds, device):
+def _kinds(eager):
+    """The variants timed side by side."""
+    return (Functrain, FunctrainEager, TorchLoop) if eager else (Functrain, TorchLoop)
+
+
+def speed(size, steps, rounds, device, eager=True):
     cfg, batch = _cfg(size)
     data = _batches(cfg, batch, device)
     runners, first, first_loss = [], {}, {}
-    for cls in (Functrain, TorchLoop):
+    for cls in _kinds(eager):
         r = cls(cfg, device)
         _sync(device)
         t = time.perf_counter()
@@ -272,7 +316,11 @@ def speed(size, steps, rounds, device):
             per_round_s[r.name].append((time.perf_counter() - t) / per_round)
         k += per_round
     f, t = per_round_s["functrain"], per_round_s["torch"]
+    extra = {}
+    if eager:  # the eager step's time over the eager torch loop's, per round (> 1: slower than torch)
+        extra["eager_time_ratio"] = statistics.median(e / b for e, b in zip(per_round_s["functrain_eager"], t))
     return {
+        **extra,
         "params": gpt.num_params(cfg),
         "notes": {r.name: r.note for r in runners},
         "first_s": first,
@@ -284,12 +332,12 @@ def speed(size, steps, rounds, device):
     }
 
 
-def breakdown(size, rounds, device):
+def breakdown(size, rounds, device, eager=True):
     """Median ms of each part and of the whole step, per variant, in alternating rounds."""
     cfg, batch = _cfg(size)
     data = _batches(cfg, batch, device)
     out = {}
-    runners = [cls(cfg, device) for cls in (Functrain, TorchLoop)]
+    runners = [cls(cfg, device) for cls in _kinds(eager)]
     plan = []
     for r in runners:
         fwdbwd, update = r.parts()
@@ -401,6 +449,7 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory children")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-part breakdown")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager functrain column (functrain_eager)")
     ap.add_argument("--breakdown-rounds", type=int, default=6, help="alternating rounds of the breakdown")
     ap.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
@@ -436,23 +485,31 @@ def main():
         cfg, batch = _cfg(size)
         print(f"\n[{size}] GPT {gpt.num_params(cfg) / 1e6:.2f}M params (n_layer {cfg.n_layer}, "
               f"n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, block {cfg.block_size}), batch {batch}", flush=True)
-        sp = speed(size, args.steps, args.rounds, device)
+        eager = not args.no_eager
+        sp = speed(size, args.steps, args.rounds, device, eager)
         for name, note in sp["notes"].items():
-            print(f"  {name:9s} {note}; first-step loss {sp['first_loss'][name]:.6f}")
+            print(f"  {name:15s} {note}; first-step loss {sp['first_loss'][name]:.6f}")
         mem = None if args.no_memory else measure_memory(size, args.mem_steps, device, args.threads, args.host_memory)
         if mem:
             print(f"  memory: {mem['functrain']['method']}; resident state "
                   f"functrain {mem['functrain']['base_mb']:.0f} MB, torch {mem['torch']['base_mb']:.0f} MB; "
                   f"peak functrain {mem['functrain']['peak_mb']:.0f} MB, torch {mem['torch']['peak_mb']:.0f} MB")
         if not args.no_breakdown:
-            bd = breakdown(size, args.breakdown_rounds, device)
+            bd = breakdown(size, args.breakdown_rounds, device, eager)
             f, t = bd["functrain"], bd["torch"]
+            e = bd.get("functrain_eager")
             print(f"\n  [{size}] where a step's time goes (median ms over {args.breakdown_rounds} rounds)\n"
-                  "  | part | functrain ms | torch ms | time functrain / torch |\n  |---|---|---|---|")
+                  "  | part | functrain ms | torch ms | time functrain / torch |"
+                  + (" functrain eager ms | time eager / torch |" if e else "")
+                  + "\n  |---|---|---|---|" + ("---|---|" if e else ""))
             for k, label in (("fwdbwd", "forward + backward"), ("update", "optimizer update (clip, AdamW, ...)"),
                              ("other", "everything else"), ("step", "whole step")):
                 ratio = f"{f[k] / t[k]:.2f}x" if k != "other" and t[k] > 0 else "-"
-                print(f"  | {label} | {f[k]:.1f} | {t[k]:.1f} | {ratio} |", flush=True)
+                row = f"  | {label} | {f[k]:.1f} | {t[k]:.1f} | {ratio} |"
+                if e:
+                    row += f" {e[k]:.1f} | " + (f"{e[k] / t[k]:.2f}x |" if k != "other" and t[k] > 0 else "- |")
+                print(row, flush=True)
+            sp["breakdown_ms"] = bd
         tokens = batch * cfg.block_size
         fpt = gpt.flops_per_token(cfg)
         sp["tokens_per_s"] = {n: v * tokens for n, v in sp["steps_per_s"].items()}
@@ -464,6 +521,9 @@ def main():
               f"(ratio {sp['ratio']:.2f}x); tokens/s {sp['tokens_per_s']['functrain']:,.0f} vs "
               f"{sp['tokens_per_s']['torch']:,.0f}; MFU of the measured matmul {sp['mfu_matmul']['functrain']:.1%} vs "
               f"{sp['mfu_matmul']['torch']:.1%}", flush=True)
+        if eager:
+            print(f"  [{size}] eager: functrain_eager {sp['steps_per_s']['functrain_eager']:.3f} steps/s; its step "
+                  f"time / the torch loop's: {sp['eager_time_ratio']:.2f}x", flush=True)
 
     print("\n| size | params | functrain steps/s | torch steps/s | ratio (functrain/torch) | "
           "first step functrain (compile) | first step torch | peak growth/step functrain | peak growth/step torch |")

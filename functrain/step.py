@@ -3,10 +3,10 @@
 This module holds the mathematics of a step (value and grad, accumulation, the finish) and asks
 `functrain.compiler` for the compile unit; the optimizer half is `functrain.update`.
 
-The train step does forward, backward (`torch.func.grad_and_value` over the params), gradient
-accumulation, the optimizer (clipping, schedule, update) and the step counter in one function, and
-compiles it whole with `torch.compile(fullgraph=True)`. Everything that changes from step to step is
-a tensor in the state, so the graph is built once and never recompiled.
+The train step does forward, backward (`torch.func.grad_and_value` over the params; plain autograd
+when eager), gradient accumulation, the optimizer (clipping, schedule, update) and the step counter
+in one function, and compiles it whole with `torch.compile(fullgraph=True)`. Everything that changes
+from step to step is a tensor in the state, so the graph is built once and never recompiled.
 
 Donation. With `donate=True` (the default) the step writes the new params and optimizer state into
 the input state's buffers (inside the compiled graph, where inductor makes the update kernels write
@@ -117,8 +117,7 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
 
     A `functrain.remat.StagedLoss` brings its own gradient route (`value_and_grad`, which recomputes
     blocks in the backward); any other loss function is differentiated by `torch.func.grad_and_value`
-    when compiled or inside a `torch.func` transform, and eagerly by plain autograd (the same
-    gradients, without the transform's per-op cost).
+    (compiled, or in a transform), or eagerly by plain autograd (the same gradients, faster).
 
     Example:
       >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
@@ -144,17 +143,12 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
 def _autograd_value_and_grad(f, params: PyTree):
     """`torch.func.grad_and_value(f, has_aux=True)(params)`'s (loss, aux, grads) by plain autograd (eager only)."""
     leaves, spec = tree_lib.flatten(params)
-    leaves = [x.detach().requires_grad_(x.is_floating_point() or x.is_complex()) for x in leaves]
+    leaves = [x.detach().requires_grad_() for x in leaves]
     with torch.enable_grad():
         scaled, (loss, aux) = f(spec.unflatten(leaves))
-        wrt = [x for x in leaves if x.requires_grad]
-        found = iter(torch.autograd.grad(scaled, wrt, allow_unused=True) if wrt else ())
-    grads = []
-    for x in leaves:
-        g = next(found) if x.requires_grad else None
-        grads.append(torch.zeros_like(x) if g is None else g)  # an unused param: zeros, as torch.func gives
-    aux = tree_lib.map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)
-    return loss, aux, spec.unflatten(grads)
+        found = torch.autograd.grad(scaled, leaves, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]  # unused: zeros, as torch.func
+    return loss, tree_lib.map(lambda a: a.detach() if torch.is_tensor(a) else a, aux), spec.unflatten(grads)
 
 
 def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None):

@@ -20,6 +20,7 @@ from functrain import compiler, foreach, ops, optim
 from functrain import precision as precision_lib
 from functrain import tree as tree_lib
 from functrain.parallel.dispatch import layout_of
+from functrain.parallel.layout import LOCAL
 from functrain.state import Guard, TrainState
 
 __all__ = ["apply_gradients", "guard_after", "make_update", "to_master", "update_ok", "update_step"]
@@ -133,10 +134,32 @@ def apply_gradients(
     return TrainState(params, opt_state, state.step + 1, state.rng, guard), metrics
 
 
+def _fused_in_place(state: TrainState, aux: dict, grads: PyTree, optimizer: optim.Transform, guarded: bool,
+                    prec: precision_lib.Precision):
+    """`apply_gradients` + donation through the optimizer's fused kernel (eager, local params), or None where it cannot run."""
+    if not compiler.eager_autograd_ok() or layout_of(state.params) is not LOCAL:
+        return None
+    metrics = dict(aux)
+    metrics[M.GRAD_NORM] = grad_norm = LOCAL.global_norm(grads)
+    ok = update_ok(grad_norm, metrics) if guarded else torch.ones((), dtype=torch.bool, device=grad_norm.device)
+    opt_state = optimizer.fused(state.params, grads, state.opt_state, norm=grad_norm, found_inf=(~ok).float())
+    if opt_state is None:  # tensors the kernel does not take: nothing was touched
+        return None
+    guard = guard_after(state.guard, ok, prec, metrics) if guarded else state.guard
+    metrics.update(optim.report(optimizer, opt_state))
+    new = TrainState(state.params, opt_state, state.step + 1, state.rng, guard)
+    return LOCAL.write_into(state, new), metrics  # (the counters; params and moments changed in place)
+
+
 def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision):
-    """`update(state, aux, grads) -> (state, metrics)`: `apply_gradients`, then donation."""
+    """`update(state, aux, grads) -> (state, metrics)`: `apply_gradients`, then donation (in place through
+    the optimizer's fused kernel when it has one and the step runs eagerly)."""
 
     def update(state: TrainState, aux: dict, grads: PyTree):
+        if donate and optimizer.fused is not None:
+            done = _fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision)
+            if done is not None:
+                return done
         new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=skip_nonfinite,
                                              precision=precision)
         if donate:

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import torch
 
+from functrain.optim import fused as fused_lib
 from functrain.optim.base import Transform, chain
 from functrain.optim.transforms import (
     ScalarOrSchedule,
@@ -30,6 +31,7 @@ def adamw(
     mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
+    fused: bool = False,
 ) -> Transform:
     """AdamW (decoupled weight decay), the same update as `torch.optim.AdamW`.
 
@@ -42,18 +44,31 @@ def adamw(
       weight_decay: decoupled decay (multiplied by the learning rate, as torch and optax do).
       mask: which params get weight decay (tree of bools or callable); default all.
       mu_dtype, nu_dtype: storage dtypes of Adam's moments (see `scale_by_adam`).
+      fused: an eager train step that donates its state runs the update in place through torch's
+        fused AdamW kernel (one pass over the params, as `torch.optim.AdamW(fused=True)`; also after
+        `clip_by_global_norm` in a chain). Its metrics then have no `update_norm` (the kernel does
+        not expose the update). Compiled steps, and eager ones that do not donate or hold sharded
+        params, run the same math unfused (see `functrain.optim.fused`).
 
     Returns:
       A `Transform`.
 
+    Raises:
+      ValueError: `fused=True` with moments stored in another dtype than the params' (the kernel
+        keeps one dtype).
+
     Example:
       >>> opt = optim.adamw(optim.warmup_cosine(3e-4, 100, 5000), weight_decay=0.1)
     """
-    return chain(
+    if fused and (mu_dtype is not None or nu_dtype is not None):
+        raise ValueError("adamw(fused=True) keeps Adam's moments in the params' dtype (torch's kernel takes one "
+                         "dtype): drop mu_dtype/nu_dtype or fused")
+    opt = chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
+    return opt._replace(fused=fused_lib.adamw_route(learning_rate, mask)) if fused else opt
 
 
 def adam(

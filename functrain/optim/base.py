@@ -65,13 +65,18 @@ ReportFn = Callable[[PyTree], dict]
 class Transform(NamedTuple):
     """A gradient transformation: `init(params) -> state` and
     `update(updates, state, params=None) -> (updates, state)`, both pure; optionally
-    `report(state) -> {metric name: 0-d tensor}`, the metrics it owns (e.g. the learning rate), and
-    `leafwise`: True, "norm" (leafwise given the global norm) or False (see the module docstring)."""
+    `report(state) -> {metric name: 0-d tensor}`, the metrics it owns (e.g. the learning rate),
+    `leafwise`: True, "norm" (leafwise given the global norm) or False (see the module docstring),
+    and two eager shortcuts (`functrain.optim.fused`): `scale(state, norm) -> 0-d tensor` for a
+    transform whose update only multiplies every leaf by that one factor (`clip_by_global_norm`), and
+    `fused`, an in-place route through one of torch's fused optimizer kernels (`adamw(fused=True)`)."""
 
     init: InitFn
     update: UpdateFn
     report: ReportFn | None = None
     leafwise: bool | str = False
+    scale: Callable[[PyTree, Any], Any] | None = None
+    fused: Callable[..., Any] | None = None
 
 
 def is_leafwise(t: Transform) -> bool:
@@ -182,7 +187,23 @@ def chain(*transforms: Transform) -> Transform:
     # chain passes the norm to its first transform only)
     first, rest = (transforms[0].leafwise, transforms[1:]) if transforms else (True, ())
     whole = (first if first in (True, "norm") else False) if all(t.leafwise is True for t in rest) else False
-    return Transform(init, update, report_all, whole)
+    fusable = transforms and transforms[-1].fused is not None and all(t.scale is not None for t in transforms[:-1])
+    return Transform(init, update, report_all, whole, fused=_chain_fused(transforms) if fusable else None)
+
+
+def _chain_fused(transforms: tuple) -> Callable[..., Any]:
+    """The `fused` route of a chain of scale-only transforms ending in a fused one: the factors become the kernel's grad scale."""
+    *scalers, last = transforms
+
+    def fused(params, grads, state, *, norm, found_inf, grad_scale=None):
+        for t, s in zip(scalers, state):
+            factor = t.scale(s, norm)
+            norm = norm * factor  # the norm the next transform sees
+            grad_scale = 1.0 / factor if grad_scale is None else grad_scale / factor  # the kernel divides by it
+        inner = last.fused(params, grads, state[-1], norm=norm, found_inf=found_inf, grad_scale=grad_scale)
+        return None if inner is None else (*state[:-1], inner)
+
+    return fused
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

@@ -208,11 +208,15 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         u, spec = tree_lib.flatten(updates)
         if norm is None:  # not given by the caller (see optim.call_update)
             norm = tree_lib.global_norm(u)
-        # in the norm's dtype, as torch.nn.utils.clip_grad_norm_ computes it
-        (coef,) = ops.hoist(torch.clamp(state.hyper["clip"].to(norm.dtype) / (norm + 1e-6), max=1.0))
+        (coef,) = ops.hoist(_clip_factor(state, norm))
         return spec.unflatten(foreach.mul(u, coef)), state
 
-    return Transform(init, update, leafwise="norm")
+    return Transform(init, update, leafwise="norm", scale=_clip_factor)
+
+
+def _clip_factor(state: HyperState, norm: torch.Tensor) -> torch.Tensor:
+    """`min(1, max_norm / (norm + 1e-6))` in the norm's dtype, as torch.nn.utils.clip_grad_norm_ computes it."""
+    return torch.clamp(state.hyper["clip"].to(norm.dtype) / (norm + 1e-6), max=1.0)
 
 
 class TraceState(NamedTuple):
@@ -290,6 +294,15 @@ def _rate_tensor(rate: Any, count: torch.Tensor) -> torch.Tensor:
                     "(for example a functrain.optim schedule)")
 
 
+def rate_at(learning_rate: ScalarOrSchedule, count: torch.Tensor, hyper: dict) -> torch.Tensor:
+    """The rate `scale_by_learning_rate(learning_rate)` uses at `count` with its state's constants `hyper`."""
+    if isinstance(learning_rate, Schedule):
+        return learning_rate.at(count, hyper)
+    if callable(learning_rate):
+        return _rate_tensor(learning_rate(count), count)
+    return hyper["lr"]
+
+
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> Transform:
     """Multiplies updates by `-learning_rate(count)` (a descent step).
 
@@ -315,11 +328,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         defaults = {"lr": learning_rate}
 
     def lr_at(count, hyper):
-        if isinstance(learning_rate, Schedule):
-            return learning_rate.at(count, hyper)
-        if callable(learning_rate):
-            return _rate_tensor(learning_rate(count), count)
-        return hyper["lr"]
+        return rate_at(learning_rate, count, hyper)
 
     def init(params):
         count = _count_like(params)

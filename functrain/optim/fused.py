@@ -1,0 +1,101 @@
+"""The eager in-place route of `adamw(fused=True)`: torch's fused AdamW kernel (`torch._fused_adamw_`).
+
+A chain of foreach transforms makes one pass over the parameters per operation (about twenty for
+clipped AdamW); compiled, inductor fuses them into one, but an eager step pays every pass. The fused
+route runs the same update in torch's single-pass kernel, in place: the eager train step takes it
+when it owns the state's buffers (`donate=True`) and the tensors suit the kernel (plain tensors of one
+floating dtype on one CPU or CUDA device, Adam's moments in that dtype). Elsewhere (compiled, not
+donating, sharded params) the same update runs as the chain.
+
+The math is the chain's: clipping becomes the kernel's gradient divisor (`grad / (1 / factor)`),
+decoupled weight decay its `p *= 1 - lr * wd`, the skip of a non-finite step its `found_inf` (params
+and moments stay untouched). It agrees with the chain to float32 rounding (the kernel computes the
+bias corrections in float32 from a float step count, the chain in float64).
+
+Example:
+    >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, fused=True))
+    >>> step = make_train_step(loss_fn, opt, compile=False)  # each update is one kernel pass
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from functrain import tree as tree_lib
+from functrain.optim.base import resolve_mask
+from functrain.optim.transforms import ScaleByLearningRateState, rate_at
+
+__all__ = ["adamw_route", "kernel_takes"]
+
+PyTree = Any
+
+
+def kernel_takes(tensors: list) -> bool:
+    """Whether torch's fused kernel takes these tensors: plain tensors of one floating dtype on one CPU or CUDA device.
+
+    Args:
+      tensors: the params, grads and moments, in one list.
+
+    Returns:
+      A Python bool.
+
+    Example:
+      >>> kernel_takes([p, g, m, v])
+    """
+    if not tensors:
+        return False
+    first = tensors[0]
+    if first.device.type not in ("cpu", "cuda") or not first.is_floating_point():
+        return False
+    return all(type(t) is torch.Tensor and t.dtype == first.dtype and t.device == first.device for t in tensors)
+
+
+def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | None) -> Callable[..., Any]:
+    """The `fused` route of `adamw`: its chain's update (Adam, decoupled decay, the schedule) in one kernel call per decay group.
+
+    Args:
+      learning_rate: adamw's learning rate (a float, tensor, schedule or callable).
+      mask: adamw's weight-decay mask (None: every leaf).
+
+    Returns:
+      `fused(params, grads, state, *, norm, found_inf, grad_scale=None) -> new state or None`: updates
+      `params` and the moments in `state` in place and returns the state after the update (its
+      counters and learning rate written in place too); None, touching nothing, when the kernel does
+      not take these tensors.
+
+    Example:
+      >>> route = adamw_route(3e-4, mask=None)
+      >>> new_state = route(params, grads, opt_state, norm=None, found_inf=torch.zeros(()))
+    """
+
+    def fused(params, grads, state, *, norm, found_inf, grad_scale=None):
+        adam, decay, lr_state = state  # chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)
+        p, spec = tree_lib.flatten(params)
+        g = spec.flatten_up_to(grads)
+        m = spec.flatten_up_to(adam.mu)
+        v = spec.flatten_up_to(adam.nu)
+        if not kernel_takes(p + g + m + v):
+            return None
+        flags = resolve_mask(mask, params) if mask is not None else [True] * len(p)
+        ok = (found_inf == 0).to(adam.count.dtype)
+        rate = rate_at(learning_rate, lr_state.count, lr_state.hyper).to(torch.float32)
+        count = (adam.count + 1).to(p[0].dtype)  # the kernel's bias corrections read the new count
+        h = adam.hyper
+        b1, b2, eps, wd = (float(x) for x in (h["b1"], h["b2"], h["eps"], decay.hyper["weight_decay"]))
+        found = found_inf.to(torch.float32)
+        scale = None if grad_scale is None else grad_scale.to(torch.float32)
+        for want in (True, False):  # the decayed leaves, then the others
+            idx = [i for i, f in enumerate(flags) if f == want]
+            if idx:
+                torch._fused_adamw_([p[i] for i in idx], [g[i] for i in idx], [m[i] for i in idx],
+                                    [v[i] for i in idx], [], [count] * len(idx), lr=rate, beta1=b1, beta2=b2,
+                                    weight_decay=wd if want else 0.0, eps=eps, amsgrad=False, maximize=False,
+                                    grad_scale=scale, found_inf=found)
+        adam.count.add_(ok)  # a skipped step leaves the counters and the logged rate as they were
+        lr_state.lr.copy_(torch.where(ok > 0, rate, lr_state.lr))
+        lr_state.count.add_(ok)
+        return adam, decay, ScaleByLearningRateState(lr_state.count, lr_state.lr, lr_state.hyper)
+
+    return fused
