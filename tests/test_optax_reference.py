@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import optree
@@ -14,8 +15,6 @@ import torch
 
 from functrain import optim
 from functrain.defaults import trainer_config as default_config
-
-jnp = pytest.importorskip("jax.numpy")
 
 pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
 

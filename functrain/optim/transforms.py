@@ -295,7 +295,19 @@ def _rate_tensor(rate: Any, count: torch.Tensor) -> torch.Tensor:
 
 
 def rate_at(learning_rate: ScalarOrSchedule, count: torch.Tensor, hyper: dict) -> torch.Tensor:
-    """The rate `scale_by_learning_rate(learning_rate)` uses at `count` with its state's constants `hyper`."""
+    """The rate `scale_by_learning_rate(learning_rate)` uses at `count` with its state's constants `hyper`.
+
+    Args:
+      learning_rate: a float, a 0-d tensor, a `Schedule` or a callable `count -> float or 0-d tensor`.
+      count: the number of updates done so far (int64 0-d tensor).
+      hyper: the state's constants (a schedule's, or {"lr": ...} for a constant rate).
+
+    Returns:
+      A 0-d tensor.
+
+    Example:
+      >>> rate_at(optim.constant(1e-3), state.count, state.hyper)
+    """
     if isinstance(learning_rate, Schedule):
         return learning_rate.at(count, hyper)
     if callable(learning_rate):
