@@ -102,11 +102,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     """
     try:
         hf = HFDirectory(config.init_from[3:]) if config.init_from else None
+        weights = hf.weights if hf is not None else None  # opened now: a missing shard fails before anything else
         cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
         tokenizer = _tokenizer(config, hf, cache_dir)
         tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
         cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
-        weights = hf.weights if hf is not None else None  # opened now: a missing shard fails before training
     except HFError as exc:
         raise v.ConfigError(f"init_from: {exc}") from None
     if tok_vocab > cfg.vocab_size:
