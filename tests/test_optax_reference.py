@@ -29,26 +29,26 @@ def _grads(tree, steps=STEPS, seed=0):
     return [spec.unflatten([rng.standard_normal(np.shape(x)).astype(np.float32) for x in leaves]) for _ in range(steps)]
 
 
-def _run_ours(transform, params, grads):
-    """Updates of `transform` for each gradient tree, as numpy (params fixed: the transforms read them only for masks and decay)."""
-    p = optree.tree_map(torch.from_numpy, params)
+def _run(transform, params, grads, to_lib):
+    """Updates of `transform` for each gradient tree, as numpy; leaves go in through `to_lib` (params fixed: the
+    transforms read them only for masks and decay)."""
+    p = optree.tree_map(to_lib, params)
     state = transform.init(p)
     out = []
     for g in grads:
-        u, state = transform.update(optree.tree_map(torch.from_numpy, g), state, p)
-        out.append(optree.tree_map(lambda t: t.numpy().copy(), u))
+        u, state = transform.update(optree.tree_map(to_lib, g), state, p)
+        out.append(optree.tree_map(lambda x: np.array(x, copy=True), u))
     return out
+
+
+def _run_ours(transform, params, grads):
+    """functrain.optim on torch tensors."""
+    return _run(transform, params, grads, torch.from_numpy)
 
 
 def _run_optax(transform, params, grads):
-    """The same with optax on jax arrays."""
-    p = optree.tree_map(jnp.asarray, params)
-    state = transform.init(p)
-    out = []
-    for g in grads:
-        u, state = transform.update(optree.tree_map(jnp.asarray, g), state, p)
-        out.append(optree.tree_map(np.asarray, u))
-    return out
+    """optax on jax arrays."""
+    return _run(transform, params, grads, jnp.asarray)
 
 
 def _assert_updates_close(ours, theirs, atol):

@@ -69,6 +69,11 @@ def constant(value: float) -> Schedule:
     return Schedule(lambda count, lr: torch.zeros((), dtype=torch.float64, device=count.device) + lr, {"lr": value})
 
 
+def _warm(t: torch.Tensor, lr, init_lr, warmup_steps) -> torch.Tensor:
+    """The linear warm-up's rate at float64 count `t`: init_lr -> lr over warmup_steps (at least 1)."""
+    return init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
+
+
 def _linear(count, init_lr, end_lr, transition_steps, transition_begin):
     """init_lr -> end_lr linearly over [transition_begin, transition_begin + transition_steps]."""
     frac = torch.clamp((_t(count) - transition_begin) / transition_steps, 0.0, 1.0)
@@ -112,7 +117,7 @@ def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0)
     """
     def fn(count, lr, warmup_steps, init_lr):
         t = _t(count)
-        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
+        warm = _warm(t, lr, init_lr, warmup_steps)
         return torch.where(t < warmup_steps, warm, torch.zeros_like(t) + lr)
 
     return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "init_lr": init_value})
@@ -146,7 +151,7 @@ def warmup_cosine(
 
     def fn(count, lr, warmup_steps, decay_steps, min_lr, init_lr):
         t = _t(count)
-        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
+        warm = _warm(t, lr, init_lr, warmup_steps)
         frac = torch.clamp((t - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
         cos = min_lr + 0.5 * (lr - min_lr) * (1.0 + torch.cos(math.pi * frac))
         return torch.where(t < warmup_steps, warm, cos)
@@ -182,7 +187,7 @@ def warmup_linear(
 
     def fn(count, lr, warmup_steps, decay_steps, min_lr, init_lr):
         t = _t(count)
-        warm = init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
+        warm = _warm(t, lr, init_lr, warmup_steps)
         return torch.where(t < warmup_steps, warm, _linear(count, lr, min_lr, decay_steps - warmup_steps, warmup_steps))
 
     return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "decay_steps": decay_steps, "min_lr": end_value,
