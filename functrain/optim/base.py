@@ -312,22 +312,18 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
         """(position, name) of the selected leaves."""
         return _selected_names(params, resolve_mask(mask, params))
 
-    def pick(tree, params, chosen):
-        """{name: subtree of `tree`} at the chosen leaf positions of `params`."""
-        flat = tree_lib.flatten(params)[1].flatten_up_to(tree)
-        return {n: flat[i] for i, n in chosen}
-
     def init(params):
-        return MaskedState(inner.init(pick(params, params, select(params))))
+        leaves = tree_lib.leaves(params)
+        return MaskedState(inner.init({n: leaves[i] for i, n in select(params)}))
 
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("optim.masked needs params: call update(updates, state, params)")
         chosen = select(params)
-        sub_updates, inner_state = inner.update(
-            pick(updates, params, chosen), state.inner, pick(params, params, chosen))
-        spec = tree_lib.flatten(params)[1]
-        merged = spec.flatten_up_to(updates)
+        p, spec = tree_lib.flatten(params)
+        u = spec.flatten_up_to(updates)
+        sub_updates, inner_state = inner.update({n: u[i] for i, n in chosen}, state.inner, {n: p[i] for i, n in chosen})
+        merged = list(u)
         for i, n in chosen:
             merged[i] = sub_updates[n]
         return spec.unflatten(merged), MaskedState(inner_state)
