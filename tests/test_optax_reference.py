@@ -37,7 +37,7 @@ def _run(transform, params, grads, to_lib):
     out = []
     for g in grads:
         u, state = transform.update(optree.tree_map(to_lib, g), state, p)
-        out.append(optree.tree_map(lambda x: np.array(x, copy=True), u))
+        out.append(optree.tree_map(lambda x: np.asarray(x).copy(), u))
     return out
 
 
