@@ -18,6 +18,8 @@ Variants (`--config=configs/gpt.py:<variant>`):
          nanoGPT-style uint16 .bin files (e.g. OpenWebText) and set the batch to your memory.
 
 Override anything: `--config.optim.lr=3e-4 --config.steps=2000 --config.model.n_layer=6`.
+Your data: `--config.data.path='/data/web/*.parquet' --config.data.sampling=epochs` (parquet/jsonl
+shards, tokenized in parallel once; mixtures of sources in a config file: docs/guide.md "Data").
 `--config.compile_unit=blocks` halves the cold compile (34-40 s vs 72-78 s back to back on 2 cores)
 for 1.07x slower steps: a wash over 2500 steps, a gain for short runs (README "Compile unit").
 Multi-process: `torchrun --standalone --nproc_per_node=2 -m functrain.main --config=configs/gpt.py`.
@@ -48,9 +50,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.model.dropout = 0.0  # small model, 2500 steps, 30 MB of text: it does not overfit
     c.model.bias = False
 
-    c.data = ml_collections.ConfigDict()
-    c.data.path = "stdlib"  # "stdlib", a text file, a directory of text, or a dir with train.bin/val.bin
-    c.data.cache_dir = ""  # "" = <workdir>/data
+    c.data = defaults.data_config()  # path, cache_dir, text_field, sampling, sources, mixture, ...
+    c.data.path = "stdlib"  # the Python standard library's sources: offline everywhere
 
     c.optim.lr = 3e-3  # high for a GPT, fine for a 0.8M-param byte model with warm-up
     c.optim.min_lr = 3e-4

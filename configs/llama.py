@@ -64,9 +64,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.model.tie_embeddings = True  # small vocabularies: the head is most of the parameters otherwise
     c.model.dropout = 0.0
 
-    c.data = ml_collections.ConfigDict()
-    c.data.path = "stdlib"  # "stdlib", a text file, a directory of text, or a dir with train.bin/val.bin
-    c.data.cache_dir = ""  # "" = <workdir>/data (tokens and the trained tokenizer)
+    c.data = defaults.data_config()  # path, cache_dir, text_field, sampling, sources, mixture, ...
+    c.data.path = "stdlib"  # the Python standard library's sources: offline everywhere
     c.data.tokenizer = "auto"
 
     c.optim.lr = 2e-3  # small model with warm-up; SmolLM-sized models want ~3e-4

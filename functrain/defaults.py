@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ml_collections
 
-__all__ = ["trainer_config"]
+__all__ = ["data_config", "trainer_config"]
 
 
 def trainer_config() -> ml_collections.ConfigDict:
@@ -57,6 +57,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     # Python's automatic garbage collection is off during training; a collection runs every this many
     # steps on every rank at once (0 = leave Python's own collector on).
     c.gc_every = 50
+    c.prefetch = 2  # training batches made ahead on a background thread (0 = made when the step asks)
     # Collective timeout, in seconds, of the process group and of every group of the mesh: a rank
     # left waiting (a peer crashed or issued another collective) fails after this long with the
     # backend's error. 0 = torch's default (30 minutes); keep it above the longest first-step
@@ -106,3 +107,29 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.profile.stop = 0  # stop <= start: no profiling
 
     return c
+
+
+def data_config() -> ml_collections.ConfigDict:
+    """The keys of the data a language-model family reads (`functrain.data.lm_data`), with defaults.
+
+    Returns:
+      A ConfigDict for `config.data`; a family adds its own keys (e.g. `tokenizer`).
+
+    Example:
+      >>> c.data = data_config(); c.data.path = "/data/web/*.parquet"; c.data.sampling = "epochs"
+    """
+    d = ml_collections.ConfigDict()
+    # "stdlib", a text file, a directory of text, a dir with train.bin/val.bin, parquet/jsonl(.gz)
+    # shards (a file, a directory of them or a glob), or a token cache directory they were written to
+    d.path = "stdlib"
+    d.cache_dir = ""  # "" = <workdir>/data
+    d.val_fraction = 0.015  # share of the files (text), documents (shards) or bytes (one file) held out
+    d.text_field = "text"  # parquet column / jsonl key holding each document's text
+    d.sampling = "windows"  # windows: random windows (with replacement) | epochs: each window once per epoch
+    # A weighted mixture instead of `path`: sources = {"web": "/data/web", "code": "/data/code/*.jsonl"},
+    # mixture = {"web": 0.7, "code": 0.3} (in a config file: dicts cannot be typed as flags)
+    d.sources = ml_collections.ConfigDict()
+    d.mixture = ml_collections.ConfigDict()
+    d.max_bad_line_fraction = 0.0  # jsonl lines that are not JSON a shard may have (skipped); above: stop
+    d.tokenize_workers = 0  # processes per rank that tokenize shards; 0 = the rank's share of the cores
+    return d

@@ -37,11 +37,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 import torch
 
 from functrain import checkpoint as ckpt_lib
+from functrain.data.prefetch import Prefetcher
 from functrain import memory, parallel
 from functrain.compiler import cache as compile_cache
 from functrain import metric_names as M
@@ -137,10 +139,11 @@ def every(n: int, fn: Callable[[StepInfo], None], *, at_end: bool = True) -> Hoo
 class _Log(Hook):
     """Writes the step's metrics (plus throughput, MFU, peak memory, the params' norm)."""
 
-    def __init__(self, n, writer, throughput, device, skips_enabled):
+    def __init__(self, n, writer, throughput, device, skips_enabled, data_position=None, batches=None):
         self.every, self.writer, self.throughput, self.device = n, writer, throughput, device
-        self.skips_enabled = skips_enabled
+        self.skips_enabled, self.data_position, self.batches = skips_enabled, data_position, batches
         self.last: dict = {}
+        self._waited, self._logged_step = 0.0, None
 
     def after(self, info):
         row = metrics_lib.to_python(info.metrics)
@@ -154,6 +157,12 @@ class _Log(Hook):
         row[M.PARAM_NORM] = float(tree_lib.global_norm(info.state.params))  # a pass: log steps only
         row.update(self.throughput.report(info.step))
         row[M.PEAK_MEM_MB] = _peak_memory_mb(self.device)
+        if self.batches is not None:  # the loop's wait for batches since the last log line, per step
+            steps = max(1, info.step - self._logged_step) if self._logged_step is not None else self.every
+            row[M.DATA_WAIT_MS] = 1e3 * (self.batches.wait_s - self._waited) / steps
+            self._waited, self._logged_step = self.batches.wait_s, info.step
+        if self.data_position is not None:
+            row.update(self.data_position(info.step))
         self.writer.write(info.step, row)
         self.last = row
 
@@ -166,9 +175,15 @@ class _Eval(Hook):
         self.val_loss = float("nan")
 
     def after(self, info):
-        losses = [self.eval_step(info.state, b)[M.LOSS] for b in self.batches]
-        self.val_loss = float(torch.stack([l.detach().float() for l in losses]).mean())
-        self.writer.write(info.step, {M.VAL_LOSS: self.val_loss})
+        sets = self.batches if isinstance(self.batches, dict) else {None: self.batches}
+        row, every = {}, []
+        for name, batches in sets.items():
+            losses = [self.eval_step(info.state, b)[M.LOSS].detach().float() for b in batches]
+            every += losses
+            if name is not None:
+                row[f"{M.VAL_LOSS}/{name}"] = float(torch.stack(losses).mean())
+        self.val_loss = float(torch.stack(every).mean())
+        self.writer.write(info.step, {M.VAL_LOSS: self.val_loss, **row})
 
 
 class _Checkpoint(Hook):
@@ -351,8 +366,12 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     state = _maybe_restore(manager, state, train_step, task.train_batch, config, print_fn)
 
     skips_enabled = config.max_consecutive_skips > 0
-    log = _Log(config.log_every, writer, throughput, device, skips_enabled)
-    evaluation = _Eval(config.eval_every, eval_step, list(task.eval_batches()), writer)
+    start = int(state.step)
+    batches = Prefetcher(task.train_batch, start, depth=config.prefetch, device=device) if config.prefetch else None
+    log = _Log(config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches)
+    eval_sets = task.eval_batches()
+    eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
+    evaluation = _Eval(config.eval_every, eval_step, eval_sets, writer)
     # In this order: a run that stops on skipped updates neither logs nor saves that step.
     builtin: list[Hook] = [_SkipWatch(config.max_consecutive_skips, device, manager)] if skips_enabled else []
     builtin += [log, evaluation]
@@ -363,7 +382,6 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         builtin.append(_GarbageCollection(config.gc_every))
     all_hooks = builtin + list(hooks)
 
-    start = int(state.step)
     if start >= config.steps:
         print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to "
                  "train on)")
@@ -373,7 +391,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
             for step in range(start, config.steps):
                 for h in all_hooks:
                     h.before(step)
-                state, m = train_step(state, task.train_batch(step))
+                state, m = train_step(state, batches.get(step) if batches is not None else task.train_batch(step))
                 done = step + 1
                 if step == start:
                     print_fn(f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
@@ -393,6 +411,8 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
                     print_fn(f"stopped ({stopped}) at step {done}; checkpoint saved, exiting")
                     break
         finally:
+            if batches is not None:
+                batches.close()
             for h in all_hooks:
                 h.close()
             writer.close()

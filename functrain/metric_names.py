@@ -14,7 +14,7 @@ from __future__ import annotations
 __all__ = [
     "LOSS", "GRAD_NORM", "UPDATE_NORM", "PARAM_NORM", "LR", "SKIPPED", "CONSECUTIVE_SKIPS",
     "SKIPPED_TOTAL", "LOSS_SCALE", "VAL_LOSS", "TOKENS_PER_S", "STEP_TIME_S", "MFU", "ETA",
-    "PEAK_MEM_MB", "PER_STEP_FLAGS", "QUIET_WHEN_ZERO",
+    "PEAK_MEM_MB", "DATA_WAIT_MS", "EPOCH", "EPOCH_FRACTION", "PER_STEP_FLAGS", "QUIET_WHEN_ZERO",
 ]
 
 # From the train step (0-d tensors).
@@ -35,6 +35,9 @@ STEP_TIME_S = "step_time_s"
 MFU = "mfu"  # model FLOP utilization against the device's (measured or published) peak
 ETA = "eta"
 PEAK_MEM_MB = "peak_mem_mb"
+DATA_WAIT_MS = "data_wait_ms"  # per step, the time the loop waited for its batch (prefetched: ~0)
+EPOCH = "epoch"  # data.sampling="epochs": the epoch the run is in ("epoch/<source>" for a mixture)
+EPOCH_FRACTION = "epoch_fraction"  # ... and the fraction of it consumed
 
 PER_STEP_FLAGS = (SKIPPED, CONSECUTIVE_SKIPS)  # about one step only: not written to the log
 QUIET_WHEN_ZERO = (SKIPPED_TOTAL,)  # printed once non-zero (files get every value)

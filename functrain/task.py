@@ -46,7 +46,9 @@ class Task(NamedTuple):
         step's dropout key, None when evaluating.
       train_batch: `step -> batch`: this rank's part of the training batch of `step`, a pure
         function of the step (resuming and resharding need no loader state).
-      eval_batches: `() -> iterable of batches`: this rank's part of the fixed evaluation set.
+      eval_batches: `() -> iterable of batches`: this rank's part of the fixed evaluation set; or
+        `() -> {name: iterable of batches}` for several sets (a data mixture's sources): the loop
+        logs `val_loss/<name>` for each, and `val_loss`, the mean over all their batches.
       tokens_per_step: tokens in one global training batch (for throughput).
       flops_per_token: training FLOPs per token (for MFU; 0 if unknown).
       finish: `(params, key) -> dict`: called on every process after the last step with the params
@@ -56,6 +58,8 @@ class Task(NamedTuple):
       export: optional `(params, out_dir) -> path`: writes the params (full or sharded) in the
         family's interchange format (a Hugging Face directory); `python -m functrain.main
         --export_hf=DIR` calls it on a checkpoint. None: the family has none.
+      data_position: optional `step -> {name: number}`: where the run is in its data after `step`
+        steps (e.g. `{"epoch": 1, "epoch_fraction": 0.25}`), logged with the step's metrics.
     """
 
     describe: str
@@ -68,3 +72,4 @@ class Task(NamedTuple):
     flops_per_token: float
     finish: Callable[[PyTree, torch.Tensor], dict]
     export: Callable[[PyTree, Any], Any] | None = None
+    data_position: Callable[[int], dict] | None = None

@@ -76,7 +76,12 @@ def fail(key: str, value: Any, valid: str) -> ConfigError:
       >>> raise fail("steps", 0, "an integer >= 1")
       # functrain: error: steps=0 is out of range: an integer >= 1 (--config.steps)
     """
-    return ConfigError(f"{key}={value!r} is out of range: {valid} (--config.{key})")
+    return ConfigError(f"{key}={_show(value)} is out of range: {valid} (--config.{key})")
+
+
+def _show(value: Any) -> str:
+    """A value on one line (a ConfigDict as the dict it holds)."""
+    return repr(value.to_dict() if hasattr(value, "to_dict") else value)
 
 
 def check_all(config: Any, checks: Sequence[Check]) -> None:
@@ -93,7 +98,7 @@ def check_all(config: Any, checks: Sequence[Check]) -> None:
         if isinstance(key, tuple):  # a relation between keys (see `relation`)
             values = [get(config, k) for k in key]
             if not ok(*values):
-                named = ", ".join(f"{k}={v!r}" for k, v in zip(key, values))
+                named = ", ".join(f"{k}={_show(v)}" for k, v in zip(key, values))
                 raise ConfigError(f"{named}: {valid} ({' / '.join('--config.' + k for k in key)})")
             continue
         value = get(config, key)
@@ -241,6 +246,7 @@ LOOP_CHECKS: list[Check] = [
     ("tensorboard", boolean()),
     ("host_memory", one_of("keep", "default")),
     ("gc_every", int_at_least(0)),
+    ("prefetch", int_at_least(0)),
     ("dist_timeout_s", int_at_least(0)),
     ("checkpoint.enabled", boolean()),
     ("checkpoint.every", int_at_least(0)),

@@ -29,6 +29,12 @@ def _bad_value(valid: str, value):
         return float(valid.split("> ")[1])
     if valid.startswith("a number in ["):
         return float(valid.split(", ")[1].rstrip(")"))
+    if valid.startswith("a number in (0, 1)"):
+        return 1.0
+    if valid.startswith("a non-empty") or valid.startswith("the name of"):
+        return ""
+    if valid.startswith("{source name: positive weight}"):
+        return {"web": -1.0}
     if valid.startswith("one of "):
         return "bogus"
     if valid == "True or False":

@@ -1,24 +1,25 @@
-"""Data: corpora to cached token files, and stateless batches keyed by (seed, step, rank)."""
+"""Data: corpora and parquet/jsonl shards to cached token files, and stateless batches keyed by
+(seed, step, rank): random windows, epochs without replacement, weighted mixtures, prefetched.
 
-from functrain.data.batches import eval_batches, get_batch
-from functrain.data.corpus import DEFAULT_VAL_FRACTION, SEPARATOR, Dataset, load_dataset, stdlib_files, train_tokenizer
-from functrain.data.errors import DataError
-from functrain.data.tokenizer import END_OF_TEXT, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
+The names below load on first use (`functrain._lazy`): the tokenizing worker processes import this
+package without torch.
+"""
 
-__all__ = [
-    "ByteTokenizer",
-    "DEFAULT_VAL_FRACTION",
-    "DataError",
-    "END_OF_TEXT",
-    "HFTokenizer",
-    "Dataset",
-    "IdTokenizer",
-    "SEPARATOR",
-    "VocabTokenizer",
-    "eval_batches",
-    "get_batch",
-    "load_dataset",
-    "stdlib_files",
-    "train_bpe",
-    "train_tokenizer",
-]
+from typing import TYPE_CHECKING
+
+from functrain._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from functrain.data.batches import eval_batches, get_batch
+    from functrain.data.corpus import DEFAULT_VAL_FRACTION, Dataset, load_dataset, stdlib_files, train_tokenizer
+    from functrain.data.errors import DataError
+    from functrain.data.pipeline import LMData, lm_data, parse_mixture
+    from functrain.data.prefetch import Prefetcher
+    from functrain.data.sampling import SAMPLINGS, Sampler, mixture_rows, permute
+    from functrain.data.shards import is_shard_source, shard_files
+    from functrain.data.token_cache import open_token_cache, tokenize_shards
+    from functrain.data.tokenizer import (END_OF_TEXT, SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer,
+                                          VocabTokenizer, train_bpe)
+    from functrain.data.tokens import ConcatTokens
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

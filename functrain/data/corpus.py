@@ -44,17 +44,19 @@ import sysconfig
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from functrain.data.errors import DataError
-from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
+from functrain.data.shards import is_shard_source, shard_files
+from functrain.data.token_cache import FORMAT as SHARDS_FORMAT
+from functrain.data.token_cache import open_token_cache, tokenize_shards, tokenizer_id, train_documents
+from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
 
 __all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
 
 FORMAT_VERSION = 1
-SEPARATOR = b"\n"
 DEFAULT_VAL_FRACTION = 0.015
 _CHUNK = 1 << 24  # bytes read at a time when tokenizing
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -132,6 +134,12 @@ def load_dataset(
     block_size: int | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     tokenizer: Any = None,
+    text_field: str = "text",
+    max_bad_line_fraction: float = 0.0,
+    workers: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    log: Callable[[str], None] = print,
 ) -> Dataset:
     """Loads (building and caching on first use) the train/val tokens of a data source.
 
@@ -145,6 +153,13 @@ def load_dataset(
       tokenizer: for text sources: an `HFTokenizer` (e.g. from `train_tokenizer`, or a model's
         tokenizer.json) to tokenize with instead of bytes; the cache is keyed by its file's hash,
         and tokens are stored as uint16, or uint32 when the vocabulary needs it.
+      text_field: parquet/jsonl shards: the column or key holding the text.
+      max_bad_line_fraction: jsonl shards: the share of lines that may be skipped as not JSON.
+      workers: shards: tokenizing processes on this rank (0: its share of the cores).
+      rank: shards: this process's rank among the `world` processes that share the tokenizing
+        (every one of them must call `load_dataset`).
+      world: shards: the number of such processes.
+      log: shards: where the progress lines go.
 
     Returns:
       A `Dataset`.
@@ -155,7 +170,14 @@ def load_dataset(
     Example:
       >>> ds = load_dataset("data/shakespeare", "/tmp/data", block_size=256)
     """
-    if source == "stdlib":
+    if source != "stdlib" and is_shard_source(source):
+        out = tokenize_shards(source, cache_dir, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction,
+                              max_bad_line_fraction=max_bad_line_fraction, workers=workers, rank=rank, world=world,
+                              log=log)
+        ds = _load_token_cache(out, source, tokenizer)
+    elif source != "stdlib" and (Path(source).expanduser() / "meta.json").is_file() and _is_token_cache(source):
+        ds = _load_token_cache(Path(source).expanduser(), source, tokenizer)
+    elif source == "stdlib":
         ds = _load_text(*_text_source(source), source=source, cache_dir=cache_dir, val_fraction=val_fraction,
                         tokenizer=tokenizer)
     else:
@@ -325,7 +347,7 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
 
 
 def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, *,
-                    val_fraction: float = DEFAULT_VAL_FRACTION) -> HFTokenizer:
+                    val_fraction: float = DEFAULT_VAL_FRACTION, text_field: str = "text") -> HFTokenizer:
     """The byte-level BPE of `source`'s training split (trained once, then read from `cache_dir`).
 
     Only the files (or bytes) of the train split are read, so the validation text stays unseen.
@@ -336,6 +358,8 @@ def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, 
       cache_dir: where the tokenizer file goes (the run's data directory by default).
       vocab_size: ids in the tokenizer (>= 257).
       val_fraction: as `load_dataset`'s (the same split).
+      text_field: parquet/jsonl shards: the column or key holding the text (their train documents
+        are read, streamed).
 
     Returns:
       The `HFTokenizer`; pass it to `load_dataset(..., tokenizer=)`.
@@ -349,6 +373,16 @@ def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, 
     """
     if source != "stdlib" and not Path(source).expanduser().exists():
         raise DataError(f"data.path {source!r} does not exist; {_FIX}")
+    if source != "stdlib" and is_shard_source(source):
+        files, root = shard_files(source)
+        stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
+        fingerprint = hashlib.sha256(json.dumps({
+            "bpe": vocab_size, "val_fraction": val_fraction, "text_field": text_field,
+            "files": [[rel, st.st_size, st.st_mtime_ns] for _, rel, st in stats]}).encode()).hexdigest()
+        path = Path(cache_dir) / f"{_slug(root.name)}-bpe{vocab_size}-{fingerprint[:16]}.json"
+        if path.exists():
+            return HFTokenizer(path)
+        return train_bpe(train_documents(source, text_field=text_field, val_fraction=val_fraction), vocab_size, path)
     files, root, name = _text_source(source)
     stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
     if not stats or sum(st.st_size for _, _, st in stats) == 0:
@@ -480,3 +514,30 @@ def _load_bin(path: Path, source: str, vocab_size: int | None) -> Dataset:
             "tokenizer": tokenizer.name}
     return Dataset(_memmap(path / "train.bin", dtype), _memmap(path / "val.bin", dtype),
                    int(vocab), tokenizer, info)
+
+
+def _is_token_cache(source: str) -> bool:
+    """Whether `source` is a directory `tokenize_shards` wrote (its meta.json names the format)."""
+    try:
+        return json.loads((Path(source).expanduser() / "meta.json").read_text()).get("format") == SHARDS_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _load_token_cache(out: Path, source: str, tokenizer: Any) -> Dataset:
+    """A token cache directory as a Dataset; `tokenizer`, when given, must be the one that wrote it."""
+    train, val, info = open_token_cache(out)
+    if tokenizer is not None and tokenizer_id(tokenizer) != info["tokenizer"]:
+        raise DataError(f"{out}: its tokens were written by {info['tokenizer_name']} ({info['tokenizer']}), this run "
+                        f"tokenizes with {tokenizer.name} ({tokenizer_id(tokenizer)}); point data.path at the shards "
+                        "themselves (they are tokenized again) or use the tokenizer that wrote it")
+    if tokenizer is None:
+        if info["tokenizer"] == "bytes":
+            tokenizer = ByteTokenizer()
+        elif info.get("tokenizer_file") and Path(info["tokenizer_file"]).is_file():
+            tokenizer = HFTokenizer(info["tokenizer_file"])
+        else:
+            tokenizer = IdTokenizer(info["vocab_size"])
+    meta = {k: info[k] for k in ("source", "text_field", "tokenizer", "dtype", "tokens", "documents", "bad_lines")}
+    return Dataset(train, val, tokenizer.vocab_size, tokenizer,
+                   dict(meta, kind="shards", shards=len(info["shards"]), cache_dir=str(out), requested=source))

@@ -20,7 +20,10 @@ import numpy as np
 
 from functrain.data.errors import DataError
 
-__all__ = ["ByteTokenizer", "VocabTokenizer", "IdTokenizer", "HFTokenizer", "train_bpe", "END_OF_TEXT"]
+__all__ = ["ByteTokenizer", "VocabTokenizer", "IdTokenizer", "HFTokenizer", "train_bpe", "END_OF_TEXT", "SEPARATOR"]
+
+SEPARATOR = b"\n"
+"""What joins documents in byte-level token files (a tokenizer with an end-of-text id uses that)."""
 
 END_OF_TEXT = "<|endoftext|>"
 """The document separator token `train_bpe` adds (GPT-2's name for it)."""

@@ -1,4 +1,4 @@
-"""Config checks every decoder-LM family shares (`loss_chunk_size`, `remat`, `sample.*`): plain
+"""Config checks every decoder-LM family shares (`loss_chunk_size`, `remat`, `sample.*`, `data.*`): plain
 Python, no torch, so `python -m functrain.main` reports a bad value before the heavy modules load.
 A family's own `checks.py` adds its `model.*` keys.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from functrain import validate as v
 from functrain.remat_policy import parse_policy
 
-__all__ = ["LM_CHECKS", "REMAT_CHECK"]
+__all__ = ["DATA_CHECKS", "LM_CHECKS", "REMAT_CHECK"]
 
 
 def _is_remat(value) -> bool:
@@ -28,11 +28,37 @@ def _is_remat(value) -> bool:
 REMAT_CHECK = ("remat", (_is_remat, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)"))
 """The check of a family's `remat` key."""
 
+def _weights_ok(mixture) -> bool:
+    """Every weight a positive finite number."""
+    return all(not isinstance(w, bool) and isinstance(w, (int, float)) and 0 < w < float("inf")
+               for w in dict(mixture or {}).values())
+
+
+def _same_names(sources, mixture) -> bool:
+    """data.sources and data.mixture name the same sources."""
+    return set(dict(sources or {})) == set(dict(mixture or {}))
+
+
+DATA_CHECKS: list = [
+    ("data.path", (lambda x: isinstance(x, str) and bool(x), "a non-empty path, glob or 'stdlib'")),
+    ("data.text_field", (lambda x: isinstance(x, str) and bool(x), "a non-empty name of a parquet column / jsonl key")),
+    ("data.sampling", v.one_of("windows", "epochs")),
+    ("data.val_fraction", (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1,
+                           "a number in (0, 1)")),
+    ("data.max_bad_line_fraction", v.number_in(0.0, 1.0)),
+    ("data.tokenize_workers", v.int_at_least(0)),
+    ("data.mixture", (_weights_ok, "{source name: positive weight}")),
+    v.relation(("data.sources", "data.mixture"), _same_names,
+               "give every source in data.sources one weight in data.mixture (and no other)"),
+]
+"""The keys `functrain.data.lm_data` reads."""
+
 LM_CHECKS: list = [
     ("loss_chunk_size", v.int_at_least(0)),
     REMAT_CHECK,
     ("sample.max_new_tokens", v.int_at_least(0)),
     ("sample.temperature", v.number_at_least(0.0)),
     ("sample.top_k", v.int_at_least(0)),
+    *DATA_CHECKS,
 ]
 """The keys the shared LM loss and sampler read."""

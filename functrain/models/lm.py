@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from functrain import data as data_lib
 from functrain import parallel
 from functrain import remat as remat_lib
 from functrain import rng
@@ -27,7 +28,7 @@ from functrain.losses import chunked_cross_entropy
 from functrain.remat import Stage
 
 __all__ = [
-    "LMStages", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "make_lm_loss_fn",
+    "LMStages", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
     "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
 ]
 
@@ -132,6 +133,32 @@ def init_blocks(model: nn.Module, block: Callable, *, device=None, dtype: torch.
         offset, local = where(name, p.shape) if where is not None else ([0] * p.ndim, list(p.shape))
         out[name] = block(name, p.shape, offset, local).to(device=device, dtype=dtype)
     return out
+
+
+def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int | None,
+              tokenizer=None) -> "data_lib.LMData":
+    """The run's data (`config.data`: one source or a mixture) on this process's place in `ctx`.
+
+    Args:
+      config: the run config (data.*, batch_size, seed, eval_batches are read).
+      ctx: the parallel context (data-parallel rank/world for the batches; every rank shares the
+        tokenizing of shard sources; rank 0 prints the progress).
+      cache_dir: where text and shards are tokenized to.
+      block_size: the window length.
+      vocab_size: the vocabulary of `.bin` sources without a meta.json (None: theirs).
+      tokenizer: an `HFTokenizer` for text (None: bytes, or a token cache's own).
+
+    Returns:
+      A `functrain.data.LMData`.
+
+    Example:
+      >>> data = lm.load_data(config, ctx, "runs/gpt/data", block_size=128, vocab_size=None)
+    """
+    return data_lib.lm_data(config.data, cache_dir=cache_dir, batch_size=config.batch_size, block_size=block_size,
+                            seed=config.seed, eval_batches=config.eval_batches, dp_rank=ctx.dp_rank,
+                            dp_world=ctx.dp_world, device=ctx.device, rank=ctx.rank, world=ctx.world_size,
+                            vocab_size=vocab_size, tokenizer=tokenizer,
+                            log=print if ctx.is_main_process else (lambda line: None))
 
 
 def resolve_remat(value, mesh) -> "str | int":

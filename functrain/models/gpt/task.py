@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from functrain import data as data_lib
 from functrain import parallel
 from functrain import validate as v
 from functrain.interop.hf import save_hf_directory
@@ -62,8 +61,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             "computes whole heads); change --config.model.n_head or --config.mesh.tp"
         )
     cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-    dataset = data_lib.load_dataset(config.data.path, cache_dir, vocab_size=m.vocab_size or None,
-                                    block_size=m.block_size)
+    dataset = lm.load_data(config, ctx, cache_dir, block_size=m.block_size, vocab_size=m.vocab_size or None)
     vocab = m.vocab_size or dataset.vocab_size
     if vocab < dataset.vocab_size:
         raise v.ConfigError(
@@ -80,18 +78,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
     remat = lm.resolve_remat(config.remat, ctx.mesh)
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
-    dp = dict(parallel.data_parallel_kwargs(ctx), device=ctx.device)  # this rank's rows of each batch
     sample = config.sample
-
-    def train_batch(step: int):
-        """This rank's rows of the training batch of `step`."""
-        return data_lib.get_batch(dataset.train, batch_size=config.batch_size, block_size=cfg.block_size,
-                                  seed=config.seed, step=step, **dp)
-
-    def eval_batches():
-        """This rank's rows of the fixed evaluation batches."""
-        return data_lib.eval_batches(dataset.val, batch_size=config.batch_size, block_size=cfg.block_size,
-                                     num_batches=config.eval_batches, **dp)
 
     def finish(params, key):
         """A text sample from the prompt, drawn from `key` (sharded params: gathered a stage at a time)."""
@@ -108,12 +95,13 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     n_params = gpt_lib.num_params(cfg)
     return Task(
         describe=(f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
-                  f"{len(dataset.train):,} train tokens"),
+                  f"{dataset.describe()}"),
         init_params=lambda key, device, where=None: gpt_lib.init_params(template, key, device=device, where=where),
         shard_rules=rules,
         loss_fn=loss_fn,
-        train_batch=train_batch,
-        eval_batches=eval_batches,
+        train_batch=dataset.train_batch,
+        eval_batches=dataset.eval_sets,
+        data_position=dataset.position,
         tokens_per_step=config.batch_size * cfg.block_size,
         flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,

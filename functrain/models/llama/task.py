@@ -77,7 +77,12 @@ def _tokenizer(config: Any, hf: HFDirectory | None, cache_dir: str):
     if spec == "bytes":
         return None
     if spec.startswith("bpe:"):
-        return data_lib.train_tokenizer(config.data.path, cache_dir, int(spec[4:]))
+        paths = [path for _, path, _ in data_lib.parse_mixture(config.data)]
+        if len(paths) > 1:
+            raise v.ConfigError("data.tokenizer=bpe:N trains on one source; with data.sources give a tokenizer.json "
+                                "(--config.data.tokenizer=<path>) or train one on a single source first")
+        return data_lib.train_tokenizer(paths[0], cache_dir, int(spec[4:]), text_field=config.data.text_field,
+                                       val_fraction=config.data.val_fraction)
     return data_lib.HFTokenizer(spec)
 
 
@@ -119,15 +124,13 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
             f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp")
     seq = config.model.block_size
-    dataset = data_lib.load_dataset(config.data.path, cache_dir, vocab_size=cfg.vocab_size, block_size=seq,
-                                    tokenizer=tokenizer)
+    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size, tokenizer=tokenizer)
     with torch.device("meta"):
         template = llama_lib.Llama(cfg)  # shapes only
     rules = parallel.default_rules(llama_lib.TP_RULES)
     model = parallel.tensor_parallel(template, ctx.mesh, rules)
     remat = lm.resolve_remat(config.remat, ctx.mesh)
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
-    dp = dict(parallel.data_parallel_kwargs(ctx), device=ctx.device)
     sample = config.sample
     tokenizer_file = getattr(tokenizer, "path", None)
     if ctx.is_main_process:
@@ -141,16 +144,6 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         if weights is not None:
             return hf_lib.load_hf_params(weights, template, device=device, where=where)
         return llama_lib.init_params(template, key, device=device, where=where)
-
-    def train_batch(step: int):
-        """This rank's rows of the training batch of `step`."""
-        return data_lib.get_batch(dataset.train, batch_size=config.batch_size, block_size=seq, seed=config.seed,
-                                  step=step, **dp)
-
-    def eval_batches():
-        """This rank's rows of the fixed evaluation batches."""
-        return data_lib.eval_batches(dataset.val, batch_size=config.batch_size, block_size=seq,
-                                     num_batches=config.eval_batches, **dp)
 
     def export(params, out):
         """Writes full `params` as a Hugging Face directory `out` (config, weights, tokenizer)."""
@@ -176,12 +169,13 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     return Task(
         describe=(f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
                   f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), "
-                  f"{len(dataset.train):,} train tokens"),
+                  f"{dataset.describe()}"),
         init_params=init_params,
         shard_rules=rules,
         loss_fn=loss_fn,
-        train_batch=train_batch,
-        eval_batches=eval_batches,
+        train_batch=dataset.train_batch,
+        eval_batches=dataset.eval_sets,
+        data_position=dataset.position,
         tokens_per_step=config.batch_size * seq,
         flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # the trained length
         finish=finish,

@@ -1,0 +1,179 @@
+"""A language model's data, as the run config describes it: one source or a weighted mixture,
+sampled by random windows or by epochs, with a validation set per source.
+
+`lm_data(config.data, ...)` loads every source (`load_dataset`: text, `.bin`, parquet/jsonl shards
+tokenized in parallel, or a token cache) and returns an `LMData` whose `train_batch(step)` and
+`eval_sets()` a model family's `Task` hands to the loop.
+
+Example:
+    >>> d = lm_data(config.data, cache_dir="runs/x/data", batch_size=32, block_size=256, seed=0,
+    ...             eval_batches=20, dp_rank=0, dp_world=1)
+    >>> x, y = d.train_batch(0)
+    >>> d.position(500)         # {"epoch": 1, "epoch_fraction": 0.2} with data.sampling="epochs"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+
+from functrain.data.batches import eval_batches as eval_windows
+from functrain.data.corpus import DEFAULT_VAL_FRACTION, Dataset, load_dataset
+from functrain.data.errors import DataError
+from functrain.data.sampling import Sampler
+
+__all__ = ["LMData", "lm_data", "parse_mixture"]
+
+
+def parse_mixture(data: Any) -> list[tuple[str, str, float]]:
+    """The (name, path, weight) of each source `data` (a run config's `data`) names.
+
+    Args:
+      data: with `path`, and optionally `sources` ({name: path}) and `mixture` ({name: weight}).
+
+    Returns:
+      `[("data", data.path, 1.0)]` without sources; else one entry per source, in name order,
+      weights normalized to sum 1.
+
+    Raises:
+      DataError: sources and mixture name different sets, or a weight is not positive (one line).
+
+    Example:
+      >>> parse_mixture(config.data)
+      [('web', '/data/web', 0.7), ('code', '/data/code', 0.3)]
+    """
+    sources = dict(data.get("sources") or {})
+    mixture = dict(data.get("mixture") or {})
+    if not sources and not mixture:
+        return [("data", data.path, 1.0)]
+    if set(sources) != set(mixture):
+        raise DataError(f"data.sources names {sorted(sources)} but data.mixture weighs {sorted(mixture)}; give every "
+                        "source one weight")
+    for name, w in mixture.items():
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w > 0 and math.isfinite(w)):
+            raise DataError(f"data.mixture[{name!r}]={w!r}: weights must be positive numbers")
+    total = float(sum(mixture.values()))
+    return [(name, str(sources[name]), mixture[name] / total) for name in sorted(mixture)]
+
+
+@dataclasses.dataclass
+class LMData:
+    """A run's training and validation data (one source, or a mixture), for a `Task`.
+
+    Attributes:
+      datasets: {source name: `Dataset`}.
+      sampler: the `Sampler` of the training batches.
+      tokenizer: the tokenizer every source shares.
+      vocab_size: the largest vocabulary among the sources.
+      eval_batches: evaluation batches per source.
+      dp: {"rank", "world", "device"}: this process's data-parallel place.
+    """
+
+    datasets: dict[str, Dataset]
+    sampler: Sampler
+    tokenizer: Any
+    vocab_size: int
+    eval_batches: int
+    dp: dict
+
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the training batch of `step` (a pure function of seed and step).
+
+        Args:
+          step: the training step.
+
+        Returns:
+          (x, y) int64 tensors (batch_size // dp_world, block_size).
+
+        Example:
+          >>> x, y = data.train_batch(0)
+        """
+        return self.sampler.batch(step, **self.dp)
+
+    def eval_sets(self) -> "list | dict[str, list]":
+        """This rank's rows of the fixed validation batches: a list, or {source: list} for a mixture.
+
+        Returns:
+          The batches (the loop logs `val_loss`, and `val_loss/<source>` for a mixture).
+
+        Example:
+          >>> sets = data.eval_sets()
+        """
+        sets = {name: list(eval_windows(ds.val, batch_size=self.sampler.batch_size, block_size=self.sampler.block_size,
+                                        num_batches=self.eval_batches, **self.dp))
+                for name, ds in self.datasets.items()}
+        return next(iter(sets.values())) if len(sets) == 1 else sets
+
+    def position(self, step: int) -> dict[str, float]:
+        """The epoch and the fraction of it consumed after `step` steps (`Sampler.position`)."""
+        return self.sampler.position(step)
+
+    def encode(self, text: str):
+        """The tokenizer's ids of `text`."""
+        return self.tokenizer.encode(text)
+
+    def decode(self, tokens) -> str:
+        """The text of token ids."""
+        return self.tokenizer.decode(tokens)
+
+    def describe(self) -> str:
+        """E.g. '1,234,567 train tokens' or 'mixture web 70% / code 30%, 9,876,543 train tokens'."""
+        n = sum(len(ds.train) for ds in self.datasets.values())
+        how = ", epochs" if self.sampler.sampling == "epochs" else ""
+        if len(self.datasets) == 1:
+            return f"{n:,} train tokens{how}"
+        parts = " / ".join(f"{name} {100 * w:.0f}%" for name, w in zip(self.sampler.names, self.sampler.weights))
+        return f"mixture {parts}, {n:,} train tokens{how}"
+
+
+def lm_data(data: Any, *, cache_dir: str, batch_size: int, block_size: int, seed: int, eval_batches: int,
+            dp_rank: int = 0, dp_world: int = 1, device: torch.device | str | None = None, rank: int = 0,
+            world: int = 1, vocab_size: int | None = None, tokenizer: Any = None,
+            log: Callable[[str], None] = print) -> LMData:
+    """Loads the sources `data` names and builds their training sampler.
+
+    Args:
+      data: the run config's `data` (`functrain.defaults.data_config()`'s keys).
+      cache_dir: where text and shard sources are tokenized to.
+      batch_size: the global batch size.
+      block_size: the window length T.
+      seed: the data seed.
+      eval_batches: validation batches per source.
+      dp_rank: this process's data-parallel rank.
+      dp_world: the number of data-parallel ranks.
+      device: where batches go.
+      rank: this process's global rank (every process shares the tokenizing).
+      world: the number of processes.
+      vocab_size: the vocabulary of `.bin` sources without a meta.json.
+      tokenizer: an `HFTokenizer` to tokenize text with (None: bytes, or the cache's own).
+      log: where tokenizing progress lines go.
+
+    Returns:
+      An `LMData`.
+
+    Raises:
+      DataError: a missing or bad source, sources with different tokenizers (one line).
+
+    Example:
+      >>> d = lm_data(config.data, cache_dir="runs/x/data", batch_size=32, block_size=128, seed=0, eval_batches=5)
+    """
+    datasets = {}
+    for name, path, _ in parse_mixture(data):
+        datasets[name] = load_dataset(
+            path, cache_dir, vocab_size=vocab_size, block_size=block_size, val_fraction=data.get("val_fraction", DEFAULT_VAL_FRACTION),
+            tokenizer=tokenizer, text_field=data.get("text_field", "text"),
+            max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0), workers=data.get("tokenize_workers", 0),
+            rank=rank, world=world, log=log)
+    first = next(iter(datasets.values()))
+    names = {getattr(ds.tokenizer, "name", "?") for ds in datasets.values()}
+    if len(names) > 1:
+        raise DataError(f"data.sources are tokenized differently ({', '.join(sorted(names))}); one run needs one "
+                        "tokenizer: tokenize them alike")
+    weights = dict((n, w) for n, _, w in parse_mixture(data))
+    sampler = Sampler([(name, ds.train, weights[name]) for name, ds in datasets.items()], batch_size=batch_size,
+                      block_size=block_size, seed=seed, sampling=data.get("sampling", "windows"))
+    return LMData(datasets, sampler, first.tokenizer, max(ds.vocab_size for ds in datasets.values()), eval_batches,
+                  {"rank": dp_rank, "world": dp_world, "device": device})

@@ -1,0 +1,243 @@
+"""Parquet/jsonl shards: parallel, resumable tokenization into a sharded cache, and each bad input's
+one line (real files written by the tests, real worker processes)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from functrain.data import ConcatTokens, DataError, load_dataset, open_token_cache, tokenize_shards, train_bpe
+
+REPO = Path(__file__).resolve().parents[1]
+_WORDS = "the of and to in is was for on that with by as at from def return class import é ß 中".split()
+
+
+def _docs(n, seed, lo=5, hi=60):
+    rnd = random.Random(seed)
+    return [" ".join(rnd.choice(_WORDS) for _ in range(rnd.randint(lo, hi))) for _ in range(n)]
+
+
+def _jsonl(path, docs, gz=False, field="text"):
+    lines = "".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs))
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(lines)
+    else:
+        path.write_text(lines, encoding="utf-8")
+
+
+def _corpus(root, n_shards=4, docs=300):
+    """A directory with jsonl, jsonl.gz and parquet shards; returns every document."""
+    root.mkdir(parents=True, exist_ok=True)
+    every = []
+    for i in range(n_shards):
+        d = _docs(docs, i)
+        every += d
+        if i % 3 == 0:
+            _jsonl(root / f"part{i}.jsonl", d)
+        elif i % 3 == 1:
+            _jsonl(root / f"part{i}.jsonl.gz", d, gz=True)
+        else:
+            pq.write_table(pa.table({"text": d, "n": list(range(len(d)))}), root / f"part{i}.parquet")
+    return every
+
+
+def _quiet(line):
+    pass
+
+
+def _documents(tokens) -> list[str]:
+    """Byte tokens split back into documents (each ends with a newline)."""
+    raw = np.asarray(tokens[0:len(tokens)]).astype(np.uint8).tobytes().decode("utf-8")
+    assert raw.endswith("\n")
+    return raw[:-1].split("\n")
+
+
+def test_shards_tokenize_to_every_document_once_split_between_train_and_val(tmp_path):
+    docs = _corpus(tmp_path / "src")
+    ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", val_fraction=0.1, workers=2, log=_quiet)
+    assert isinstance(ds.train, ConcatTokens) and ds.vocab_size == 256
+    train, val = _documents(ds.train), _documents(ds.val)
+    assert sorted(train + val) == sorted(docs)  # every document exactly once, byte for byte
+    assert 0.03 < len(val) / len(docs) < 0.2  # ~10% by document
+    assert ds.info["documents"] == len(docs) and ds.info["shards"] == 4
+    # a glob of the same files, and the cache directory itself, read the same tokens
+    again = load_dataset(str(tmp_path / "src" / "part*"), tmp_path / "cache2", val_fraction=0.1, log=_quiet)
+    assert np.array_equal(again.train[0:len(again.train)], ds.train[0:len(ds.train)])
+    direct = load_dataset(ds.info["cache_dir"], tmp_path / "unused")
+    assert np.array_equal(direct.val[0:len(direct.val)], ds.val[0:len(ds.val)])
+
+
+def test_parallel_and_multi_rank_tokenizing_write_the_same_cache_as_one_process(tmp_path):
+    _corpus(tmp_path / "src", n_shards=6)
+    one = tokenize_shards(str(tmp_path / "src"), tmp_path / "one", workers=1, log=_quiet)
+    two = tokenize_shards(str(tmp_path / "src"), tmp_path / "two", workers=2, log=_quiet)
+    # two ranks sharing the work, each its own process with 1 worker
+    code = ("import sys; from functrain.data import tokenize_shards; "
+            "tokenize_shards(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2)")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "ranks"), str(r)],
+                              env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    shares = [int(log.split("rank ")[1].split(" of 2: ")[1].split(" of ")[0]) for log in logs]
+    assert sum(shares) == 6 and min(shares) >= 2, logs  # dealt, not duplicated
+    ranks = tmp_path / "ranks" / one.name
+    for split in ("train", "val"):
+        for f in sorted((one / split).glob("*.bin")):
+            assert f.read_bytes() == (two / split / f.name).read_bytes() == (ranks / split / f.name).read_bytes()
+    assert "tokenized" in logs[0] and "MB/s" in logs[0]
+
+
+def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        _jsonl(src / f"s{i:02d}.jsonl", _docs(3000, i))
+    code = "import sys; from functrain.data import tokenize_shards; tokenize_shards(sys.argv[1], sys.argv[2], workers=1)"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "cache")],
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((tmp_path / "cache").glob("*/done/*.json")):
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    out = next((tmp_path / "cache").iterdir())
+    done = len(list((out / "done").glob("*.json")))
+    assert 1 <= done < 12 and not (out / "meta.json").exists()  # killed midway: not complete-looking
+    lines = []
+    again = tokenize_shards(str(src), tmp_path / "cache", workers=2, log=lines.append)
+    assert again == out
+    assert f"({done} done earlier)" in lines[0] or f"({done + 1} done earlier)" in lines[0], lines
+    assert not list(out.rglob(".*tmp*"))  # the killed run's temporaries are gone
+    fresh = tokenize_shards(str(src), tmp_path / "fresh", workers=1, log=_quiet)
+    a, b = open_token_cache(out), open_token_cache(fresh)
+    for i in (0, 1):
+        assert np.array_equal(a[i][0:len(a[i])], b[i][0:len(b[i])])
+
+
+def test_tokenizing_with_a_bpe_uses_its_end_of_text_and_refuses_another_tokenizers_cache(tmp_path):
+    docs = _corpus(tmp_path / "src", n_shards=3)
+    tok = train_bpe(docs, 300, tmp_path / "bpe.json")
+    ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", tokenizer=tok, val_fraction=0.1, log=_quiet)
+    ids = np.asarray(ds.train[0:len(ds.train)]).astype(np.int64)
+    assert ids[-1] == tok.eos_id and (ids == tok.eos_id).sum() > 100
+    first = ids[:int(np.flatnonzero(ids == tok.eos_id)[0])]
+    assert tok.decode(first) in docs
+    other = train_bpe(docs, 280, tmp_path / "bpe2.json")
+    with pytest.raises(DataError) as err:
+        load_dataset(ds.info["cache_dir"], tmp_path / "x", tokenizer=other)
+    assert "written by" in str(err.value) and "\n" not in str(err.value)
+
+
+def _error(tmp_path, src, **kw) -> str:
+    with pytest.raises(DataError) as err:
+        load_dataset(str(src), tmp_path / "cache", log=_quiet, **kw)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_shards_are_one_line_each_and_leave_nothing_half_written(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _jsonl(src / "a.jsonl", _docs(50, 0))
+    (src / "notes.csv").write_text("a,b\n")
+    assert "notes.csv: not a parquet or jsonl shard" in _error(tmp_path, str(src / "*"))
+    # a missing text field, in jsonl and in parquet
+    _jsonl(tmp_path / "body.jsonl", _docs(5, 1), field="body")
+    assert "no field 'text' (fields: body, id)" in _error(tmp_path, tmp_path / "body.jsonl")
+    pq.write_table(pa.table({"content": _docs(5, 2)}), tmp_path / "c.parquet")
+    assert "no column 'text' (columns: content)" in _error(tmp_path, tmp_path / "c.parquet")
+    ok = load_dataset(str(tmp_path / "c.parquet"), tmp_path / "cache", text_field="content", log=_quiet)
+    assert len(ok.train) > 0
+    # a file named .parquet that is not one
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    assert "not a readable parquet file" in _error(tmp_path, tmp_path / "bad.parquet")
+    # an empty shard
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e.jsonl").write_text("")
+    assert "an empty shard" in _error(tmp_path, tmp_path / "empty")
+    # lines that are not JSON: counted, the first named; skipped under the threshold
+    lines = [json.dumps({"text": d}) for d in _docs(200, 3)]
+    lines[7] = "{not json"
+    lines[50] = "[1, 2]"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "b.jsonl").write_text("\n".join(lines) + "\n")
+    message = _error(tmp_path, tmp_path / "b")
+    assert "2 of 200 lines are not JSON objects (first at" in message and "b.jsonl:8)" in message
+    assert "max_bad_line_fraction" in message
+    for cache in (tmp_path / "cache").iterdir():  # nothing of the failed shards left behind
+        assert not list(cache.rglob(".*tmp*"))
+    logged = []
+    ds = load_dataset(str(tmp_path / "b"), tmp_path / "cache", max_bad_line_fraction=0.02, log=logged.append)
+    assert len(_documents(ds.train)) + len(_documents(ds.val)) == 198
+    assert any("skipped 2 jsonl lines" in line for line in logged), logged
+
+
+def test_a_failed_shard_writes_no_token_file_or_marker(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _jsonl(src / "good.jsonl", _docs(50, 0))
+    (src / "zbad.jsonl").write_text("oops\n" * 10)
+    with pytest.raises(DataError):
+        tokenize_shards(str(src), tmp_path / "cache", workers=2, log=_quiet)
+    out = next((tmp_path / "cache").iterdir())
+    names = [p.name for p in out.rglob("*") if p.is_file()]
+    assert not any("zbad" in n for n in names), names
+    assert not (out / "meta.json").exists()
+
+
+def test_missing_pyarrow_is_one_line(tmp_path, monkeypatch):
+    pq.write_table(pa.table({"text": ["a b c"] * 10}), tmp_path / "p.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    assert "pip install 'functrain[parquet]'" in _error(tmp_path, tmp_path / "p.parquet")
+
+
+_PEAK = """
+import pathlib, sys
+from functrain.data import tokenize_shards
+rss = int(pathlib.Path('/proc/self/statm').read_text().split()[1]) * 4096 // 1024
+tokenize_shards(sys.argv[1], sys.argv[2], workers=1, chunk_bytes=int(sys.argv[3]), log=lambda line: None)
+hwm = [l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')]
+print(rss, int(hwm[0].split()[1]))  # VmHWM: this program's peak (ru_maxrss would keep the forking parent's)
+"""
+
+
+def test_tokenizing_memory_is_flat_in_corpus_size(tmp_path):
+    budget = 12 << 20  # bytes of RSS growth allowed; the corpus is 10x that
+    src = tmp_path / "src"
+    src.mkdir()
+    block = "".join(json.dumps({"text": d}) + "\n" for d in _docs(2000, 0, 20, 200)).encode()
+    copies = 5 * budget // len(block) + 1
+    for i in range(2):
+        with open(src / f"s{i}.jsonl", "wb") as f:
+            for _ in range(copies):
+                f.write(block)
+    corpus = sum(p.stat().st_size for p in src.iterdir())
+    assert corpus >= 10 * budget
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(src), str(tmp_path / "cache"), str(256 << 10)],
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    before_kb, peak_kb = map(int, out.stdout.split())
+    assert (peak_kb - before_kb) * 1024 < budget, (before_kb, peak_kb, corpus)
+    train, val, info = open_token_cache(next((tmp_path / "cache").iterdir()))
+    assert info["documents"] == 2 * copies * 2000  # it did tokenize the whole corpus
+
+
+def test_the_tokenizing_worker_imports_no_torch():
+    code = "import sys, functrain.data.token_worker; assert 'torch' not in sys.modules, 'torch imported'"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
