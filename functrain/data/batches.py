@@ -48,12 +48,17 @@ def _rows(tokens, starts, block_size, rank, world, device):
     b = len(starts) // world
     local = starts[rank * b:(rank + 1) * b]
     windows = np.stack([np.asarray(tokens[s:s + block_size + 1]) for s in local])  # (B_local, T+1)
-    xy = torch.from_numpy(windows.astype(np.int64))
-    x, y = xy[:, :-1], xy[:, 1:]  # (B_local, T) each
+    return _inputs_targets(windows.astype(np.int64), device)
+
+
+def _inputs_targets(windows: np.ndarray, device):
+    """(x, y) of int64 windows (B, T + 1): x = all but the last token, y = all but the first, on
+    `device` (from pinned memory with non-blocking copies off the CPU)."""
+    xy = torch.from_numpy(windows)
+    x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each
     if device is not None and torch.device(device).type != "cpu":
-        return (x.contiguous().pin_memory().to(device, non_blocking=True),
-                y.contiguous().pin_memory().to(device, non_blocking=True))
-    return x.contiguous(), y.contiguous()
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
 
 
 def get_batch(

@@ -42,7 +42,6 @@ import pickle
 import sys
 import sysconfig
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,12 +51,13 @@ from functrain.data.errors import DataError
 from functrain.data.shards import is_shard_source, shard_files
 from functrain.data.token_cache import FORMAT as SHARDS_FORMAT
 from functrain.data.token_cache import open_token_cache, tokenize_shards, tokenizer_id, train_documents
-from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
+from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, path_hash64, slug, token_dtype
+from functrain.data.tokenizer import (SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, separator_ids,
+                                      train_bpe)
 
 __all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
 
 FORMAT_VERSION = 1
-DEFAULT_VAL_FRACTION = 0.015
 _CHUNK = 1 << 24  # bytes read at a time when tokenizing
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _FIX = (
@@ -241,14 +241,9 @@ def _looks_binary(path: Path) -> bool:
         return b"\0" in f.read(8192)
 
 
-def _slug(name: str) -> str:
-    """A file-system-safe short name for a cache directory."""
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40] or "data"
-
-
 def _val_score(rel: str) -> float:
     """Stable hash of a relative path, uniform in [0, 1)."""
-    return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big") / 2.0**64
+    return path_hash64(rel) / 2.0**64
 
 
 def _split_files(rels: list[str], val_fraction: float) -> set[str]:
@@ -281,13 +276,8 @@ def _text_source(source: str):
         return stdlib_files(root), root, f"stdlib-py{sys.version.split()[0]}"
     path = Path(source).expanduser()
     if path.is_file():
-        return [path], path.parent, _slug(path.name)
-    return _text_files(path), path, _slug(path.name)
-
-
-def _token_dtype(vocab_size: int):
-    """uint16 when every id fits, else uint32."""
-    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+        return [path], path.parent, slug(path.name)
+    return _text_files(path), path, slug(path.name)
 
 
 def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=None) -> Dataset:
@@ -307,7 +297,7 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
         **({"tokenizer": hf} if hf else {}),
     }).encode()).hexdigest()
     out = Path(cache_dir) / f"{name}{'-tok' if hf else ''}-{fingerprint[:16]}"
-    dtype = _token_dtype(tokenizer.vocab_size)
+    dtype = token_dtype(tokenizer.vocab_size)
     info = _read_cache_info(out, dtype)
     if info is None:
         train_pieces, val_pieces, val_files, split = _plan(stats, val_fraction)
@@ -328,7 +318,7 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
             "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size,
             "dtype": np.dtype(dtype).name,
-            "separator": _separator(tokenizer),
+            "separator": separator_ids(tokenizer),
             "split": split,
             "val_fraction": val_fraction,
             "files": {"train": len(train_pieces), "val": len(val_pieces)},
@@ -340,7 +330,7 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
         }
         if hf:
             info["tokenizer_file"], info["tokenizer_sha256"] = str(tokenizer.path), hf
-        _atomic_write(out / "meta.json", lambda f: f.write(json.dumps(info, indent=1).encode()))
+        atomic_write(out / "meta.json", lambda f: f.write(json.dumps(info, indent=1).encode()))
     info = dict(info, cache_dir=str(out))
     return Dataset(_memmap(out / "train.bin", dtype), _memmap(out / "val.bin", dtype),
                    tokenizer.vocab_size, tokenizer, info)
@@ -379,7 +369,7 @@ def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, 
         fingerprint = hashlib.sha256(json.dumps({
             "bpe": vocab_size, "val_fraction": val_fraction, "text_field": text_field,
             "files": [[rel, st.st_size, st.st_mtime_ns] for _, rel, st in stats]}).encode()).hexdigest()
-        path = Path(cache_dir) / f"{_slug(root.name)}-bpe{vocab_size}-{fingerprint[:16]}.json"
+        path = Path(cache_dir) / f"{slug(root.name)}-bpe{vocab_size}-{fingerprint[:16]}.json"
         if path.exists():
             return HFTokenizer(path)
         return train_bpe(train_documents(source, text_field=text_field, val_fraction=val_fraction), vocab_size, path)
@@ -417,16 +407,10 @@ def _read_piece(path: Path, start: int, stop: int) -> str:
         return f.read(stop - start).decode("utf-8", errors="replace")
 
 
-def _separator(tokenizer) -> list[int]:
-    """The ids joining documents: the tokenizer's end-of-text token, else its encoding of SEPARATOR."""
-    eos = getattr(tokenizer, "eos_id", None)
-    return [eos] if eos is not None else [int(t) for t in tokenizer.encode(SEPARATOR.decode())]
-
-
 def _write_tokens(dst: Path, pieces, tokenizer, dtype) -> int:
     """Writes the tokens of (path, start, stop) pieces, separator-joined, as `dtype`; returns the count."""
     count = 0
-    sep = np.asarray(_separator(tokenizer), dtype=dtype).tobytes()
+    sep = np.asarray(separator_ids(tokenizer), dtype=dtype).tobytes()
 
     def write_bytes(f):
         nonlocal count
@@ -457,20 +441,8 @@ def _write_tokens(dst: Path, pieces, tokenizer, dtype) -> int:
                 f.write(np.asarray(ids, dtype=dtype).tobytes())
                 count += len(ids)
 
-    _atomic_write(dst, write_bytes if isinstance(tokenizer, ByteTokenizer) else write_tokenized)
+    atomic_write(dst, write_bytes if isinstance(tokenizer, ByteTokenizer) else write_tokenized)
     return count
-
-
-def _atomic_write(dst: Path, write) -> None:
-    """Calls write(file) on a private temporary beside `dst`, then renames it onto `dst`."""
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _memmap(path: Path, dtype) -> np.ndarray:

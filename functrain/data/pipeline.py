@@ -160,8 +160,9 @@ def lm_data(data: Any, *, cache_dir: str, batch_size: int, block_size: int, seed
     Example:
       >>> d = lm_data(config.data, cache_dir="runs/x/data", batch_size=32, block_size=128, seed=0, eval_batches=5)
     """
+    sources = parse_mixture(data)
     datasets = {}
-    for name, path, _ in parse_mixture(data):
+    for name, path, _ in sources:
         datasets[name] = load_dataset(
             path, cache_dir, vocab_size=vocab_size, block_size=block_size, val_fraction=data.get("val_fraction", DEFAULT_VAL_FRACTION),
             tokenizer=tokenizer, text_field=data.get("text_field", "text"),
@@ -172,8 +173,7 @@ def lm_data(data: Any, *, cache_dir: str, batch_size: int, block_size: int, seed
     if len(names) > 1:
         raise DataError(f"data.sources are tokenized differently ({', '.join(sorted(names))}); one run needs one "
                         "tokenizer: tokenize them alike")
-    weights = dict((n, w) for n, _, w in parse_mixture(data))
-    sampler = Sampler([(name, ds.train, weights[name]) for name, ds in datasets.items()], batch_size=batch_size,
+    sampler = Sampler([(name, datasets[name].train, w) for name, _, w in sources], batch_size=batch_size,
                       block_size=block_size, seed=seed, sampling=data.get("sampling", "windows"))
     return LMData(datasets, sampler, first.tokenizer, max(ds.vocab_size for ds in datasets.values()), eval_batches,
                   {"rank": dp_rank, "world": dp_world, "device": device})

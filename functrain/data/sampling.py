@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from functrain.data.batches import _TRAIN_STREAM, _rows, _window_starts
+from functrain.data.batches import _TRAIN_STREAM, _inputs_targets, _rows, _window_starts
 from functrain.data.errors import DataError
 
 __all__ = ["SAMPLINGS", "Sampler", "mixture_rows", "permute"]
@@ -91,6 +91,11 @@ def permute(index: np.ndarray, n: int, key: int, rounds: int = 6) -> np.ndarray:
     return out.astype(np.int64)
 
 
+def _split(w: np.ndarray, k: int, seed: int) -> tuple[float, float]:
+    """Split k of the cascade: source k's share p of the weight left, and the seeded offset t in [0, 1)."""
+    return min(w[k] / w[k:].sum(), 1.0 - 1e-12), (_hash(_MIX_STREAM, seed, k) >> 11) / float(1 << 53)
+
+
 def mixture_rows(rows: np.ndarray, weights: Sequence[float], seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The source of each global row and its number among that source's rows.
 
@@ -111,8 +116,7 @@ def mixture_rows(rows: np.ndarray, weights: Sequence[float], seed: int) -> tuple
     index = np.asarray(rows, np.int64).copy()
     left = np.ones(len(rows), bool)  # rows that reach split k
     for k in range(len(w) - 1):
-        p = min(w[k] / w[k:].sum(), 1.0 - 1e-12)
-        t = (_hash(_MIX_STREAM, seed, k) >> 11) / float(1 << 53)  # in [0, 1)
+        p, t = _split(w, k, seed)
         i = index[left].astype(np.float64)
         before = np.floor(i * p + t)  # rows before i that went to source k (floor(t) = 0)
         here = np.floor((i + 1) * p + t) > before
@@ -131,8 +135,7 @@ def mixture_counts(n_rows: int, weights: Sequence[float], seed: int) -> list[int
     left = n_rows
     w = np.asarray(weights, np.float64)
     for k in range(len(w) - 1):
-        p = min(w[k] / w[k:].sum(), 1.0 - 1e-12)
-        t = (_hash(_MIX_STREAM, seed, k) >> 11) / float(1 << 53)
+        p, t = _split(w, k, seed)
         mine = int(np.floor(np.float64(left) * p + t))
         counts.append(mine)
         left -= mine
@@ -221,11 +224,7 @@ class Sampler:
             sel = np.flatnonzero(source == k)
             for row, s in zip(sel, self._starts(int(k), index[sel])):
                 windows[row] = self.tokens[k][s:s + self.block_size + 1]
-        xy = torch.from_numpy(windows)
-        x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B_local, T) each
-        if device is not None and torch.device(device).type != "cpu":
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x, y
+        return _inputs_targets(windows, device)
 
     def rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, that source's row number) of global rows (all source 0 with one source)."""

@@ -42,7 +42,8 @@ import numpy as np
 
 from functrain.data.errors import DataError
 from functrain.data.shards import BadLines, read_texts, shard_files
-from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer
+from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, path_hash64, slug, token_dtype
+from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, separator_ids
 from functrain.data.tokens import ConcatTokens
 
 __all__ = ["FORMAT", "open_token_cache", "tokenize_shards", "tokenizer_id", "train_documents"]
@@ -58,15 +59,9 @@ def tokenizer_id(tokenizer) -> str:
     return f"tokenizers:{sha}" if sha else "bytes"
 
 
-def _token_dtype(vocab_size: int) -> str:
-    """uint16 when every id fits, else uint32."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
 def _key(rel: str) -> str:
     """A shard's file id: a hash of its relative path (plus a readable stem)."""
-    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(rel).name)[:40]
-    return f"{hashlib.sha256(rel.encode()).hexdigest()[:12]}-{stem}"
+    return f"{hashlib.sha256(rel.encode()).hexdigest()[:12]}-{slug(Path(rel).name, '')}"
 
 
 def _deal(sizes: list[int], world: int) -> list[int]:
@@ -92,7 +87,7 @@ def tokenize_shards(
     *,
     tokenizer: Any = None,
     text_field: str = "text",
-    val_fraction: float = 0.005,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
     max_bad_line_fraction: float = 0.0,
     workers: int = 0,
     rank: int = 0,
@@ -135,8 +130,7 @@ def tokenize_shards(
         "format": FORMAT, "version": VERSION, "source": str(Path(os.path.expanduser(source)).resolve()),
         "text_field": text_field, "val_fraction": val_fraction, "tokenizer": tok,
     }).encode()).hexdigest()
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(root)).name)[:40] or "shards"
-    out = Path(cache_dir) / f"{name}-{fingerprint[:16]}"
+    out = Path(cache_dir) / f"{slug(root.name, 'shards')}-{fingerprint[:16]}"
     shards = [{"rel": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "key": _key(rel)} for _, rel, st in stats]
     info = _read_meta(out)
     if info is not None and info.get("tokenizer") == tok and [_stat(s) for s in info["shards"]] == [_stat(s) for s in shards]:
@@ -149,8 +143,8 @@ def tokenize_shards(
                         "--workdir or --config.data.cache_dir") from None
     (out / "errors" / f"{rank}.txt").unlink(missing_ok=True)
     owner = _deal([s["size"] for s in shards], world)
-    kept = [s for s in shards if _marker(out, s, tok) is not None]
-    mine = [(p, s) for (p, _, _), s, r in zip(stats, shards, owner) if r == rank and _marker(out, s, tok) is None]
+    done = [_marker(out, s, tok) is not None for s in shards]
+    mine = [(p, s) for (p, _, _), s, r, d in zip(stats, shards, owner, done) if r == rank and not d]
     job = {"out": str(out), "tokenizer": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
            "tok": tok, "text_field": text_field, "val_fraction": val_fraction,
            "max_bad": max_bad_line_fraction, "run": uuid.uuid4().hex[:8], "chunk_bytes": chunk_bytes}
@@ -158,7 +152,7 @@ def tokenize_shards(
     if mine:
         how = f"rank {rank} of {world}: " if world > 1 else ""
         log(f"tokenizing {label}: {how}{len(mine)} of {len(shards)} shards, "
-            f"{sum(s['size'] for _, s in mine) / 1e6:.1f} MB ({len(kept)} done earlier)")
+            f"{sum(s['size'] for _, s in mine) / 1e6:.1f} MB ({sum(done)} done earlier)")
         try:
             _run_share(mine, job, workers or _default_workers(), log, label)
         except DataError as exc:
@@ -358,12 +352,8 @@ def _encode(tokenizer, texts: list[str], sep: list[int], dtype) -> np.ndarray:
     return out
 
 
-def _split_seed(rel: str) -> int:
-    """The seed of a shard's train/val draws: a stable hash of its relative path."""
-    return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
-
-
-def train_documents(source: str, *, text_field: str = "text", val_fraction: float = 0.005) -> Iterator[str]:
+def train_documents(source: str, *, text_field: str = "text",
+                    val_fraction: float = DEFAULT_VAL_FRACTION) -> Iterator[str]:
     """The documents of a shard source that `tokenize_shards` puts in the train split, streamed.
 
     Args:
@@ -379,7 +369,7 @@ def train_documents(source: str, *, text_field: str = "text", val_fraction: floa
     """
     files, root = shard_files(source)
     for path in files:
-        draws = np.random.default_rng(_split_seed(path.relative_to(root).as_posix()))
+        draws = np.random.default_rng(path_hash64(path.relative_to(root).as_posix()))
         for texts, _ in read_texts(path, text_field=text_field, bad_lines=BadLines(1.0)):
             to_val = draws.random(len(texts)) < val_fraction
             yield from (t for t, v in zip(texts, to_val) if not v)
@@ -390,12 +380,11 @@ def _tokenize_shard(args, report: Callable[[int], None]) -> dict:
     path, shard, job = args
     path, out = Path(path), Path(job["out"])
     tokenizer = _tokenizer(job["tokenizer"])
-    eos = getattr(tokenizer, "eos_id", None)
-    sep = [eos] if eos is not None else [int(t) for t in tokenizer.encode(SEPARATOR.decode())]
-    dtype = np.dtype(_token_dtype(tokenizer.vocab_size))
+    sep = separator_ids(tokenizer)
+    dtype = token_dtype(tokenizer.vocab_size)
     key, run = shard["key"], job["run"]
     tmp = {s: out / s / f".{key}.bin.tmp-{run}-{os.getpid()}" for s in ("train", "val")}
-    draws = np.random.default_rng(_split_seed(shard["rel"]))
+    draws = np.random.default_rng(path_hash64(shard["rel"]))
     bad = BadLines(job["max_bad"])
     counts = {"train": 0, "val": 0}
     docs = 0
@@ -426,13 +415,8 @@ def _tokenize_shard(args, report: Callable[[int], None]) -> dict:
 
 
 def _atomic_json(dst: Path, obj) -> None:
-    """Writes `obj` as JSON to a temporary beside dst, then renames it onto dst."""
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1))
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Writes `obj` as JSON onto dst atomically."""
+    atomic_write(dst, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
 def _remove_temporaries(out: Path, run: str | None = None) -> None:

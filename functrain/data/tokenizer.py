@@ -25,6 +25,12 @@ __all__ = ["ByteTokenizer", "VocabTokenizer", "IdTokenizer", "HFTokenizer", "tra
 SEPARATOR = b"\n"
 """What joins documents in byte-level token files (a tokenizer with an end-of-text id uses that)."""
 
+
+def separator_ids(tokenizer) -> list[int]:
+    """The ids joining documents: the tokenizer's end-of-text token, else its encoding of SEPARATOR."""
+    eos = getattr(tokenizer, "eos_id", None)
+    return [eos] if eos is not None else [int(t) for t in tokenizer.encode(SEPARATOR.decode())]
+
 END_OF_TEXT = "<|endoftext|>"
 """The document separator token `train_bpe` adds (GPT-2's name for it)."""
 
