@@ -48,7 +48,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     # torch.use_deterministic_algorithms (atomic-add kernels replaced), needed for bit-identical reruns.
     c.deterministic = False
     c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32
-    c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row (0 = never skip)
+    c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row, checked at log steps (0 = never skip)
     c.tensorboard = True  # event files in <workdir>/tb (with the tensorboard package; JSONL always)
     c.device = "auto"  # "auto" = cuda if available, else cpu
     # keep: freed host memory stays in the process (functrain/memory.py: page faults on fresh

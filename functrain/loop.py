@@ -12,9 +12,11 @@ garbage collection are built-in hooks, and research code adds its own the same w
 
 A hook is called after each step whose number is a multiple of its `every` (and after the last
 step, unless `at_end=False`) with a `StepInfo`: the step number, the new state and the step's
-metrics (device tensors: reading one syncs). Preemption (SIGTERM), a first Ctrl-C and `stop_at` end
-the run with a checkpoint of the current step (a second Ctrl-C stops at once); restarting the same
-command resumes it bit-exactly. One run per workdir: the main process holds `<workdir>/.lock` while
+metrics (device tensors: reading one syncs). Between log steps the loop itself reads no tensor value
+(the skip watch and the NaN check read at log steps, preemption is agreed one step late over the
+host), so on an accelerator the host queues steps ahead of the device. Preemption (SIGTERM), a first
+Ctrl-C and `stop_at` end the run with a checkpoint of the current step (a second Ctrl-C stops at
+once); restarting the same command resumes it bit-exactly. One run per workdir: the main process holds `<workdir>/.lock` while
 it runs (`functrain.workdir_lock`), so a second run started on the same workdir stops with one line
 instead of deleting the first's checkpoints.
 
@@ -40,6 +42,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from functrain import checkpoint as ckpt_lib
@@ -201,14 +204,13 @@ class _Checkpoint(Hook):
 class _SkipWatch(Hook):
     """Stops the run once `limit` updates in a row were skipped (non-finite loss or grad norm).
 
-    The step skips bad updates on the device; this reads its consecutive-skips counter: every step
-    on CPU (free), every `limit` steps on accelerators (a host sync), so the run stops within
-    `2 * limit - 1` skipped steps at most.
+    The step skips bad updates on the device and counts them; this reads the consecutive-skips
+    counter at the log steps only (reading it is a host sync), so the run stops at the first log
+    step with `limit` or more skipped in a row: within `limit + every - 1` skipped steps.
     """
 
-    def __init__(self, limit, device, manager):
-        self.limit, self.manager = limit, manager
-        self.every = 1 if device.type == "cpu" else limit
+    def __init__(self, limit, every, manager):
+        self.limit, self.every, self.manager = limit, every, manager
         self.at_end = False
 
     def after(self, info):
@@ -373,7 +375,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
     evaluation = _Eval(config.eval_every, eval_step, eval_sets, writer)
     # In this order: a run that stops on skipped updates neither logs nor saves that step.
-    builtin: list[Hook] = [_SkipWatch(config.max_consecutive_skips, device, manager)] if skips_enabled else []
+    builtin: list[Hook] = [_SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
     builtin += [log, evaluation]
     if manager is not None:
         builtin.append(_Checkpoint(manager))
@@ -386,7 +388,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to "
                  "train on)")
     stopped = None
-    with _PreemptionFlag(device, print_fn) as preemption, manager or contextlib.nullcontext():
+    with _PreemptionFlag(print_fn) as preemption, manager or contextlib.nullcontext():
         try:
             for step in range(start, config.steps):
                 for h in all_hooks:
@@ -657,13 +659,20 @@ def _resume_hyperparams(restored: TrainState, configured: dict, policy: str, pri
 class _PreemptionFlag:
     """Turns SIGTERM, and a first Ctrl-C (SIGINT), into a flag the loop checks after each step
     (agreed over all ranks): the run saves the step it is at and ends cleanly. A second Ctrl-C
-    stops at once (KeyboardInterrupt; the last committed checkpoint is where it resumes)."""
+    stops at once (KeyboardInterrupt; the last committed checkpoint is where it resumes).
 
-    def __init__(self, device: torch.device, print_fn: Callable[..., None] = _silent):
-        self._device = device
+    Distributed, the ranks agree one step late and without touching the device: each check starts a
+    non-blocking MAX all-reduce of this rank's flag over a gloo group of its own (host memory) and
+    reads the one the previous check started, by then long done. Every rank reads the same value at
+    the same step, so all stop together; no step waits for the accelerator.
+    """
+
+    def __init__(self, print_fn: Callable[..., None] = _silent):
         self._flag = False
         self._print = print_fn
         self.reason = "SIGTERM"  # what set the flag on this process, for the line the loop prints
+        self._group = None
+        self._pending = None  # (work, numpy buffer) of the all-reduce the last check started
 
     def __enter__(self):
         self._previous = {}
@@ -674,6 +683,8 @@ class _PreemptionFlag:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: no handler, never preempted
                 pass
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._group = torch.distributed.new_group(backend="gloo")  # collective: every rank enters here
         return self
 
     def _handle(self, signum, frame):
@@ -687,15 +698,30 @@ class _PreemptionFlag:
         self._flag = True
 
     def requested(self) -> bool:
-        """Whether any rank got SIGTERM (one tiny all-reduce when distributed)."""
-        flag = self._flag
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            t = torch.tensor([1 if flag else 0], device=self._device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
+        """Whether any rank got SIGTERM or Ctrl-C (distributed: as of the previous check)."""
+        if self._group is None:
+            return self._flag
+        agreed = self._collect()
+        buf = np.array([int(self._flag)], dtype=np.int64)  # host memory the all-reduce writes into
+        work = torch.distributed.all_reduce(torch.from_numpy(buf), op=torch.distributed.ReduceOp.MAX,
+                                            group=self._group, async_op=True)
+        self._pending = (work, buf)
+        return agreed
 
-    def __exit__(self, *exc):
+    def _collect(self) -> bool:
+        """Waits for the pending all-reduce (started a step ago) and returns its value."""
+        if self._pending is None:
+            return False
+        work, buf = self._pending
+        self._pending = None
+        work.wait()
+        return bool(buf[0])
+
+    def __exit__(self, exc_type, *exc):
+        if self._group is not None and exc_type is None:  # (after an error a peer may be gone: no wait)
+            self._collect()  # every rank started as many: the last one completes everywhere
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         return False

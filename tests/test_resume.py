@@ -351,7 +351,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
     # and the flag then leaves it so (tested below)
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with loop._PreemptionFlag(torch.device("cpu"), lines.append) as flag:
+        with loop._PreemptionFlag(lines.append) as flag:
             assert signal.getsignal(signal.SIGINT) == flag._handle  # installed (pytest runs tests on the main thread)
             os.kill(os.getpid(), signal.SIGINT)
             assert flag.requested() and flag.reason == "SIGINT" and len(lines) == 1
@@ -360,7 +360,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
                 time.sleep(1)  # the handler runs at the next bytecode: well before this ends
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with loop._PreemptionFlag(torch.device("cpu"), lines.append):
+        with loop._PreemptionFlag(lines.append):
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # an ignored Ctrl-C is left ignored
     finally:
         signal.signal(signal.SIGINT, inherited)
