@@ -14,12 +14,6 @@ import torch
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 
 
-def on_host_by_design(t: torch.Tensor) -> bool:
-    """A 0-d float64 tensor is a hyper-parameter or a schedule number: these live in host memory on
-    every device (`functrain.optim`), so reading one waits for nothing."""
-    return t.dtype == torch.float64 and t.dim() == 0 and t.device.type == "cpu"
-
-
 class Reads:
     """Per-label counts of the main thread's value reads (`label` is set by the caller, e.g. the
     running step), and where the first read of each label came from. Other threads (the batch
@@ -31,7 +25,7 @@ class Reads:
         self.where: dict = {}
 
     def record(self, name, t):
-        if self.label is None or on_host_by_design(t) or threading.current_thread() is not threading.main_thread():
+        if self.label is None or threading.current_thread() is not threading.main_thread():
             return
         self.counts[self.label] += 1
         self.where.setdefault(self.label, f"Tensor.{name} at " + "".join(traceback.format_stack(limit=4)[:-2]).strip())

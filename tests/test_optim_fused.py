@@ -118,3 +118,30 @@ def test_tensors_the_kernel_does_not_take_run_the_chain():
 def test_fused_with_narrow_moments_is_refused_at_construction():
     with pytest.raises(ValueError, match=r"^adamw\(fused=True\) keeps Adam's moments in the params' dtype"):
         optim.adamw(1e-3, mu_dtype=torch.bfloat16, fused=True)
+
+
+def test_fused_route_reads_hyperparameters_once_and_sees_new_values():
+    """The kernel takes betas, eps and decay as Python floats: the route reads them from their tensors
+    (a host sync on a GPU) at the first update only, and again after `set_hyperparams` replaces them,
+    whose new values the update then uses (it still equals the chain's)."""
+    from _host_reads import Reads, counting
+
+    params = _params(seed=3)
+    ref_state = init_state(tree.clone(params), _opt(False))
+    state = init_state(tree.clone(params), _opt(True))
+    ref_update, update = update_step(_opt(False), compile=False), update_step(_opt(True), compile=False)
+    reads = Reads()
+    for i, g in enumerate(_grads(params)):
+        if i == 4:
+            ref_state = optim.set_hyperparams(ref_state, b2=0.5, weight_decay=0.3)
+            state = optim.set_hyperparams(state, b2=0.5, weight_decay=0.3)
+        ref_state, _ = ref_update(ref_state, tree.clone(g), {"loss": torch.tensor(2.0)})
+        reads.label = i
+        with counting(reads):
+            state, _ = update(state, tree.clone(g), {"loss": torch.tensor(2.0)})
+        reads.label = None
+    assert reads.counts[0] > 0 and reads.counts[4] > 0, dict(reads.counts)  # the counter sees the reads
+    assert not {i: n for i, n in reads.counts.items() if i not in (0, 4)}, (dict(reads.counts), reads.where)
+    atol = _atol(params) / (1 - 0.5)  # b2 = 0.5 for the last steps: the kernel's float32 bias correction
+    for k in params:
+        torch.testing.assert_close(state.params[k], ref_state.params[k], rtol=0, atol=atol, msg=k)

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -70,6 +71,8 @@ def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | 
       >>> new_state = route(params, grads, opt_state, norm=None, found_inf=torch.zeros(()))
     """
 
+    host = _HostValues()  # the kernel takes betas, eps and decay as Python floats
+
     def fused(params, grads, state, *, norm, found_inf, grad_scale=None):
         adam, decay, lr_state = state  # chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)
         p, spec = tree_lib.flatten(params)
@@ -83,7 +86,7 @@ def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | 
         rate = rate_at(learning_rate, lr_state.count, lr_state.hyper).to(torch.float32)
         count = (adam.count + 1).to(p[0].dtype)  # the kernel's bias corrections read the new count
         h = adam.hyper
-        b1, b2, eps, wd = (float(x) for x in (h["b1"], h["b2"], h["eps"], decay.hyper["weight_decay"]))
+        b1, b2, eps, wd = (host.value(x) for x in (h["b1"], h["b2"], h["eps"], decay.hyper["weight_decay"]))
         found = found_inf.to(torch.float32)
         scale = None if grad_scale is None else grad_scale.to(torch.float32)
         for want in (True, False):  # the decayed leaves, then the others
@@ -99,3 +102,21 @@ def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | 
         return adam, decay, ScaleByLearningRateState(lr_state.count, lr_state.lr, lr_state.hyper)
 
     return fused
+
+
+class _HostValues:
+    """`float(t)` of hyper-parameter tensors, read from the device once per value: a tensor read
+    before, unchanged since (same object, same version counter), is answered from the host (a step
+    then waits for no device read)."""
+
+    def __init__(self):
+        self._seen: dict[int, tuple] = {}  # id(t) -> (weakref to t, t._version, float(t))
+
+    def value(self, t: torch.Tensor) -> float:
+        """`float(t)`, from the host when `t` was read before and has not changed."""
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        v = float(t)
+        self._seen[id(t)] = (weakref.ref(t), t._version, v)
+        return v
