@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go on a CUDA machine (no network needed): the compiled-vs-eager benchmark in
-# bf16 (timed alone), then CUDA-only failures of the main job (fp32 and bf16, compile_unit step and
-# blocks, a resume onto CUDA, bf16 + per-block compile on one nccl rank; these run side by side).
+# bf16 (timed alone; the step as CUDA graphs beside it), then CUDA-only failures of the main job (fp32
+# and bf16, compile_unit step and blocks, CUDA graphs, a resume onto CUDA, bf16 + per-block compile
+# on one nccl rank; these run side by side), the CUDA-graph and no-host-sync tests, the Llama ~1B
+# shape compiled and eager, and one table of tokens/s, MFU, peak memory and compiled vs eager.
 #
-#     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke step_fp32 optimizer (default: step_bf16 smoke)
+#     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke graphs llama1b table step_fp32 optimizer
+#                                       (default: step_bf16 smoke graphs llama1b table)
 #
 # Each part runs under its own time limit and appends to $OUT/gpu.log (default runs/gpu); a
 # summary of each run (exit code, seconds, its last lines) is printed. A failing compiled run
@@ -17,7 +20,7 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 py=${PYTHON:-python3}
 log="$OUT/gpu.log"
-parts=${*:-step_bf16 smoke}
+parts=${*:-step_bf16 smoke graphs llama1b table}
 
 # torch < 2.12 on CUDA: inductor's loop reordering after fusion asserts on a fused node that holds a
 # foreach node (pytorch/pytorch#176591, fixed by #176849 in 2.12; the update graph mixes _foreach
@@ -75,6 +78,7 @@ for p in $parts; do
       TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 main fp32_step "$L" --config.steps=100 --config.eval_every=50 &
       main fp32_nodonate "$L" --config.steps=100 --config.eval_every=50 --config.donate=False &
       main fp32_blocks "$L" --config.steps=100 --config.eval_every=50 --config.compile_unit=blocks &
+      main fp32_graphs "$L" --config.steps=100 --config.eval_every=50 --config.checkpoint.every=50 --config.cuda_graphs=True &
       { main bf16_step "$L" --config.steps=100 --config.eval_every=50 --config.checkpoint.every=50 --config.precision=bf16 &&
         run bf16_resume 90 $py -m functrain.main --config=configs/gpt.py --workdir=/tmp/ft_bf16_step \
           --config.steps=150 --config.eval_every=50 --config.checkpoint.every=50 --config.precision=bf16; } &
@@ -82,7 +86,28 @@ for p in $parts; do
         --config=configs/gpt.py:tiny --workdir=/tmp/ft_blocks --config.precision=bf16 \
         --config.compile_unit=blocks --config.remat=full --config.steps=100 &
       wait
-      for n in fp32_step fp32_nodonate fp32_blocks bf16_step bf16_resume blocks_bf16_nccl; do TAILN=6 report $n; done
+      for n in fp32_step fp32_nodonate fp32_blocks fp32_graphs bf16_step bf16_resume blocks_bf16_nccl; do TAILN=6 report $n; done
+      ;;
+    graphs)
+      # CUDA graphs (losses equal the plain compiled step's, a resume under graphs) and the
+      # no-host-sync counts, as pytest runs them.
+      run graphs_tests 400 $py -m pytest -q tests/test_cuda_graphs.py tests/test_host_sync.py
+      report graphs_tests
+      ;;
+    llama1b)
+      # The Llama ~1B shape (configs/llama.py:1b, bf16, 8 x 2048 tokens a step): compiled, then eager.
+      L=${LLAMA_LIMIT:-420}
+      run llama1b "$L" $py -m functrain.main --config=configs/llama.py:1b --workdir=/tmp/ft_llama1b \
+        --config.steps=40 --config.eval_every=40 --config.eval_batches=1 --config.checkpoint.enabled=False --config.export_hf=False
+      report llama1b
+      run llama1b_eager "$L" $py -m functrain.main --config=configs/llama.py:1b --workdir=/tmp/ft_llama1b_eager \
+        --config.steps=30 --config.eval_every=30 --config.eval_batches=1 --config.checkpoint.enabled=False --config.export_hf=False \
+        --config.compile=False
+      report llama1b_eager
+      ;;
+    table)
+      # One table of what the parts above measured (the GPT shapes from step_bf16, the Llama 1b runs).
+      $py bench/gpu_table.py "$LOGS/step_bf16.log" /tmp/ft_llama1b /tmp/ft_llama1b_eager | tee -a "$log"
       ;;
     step_fp32)
       run step_fp32 300 $py bench/step.py --sizes 100m --precision fp32 --steps 20 --rounds 4 --json

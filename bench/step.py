@@ -34,6 +34,8 @@ For each GPT size it compares, on the same model, data and hyper-parameters:
   functrain_eager  the same step with `compile=False` and `adamw(..., fused=True)` (gradients by plain
              autograd, the update through torch's fused AdamW kernel in place): research code that
              composes steps eagerly (`--no-eager` skips it); printed as its step time over torch's
+  functrain_graphs  the compiled step replayed as CUDA graphs (`--config.cuda_graphs`; on CUDA by
+             default, `--cuda-graphs` elsewhere, where inductor records nothing and it runs as compiled)
   torch      eager `nn.Module` forward/backward + `clip_grad_norm_` + `torch.optim.AdamW(fused=True)`
              (foreach=True where fused is not supported on the device: the output says so) + LambdaLR
 
@@ -80,6 +82,7 @@ from functrain import precision as precision_lib
 from functrain import step as step_lib
 from functrain.models import gpt
 from functrain.models.gpt import make_loss_fn
+from functrain.compiler import cuda_graphs
 
 SIZES = {
     # The `tiny` variant of configs/gpt.py.
@@ -275,6 +278,24 @@ class TorchLoop:
         self.opt.zero_grad(set_to_none=True)  # grads are not part of the resident state
 
 
+class FunctrainGraphs(Functrain):
+    """The compiled step replayed as CUDA graphs (`--config.cuda_graphs`: inductor's cudagraph trees,
+    the state's buffers static inputs, a step boundary marked before each step)."""
+
+    name = "functrain_graphs"
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg, device)
+        self.step_fn = make_train_step(self.loss_fn, self.opt, donate=True, precision=PRECISION,
+                                       compile_options=cuda_graphs.options())
+        self.state = cuda_graphs.prepare(self.state)
+        self.note = f"compiled as CUDA graphs (reduce-overhead), donate=True, precision {PRECISION}"
+
+    def step(self, batch):
+        cuda_graphs.step_begin()
+        return super().step(batch)
+
+
 VARIANTS = {"functrain": Functrain, "torch": TorchLoop}
 
 
@@ -282,16 +303,16 @@ VARIANTS = {"functrain": Functrain, "torch": TorchLoop}
 # Speed: both variants in this process, interleaved.
 
 
-def _kinds(eager):
+def _kinds(eager, graphs=False):
     """The variants timed side by side."""
-    return (Functrain, FunctrainEager, TorchLoop) if eager else (Functrain, TorchLoop)
+    return (Functrain, *([FunctrainGraphs] if graphs else []), *([FunctrainEager] if eager else []), TorchLoop)
 
 
-def speed(size, steps, rounds, device, eager=True):
+def speed(size, steps, rounds, device, eager=True, graphs=False):
     cfg, batch = _cfg(size)
     data = _batches(cfg, batch, device)
     runners, first, first_loss = [], {}, {}
-    for cls in _kinds(eager):
+    for cls in _kinds(eager, graphs):
         r = cls(cfg, device)
         _sync(device)
         t = time.perf_counter()
@@ -319,6 +340,8 @@ def speed(size, steps, rounds, device, eager=True):
     extra = {}
     if eager:  # the eager step's time over the eager torch loop's, per round (> 1: slower than torch)
         extra["eager_time_ratio"] = statistics.median(e / b for e, b in zip(per_round_s["functrain_eager"], t))
+    if graphs:  # the torch loop's time over the CUDA-graph step's, per round (> 1: faster than torch)
+        extra["graphs_ratio"] = statistics.median(b / g for g, b in zip(per_round_s["functrain_graphs"], t))
     return {
         **extra,
         "params": gpt.num_params(cfg),
@@ -449,6 +472,8 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory children")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-part breakdown")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time the step replayed as CUDA graphs (functrain_graphs; default: on CUDA)")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager functrain column (functrain_eager)")
     ap.add_argument("--breakdown-rounds", type=int, default=6, help="alternating rounds of the breakdown")
     ap.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
@@ -486,7 +511,8 @@ def main():
         print(f"\n[{size}] GPT {gpt.num_params(cfg) / 1e6:.2f}M params (n_layer {cfg.n_layer}, "
               f"n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, block {cfg.block_size}), batch {batch}", flush=True)
         eager = not args.no_eager
-        sp = speed(size, args.steps, args.rounds, device, eager)
+        graphs = device.type == "cuda" if args.cuda_graphs is None else args.cuda_graphs
+        sp = speed(size, args.steps, args.rounds, device, eager, graphs)
         for name, note in sp["notes"].items():
             print(f"  {name:15s} {note}; first-step loss {sp['first_loss'][name]:.6f}")
         mem = None if args.no_memory else measure_memory(size, args.mem_steps, device, args.threads, args.host_memory)
@@ -521,6 +547,11 @@ def main():
               f"(ratio {sp['ratio']:.2f}x); tokens/s {sp['tokens_per_s']['functrain']:,.0f} vs "
               f"{sp['tokens_per_s']['torch']:,.0f}; MFU of the measured matmul {sp['mfu_matmul']['functrain']:.1%} vs "
               f"{sp['mfu_matmul']['torch']:.1%}", flush=True)
+        if graphs:
+            print(f"  [{size}] CUDA graphs: functrain_graphs {sp['steps_per_s']['functrain_graphs']:.3f} steps/s, "
+                  f"{sp['tokens_per_s']['functrain_graphs']:,.0f} tokens/s, MFU of the measured matmul "
+                  f"{sp['mfu_matmul']['functrain_graphs']:.1%}; the torch loop's time / its time: "
+                  f"{sp['graphs_ratio']:.2f}x", flush=True)
         if eager:
             print(f"  [{size}] eager: functrain_eager {sp['steps_per_s']['functrain_eager']:.3f} steps/s; its step "
                   f"time / the torch loop's: {sp['eager_time_ratio']:.2f}x", flush=True)

@@ -20,6 +20,8 @@ Variants (`--config=configs/llama.py:<variant>`):
             GPU, in bf16. With a local copy of the real model, fine-tune it instead:
             `--config.init_from=hf:/path/to/SmolLM-135M` (config, weights and tokenizer.json are
             read from there; `model.block_size` is the training length).
+  1b        TinyLlama-1.1B's shape (22 layers x 2048, 32 query / 4 kv heads, 32000 ids, sequences of
+            2048) in bf16 on bytes, for GPU throughput (`bash bench/gpu.sh llama1b`).
 
 The tokenizer (`data.tokenizer`): "auto" uses the init_from directory's tokenizer.json (bytes when it
 has none and its model has 256 ids; any other directory without one is refused up front), else
@@ -118,6 +120,28 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         c.optim.min_lr = 3e-5
         c.optim.warmup_steps = 200
         c.checkpoint.every = 500
+    elif variant == "1b":
+        c.steps = 5000
+        c.batch_size = 8
+        c.log_every = 10
+        c.eval_every = 500
+        c.eval_batches = 10
+        c.precision = "bf16"
+        c.data.tokenizer = "bytes"  # a throughput shape: no 32k-id BPE to train first
+        c.model.vocab_size = 32000  # TinyLlama-1.1B's shape (ids past the 256 bytes are never seen)
+        c.model.block_size = 2048
+        c.model.n_layer = 22
+        c.model.n_head = 32
+        c.model.n_kv_head = 4
+        c.model.n_embd = 2048
+        c.model.intermediate_size = 5632
+        c.model.tie_embeddings = False
+        c.loss_chunk_size = 4096  # (8 x 2048) x 32000 fp32 logits would be 2 GB
+        c.optim.lr = 3e-4
+        c.optim.min_lr = 3e-5
+        c.optim.warmup_steps = 200
+        c.checkpoint.every = 500
+        c.sample.max_new_tokens = 0
     else:
-        raise ValueError(f"unknown variant {variant!r}; use one of: default, tiny, smollm")
+        raise ValueError(f"unknown variant {variant!r}; use one of: default, tiny, smollm, 1b")
     return c

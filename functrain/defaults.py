@@ -39,6 +39,9 @@ def trainer_config() -> ml_collections.ConfigDict:
     # optimizer update block by block: as many graphs and about the same cold compile at any depth;
     # README "Compile unit").
     c.compile_unit = "step"
+    # Replay the compiled step as CUDA graphs (inductor's cudagraph trees): one launch per step
+    # instead of hundreds, for small launch-bound models. CUDA, compile=True, compile_unit="step".
+    c.cuda_graphs = False
     # Where compiled graphs are cached across runs (functrain/compile_cache.py): "user" (per-user
     # dir: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/functrain/inductor), "workdir" (<workdir>/compile_cache:
     # a restart from a copy of the workdir compiles warm), "off" (always cold), or a directory path.

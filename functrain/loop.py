@@ -21,7 +21,7 @@ it runs (`functrain.workdir_lock`), so a second run started on the same workdir 
 instead of deleting the first's checkpoints.
 
 The loop's own config keys (`functrain.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
-accum_steps, log_every, eval_every, compile, compile_cache, donate, deterministic, precision,
+accum_steps, log_every, eval_every, compile, compile_cache, cuda_graphs, donate, deterministic, precision,
 max_consecutive_skips, tensorboard, device, host_memory, gc_every, seed, checkpoint.*, profile.*.
 """
 
@@ -49,6 +49,7 @@ from functrain import checkpoint as ckpt_lib
 from functrain.data.prefetch import Prefetcher
 from functrain import memory, parallel
 from functrain.compiler import cache as compile_cache
+from functrain.compiler import cuda_graphs
 from functrain import metric_names as M
 from functrain import metrics as metrics_lib
 from functrain import rng as rng_lib
@@ -327,6 +328,8 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     main = ctx.is_main_process
     print_fn = print_fn if main else _silent
     device = resolve_device(config, ctx)
+    validate.check_cuda_graphs(config, device.type)
+    graphs = bool(config.get("cuda_graphs", False))
     if config.deterministic:
         torch.use_deterministic_algorithms(True)
     if config.host_memory == "keep" and device.type == "cpu":
@@ -348,6 +351,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     train_step = make_train_step(
         task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=_compile(config), donate=config.donate,
         precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
+        compile_options=cuda_graphs.options() if graphs else None,
     )
     eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision)
 
@@ -365,7 +369,12 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     t_start = time.perf_counter()
     if config.checkpoint.init_from and (manager is None or manager.latest_step() is None):
         state = _init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it
+    if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
+        state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
     state = _maybe_restore(manager, state, train_step, task.train_batch, config, print_fn)
+    if graphs:
+        state = cuda_graphs.prepare(state)
+    graph_skips = cuda_graphs.skips() if graphs else 0
 
     skips_enabled = config.max_consecutive_skips > 0
     start = int(state.step)
@@ -393,9 +402,16 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
             for step in range(start, config.steps):
                 for h in all_hooks:
                     h.before(step)
-                state, m = train_step(state, batches.get(step) if batches is not None else task.train_batch(step))
+                batch = batches.get(step) if batches is not None else task.train_batch(step)
+                if graphs:
+                    cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
+                state, m = train_step(state, batch)
                 done = step + 1
                 if step == start:
+                    if graphs and cuda_graphs.skips() > graph_skips:
+                        raise validate.ConfigError(
+                            "cuda_graphs=True, but inductor could not record the train step as a CUDA graph "
+                            "(TORCH_LOGS=perf_hints prints why); drop --config.cuda_graphs")
                     print_fn(f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
                              f"time to first step {time.perf_counter() - t_program:.1f}s")
                     if config.compile:

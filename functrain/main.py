@@ -217,6 +217,7 @@ def check_config(config: Any, mesh: bool = True) -> None:
     from functrain.optim.checks import CHECKS as optim_checks
 
     validate.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
+    validate.check_cuda_graphs(config)
     dist = sys.modules.get("torch.distributed")
     if not mesh or (dist is not None and dist.is_available() and dist.is_initialized()):
         return  # no mesh, or a caller's own process group: parallel.setup checks the mesh against it

@@ -229,6 +229,32 @@ def check_batch(batch_size: int, accum_steps: int, dp_world: int) -> None:
             f"({accum_steps}); change batch_size, accum_steps or the mesh (--config.batch_size)")
 
 
+def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:
+    """Raises `ConfigError` when `config.cuda_graphs` is asked for where it cannot work.
+
+    Args:
+      config: the run config (reads cuda_graphs, compile, compile_unit).
+      device_type: the run's device type, once known ("cuda", "cpu", ...); None skips that check.
+
+    Returns:
+      None.
+
+    Example:
+      >>> check_cuda_graphs(config, "cuda")
+    """
+    if not config.get("cuda_graphs", False):
+        return
+    if not config.compile:
+        raise ConfigError("cuda_graphs=True records the compiled step: it needs compile=True "
+                          "(set --config.compile=True or drop --config.cuda_graphs)")
+    if config.compile_unit != "step":
+        raise ConfigError(f"cuda_graphs=True records the one-graph step: it needs compile_unit='step', not "
+                          f"{config.compile_unit!r} (set --config.compile_unit=step or drop --config.cuda_graphs)")
+    if device_type is not None and device_type != "cuda":
+        raise ConfigError(f"cuda_graphs=True needs a CUDA device; this run's device is {device_type} "
+                          "(drop --config.cuda_graphs)")
+
+
 LOOP_CHECKS: list[Check] = [
     ("steps", int_at_least(1)),
     ("stop_at", int_at_least(0)),
@@ -239,6 +265,7 @@ LOOP_CHECKS: list[Check] = [
     ("eval_batches", int_at_least(1)),
     ("compile", boolean()),
     ("compile_unit", one_of("step", "blocks")),
+    ("cuda_graphs", boolean()),
     ("donate", boolean()),
     ("deterministic", boolean()),
     ("precision", one_of("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),

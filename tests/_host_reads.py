@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import traceback
 
@@ -25,10 +26,24 @@ class Reads:
         self.where: dict = {}
 
     def record(self, name, t):
-        if self.label is None or threading.current_thread() is not threading.main_thread():
+        if self.label is None or threading.current_thread() is not threading.main_thread() or _in_compiled_cpu_code():
             return
         self.counts[self.label] += 1
         self.where.setdefault(self.label, f"Tensor.{name} at " + "".join(traceback.format_stack(limit=4)[:-2]).strip())
+
+
+def _in_compiled_cpu_code() -> bool:
+    """Whether the read comes from a compiled graph's generated code: on the CPU, inductor passes a
+    0-d value of a host buffer to a C++ kernel as a scalar argument (`.item()` of host memory, no
+    device to wait for). CUDA code is checked on a GPU with `torch.cuda.set_sync_debug_mode`."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return False
+        if "torch/_inductor/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager

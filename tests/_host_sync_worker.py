@@ -26,18 +26,24 @@ from functrain.models.gpt import task as gpt_task  # noqa: E402
 
 
 class StepLabel(loop.Hook):
-    """Labels the reads made from this step's `before` to its `after` with the step's number."""
+    """Labels the reads made from this step's `before` to its `after` with the step's number; with
+    `cuda_quiet`, a steady-state step (not in `busy`) also runs under
+    `torch.cuda.set_sync_debug_mode("error")`: anything that waits for the GPU raises."""
 
     every = 1
 
-    def __init__(self, reads):
-        self.reads = reads
+    def __init__(self, reads, cuda_quiet=False, busy=()):
+        self.reads, self.cuda_quiet, self.busy = reads, cuda_quiet, set(busy)
 
     def before(self, step):
         self.reads.label = step + 1
+        if self.cuda_quiet and step > 0 and step + 1 not in self.busy:
+            torch.cuda.set_sync_debug_mode("error")
 
     def after(self, info):
         self.reads.label = None
+        if self.cuda_quiet:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def tiny_config(workdir: Path, compile: bool):
@@ -50,16 +56,20 @@ def tiny_config(workdir: Path, compile: bool):
     return c
 
 
-def count_reads(workdir: Path, compile: bool, then=None):
+def count_reads(workdir: Path, compile: bool, then=None, cuda_quiet=False):
     """({step: reads}, {step: where the first read was}) of a tiny run (steps without reads left
-    out); `then()`, if given, runs afterwards on the same process group."""
+    out); `then()`, if given, runs afterwards on the same process group. `cuda_quiet`: on a GPU,
+    any sync in a steady-state step raises (see `StepLabel`)."""
     c = tiny_config(workdir, compile)
+    if cuda_quiet:
+        c.device = "cuda"
+    busy = {s for s in range(1, c.steps + 1) if s % c.log_every == 0 or s % c.checkpoint.every == 0}
     reads = Reads()
     with parallel.setup(c.mesh) as ctx:
         task = gpt_task.build(c, ctx, workdir / "run")
         opt = optim.config.from_config(c.optim, c.steps)
         with counting(reads):
-            loop.run(task, opt, c, workdir / "run", ctx, hooks=[StepLabel(reads)], print_fn=lambda *a: None)
+            loop.run(task, opt, c, workdir / "run", ctx, hooks=[StepLabel(reads, cuda_quiet, busy)], print_fn=lambda *a: None)
         if then is not None:
             then()
     return {int(k): v for k, v in reads.counts.items()}, {int(k): v for k, v in reads.where.items()}

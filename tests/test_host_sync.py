@@ -13,6 +13,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from _dist_launch import REPO, read_results, run_ranks
 
@@ -45,3 +46,14 @@ def test_two_ranks_read_nothing_between_log_steps_and_agree_on_preemption(tmp_pa
         res = read_results(os.path.join(tmp_path, f"rank{rank}.json"))
         _check_counts(res["counts"], res["where"], f"rank {rank}")
         assert res["flag"] == [False] * 4 + [True] * 2, (rank, res["flag"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.set_sync_debug_mode")
+def test_on_a_gpu_steady_state_steps_never_wait_for_the_device(tmp_path):
+    """The compiled tiny job on CUDA: steady-state steps run under set_sync_debug_mode("error"), so a
+    step that waited for the GPU would raise; and they read no tensor value."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    import _host_sync_worker as worker
+
+    counts, where = worker.count_reads(tmp_path, True, cuda_quiet=True)
+    _check_counts(counts, where, "1 GPU")

@@ -168,6 +168,11 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
                                 "n_embd / n_head channels); change either (--config.model.n_embd / --config.model.n_head)"),
     ("--config.batch_size=15 --config.accum_steps=2", "batch_size=15 must divide by data-parallel ranks (1) x "
                                                        "accum_steps (2)"),
+    ("--config.cuda_graphs=True", "cuda_graphs=True records the compiled step: it needs compile=True"),
+    ("--config.compile=True --config.compile_unit=blocks --config.cuda_graphs=True",
+     "cuda_graphs=True records the one-graph step: it needs compile_unit='step', not 'blocks'"),
+    ("--config.compile=True --config.cuda_graphs=True --config.device=cpu",
+     "cuda_graphs=True needs a CUDA device; this run's device is cpu (drop --config.cuda_graphs)"),
 ])
 def test_bad_values_are_one_clear_error_line(tmp_path, flag, expected):
     proc = _main("--config.compile=False", *flag.split(), f"--workdir={tmp_path / 'run'}", cwd=tmp_path)
