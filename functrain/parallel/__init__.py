@@ -14,6 +14,7 @@ Example:
     >>> parallel.teardown()
 """
 
+from functrain.parallel import context  # context-parallel attention (sequence split over ranks)
 from functrain.parallel import gloo  # gloo groups with one worker thread (a torch heap-corruption bug)
 from functrain.parallel import spmd  # registers the mesh-wide norm with functrain.tree
 from functrain.parallel.data import data_parallel_kwargs, split_batch
@@ -54,6 +55,7 @@ __all__ = [
     "is_dtensor",
     "layout_of",
     "dp_coordinates",
+    "context",
     "gloo",
     "spmd",
     "AXES",
