@@ -16,13 +16,14 @@ metrics (device tensors: reading one syncs). Between log steps the loop itself r
 (the skip watch and the NaN check read at log steps, preemption is agreed one step late over the
 host), so on an accelerator the host queues steps ahead of the device. Preemption (SIGTERM), a first
 Ctrl-C and `stop_at` end the run with a checkpoint of the current step (a second Ctrl-C stops at
-once); restarting the same command resumes it bit-exactly. One run per workdir: the main process holds `<workdir>/.lock` while
-it runs (`functrain.workdir_lock`), so a second run started on the same workdir stops with one line
-instead of deleting the first's checkpoints.
+once); restarting the same command resumes it bit-exactly. One run per workdir: the main process
+holds `<workdir>/.lock` while it runs (`functrain.workdir_lock`), so a second run started on the same
+workdir stops with one line instead of deleting the first's checkpoints.
 
 The loop's own config keys (`functrain.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
-accum_steps, log_every, eval_every, compile, compile_cache, cuda_graphs, donate, deterministic, precision,
-max_consecutive_skips, tensorboard, device, host_memory, gc_every, seed, checkpoint.*, profile.*.
+accum_steps, log_every, eval_every, compile, compile_cache, cuda_graphs, donate, deterministic,
+precision, max_consecutive_skips, tensorboard, device, host_memory, gc_every, seed, checkpoint.*,
+profile.*.
 """
 
 from __future__ import annotations
