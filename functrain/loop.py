@@ -370,12 +370,12 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     t_start = time.perf_counter()
     if config.checkpoint.init_from and (manager is None or manager.latest_step() is None):
         state = _init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it
+    graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
     if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
         state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
     state = _maybe_restore(manager, state, train_step, task.train_batch, config, print_fn)
     if graphs:
-        state = cuda_graphs.prepare(state)
-    graph_skips = cuda_graphs.skips() if graphs else 0
+        state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
 
     skips_enabled = config.max_consecutive_skips > 0
     start = int(state.step)
