@@ -89,6 +89,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.dp_replicate = 1
     c.mesh.dp_shard = -1  # -1 = the rest of the world size
+    c.mesh.cp = 1  # context parallel: each sequence split over cp ranks (functrain.parallel.context)
     c.mesh.tp = 1
 
     c.checkpoint = ml_collections.ConfigDict()

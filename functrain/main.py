@@ -227,6 +227,7 @@ def check_config(config: Any, mesh: bool = True) -> None:
     except ValueError as exc:
         raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     validate.check_batch(config.batch_size, config.accum_steps, mesh_config.dp_world(shape) if world > 1 else 1)
+    validate.check_context(config.model.get("block_size", 0), shape["cp"])
 
 
 def _check_init_from(config: Any, workdir: str | Path, loop) -> None:

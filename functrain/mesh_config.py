@@ -4,7 +4,7 @@
 
 Example:
     >>> mesh_shape({"tp": 2}, 8)
-    {'dp_replicate': 1, 'dp_shard': 4, 'tp': 2}
+    {'dp_replicate': 1, 'dp_shard': 4, 'cp': 1, 'tp': 2}
 """
 
 from __future__ import annotations
@@ -28,23 +28,25 @@ def mesh_shape(mesh_config: Any, world: int) -> dict[str, int]:
 
     Args:
       mesh_config: a dict / ml_collections ConfigDict / object with optional int fields
-        `dp_replicate` (default 1), `dp_shard` (default -1), `tp` (default 1); -1 means "the rest
-        of the world size" and may appear once. None means pure FSDP over all processes.
+        `dp_replicate` (default 1), `dp_shard` (default -1), `cp` (default 1), `tp` (default 1); -1
+        means "the rest of the world size" and may appear once. None means pure FSDP over all
+        processes.
       world: the number of processes.
 
     Returns:
-      {"dp_replicate": a, "dp_shard": b, "tp": c} with a * b * c == world.
+      {"dp_replicate": a, "dp_shard": b, "cp": c, "tp": d} with a * b * c * d == world.
 
     Raises:
       ValueError: one line naming the sizes and the world size when they do not fit.
 
     Example:
       >>> mesh_shape({"tp": 2}, 8)
-      {'dp_replicate': 1, 'dp_shard': 4, 'tp': 2}
+      {'dp_replicate': 1, 'dp_shard': 4, 'cp': 1, 'tp': 2}
     """
     sizes = {
         "dp_replicate": _get(mesh_config, "dp_replicate", 1),
         "dp_shard": _get(mesh_config, "dp_shard", -1),
+        "cp": _get(mesh_config, "cp", 1),
         "tp": _get(mesh_config, "tp", 1),
     }
     desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
@@ -76,7 +78,7 @@ def dp_world(shape: Mapping[str, int]) -> int:
       shape: `mesh_shape`'s result.
 
     Returns:
-      dp_replicate x dp_shard.
+      dp_replicate x dp_shard (context- and tensor-parallel ranks share their batch rows).
 
     Example:
       >>> dp_world(mesh_shape({"tp": 2}, 8))

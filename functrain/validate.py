@@ -31,6 +31,8 @@ __all__ = [
     "boolean",
     "relation",
     "check_batch",
+    "check_context",
+    "check_cuda_graphs",
     "LOOP_CHECKS",
 ]
 
@@ -227,6 +229,22 @@ def check_batch(batch_size: int, accum_steps: int, dp_world: int) -> None:
         raise ConfigError(
             f"batch_size={batch_size} must divide by data-parallel ranks ({dp_world}) x accum_steps "
             f"({accum_steps}); change batch_size, accum_steps or the mesh (--config.batch_size)")
+
+
+def check_context(block_size: int, cp: int) -> None:
+    """Raises `ConfigError` unless a sequence of `block_size` tokens splits over `cp` context-parallel ranks.
+
+    Args:
+      block_size: the training sequence length (`config.model.block_size`).
+      cp: the mesh's context-parallel size (1: nothing to split).
+
+    Example:
+      >>> check_context(1024, 4)   # 8 chunks of 128 tokens, two per rank: fine
+    """
+    if cp > 1 and block_size % (2 * cp):
+        raise ConfigError(
+            f"model.block_size={block_size} must divide by 2 x mesh.cp = {2 * cp} (each context-parallel rank "
+            "holds two chunks of every sequence); change --config.model.block_size or --config.mesh.cp")
 
 
 def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:

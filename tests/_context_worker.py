@@ -46,7 +46,7 @@ def _check(name, got, want, t):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
-def scenario(h, hkv, compiled, group, world, rank):
+def scenario(h, hkv, compiled, group, world, rank, kernel="mask"):
     b, t, d = 2, 8 * world, 8
     q, k, v, w = _full(b, h, hkv, t, d)
     ref_out, ref_dq, ref_dk, ref_dv = _reference(q, k, v, w)
@@ -54,7 +54,10 @@ def scenario(h, hkv, compiled, group, world, rank):
     ql, kl, vl, wl = (context.shard_sequence(x, world, rank, dim=2) for x in (q, k, v, w))
 
     def loss(ql, kl, vl):
-        out = context.attention(ql, kl, vl, pos, group, world)  # (B, H, T / world, D)
+        if kernel == "mask":
+            out = context.attention(ql, kl, vl, pos, group, world)  # (B, H, T / world, D)
+        else:
+            out = context.zigzag_attention(ql, kl, vl, group, world, rank)  # (B, H, T / world, D)
         return (out * wl).sum(), out
 
     if compiled:
@@ -79,10 +82,12 @@ def main():
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     group = torch.distributed.group.WORLD
     results = {}
-    for name, h, hkv, compiled in (("mha", 4, 4, False), ("gqa", 4, 2, False), ("gqa_func", 4, 2, "func"),
-                                   ("gqa_compiled", 4, 2, "compiled")):
+    for name, h, hkv, compiled, kernel in (
+            ("mha", 4, 4, False, "mask"), ("gqa", 4, 2, False, "mask"), ("gqa_func", 4, 2, "func", "mask"),
+            ("gqa_compiled", 4, 2, "compiled", "mask"), ("zigzag_mha", 4, 4, False, "zigzag"),
+            ("zigzag_gqa_func", 4, 2, "func", "zigzag"), ("zigzag_gqa_compiled", 4, 2, "compiled", "zigzag")):
         try:
-            scenario(h, hkv, compiled, group, world, rank)
+            scenario(h, hkv, compiled, group, world, rank, kernel)
             results[name] = "ok"
         except Exception:  # reported per scenario; the test names it
             results[name] = traceback.format_exc()[-3000:]

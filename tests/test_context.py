@@ -34,6 +34,7 @@ def test_shard_then_gather_is_the_identity_on_one_rank_and_attention_is_full_cau
 
     assert torch.equal(context.gather_sequence(torch.arange(6.0).view(1, 1, 6, 1), None, 1), torch.arange(6.0).view(1, 1, 6, 1))
     worker.scenario(4, 2, False, None, 1, 0)  # raises on a mismatch
+    worker.scenario(4, 2, False, None, 1, 0, kernel="zigzag")
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
@@ -42,5 +43,6 @@ def test_context_parallel_attention_equals_full_attention(tmp_path, nprocs):
     for rank in range(nprocs):
         res = read_results(os.path.join(tmp_path, f"rank{rank}.json"))
         bad = {k: v for k, v in res.items() if v != "ok"}
-        assert not bad and set(res) == {"mha", "gqa", "gqa_func", "gqa_compiled"}, f"rank {rank}:\n" + "\n".join(
+        assert not bad and set(res) == {"mha", "gqa", "gqa_func", "gqa_compiled", "zigzag_mha",
+                                    "zigzag_gqa_func", "zigzag_gqa_compiled"}, f"rank {rank}:\n" + "\n".join(
             f"{k}: {v}" for k, v in bad.items())

@@ -62,7 +62,7 @@ def test_torchrun_fsdp_matches_single_process_and_logs_once(tmp_path):
         assert abs(b["loss"] - a["loss"]) <= rtol * drift * a["loss"], (i, a["loss"], b["loss"])
         assert abs(b["grad_norm"] - a["grad_norm"]) <= rtol * drift * a["grad_norm"], (i, a, b)
     assert sharded.stdout.count("sample:") == 1 and single.stdout.count("sample:") == 1
-    assert "mesh {'dp_replicate': 1, 'dp_shard': 2, 'tp': 1}" in sharded.stdout
+    assert "mesh {'dp_replicate': 1, 'dp_shard': 2, 'cp': 1, 'tp': 1}" in sharded.stdout
 
 
 def test_two_rank_resume_is_bit_exact(tmp_path):
@@ -81,3 +81,40 @@ def test_two_rank_resume_is_bit_exact(tmp_path):
     assert ta.keys() == tb.keys()
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name
+
+
+def test_torchrun_context_parallel_matches_single_process_and_resumes_on_one(tmp_path):
+    # the main job with each sequence split over 2 ranks (--config.mesh.cp=2): the same losses as one
+    # process; its step-10 checkpoint resumes on one process (another mesh) and ends where one process does
+    sgd = ["--config.steps=20", "--config.log_every=1", "--config.optim.name=sgd", "--config.optim.lr=0.05",
+           "--config.checkpoint.every=10"]
+    cp = ["--config.mesh.cp=2", "--config.mesh.dp_shard=1", "--config.dist_timeout_s=600"]
+    _run(tmp_path / "one", *sgd, nproc=1)
+    out = _run(tmp_path / "cp", *sgd, *cp, "--config.stop_at=10")
+    assert "mesh {'dp_replicate': 1, 'dp_shard': 1, 'cp': 2, 'tp': 1}" in out.stdout
+    resumed = _run(tmp_path / "cp", *sgd, nproc=1)
+    assert "restored checkpoint step 10" in resumed.stdout
+    one = {r["step"]: r for r in _rows(tmp_path / "one") if "loss" in r}
+    two = {r["step"]: r for r in _rows(tmp_path / "cp") if "loss" in r}
+    assert sorted(two) == list(range(1, 21)) and sorted(one) == sorted(two)
+    rtol = _tol.rtol(16 * 64 * 4 * 64)
+    for i, step in enumerate(sorted(one)):
+        a, b = one[step], two[step]
+        drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
+        assert abs(b["loss"] - a["loss"]) <= rtol * drift * a["loss"], (step, a["loss"], b["loss"])
+        assert abs(b["grad_norm"] - a["grad_norm"]) <= rtol * drift * a["grad_norm"], (step, a, b)
+    val_one = {r["step"]: r["val_loss"] for r in _rows(tmp_path / "one") if "val_loss" in r}
+    val_two = {r["step"]: r["val_loss"] for r in _rows(tmp_path / "cp") if "val_loss" in r}
+    assert sorted(val_two) == sorted(val_one) == [10, 20]  # step 10 evaluated under cp, 20 on one process
+    for step in val_one:
+        assert abs(val_two[step] - val_one[step]) <= rtol * 40 * val_one[step], (step, val_one, val_two)
+
+
+def test_a_block_size_the_cp_ranks_cannot_split_is_one_line(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WORLD_SIZE="2", RANK="0")
+    out = subprocess.run([sys.executable, "-m", "functrain.main", f"--workdir={tmp_path}", *TINY,
+                          "--config.mesh.cp=2", "--config.model.block_size=62"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert "model.block_size=62" in lines[0] and "--config.mesh.cp" in lines[0], lines

@@ -24,11 +24,13 @@ class FakeMesh:
 @pytest.mark.parametrize(
     "cfg, world, expected",
     [
-        (None, 4, (1, 4, 1)),
-        ({"tp": 2}, 8, (1, 4, 2)),
-        ({"dp_replicate": 2, "dp_shard": -1, "tp": 1}, 6, (2, 3, 1)),
-        ({"dp_replicate": -1, "dp_shard": 1, "tp": 2}, 4, (2, 1, 2)),
-        ({"dp_replicate": 1, "dp_shard": 1, "tp": 1}, 1, (1, 1, 1)),
+        (None, 4, (1, 4, 1, 1)),
+        ({"tp": 2}, 8, (1, 4, 1, 2)),
+        ({"dp_replicate": 2, "dp_shard": -1, "tp": 1}, 6, (2, 3, 1, 1)),
+        ({"dp_replicate": -1, "dp_shard": 1, "tp": 2}, 4, (2, 1, 1, 2)),
+        ({"dp_replicate": 1, "dp_shard": 1, "tp": 1}, 1, (1, 1, 1, 1)),
+        ({"cp": 2}, 8, (1, 4, 2, 1)),
+        ({"dp_shard": 1, "cp": -1, "tp": 2}, 8, (1, 1, 4, 2)),
     ],
 )
 def test_mesh_shape_resolves_minus_one(cfg, world, expected):
@@ -48,6 +50,7 @@ class _Cfg:  # attribute-style config (ml_collections.ConfigDict behaves the sam
         ({"dp_shard": -1, "tp": 3}, 4, "not divisible by 3"),
         ({"dp_shard": -1, "tp": -1}, 4, "at most one axis may be -1"),
         ({"tp": 0}, 4, "must be positive or -1"),
+        ({"cp": 3}, 4, "not divisible by 3"),
     ],
 )
 def test_mesh_shape_rejects_bad_config_with_one_line(cfg, world, fragment):
@@ -79,6 +82,17 @@ def test_tp_rules_colwise_rowwise_and_fsdp_moves_off_the_tp_dim():
     assert pl["blocks.0.mlp.proj.bias"] == (R, S0, R)  # rowwise bias replicated on tp
     assert pl["wte.weight"] == (R, S0, R)
     assert pl["blocks.0.ln_1.weight"] == (R, S0, R)
+
+
+def test_fsdp_rule_shards_over_cp_too_and_moves_off_a_taken_dim():
+    R, S0, S1 = Replicate(), Shard(0), Shard(1)
+    alone = _gpt_placements(FakeMesh(dp_replicate=1, dp_shard=1, cp=4, tp=1))
+    assert all(p == (R, R, S0, R) for p in alone.values())  # cp alone: FSDP over cp
+    both = _gpt_placements(FakeMesh(dp_replicate=1, dp_shard=2, cp=2, tp=1))
+    assert both["wte.weight"] == (R, S0, S1, R)  # dp_shard takes dim 0, cp the next
+    assert both["blocks.0.ln_1.weight"] == (R, S0, R, R)  # 1-D: nothing left for cp
+    with_tp = _gpt_placements(FakeMesh(dp_replicate=1, dp_shard=1, cp=2, tp=2))
+    assert with_tp["blocks.0.attn.q.weight"] == (R, R, S1, S0)  # colwise on tp, cp on dim 1
 
 
 def test_rules_are_ordered_data():

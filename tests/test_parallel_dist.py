@@ -196,7 +196,7 @@ def test_compiled_units_on_two_dim_meshes_equal_one_process(eager4, unit, mesh):
 def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
     (res,) = _result(_suite(tmp_path_factory, "single", 1), "single")
     assert res["plain_mesh"] and not res["plain_pg"] and res["plain_identity"]
-    assert res["mesh_shape"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 1} and res["pg_world"] == 1
+    assert res["mesh_shape"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1} and res["pg_world"] == 1
     # setup's groups and the checkpoint writer's run one collective at a time (functrain.parallel.gloo)
     assert set(res["group_threads"].values()) == {1} and res["ckpt_group_threads"] == 1, res["group_threads"]
     assert not res["pg_after_teardown"]

@@ -24,11 +24,12 @@ from functrain import data as data_lib
 from functrain import parallel
 from functrain import remat as remat_lib
 from functrain import rng
+from functrain import validate
 from functrain.losses import chunked_cross_entropy
 from functrain.remat import Stage
 
 __all__ = [
-    "LMStages", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
+    "LMStages", "context_model", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
     "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
 ]
 
@@ -161,6 +162,28 @@ def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int |
                             log=print if ctx.is_main_process else (lambda line: None))
 
 
+def context_model(model: nn.Module, ctx, block_size: int) -> nn.Module:
+    """`model` for this rank's part of each sequence when the mesh has a cp axis (else `model`).
+
+    Args:
+      model: the (meta-device) LM template.
+      ctx: the parallel context (`ctx.mesh`'s cp axis splits the sequences).
+      block_size: the training sequence length.
+
+    Returns:
+      `functrain.parallel.context.context_parallel(model, split)`: `model` itself without cp.
+
+    Raises:
+      ConfigError: the sequence length does not divide by 2 x cp (each rank holds two chunks).
+
+    Example:
+      >>> model = parallel.tensor_parallel(lm.context_model(template, ctx, 1024), ctx.mesh, rules)
+    """
+    split = parallel.context.split_of(ctx.mesh)
+    validate.check_context(block_size, 1 if split is None else split.world)
+    return parallel.context.context_parallel(model, split)
+
+
 def resolve_remat(value, mesh) -> "str | int":
     """The remat policy `value` means on `mesh`.
 
@@ -281,6 +304,11 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
         step then gathers each block's parameters just before it runs and reduce-scatters its
         gradients as soon as they exist, instead of gathering the whole model.
 
+    Context parallelism: when `model` is a `functrain.parallel.context.context_parallel` copy (its
+    `context` is a `Split`), the loss takes the whole sequences (x, y), keeps this rank's tokens of
+    both and returns `Split.token_mean` of their mean: averaged over the cp ranks (as the sharded
+    step averages losses and gradients) it is the mean over every token of the sequence.
+
     Returns:
       The loss function.
 
@@ -291,22 +319,31 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
       >>> loss_fn = make_lm_loss_fn(template, llama.stages(template), head="lm_head.weight", remat="full")
     """
     remat = remat_lib.parse_policy(remat)
+    split = getattr(model, "context", None)
+    mine = (lambda t: t) if split is None else split.shard  # this rank's tokens (B, T) -> (B, T / cp)
+
+    def over_sequence(loss, y):
+        """The loss of this rank's targets `y` as its share of the whole sequence's mean."""
+        return loss if split is None else split.token_mean(loss, y, ignore_index)
+
     if remat == "none" and not staged:
         def loss_fn(params, batch, key):
             """(lm_loss of batch = (x, y), {})."""
-            x, y = batch
-            return lm_loss(model, params, x, y, key, head=head, chunk_size=chunk_size, ignore_index=ignore_index), {}
+            x, y = mine(batch[0]), mine(batch[1])
+            loss = lm_loss(model, params, x, y, key, head=head, chunk_size=chunk_size, ignore_index=ignore_index)
+            return over_sequence(loss, y), {}
 
         return loss_fn
 
     def embed(p, batch, key):
         """Embeddings of the inputs x of batch = (x, y)."""
-        return stages.embed.fn(p, batch[0], key)
+        return stages.embed.fn(p, mine(batch[0]), key)
 
     def head_stage(p, h, batch, key):
         """The final norm, then the (chunked) cross-entropy through the head against y."""
         hidden = stages.final.fn({n: p[n] for n in stages.final.names}, h, key)  # (B, T, C)
-        return _head_loss(hidden, p[head], batch[1], chunk_size, ignore_index)
+        y = mine(batch[1])
+        return over_sequence(_head_loss(hidden, p[head], y, chunk_size, ignore_index), y)
 
     head_names = stages.final.names + ((head,) if head not in stages.final.names else ())
     return remat_lib.staged_loss(Stage(stages.embed.names, embed), stages.blocks, Stage(head_names, head_stage),

@@ -1,8 +1,9 @@
-"""Parallel training: process groups and the DeviceMesh, sharding rules, tensor parallelism.
+"""Parallel training: process groups and the DeviceMesh, sharding rules, tensor and context parallelism.
 
-Parameters and optimizer state become DTensors on a 3-axis mesh ("dp_replicate", "dp_shard", "tp");
-`functrain.make_train_step` then builds the sharded step (FSDP gather / reduce-scatter, tensor
-parallel compute, dp-averaged metrics) with the same API as on one process.
+Parameters and optimizer state become DTensors on a 4-axis mesh ("dp_replicate", "dp_shard", "cp",
+"tp"); `functrain.make_train_step` then builds the sharded step (FSDP gather / reduce-scatter, tensor
+parallel compute, dp-averaged metrics) with the same API as on one process; a model copy made by
+`context.context_parallel` computes on this rank's part of each sequence.
 
 Example:
     >>> ctx = parallel.setup(config.mesh)                       # torchrun env -> process group + mesh
@@ -22,7 +23,9 @@ from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import LOCAL, Layout, Local, is_dtensor
 from functrain.parallel.mesh import (
     AXES,
+    CP_AXIS,
     DP_AXES,
+    GRAD_AXES,
     TP_AXIS,
     ParallelContext,
     barrier,
@@ -59,7 +62,9 @@ __all__ = [
     "gloo",
     "spmd",
     "AXES",
+    "CP_AXIS",
     "DP_AXES",
+    "GRAD_AXES",
     "TP_AXIS",
     "FSDP_RULES",
     "ParallelContext",

@@ -17,22 +17,37 @@ queries. Rotary or learned positions take `positions` (the global positions of t
 The collectives are functional collectives inside a `torch.autograd.Function`: they work under
 `torch.func.grad_and_value`, eagerly and inside `torch.compile(fullgraph=True)`.
 
+In a model. `split_of(mesh)` is this rank's `Split` of the mesh's "cp" axis (None without one);
+`context_parallel(model, split)` is a storage-free copy of the model whose modules that declare a
+`context` attribute (the GPT's and Llama's embedding and attention) get the split: the embedding and
+rotary take `split.positions`, the attention is `split.attention`. The loss
+(`functrain.models.lm.make_lm_loss_fn`) takes this rank's tokens of x and y (`split.shard`) and
+normalizes with `split.token_mean`, so that averaging the loss and the gradients over the cp ranks
+(which `functrain.parallel.spmd` does, as over the data-parallel axes) gives the mean over every
+token of the sequence and its gradient, whatever each rank's count of counted targets.
+
 Example:
     >>> pos = context.positions(T, cp, cp_rank, device=x.device)        # (T/cp,) global positions
     >>> x_local = context.shard_sequence(x, cp, cp_rank)                 # (B, T/cp, ...)
     >>> y = context.attention(q, k, v, pos, group=(mesh, "cp"), world=cp)  # q, k, v: (B, H, T/cp, D)
+    >>> cp_model = context.context_parallel(template, context.split_of(ctx.mesh))
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch import nn
 
+from functrain.parallel.mesh import CP_AXIS
 from functrain.parallel.spmd import _all_gather, _reduce_scatter, _wait  # (torch's renamed collectives)
+from functrain.parallel.tp import _meta_copy
 
-__all__ = ["attention", "gather_sequence", "positions", "shard_sequence"]
+__all__ = ["Split", "attention", "context_parallel", "gather_sequence", "positions", "shard_sequence", "split_of",
+           "zigzag_attention"]
 
 
 def positions(seq_len: int, world: int, rank: int, device: Any = None) -> torch.Tensor:
@@ -155,3 +170,145 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
     keys = torch.arange(k_all.shape[2], device=q.device)
     mask = pos[:, None] >= keys[None, :]  # (L, T): a query sees the keys at or before it
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)  # (B, H, L, D)
+
+
+def _causal_from(q, k, v, start: int, scale):
+    """Queries (B, H, c, D) at positions [start, start + c) over keys and values (B, H, >= start + c, D)
+    in sequence order, causally, without a mask tensor: the queries sit after `start` zero rows in one
+    causal attention over the first start + c keys (the zero rows' outputs are dropped, so nothing
+    flows back from them)."""
+    c = q.shape[2]
+    k, v = k[:, :, :start + c], v[:, :, :start + c]  # (B, H, start + c, D)
+    if start:
+        q = torch.cat([q.new_zeros(*q.shape[:2], start, q.shape[3]), q], dim=2)  # (B, H, start + c, D)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, start:]  # (B, H, c, D)
+
+
+def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, world: int, rank: int,
+                     scale: float | None = None) -> torch.Tensor:
+    """`attention` for the zig-zag split's two chunks, with no (T/N) x T mask: O(T) memory per rank.
+
+    Each of the rank's two chunks attends causally to the keys up to its end through the causal
+    kernel (`F.scaled_dot_product_attention(is_causal=True)`, flash on CPU and CUDA), its queries
+    placed after zero rows (`_causal_from`); the price is the zero rows' share of the kernel's work.
+
+    Args:
+      q: (B, H, L, D) queries of this rank's L = T / world tokens (`positions` order).
+      k: (B, Hkv, L, D) keys of the same tokens (Hkv divides H).
+      v: (B, Hkv, L, D) values.
+      group: the context-parallel group; world: its size; rank: this rank's index.
+      scale: the softmax scale (default 1 / sqrt(D)).
+
+    Returns:
+      (B, H, L, D), equal to `attention(q, k, v, positions(T, world, rank), group, world)`.
+
+    Example:
+      >>> y = zigzag_attention(q, k, v, mesh["cp"], 2, 0)
+    """
+    k_all = gather_sequence(k, group, world, dim=2)  # (B, Hkv, T, D)
+    v_all = gather_sequence(v, group, world, dim=2)  # (B, Hkv, T, D)
+    if k_all.shape[1] != q.shape[1]:  # grouped-query attention
+        k_all = k_all.repeat_interleave(q.shape[1] // k_all.shape[1], dim=1)  # (B, H, T, D)
+        v_all = v_all.repeat_interleave(q.shape[1] // v_all.shape[1], dim=1)  # (B, H, T, D)
+    c = q.shape[2] // 2
+    first = _causal_from(q[:, :, :c], k_all, v_all, rank * c, scale)  # (B, H, c, D)
+    last = _causal_from(q[:, :, c:], k_all, v_all, (2 * world - 1 - rank) * c, scale)  # (B, H, c, D)
+    return torch.cat([first, last], dim=2)  # (B, H, L, D)
+
+
+class Split(NamedTuple):
+    """This rank's place in a sequence split over a context-parallel group (see the module docstring).
+
+    Attributes:
+      group: the cp group (a 1-D DeviceMesh or a ProcessGroup).
+      world: its size N.
+      rank: this rank's index in it.
+
+    Example:
+      >>> split = split_of(ctx.mesh)
+      >>> x_local = split.shard(x)                         # (B, T) -> (B, T / N)
+      >>> y = split.attention(q, k, v)                     # q: (B, H, T / N, D)
+    """
+
+    group: Any
+    world: int
+    rank: int
+    kernel: str = "zigzag"  # "zigzag" (`zigzag_attention`, no mask) or "mask" (`attention`, a (T/N) x T mask)
+
+    def positions(self, local_len: int, device: Any = None) -> torch.Tensor:
+        """(L,) the global positions of this rank's L tokens (the sequence is N x L long)."""
+        return positions(local_len * self.world, self.world, self.rank, device=device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of `x`, whose `dim` is the whole sequence."""
+        return shard_sequence(x, self.world, self.rank, dim)
+
+    def attention(self, q, k, v, scale: float | None = None) -> torch.Tensor:
+        """Causal attention of this rank's (B, H, L, D) queries over the whole sequence (`kernel`)."""
+        if self.kernel == "mask":
+            return attention(q, k, v, self.positions(q.shape[2], q.device), self.group, self.world, scale)
+        return zigzag_attention(q, k, v, self.group, self.world, self.rank, scale)
+
+    def token_mean(self, local_mean: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """This rank's share of the mean over the whole sequence's counted targets, scaled by N.
+
+        `local_mean` is the mean loss over this rank's counted targets (`targets != ignore_index`); the
+        result is `N x local sum / global count`, so its average over the N ranks is the global mean
+        and so is the average of its gradients. A rank with no counted target contributes 0 (its
+        gradient is NaN, as a mean over nothing is; the step's non-finite guard skips it).
+        """
+        count = (targets != ignore_index).sum().to(torch.float32)  # this rank's counted targets
+        with torch.no_grad():  # a count: nothing to differentiate, and collectives' autograd is not functorch's
+            total = _wait(funcol.all_reduce(count, "sum", self.group))
+        local_sum = torch.where(count > 0, local_mean, torch.zeros_like(local_mean)) * count
+        return local_sum * (self.world / total)
+
+
+def split_of(mesh, kernel: str = "zigzag") -> Split | None:
+    """This rank's `Split` of `mesh`'s cp axis.
+
+    Args:
+      mesh: the run's DeviceMesh (`ParallelContext.mesh`), or None.
+      kernel: the attention's kernel, "zigzag" (no mask) or "mask" (see `Split`).
+
+    Returns:
+      A `Split` over the cp axis's group, or None when there is no mesh, no cp axis or it has one rank.
+
+    Example:
+      >>> split = split_of(ctx.mesh)    # mesh cp=2: Split(group=mesh["cp"], world=2, rank=...)
+    """
+    if mesh is None or CP_AXIS not in (mesh.mesh_dim_names or ()) or mesh[CP_AXIS].size() == 1:
+        return None
+    if kernel not in ("zigzag", "mask"):
+        raise ValueError(f"context attention kernel {kernel!r}: use 'zigzag' or 'mask'")
+    return Split(mesh[CP_AXIS], mesh[CP_AXIS].size(), mesh.get_local_rank(CP_AXIS), kernel)
+
+
+def context_parallel(model: nn.Module, split: Split | None) -> nn.Module:
+    """A context-parallel copy of `model`: its modules that declare `context` hold `split`.
+
+    Args:
+      model: a model whose position-dependent modules have a `context` attribute (None by default),
+        e.g. `functrain.models.GPT` or `Llama` (a meta template, or a tensor-parallel copy).
+      split: `split_of(mesh)`; None returns `model` itself.
+
+    Returns:
+      `model` when `split` is None, else a storage-free copy (same parameter names) whose forward
+      takes this rank's tokens (B, T / N) and computes what the model gives at their positions.
+
+    Raises:
+      ValueError: `model` has no module with a `context` attribute (it cannot split sequences).
+
+    Example:
+      >>> cp_model = context_parallel(template, split_of(ctx.mesh))
+    """
+    if split is None:
+        return model
+    out = _meta_copy(model)
+    aware = [m for m in out.modules() if hasattr(m, "context")]
+    if not aware:
+        raise ValueError(f"context_parallel: no module of {type(model).__name__} has a `context` attribute, "
+                         "so its positions and attention cannot follow a split sequence")
+    for m in aware:
+        m.context = split
+    return out

@@ -1,13 +1,16 @@
 """Process groups and the DeviceMesh: set-up from torchrun's environment, tear-down, rank helpers.
 
-The mesh always has three named axes, in this order (outer to inner):
+The mesh always has four named axes, in this order (outer to inner):
 
     dp_replicate   data parallel, parameters replicated (DDP / HSDP outer axis)
     dp_shard       data parallel, parameters sharded (FSDP)
+    cp             context parallel: each sequence's tokens split over its ranks, parameters
+                   sharded FSDP-style as on dp_shard (see `functrain.parallel.context`)
     tp             tensor parallel (Megatron-style, see `functrain.parallel.tp`)
 
-Sizes come from a config with fields `dp_replicate`, `dp_shard`, `tp` (ints; -1 = "the rest of
-the world size", at most one -1); their product must equal the number of processes.
+Sizes come from a config with fields `dp_replicate`, `dp_shard`, `cp`, `tp` (ints; -1 = "the rest
+of the world size", at most one -1); their product must equal the number of processes. Ranks that
+differ only in their cp or tp coordinate read the same batch rows.
 
 Single process. Started without torchrun (no WORLD_SIZE in the environment) and with a world of
 1, `setup` creates no process group and no mesh: `ctx.mesh is None`, `shard_state` leaves the
@@ -38,7 +41,9 @@ from functrain.parallel import gloo
 
 __all__ = [
     "AXES",
+    "CP_AXIS",
     "DP_AXES",
+    "GRAD_AXES",
     "TP_AXIS",
     "ParallelContext",
     "mesh_shape",
@@ -51,8 +56,10 @@ __all__ = [
     "dp_coordinates",
 ]
 
-AXES = ("dp_replicate", "dp_shard", "tp")
-DP_AXES = ("dp_replicate", "dp_shard")
+AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+DP_AXES = ("dp_replicate", "dp_shard")  # the axes that split the batch's rows
+CP_AXIS = "cp"
+GRAD_AXES = (*DP_AXES, CP_AXIS)  # the axes whose ranks see different tokens: gradients averaged over them
 TP_AXIS = "tp"
 
 _OWNED_GROUP = False  # whether setup() created the default process group (teardown destroys it)
@@ -63,14 +70,15 @@ class ParallelContext:
     """What a program needs to know about its place in the run.
 
     Attributes:
-      mesh: the 3-D `DeviceMesh` ("dp_replicate", "dp_shard", "tp"), or None on the plain
+      mesh: the 4-D `DeviceMesh` ("dp_replicate", "dp_shard", "cp", "tp"), or None on the plain
         single-process path.
       device: this process's compute device (cuda:LOCAL_RANK, or cpu).
       rank: global rank; world_size: number of processes.
       dp_rank, dp_world: index and number of data-parallel replicas (dp_replicate x dp_shard);
-        ranks that differ only in their tp coordinate share a dp_rank and read the same batch.
+        ranks that differ only in their cp or tp coordinate share a dp_rank and read the same batch.
+      cp_rank, cp_world: coordinate and size of the context-parallel axis.
       tp_rank, tp_world: coordinate and size of the tensor-parallel axis.
-      shape: {axis name: size} for the three axes.
+      shape: {axis name: size} for the four axes.
     """
 
     mesh: Any
@@ -82,6 +90,8 @@ class ParallelContext:
     tp_rank: int
     tp_world: int
     shape: Mapping[str, int]
+    cp_rank: int = 0
+    cp_world: int = 1
 
     @property
     def is_main_process(self) -> bool:
@@ -203,6 +213,8 @@ def setup(
         tp_rank=mesh.get_local_rank(TP_AXIS) if mesh is not None else 0,
         tp_world=shape["tp"],
         shape=dict(shape),
+        cp_rank=mesh.get_local_rank(CP_AXIS) if mesh is not None else 0,
+        cp_world=shape["cp"],
     )
 
 

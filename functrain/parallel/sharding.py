@@ -12,8 +12,8 @@ tensor-parallel kinds of a model's `TP_RULES` ("colwise", "rowwise", "replicate"
 Two normalizations follow, so that every DTensor is a plain Shard/Replicate layout the step and the
 checkpointer understand:
   * an axis of size 1 is always `Replicate()` (the layout of a 1-wide axis is the whole tensor);
-  * one tensor dim is never sharded by two axes: when a data-parallel axis would shard the dim the
-    tp axis already shards (FSDP `Shard(0)` on a colwise weight), it moves to the first other dim
+  * one tensor dim is never sharded by two axes: when a data- or context-parallel axis would shard
+    a dim that the tp axis (or an axis before it) already shards (FSDP `Shard(0)` on a colwise weight), it moves to the first other dim
     (`Shard(1)`), or to `Replicate()` for a 1-D tensor (a colwise bias). Nested `Shard(0), Shard(0)`
     would make the tp-local compute slice span several FSDP shards, and DTensor's nested uneven
     redistribute fails on gloo (measured), so it is avoided by construction.
@@ -56,8 +56,10 @@ PyTree = Any
 Spec = Union[Placement, str]
 Rule = tuple[str, Mapping[str, Spec]]
 
-FSDP_RULES: list[Rule] = [(r".*", {"dp_shard": Shard(0)})]
-"""FSDP: every parameter `Shard(0)` on the dp_shard axis (replicated on dp_replicate and tp)."""
+FSDP_RULES: list[Rule] = [(r".*", {"dp_shard": Shard(0), "cp": Shard(0)})]
+"""FSDP: every parameter `Shard(0)` on the dp_shard axis and on the cp axis (replicated on
+dp_replicate and tp); with both axes wider than 1, cp moves to the next dim (`Shard(1)`, see the
+normalizations above), so a context-parallel rank never holds a whole parameter either."""
 
 _TP_KINDS = ("colwise", "rowwise", "replicate")
 
@@ -307,7 +309,7 @@ def shard_state(
 
     Args:
       state: a `TrainState`, or any params pytree.
-      mesh: a DeviceMesh with named axes ("dp_replicate", "dp_shard", "tp"), or None.
+      mesh: a DeviceMesh with named axes ("dp_replicate", "dp_shard", "cp", "tp"), or None.
       rules: sharding rules (default `FSDP_RULES`; GPT with TP: `default_rules(gpt.TP_RULES)`).
       src_rank: see `shard_params`.
 

@@ -56,7 +56,7 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.parallel import gloo
 from functrain.parallel.layout import Layout
-from functrain.parallel.mesh import DP_AXES, dp_coordinates
+from functrain.parallel.mesh import CP_AXIS, GRAD_AXES, dp_coordinates
 
 # torch 2.13 renamed these (the old names warn on every eager call: one line per stage per step
 # when compile="blocks" gathers from eager code); older torch has only the old names
@@ -131,8 +131,10 @@ class Spmd(Layout):
     """The data-parallel/tensor-parallel bookkeeping of one mesh, as Python constants for tracing.
 
     Args:
-      mesh: a DeviceMesh whose axis names include "dp_replicate"/"dp_shard" (data parallel); any
-        other axis (e.g. "tp") is model parallel: its placements are kept for compute.
+      mesh: a DeviceMesh whose axis names include "dp_replicate"/"dp_shard" (data parallel) or "cp"
+        (context parallel: its ranks see other tokens of the same sequences, so their parameters are
+        gathered and their gradients averaged as on a data-parallel axis); any other axis (e.g.
+        "tp") is model parallel: its placements are kept for compute.
 
     Example:
       >>> spmd = Spmd(mesh_of(state.params))
@@ -144,9 +146,12 @@ class Spmd(Layout):
     def __init__(self, mesh):
         self.mesh = mesh
         names = mesh.mesh_dim_names or ()
-        # Data-parallel axes with more than one rank: gathered for compute, grads averaged.
-        self.dp_dims = [i for i, n in enumerate(names) if n in DP_AXES and mesh.size(i) > 1]
+        # Data- and context-parallel axes with more than one rank: gathered for compute, grads averaged
+        # (a context-parallel loss is scaled so that this average is the whole sequence's gradient).
+        self.dp_dims = [i for i, n in enumerate(names) if n in GRAD_AXES and mesh.size(i) > 1]
         self.dp_rank, self.dp_world = dp_coordinates(mesh)
+        self.cp_rank, self.cp_world = (mesh.get_local_rank(CP_AXIS), mesh.size(names.index(CP_AXIS))) \
+            if CP_AXIS in names else (0, 1)
         # read by the "auto" route; on a CUDA mesh the groups' gloo half never sees a gradient
         self._gloo = {d: mesh.device_type == "cpu" and gloo.is_gloo(mesh.get_group(d)) for d in self.dp_dims}
 
@@ -310,10 +315,10 @@ class Spmd(Layout):
         return {k: mean[i].to(v.dtype) for i, (k, v) in enumerate(zip(keys, vals))}
 
     def fold_in_dp(self, key: torch.Tensor) -> torch.Tensor:
-        """Folds the dp rank into a key, so dp ranks draw different dropout masks."""
-        if self.dp_world == 1:
+        """Folds the dp and cp coordinates into a key, so ranks holding other tokens draw other masks."""
+        if self.dp_world * self.cp_world == 1:
             return key
-        return rng_lib.fold_in(key, self.dp_rank)
+        return rng_lib.fold_in(key, self.dp_rank * self.cp_world + self.cp_rank)
 
     def global_norm(self, tree: PyTree, *, fused: bool = False) -> torch.Tensor:
         """The norm over the whole mesh (see `global_norm`)."""

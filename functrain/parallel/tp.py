@@ -32,6 +32,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from functrain.parallel.mesh import TP_AXIS
@@ -132,8 +133,11 @@ class _RowwiseLinear(nn.Linear):
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` whose parameters and buffers live on "meta" (ties kept)."""
-    memo = {}
+    """A deep copy of `model` whose parameters and buffers live on "meta" (ties kept; the DeviceMeshes
+    its modules name, e.g. another parallelism's groups, shared, not copied)."""
+    memo = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, DeviceMesh)}
+    memo.update({id(v): v for m in model.modules() for v in vars(m).values()
+                 if isinstance(v, tuple) and any(isinstance(x, DeviceMesh) for x in v)})
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in memo:
             meta = torch.empty_like(t, device="meta")

@@ -106,13 +106,14 @@ def _dropout_key(cfg: GPTConfig, key: torch.Tensor | None) -> torch.Tensor | Non
     return None if cfg.dropout == 0.0 else key
 
 
-def _embed(cfg: GPTConfig, wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor, key) -> torch.Tensor:
+def _embed(cfg: GPTConfig, wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor, key, context=None) -> torch.Tensor:
     """Token + position embedding of ids (B, T) -> (B, T, C), dropout site 0: the one definition,
-    used by `GPT.forward` and by the embedding stage of `stages`."""
+    used by `GPT.forward` and by the embedding stage of `stages` (`context`: a sequence split's part)."""
     t = idx.shape[1]
-    if t > cfg.block_size:
-        raise ValueError(f"sequence length {t} exceeds block_size {cfg.block_size}")
-    pos = torch.arange(t, device=idx.device)  # (T,)
+    world = 1 if context is None else context.world
+    if t * world > cfg.block_size:
+        raise ValueError(f"sequence length {t * world} exceeds block_size {cfg.block_size}")
+    pos = torch.arange(t, device=idx.device) if context is None else context.positions(t, idx.device)  # (T,)
     x = ops.embedding(wte, idx) + ops.embedding(wpe, pos)  # (B, T, C)
     return rng.dropout(x, cfg.dropout, _site_key(key, 0))
 
@@ -127,6 +128,8 @@ class Embedding(nn.Embedding):
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate, head-major q/k/v projections."""
+
+    context = None  # a `parallel.context.Split`: this rank holds part of each sequence (context_parallel)
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -144,7 +147,10 @@ class CausalSelfAttention(nn.Module):
         k = rearrange(self.k(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
         v = rearrange(self.v(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H, T, D)
         # SDPA's own dropout uses the global RNG: keep it off and drop on the projection instead.
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)  # (B, H, T, D)
+        if self.context is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)  # (B, H, T, D)
+        else:  # this rank's queries over every rank's keys and values
+            y = self.context.attention(q, k, v)  # (B, H, T, D)
         y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, C)
         return rng.dropout(self.proj(y), self.dropout, dropout_key)
 
@@ -200,6 +206,8 @@ class GPT(nn.Module):
       >>> logits = torch.func.functional_call(template, params, (idx,))
     """
 
+    context = None  # a `parallel.context.Split`: positions of this rank's part of each sequence
+
     def __init__(self, cfg: GPTConfig, key: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
@@ -220,7 +228,7 @@ class GPT(nn.Module):
         """Token ids (B, T) -> logits (B, T, vocab_size), or the final hidden states (B, T, C) after
         `ln_f` with `return_hidden=True` (for losses that apply the tied head themselves)."""
         dropout_key = _dropout_key(self.cfg, dropout_key)
-        x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, dropout_key)  # (B, T, C)
+        x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, dropout_key, self.context)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i))
         x = self.ln_f(x)  # (B, T, C)
@@ -257,7 +265,7 @@ def stages(model: GPT) -> GPTStages:
 
     def embed(p, idx, key):
         """Token ids (B, T) -> embeddings (B, T, C), dropout site 0 (the forward's `_embed`)."""
-        return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key))
+        return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key), model.context)
 
     def block(module, own, h, key, i):
         """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""

@@ -130,10 +130,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary(head_dim: int, theta: float, t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, head_dim) of positions 0..t-1, float32; frequency j repeats at j and j + D/2."""
+def rotary(head_dim: int, theta: float, t: int, device, positions: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, head_dim) of positions 0..t-1 (or of `positions`, (T,)), float32; frequency j
+    repeats at j and j + D/2."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))  # (D/2,)
-    freqs = torch.outer(torch.arange(t, device=device).float(), inv_freq)  # (T, D/2)
+    pos = torch.arange(t, device=device) if positions is None else positions  # (T,)
+    freqs = torch.outer(pos.float(), inv_freq)  # (T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
     return emb.cos(), emb.sin()
 
@@ -147,6 +150,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Causal grouped-query attention with rotary embeddings on q and k."""
+
+    context = None  # a `parallel.context.Split`: this rank holds part of each sequence (context_parallel)
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -164,8 +169,13 @@ class Attention(nn.Module):
         q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", d=d)  # (B, H, T, D)
         k = rearrange(self.k_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
         v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
-        cos, sin = rotary(d, self.cfg.rope_theta, x.shape[1], x.device)  # (T, D) each
+        t = x.shape[1]
+        pos = None if self.context is None else self.context.positions(t, x.device)  # (T,) global positions
+        cos, sin = rotary(d, self.cfg.rope_theta, t, x.device, pos)  # (T, D) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.context is not None:  # this rank's queries over every rank's (few) kv heads
+            y = rearrange(self.context.attention(q, k, v), "b h t d -> b t (h d)")  # (B, T, H*D)
+            return rng.dropout(self.o_proj(y), self.cfg.dropout, dropout_key)
         group = q.shape[1] // k.shape[1]  # query heads per kv head; kv head j serves q heads j*group...
         k = repeat(k, "b h t d -> b (h g) t d", g=group)  # (B, H, T, D)
         v = repeat(v, "b h t d -> b (h g) t d", g=group)  # (B, H, T, D)
@@ -221,6 +231,8 @@ class Llama(nn.Module):
       >>> params = init_params(template, rng.key(0))    # real tensors
     """
 
+    context = None  # a `parallel.context.Split`: this rank holds part of each sequence (context_parallel)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
@@ -233,8 +245,9 @@ class Llama(nn.Module):
 
     def embed(self, weight: torch.Tensor, idx: torch.Tensor, key) -> torch.Tensor:
         """Token ids (B, T) -> (B, T, C), dropout site 0 (used by the forward and the embed stage)."""
-        if idx.shape[1] > self.cfg.block_size:
-            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")
+        t = idx.shape[1] * (1 if self.context is None else self.context.world)  # the whole sequence
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
         return rng.dropout(ops.embedding(weight, idx), self.cfg.dropout, _site_key(key, 0))  # (B, T, C)
 
     def forward(self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *,
