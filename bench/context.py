@@ -5,7 +5,8 @@ sequences), cp=2 (dp_shard=2 x cp=2) and cp=4 (each sequence split over all four
 are FSDP-sharded over 4 ranks in every mesh, so they cost the same; what changes is the activations
 each rank holds for its tokens. For each mesh the sequence length doubles until a step's peak memory
 on some rank passes the cap, then bisects down to `--granule` tokens. The GPT trains with the loop's
-defaults on a mesh (staged loss, every block recomputed), one sequence per data-parallel rank, eager.
+defaults on a mesh (staged loss, every block recomputed), one sequence per data-parallel rank, eager;
+`--family llama` trains the Llama instead (rotary positions, grouped-query attention).
 
 Memory is the growth of the resident set during one step (after a warm-up step) over the resident
 set before it, the max over ranks (bench/_mem.py: the kernel's high-water mark, free heap handed back
@@ -14,7 +15,7 @@ Printed: per mesh the longest sequence, its peak, step time and tokens/s (global
 ratios of the longest sequences against cp=1; with --json a last line of JSON.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/context.py
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/context.py --cap-mib 256 --n-embd 256 --json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/context.py --family llama --json
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _mem import reset_peak, status_mib, trim  # noqa: E402
 
 from functrain import init_state, make_train_step, optim, parallel, rng  # noqa: E402
-from functrain.models import gpt  # noqa: E402
+from functrain.models import gpt, llama  # noqa: E402
 
 
 def _args():
@@ -42,8 +43,10 @@ def _args():
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--family", default="gpt", choices=["gpt", "llama"])
+    p.add_argument("--n-kv-head", type=int, default=2, help="llama: key/value heads")
     p.add_argument("--granule", type=int, default=256, help="the search's resolution in tokens")
-    p.add_argument("--start", type=int, default=1024, help="first sequence length tried")
+    p.add_argument("--first-seq", type=int, default=1024, help="first sequence length tried")
     p.add_argument("--max-seq", type=int, default=1 << 17, help="stop doubling here")
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--kernel", default="zigzag", help="the cp attention: zigzag (no mask) or mask")
@@ -72,15 +75,23 @@ def _max_over_ranks(x: float) -> float:
 
 def measure(ctx, args, seq: int) -> dict:
     """One step's peak memory (max over ranks), step time and tokens/s at sequence length `seq`."""
-    cfg = gpt.GPTConfig(vocab_size=256, block_size=seq, n_layer=args.n_layer, n_head=args.n_head,
-                        n_embd=args.n_embd, bias=False)
-    with torch.device("meta"):
-        template = gpt.GPT(cfg)
-    rules = parallel.default_rules(gpt.TP_RULES)
+    if args.family == "gpt":
+        fam = gpt
+        cfg = gpt.GPTConfig(vocab_size=256, block_size=seq, n_layer=args.n_layer, n_head=args.n_head,
+                            n_embd=args.n_embd, bias=False)
+        with torch.device("meta"):
+            template = gpt.GPT(cfg)
+    else:  # rotary positions (no position table), grouped-query attention
+        fam = llama
+        cfg = llama.LlamaConfig(vocab_size=256, block_size=seq, n_layer=args.n_layer, n_head=args.n_head,
+                                n_kv_head=args.n_kv_head, n_embd=args.n_embd)
+        with torch.device("meta"):
+            template = llama.Llama(cfg)
+    rules = parallel.default_rules(fam.TP_RULES)
     model = parallel.context.context_parallel(template, parallel.context.split_of(ctx.mesh, args.kernel))
-    loss_fn = gpt.make_loss_fn(model, remat="full", staged=True)
+    loss_fn = fam.make_loss_fn(model, remat="full", staged=True)
     opt = optim.adamw(1e-3)
-    params = parallel.init_sharded(lambda key, device, where=None: gpt.init_params(template, key, device=device,
+    params = parallel.init_sharded(lambda key, device, where=None: fam.init_params(template, key, device=device,
                                                                                     where=where),
                                    rng.key(0), ctx.mesh, rules)
     state = parallel.shard_state(init_state(params, opt), ctx.mesh, rules)
@@ -103,14 +114,14 @@ def measure(ctx, args, seq: int) -> dict:
 def longest(ctx, args, cp: int) -> dict:
     """The longest sequence (a multiple of the granule and of 2 cp) whose step fits the cap."""
     unit = max(args.granule, 2 * cp)
-    fits, seq, best = None, args.start, None
+    fits, seq, best = None, args.first_seq, None
     while seq <= args.max_seq:  # double until it does not fit
         r = measure(ctx, args, seq)
         if r["peak_mib"] > args.cap_mib:
             break
         fits, best, seq = seq, r, seq * 2
     if fits is None:
-        return {"cp": cp, "seq": 0, "note": f"{args.start} tokens already exceed the cap"}
+        return {"cp": cp, "seq": 0, "note": f"{args.first_seq} tokens already exceed the cap"}
     lo, hi = fits, min(seq, args.max_seq + unit)  # lo fits, hi does not (or is past the search)
     while hi - lo > unit:
         mid = (lo + hi) // 2 // unit * unit
@@ -134,7 +145,8 @@ def main():
             print(f"cp={cp}: longest sequence {row['seq']} tokens, peak {row.get('peak_mib')} MiB/rank, "
                   f"{row.get('step_s')} s/step, {row.get('tokens_per_s')} tokens/s", flush=True)
     base = rows[0]["seq"] or 1
-    out = {"cap_mib": args.cap_mib, "world": world, "n_layer": args.n_layer, "n_embd": args.n_embd,
+    out = {"cap_mib": args.cap_mib, "world": world, "family": args.family, "n_layer": args.n_layer,
+           "n_embd": args.n_embd,
            "rows": rows, "ratios": {f"cp{r['cp']}": round(r["seq"] / base, 3) for r in rows}}
     if parallel.is_main_process():
         print("longest sequence vs cp=1: " + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items()))

@@ -7,12 +7,23 @@ early chunk is cheap and a late one dear; pairing them gives every rank the same
 (N=2, T=8: rank 0 holds positions 0,1,6,7 and rank 1 positions 2,3,4,5).
 
 Attention (all-gather, the Llama 3 paper's choice for long sequences): each rank computes queries,
-keys and values for its own tokens, gathers every rank's keys and values (grouped-query attention
-gathers the few kv heads, not the repeated ones), puts them in sequence order and attends with the
-causal mask written in global positions (a query at position p sees keys at positions <= p). The
-scores a rank holds are (T/N) x T: 1/N of one rank's full attention. The gather's backward is a
-reduce-scatter: each rank gets the gradient of its own keys and values summed over every rank's
-queries. Rotary or learned positions take `positions` (the global positions of the rank's tokens).
+keys and values for its own tokens and gathers every rank's keys and values (grouped-query attention
+gathers the few kv heads, not the repeated ones). Two kernels:
+
+  zigzag_attention  (the default) no mask: on CPU each of the rank's two query chunks attends to the
+                    key chunks before it and to its own (causal) one flash call at a time, merged by
+                    their log-sum-exps; the backward gathers again and runs the flash backward per
+                    block, so only this rank's q, k, v, output and log-sum-exp are kept between the
+                    forward and the backward. On other devices each chunk goes through the causal
+                    kernel over the keys up to its end (`F.scaled_dot_product_attention(is_causal=True)`),
+                    its queries placed after zero rows.
+  attention         one attention under the causal mask written in global positions ((T/N) x T,
+                    a query at position p sees keys at positions <= p).
+
+The gather's backward is a reduce-scatter: each rank gets the gradient of its own keys and values
+summed over every rank's queries. Rotary or learned positions take `positions` (the global positions
+of the rank's tokens). Per rank the keys and values of the whole sequence (and, in the backward,
+their gradients) exist for one layer at a time: memory O(T) in the kv width, O(T / N) in the rest.
 
 The collectives are functional collectives inside a `torch.autograd.Function`: they work under
 `torch.func.grad_and_value`, eagerly and inside `torch.compile(fullgraph=True)`.
@@ -184,13 +195,117 @@ def _causal_from(q, k, v, start: int, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, start:]  # (B, H, c, D)
 
 
+def _slots(x: torch.Tensor) -> torch.Tensor:
+    """A rank's (B, Hkv, L, D) as its two chunks, (2, B, Hkv, L / 2, D): gathered, rank r's sit at 2r, 2r + 1."""
+    c = x.shape[2] // 2
+    return x.view(*x.shape[:2], 2, c, x.shape[3]).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def _slot(j: int, world: int) -> int:
+    """Where the sequence's chunk j sits among the gathered slots (zig-zag: rank j's first or rank 2N-1-j's second)."""
+    return 2 * j if j < world else 2 * (2 * world - 1 - j) + 1
+
+
+def _chunk(full: torch.Tensor, j: int, world: int, heads: int) -> torch.Tensor:
+    """Chunk j of the gathered keys or values, (B, H, c, D), kv heads repeated to `heads`."""
+    x = full[_slot(j, world)]  # (B, Hkv, c, D)
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
+def _flash(q, k, v, causal: bool, scale):
+    """Flash attention on CPU: (B, H, c, D) output and its (B, H, c) float32 log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _flash_backward(grad, q, k, v, out, lse, causal: bool, scale):
+    """Gradients of q, k, v for one block of keys, given the output and log-sum-exp over all keys."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
+
+
+class _ZigzagFlash(torch.autograd.Function):
+    """The zig-zag split's causal attention on CPU, block by block (see `zigzag_attention`).
+
+    Every rank's keys and values are all-gathered once as 2N chunks; each of this rank's query chunks
+    attends to the chunks before it (no mask) and to its own (causal), one flash call per chunk, the
+    outputs merged by their log-sum-exps. The backward gathers the keys and values again, runs the
+    flash backward of each (query chunk, key chunk) pair with the merged output and log-sum-exp
+    (exact: a block's gradients need only the softmax's global normalizer), adds the key gradients
+    into their chunks' slots and reduce-scatters them. Kept for the backward: this rank's q, k, v,
+    output and log-sum-exp only; held at once: the gathered keys and values and their gradients
+    (4 x T / N ... T rows), every other buffer one chunk's size.
+    """
+
+    @staticmethod
+    def forward(q, k, v, group, world, rank, scale):
+        k_full = _wait(_all_gather(_slots(k), 0, group))  # (2N, B, Hkv, c, D)
+        v_full = _wait(_all_gather(_slots(v), 0, group))
+        heads, c = q.shape[1], q.shape[2] // 2
+        outs, lses = [], []
+        for h, jq in enumerate((rank, 2 * world - 1 - rank)):  # this rank's chunks, as sequence chunk indices
+            qc = q[:, :, h * c:(h + 1) * c]  # (B, H, c, D)
+            out = lse = None
+            for jk in range(jq + 1):  # the keys up to this chunk's end, a chunk at a time
+                o, l = _flash(qc, _chunk(k_full, jk, world, heads), _chunk(v_full, jk, world, heads), jk == jq, scale)
+                if out is None:
+                    out, lse = o.float(), l
+                    continue
+                total = torch.logaddexp(lse, l)  # (B, H, c): merge the two softmaxes
+                out = out * (lse - total).exp()[..., None] + o.float() * (l - total).exp()[..., None]
+                lse = total
+            outs.append(out.to(q.dtype))
+            lses.append(lse)
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, H, L, D), (B, H, L)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.group, ctx.world, ctx.rank, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        n, heads, c = ctx.world, q.shape[1], q.shape[2] // 2
+        with torch.no_grad():
+            k_full = _wait(_all_gather(_slots(k), 0, ctx.group))  # (2N, B, Hkv, c, D)
+            v_full = _wait(_all_gather(_slots(v), 0, ctx.group))
+            dk = torch.zeros(k_full.shape, dtype=torch.float32, device=k.device)  # (2N, B, Hkv, c, D)
+            dv = torch.zeros_like(dk)
+
+            def kv_heads(d):
+                """A (B, H, c, D) key gradient on the kv heads: each sums over the q heads it served (GQA)."""
+                return d if d.shape[1] == k.shape[1] else d.view(d.shape[0], k.shape[1], -1, *d.shape[2:]).sum(2)
+
+            dqs = []
+            for h, jq in enumerate((ctx.rank, 2 * n - 1 - ctx.rank)):
+                part = slice(h * c, (h + 1) * c)
+                g, qc, o, lc = grad[:, :, part].contiguous(), q[:, :, part], out[:, :, part], lse[:, :, part]
+                dq = torch.zeros(qc.shape, dtype=torch.float32, device=q.device)  # (B, H, c, D)
+                for jk in range(jq + 1):
+                    dq_b, dk_b, dv_b = _flash_backward(g, qc, _chunk(k_full, jk, n, heads), _chunk(v_full, jk, n, heads),
+                                                       o, lc, jk == jq, ctx.scale)
+                    dq += dq_b
+                    dk[_slot(jk, n)] += kv_heads(dk_b)
+                    dv[_slot(jk, n)] += kv_heads(dv_b)
+                dqs.append(dq)
+            del k_full, v_full
+            pending, grads = [dk, dv], []
+            del dk, dv  # (each freed once reduced)
+            for x in (k, v):
+                mine = _wait(_reduce_scatter(pending.pop(0), "sum", 0, ctx.group))  # (2, B, Hkv, c, D): my chunks
+                grads.append(mine.permute(1, 2, 0, 3, 4).reshape(x.shape).to(x.dtype))  # (B, Hkv, L, D)
+        return torch.cat(dqs, dim=2).to(q.dtype), grads[0], grads[1], None, None, None, None
+
+
 def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, world: int, rank: int,
                      scale: float | None = None) -> torch.Tensor:
-    """`attention` for the zig-zag split's two chunks, with no (T/N) x T mask: O(T) memory per rank.
+    """`attention` for the zig-zag split's two chunks, with no (T/N) x T mask (see the module docstring).
 
-    Each of the rank's two chunks attends causally to the keys up to its end through the causal
-    kernel (`F.scaled_dot_product_attention(is_causal=True)`, flash on CPU and CUDA), its queries
-    placed after zero rows (`_causal_from`); the price is the zero rows' share of the kernel's work.
+    On CPU: flash calls of one chunk of queries and one chunk of keys each, merged by log-sum-exp, and
+    a backward of its own that keeps only this rank's tensors (`_ZigzagFlash`). Elsewhere: each of
+    the rank's two chunks attends to the keys up to its end through the causal kernel, its queries
+    placed after zero rows (`_causal_from`; the zero rows cost kernel work and memory, not results).
 
     Args:
       q: (B, H, L, D) queries of this rank's L = T / world tokens (`positions` order).
@@ -205,6 +320,9 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: A
     Example:
       >>> y = zigzag_attention(q, k, v, mesh["cp"], 2, 0)
     """
+    if q.device.type == "cpu" and world > 1:
+        # view_as: see gather_sequence
+        return _ZigzagFlash.apply(q.view_as(q), k.view_as(k), v.view_as(v), group, world, rank, scale)[0]
     k_all = gather_sequence(k, group, world, dim=2)  # (B, Hkv, T, D)
     v_all = gather_sequence(v, group, world, dim=2)  # (B, Hkv, T, D)
     if k_all.shape[1] != q.shape[1]:  # grouped-query attention
