@@ -91,6 +91,10 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.mesh.dp_shard = -1  # -1 = the rest of the world size
     c.mesh.cp = 1  # context parallel: each sequence split over cp ranks (functrain.parallel.context)
     c.mesh.tp = 1
+    # Context-parallel attention (mesh.cp > 1; functrain.parallel.context.KERNELS): "zigzag" all-gathers
+    # one layer's keys and values; "stream" fetches them a chunk at a time (less memory, 2N collectives a
+    # layer); "mask" is one attention under a (T/cp) x T mask.
+    c.cp_attention = "zigzag"
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 500  # 0 disables periodic saves (a final save still happens)

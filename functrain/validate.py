@@ -283,6 +283,7 @@ LOOP_CHECKS: list[Check] = [
     ("eval_batches", int_at_least(1)),
     ("compile", boolean()),
     ("compile_unit", one_of("step", "blocks")),
+    ("cp_attention", one_of("zigzag", "stream", "mask")),
     ("cuda_graphs", boolean()),
     ("donate", boolean()),
     ("deterministic", boolean()),

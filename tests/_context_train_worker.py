@@ -90,19 +90,19 @@ def run(step_fn, state, data, ctx=None):
     return state, hist
 
 
-def setup_model(ctx, name, remat, staged):
+def setup_model(ctx, name, remat, staged, kernel="zigzag"):
     """(template, rules, single-process loss, the mesh's loss) for family `name`."""
     template, tp, make_loss = family(name)
     rules = parallel.default_rules(tp)
-    model = parallel.tensor_parallel(parallel.context.context_parallel(template, parallel.context.split_of(ctx.mesh)),
-                                     ctx.mesh, rules)
+    split = parallel.context.split_of(ctx.mesh, kernel)
+    model = parallel.tensor_parallel(parallel.context.context_parallel(template, split), ctx.mesh, rules)
     return template, rules, make_loss(template), make_loss(model, remat=remat, staged=staged)
 
 
 def compare(ctx, name="gpt", *, remat="none", staged=True, steps=STEPS, precision=None, ignored=False,
-            compile=False):
+            compile=False, kernel="zigzag"):
     """The cp run vs one process: max differences of metrics, params and optimizer state."""
-    template, rules, single_loss, cp_loss = setup_model(ctx, name, remat, staged)
+    template, rules, single_loss, cp_loss = setup_model(ctx, name, remat, staged, kernel)
     data = batches(steps, ignored)
     opt = sgd()
     params = init_params(template, name)
@@ -203,13 +203,18 @@ SUITES = {
         ("llama", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, "llama")),
         ("llama_remat_bf16", {"dp_shard": 1, "cp": 2},
          lambda ctx: compare(ctx, "llama", remat="full", precision="bf16", steps=10)),
+        ("gpt_mask", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, kernel="mask")),
+        ("llama_stream", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, "llama", remat="full", kernel="stream")),
         ("gpt_compiled", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, remat="full", steps=4, compile=True)),
+        ("gpt_stream_compiled", {"dp_shard": 1, "cp": 2},
+         lambda ctx: compare(ctx, remat="full", steps=4, compile=True, kernel="stream")),
         ("checkpoint", {"dp_shard": 1, "cp": 2}, s_checkpoint),
         ("bad_length", {"dp_shard": 1, "cp": 2}, s_bad_length),
     ],
     "cp4": [
         ("gpt_cp4", {"dp_shard": 1, "cp": 4}, lambda ctx: compare(ctx)),
         ("llama_cp4", {"dp_shard": 1, "cp": 4}, lambda ctx: compare(ctx, "llama", remat="full")),
+        ("gpt_cp4_stream", {"dp_shard": 1, "cp": 4}, lambda ctx: compare(ctx, kernel="stream")),
         ("gpt_fsdp_cp", {"dp_shard": 2, "cp": 2}, lambda ctx: compare(ctx)),
         ("gpt_hsdp_cp", {"dp_replicate": 2, "dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, remat="full")),
         ("gpt_cp_tp", {"dp_shard": 1, "cp": 2, "tp": 2}, lambda ctx: compare(ctx)),

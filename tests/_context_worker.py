@@ -57,7 +57,7 @@ def scenario(h, hkv, compiled, group, world, rank, kernel="mask"):
         if kernel == "mask":
             out = context.attention(ql, kl, vl, pos, group, world)  # (B, H, T / world, D)
         else:
-            out = context.zigzag_attention(ql, kl, vl, group, world, rank)  # (B, H, T / world, D)
+            out = context.zigzag_attention(ql, kl, vl, group, world, rank, stream=kernel == "stream")
         return (out * wl).sum(), out
 
     if compiled:
@@ -85,7 +85,9 @@ def main():
     for name, h, hkv, compiled, kernel in (
             ("mha", 4, 4, False, "mask"), ("gqa", 4, 2, False, "mask"), ("gqa_func", 4, 2, "func", "mask"),
             ("gqa_compiled", 4, 2, "compiled", "mask"), ("zigzag_mha", 4, 4, False, "zigzag"),
-            ("zigzag_gqa_func", 4, 2, "func", "zigzag"), ("zigzag_gqa_compiled", 4, 2, "compiled", "zigzag")):
+            ("zigzag_gqa_func", 4, 2, "func", "zigzag"), ("zigzag_gqa_compiled", 4, 2, "compiled", "zigzag"),
+            ("stream_mha", 4, 4, False, "stream"), ("stream_gqa_func", 4, 2, "func", "stream"),
+            ("stream_gqa_compiled", 4, 2, "compiled", "stream")):
         try:
             scenario(h, hkv, compiled, group, world, rank, kernel)
             results[name] = "ok"

@@ -72,6 +72,8 @@ def _assert_matches(res, steps, dtype=torch.float32):
     ("gpt_bf16", 10, torch.bfloat16),
     ("llama", 20, torch.float32),  # GQA: the kv heads gathered, rotary at global positions
     ("llama_remat_bf16", 10, torch.bfloat16),
+    ("gpt_mask", 20, torch.float32),  # the other kernels: one masked attention,
+    ("llama_stream", 20, torch.float32),  # keys and values fetched a chunk at a time
 ])
 def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
     for res in _result(cp2, name):
@@ -81,7 +83,7 @@ def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
 
 
 @pytest.mark.parametrize("name, shards", [
-    ("gpt_cp4", 4), ("llama_cp4", 4),
+    ("gpt_cp4", 4), ("llama_cp4", 4), ("gpt_cp4_stream", 4),
     ("gpt_fsdp_cp", 4),  # dp_shard=2 x cp=2
     ("gpt_hsdp_cp", 2),  # dp_replicate=2 x cp=2 (remat)
     ("gpt_cp_tp", None), ("llama_cp_tp", None),  # cp=2 x tp=2
@@ -95,8 +97,9 @@ def test_four_ranks_match_one_process(cp4, name, shards):
             assert res["local_numel"] < res["global_numel"] / 2, res
 
 
-def test_compiled_cp_step_is_one_graph_without_recompiles(cp2):
-    for res in _result(cp2, "gpt_compiled"):
+@pytest.mark.parametrize("name", ["gpt_compiled", "gpt_stream_compiled"])
+def test_compiled_cp_step_is_one_graph_without_recompiles(cp2, name):
+    for res in _result(cp2, name):
         assert res["unique_graphs"] == 1, res  # 4 steps under error_on_recompile
         _assert_matches(res, 4)
 

@@ -169,6 +169,8 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
     ("--config.batch_size=15 --config.accum_steps=2", "batch_size=15 must divide by data-parallel ranks (1) x "
                                                        "accum_steps (2)"),
     ("--config.cuda_graphs=True", "cuda_graphs=True records the compiled step: it needs compile=True"),
+    ("--config.cp_attention=ring", "cp_attention='ring' is out of range: one of 'zigzag', 'stream', 'mask'"),
+    ("--config.mesh.cp=0", "mesh config dp_replicate=1 x dp_shard=-1 x cp=0 x tp=1: sizes must be positive or -1"),
     ("--config.compile=True --config.compile_unit=blocks --config.cuda_graphs=True",
      "cuda_graphs=True records the one-graph step: it needs compile_unit='step', not 'blocks'"),
     ("--config.compile=True --config.cuda_graphs=True --config.device=cpu",

@@ -162,13 +162,14 @@ def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int |
                             log=print if ctx.is_main_process else (lambda line: None))
 
 
-def context_model(model: nn.Module, ctx, block_size: int) -> nn.Module:
+def context_model(model: nn.Module, ctx, block_size: int, kernel: str = "zigzag") -> nn.Module:
     """`model` for this rank's part of each sequence when the mesh has a cp axis (else `model`).
 
     Args:
       model: the (meta-device) LM template.
       ctx: the parallel context (`ctx.mesh`'s cp axis splits the sequences).
       block_size: the training sequence length.
+      kernel: the attention's kernel (`config.cp_attention`, see `parallel.context.split_of`).
 
     Returns:
       `functrain.parallel.context.context_parallel(model, split)`: `model` itself without cp.
@@ -179,7 +180,7 @@ def context_model(model: nn.Module, ctx, block_size: int) -> nn.Module:
     Example:
       >>> model = parallel.tensor_parallel(lm.context_model(template, ctx, 1024), ctx.mesh, rules)
     """
-    split = parallel.context.split_of(ctx.mesh)
+    split = parallel.context.split_of(ctx.mesh, kernel)
     validate.check_context(block_size, 1 if split is None else split.world)
     return parallel.context.context_parallel(model, split)
 

@@ -8,22 +8,25 @@ early chunk is cheap and a late one dear; pairing them gives every rank the same
 
 Attention (all-gather, the Llama 3 paper's choice for long sequences): each rank computes queries,
 keys and values for its own tokens and gathers every rank's keys and values (grouped-query attention
-gathers the few kv heads, not the repeated ones). Two kernels:
+gathers the few kv heads, not the repeated ones). The kernels (`KERNELS`, `Split.kernel`):
 
-  zigzag_attention  (the default) no mask: on CPU each of the rank's two query chunks attends to the
-                    key chunks before it and to its own (causal) one flash call at a time, merged by
-                    their log-sum-exps; the backward gathers again and runs the flash backward per
-                    block, so only this rank's q, k, v, output and log-sum-exp are kept between the
-                    forward and the backward. On other devices each chunk goes through the causal
-                    kernel over the keys up to its end (`F.scaled_dot_product_attention(is_causal=True)`),
-                    its queries placed after zero rows.
-  attention         one attention under the causal mask written in global positions ((T/N) x T,
-                    a query at position p sees keys at positions <= p).
+  "zigzag"  (`zigzag_attention`, the default) no mask: on CPU each of the rank's two query chunks
+            attends to the key chunks before it and to its own (causal), one flash call per key
+            chunk, merged by their log-sum-exps; the backward gathers again and runs the flash
+            backward per block, so only this rank's q, k, v, output and log-sum-exp are kept between
+            the forward and the backward. On other devices each chunk goes through the causal kernel
+            over the keys up to its end (`F.scaled_dot_product_attention(is_causal=True)`), its
+            queries placed after zero rows.
+  "stream"  (`zigzag_attention(..., stream=True)`, CPU) the same blocks, each key chunk all-reduced
+            from its owner when needed and its gradient summed back the same way: one chunk of keys
+            and values held at a time instead of the whole sequence's, 2N collectives a layer.
+  "mask"    (`attention`) one attention under the causal mask written in global positions
+            ((T/N) x T, a query at position p sees keys at positions <= p).
 
 The gather's backward is a reduce-scatter: each rank gets the gradient of its own keys and values
 summed over every rank's queries. Rotary or learned positions take `positions` (the global positions
-of the rank's tokens). Per rank the keys and values of the whole sequence (and, in the backward,
-their gradients) exist for one layer at a time: memory O(T) in the kv width, O(T / N) in the rest.
+of the rank's tokens). Gathered, the keys and values of the whole sequence (and, in the backward,
+their gradients) exist on every rank for one layer at a time: O(T) in the kv width; streamed, O(T / N).
 
 The collectives are functional collectives inside a `torch.autograd.Function`: they work under
 `torch.func.grad_and_value`, eagerly and inside `torch.compile(fullgraph=True)`.
@@ -57,8 +60,11 @@ from functrain.parallel.mesh import CP_AXIS
 from functrain.parallel.spmd import _all_gather, _reduce_scatter, _wait  # (torch's renamed collectives)
 from functrain.parallel.tp import _meta_copy
 
-__all__ = ["Split", "attention", "context_parallel", "gather_sequence", "positions", "shard_sequence", "split_of",
+__all__ = ["KERNELS", "Split", "attention", "context_parallel", "gather_sequence", "positions", "shard_sequence", "split_of",
            "zigzag_attention"]
+
+
+KERNELS = ("zigzag", "stream", "mask")  # the attention's kernels (`split_of`)
 
 
 def positions(seq_len: int, world: int, rank: int, device: Any = None) -> torch.Tensor:
@@ -206,12 +212,6 @@ def _slot(j: int, world: int) -> int:
     return 2 * j if j < world else 2 * (2 * world - 1 - j) + 1
 
 
-def _chunk(full: torch.Tensor, j: int, world: int, heads: int) -> torch.Tensor:
-    """Chunk j of the gathered keys or values, (B, H, c, D), kv heads repeated to `heads`."""
-    x = full[_slot(j, world)]  # (B, Hkv, c, D)
-    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
-
-
 def _flash(q, k, v, causal: bool, scale):
     """Flash attention on CPU: (B, H, c, D) output and its (B, H, c) float32 log-sum-exp."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -223,43 +223,77 @@ def _flash_backward(grad, q, k, v, out, lse, causal: bool, scale):
                                                                                scale=scale)
 
 
+def _owner(j: int, world: int) -> tuple[int, int]:
+    """(rank, which of its two chunks) that holds the sequence's chunk j under the zig-zag split."""
+    return (j, 0) if j < world else (2 * world - 1 - j, 1)
+
+
+class _KeyChunks:
+    """The sequence's key and value chunks, one at a time, for this rank's flash blocks.
+
+    gather  all-gathered once, (2N, B, Hkv, c, D) each: one collective each, T rows of keys and of
+            values held while the attention runs;
+    stream  chunk j all-reduced from its owner (the others add zeros) when asked for: 2N collectives
+            of twice the bytes, one chunk held at a time.
+    """
+
+    def __init__(self, k, v, group, world: int, rank: int, stream: bool):
+        self.group, self.world, self.rank, self.stream = group, world, rank, stream
+        if stream:
+            self.mine = torch.stack([_slots(k), _slots(v)], dim=1)  # (2, k | v, B, Hkv, c, D): my chunks
+        else:
+            self.full = [_wait(_all_gather(_slots(x), 0, group)) for x in (k, v)]  # (2N, B, Hkv, c, D) each
+
+    def __call__(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk j's keys and values, (B, Hkv, c, D) each."""
+        if not self.stream:
+            return self.full[0][_slot(j, self.world)], self.full[1][_slot(j, self.world)]
+        owner, half = _owner(j, self.world)
+        part = self.mine[half] if owner == self.rank else torch.zeros_like(self.mine[0])  # (k | v, B, Hkv, c, D)
+        kv = _wait(funcol.all_reduce(part, "sum", self.group))
+        return kv[0], kv[1]
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, Hkv, c, D) keys or values with each kv head repeated for the q heads it serves: (B, H, c, D)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
 class _ZigzagFlash(torch.autograd.Function):
     """The zig-zag split's causal attention on CPU, block by block (see `zigzag_attention`).
 
-    Every rank's keys and values are all-gathered once as 2N chunks; each of this rank's query chunks
-    attends to the chunks before it (no mask) and to its own (causal), one flash call per chunk, the
-    outputs merged by their log-sum-exps. The backward gathers the keys and values again, runs the
-    flash backward of each (query chunk, key chunk) pair with the merged output and log-sum-exp
-    (exact: a block's gradients need only the softmax's global normalizer), adds the key gradients
-    into their chunks' slots and reduce-scatters them. Kept for the backward: this rank's q, k, v,
-    output and log-sum-exp only; held at once: the gathered keys and values and their gradients
-    (4 x T / N ... T rows), every other buffer one chunk's size.
+    Each of this rank's query chunks attends to the sequence's key chunks before it (no mask) and to
+    its own (causal), one flash call per key chunk, the outputs merged by their log-sum-exps. Only
+    this rank's q, k, v, output and log-sum-exp are kept for the backward, which fetches the key
+    chunks again and runs the flash backward of each (query chunk, key chunk) block with the merged
+    output and log-sum-exp (exact: a block's gradients need only the softmax's global normalizer);
+    each key chunk's gradient is summed over the ranks into its owner's (a reduce-scatter of all of
+    them when gathered, an all-reduce per chunk when streamed).
     """
 
     @staticmethod
-    def forward(q, k, v, group, world, rank, scale):
-        k_full = _wait(_all_gather(_slots(k), 0, group))  # (2N, B, Hkv, c, D)
-        v_full = _wait(_all_gather(_slots(v), 0, group))
+    def forward(q, k, v, group, world, rank, scale, stream):
+        chunks = _KeyChunks(k, v, group, world, rank, stream)
         heads, c = q.shape[1], q.shape[2] // 2
-        outs, lses = [], []
-        for h, jq in enumerate((rank, 2 * world - 1 - rank)):  # this rank's chunks, as sequence chunk indices
-            qc = q[:, :, h * c:(h + 1) * c]  # (B, H, c, D)
-            out = lse = None
-            for jk in range(jq + 1):  # the keys up to this chunk's end, a chunk at a time
-                o, l = _flash(qc, _chunk(k_full, jk, world, heads), _chunk(v_full, jk, world, heads), jk == jq, scale)
-                if out is None:
-                    out, lse = o.float(), l
+        mine = (rank, 2 * world - 1 - rank)  # this rank's chunks, as sequence chunk indices
+        outs, lses = [None, None], [None, None]
+        for jk in range(2 * world):
+            kc, vc = chunks(jk)  # (B, Hkv, c, D) each
+            for h, jq in enumerate(mine):
+                if jk > jq:
                     continue
-                total = torch.logaddexp(lse, l)  # (B, H, c): merge the two softmaxes
-                out = out * (lse - total).exp()[..., None] + o.float() * (l - total).exp()[..., None]
-                lse = total
-            outs.append(out.to(q.dtype))
-            lses.append(lse)
-        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)  # (B, H, L, D), (B, H, L)
+                o, l = _flash(q[:, :, h * c:(h + 1) * c], _repeat(kc, heads), _repeat(vc, heads), jk == jq, scale)
+                if outs[h] is None:
+                    outs[h], lses[h] = o.float(), l
+                    continue
+                total = torch.logaddexp(lses[h], l)  # (B, H, c): merge the two softmaxes
+                outs[h] = outs[h] * (lses[h] - total).exp()[..., None] + o.float() * (l - total).exp()[..., None]
+                lses[h] = total
+        return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)  # (B, H, L, D), (B, H, L)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, ctx.group, ctx.world, ctx.rank, ctx.scale = inputs
+        q, k, v, ctx.group, ctx.world, ctx.rank, ctx.scale, ctx.stream = inputs
         ctx.save_for_backward(q, k, v, *output)
         ctx.mark_non_differentiable(output[1])
 
@@ -267,39 +301,56 @@ class _ZigzagFlash(torch.autograd.Function):
     def backward(ctx, grad, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         n, heads, c = ctx.world, q.shape[1], q.shape[2] // 2
+        mine = (ctx.rank, 2 * n - 1 - ctx.rank)
         with torch.no_grad():
-            k_full = _wait(_all_gather(_slots(k), 0, ctx.group))  # (2N, B, Hkv, c, D)
-            v_full = _wait(_all_gather(_slots(v), 0, ctx.group))
-            dk = torch.zeros(k_full.shape, dtype=torch.float32, device=k.device)  # (2N, B, Hkv, c, D)
-            dv = torch.zeros_like(dk)
+            chunks = _KeyChunks(k, v, ctx.group, n, ctx.rank, ctx.stream)
+            dq = [torch.zeros(*q.shape[:2], c, q.shape[3], dtype=torch.float32, device=q.device) for _ in mine]
+            halves = [slice(h * c, (h + 1) * c) for h in range(2)]
+            parts = [(grad[:, :, p].contiguous(), q[:, :, p], out[:, :, p], lse[:, :, p]) for p in halves]
+            # key and value gradients in float32, (slots, B, Hkv, c, D): every chunk's (gathered, reduce-
+            # scattered at the end) or this rank's two (streamed: each chunk's summed when done)
+            slots = 2 if ctx.stream else 2 * n
+            dk, dv = (torch.zeros((slots, *k.shape[:2], c, k.shape[3]), dtype=torch.float32, device=k.device)
+                      for _ in range(2))
 
             def kv_heads(d):
                 """A (B, H, c, D) key gradient on the kv heads: each sums over the q heads it served (GQA)."""
                 return d if d.shape[1] == k.shape[1] else d.view(d.shape[0], k.shape[1], -1, *d.shape[2:]).sum(2)
 
-            dqs = []
-            for h, jq in enumerate((ctx.rank, 2 * n - 1 - ctx.rank)):
-                part = slice(h * c, (h + 1) * c)
-                g, qc, o, lc = grad[:, :, part].contiguous(), q[:, :, part], out[:, :, part], lse[:, :, part]
-                dq = torch.zeros(qc.shape, dtype=torch.float32, device=q.device)  # (B, H, c, D)
-                for jk in range(jq + 1):
-                    dq_b, dk_b, dv_b = _flash_backward(g, qc, _chunk(k_full, jk, n, heads), _chunk(v_full, jk, n, heads),
-                                                       o, lc, jk == jq, ctx.scale)
-                    dq += dq_b
-                    dk[_slot(jk, n)] += kv_heads(dk_b)
-                    dv[_slot(jk, n)] += kv_heads(dv_b)
-                dqs.append(dq)
-            del k_full, v_full
+            for jk in range(2 * n):
+                kc, vc = chunks(jk)
+                kc, vc = _repeat(kc, heads), _repeat(vc, heads)  # (B, H, c, D) each
+                if ctx.stream:
+                    d = torch.zeros((2, *k.shape[:2], c, k.shape[3]), dtype=torch.float32, device=k.device)
+                    dkc, dvc = d[0], d[1]  # this chunk's gradient from this rank's queries
+                else:
+                    dkc, dvc = dk[_slot(jk, n)], dv[_slot(jk, n)]
+                for h, jq in enumerate(mine):
+                    if jk > jq:
+                        continue
+                    g, qc, o, lc = parts[h]
+                    dq_b, dk_b, dv_b = _flash_backward(g, qc, kc, vc, o, lc, jk == jq, ctx.scale)
+                    dq[h] += dq_b
+                    dkc += kv_heads(dk_b)
+                    dvc += kv_heads(dv_b)
+                if ctx.stream:
+                    total = _wait(funcol.all_reduce(d, "sum", ctx.group))  # summed over every rank's queries
+                    owner, half = _owner(jk, n)
+                    if owner == ctx.rank:
+                        dk[half], dv[half] = total[0], total[1]
             pending, grads = [dk, dv], []
-            del dk, dv  # (each freed once reduced)
+            del chunks, kc, vc, dkc, dvc, dk, dv  # (the gathered keys go now, each gradient once reduced)
             for x in (k, v):
-                mine = _wait(_reduce_scatter(pending.pop(0), "sum", 0, ctx.group))  # (2, B, Hkv, c, D): my chunks
-                grads.append(mine.permute(1, 2, 0, 3, 4).reshape(x.shape).to(x.dtype))  # (B, Hkv, L, D)
-        return torch.cat(dqs, dim=2).to(q.dtype), grads[0], grads[1], None, None, None, None
+                d = pending.pop(0)
+                if not ctx.stream:  # (2N, ...) summed over ranks -> this rank's two chunks
+                    d = _wait(_reduce_scatter(d, "sum", 0, ctx.group))
+                grads.append(d.permute(1, 2, 0, 3, 4).reshape(x.shape).to(x.dtype))  # (B, Hkv, L, D)
+                del d
+        return torch.cat(dq, dim=2).to(q.dtype), grads[0], grads[1], None, None, None, None, None
 
 
 def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, world: int, rank: int,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, stream: bool = False) -> torch.Tensor:
     """`attention` for the zig-zag split's two chunks, with no (T/N) x T mask (see the module docstring).
 
     On CPU: flash calls of one chunk of queries and one chunk of keys each, merged by log-sum-exp, and
@@ -313,6 +364,8 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: A
       v: (B, Hkv, L, D) values.
       group: the context-parallel group; world: its size; rank: this rank's index.
       scale: the softmax scale (default 1 / sqrt(D)).
+      stream: on CPU, fetch the key and value chunks one at a time (an all-reduce each) instead of
+        all-gathering them: one chunk's keys and values held instead of the whole sequence's.
 
     Returns:
       (B, H, L, D), equal to `attention(q, k, v, positions(T, world, rank), group, world)`.
@@ -322,7 +375,7 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: A
     """
     if q.device.type == "cpu" and world > 1:
         # view_as: see gather_sequence
-        return _ZigzagFlash.apply(q.view_as(q), k.view_as(k), v.view_as(v), group, world, rank, scale)[0]
+        return _ZigzagFlash.apply(q.view_as(q), k.view_as(k), v.view_as(v), group, world, rank, scale, stream)[0]
     k_all = gather_sequence(k, group, world, dim=2)  # (B, Hkv, T, D)
     v_all = gather_sequence(v, group, world, dim=2)  # (B, Hkv, T, D)
     if k_all.shape[1] != q.shape[1]:  # grouped-query attention
@@ -351,7 +404,7 @@ class Split(NamedTuple):
     group: Any
     world: int
     rank: int
-    kernel: str = "zigzag"  # "zigzag" (`zigzag_attention`, no mask) or "mask" (`attention`, a (T/N) x T mask)
+    kernel: str = "zigzag"  # KERNELS: "zigzag"/"stream" (`zigzag_attention`, no mask), "mask" (`attention`)
 
     def positions(self, local_len: int, device: Any = None) -> torch.Tensor:
         """(L,) the global positions of this rank's L tokens (the sequence is N x L long)."""
@@ -365,7 +418,7 @@ class Split(NamedTuple):
         """Causal attention of this rank's (B, H, L, D) queries over the whole sequence (`kernel`)."""
         if self.kernel == "mask":
             return attention(q, k, v, self.positions(q.shape[2], q.device), self.group, self.world, scale)
-        return zigzag_attention(q, k, v, self.group, self.world, self.rank, scale)
+        return zigzag_attention(q, k, v, self.group, self.world, self.rank, scale, stream=self.kernel == "stream")
 
     def token_mean(self, local_mean: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
         """This rank's share of the mean over the whole sequence's counted targets, scaled by N.
@@ -387,7 +440,8 @@ def split_of(mesh, kernel: str = "zigzag") -> Split | None:
 
     Args:
       mesh: the run's DeviceMesh (`ParallelContext.mesh`), or None.
-      kernel: the attention's kernel, "zigzag" (no mask) or "mask" (see `Split`).
+      kernel: the attention's kernel (`KERNELS`): "zigzag" (keys and values all-gathered, no mask),
+        "stream" (fetched a chunk at a time, no mask) or "mask" (all-gathered, one masked attention).
 
     Returns:
       A `Split` over the cp axis's group, or None when there is no mesh, no cp axis or it has one rank.
@@ -397,8 +451,8 @@ def split_of(mesh, kernel: str = "zigzag") -> Split | None:
     """
     if mesh is None or CP_AXIS not in (mesh.mesh_dim_names or ()) or mesh[CP_AXIS].size() == 1:
         return None
-    if kernel not in ("zigzag", "mask"):
-        raise ValueError(f"context attention kernel {kernel!r}: use 'zigzag' or 'mask'")
+    if kernel not in KERNELS:
+        raise ValueError(f"context attention kernel {kernel!r}: use one of {', '.join(map(repr, KERNELS))}")
     return Split(mesh[CP_AXIS], mesh[CP_AXIS].size(), mesh.get_local_rank(CP_AXIS), kernel)
 
 

@@ -13,7 +13,8 @@ Two normalizations follow, so that every DTensor is a plain Shard/Replicate layo
 checkpointer understand:
   * an axis of size 1 is always `Replicate()` (the layout of a 1-wide axis is the whole tensor);
   * one tensor dim is never sharded by two axes: when a data- or context-parallel axis would shard
-    a dim that the tp axis (or an axis before it) already shards (FSDP `Shard(0)` on a colwise weight), it moves to the first other dim
+    a dim that the tp axis (or an axis before it) already shards (FSDP `Shard(0)` on a colwise
+    weight, or cp's `Shard(0)` after dp_shard's), it moves to the first other dim
     (`Shard(1)`), or to `Replicate()` for a 1-D tensor (a colwise bias). Nested `Shard(0), Shard(0)`
     would make the tp-local compute slice span several FSDP shards, and DTensor's nested uneven
     redistribute fails on gloo (measured), so it is avoided by construction.

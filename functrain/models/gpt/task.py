@@ -73,7 +73,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     with torch.device("meta"):
         template = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
     rules = parallel.default_rules(gpt_lib.TP_RULES)
-    model = parallel.tensor_parallel(lm.context_model(template, ctx, m.block_size), ctx.mesh, rules)  # `template` itself when tp == 1
+    # the cp copy (positions and attention of this rank's tokens), then the tp copy: `template` without either
+    model = lm.context_model(template, ctx, m.block_size, config.get("cp_attention", "zigzag"))
+    model = parallel.tensor_parallel(model, ctx.mesh, rules)
     # sharded: staged, so each block is gathered just before it runs; "auto" recomputes the blocks on
     # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
     remat = lm.resolve_remat(config.remat, ctx.mesh)

@@ -128,7 +128,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     with torch.device("meta"):
         template = llama_lib.Llama(cfg)  # shapes only
     rules = parallel.default_rules(llama_lib.TP_RULES)
-    model = parallel.tensor_parallel(lm.context_model(template, ctx, seq), ctx.mesh, rules)
+    model = lm.context_model(template, ctx, seq, config.get("cp_attention", "zigzag"))
+    model = parallel.tensor_parallel(model, ctx.mesh, rules)
     remat = lm.resolve_remat(config.remat, ctx.mesh)
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
     sample = config.sample
