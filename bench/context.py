@@ -16,6 +16,11 @@ ratios of the longest sequences against cp=1; with --json a last line of JSON.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/context.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/context.py --family llama --json
+    ... --kernel stream        # the cp attention's keys and values fetched a chunk at a time
+    ... --seq 8192             # one length, no search: step time and peak of each mesh
+
+Measured (docs/results.md, 4 gloo ranks on 2 CPU cores): Llama cp=2 2.00x, cp=4 3.62x the cp=1
+length; GPT 1.70x and 2.35x (zigzag), 1.74x and 2.78x (stream).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def _args():
     p.add_argument("--max-seq", type=int, default=1 << 17, help="stop doubling here")
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--kernel", default="zigzag", help="the cp attention: zigzag (no mask) or mask")
+    p.add_argument("--seq", type=int, default=0, help="measure at this length only (no search)")
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -139,10 +145,10 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for cp in [int(c) for c in args.cps.split(",")]:
         ctx = parallel.setup({"dp_replicate": 1, "dp_shard": world // cp, "cp": cp, "tp": 1})
-        row = longest(ctx, args, cp)
+        row = {"cp": cp, **measure(ctx, args, args.seq)} if args.seq else longest(ctx, args, cp)
         rows.append(row)
         if ctx.is_main_process:
-            print(f"cp={cp}: longest sequence {row['seq']} tokens, peak {row.get('peak_mib')} MiB/rank, "
+            print(f"cp={cp}: {'sequence' if args.seq else 'longest sequence'} {row['seq']} tokens, peak {row.get('peak_mib')} MiB/rank, "
                   f"{row.get('step_s')} s/step, {row.get('tokens_per_s')} tokens/s", flush=True)
     base = rows[0]["seq"] or 1
     out = {"cap_mib": args.cap_mib, "world": world, "family": args.family, "n_layer": args.n_layer,

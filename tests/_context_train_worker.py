@@ -206,6 +206,7 @@ SUITES = {
         ("gpt_mask", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, kernel="mask")),
         ("llama_stream", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, "llama", remat="full", kernel="stream")),
         ("gpt_compiled", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, remat="full", steps=4, compile=True)),
+        ("gpt_blocks", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, remat="full", steps=4, compile="blocks")),
         ("gpt_stream_compiled", {"dp_shard": 1, "cp": 2},
          lambda ctx: compare(ctx, remat="full", steps=4, compile=True, kernel="stream")),
         ("checkpoint", {"dp_shard": 1, "cp": 2}, s_checkpoint),

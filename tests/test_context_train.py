@@ -97,6 +97,11 @@ def test_four_ranks_match_one_process(cp4, name, shards):
             assert res["local_numel"] < res["global_numel"] / 2, res
 
 
+def test_compile_unit_blocks_under_cp_matches_one_process(cp2):
+    for res in _result(cp2, "gpt_blocks"):  # a graph per stage kind, the attention's Function inside
+        _assert_matches(res, 4)
+
+
 @pytest.mark.parametrize("name", ["gpt_compiled", "gpt_stream_compiled"])
 def test_compiled_cp_step_is_one_graph_without_recompiles(cp2, name):
     for res in _result(cp2, name):
