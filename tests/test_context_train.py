@@ -16,7 +16,6 @@ import torch
 import _tol
 from _dist_launch import REPO, read_results, run_ranks
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
 
 WORKER = os.path.join(REPO, "tests", "_context_train_worker.py")
 # The worker's problem: global batch 8 x 16 tokens through matmuls up to 2 x 32 wide (the MLPs);
@@ -82,6 +81,7 @@ def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
         assert 2 * res["local_numel"] == res["global_numel"], res
 
 
+@pytest.mark.numeric  # (the 4-rank suite only) rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
 @pytest.mark.parametrize("name, shards", [
     ("gpt_cp4", 4), ("llama_cp4", 4), ("gpt_cp4_stream", 4),
     ("gpt_fsdp_cp", 4),  # dp_shard=2 x cp=2
