@@ -17,17 +17,17 @@ import sys
 import time
 import traceback
 
-import optree
 import torch
 import torch.distributed as dist
 
 from functrain import checkpoint as ckpt
-from functrain import init_state, make_train_step, optim, parallel, rng
+from functrain import init_state, make_train_step, parallel, rng
 from functrain.models import gpt, llama
 
-STEPS = 20
+# the sharded-training worker's 20-step clipped SGD, tree difference and step loop
+from _dist_parallel_worker import STEPS, max_diff, run, sgd
+
 SEQ, BATCH, VOCAB = 16, 8, 64
-SGD_LR, SGD_MOMENTUM = 0.05, 0.9
 COLLECTIVE_TIMEOUT_S = 300
 
 
@@ -63,31 +63,6 @@ def batches(n: int, ignored: bool = False):
             y = torch.where(drop, torch.full_like(y, -1), y)
         out.append((x, y))
     return out
-
-
-def sgd():
-    """Clipping + SGD with momentum and a schedule (its trajectory moves with the gradients: tests/_tol.py)."""
-    return optim.chain(optim.clip_by_global_norm(1.0),
-                       optim.sgd(optim.warmup_cosine(SGD_LR, 3, STEPS, end_value=SGD_LR / 10), momentum=SGD_MOMENTUM))
-
-
-def max_diff(a, b) -> float:
-    """Largest absolute difference between two trees of plain tensors."""
-    la, sa = optree.tree_flatten(a)
-    lb, sb = optree.tree_flatten(b)
-    assert sa == sb, f"structure {sa} != {sb}"
-    return max([(x.double() - y.double()).abs().max().item() for x, y in zip(la, lb) if x.numel()] + [0.0])
-
-
-def run(step_fn, state, data, ctx=None):
-    """Runs the steps; returns (final state, [metrics of each step as floats])."""
-    hist = []
-    for b in data:
-        if ctx is not None:
-            b = parallel.split_batch(b, ctx.dp_rank, ctx.dp_world)
-        state, m = step_fn(state, b)
-        hist.append({k: float(v) for k, v in m.items()})
-    return state, hist
 
 
 def setup_model(ctx, name, remat, staged, kernel="zigzag"):

@@ -110,3 +110,12 @@ def read_results(path: str) -> dict:
     """The JSON results a worker rank wrote."""
     with open(path) as f:
         return json.load(f)
+
+
+def scenario_results(ranks: list, name: str) -> list:
+    """Scenario `name`'s result on every rank of a suite (fails with the rank's traceback on error)."""
+    out = []
+    for r, res in enumerate(ranks):
+        assert "error" not in res[name], f"{name} failed on rank {r}:\n{res[name]['error']}"
+        out.append(res[name]["result"])
+    return out

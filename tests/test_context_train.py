@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import _tol
-from _dist_launch import REPO, read_results, run_ranks
+from _dist_launch import REPO, read_results, run_ranks, scenario_results
 
 
 WORKER = os.path.join(REPO, "tests", "_context_train_worker.py")
@@ -46,15 +46,6 @@ def cp4(tmp_path_factory):
     return _suite(tmp_path_factory, "cp4", 4)
 
 
-def _result(ranks, name):
-    """The scenario's result on every rank (fails with the rank's traceback on error)."""
-    out = []
-    for r, res in enumerate(ranks):
-        assert "error" not in res[name], f"{name} failed on rank {r}:\n{res[name]['error']}"
-        out.append(res[name]["result"])
-    return out
-
-
 def _assert_matches(res, steps, dtype=torch.float32):
     loss_tol, grad_tol, params_tol = _tols(steps, dtype)
     assert res["step"] == steps and res["skipped"] == 0, res
@@ -75,7 +66,7 @@ def _assert_matches(res, steps, dtype=torch.float32):
     ("llama_stream", 20, torch.float32),  # keys and values fetched a chunk at a time
 ])
 def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
-    for res in _result(cp2, name):
+    for res in scenario_results(cp2, name):
         _assert_matches(res, steps, dtype)
         # FSDP over cp: no rank holds the whole model
         assert 2 * res["local_numel"] == res["global_numel"], res
@@ -89,7 +80,7 @@ def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
     ("gpt_cp_tp", None), ("llama_cp_tp", None),  # cp=2 x tp=2
 ])
 def test_four_ranks_match_one_process(cp4, name, shards):
-    for res in _result(cp4, name):
+    for res in scenario_results(cp4, name):
         _assert_matches(res, 20)
         if shards:  # (with dp_shard x cp, a 1-D tensor is sharded on dp_shard only: its dim 0 is taken)
             assert res["local_numel"] * shards <= 1.05 * res["global_numel"], res
@@ -98,25 +89,25 @@ def test_four_ranks_match_one_process(cp4, name, shards):
 
 
 def test_compile_unit_blocks_under_cp_matches_one_process(cp2):
-    for res in _result(cp2, "gpt_blocks"):  # a graph per stage kind, the attention's Function inside
+    for res in scenario_results(cp2, "gpt_blocks"):  # a graph per stage kind, the attention's Function inside
         _assert_matches(res, 4)
 
 
 @pytest.mark.parametrize("name", ["gpt_compiled", "gpt_stream_compiled"])
 def test_compiled_cp_step_is_one_graph_without_recompiles(cp2, name):
-    for res in _result(cp2, name):
+    for res in scenario_results(cp2, name):
         assert res["unique_graphs"] == 1, res  # 4 steps under error_on_recompile
         _assert_matches(res, 4)
 
 
 def test_checkpoints_move_between_cp_and_other_meshes(cp2):
-    for res in _result(cp2, "checkpoint"):
+    for res in scenario_results(cp2, "checkpoint"):
         assert res["cp_to_plain"] == 0.0 and res["cp_to_fsdp"] == 0.0 and res["fsdp_to_cp"] == 0.0, res
         assert res["fsdp_placement"] == ["Shard(dim=0)"] and res["cp_placement"] == ["Shard(dim=0)"], res
         assert res["resumed_step"] == 20 and res["resumed_vs_single_params"] <= _tols(20)[2], res
 
 
 def test_a_sequence_the_split_cannot_cut_is_one_line(cp2):
-    for res in _result(cp2, "bad_length"):
+    for res in scenario_results(cp2, "bad_length"):
         line = res["error_line"]
         assert line and "\n" not in line and "sequence length 6" in line and "(4)" in line, line

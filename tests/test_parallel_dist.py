@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import _tol
-from _dist_launch import REPO, read_results, run_ranks, run_single
+from _dist_launch import REPO, read_results, run_ranks, run_single, scenario_results
 from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S, matrix_cells
 
 pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
@@ -70,15 +70,6 @@ def compiled2(tmp_path_factory):
     return _suite(tmp_path_factory, "compiled2", 2)
 
 
-def _result(ranks, name):
-    """The scenario's result on every rank (fails with the rank's traceback on error)."""
-    out = []
-    for r, res in enumerate(ranks):
-        assert "error" not in res[name], f"{name} failed on rank {r}:\n{res[name]['error']}"
-        out.append(res[name]["result"])
-    return out
-
-
 def _assert_matches_single_process(res, steps=20):
     loss_tol, params_tol = _tols(steps)
     assert res["metric_keys_equal"]
@@ -94,7 +85,7 @@ def _assert_matches_single_process(res, steps=20):
     ("ddp", ["Replicate()"]),  # 20 steps, dp_replicate=2
 ])
 def test_twenty_steps_match_single_process(eager2, name, placement):
-    for res in _result(eager2, name):
+    for res in scenario_results(eager2, name):
         _assert_matches_single_process(res)
         assert res["step"] == 20
         assert res["placements"]["blocks.0.attn.q.weight"] == placement
@@ -102,7 +93,7 @@ def test_twenty_steps_match_single_process(eager2, name, placement):
 
 @pytest.mark.parametrize("name", ["adamw_fsdp", "adamw_tp", "adamw_traced_fsdp"])
 def test_adamw_step_and_sharded_moments_match_single_process(eager2, name):
-    for res in _result(eager2, name):
+    for res in scenario_results(eager2, name):
         assert res["metric_keys_equal"] and res["step"] == 1
         assert res["loss"] <= _tols(1)[0] and res["grad_norm"] <= GRAD_TOL, res
         # mu = 0.1 g, nu = 0.001 g^2 after one step (the clipped g <= 1): rounding of g only.
@@ -111,13 +102,13 @@ def test_adamw_step_and_sharded_moments_match_single_process(eager2, name):
 
 @pytest.mark.parametrize("name", ["fsdp_bias", "tp_bias"])
 def test_biases_sharded_colwise_and_rowwise(eager2, name):
-    for res in _result(eager2, name):
+    for res in scenario_results(eager2, name):
         _assert_matches_single_process(res, steps=10)
 
 
 @pytest.mark.parametrize("name", ["bf16_fsdp", "bf16_tp"])
 def test_bf16_sharded_matches_bf16_single_process_with_fp32_masters(eager2, name):
-    for res in _result(eager2, name):
+    for res in scenario_results(eager2, name):
         assert res["param_dtypes"] == ["torch.float32"]
         # bf16 matmuls over half the batch (or half the heads) round differently than over the
         # whole: the tolerance is bf16's, not fp32's.
@@ -128,14 +119,14 @@ def test_bf16_sharded_matches_bf16_single_process_with_fp32_masters(eager2, name
 
 @pytest.mark.parametrize("name", ["nan_fsdp", "nan_tp"])
 def test_nan_on_one_rank_skips_the_update_on_every_rank(eager2, name):
-    for res in _result(eager2, name):
+    for res in scenario_results(eager2, name):
         assert res["skipped"] == [0.0, 0.0, 1.0, 0.0, 0.0] == res["ref_skipped"], res
         assert res["guard"] == [1, 0]
         _assert_matches_single_process(res, steps=5)
 
 
 def test_tensor_parallel_computes_on_local_shards(eager2):
-    for res in _result(eager2, "tp_is_local"):
+    for res in scenario_results(eager2, "tp_is_local"):
         assert res["q_local"] == [16, 32] and res["fc_local"] == [64, 32]  # colwise: half the rows
         assert res["proj_local"] == [32, 16]  # rowwise: half the input features
         assert res["wte_local"] == [64, 32]  # replicated
@@ -146,12 +137,12 @@ def test_tensor_parallel_computes_on_local_shards(eager2):
 
 
 def test_grad_accumulation_sharded_without_donation(eager2):
-    for res in _result(eager2, "accum_fsdp"):
+    for res in scenario_results(eager2, "accum_fsdp"):
         _assert_matches_single_process(res, steps=5)
 
 
 def test_uneven_shards_roundtrip_and_step(eager2):
-    r0, r1 = _result(eager2, "uneven")
+    r0, r1 = scenario_results(eager2, "uneven")
     assert r0["local_rows"] == [4, 4] and r1["local_rows"] == [3, 3]  # 7 rows: 4 + 3
     for res in (r0, r1):
         assert res["roundtrip"] == 0.0
@@ -161,8 +152,8 @@ def test_uneven_shards_roundtrip_and_step(eager2):
 
 
 def test_eval_step_and_dropout_keys_per_dp_rank(eager2):
-    fsdp = _result(eager2, "eval_keys_fsdp")
-    tp = _result(eager2, "eval_keys_tp")
+    fsdp = scenario_results(eager2, "eval_keys_fsdp")
+    tp = scenario_results(eager2, "eval_keys_tp")
     for res in fsdp + tp:
         assert res["eval_loss"] <= 4.0 * GRAD_TOL  # one loss (~4) over the batch
     keys_fsdp, keys_tp = fsdp[0]["keys"], tp[0]["keys"]
@@ -172,7 +163,7 @@ def test_eval_step_and_dropout_keys_per_dp_rank(eager2):
 
 @pytest.mark.parametrize("name", ["fsdp_tp", "hsdp"])
 def test_two_dim_meshes_on_four_ranks(eager4, name):
-    for res in _result(eager4, name):
+    for res in scenario_results(eager4, name):
         _assert_matches_single_process(res)
     # setup's timeout_s reaches both 2-rank groups of the mesh (subgroups do not inherit the world's)
     for ranks in eager4:
@@ -186,7 +177,7 @@ def test_two_dim_meshes_on_four_ranks(eager4, name):
 @pytest.mark.parametrize("unit", ["step", "blocks"])
 @pytest.mark.parametrize("mesh", ["fsdp_tp", "hsdp"])
 def test_compiled_units_on_two_dim_meshes_equal_one_process(eager4, unit, mesh):
-    for res in _result(eager4, f"compiled_{unit}_{mesh}"):
+    for res in scenario_results(eager4, f"compiled_{unit}_{mesh}"):
         assert res["unique_graphs"] == (1 if unit == "step" else 6 + 2), res
         loss_tol, params_tol = _tols(3)
         assert res["vs_single_loss"] <= loss_tol and res["vs_single_params"] <= params_tol, res
@@ -194,7 +185,7 @@ def test_compiled_units_on_two_dim_meshes_equal_one_process(eager4, unit, mesh):
 
 
 def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
-    (res,) = _result(_suite(tmp_path_factory, "single", 1), "single")
+    (res,) = scenario_results(_suite(tmp_path_factory, "single", 1), "single")
     assert res["plain_mesh"] and not res["plain_pg"] and res["plain_identity"]
     assert res["mesh_shape"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1} and res["pg_world"] == 1
     # setup's groups and the checkpoint writer's run one collective at a time (functrain.parallel.gloo)
@@ -215,7 +206,7 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
                                           ("blocks_fsdp", 6 + 2), ("blocks_kept_fsdp", 5 + 2),
                                           ("blocks_tp", 6 + 2)])
 def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
-    for res in _result(compiled2, name):
+    for res in scenario_results(compiled2, name):
         assert res["unique_graphs"] == graphs
         assert res["metric_types"] == ["Tensor"]
         loss_tol, params_tol = _tols(6)
@@ -232,7 +223,7 @@ def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
 def test_every_compiled_sharded_route_equals_one_process(compiled2, name, unit, precision, accum, mesh):
     """compile unit x precision x accumulation on FSDP and TP (fp32 without accumulation: above)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    for res in _result(compiled2, name):
+    for res in scenario_results(compiled2, name):
         assert res["unique_graphs"] == (1 if unit == "step" else 6 + 2), res
         assert res["param_dtypes"] == ["torch.float32"] and res["skipped"] == 0, res
         loss_tol, params_tol = _tols(3, dtype)
@@ -245,7 +236,7 @@ def test_every_compiled_sharded_route_equals_one_process(compiled2, name, unit, 
 def test_per_block_gathers_match_single_process(eager2, name, remat):
     """A staged loss on sharded params: each stage gathers its own params (embedding, every block,
     the head), with remat every block is gathered again for its backward; 20 steps equal one process."""
-    for res in _result(eager2, name):
+    for res in scenario_results(eager2, name):
         _assert_matches_single_process(res)
         stages = res["stage_numels"]
         if name == "stages_tp":  # no dp axis: nothing to all-gather, the tp shards are computed on
@@ -261,7 +252,7 @@ def test_per_block_gathers_match_single_process(eager2, name, remat):
 
 
 def test_per_block_gathers_bf16(eager2):
-    for res in _result(eager2, "stages_bf16_fsdp"):
+    for res in scenario_results(eager2, "stages_bf16_fsdp"):
         assert res["param_dtypes"] == ["torch.float32"]
         loss_tol, params_tol = _tols(10, torch.bfloat16)
         assert res["loss"] <= loss_tol and res["params"] <= params_tol, res
@@ -270,7 +261,7 @@ def test_per_block_gathers_bf16(eager2):
 
 @pytest.mark.parametrize("name", ["stages_fsdp_tp", "stages_hsdp"])
 def test_per_block_gathers_on_two_dim_meshes(eager4, name):
-    for res in _result(eager4, name):
+    for res in scenario_results(eager4, name):
         _assert_matches_single_process(res)
         assert res["gathers"] and max(res["gathers"]) < res["model_numel"], res["gathers"]
 
@@ -284,7 +275,7 @@ def test_per_block_gathers_on_two_dim_meshes(eager4, name):
 def test_sharded_init_equals_single_process_init_bit_for_bit(request, suite, name, fraction):
     """Each rank draws only its own block of every parameter (never a whole matrix), and the
     gathered blocks are exactly the single-process init."""
-    for res in _result(request.getfixturevalue(suite), name):
+    for res in scenario_results(request.getfixturevalue(suite), name):
         assert all(res["equal"].values()), res["equal"]
         assert res["largest_fraction"] <= fraction, res
         assert res["drawn_numel"] < res["model_numel"], res
@@ -294,7 +285,7 @@ def test_at_most_one_stage_is_gathered_at_a_time(eager2):
     """A memory trace of one eager step with every block recomputed (4 blocks): the bytes of gathered
     parameters still alive at each gather never exceed the largest stage's (one block here), while
     keeping the blocks (remat "none") holds every block gathered at once: the trace tells them apart."""
-    for res, kept in zip(_result(eager2, "live_fsdp"), _result(eager2, "live_kept_fsdp")):
+    for res, kept in zip(scenario_results(eager2, "live_fsdp"), scenario_results(eager2, "live_kept_fsdp")):
         largest = max(res["embed"], res["block"], res["head"])
         assert len(res["trace"]) == 1 + 4 + 1 + 4 + 1, res["trace"]  # embed, blocks, head; blocks, embed again
         assert max(res["trace"]) == largest < res["model"] / 4, res
@@ -307,7 +298,7 @@ def test_at_most_one_stage_is_gathered_at_a_time(eager2):
 def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager4, suite, name):
     """Task.finish runs on sharded params: generate gathers one stage at a time and gets the full
     params' tokens; the HF export streams one tensor at a time, byte-identical to the full export."""
-    ranks = _result({"eager2": eager2, "eager4": eager4}[suite], name)
+    ranks = scenario_results({"eager2": eager2, "eager4": eager4}[suite], name)
     for res in ranks:
         assert res["equal"], res["tokens"]
         assert res["tokens"] == ranks[0]["tokens"]  # every rank drew the same tokens
@@ -324,7 +315,7 @@ def test_every_reduce_scatter_route_equals_the_backends_reduce_scatter(request, 
     # spmd.REDUCE_SCATTER: "all_to_all" sends rows to their owners and sums there (opt-in);
     # "all_reduce" is what gloo's reduce-scatter runs inside (an all-reduce of a copy of the bucket,
     # then its row copied out), so on gloo it gives the same bits; "auto" picks it on gloo groups
-    for res in _result(request.getfixturevalue(suite), name):
+    for res in scenario_results(request.getfixturevalue(suite), name):
         assert res["dp_world"] == dp
         assert res["gloo"] and all(res["gloo"]), res  # every dp group of these meshes is gloo
         # a mean of dp unit normals: each sum is rounded dp - 1 times, in some order per route
