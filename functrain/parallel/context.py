@@ -181,9 +181,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
     """
     k_all = gather_sequence(k, group, world, dim=2)  # (B, Hkv, T, D)
     v_all = gather_sequence(v, group, world, dim=2)  # (B, Hkv, T, D)
-    if k_all.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves H / Hkv queries
-        k_all = k_all.repeat_interleave(q.shape[1] // k_all.shape[1], dim=1)  # (B, H, T, D)
-        v_all = v_all.repeat_interleave(q.shape[1] // v_all.shape[1], dim=1)  # (B, H, T, D)
+    # grouped-query attention: each kv head serves H / Hkv queries
+    k_all, v_all = _repeat(k_all, q.shape[1]), _repeat(v_all, q.shape[1])  # (B, H, T, D) each
     keys = torch.arange(k_all.shape[2], device=q.device)
     mask = pos[:, None] >= keys[None, :]  # (L, T): a query sees the keys at or before it
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)  # (B, H, L, D)
@@ -378,9 +377,8 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: A
         return _ZigzagFlash.apply(q.view_as(q), k.view_as(k), v.view_as(v), group, world, rank, scale, stream)[0]
     k_all = gather_sequence(k, group, world, dim=2)  # (B, Hkv, T, D)
     v_all = gather_sequence(v, group, world, dim=2)  # (B, Hkv, T, D)
-    if k_all.shape[1] != q.shape[1]:  # grouped-query attention
-        k_all = k_all.repeat_interleave(q.shape[1] // k_all.shape[1], dim=1)  # (B, H, T, D)
-        v_all = v_all.repeat_interleave(q.shape[1] // v_all.shape[1], dim=1)  # (B, H, T, D)
+    # grouped-query attention: each kv head serves H / Hkv queries
+    k_all, v_all = _repeat(k_all, q.shape[1]), _repeat(v_all, q.shape[1])  # (B, H, T, D) each
     c = q.shape[2] // 2
     first = _causal_from(q[:, :, :c], k_all, v_all, rank * c, scale)  # (B, H, c, D)
     last = _causal_from(q[:, :, c:], k_all, v_all, (2 * world - 1 - rank) * c, scale)  # (B, H, c, D)
