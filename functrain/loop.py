@@ -37,6 +37,7 @@ import math
 import resource
 import signal
 import subprocess
+import functools
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ import torch
 
 from functrain import checkpoint as ckpt_lib
 from functrain.data.prefetch import Prefetcher
-from functrain import memory, parallel
+from functrain import memory, parallel, pipeline
 from functrain.compiler import cache as compile_cache
 from functrain.compiler import cuda_graphs
 from functrain import metric_names as M
@@ -144,9 +145,11 @@ def every(n: int, fn: Callable[[StepInfo], None], *, at_end: bool = True) -> Hoo
 class _Log(Hook):
     """Writes the step's metrics (plus throughput, MFU, peak memory, the params' norm)."""
 
-    def __init__(self, n, writer, throughput, device, skips_enabled, data_position=None, batches=None):
+    def __init__(self, n, writer, throughput, device, skips_enabled, data_position=None, batches=None,
+                 param_norm=tree_lib.global_norm):
         self.every, self.writer, self.throughput, self.device = n, writer, throughput, device
         self.skips_enabled, self.data_position, self.batches = skips_enabled, data_position, batches
+        self.param_norm = param_norm  # over the whole model (a pipeline's: over every stage)
         self.last: dict = {}
         self._waited, self._logged_step = 0.0, None
 
@@ -159,7 +162,7 @@ class _Log(Hook):
                 f"loss is {row[M.LOSS]} at step {info.step}; lower optim.lr, enable optim.clip, or check the "
                 "data (the last checkpoint is kept)"
             )
-        row[M.PARAM_NORM] = float(tree_lib.global_norm(info.state.params))  # a pass: log steps only
+        row[M.PARAM_NORM] = float(self.param_norm(info.state.params))  # a pass: log steps only
         row.update(self.throughput.report(info.step))
         row[M.PEAK_MEM_MB] = _peak_memory_mb(self.device)
         if self.batches is not None:  # the loop's wait for batches since the last log line, per step
@@ -318,7 +321,8 @@ def run(
       ...     summary = loop.run(task, opt, config, "runs/gpt", ctx)
     """
     t_program = time.perf_counter() if t_program is None else t_program
-    validate.check_batch(config.batch_size, config.accum_steps, ctx.dp_world)  # (the mesh at hand)
+    micro = config.pp.microbatches if ctx.pp_world > 1 else config.accum_steps
+    validate.check_batch(config.batch_size, micro, ctx.dp_world)  # (the mesh at hand)
     with workdir_lock.hold(workdir, ctx.is_main_process):  # one run per workdir
         return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program)
 
@@ -346,18 +350,25 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
     compile_before = compile_cache.stats()
 
-    params = _init_params(task, rng_lib.key(config.seed), device, ctx)
-    state = init_state(params, optimizer, seed=config.seed, copy=False)  # moments mirror the placements
-    del params
-    train_step = make_train_step(
-        task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=_compile(config), donate=config.donate,
-        precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
-        compile_options=cuda_graphs.options() if graphs else None,
-    )
-    eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision)
+    if ctx.pp_world > 1:  # this rank's pipeline stages: their params, optimizer state and steps
+        pipe, state, train_step, eval_step = _pipeline(task, optimizer, config, ctx, device)
+        param_norm = functools.partial(pipeline.global_norm, pipe)
+    else:
+        params = _init_params(task, rng_lib.key(config.seed), device, ctx)
+        state = init_state(params, optimizer, seed=config.seed, copy=False)  # moments mirror the placements
+        del params
+        train_step = make_train_step(
+            task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=_compile(config), donate=config.donate,
+            precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
+            compile_options=cuda_graphs.options() if graphs else None,
+        )
+        eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision)
+        param_norm = tree_lib.global_norm
 
     print_fn(f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
-             f"precision {config.precision}, mesh {dict(ctx.shape)}")
+             f"precision {config.precision}, mesh {dict(ctx.shape)}"
+             + (f" x pp={ctx.pp_world} ({config.pp.schedule}, {config.pp.microbatches} microbatches)"
+                if ctx.pp_world > 1 else ""))
     throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps)
     writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
     if main:
@@ -373,14 +384,16 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
     if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
         state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
-    state = _maybe_restore(manager, state, train_step, task.train_batch, config, print_fn)
+    state = _maybe_restore(manager, state, train_step, task.train_batch, config, print_fn,
+                           whole=ctx.pp_world == 1)
     if graphs:
         state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
 
     skips_enabled = config.max_consecutive_skips > 0
     start = int(state.step)
     batches = Prefetcher(task.train_batch, start, depth=config.prefetch, device=device) if config.prefetch else None
-    log = _Log(config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches)
+    log = _Log(config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches,
+               param_norm)
     eval_sets = task.eval_batches()
     eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
     evaluation = _Eval(config.eval_every, eval_step, eval_sets, writer)
@@ -440,8 +453,12 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     if stopped:
         summary["preempted"] = True
         return summary
-    # On every rank: a sharded task gathers stage by stage (collectives), never the whole model.
-    finished = task.finish(state.params, rng_lib.fold_in(state.rng, state.step))
+    if ctx.pp_world > 1:  # a task's finish (e.g. a text sample) reads the whole model, split over the stages here
+        print_fn(f"finish skipped: the params are split over {ctx.pp_world} pipeline stages (sample from the "
+                 "final checkpoint on one mesh)")
+        finished = {}
+    else:  # on every rank: a sharded task gathers stage by stage (collectives), never the whole model
+        finished = task.finish(state.params, rng_lib.fold_in(state.rng, state.step))
     if main:
         for name, value in finished.items():
             print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
@@ -596,6 +613,28 @@ def checkpoint_path(path: str, key: str = "checkpoint.init_from") -> str:
     )
 
 
+def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device):
+    """(pipe, state, train step, eval step) of this rank's pipeline stages (`functrain.pipeline`): only
+    their params are drawn, sharded over the stage's mesh."""
+    if config.get("cuda_graphs", False):
+        raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
+                                   "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1")
+    key = rng_lib.key(config.seed)
+    try:
+        pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, key), group=ctx.pp_group)
+    except ValueError as exc:
+        raise validate.ConfigError(f"{exc} (--config.mesh.pp)") from None
+    params = parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device,
+                                   names=pipe.names)
+    state = init_state(params, optimizer, seed=config.seed, copy=False)
+    compile = bool(_compile(config))
+    train_step = pipeline.make_train_step(
+        pipe, optimizer, microbatches=config.pp.microbatches, schedule=config.pp.schedule, compile=compile,
+        donate=config.donate, precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0)
+    eval_step = pipeline.make_eval_step(pipe, compile=compile, precision=config.precision)
+    return pipe, state, train_step, eval_step
+
+
 def _init_params(task: Task, key, device, ctx):
     """The task's fresh params: each rank draws only its shards when the task's init takes `where`,
     else the whole tree is made and sharded one parameter at a time."""
@@ -615,13 +654,15 @@ def _init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
     return state.replace(params=params)
 
 
-def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn) -> TrainState:
-    """Restores the latest checkpoint, if any, compiling the step while the bytes stream in."""
+def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn,
+                   whole: bool = True) -> TrainState:
+    """Restores the latest checkpoint, if any, compiling the step while the bytes stream in (`whole`:
+    the state is the whole tree, so a checkpoint leaf it lacks is an error; a pipeline stage's is a part)."""
     latest = manager.latest_step() if manager is not None else None
     if latest is None:
         return state
     try:
-        return _restore(manager, latest, state, train_step, batch_at, config, print_fn)
+        return _restore(manager, latest, state, train_step, batch_at, config, print_fn, whole)
     except ckpt_lib.MismatchError as exc:
         if any(name.startswith("params.") for name in exc.leaves):
             raise  # the params do not fit: starting from them cannot help
@@ -630,12 +671,13 @@ def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, pri
             f"--config.checkpoint.init_from={manager.step_path(latest)}") from None
 
 
-def _restore(manager, latest: int, state: TrainState, train_step, batch_at, config, print_fn) -> TrainState:
+def _restore(manager, latest: int, state: TrainState, train_step, batch_at, config, print_fn,
+             whole: bool = True) -> TrainState:
     """`_maybe_restore`'s restore of step `latest` (MismatchError when the state does not fit)."""
     t0 = time.perf_counter()
     # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
     # fresh state; leaves this code does not know are an error (strict).
-    future = manager.restore(latest, ckpt_lib.abstract(state), defaults=state, strict=True)
+    future = manager.restore(latest, ckpt_lib.abstract(state), defaults=state, strict=whole)
     read_done: list[float] = []  # when the bytes were in (the compile below may take longer)
     future.add_done_callback(lambda _: read_done.append(time.perf_counter()))
     configured = optim_lib.get_hyperparams(state)  # read now: the compile below consumes `state`

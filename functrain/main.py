@@ -226,7 +226,10 @@ def check_config(config: Any, mesh: bool = True) -> None:
         shape = mesh_config.mesh_shape(config.mesh, world)
     except ValueError as exc:
         raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
-    validate.check_batch(config.batch_size, config.accum_steps, mesh_config.dp_world(shape) if world > 1 else 1)
+    pp = config.mesh.get("pp", 1)
+    validate.check_pipeline(pp, config.accum_steps, config.model.get("n_layer", 0))
+    batches = config.pp.microbatches if pp > 1 else config.accum_steps  # microbatches a dp rank's rows split into
+    validate.check_batch(config.batch_size, batches, mesh_config.dp_world(shape) if world > 1 else 1)
     validate.check_context(config.model.get("block_size", 0), shape["cp"])
 
 

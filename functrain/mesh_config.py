@@ -30,11 +30,13 @@ def mesh_shape(mesh_config: Any, world: int) -> dict[str, int]:
       mesh_config: a dict / ml_collections ConfigDict / object with optional int fields
         `dp_replicate` (default 1), `dp_shard` (default -1), `cp` (default 1), `tp` (default 1); -1
         means "the rest of the world size" and may appear once. None means pure FSDP over all
-        processes.
+        processes. An optional `pp` (default 1, pipeline ranks, see `functrain.pipeline`) splits
+        the world into `pp` pipeline stages, each a mesh of the other four axes over world / pp.
       world: the number of processes.
 
     Returns:
-      {"dp_replicate": a, "dp_shard": b, "cp": c, "tp": d} with a * b * c * d == world.
+      {"dp_replicate": a, "dp_shard": b, "cp": c, "tp": d} with a * b * c * d == world / pp: the
+      mesh of one pipeline stage (of the whole world without `pp`).
 
     Raises:
       ValueError: one line naming the sizes and the world size when they do not fit.
@@ -43,13 +45,17 @@ def mesh_shape(mesh_config: Any, world: int) -> dict[str, int]:
       >>> mesh_shape({"tp": 2}, 8)
       {'dp_replicate': 1, 'dp_shard': 4, 'cp': 1, 'tp': 2}
     """
+    pp = _get(mesh_config, "pp", 1)
+    if pp < 1 or world % pp:
+        raise ValueError(f"mesh config pp={pp}: pipeline ranks must be a positive divisor of the world size {world}")
+    world //= pp
     sizes = {
         "dp_replicate": _get(mesh_config, "dp_replicate", 1),
         "dp_shard": _get(mesh_config, "dp_shard", -1),
         "cp": _get(mesh_config, "cp", 1),
         "tp": _get(mesh_config, "tp", 1),
     }
-    desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    desc = " x ".join(f"{k}={v}" for k, v in sizes.items()) + (f" (one of pp={pp} pipeline stages)" if pp > 1 else "")
     bad = [k for k, v in sizes.items() if v == 0 or v < -1]
     rest = [k for k, v in sizes.items() if v == -1]
     if bad:

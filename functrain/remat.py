@@ -168,6 +168,12 @@ class StagedLoss:
         """Whether each stage runs as its own compiled graph."""
         return self._run.compiled
 
+    @property
+    def runner(self):
+        """The stage functions (`embed`, `blocks`, `head`) and the `vjp` that differentiates them
+        (traced, or compiled stage by stage): what a pipeline rank runs its stages with."""
+        return self._run
+
     def _compose(self, params: Params, batch, key, gather=lambda p: p) -> tuple[torch.Tensor, dict]:
         """embed, every block, head, each on `gather` of its own params (no recomputation)."""
         run = self._run

@@ -20,7 +20,7 @@ from functrain import compiler, foreach, ops, optim
 from functrain import precision as precision_lib
 from functrain import tree as tree_lib
 from functrain.parallel.dispatch import layout_of
-from functrain.parallel.layout import LOCAL
+from functrain.parallel.layout import LOCAL, Layout
 from functrain.state import Guard, TrainState
 
 __all__ = ["apply_gradients", "guard_after", "make_update", "to_master", "update_ok", "update_step"]
@@ -86,6 +86,7 @@ def apply_gradients(
     aux: dict | None = None,
     skip_nonfinite: bool = True,
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    layout: "Layout | None" = None,
 ) -> tuple[TrainState, dict]:
     """The optimizer half of a train step: `state` updated by `grads` (pure; compiles in a graph).
 
@@ -101,6 +102,8 @@ def apply_gradients(
       skip_nonfinite: keep the old params and optimizer state when the loss or the grad norm is
         not finite (counted in `state.guard`).
       precision: only its loss-scaling rule is used (the fp16 scale update in `state.guard`).
+      layout: where the params live (default `layout_of(state.params)`); a pipeline stage passes one
+        whose norms sum over every stage (`functrain.parallel.pipeline`).
 
     Returns:
       `(new_state, metrics)`: metrics hold `aux`, `grad_norm`, `update_norm` (of the optimizer's
@@ -113,7 +116,7 @@ def apply_gradients(
       >>> state, metrics = apply_gradients(state, grads, opt, aux={"loss": loss})
     """
     prec = precision_lib.get(precision)
-    lay = layout_of(state.params)
+    lay = layout_of(state.params) if layout is None else layout
     metrics = dict(aux or {})
     metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
     guarded = skip_nonfinite or prec.loss_scaling
@@ -151,19 +154,19 @@ def _fused_in_place(state: TrainState, aux: dict, grads: PyTree, optimizer: opti
     return LOCAL.write_into(state, new), metrics  # (the counters; params and moments changed in place)
 
 
-def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision):
+def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, layout: "Layout | None" = None):
     """`update(state, aux, grads) -> (state, metrics)`: `apply_gradients`, then donation (in place through
-    the optimizer's fused kernel when it has one and the step runs eagerly)."""
+    the optimizer's fused kernel when it has one, the step runs eagerly and no `layout` is given)."""
 
     def update(state: TrainState, aux: dict, grads: PyTree):
-        if donate and optimizer.fused is not None:
+        if donate and optimizer.fused is not None and layout is None:
             done = _fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision)
             if done is not None:
                 return done
         new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=skip_nonfinite,
-                                             precision=precision)
+                                             precision=precision, layout=layout)
         if donate:
-            new_state = layout_of(state.params).write_into(state, new_state)
+            new_state = (layout_of(state.params) if layout is None else layout).write_into(state, new_state)
         return new_state, metrics
 
     return update

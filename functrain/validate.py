@@ -31,6 +31,7 @@ __all__ = [
     "boolean",
     "relation",
     "check_batch",
+    "check_pipeline",
     "check_context",
     "check_cuda_graphs",
     "LOOP_CHECKS",
@@ -231,6 +232,25 @@ def check_batch(batch_size: int, accum_steps: int, dp_world: int) -> None:
             f"({accum_steps}); change batch_size, accum_steps or the mesh (--config.batch_size)")
 
 
+def check_pipeline(pp: int, accum_steps: int, n_layer: int) -> None:
+    """Raises `ConfigError` unless a run of `pp` pipeline stages can cut its blocks and its batch.
+
+    Args:
+      pp: the mesh's pipeline stages (`config.mesh.pp`; 1: no pipeline).
+      accum_steps: `config.accum_steps` (a pipeline's microbatches are `pp.microbatches`).
+      n_layer: the model's blocks (0 when the family has no `model.n_layer`).
+
+    Example:
+      >>> check_pipeline(2, 1, 12)   # 12 blocks over 2 stages: fine
+    """
+    if pp > 1 and accum_steps != 1:
+        raise ConfigError(f"accum_steps={accum_steps} with mesh.pp={pp}: a pipeline accumulates over its "
+                          "microbatches; set --config.pp.microbatches instead and accum_steps=1")
+    if pp > 1 and 0 < n_layer < pp:
+        raise ConfigError(f"mesh.pp={pp} pipeline stages over model.n_layer={n_layer} blocks: each stage needs "
+                          "a block; lower --config.mesh.pp or raise --config.model.n_layer")
+
+
 def check_context(block_size: int, cp: int) -> None:
     """Raises `ConfigError` unless a sequence of `block_size` tokens splits over `cp` context-parallel ranks.
 
@@ -284,6 +304,8 @@ LOOP_CHECKS: list[Check] = [
     ("compile", boolean()),
     ("compile_unit", one_of("step", "blocks")),
     ("cp_attention", one_of("zigzag", "stream", "mask")),
+    ("pp.microbatches", int_at_least(1)),
+    ("pp.schedule", one_of("1f1b", "gpipe")),
     ("cuda_graphs", boolean()),
     ("donate", boolean()),
     ("deterministic", boolean()),

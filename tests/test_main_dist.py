@@ -110,6 +110,51 @@ def test_torchrun_context_parallel_matches_single_process_and_resumes_on_one(tmp
         assert abs(val_two[step] - val_one[step]) <= rtol * 40 * val_one[step], (step, val_one, val_two)
 
 
+def test_torchrun_pipeline_matches_single_process_and_moves_between_meshes(tmp_path):
+    # the main job cut into 2 pipeline stages (--config.mesh.pp=2, 4 microbatches, 1F1B): the same losses
+    # as one process accumulating 4 microbatches; its step-10 checkpoint resumes on one process to step 15,
+    # whose checkpoint resumes on the pipeline again to step 20
+    sgd = ["--config.steps=20", "--config.log_every=1", "--config.optim.name=sgd", "--config.optim.lr=0.05",
+           "--config.checkpoint.every=5"]
+    pp = ["--config.mesh.pp=2", "--config.mesh.dp_shard=1", "--config.pp.microbatches=4", "--config.dist_timeout_s=600"]
+    _run(tmp_path / "one", *sgd, "--config.accum_steps=4", nproc=1)
+    out = _run(tmp_path / "pp", *sgd, *pp, "--config.stop_at=10")
+    assert "x pp=2 (1f1b, 4 microbatches)" in out.stdout
+    middle = _run(tmp_path / "pp", *sgd, "--config.accum_steps=4", "--config.stop_at=15", nproc=1)
+    assert "restored checkpoint step 10" in middle.stdout
+    last = _run(tmp_path / "pp", *sgd, *pp)
+    assert "restored checkpoint step 15" in last.stdout and "finish skipped" in last.stdout
+    one = {r["step"]: r for r in _rows(tmp_path / "one") if "loss" in r}
+    two = {r["step"]: r for r in _rows(tmp_path / "pp") if "loss" in r}
+    assert sorted(two) == list(range(1, 21)) and sorted(one) == sorted(two)  # logged once (rank 0)
+    rtol = _tol.rtol(16 * 64 * 4 * 64)
+    for i, step in enumerate(sorted(one)):
+        a, b = one[step], two[step]
+        drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
+        for key in ("loss", "grad_norm", "param_norm"):  # every stage's part of the norms
+            assert abs(b[key] - a[key]) <= rtol * drift * a[key], (step, key, a[key], b[key])
+    val_one = {r["step"]: r["val_loss"] for r in _rows(tmp_path / "one") if "val_loss" in r}
+    val_two = {r["step"]: r["val_loss"] for r in _rows(tmp_path / "pp") if "val_loss" in r}
+    assert sorted(val_two) == [10, 15, 20] and sorted(val_one) == [10, 20]  # (15: the one-process run's end)
+    for step in val_one:
+        assert abs(val_two[step] - val_one[step]) <= rtol * 40 * val_one[step], (step, val_one, val_two)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--config.mesh.pp=2", "--config.accum_steps=2"], "set --config.pp.microbatches instead"),
+    (["--config.mesh.pp=2", "--config.pp.microbatches=3"], "x accum_steps (3)"),
+    (["--config.mesh.pp=2", "--config.pp.schedule=zb"], "pp.schedule"),
+])
+def test_a_bad_pipeline_config_is_one_line(tmp_path, flags, fragment):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WORLD_SIZE="2", RANK="0")
+    out = subprocess.run([sys.executable, "-m", "functrain.main", f"--workdir={tmp_path}", *TINY,
+                          "--config.mesh.dp_shard=1", *flags], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert fragment in lines[0], lines
+
+
 def test_a_block_size_the_cp_ranks_cannot_split_is_one_line(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WORLD_SIZE="2", RANK="0")
     out = subprocess.run([sys.executable, "-m", "functrain.main", f"--workdir={tmp_path}", *TINY,

@@ -31,6 +31,8 @@ class FakeMesh:
         ({"dp_replicate": 1, "dp_shard": 1, "tp": 1}, 1, (1, 1, 1, 1)),
         ({"cp": 2}, 8, (1, 4, 2, 1)),
         ({"dp_shard": 1, "cp": -1, "tp": 2}, 8, (1, 1, 4, 2)),
+        ({"pp": 2, "tp": 2}, 8, (1, 2, 1, 2)),  # the mesh of one of 2 pipeline stages
+        ({"pp": 4, "dp_shard": -1}, 4, (1, 1, 1, 1)),
     ],
 )
 def test_mesh_shape_resolves_minus_one(cfg, world, expected):
@@ -51,6 +53,9 @@ class _Cfg:  # attribute-style config (ml_collections.ConfigDict behaves the sam
         ({"dp_shard": -1, "tp": -1}, 4, "at most one axis may be -1"),
         ({"tp": 0}, 4, "must be positive or -1"),
         ({"cp": 3}, 4, "not divisible by 3"),
+        ({"pp": 3}, 8, "pp=3: pipeline ranks must be a positive divisor of the world size 8"),
+        ({"pp": 0}, 8, "pp=0"),
+        ({"pp": 2, "dp_shard": 1, "tp": 2}, 8, "(one of pp=2 pipeline stages): product 2 != world size 4"),
     ],
 )
 def test_mesh_shape_rejects_bad_config_with_one_line(cfg, world, fragment):

@@ -40,6 +40,7 @@ class _Leaf:
     chunks: tuple[int, ...]
     box: Box | None
     data: torch.Tensor | None
+    first: int = 0  # the lowest rank of the mesh holding it (this rank for a plain tensor)
 
 
 def _host_copy(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -62,8 +63,9 @@ def snapshot(state: Any, buffers: dict[str, torch.Tensor] | None = None) -> list
         (no allocation and no page faults: the copy is a plain memcpy).
 
     Returns:
-      One _Leaf per array leaf, in tree order. Plain tensors are written by rank 0; each distinct
-      DTensor shard by the lowest rank holding it.
+      One _Leaf per array leaf, in tree order, with a host copy of what this rank may write: a plain
+      tensor whole (`_agree` keeps the lowest holder's), each distinct DTensor shard on the lowest
+      rank holding it.
 
     Example:
       >>> leaves = snapshot({"w": torch.ones(3)})
@@ -94,6 +96,7 @@ def snapshot(state: Any, buffers: dict[str, torch.Tensor] | None = None) -> list
             chunks = chunk_shape(shape, list(boxes.values()))
             mine = boxes.get(me)
             writes = mine is not None and writer_ranks(boxes).get(mine) == me
+            first = min(boxes)
             local = x.to_local()
             if mine is not None and tuple(local.shape) != mine.shape:
                 raise ValueError(
@@ -102,10 +105,10 @@ def snapshot(state: Any, buffers: dict[str, torch.Tensor] | None = None) -> list
                 )
         else:
             mine, chunks, local = full_box(shape), tuple(max(1, s) for s in shape), x
-            writes = me == 0
+            writes, first = True, me
         box = mine if writes and not mine.empty else None
         data = _host_copy(local, (buffers or {}).get(key.name)) if box else None
-        leaves.append(_Leaf(key, shape, x.dtype, chunks, box, data))
+        leaves.append(_Leaf(key, shape, x.dtype, chunks, box, data, first))
     if any(leaf.data is not None and leaf.data.is_pinned() for leaf in leaves):
         torch.cuda.synchronize()
     return leaves
@@ -179,6 +182,39 @@ def _prepare_tmp(tmp: str) -> None:
     os.makedirs(layout.item_dir(tmp))
 
 
+def _agree(group, leaves: list[_Leaf], entries: list) -> tuple[list[_Leaf], list]:
+    """Makes every rank's part of one checkpoint of the union of the ranks' trees.
+
+    Ranks may hold different trees (pipeline stages hold their own stages' params). Each array is
+    written by the mesh of its lowest holder (a plain tensor: by its lowest holding rank); rank 0
+    gets every array's description (it writes their metadata) and the union of the entries.
+    """
+    if group is None:
+        return leaves, entries
+    mine = [(leaf.key, leaf.shape, leaf.dtype, leaf.chunks, leaf.first) for leaf in leaves]
+    every: list = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(every, (mine, entries), group=group)
+    owner: dict[str, tuple] = {}  # name -> the description from the lowest holder
+    for descs, _ in every:
+        for d in descs:
+            if d[0].name not in owner or d[4] < owner[d[0].name][4]:
+                owner[d[0].name] = d
+    kept = [leaf if leaf.first == owner[leaf.key.name][4] else dataclasses.replace(leaf, box=None, data=None)
+            for leaf in leaves]
+    if _dist.rank() != 0:
+        return kept, entries
+    have = {leaf.key.name for leaf in kept}
+    kept += [_Leaf(k, shape, dtype, chunks, None, None, first) for k, shape, dtype, chunks, first in owner.values()
+             if k.name not in have]
+    union, seen = [], set()
+    for _, rank_entries in every:
+        for key, value_type in rank_entries:
+            if key.tree_key not in seen:
+                seen.add(key.tree_key)
+                union.append((key, value_type))
+    return kept, union
+
+
 def _write_and_commit(
     leaves: list[_Leaf],
     entries: list[tuple[layout.LeafKey, str]],
@@ -192,6 +228,9 @@ def _write_and_commit(
     me = _dist.rank()
     tmp = layout.tmp_path(path)
     try:
+        agreed: list = []
+        _run_phase(group, me, lambda: agreed.extend(_agree(group, leaves, entries)), path, "agreeing on the tree")
+        leaves[:], entries = agreed
         _run_phase(group, me, (lambda: _prepare_tmp(tmp)) if me == 0 else None, path, "creating the tmp dir")
         _run_phase(group, me, lambda: _write_process_db(leaves, tmp, me, compression), path, "writing chunks")
     finally:

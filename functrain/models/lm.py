@@ -212,12 +212,13 @@ def wants_stages(config, ctx) -> bool:
       ctx: the parallel context.
 
     Returns:
-      True for sharded params (per-block gathers) or `compile_unit="blocks"` (a graph per stage).
+      True for sharded params (per-block gathers), `compile_unit="blocks"` (a graph per stage) or
+      pipeline stages (`ctx.pp_world > 1`: the stages are cut over the ranks).
 
     Example:
       >>> loss_fn = make_loss_fn(model, remat=remat, staged=lm.wants_stages(config, ctx))
     """
-    return ctx.mesh is not None or config.get("compile_unit", "step") == "blocks"
+    return ctx.mesh is not None or config.get("compile_unit", "step") == "blocks" or ctx.pp_world > 1
 
 
 def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tensor,

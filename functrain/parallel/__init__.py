@@ -16,6 +16,7 @@ Example:
 """
 
 from functrain.parallel import context  # context-parallel attention (sequence split over ranks)
+from functrain.parallel import schedule  # pipeline schedules and stage partitions (pure)
 from functrain.parallel import gloo  # gloo groups with one worker thread (a torch heap-corruption bug)
 from functrain.parallel import spmd  # registers the mesh-wide norm with functrain.tree
 from functrain.parallel.data import data_parallel_kwargs, split_batch
@@ -25,6 +26,7 @@ from functrain.parallel.mesh import (
     AXES,
     CP_AXIS,
     DP_AXES,
+    PP_AXIS,
     GRAD_AXES,
     TP_AXIS,
     ParallelContext,
@@ -59,10 +61,12 @@ __all__ = [
     "layout_of",
     "dp_coordinates",
     "context",
+    "schedule",
     "gloo",
     "spmd",
     "AXES",
     "CP_AXIS",
+    "PP_AXIS",
     "DP_AXES",
     "GRAD_AXES",
     "TP_AXIS",

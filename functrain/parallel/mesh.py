@@ -12,6 +12,11 @@ Sizes come from a config with fields `dp_replicate`, `dp_shard`, `cp`, `tp` (int
 of the world size", at most one -1); their product must equal the number of processes. Ranks that
 differ only in their cp or tp coordinate read the same batch rows.
 
+Pipeline stages. A config field `pp` > 1 (`functrain.pipeline`) splits the processes into `pp`
+pipeline stages: a 5-D mesh ("pp", then the four axes above) is built, `ctx.mesh` is this stage's
+4-D sub-mesh (what its params are sharded on; every other part of functrain sees only it) and
+`ctx.pp_group` the group of the ranks that hold the other stages at the same 4-D coordinate.
+
 Single process. Started without torchrun (no WORLD_SIZE in the environment) and with a world of
 1, `setup` creates no process group and no mesh: `ctx.mesh is None`, `shard_state` leaves the
 state as plain tensors, and the step runs the exact DTensor-free single-process path. Pass
@@ -42,6 +47,7 @@ from functrain.parallel import gloo
 __all__ = [
     "AXES",
     "CP_AXIS",
+    "PP_AXIS",
     "DP_AXES",
     "GRAD_AXES",
     "TP_AXIS",
@@ -59,6 +65,7 @@ __all__ = [
 AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 DP_AXES = ("dp_replicate", "dp_shard")  # the axes that split the batch's rows
 CP_AXIS = "cp"
+PP_AXIS = "pp"  # pipeline stages: outside the four axes (see "Pipeline stages" above)
 GRAD_AXES = (*DP_AXES, CP_AXIS)  # the axes whose ranks see different tokens: gradients averaged over them
 TP_AXIS = "tp"
 
@@ -79,6 +86,8 @@ class ParallelContext:
       cp_rank, cp_world: coordinate and size of the context-parallel axis.
       tp_rank, tp_world: coordinate and size of the tensor-parallel axis.
       shape: {axis name: size} for the four axes.
+      pp_rank, pp_world: this rank's pipeline stage and the number of stages (`functrain.pipeline`).
+      pp_group: the process group of this rank's pipeline (None without pipeline stages).
     """
 
     mesh: Any
@@ -92,6 +101,9 @@ class ParallelContext:
     shape: Mapping[str, int]
     cp_rank: int = 0
     cp_world: int = 1
+    pp_rank: int = 0
+    pp_world: int = 1
+    pp_group: Any = None
 
     @property
     def is_main_process(self) -> bool:
@@ -135,14 +147,14 @@ def _init_process_group(backend: str | None, timeout_s: float | None, single: bo
     _OWNED_GROUP = True
 
 
-def _backend_override(timeout_s: float | None, sizes: dict, world: int, gloo_threads: int):
+def _backend_override(timeout_s: float | None, sizes: dict, world: int, gloo_threads: int, axes=AXES):
     """init_device_mesh's backend_override: on gloo the mesh's subgroups get `gloo_threads` worker
     threads whatever made the default group, and `timeout_s` (None: torch's), which subgroups do not
     inherit from the default group."""
     default = dist.get_backend()
     on_gloo = gloo.is_gloo_backend(default)
     # a world-wide axis reuses the default group; a one-rank group never communicates
-    axes = [a for a in AXES if 1 < sizes[a] < world]
+    axes = [a for a in axes if 1 < sizes[a] < world]
     if not axes or not (on_gloo or (default == "nccl" and timeout_s is not None)):
         return None
     name = gloo.backend(gloo_threads) if on_gloo else default
@@ -192,15 +204,19 @@ def setup(
         _init_process_group(backend, timeout_s, single=False, gloo_threads=gloo_threads)
     world = dist.get_world_size() if dist.is_initialized() else 1
     shape = mesh_shape(mesh_config, world)  # validate before anything else can hang
+    pp = world // _prod(shape.values())
     device = _device()
-    mesh = None
+    mesh, pp_group, pp_rank = None, None, 0
     if world > 1 or mesh_on_single_process:
         if not dist.is_initialized():
             _init_process_group(backend, timeout_s, single=True, gloo_threads=gloo_threads)
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, tuple(shape[a] for a in AXES), mesh_dim_names=AXES,
-                                backend_override=_backend_override(timeout_s, shape, world, gloo_threads))
+        sizes, names = {"pp": pp, **shape}, (PP_AXIS, *AXES) if pp > 1 else AXES
+        mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names,
+                                backend_override=_backend_override(timeout_s, sizes, world, gloo_threads, names))
+        if pp > 1:  # this stage's mesh, and the group along the pipeline
+            pp_group, pp_rank, mesh = mesh.get_group(PP_AXIS), mesh.get_local_rank(PP_AXIS), mesh[AXES]
     r = dist.get_rank() if dist.is_initialized() else 0
     dp_rank, dp_world = dp_coordinates(mesh) if mesh is not None else (0, 1)
     return ParallelContext(
@@ -215,7 +231,18 @@ def setup(
         shape=dict(shape),
         cp_rank=mesh.get_local_rank(CP_AXIS) if mesh is not None else 0,
         cp_world=shape["cp"],
+        pp_rank=pp_rank,
+        pp_world=pp,
+        pp_group=pp_group,
     )
+
+
+def _prod(xs) -> int:
+    """The product of the ints `xs`."""
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def dp_coordinates(mesh) -> tuple[int, int]:

@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Collection, Iterable, Mapping, Sequence, Union
 
 import optree
 import torch
@@ -238,7 +238,7 @@ def shard_params(
 
 
 def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | None = None, *,
-                 device=None) -> dict[str, DTensor]:
+                 device=None, names: Collection[str] | None = None) -> dict[str, DTensor]:
     """Sharded initialization: every rank draws only its own block of each parameter.
 
     No rank ever holds a whole parameter, let alone the whole model; with an init that draws each
@@ -253,6 +253,8 @@ def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | N
       mesh: the DeviceMesh.
       rules: sharding rules (default `FSDP_RULES`).
       device: where the local blocks live.
+      names: make only these parameters (a pipeline stage's, `functrain.pipeline`); the others are
+        drawn as empty blocks and left out. None: all of them.
 
     Returns:
       {name: DTensor} with the placements `rules` give, in `init_params`' order.
@@ -269,6 +271,8 @@ def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | N
     def where(name, shape):
         """This rank's block of parameter `name`."""
         shape = tuple(int(s) for s in shape)
+        if names is not None and name not in names:  # not this stage's: draw nothing
+            return [0] * len(shape), [0] * len(shape)
         placements = placements_for(name, shape, mesh, rules)
         layout[name] = (shape, placements)
         local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, list(placements))
@@ -277,6 +281,8 @@ def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | N
     blocks = init_params(key, device, where=where)
     out = {}
     for name, local in blocks.items():
+        if name not in layout:
+            continue
         shape, placements = layout[name]
         stride = torch.empty(shape, device="meta").stride()
         out[name] = DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=shape,

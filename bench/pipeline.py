@@ -1,0 +1,185 @@
+"""Pipeline parallelism: the measured bubble against the schedule's, and per-rank peak memory, GPipe vs 1F1B.
+
+One launch of N ranks (a pipeline of N stages) trains a GPT whose blocks are cut over the ranks
+(`functrain.pipeline.place`), with M microbatches per step, under each schedule in turn. Per rank
+the step's `observe` hook reports the seconds each forward and backward computed (time blocked in
+receives left out); the measured bubble of a rank is 1 - (its compute seconds) / (the step's wall
+seconds of the schedule: from its first action to its last, the optimizer update left out), summed
+over the timed steps, and the printed bubble is the mean over ranks, against the
+theoretical (N - 1) / (M + N - 1) of equal stages. Memory is the growth of the resident set during
+one step over the resident set before it (bench/_mem.py: the kernel's high-water mark, free heap
+handed back first; on CUDA `torch.cuda.max_memory_allocated`), per rank, for each schedule: 1F1B
+holds at most N - rank microbatches' activations, GPipe all M. The default model is narrow and the
+microbatches long, so activations dominate a step's memory.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/pipeline.py --json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/pipeline.py --microbatches 8 --json
+
+Printed: per schedule the step time, the bubble (measured and theoretical, per rank) and each rank's
+peak; the 1F1B / GPipe peak ratio per rank against N / M; with --json a last line of JSON.
+Measured: docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _mem import reset_peak, status_mib, trim  # noqa: E402
+
+from functrain import init_state, optim, pipeline, rng  # noqa: E402
+from functrain.models import gpt  # noqa: E402
+from functrain.parallel import schedule as schedules  # noqa: E402
+
+
+def _args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--microbatches", type=int, default=0, help="M (default 4 x the ranks)")
+    p.add_argument("--micro-rows", type=int, default=2, help="sequences per microbatch")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--n-layer", type=int, default=0, help="blocks (default 4 per rank)")
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per schedule (after 2 warm-up steps)")
+    p.add_argument("--schedules", default="gpipe,1f1b")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args()
+
+
+def _live_mib() -> float:
+    """This rank's live memory now (MiB): allocated CUDA memory, or the resident set on CPU."""
+    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else status_mib("VmRSS")
+
+
+def _peak_growth(step, state, batch, after_forward: list):
+    """(new state, MiB this rank's memory grew by during one step, MiB it held after its fullest forward).
+
+    `after_forward` receives `_live_mib()` after each forward (the observe hook appends to it)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        trim()
+        reset_peak()
+    base = _live_mib()
+    after_forward.clear()
+    state, m = step(state, batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = status_mib("VmHWM")
+    return state, peak - base, max(after_forward) - base
+
+
+def _measure(name, pipe, params, batch, args, m):
+    """Step seconds, this rank's bubble and its peak growth under schedule `name`."""
+    opt = optim.adamw(1e-4)
+    busy = [0.0]
+    spent = {"F": 0.0, "B": 0.0}  # compute seconds by kind over the timed steps
+    walls, after_forward = [], []
+    measuring = False
+
+    def observe(kind, micro, seconds):
+        if kind == "schedule":
+            walls.append(seconds)
+        elif kind in ("F", "B"):
+            busy[0] += seconds
+            spent[kind] += seconds
+            if kind == "F" and measuring:
+                if not torch.cuda.is_available():
+                    trim()  # freed heap back to the OS: the resident set is the live memory
+                after_forward.append(_live_mib())
+
+    step = pipeline.make_train_step(pipe, opt, microbatches=m, schedule=name, observe=observe)
+    state = init_state(pipe.params(params), opt)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    dist.barrier()
+    measuring = True
+    state, peak, held = _peak_growth(step, state, batch, after_forward)
+    measuring = False
+    dist.barrier()
+    busy[0], walls[:], spent["F"], spent["B"] = 0.0, [], 0.0, 0.0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, metrics = step(state, batch)
+    float(metrics["loss"])
+    dist.barrier()
+    seconds = (time.perf_counter() - t0) / args.steps
+    per = args.steps * m  # microbatches timed
+    return {"step_s": seconds, "bubble": 1.0 - busy[0] / sum(walls), "peak_mib": peak, "held_mib": held,
+            "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
+
+
+def main():
+    args = _args()
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    m = args.microbatches or 4 * n
+    layers = args.n_layer or 4 * n
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.n_head,
+                        n_embd=args.n_embd, dropout=0.0, bias=False)
+    template = gpt.GPT(cfg, key=rng.key(0))
+    params = dict(template.named_parameters())
+    pipe = pipeline.place(gpt.make_loss_fn(template, staged=True), params)
+    g = torch.Generator().manual_seed(0)
+    rows = m * args.micro_rows
+    batch = (torch.randint(0, args.vocab, (rows, args.seq), generator=g),
+             torch.randint(0, args.vocab, (rows, args.seq), generator=g))
+    theory = schedules.bubble_fraction(n, m)
+    out = {"ranks": n, "microbatches": m, "layers": layers, "seq": args.seq, "n_embd": args.n_embd,
+           "micro_rows": args.micro_rows, "theoretical_bubble": theory, "schedules": {}}
+    for name in args.schedules.split(","):
+        mine = _measure(name, pipe, params, batch, args, m)
+        every = [None] * n
+        dist.all_gather_object(every, mine)
+        bubbles = [r["bubble"] for r in every]
+        # what the schedule leaves idle for these stages' measured costs (the formula assumes equal stages)
+        expected = schedules.simulate(name, n, m, [r["forward_s"] for r in every], [r["backward_s"] for r in every])
+        row = {"step_s": max(r["step_s"] for r in every), "bubble": sum(bubbles) / n, "bubble_per_rank": bubbles,
+               "expected_bubble": sum(expected) / n, "expected_bubble_per_rank": expected,
+               "forward_s_per_rank": [r["forward_s"] for r in every],
+               "backward_s_per_rank": [r["backward_s"] for r in every],
+               "peak_mib_per_rank": [r["peak_mib"] for r in every],
+               "activations_mib_per_rank": [r["held_mib"] for r in every],
+               "held_per_rank": [schedules.held(schedules.schedule(name, n, m, r)) for r in range(n)]}
+        out["schedules"][name] = row
+        if rank == 0:
+            print(f"{name}: {row['step_s']:.3f} s/step, bubble {row['bubble']:.3f} (theory {theory:.3f}, for these "
+                  f"stages' costs {row['expected_bubble']:.3f}; per rank "
+                  + ", ".join(f"{b:.3f}" for b in bubbles) + " vs " + ", ".join(f"{b:.3f}" for b in expected)
+                  + "), peak MiB per rank "
+                  + ", ".join(f"{p:.1f}" for p in row["peak_mib_per_rank"]) + ", activations held MiB per rank "
+                  + ", ".join(f"{p:.1f}" for p in row["activations_mib_per_rank"]), flush=True)
+    s = out["schedules"]
+    if "gpipe" in s and "1f1b" in s:
+        gp, fb = s["gpipe"], s["1f1b"]
+        out["peak_ratio_1f1b_over_gpipe"] = [a / b for a, b in zip(fb["peak_mib_per_rank"], gp["peak_mib_per_rank"])]
+        out["activations_ratio_1f1b_over_gpipe"] = [
+            a / b for a, b in zip(fb["activations_mib_per_rank"], gp["activations_mib_per_rank"])]
+        # the target: 1F1B's activations <= N / M of GPipe's, give or take one microbatch's (GPipe's / M)
+        out["activations_target_met"] = all(
+            a <= (n / m) * b + b / m for a, b in zip(fb["activations_mib_per_rank"], gp["activations_mib_per_rank"]))
+        if rank == 0:
+            print("1F1B / GPipe per rank: peak " + ", ".join(f"{x:.2f}" for x in out["peak_ratio_1f1b_over_gpipe"])
+                  + ", activations held " + ", ".join(f"{x:.2f}" for x in out["activations_ratio_1f1b_over_gpipe"])
+                  + f" (N / M = {n / m:.2f}, + 1 / M = {1 / m:.2f} for one microbatch: "
+                  + ("met" if out["activations_target_met"] else "missed") + "; microbatches held by 1F1B "
+                  + ", ".join(str(h) for h in fb["held_per_rank"]) + f" of {m})", flush=True)
+    if rank == 0 and args.json:
+        print(json.dumps(out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

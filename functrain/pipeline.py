@@ -1,0 +1,581 @@
+"""Pipeline parallelism: a staged loss's stages on different ranks, microbatches on a schedule.
+
+`place` cuts a `functrain.remat.StagedLoss` (embedding, blocks, head) over the ranks of a pipeline
+group: the blocks into contiguous groups of balanced parameter count (`parallel.schedule.partition`),
+the embedding on the first rank, the head and the loss on the last. Each rank's state is a pytree of
+its own stages' params and optimizer state (`Pipeline.params` picks them from the full params).
+
+`make_train_step(pipe, optimizer, microbatches=M, schedule="1f1b")` builds `step(state, batch) ->
+(state, metrics)` for one rank. Every rank gets the same batch (the first reads its inputs, the last
+its targets); it is cut into M microbatches, which run through the rank's stages in the order of the
+schedule (`parallel.schedule`: "gpipe" or "1f1b"). A forward receives its input activation from the
+rank before and sends its output to the rank after; a backward receives the output's cotangent from
+the rank after and sends the input's cotangent to the rank before (torch.distributed point-to-point
+on the pipeline group: non-blocking sends, blocking receives). Within a rank the stages run as the
+staged loss runs them: vjp closures, blocks recomputed in the backward as its remat policy says.
+
+One global decision. The gradients are the mean over microbatches (as `accum_steps=M` on one
+process); a weight read on two ranks (a tied embedding and head) has its gradients summed over the
+pipeline group, and counts once in the norm. The loss and aux metrics, from the last rank, are
+all-reduced over the group, and so are the squared norms of the gradients and of the update
+(`Stages`, the layout the update runs with), so every rank clips with the same global norm, takes
+the same non-finite skip decision, and reports the same metrics; the learning-rate schedule reads
+the step count every rank holds.
+
+Compile contract (`compile=True`): the stages run as the staged loss's own graphs
+(`StagedLoss.compile_stages`: the embedding, ONE block graph for every block, a no-grad block graph
+when blocks are recomputed, the head; each with its AOTAutograd backward), called from the eager
+schedule, and the optimizer update is one graph. No graph per block, microbatch or step; the
+schedule and the point-to-point transfers stay in Python between graphs.
+
+Example:
+    >>> pipe = pipeline.place(gpt.make_loss_fn(template, staged=True), full_params)
+    >>> state = init_state(pipe.params(full_params), opt)
+    >>> step = pipeline.make_train_step(pipe, opt, microbatches=8, schedule="1f1b")
+    >>> state, metrics = step(state, batch)          # the same metrics on every pipeline rank
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from functrain import compiler
+from functrain import metric_names as M
+from functrain import precision as precision_lib
+from functrain import rng as rng_lib
+from functrain import tree as tree_lib
+from functrain.loss_contract import loss_and_aux
+from functrain.parallel.dispatch import layout_of
+from functrain.parallel.layout import Layout
+from functrain.parallel.schedule import bubble_fraction, partition, schedule as make_schedule
+from functrain.remat import StagedLoss
+from functrain.state import TrainState
+from functrain.update import make_update, to_master
+
+__all__ = ["Pipeline", "Stages", "bubble_fraction", "global_norm", "make_eval_step", "make_train_step",
+           "param_shapes", "place"]
+
+PyTree = Any
+Params = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """One rank's share of a staged loss cut into pipeline stages (made by `place`).
+
+    Attributes:
+      loss_fn: the whole staged loss (every rank knows every stage; it runs only its own).
+      group: the pipeline's process group (None: the default group).
+      rank, world: this rank's index in the pipeline and the number of pipeline ranks.
+      blocks: the indices of the blocks this rank runs.
+      names: the parameters this rank holds, in the full params' order.
+      counted: the names whose gradient this rank counts in global norms (a tied weight: its first holder).
+      tied: `(name, shape, dtype)` of each weight held by more than one rank (gradients summed over the group).
+      owners: {block index: pipeline rank} for every block.
+    """
+
+    loss_fn: StagedLoss
+    group: Any
+    rank: int
+    world: int
+    blocks: range
+    names: tuple[str, ...]
+    counted: frozenset
+    tied: tuple
+    owners: dict
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank runs the embedding (reads the batch's inputs)."""
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether this rank runs the head and the loss (reads the batch's targets)."""
+        return self.rank == self.world - 1
+
+    def params(self, params: Params) -> Params:
+        """The params this rank holds, picked from the whole model's `params` ({name: tensor})."""
+        return {n: params[n] for n in self.names}
+
+
+def place(loss_fn: StagedLoss, params: Params, *, group=None, rank: int | None = None,
+          world: int | None = None) -> Pipeline:
+    """Cuts `loss_fn`'s stages over the pipeline ranks and returns this rank's share.
+
+    Args:
+      loss_fn: a `functrain.remat.StagedLoss` (e.g. `gpt.make_loss_fn(template, staged=True)`).
+      params: the whole model's params, {name: tensor}; only their shapes are read (meta tensors do).
+      group: the pipeline's process group (None: the default group).
+      rank, world: this rank's pipeline index and the pipeline's size (default: from `group`).
+
+    Returns:
+      A `Pipeline`: blocks balanced by parameter count over the ranks, the embedding on rank 0, the
+      head on the last.
+
+    Raises:
+      ValueError: more pipeline ranks than blocks, or a staged loss that is not a `StagedLoss` (one line).
+
+    Example:
+      >>> pipe = pipeline.place(loss_fn, dict(template.named_parameters()))
+      >>> state = init_state(pipe.params(full_params), opt)
+    """
+    if not isinstance(loss_fn, StagedLoss):
+        raise ValueError("pipeline parallelism cuts a staged loss into stages: build the loss with "
+                         "staged=True (e.g. gpt.make_loss_fn(template, staged=True))")
+    if world is None:
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if rank is None:
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+    numel = {n: p.numel() for n, p in params.items()}
+    parts = partition([sum(numel[n] for n in b.names) for b in loss_fn.blocks], world,
+                      first=sum(numel[n] for n in loss_fn.embed.names),
+                      last=sum(numel[n] for n in loss_fn.head.names))
+    owners = {b: r for r, part in enumerate(parts) for b in part}
+    readers: dict[str, set] = {}
+    for stage, r in [(loss_fn.embed, 0), *[(b, owners[i]) for i, b in enumerate(loss_fn.blocks)],
+                     (loss_fn.head, world - 1)]:
+        for n in stage.names:
+            readers.setdefault(n, set()).add(r)
+    names = tuple(n for n in params if rank in readers.get(n, ()))
+    tied = tuple((n, tuple(params[n].shape), params[n].dtype) for n in params if len(readers.get(n, ())) > 1)
+    counted = frozenset(n for n in names if min(readers[n]) == rank)
+    return Pipeline(loss_fn, group, rank, world, parts[rank], names, counted, tied, owners)
+
+
+def param_shapes(init_params: Callable, key: torch.Tensor) -> Params:
+    """The params `init_params(key, device, where=...)` makes, as meta tensors (no values drawn).
+
+    Args:
+      init_params: a `Task`'s init that takes `where` (`functrain.parallel.init_sharded`).
+      key: the `rng` key.
+
+    Returns:
+      {name: meta tensor of the parameter's shape and dtype}: what `place` needs.
+
+    Example:
+      >>> pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, rng.key(0)))
+    """
+    shapes: dict = {}
+
+    def where(name, shape):
+        """Records the shape; an empty block."""
+        shapes[name] = tuple(int(s) for s in shape)
+        return [0] * len(shape), [0] * len(shape)
+
+    blocks = init_params(key, torch.device("cpu"), where=where)
+    return {n: torch.empty(shapes[n], dtype=b.dtype, device="meta") for n, b in blocks.items()}
+
+
+def global_norm(pipe: Pipeline, tree: Params) -> torch.Tensor:
+    """The L2 norm of a params-shaped tree over every pipeline stage (a tied weight once).
+
+    Args:
+      pipe: this rank's `Pipeline`.
+      tree: this rank's params (or gradients), plain tensors or DTensors.
+
+    Returns:
+      A 0-d float32 tensor, the same on every rank of the pipeline.
+
+    Example:
+      >>> param_norm = float(pipeline.global_norm(pipe, state.params))
+    """
+    return Stages(layout_of(tree), pipe).global_norm(tree)
+
+
+class Stages(Layout):
+    """The layout a pipeline rank's update runs with: `inner`'s, norms summed over the pipeline group.
+
+    `global_norm` sums the squared norms of this rank's counted tensors over the pipeline ranks (a
+    tied weight once), so clipping and the non-finite skip are one global decision; everything else
+    is `inner`'s (`parallel.LOCAL` for plain tensors).
+    """
+
+    def __init__(self, inner: Layout, pipe: Pipeline):
+        self.inner, self.pipe = inner, pipe
+        self.dp_rank, self.dp_world, self.sharded = inner.dp_rank, inner.dp_world, inner.sharded
+
+    def gather(self, params):
+        return self.inner.gather(params)
+
+    def reduce_grads(self, grads, params):
+        return self.inner.reduce_grads(grads, params)
+
+    def mean_over_dp(self, metrics):
+        return self.inner.mean_over_dp(metrics)
+
+    def fold_in_dp(self, key):
+        return self.inner.fold_in_dp(key)
+
+    def global_norm(self, tree, *, fused: bool = False):
+        mine = {k: v for k, v in tree.items() if k in self.pipe.counted}
+        sq = torch.square(self.inner.global_norm(mine, fused=fused))
+        return torch.sqrt(_all_reduce(sq, self.pipe))
+
+    def select(self, ok, new, old):
+        return self.inner.select(ok, new, old)
+
+    def write_into(self, old, new):
+        return self.inner.write_into(old, new)
+
+
+def _all_reduce(x: torch.Tensor, pipe: Pipeline) -> torch.Tensor:
+    """`x` summed over the pipeline group (traceable: a functional collective)."""
+    if pipe.world == 1:
+        return x
+    group = pipe.group if pipe.group is not None else dist.group.WORLD
+    out = funcol.all_reduce(x, "sum", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 10  # dtype code, ndim, up to 8 dims
+
+
+class _Wire:
+    """A pipeline rank's point-to-point transfers: activations forward, cotangents backward."""
+
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
+        glob = (lambda r: dist.get_global_rank(pipe.group, r)) if pipe.group is not None else (lambda r: r)
+        self.prev = glob(pipe.rank - 1) if not pipe.first else None
+        self.next = glob(pipe.rank + 1) if not pipe.last else None
+        self.pending: list = []  # (work, tensor): sends in flight, waited at the end of the step
+        self.shapes: dict = {}  # batch signature -> (shape, dtype) of the activation this rank receives
+        self.waited = 0.0  # seconds blocked in receives (not computing) since the last reset
+
+    def send(self, x: torch.Tensor, to: int, tag: int) -> None:
+        """Sends `x` without waiting (kept alive until `flush`)."""
+        x = x.detach().contiguous()
+        self.pending.append((dist.isend(x, to, group=self.pipe.group, tag=tag), x))
+
+    def recv(self, shape, dtype, device, frm: int, tag: int) -> torch.Tensor:
+        """Receives a tensor of `shape` and `dtype` (blocks until it arrives)."""
+        t0 = time.perf_counter()
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buf, frm, group=self.pipe.group, tag=tag)
+        self.waited += time.perf_counter() - t0
+        return buf
+
+    def send_activation(self, h: torch.Tensor, micro: int, signature) -> None:
+        """Sends microbatch `micro`'s output to the next rank (its shape first, once per batch signature)."""
+        if (signature, "out") not in self.shapes:
+            self.shapes[signature, "out"] = (h.shape, h.dtype)
+            head = [_DTYPES.index(h.dtype), h.dim(), *h.shape] + [0] * (_HEADER - 2 - h.dim())
+            self.send(torch.tensor(head, dtype=torch.int64, device=h.device), self.next, tag=2**20)
+        self.send(h, self.next, tag=2 * micro)
+
+    def recv_activation(self, micro: int, signature, device) -> torch.Tensor:
+        """Receives microbatch `micro`'s input from the rank before."""
+        if (signature, "in") not in self.shapes:
+            head = self.recv((_HEADER,), torch.int64, device, self.prev, tag=2**20).tolist()
+            self.shapes[signature, "in"] = (tuple(head[2:2 + head[1]]), _DTYPES[head[0]])
+        shape, dtype = self.shapes[signature, "in"]
+        return self.recv(shape, dtype, device, self.prev, tag=2 * micro)
+
+    def flush(self) -> None:
+        """Waits for every send in flight."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+def _signature(batch: PyTree):
+    """The shapes and dtypes of a batch's leaves: equal on every pipeline rank for the same batch."""
+    return tuple((tuple(x.shape), str(x.dtype)) for x in tree_lib.leaves(batch))
+
+
+def _microbatches(batch: PyTree, m: int) -> list:
+    """`batch` cut into `m` microbatches along dim 0 (one line when it does not divide)."""
+    def split(x):
+        if x.shape[0] % m:
+            raise ValueError(f"batch dimension {x.shape[0]} is not divisible by microbatches={m}; "
+                             "make the batch size a multiple of the pipeline's microbatches")
+        return x.reshape(m, x.shape[0] // m, *x.shape[1:])  # (M, B/M, ...)
+
+    cut = tree_lib.map(split, batch)
+    return [tree_lib.map(lambda x: x[i], cut) for i in range(m)]
+
+
+def _seed(loss: torch.Tensor, loss_scale) -> torch.Tensor:
+    """The loss's cotangent: ones, or the fp16 loss scale."""
+    return torch.ones_like(loss) if loss_scale is None else loss_scale.to(loss.dtype).expand(loss.shape)
+
+
+class _Rank:
+    """The forward and backward of one microbatch through this rank's stages (`StagedLoss` routes)."""
+
+    def __init__(self, pipe: Pipeline, loss_fn: StagedLoss, wire: _Wire, signature):
+        self.pipe, self.wire, self.sig = pipe, wire, signature
+        self.run = loss_fn.runner
+        self.embed, self.head = loss_fn.embed, loss_fn.head
+        self.blocks = [(i, loss_fn.blocks[i], self.run.blocks[i], loss_fn.recompute[i]) for i in pipe.blocks]
+
+    def forward(self, p: Params, mb, key, micro: int, grad: bool = True):
+        """Runs microbatch `micro` forward on params `p` (plain tensors); returns what its backward needs
+        (the last rank: and the loss and aux)."""
+        pipe, run = self.pipe, self.run
+        if pipe.first:
+            ep = self.embed.params(p)
+            if grad:
+                h, embed_vjp = run.vjp(run.embed, (ep,), mb, key)
+            else:
+                h, embed_vjp = run.embed(ep, mb, key), None
+        else:
+            h, embed_vjp = self.wire.recv_activation(micro, self.sig, _device(p)), None
+        saved = []
+        for _, block, fn, again in self.blocks:
+            bp = block.params(p)
+            if again or not grad:  # recomputed in the backward: keep only the input
+                saved.append(h)
+                with torch.no_grad():
+                    h = fn(bp, h, key)
+            else:
+                h, block_vjp = run.vjp(fn, (bp, h), key)
+                saved.append(block_vjp)
+        if not pipe.last:
+            self.wire.send_activation(h, micro, self.sig)
+            return (embed_vjp, saved, None), None, None
+        hp = self.head.params(p)
+        if not grad:
+            loss, aux = loss_and_aux(run.head(hp, h, mb, key))
+            return None, loss, aux
+        loss, head_vjp, aux = run.vjp(run.head, (hp, h), mb, key, has_aux=True)
+        return (embed_vjp, saved, (head_vjp, loss)), loss, aux
+
+    def backward(self, p: Params, held, key, micro: int, loss_scale, add: Callable) -> None:
+        """Runs microbatch `micro` backward from what `forward` kept; `add(stage, grads)` takes each stage's grads."""
+        pipe, run = self.pipe, self.run
+        embed_vjp, saved, head = held
+        if pipe.last:
+            head_vjp, loss = head
+            g_head, g = head_vjp(_seed(loss, loss_scale))
+            add(self.head, g_head)
+        else:
+            shape, dtype = self.wire.shapes[self.sig, "out"]
+            g = self.wire.recv(shape, dtype, _device(p), self.wire.next, tag=2 * micro + 1)
+        for k in reversed(range(len(self.blocks))):
+            _, block, fn, again = self.blocks[k]
+            block_vjp = saved[k]
+            saved[k] = None
+            if again:  # the saved input: run the block again under its vjp
+                _, block_vjp = run.vjp(fn, (block.params(p), block_vjp), key)
+            g_block, g = block_vjp(g)
+            add(block, g_block)
+        if pipe.first:
+            (g_embed,) = embed_vjp(g)
+            add(self.embed, g_embed)
+        else:
+            self.wire.send(g, self.wire.prev, tag=2 * micro + 1)
+
+
+def _device(p: Params) -> torch.device:
+    """The device the params compute on."""
+    x = next(iter(p.values()))
+    return x.to_local().device if hasattr(x, "to_local") else x.device
+
+
+def make_train_step(
+    pipe: Pipeline,
+    optimizer,
+    *,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    compile: bool = False,
+    donate: bool = True,
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    skip_nonfinite: bool = True,
+    compile_options: dict | None = None,
+    observe: Callable[[str, int, float], None] | None = None,
+) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """Builds one pipeline rank's `step(state, batch) -> (new_state, metrics)`.
+
+    Args:
+      pipe: this rank's share of the staged loss (`place`).
+      optimizer: a `functrain.optim.Transform`; `state.opt_state` is its state over `pipe`'s params.
+      microbatches: the batch is cut into this many microbatches (its dim 0 must divide by it);
+        the gradients are their mean, as `functrain.make_train_step(accum_steps=microbatches)`.
+      schedule: "1f1b" (at most `world - rank` microbatches' activations held) or "gpipe" (all of
+        them), see `functrain.parallel.schedule`.
+      compile: run the stages as the staged loss's compiled graphs and the update as one graph
+        (module docstring: the compile contract); False: eager.
+      donate: write the new params and optimizer state into the input state's buffers.
+      precision: "fp32", "bf16" or "fp16" (loss scaling), as for `functrain.make_train_step`.
+      skip_nonfinite: keep the old params and optimizer state when the global loss or gradient norm
+        is not finite (the same decision on every rank).
+      compile_options: extra keyword arguments for `torch.compile`.
+      observe: called as `observe(kind, micro, seconds)` after each forward ("F") and backward
+        ("B") with the seconds it computed (time blocked in receives left out), as
+        `observe("schedule", microbatches, seconds)` when the schedule's last action has run and
+        its sends have completed (the span a bubble is measured over), and as
+        `observe("step", microbatches, seconds)` at the end of each step.
+
+    Returns:
+      The step. Metrics, equal on every pipeline rank: `loss` and the head's aux (mean over
+      microbatches), `grad_norm`, `update_norm`, `lr`, the skip counters.
+
+    Raises:
+      ValueError: an unknown schedule or microbatches < 1 (one line).
+
+    Example:
+      >>> step = pipeline.make_train_step(pipe, optim.adamw(3e-4), microbatches=8)
+      >>> state, metrics = step(state, batch)
+    """
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    actions = make_schedule(schedule, pipe.world, microbatches, pipe.rank)
+    prec = precision_lib.get(precision)
+    guarded = skip_nonfinite or prec.loss_scaling
+    loss_fn = pipe.loss_fn.compile_stages(compile_options) if compile else pipe.loss_fn
+    wire = _Wire(pipe)
+    aux_names: list = []  # the head's aux metric names (sent once by the last rank)
+    updates: dict = {}  # id(inner layout) -> (Stages, the update for it)
+
+    def update_for(params: Params):
+        """The layout and update for params laid out as they are (built at first use)."""
+        inner = layout_of(params)
+        if id(inner) not in updates:
+            lay = Stages(inner, pipe)
+            fn = make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec, layout=lay)
+            updates[id(inner)] = lay, compiler.maybe_compile(fn, compile, compile_options)
+        return updates[id(inner)]
+
+    def step(state: TrainState, batch: PyTree):
+        t_step = time.perf_counter()
+        lay, update = update_for(state.params)
+        params, batch = precision_lib.to_compute(prec, state.params, batch)
+        params = lay.gather(params)  # this rank's stages, whole on the dp axes (tp slices stay slices)
+        key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
+        micro = _microbatches(batch, microbatches)
+        keys = rng_lib.split(key, microbatches) if microbatches > 1 else key[None]
+        loss_scale = state.guard.loss_scale if prec.loss_scaling else None
+        stages = _Rank(pipe, loss_fn, wire, _signature(batch))
+        grads: Params = {}
+        wide = microbatches > 1  # accumulate in float32, as accum_steps does
+
+        def add(stage, g):
+            for n, x in g.items():
+                x = x.float() if wide else x
+                grads[n] = x if n not in grads else grads[n] + x
+
+        held, losses, auxes = {}, [], []
+        t_schedule = time.perf_counter()
+        for act in actions:
+            t0, w0 = time.perf_counter(), wire.waited
+            i = act.micro
+            if act.kind == "F":
+                held[i], loss, aux = stages.forward(params, micro[i], keys[i], i)
+                if pipe.last:
+                    losses.append(loss.detach())
+                    auxes.append({k: v.detach() for k, v in (aux or {}).items()})
+            else:
+                stages.backward(params, held.pop(i), keys[i], i, loss_scale, add)
+            if observe is not None:
+                observe(act.kind, i, time.perf_counter() - t0 - (wire.waited - w0))
+        wire.flush()
+        if observe is not None:
+            observe("schedule", microbatches, time.perf_counter() - t_schedule)
+        grads = {n: (grads[n] / microbatches if wide else grads[n]) if n in grads else torch.zeros_like(p)
+                 for n, p in params.items()}
+        grads = _sum_tied(grads, pipe)
+        metrics = _metrics(losses, auxes, pipe, _device(params), aux_names)
+        grads = lay.reduce_grads(to_master(grads, state.params, loss_scale), state.params)  # dp mean, placements
+        out = update(state, lay.mean_over_dp(metrics), grads)
+        if observe is not None:
+            observe("step", microbatches, time.perf_counter() - t_step)
+        return out
+
+    return step
+
+
+def _sum_tied(grads: Params, pipe: Pipeline) -> Params:
+    """Gradients of weights read on several ranks summed over the pipeline group (zeros where absent)."""
+    if not pipe.tied:
+        return grads
+    device = next(iter(grads.values())).device
+    parts = [grads[n].reshape(-1).float() if n in grads else torch.zeros(shape, device=device).reshape(-1)
+             for n, shape, _ in pipe.tied]
+    total = _all_reduce(torch.cat(parts), pipe)
+    out, at = dict(grads), 0
+    for (n, shape, _), part in zip(pipe.tied, parts):
+        if n in grads:
+            out[n] = total[at:at + part.numel()].reshape(shape).to(grads[n].dtype)
+        at += part.numel()
+    return out
+
+
+def _metrics(losses: list, auxes: list, pipe: Pipeline, device, names: list) -> dict:
+    """The loss and aux (mean over microbatches) from the last rank, the same on every pipeline rank;
+    `names` caches the aux names (filled by the last rank's broadcast at the first call)."""
+    if not names:
+        names.append(_aux_names(auxes, pipe))
+    names = names[0]
+    if pipe.last:
+        rows = [torch.stack([l.float(), *[a[k].float() for k in names]]) for l, a in zip(losses, auxes)]
+        values = torch.stack(rows).mean(0) if len(rows) > 1 else rows[0]
+    else:
+        values = torch.zeros(1 + len(names), device=device)
+    values = _all_reduce(values.to(device), pipe)
+    return {M.LOSS: values[0], **{k: values[1 + j] for j, k in enumerate(names)}}
+
+
+def _aux_names(auxes: list, pipe: Pipeline) -> list:
+    """The head's aux metric names, sent by the last pipeline rank to the others."""
+    names = [sorted(auxes[0]) if pipe.last and auxes else None]
+    if pipe.world > 1:
+        src = pipe.world - 1 if pipe.group is None else dist.get_global_rank(pipe.group, pipe.world - 1)
+        dist.broadcast_object_list(names, src=src, group=pipe.group)
+    return names[0] or []
+
+
+def make_eval_step(
+    pipe: Pipeline,
+    *,
+    microbatches: int = 1,
+    compile: bool = False,
+    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    compile_options: dict | None = None,
+) -> Callable[[TrainState, PyTree], dict]:
+    """Builds one pipeline rank's `eval_step(state, batch) -> metrics` (forward only, no dropout key).
+
+    Args:
+      pipe: this rank's share of the staged loss (`place`).
+      microbatches: the batch is cut into this many microbatches, which flow through the ranks in turn.
+      compile: run the stages as the staged loss's compiled graphs.
+      precision: compute precision, as for `make_train_step`.
+      compile_options: extra keyword arguments for `torch.compile`.
+
+    Returns:
+      The eval function; its metrics (`loss` and the head's aux, mean over microbatches) are equal on
+      every pipeline rank. It never changes the state.
+
+    Example:
+      >>> val_loss = pipeline.make_eval_step(pipe)(state, val_batch)["loss"]
+    """
+    prec = precision_lib.get(precision)
+    loss_fn = pipe.loss_fn.compile_stages(compile_options) if compile else pipe.loss_fn
+    wire = _Wire(pipe)
+    aux_names: list = []
+
+    def evaluate(state: TrainState, batch: PyTree):
+        lay = Stages(layout_of(state.params), pipe)
+        params, batch = precision_lib.to_compute(prec, state.params, batch)
+        params = lay.gather(params)
+        stages = _Rank(pipe, loss_fn, wire, _signature(batch))
+        losses, auxes = [], []
+        with torch.no_grad():
+            for i, mb in enumerate(_microbatches(batch, microbatches)):
+                _, loss, aux = stages.forward(params, mb, None, i, grad=False)
+                if pipe.last:
+                    losses.append(loss)
+                    auxes.append(dict(aux or {}))
+        wire.flush()
+        return lay.mean_over_dp(_metrics(losses, auxes, pipe, _device(params), aux_names))
+
+    return evaluate
