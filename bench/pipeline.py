@@ -1,7 +1,7 @@
 """Pipeline parallelism: the measured bubble against the schedule's, and per-rank peak memory, GPipe vs 1F1B.
 
 One launch of N ranks (a pipeline of N stages) trains a GPT whose blocks are cut over the ranks
-(`functrain.pipeline.place`), with M microbatches per step, under each schedule in turn. Per rank
+(`functrain.parallel.pipeline.place`), with M microbatches per step, under each schedule in turn. Per rank
 the step's `observe` hook reports the seconds each forward and backward computed (time blocked in
 receives left out); the measured bubble of a rank is 1 - (its compute seconds) / (the step's wall
 seconds of the schedule: from its first action to its last, the optimizer update left out), summed
@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _mem import reset_peak, status_mib, trim  # noqa: E402
 
-from functrain import init_state, optim, pipeline, rng  # noqa: E402
+from functrain import init_state, optim, rng  # noqa: E402
+from functrain.parallel import pipeline  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 from functrain.parallel import schedule as schedules  # noqa: E402
 

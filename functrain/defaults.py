@@ -91,7 +91,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.mesh.dp_shard = -1  # -1 = the rest of the world size
     c.mesh.cp = 1  # context parallel: each sequence split over cp ranks (functrain.parallel.context)
     c.mesh.tp = 1
-    c.mesh.pp = 1  # pipeline stages: the blocks cut over pp ranks, each a mesh of the axes above (functrain.pipeline)
+    c.mesh.pp = 1  # pipeline stages: the blocks cut over pp ranks, each a mesh of the axes above (functrain.parallel.pipeline)
     c.pp = ml_collections.ConfigDict()
     c.pp.microbatches = 1  # mesh.pp > 1: microbatches per step (the gradients' mean; in place of accum_steps)
     c.pp.schedule = "1f1b"  # "1f1b" holds at most pp - stage microbatches' activations, "gpipe" all of them

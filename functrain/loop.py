@@ -49,7 +49,8 @@ import torch
 
 from functrain import checkpoint as ckpt_lib
 from functrain.data.prefetch import Prefetcher
-from functrain import memory, parallel, pipeline
+from functrain import memory, parallel
+from functrain.parallel import pipeline
 from functrain.compiler import cache as compile_cache
 from functrain.compiler import cuda_graphs
 from functrain import metric_names as M
@@ -614,7 +615,7 @@ def checkpoint_path(path: str, key: str = "checkpoint.init_from") -> str:
 
 
 def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device):
-    """(pipe, state, train step, eval step) of this rank's pipeline stages (`functrain.pipeline`): only
+    """(pipe, state, train step, eval step) of this rank's pipeline stages (`functrain.parallel.pipeline`): only
     their params are drawn, sharded over the stage's mesh."""
     if config.get("cuda_graphs", False):
         raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "

@@ -30,7 +30,7 @@ def mesh_shape(mesh_config: Any, world: int) -> dict[str, int]:
       mesh_config: a dict / ml_collections ConfigDict / object with optional int fields
         `dp_replicate` (default 1), `dp_shard` (default -1), `cp` (default 1), `tp` (default 1); -1
         means "the rest of the world size" and may appear once. None means pure FSDP over all
-        processes. An optional `pp` (default 1, pipeline ranks, see `functrain.pipeline`) splits
+        processes. An optional `pp` (default 1, pipeline ranks, see `functrain.parallel.pipeline`) splits
         the world into `pp` pipeline stages, each a mesh of the other four axes over world / pp.
       world: the number of processes.
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from functrain import checkpoint as ckpt
-from functrain import init_state, make_eval_step, make_train_step, parallel, pipeline, rng
+from functrain import init_state, make_eval_step, make_train_step, parallel, rng
+from functrain.parallel import pipeline
 from functrain.models import gpt, llama
 from functrain.parallel import schedule as schedules
 
@@ -284,6 +285,7 @@ SUITES = {
         ("gpt_remat", lambda r, w: compare(r, w, remat="full")),
         ("gpt_bf16", lambda r, w: compare(r, w, precision="bf16")),
         ("gpt_bf16_one_micro", lambda r, w: compare(r, w, micro=1, precision="bf16")),
+        ("gpt_fp16", lambda r, w: compare(r, w, precision="fp16")),  # dynamic loss scaling
         ("llama", lambda r, w: compare(r, w, "llama", micro=2)),
         ("llama_bf16_remat", lambda r, w: compare(r, w, "llama", remat="full", precision="bf16")),
         ("gpt_nan_skip", lambda r, w: compare(r, w, steps=5, poison_at=2)),

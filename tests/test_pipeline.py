@@ -146,6 +146,7 @@ def _assert_matches(results, steps, dtype=torch.float32):
     ("gpt_remat", 20, torch.float32),  # every block recomputed in its backward
     ("gpt_bf16", 20, torch.bfloat16),
     ("gpt_bf16_one_micro", 20, torch.bfloat16),
+    ("gpt_fp16", 20, torch.float16),  # the loss scale seeds the last stage, grads unscaled after
     ("llama", 20, torch.float32),  # untied head, grouped-query attention
     ("llama_bf16_remat", 20, torch.bfloat16),
 ])

@@ -12,7 +12,7 @@ Sizes come from a config with fields `dp_replicate`, `dp_shard`, `cp`, `tp` (int
 of the world size", at most one -1); their product must equal the number of processes. Ranks that
 differ only in their cp or tp coordinate read the same batch rows.
 
-Pipeline stages. A config field `pp` > 1 (`functrain.pipeline`) splits the processes into `pp`
+Pipeline stages. A config field `pp` > 1 (`functrain.parallel.pipeline`) splits the processes into `pp`
 pipeline stages: a 5-D mesh ("pp", then the four axes above) is built, `ctx.mesh` is this stage's
 4-D sub-mesh (what its params are sharded on; every other part of functrain sees only it) and
 `ctx.pp_group` the group of the ranks that hold the other stages at the same 4-D coordinate.
@@ -86,7 +86,7 @@ class ParallelContext:
       cp_rank, cp_world: coordinate and size of the context-parallel axis.
       tp_rank, tp_world: coordinate and size of the tensor-parallel axis.
       shape: {axis name: size} for the four axes.
-      pp_rank, pp_world: this rank's pipeline stage and the number of stages (`functrain.pipeline`).
+      pp_rank, pp_world: this rank's pipeline stage and the number of stages (`functrain.parallel.pipeline`).
       pp_group: the process group of this rank's pipeline (None without pipeline stages).
     """
 

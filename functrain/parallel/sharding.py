@@ -253,7 +253,7 @@ def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | N
       mesh: the DeviceMesh.
       rules: sharding rules (default `FSDP_RULES`).
       device: where the local blocks live.
-      names: make only these parameters (a pipeline stage's, `functrain.pipeline`); the others are
+      names: make only these parameters (a pipeline stage's, `functrain.parallel.pipeline`); the others are
         drawn as empty blocks and left out. None: all of them.
 
     Returns:
