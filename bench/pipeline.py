@@ -3,10 +3,12 @@
 One launch of N ranks (a pipeline of N stages) trains a GPT whose blocks are cut over the ranks
 (`functrain.parallel.pipeline.place`), with M microbatches per step, under each schedule in turn. Per rank
 the step's `observe` hook reports the seconds each forward and backward computed (time blocked in
-receives left out); the measured bubble of a rank is 1 - (its compute seconds) / (the step's wall
-seconds of the schedule: from its first action to its last, the optimizer update left out), summed
-over the timed steps, and the printed bubble is the mean over ranks, against the
-theoretical (N - 1) / (M + N - 1) of equal stages. Memory is the growth of the resident set during
+receives left out); the measured bubble of a rank is 1 - (its compute seconds) / (the schedule's
+span: from the first action to the last action of any rank, the optimizer update left out), over
+the timed steps, and the printed bubble is the mean over ranks, against the theoretical
+(N - 1) / (M + N - 1) of equal stages and against what the schedule leaves idle for the measured
+per-rank forward and backward costs (`parallel.schedule.simulate`: unequal stages idle more). On
+CPU each rank is pinned to a core of its own when there are enough (`--no-pin` leaves them free). Memory is the growth of the resident set during
 one step over the resident set before it (bench/_mem.py: the kernel's high-water mark, free heap
 handed back first; on CUDA `torch.cuda.max_memory_allocated`), per rank, for each schedule: 1F1B
 holds at most N - rank microbatches' activations, GPipe all M. The default model is narrow and the
@@ -52,6 +54,7 @@ def _args():
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--steps", type=int, default=4, help="timed steps per schedule (after 2 warm-up steps)")
     p.add_argument("--schedules", default="gpipe,1f1b")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each rank to a core of its own")
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -118,7 +121,7 @@ def _measure(name, pipe, params, batch, args, m):
     dist.barrier()
     seconds = (time.perf_counter() - t0) / args.steps
     per = args.steps * m  # microbatches timed
-    return {"step_s": seconds, "bubble": 1.0 - busy[0] / sum(walls), "peak_mib": peak, "held_mib": held,
+    return {"step_s": seconds, "busy_s": busy[0], "span_s": sum(walls), "peak_mib": peak, "held_mib": held,
             "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
 
 
@@ -126,6 +129,8 @@ def main():
     args = _args()
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank, n = dist.get_rank(), dist.get_world_size()
+    if args.pin and not torch.cuda.is_available() and n <= (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {rank})  # a core of its own: less noise in the stages' times
     m = args.microbatches or 4 * n
     layers = args.n_layer or 4 * n
     cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.n_head,
@@ -144,7 +149,10 @@ def main():
         mine = _measure(name, pipe, params, batch, args, m)
         every = [None] * n
         dist.all_gather_object(every, mine)
-        bubbles = [r["bubble"] for r in every]
+        # the schedules of all ranks start together (after the last step's collectives): their common
+        # span is the longest; a rank's bubble is the share of it the rank did not compute
+        span = max(r["span_s"] for r in every)
+        bubbles = [1.0 - r["busy_s"] / span for r in every]
         # what the schedule leaves idle for these stages' measured costs (the formula assumes equal stages)
         expected = schedules.simulate(name, n, m, [r["forward_s"] for r in every], [r["backward_s"] for r in every])
         row = {"step_s": max(r["step_s"] for r in every), "bubble": sum(bubbles) / n, "bubble_per_rank": bubbles,

@@ -322,8 +322,8 @@ def run(
       ...     summary = loop.run(task, opt, config, "runs/gpt", ctx)
     """
     t_program = time.perf_counter() if t_program is None else t_program
-    micro = config.pp.microbatches if ctx.pp_world > 1 else config.accum_steps
-    validate.check_batch(config.batch_size, micro, ctx.dp_world)  # (the mesh at hand)
+    micro = ("pp.microbatches", config.pp.microbatches) if ctx.pp_world > 1 else ("accum_steps", config.accum_steps)
+    validate.check_batch(config.batch_size, micro[1], ctx.dp_world, micro[0])  # (the mesh at hand)
     with workdir_lock.hold(workdir, ctx.is_main_process):  # one run per workdir
         return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program)
 

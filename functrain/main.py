@@ -228,8 +228,8 @@ def check_config(config: Any, mesh: bool = True) -> None:
         raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     pp = config.mesh.get("pp", 1)
     validate.check_pipeline(pp, config.accum_steps, config.model.get("n_layer", 0))
-    batches = config.pp.microbatches if pp > 1 else config.accum_steps  # microbatches a dp rank's rows split into
-    validate.check_batch(config.batch_size, batches, mesh_config.dp_world(shape) if world > 1 else 1)
+    micro = ("pp.microbatches", config.pp.microbatches) if pp > 1 else ("accum_steps", config.accum_steps)
+    validate.check_batch(config.batch_size, micro[1], mesh_config.dp_world(shape) if world > 1 else 1, micro[0])
     validate.check_context(config.model.get("block_size", 0), shape["cp"])
 
 

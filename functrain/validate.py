@@ -215,21 +215,22 @@ def relation(keys: Sequence[str], ok: Callable[..., bool], rule: str) -> Check:
     return tuple(keys), (ok, rule)
 
 
-def check_batch(batch_size: int, accum_steps: int, dp_world: int) -> None:
+def check_batch(batch_size: int, accum_steps: int, dp_world: int, what: str = "accum_steps") -> None:
     """Raises `ConfigError` unless `batch_size` splits into `dp_world` ranks x `accum_steps` micro-batches.
 
     Args:
       batch_size: the global batch (`config.batch_size`).
       accum_steps: gradient-accumulation micro-batches per step.
       dp_world: data-parallel ranks of the mesh (`functrain.mesh_config.dp_world`).
+      what: the key that sets the micro-batches ("pp.microbatches" for pipeline stages).
 
     Example:
       >>> check_batch(16, 2, 4)   # 2 rows per micro-batch per rank: fine
     """
     if batch_size % (dp_world * accum_steps):
         raise ConfigError(
-            f"batch_size={batch_size} must divide by data-parallel ranks ({dp_world}) x accum_steps "
-            f"({accum_steps}); change batch_size, accum_steps or the mesh (--config.batch_size)")
+            f"batch_size={batch_size} must divide by data-parallel ranks ({dp_world}) x {what} "
+            f"({accum_steps}); change batch_size, {what} or the mesh (--config.batch_size)")
 
 
 def check_pipeline(pp: int, accum_steps: int, n_layer: int) -> None:

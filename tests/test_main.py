@@ -120,6 +120,12 @@ def test_dist_timeout_reaches_the_parallel_setup(tmp_path, monkeypatch, value, e
     ("--config.mesh.tp=2 --config.batch_size=15", "4", "data-parallel ranks (2)"),
     ("--config.mesh.tp=3", "4", "world size 4 is not divisible by 3"),
     ("--config.compile_unit=regions", None, "compile_unit='regions'"),
+    ("--config.mesh.pp=2 --config.accum_steps=2", "2", "set --config.pp.microbatches instead and accum_steps=1"),
+    ("--config.mesh.pp=2 --config.pp.microbatches=3", "2",
+     "batch_size=16 must divide by data-parallel ranks (1) x pp.microbatches (3)"),
+    ("--config.mesh.pp=3", "2", "pp=3: pipeline ranks must be a positive divisor of the world size 2"),
+    ("--config.mesh.pp=4 --config.model.n_layer=2", "4", "mesh.pp=4 pipeline stages over model.n_layer=2 blocks"),
+    ("--config.pp.schedule=zb", None, "pp.schedule='zb' is out of range: one of '1f1b', 'gpipe'"),
 ])
 def test_bad_config_is_reported_before_torch_loads(tmp_path, flags, world, expected):
     """Every config check (the loop's, the optimizer's, the family's, the mesh against torchrun's
