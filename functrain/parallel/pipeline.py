@@ -503,9 +503,9 @@ def _sum_tied(grads: Params, pipe: Pipeline) -> Params:
              for n, shape, _ in pipe.tied]
     total = _all_reduce(torch.cat(parts), pipe)
     out, at = dict(grads), 0
-    for (n, shape, _), part in zip(pipe.tied, parts):
+    for (n, _, _), part in zip(pipe.tied, parts):
         if n in grads:
-            out[n] = total[at:at + part.numel()].reshape(shape).to(grads[n].dtype)
+            out[n] = total[at:at + part.numel()].reshape(grads[n].shape).to(grads[n].dtype)
         at += part.numel()
     return out
 
