@@ -88,6 +88,37 @@ def mine(tree, names):
 ALL_NAMES: list = []
 
 
+def differences(ref, ref_hist, state, hist, pipe) -> dict:
+    """This rank's pipelined run (`state`: plain tensors, `hist`) vs the one-process run (`ref`, `ref_hist`):
+    the largest differences of metrics, this rank's params and optimizer state, and what ran where."""
+    names = set(pipe.names)
+    finite = [(a, b) for a, b in zip(ref_hist, hist) if a["loss"] == a["loss"]]  # (a poisoned step's NaN)
+    return {
+        "loss": max(abs(a["loss"] - b["loss"]) for a, b in finite),
+        "loss_scale": max(abs(a["loss"]) for a, _ in finite),
+        "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) / abs(a["grad_norm"])
+                         for a, b in zip(ref_hist, hist) if a["grad_norm"] == a["grad_norm"]),
+        "params": max_diff(state.params, pipe.params(ref.params)),
+        "opt_state": opt_diff(state, ref, names),
+        "opt_leaves": [len(mine(state.opt_state, names)), len(mine(ref.opt_state, names))],
+        "step": int(state.step),
+        "skipped": [h.get("skipped") for h in hist],
+        "ref_skipped": [h.get("skipped") for h in ref_hist],
+        "metric_keys_equal": sorted(ref_hist[0]) == sorted(hist[0]),
+        "lr": [h.get("lr") for h in hist][:3],
+        "ref_lr": [h.get("lr") for h in ref_hist][:3],
+        "names": sorted(names),
+        "blocks": list(pipe.blocks),
+    }
+
+
+def opt_diff(state, ref, names, empty: float = 0.0) -> float:
+    """Largest difference of the optimizer state of `names` (and of no param) between two states (`empty`
+    when there is none)."""
+    return max(((x.double() - y.double()).abs().max().item() for x, y in
+                zip(mine(state.opt_state, names), mine(ref.opt_state, names)) if x.numel()), default=empty)
+
+
 def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, remat="none", steps=STEPS,
             precision=None, compile=False, poison_at=None):
     """The pipeline run vs one process with accum_steps=micro: max differences of metrics, params, opt state."""
@@ -125,32 +156,13 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
     finally:
         if compile:
             torch._dynamo.config.error_on_recompile = False
-    names = set(pipe.names)
     live = peak = 0
     for kind, _ in seen[:2 * micro]:  # the first step's actions
         live += {"F": 1, "B": -1}.get(kind, 0)
         peak = max(peak, live)
-    out = {
-        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_hist, hist) if a["loss"] == a["loss"]),
-        "loss_scale": max(abs(a["loss"]) for a in ref_hist if a["loss"] == a["loss"]),
-        "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) / abs(a["grad_norm"])
-                         for a, b in zip(ref_hist, hist) if a["grad_norm"] == a["grad_norm"]),
-        "params": max_diff(state.params, pipe.params(ref.params)),
-        "opt_state": max(((x.double() - y.double()).abs().max().item() for x, y in
-                          zip(mine(state.opt_state, names), mine(ref.opt_state, names)) if x.numel()), default=0.0),
-        "opt_leaves": [len(mine(state.opt_state, names)), len(mine(ref.opt_state, names))],
-        "step": int(state.step),
-        "skipped": [h.get("skipped") for h in hist],
-        "ref_skipped": [h.get("skipped") for h in ref_hist],
-        "metric_keys_equal": sorted(ref_hist[0]) == sorted(hist[0]),
-        "lr": [h.get("lr") for h in hist][:3],
-        "ref_lr": [h.get("lr") for h in ref_hist][:3],
-        "names": sorted(names),
-        "blocks": list(pipe.blocks),
-        "held": peak,
-        "expected_held": schedules.held(schedules.schedule(sched, world, micro, ctx_rank)),
-        "order": [k + str(i) for k, i in seen[:2 * micro + 1]],
-    }
+    out = differences(ref, ref_hist, state, hist, pipe)
+    out.update(held=peak, expected_held=schedules.held(schedules.schedule(sched, world, micro, ctx_rank)),
+               order=[k + str(i) for k, i in seen[:2 * micro + 1]])
     if counters is not None:
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
     return out
@@ -173,29 +185,13 @@ def compare_mesh(ctx_rank, world, mesh_cfg, name="gpt", *, micro=4, layers=2, re
     state = parallel.shard_state(init_state(pipe.params(params), opt), ctx.mesh, rules)
     state, hist = run(step, state, data, ctx)
     full = parallel.gather(state)
-    names = set(pipe.names)
-    return {
-        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_hist, hist)),
-        "loss_scale": max(abs(a["loss"]) for a in ref_hist),
-        "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) / abs(a["grad_norm"]) for a, b in zip(ref_hist, hist)),
-        "params": max_diff(full.params, pipe.params(ref.params)),
-        "opt_state": max(((x.double() - y.double()).abs().max().item() for x, y in
-                          zip(mine(full.opt_state, names), mine(ref.opt_state, names)) if x.numel()), default=0.0),
-        "opt_leaves": [len(mine(full.opt_state, names)), len(mine(ref.opt_state, names))],
-        "step": int(full.step),
-        "skipped": [h.get("skipped") for h in hist],
-        "ref_skipped": [h.get("skipped") for h in ref_hist],
-        "metric_keys_equal": sorted(ref_hist[0]) == sorted(hist[0]),
-        "lr": [h.get("lr") for h in hist][:3],
-        "ref_lr": [h.get("lr") for h in ref_hist][:3],
-        "names": sorted(names),
-        "blocks": list(pipe.blocks),
-        "held": 0, "expected_held": 0,
-        "pp": [ctx.pp_rank, ctx.pp_world], "dp": [ctx.dp_rank, ctx.dp_world], "tp": [ctx.tp_rank, ctx.tp_world],
-        "local_numel": sum(v.to_local().numel() for v in state.params.values()),
-        "stage_numel": sum(v.numel() for v in state.params.values()),
-        "model_numel": sum(v.numel() for v in params.values()),
-    }
+    out = differences(ref, ref_hist, full, hist, pipe)
+    out.update(held=0, expected_held=0, pp=[ctx.pp_rank, ctx.pp_world], dp=[ctx.dp_rank, ctx.dp_world],
+               tp=[ctx.tp_rank, ctx.tp_world],
+               local_numel=sum(v.to_local().numel() for v in state.params.values()),
+               stage_numel=sum(v.numel() for v in state.params.values()),
+               model_numel=sum(v.numel() for v in params.values()))
+    return out
 
 
 def s_checkpoint(ctx_rank, world, mesh_cfg=None):
@@ -234,8 +230,7 @@ def s_checkpoint(ctx_rank, world, mesh_cfg=None):
     restored = ckpt.restore(os.path.join(root, "pp"), whole, strict=True).result()
     plain = parallel.gather(restored) if mesh_cfg else restored
     out["pp_to_whole_params"] = max_diff(pipe.params(plain.params), saved.params)
-    out["pp_to_whole_opt"] = max(((x - y).abs().max().item() for x, y in
-                                  zip(mine(plain.opt_state, names), mine(saved.opt_state, names))), default=-1.0)
+    out["pp_to_whole_opt"] = opt_diff(plain, saved, names, empty=-1.0)
     out["whole_step"] = int(plain.step)
     # (over 4 FSDP ranks a rank's 2 rows are one microbatch: the mean over the same 8 rows)
     whole_step = make_train_step(make_loss(template, staged=True), opt, accum_steps=1 if mesh_cfg else micro,
@@ -249,8 +244,7 @@ def s_checkpoint(ctx_rank, world, mesh_cfg=None):
     full = parallel.gather(state)
     out["resumed_step"] = int(full.step)
     out["resumed_vs_single_params"] = max_diff(full.params, pipe.params(ref.params))
-    out["resumed_vs_single_opt"] = max(((x.double() - y.double()).abs().max().item() for x, y in
-                                        zip(mine(full.opt_state, names), mine(ref.opt_state, names))), default=-1.0)
+    out["resumed_vs_single_opt"] = opt_diff(full, ref, names, empty=-1.0)
     return out
 
 
