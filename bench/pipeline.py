@@ -1,21 +1,27 @@
 """Pipeline parallelism: the measured bubble against the schedule's, and per-rank peak memory, GPipe vs 1F1B.
 
 One launch of N ranks (a pipeline of N stages) trains a GPT whose blocks are cut over the ranks
-(`functrain.parallel.pipeline.place`), with M microbatches per step, under each schedule in turn. Per rank
-the step's `observe` hook reports the seconds each forward and backward computed (time blocked in
-receives left out); the measured bubble of a rank is 1 - (its compute seconds) / (the schedule's
-span: from the first action to the last action of any rank, the optimizer update left out), over
-the timed steps, and the printed bubble is the mean over ranks, against the theoretical
-(N - 1) / (M + N - 1) of equal stages and against what the schedule leaves idle for the measured
-per-rank forward and backward costs (`parallel.schedule.simulate`: unequal stages idle more). On
-CPU each rank is pinned to a core of its own when there are enough (`--no-pin` leaves them free). Memory is the growth of the resident set during
-one step over the resident set before it (bench/_mem.py: the kernel's high-water mark, free heap
-handed back first; on CUDA `torch.cuda.max_memory_allocated`), per rank, for each schedule: 1F1B
-holds at most N - rank microbatches' activations, GPipe all M. The default model is narrow and the
-microbatches long, so activations dominate a step's memory.
+(`functrain.parallel.pipeline.place`), with M microbatches per step, under each schedule in turn.
+Per rank the step's `observe` hook reports the seconds each forward and backward computed (time
+blocked in receives left out). A step's span runs from the first action to the last action of any
+rank (the optimizer update left out); a rank's bubble is 1 - (its compute seconds) / (the spans),
+over the timed steps. Printed: the mean over ranks, the median step's, the theoretical
+(N - 1) / (M + N - 1) of equal stages, and what the schedule leaves idle for the measured per-rank
+forward and backward costs (`parallel.schedule.simulate`: unequal stages idle more).
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/pipeline.py --json
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/pipeline.py --microbatches 8 --json
+The formula assumes equal stages, so the default model gives each rank 8 blocks: the embedding and
+the head (with the loss), which the first and the last rank run besides, then weigh ~1% of a stage
+(with 4 blocks per rank the last stage computed ~4% more than the first). On CPU each rank is pinned
+to a core of its own when there are enough (`--no-pin` leaves them free), and malloc keeps freed
+memory for the next step (`--give-back`: glibc's default, which page-faults GPipe's growing
+activations in again every step). Memory is the growth of the resident set during one step over
+the resident set before it (bench/_mem.py: the kernel's high-water mark, free heap handed back
+first; on CUDA `torch.cuda.max_memory_allocated`), per rank, for each schedule: 1F1B holds at most
+N - rank microbatches' activations, GPipe all M. The model is narrow and the microbatches long, so
+activations dominate a step's memory.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/pipeline.py --steps 10 --json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/pipeline.py --steps 2 --json
 
 Printed: per schedule the step time, the bubble (measured and theoretical, per rank) and each rank's
 peak; the 1F1B / GPipe peak ratio per rank against N / M; with --json a last line of JSON.
@@ -35,7 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _mem import reset_peak, status_mib, trim  # noqa: E402
+from _mem import keep_freed, reset_peak, status_mib, trim  # noqa: E402
 
 from functrain import init_state, optim, rng  # noqa: E402
 from functrain.parallel import pipeline  # noqa: E402
@@ -48,13 +54,15 @@ def _args():
     p.add_argument("--microbatches", type=int, default=0, help="M (default 4 x the ranks)")
     p.add_argument("--micro-rows", type=int, default=2, help="sequences per microbatch")
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--n-layer", type=int, default=0, help="blocks (default 4 per rank)")
+    p.add_argument("--n-layer", type=int, default=0, help="blocks (default 8 per rank)")
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--steps", type=int, default=4, help="timed steps per schedule (after 2 warm-up steps)")
     p.add_argument("--schedules", default="gpipe,1f1b")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each rank to a core of its own")
+    p.add_argument("--give-back", dest="keep", action="store_false",
+                   help="let malloc hand freed memory back to the OS between steps (page faults in every step)")
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -86,16 +94,18 @@ def _peak_growth(step, state, batch, after_forward: list):
 
 
 def _measure(name, pipe, params, batch, args, m):
-    """Step seconds, this rank's bubble and its peak growth under schedule `name`."""
+    """Step seconds, this rank's compute and schedule seconds per timed step, and its peak growth under `name`."""
     opt = optim.adamw(1e-4)
     busy = [0.0]
     spent = {"F": 0.0, "B": 0.0}  # compute seconds by kind over the timed steps
-    walls, after_forward = [], []
+    walls, busies, after_forward = [], [], []
     measuring = False
 
     def observe(kind, micro, seconds):
-        if kind == "schedule":
+        if kind == "schedule":  # the step's schedule has run: its span and this rank's compute in it
             walls.append(seconds)
+            busies.append(busy[0])
+            busy[0] = 0.0
         elif kind in ("F", "B"):
             busy[0] += seconds
             spent[kind] += seconds
@@ -113,7 +123,7 @@ def _measure(name, pipe, params, batch, args, m):
     state, peak, held = _peak_growth(step, state, batch, after_forward)
     measuring = False
     dist.barrier()
-    busy[0], walls[:], spent["F"], spent["B"] = 0.0, [], 0.0, 0.0
+    walls[:], busies[:], spent["F"], spent["B"] = [], [], 0.0, 0.0
     t0 = time.perf_counter()
     for _ in range(args.steps):
         state, metrics = step(state, batch)
@@ -121,8 +131,19 @@ def _measure(name, pipe, params, batch, args, m):
     dist.barrier()
     seconds = (time.perf_counter() - t0) / args.steps
     per = args.steps * m  # microbatches timed
-    return {"step_s": seconds, "busy_s": busy[0], "span_s": sum(walls), "peak_mib": peak, "held_mib": held,
+    return {"step_s": seconds, "busy_s": busies, "span_s": walls, "peak_mib": peak, "held_mib": held,
             "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
+
+
+def _bubbles(every: list) -> tuple[list, list]:
+    """(each rank's bubble over all timed steps, the mean over ranks of each step's bubble).
+
+    The schedules of all ranks start together (after the last step's collectives): a step's span is
+    the longest rank's, and a rank's bubble the share of it the rank did not compute."""
+    spans = [max(r["span_s"][s] for r in every) for s in range(len(every[0]["span_s"]))]
+    per_rank = [1.0 - sum(r["busy_s"]) / sum(spans) for r in every]
+    per_step = [sum(1.0 - r["busy_s"][s] / span for r in every) / len(every) for s, span in enumerate(spans)]
+    return per_rank, per_step
 
 
 def main():
@@ -131,8 +152,10 @@ def main():
     rank, n = dist.get_rank(), dist.get_world_size()
     if args.pin and not torch.cuda.is_available() and n <= (os.cpu_count() or 1):
         os.sched_setaffinity(0, {rank})  # a core of its own: less noise in the stages' times
+    if args.keep and not torch.cuda.is_available():
+        keep_freed()  # freed activations reused, not page-faulted in again every step
     m = args.microbatches or 4 * n
-    layers = args.n_layer or 4 * n
+    layers = args.n_layer or 8 * n  # stages far heavier than the embedding and the head
     cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.n_head,
                         n_embd=args.n_embd, dropout=0.0, bias=False)
     template = gpt.GPT(cfg, key=rng.key(0))
@@ -149,13 +172,12 @@ def main():
         mine = _measure(name, pipe, params, batch, args, m)
         every = [None] * n
         dist.all_gather_object(every, mine)
-        # the schedules of all ranks start together (after the last step's collectives): their common
-        # span is the longest; a rank's bubble is the share of it the rank did not compute
-        span = max(r["span_s"] for r in every)
-        bubbles = [1.0 - r["busy_s"] / span for r in every]
+        bubbles, steps = _bubbles(every)
+        median = sorted(steps)[len(steps) // 2]
         # what the schedule leaves idle for these stages' measured costs (the formula assumes equal stages)
         expected = schedules.simulate(name, n, m, [r["forward_s"] for r in every], [r["backward_s"] for r in every])
         row = {"step_s": max(r["step_s"] for r in every), "bubble": sum(bubbles) / n, "bubble_per_rank": bubbles,
+               "bubble_median_step": median, "bubble_per_step": steps,
                "expected_bubble": sum(expected) / n, "expected_bubble_per_rank": expected,
                "forward_s_per_rank": [r["forward_s"] for r in every],
                "backward_s_per_rank": [r["backward_s"] for r in every],
@@ -164,7 +186,8 @@ def main():
                "held_per_rank": [schedules.held(schedules.schedule(name, n, m, r)) for r in range(n)]}
         out["schedules"][name] = row
         if rank == 0:
-            print(f"{name}: {row['step_s']:.3f} s/step, bubble {row['bubble']:.3f} (theory {theory:.3f}, for these "
+            print(f"{name}: {row['step_s']:.3f} s/step, bubble {row['bubble']:.3f} (median step {median:.3f}; "
+                  f"theory {theory:.3f}, for these "
                   f"stages' costs {row['expected_bubble']:.3f}; per rank "
                   + ", ".join(f"{b:.3f}" for b in bubbles) + " vs " + ", ".join(f"{b:.3f}" for b in expected)
                   + "), peak MiB per rank "

@@ -147,13 +147,25 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
                                     observe=lambda kind, i, s: seen.append((kind, i)))
     state = init_state(pipe.params(params), opt)
     hist = []
+    receives = []  # per step: [blocking receives, receives posted ahead]
+    recv, irecv = dist.recv, dist.irecv
+
+    def counting(fn, k):
+        def wrapped(*args, **kwargs):
+            receives[-1][k] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    dist.recv, dist.irecv = counting(recv, 0), counting(irecv, 1)
     try:
         for i, b in enumerate(data):
             if compile:
                 torch._dynamo.config.error_on_recompile = i > 0
+            receives.append([0, 0])
             state, m = step(state, b)
             hist.append({k: float(v) for k, v in m.items()})
     finally:
+        dist.recv, dist.irecv = recv, irecv
         if compile:
             torch._dynamo.config.error_on_recompile = False
     live = peak = 0
@@ -162,7 +174,8 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
         peak = max(peak, live)
     out = differences(ref, ref_hist, state, hist, pipe)
     out.update(held=peak, expected_held=schedules.held(schedules.schedule(sched, world, micro, ctx_rank)),
-               order=[k + str(i) for k, i in seen[:2 * micro + 1]])
+               order=[k + str(i) for k, i in seen[:2 * micro + 1]], receives=receives,
+               expected_receives=micro * ((not pipe.first) + (not pipe.last)))
     if counters is not None:
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
     return out

@@ -131,6 +131,8 @@ def _assert_matches(results, steps, dtype=torch.float32):
         assert res["params"] <= params_tol and res["opt_state"] <= params_tol, res
         assert res["opt_leaves"][0] == res["opt_leaves"][1] > 0, res
         assert res["held"] == res["expected_held"], res  # the schedule that ran held what it should
+        if "receives" in res:  # after the first step every receive is posted ahead of its action
+            assert all(r == [0, res["expected_receives"]] for r in res["receives"][1:]), res["receives"]
         names |= set(res["names"])
     stages = sorted({tuple(res["blocks"]) for res in results})  # (ranks of one stage on a mesh: the same blocks)
     blocks = [b for stage in stages for b in stage]

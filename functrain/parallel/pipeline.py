@@ -11,7 +11,8 @@ its targets); it is cut into M microbatches, which run through the rank's stages
 schedule (`parallel.schedule`: "gpipe" or "1f1b"). A forward receives its input activation from the
 rank before and sends its output to the rank after; a backward receives the output's cotangent from
 the rank after and sends the input's cotangent to the rank before (torch.distributed point-to-point
-on the pipeline group: non-blocking sends, blocking receives). Within a rank the stages run as the
+on the pipeline group: non-blocking sends; each receive posted one action ahead of the action that
+waits on it, so a send finds its receive ready and goes out at once). Within a rank the stages run as the
 staged loss runs them: vjp closures, blocks recomputed in the backward as its remat policy says.
 
 One global decision. The gradients are the mean over microbatches (as `accum_steps=M` on one
@@ -247,6 +248,7 @@ class _Wire:
         self.prev = glob(pipe.rank - 1) if not pipe.first else None
         self.next = glob(pipe.rank + 1) if not pipe.last else None
         self.pending: list = []  # (work, tensor): sends in flight, waited at the end of the step
+        self.posted: dict = {}  # (source, tag) -> (work, buffer): receives posted ahead of their action
         self.shapes: dict = {}  # batch signature -> (shape, dtype) of the activation this rank receives
         self.waited = 0.0  # seconds blocked in receives (not computing) since the last reset
 
@@ -256,12 +258,33 @@ class _Wire:
         self.pending.append((dist.isend(x, to, group=self.pipe.group, tag=tag), x))
 
     def recv(self, shape, dtype, device, frm: int, tag: int) -> torch.Tensor:
-        """Receives a tensor of `shape` and `dtype` (blocks until it arrives)."""
+        """Receives a tensor of `shape` and `dtype` (blocks until it arrives; posted ahead or now)."""
         t0 = time.perf_counter()
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(buf, frm, group=self.pipe.group, tag=tag)
+        posted = self.posted.pop((frm, tag), None)
+        if posted is None:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buf, frm, group=self.pipe.group, tag=tag)
+        else:
+            work, buf = posted
+            work.wait()
         self.waited += time.perf_counter() - t0
         return buf
+
+    def post(self, act, signature, device) -> None:
+        """Posts the receive action `act` will wait on, if it has one whose shape is known.
+
+        A receive posted before the sender sends lets the send go out at once: a sender whose
+        peer has not posted its receive yet leaves the transfer to a background thread, which
+        must wait for a core when every core computes (milliseconds on the critical path)."""
+        if act.kind == "F" and not self.pipe.first:
+            frm, tag, known = self.prev, 2 * act.micro, self.shapes.get((signature, "in"))
+        elif act.kind == "B" and not self.pipe.last:
+            frm, tag, known = self.next, 2 * act.micro + 1, self.shapes.get((signature, "out"))
+        else:
+            return
+        if known is not None and (frm, tag) not in self.posted:
+            buf = torch.empty(known[0], dtype=known[1], device=device)
+            self.posted[frm, tag] = (dist.irecv(buf, frm, group=self.pipe.group, tag=tag), buf)
 
     def send_activation(self, h: torch.Tensor, micro: int, signature) -> None:
         """Sends microbatch `micro`'s output to the next rank (its shape first, once per batch signature)."""
@@ -466,7 +489,11 @@ def make_train_step(
 
         held, losses, auxes = {}, [], []
         t_schedule = time.perf_counter()
-        for act in actions:
+        device = _device(params)
+        wire.post(actions[0], stages.sig, device)
+        for j, act in enumerate(actions):
+            if j + 1 < len(actions):
+                wire.post(actions[j + 1], stages.sig, device)  # the next action's input, one action ahead
             t0, w0 = time.perf_counter(), wire.waited
             i = act.micro
             if act.kind == "F":
