@@ -112,6 +112,16 @@ def read_results(path: str) -> dict:
         return json.load(f)
 
 
+def run_suite(script: str, outdir: str, suite: str, nprocs: int, timeout: float = 900.0) -> list:
+    """Runs a worker's `suite` on `nprocs` ranks (1: one plain process) writing into `outdir`;
+    returns each rank's results (`<outdir>/<suite>_rank<r>.json`)."""
+    if nprocs == 1:
+        run_single(script, [outdir, suite], timeout=timeout)
+    else:
+        run_ranks(script, [outdir, suite], nprocs=nprocs, timeout=timeout)
+    return [read_results(os.path.join(outdir, f"{suite}_rank{r}.json")) for r in range(nprocs)]
+
+
 def scenario_results(ranks: list, name: str) -> list:
     """Scenario `name`'s result on every rank of a suite (fails with the rank's traceback on error)."""
     out = []

@@ -51,6 +51,16 @@ def trajectory_atol(*, steps: int, gain: float, grad_scale: float, n: int, dtype
     return 2.0 * steps * gain * rtol(n, dtype) * grad_scale
 
 
+def split_run(steps: int, n: int, dtype=torch.float32, *, lr: float = 0.05, momentum: float = 0.9):
+    """(loss, relative grad norm, params) tolerances of a run split over ranks against one process,
+    after `steps` SGD steps of clipped (norm <= 1) gradients on a loss ~4, reductions over ~`n` terms.
+
+    bf16 / fp16 compute rounds each matmul output to that dtype, differently per shard: 2 eps a step."""
+    per_step = rtol(n) if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    params = 2 * steps * sgd_gain(lr, momentum) * per_step
+    return 4.0 * per_step * steps, per_step * steps, params  # loss ~4: per_step relative, growing linearly
+
+
 def _leaves(tree):
     """(name, tensor) pairs of a pytree (a bare tensor is one leaf)."""
     if isinstance(tree, torch.Tensor):

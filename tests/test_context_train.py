@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import _tol
-from _dist_launch import REPO, read_results, run_ranks, scenario_results
+from _dist_launch import REPO, run_suite, scenario_results
 
 
 WORKER = os.path.join(REPO, "tests", "_context_train_worker.py")
@@ -25,15 +25,11 @@ N = 8 * 16 * 2 * 32
 
 def _tols(steps, dtype=torch.float32):
     """(loss, relative grad norm, params) tolerances after `steps` cp vs single-process steps."""
-    per_step = _tol.rtol(N) if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    params = 2 * steps * _tol.sgd_gain(0.05, 0.9) * per_step
-    return 4.0 * per_step * steps, per_step * steps, params
+    return _tol.split_run(steps, N, dtype)
 
 
 def _suite(tmp_path_factory, suite, nprocs):
-    out = str(tmp_path_factory.mktemp(suite))
-    run_ranks(WORKER, [out, suite], nprocs=nprocs, timeout=900)
-    return [read_results(os.path.join(out, f"{suite}_rank{r}.json")) for r in range(nprocs)]
+    return run_suite(WORKER, str(tmp_path_factory.mktemp(suite)), suite, nprocs)
 
 
 @pytest.fixture(scope="module")

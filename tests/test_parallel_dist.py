@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import _tol
-from _dist_launch import REPO, read_results, run_ranks, run_single, scenario_results
+from _dist_launch import REPO, run_suite, scenario_results
 from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S, matrix_cells
 
 pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
@@ -35,24 +35,15 @@ GRAD_TOL = _tol.rtol(N)  # relative to the (clipped, <= 1) gradient
 
 def _tols(steps, dtype=torch.float32):
     """(loss, params) tolerances after `steps` sharded vs single-process steps."""
-    if dtype == torch.float32:
-        per_step = _tol.rtol(N)
-    else:  # bf16 compute, fp32 accumulation: the matmul outputs round to bf16 differently per shard
-        per_step = 2 * torch.finfo(dtype).eps
-    params = 2 * steps * _tol.sgd_gain(0.05, 0.9) * per_step
-    return 4.0 * per_step * steps, params  # loss ~4: per_step relative, growing linearly
+    loss, _, params = _tol.split_run(steps, N, dtype)
+    return loss, params
 
 
 def _suite(tmp_path_factory, suite: str, nprocs: int):
     # To hunt a rank that dies or desynchronizes, add env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} to
-    # run_ranks: each collective's op and shapes are compared across ranks first, and a dead peer is
-    # named (it costs ~30% of the suite).
-    out = str(tmp_path_factory.mktemp(suite))
-    if nprocs == 1:
-        run_single(WORKER, [out, suite])
-    else:
-        run_ranks(WORKER, [out, suite], nprocs=nprocs, timeout=900)
-    return [read_results(os.path.join(out, f"{suite}_rank{r}.json")) for r in range(nprocs)]
+    # run_ranks (_dist_launch.run_suite): each collective's op and shapes are compared across ranks
+    # first, and a dead peer is named (it costs ~30% of the suite).
+    return run_suite(WORKER, str(tmp_path_factory.mktemp(suite)), suite, nprocs)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import _tol
-from _dist_launch import REPO, read_results, run_ranks, scenario_results
+from _dist_launch import REPO, run_suite, scenario_results
 from functrain.parallel import schedule as S
 
 WORKER = os.path.join(REPO, "tests", "_pipeline_worker.py")
@@ -96,18 +96,15 @@ def test_more_stages_than_blocks_is_one_line():
 
 def _tols(steps, dtype=torch.float32):
     """(loss, relative grad norm, params) tolerances after `steps` pipelined vs single-process steps."""
-    per_step = _tol.rtol(N) if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    params = 2 * steps * _tol.sgd_gain(0.05, 0.9) * per_step
-    return 4.0 * per_step * steps, per_step * steps, params
+    return _tol.split_run(steps, N, dtype)
 
 
 OUTDIRS: dict = {}  # suite -> the directory its ranks wrote (results, checkpoints)
 
 
 def _suite(tmp_path_factory, suite, nprocs):
-    out = OUTDIRS[suite] = str(tmp_path_factory.mktemp(suite))
-    run_ranks(WORKER, [out, suite], nprocs=nprocs, timeout=900)
-    return [read_results(os.path.join(out, f"{suite}_rank{r}.json")) for r in range(nprocs)]
+    OUTDIRS[suite] = str(tmp_path_factory.mktemp(suite))
+    return run_suite(WORKER, OUTDIRS[suite], suite, nprocs)
 
 
 @pytest.fixture(scope="module")
