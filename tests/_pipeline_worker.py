@@ -11,6 +11,7 @@ and its optimizer state. Results (or tracebacks) go to <outdir>/<suite>_rank<r>.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -119,6 +120,24 @@ def opt_diff(state, ref, names, empty: float = 0.0) -> float:
                 zip(mine(state.opt_state, names), mine(ref.opt_state, names)) if x.numel()), default=empty)
 
 
+@contextlib.contextmanager
+def counting_receives():
+    """Counts point-to-point receives into the last [blocking, posted ahead] pair of the list it yields."""
+    receives, recv, irecv = [], dist.recv, dist.irecv
+
+    def counting(fn, k):
+        def wrapped(*args, **kwargs):
+            receives[-1][k] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    dist.recv, dist.irecv = counting(recv, 0), counting(irecv, 1)
+    try:
+        yield receives
+    finally:
+        dist.recv, dist.irecv = recv, irecv
+
+
 def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, remat="none", steps=STEPS,
             precision=None, compile=False, poison_at=None):
     """The pipeline run vs one process with accum_steps=micro: max differences of metrics, params, opt state."""
@@ -147,25 +166,15 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
                                     observe=lambda kind, i, s: seen.append((kind, i)))
     state = init_state(pipe.params(params), opt)
     hist = []
-    receives = []  # per step: [blocking receives, receives posted ahead]
-    recv, irecv = dist.recv, dist.irecv
-
-    def counting(fn, k):
-        def wrapped(*args, **kwargs):
-            receives[-1][k] += 1
-            return fn(*args, **kwargs)
-        return wrapped
-
-    dist.recv, dist.irecv = counting(recv, 0), counting(irecv, 1)
     try:
-        for i, b in enumerate(data):
-            if compile:
-                torch._dynamo.config.error_on_recompile = i > 0
-            receives.append([0, 0])
-            state, m = step(state, b)
-            hist.append({k: float(v) for k, v in m.items()})
+        with counting_receives() as receives:
+            for i, b in enumerate(data):
+                if compile:
+                    torch._dynamo.config.error_on_recompile = i > 0
+                receives.append([0, 0])
+                state, m = step(state, b)
+                hist.append({k: float(v) for k, v in m.items()})
     finally:
-        dist.recv, dist.irecv = recv, irecv
         if compile:
             torch._dynamo.config.error_on_recompile = False
     live = peak = 0
@@ -269,8 +278,13 @@ def s_eval(ctx_rank, world):
     opt = sgd()
     ref = make_eval_step(staged, compile=False)(init_state(params, opt), b)
     pipe = pipeline.place(staged, params)
-    got = pipeline.make_eval_step(pipe, microbatches=2)(init_state(pipe.params(params), opt), b)
-    return {"eval_loss": abs(float(ref["loss"]) - float(got["loss"])), "keys": sorted(got)}
+    evaluate, state = pipeline.make_eval_step(pipe, microbatches=2), init_state(pipe.params(params), opt)
+    with counting_receives() as receives:
+        for _ in range(2):
+            receives.append([0, 0])
+            got = evaluate(state, b)
+    return {"eval_loss": abs(float(ref["loss"]) - float(got["loss"])), "keys": sorted(got),
+            "receives": receives, "expected_receives": 0 if pipe.first else 2}
 
 
 def s_too_many_stages(ctx_rank, world):

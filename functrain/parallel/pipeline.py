@@ -54,7 +54,7 @@ from functrain import tree as tree_lib
 from functrain.loss_contract import loss_and_aux
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
-from functrain.parallel.schedule import bubble_fraction, partition, schedule as make_schedule
+from functrain.parallel.schedule import Action, bubble_fraction, partition, schedule as make_schedule
 from functrain.remat import StagedLoss
 from functrain.state import TrainState
 from functrain.update import make_update, to_master
@@ -596,8 +596,12 @@ def make_eval_step(
         params = lay.gather(params)
         stages = _Rank(pipe, loss_fn, wire, _signature(batch))
         losses, auxes = [], []
+        device = _device(params)
+        wire.post(Action("F", 0), stages.sig, device)
         with torch.no_grad():
             for i, mb in enumerate(_microbatches(batch, microbatches)):
+                if i + 1 < microbatches:
+                    wire.post(Action("F", i + 1), stages.sig, device)  # the next input, one microbatch ahead
                 _, loss, aux = stages.forward(params, mb, None, i, grad=False)
                 if pipe.last:
                     losses.append(loss)
