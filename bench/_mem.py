@@ -49,6 +49,17 @@ def keep_freed() -> bool:
         return False
 
 
+def exact() -> bool:
+    """Makes the resident set follow live memory: every block of 64 KiB or more mapped on its own and
+    handed back when freed (glibc otherwise raises that threshold as blocks are freed, and then keeps
+    them: the high-water mark grows with what the step freed, not what it held). Slower; False where
+    it cannot."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10))  # M_MMAP_THRESHOLD (malloc.h)
+    except (OSError, AttributeError):
+        return False
+
+
 def reset_peak() -> bool:
     """Resets the RSS high-water mark to the current RSS; False where the kernel does not allow it."""
     try:

@@ -18,6 +18,7 @@ ratios of the longest sequences against cp=1; with --json a last line of JSON.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 bench/context.py --family llama --json
     ... --kernel stream        # the cp attention's keys and values fetched a chunk at a time
     ... --seq 8192             # one length, no search: step time and peak of each mesh
+    ... --exact-heap           # CPU: the resident set follows live memory (slower; docs/results.md)
 
 Measured (docs/results.md, 4 gloo ranks on 2 CPU cores): Llama cp=2 2.00x, cp=4 3.62x the cp=1
 length; GPT 1.70x and 2.35x (zigzag), 1.74x and 2.78x (stream).
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _mem import reset_peak, status_mib, trim  # noqa: E402
+from _mem import exact, reset_peak, status_mib, trim  # noqa: E402
 
 from functrain import init_state, make_train_step, optim, parallel, rng  # noqa: E402
 from functrain.models import gpt, llama  # noqa: E402
@@ -56,6 +57,9 @@ def _args():
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--kernel", default="zigzag", help="the cp attention: zigzag (no mask) or mask")
     p.add_argument("--seq", type=int, default=0, help="measure at this length only (no search)")
+    p.add_argument("--exact-heap", action="store_true",
+                   help="CPU: blocks of 64 KiB or more mapped and handed back one by one, so the resident set "
+                        "follows live memory (bench/_mem.exact)")
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -141,6 +145,8 @@ def longest(ctx, args, cp: int) -> dict:
 
 def main():
     args = _args()
+    if args.exact_heap:
+        exact()
     rows = []
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for cp in [int(c) for c in args.cps.split(",")]:
