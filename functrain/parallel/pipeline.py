@@ -286,6 +286,15 @@ class _Wire:
             buf = torch.empty(known[0], dtype=known[1], device=device)
             self.posted[frm, tag] = (dist.irecv(buf, frm, group=self.pipe.group, tag=tag), buf)
 
+    def ahead(self, actions: list, signature, device):
+        """Yields `actions` in order, each once the receive of the action after it is posted."""
+        if actions:
+            self.post(actions[0], signature, device)
+        for j, act in enumerate(actions):
+            if j + 1 < len(actions):
+                self.post(actions[j + 1], signature, device)
+            yield act
+
     def send_activation(self, h: torch.Tensor, micro: int, signature) -> None:
         """Sends microbatch `micro`'s output to the next rank (its shape first, once per batch signature)."""
         if (signature, "out") not in self.shapes:
@@ -489,11 +498,7 @@ def make_train_step(
 
         held, losses, auxes = {}, [], []
         t_schedule = time.perf_counter()
-        device = _device(params)
-        wire.post(actions[0], stages.sig, device)
-        for j, act in enumerate(actions):
-            if j + 1 < len(actions):
-                wire.post(actions[j + 1], stages.sig, device)  # the next action's input, one action ahead
+        for act in wire.ahead(actions, stages.sig, _device(params)):  # the next action's input posted
             t0, w0 = time.perf_counter(), wire.waited
             i = act.micro
             if act.kind == "F":
@@ -596,13 +601,10 @@ def make_eval_step(
         params = lay.gather(params)
         stages = _Rank(pipe, loss_fn, wire, _signature(batch))
         losses, auxes = [], []
-        device = _device(params)
-        wire.post(Action("F", 0), stages.sig, device)
+        forwards = wire.ahead([Action("F", i) for i in range(microbatches)], stages.sig, _device(params))
         with torch.no_grad():
-            for i, mb in enumerate(_microbatches(batch, microbatches)):
-                if i + 1 < microbatches:
-                    wire.post(Action("F", i + 1), stages.sig, device)  # the next input, one microbatch ahead
-                _, loss, aux = stages.forward(params, mb, None, i, grad=False)
+            for act, mb in zip(forwards, _microbatches(batch, microbatches)):
+                _, loss, aux = stages.forward(params, mb, None, act.micro, grad=False)
                 if pipe.last:
                     losses.append(loss)
                     auxes.append(dict(aux or {}))
