@@ -101,6 +101,10 @@ class Stage:
         `compile_stages` compile one block graph for all of them (no block graph per block).
       prefix: stripped from `names` to make `own` (e.g. "blocks.3.").
       index: the block's position (what `shared` gets as `index`).
+      rows: the position tables among `names` (e.g. learned position embeddings), read only at the
+        batch's token positions through `functrain.parallel.context.position_rows`: on sharded params
+        under context parallelism, the layout hands `fn` this rank's rows of them on the cp axis
+        instead of the whole table (`Layout.gather`), so no rank holds a table of the whole sequence.
 
     Example:
       >>> block = Stage(("w0",), lambda p, h, key: h + torch.tanh(h @ p["w0"]))
@@ -111,6 +115,7 @@ class Stage:
     shared: Callable | None = None
     prefix: str = ""
     index: int = 0
+    rows: tuple[str, ...] = ()
 
     def params(self, params: Params) -> Params:
         """The sub-dict of `params` this stage reads."""
@@ -174,13 +179,13 @@ class StagedLoss:
         (traced, or compiled stage by stage): what a pipeline rank runs its stages with."""
         return self._run
 
-    def _compose(self, params: Params, batch, key, gather=lambda p: p) -> tuple[torch.Tensor, dict]:
+    def _compose(self, params: Params, batch, key, gather=lambda p, rows: p) -> tuple[torch.Tensor, dict]:
         """embed, every block, head, each on `gather` of its own params (no recomputation)."""
         run = self._run
-        h = run.embed(gather(self.embed.params(params)), batch, key)
+        h = run.embed(gather(self.embed.params(params), self.embed.rows), batch, key)
         for block, fn in zip(self.blocks, run.blocks):
-            h = fn(gather(block.params(params)), h, key)
-        return run.head(gather(self.head.params(params)), h, batch, key)
+            h = fn(gather(block.params(params), block.rows), h, key)
+        return run.head(gather(self.head.params(params), self.head.rows), h, batch, key)
 
     def __call__(self, params: Params, batch, key) -> tuple[torch.Tensor, dict]:
         """The loss: embed, every block, head (no recomputation, no gradients)."""
@@ -400,18 +405,18 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
         if layout is None:
             return p
         if not schedule:
-            return layout.gather(p if after is None or not run.barrier else _barrier_tree(p, after))
+            return layout.gather(p if after is None or not run.barrier else _barrier_tree(p, after), stage.rows)
         k = taken[0]
         taken[0] += 1
         assert schedule[k] is stage, "the staged loss gathered its stages out of the expected order"
-        finish = started.pop(k, None) or layout.gather_start(p)
+        finish = started.pop(k, None) or layout.gather_start(p, stage.rows)
         if k + 1 < len(schedule):  # the next stage's gather runs while this one computes
-            started[k + 1] = layout.gather_start(schedule[k + 1].params(params))
+            started[k + 1] = layout.gather_start(schedule[k + 1].params(params), schedule[k + 1].rows)
         return finish()
 
     def add(stage, g):
         """Adds a stage's gradients to the total, reduced to the params' placements when sharded."""
-        _add_grads(grads, g if layout is None else layout.reduce_grads(g, stage.params(params)))
+        _add_grads(grads, g if layout is None else layout.reduce_grads(g, stage.params(params), stage.rows))
 
     # Forward: keep vjp closures of the embedding and of kept blocks, only the input of the others.
     # Sharded, the embedding is recomputed too: its vjp would hold its gathered parameters (often

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from functrain import checkpoint as ckpt
 from functrain import init_state, make_train_step, parallel, rng
 from functrain.models import gpt, llama
+from functrain.parallel.dispatch import layout_of
 
 # the sharded-training worker's 20-step clipped SGD, tree difference and step loop
 from _dist_parallel_worker import STEPS, max_diff, run, sgd
@@ -120,6 +121,10 @@ def compare(ctx, name="gpt", *, remat="none", staged=True, steps=STEPS, precisio
     }
     if counters is not None:
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
+    if name == "gpt" and staged:  # the rows of the position table the embedding stage computes with
+        embed = cp_loss.embed
+        local = layout_of(state.params).gather(embed.params(state.params), embed.rows)
+        out["position_rows"] = {"local": local["wpe.weight"].shape[0], "global": state.params["wpe.weight"].shape[0]}
     return out
 
 

@@ -5,7 +5,8 @@
 Every rank makes the same full q, k, v and output weights, computes full causal attention and its
 gradients as the reference, then the context-parallel attention of its zig-zag part (eager, and
 under torch.compile(fullgraph=True) through torch.func.grad_and_value, as the train step runs), and
-writes {scenario: "ok" or the mismatch} to <outdir>/rank<r>.json.
+checks `position_rows` from a part of a table against the whole table, and writes {scenario: "ok"
+or the mismatch} to <outdir>/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -76,6 +77,40 @@ def scenario(h, hkv, compiled, group, world, rank, kernel="mask"):
     _check("dv", dv, ref_dv[:, :, pos], t)
 
 
+def rows_scenario(rows, compiled, group, world, rank):
+    """`position_rows` from this rank's Shard(0) part of a table equals the whole table's rows at its
+    positions, and its gradient is the whole table's gradient on the part's rows: both exactly (copies,
+    and each row read by one rank)."""
+    t, c = 4 * world, -(-rows // world)
+    g = torch.Generator().manual_seed(1)
+    table, w = torch.randn(rows, 3, generator=g), torch.randn(t, 3, generator=g)  # w: (T, C) output weights
+    pos = context.positions(t, world, rank)
+    full = table.clone().requires_grad_()
+    (full[:t] * w).sum().backward()  # the reference: every position's row, weighted
+    part = table[rank * c:(rank + 1) * c]  # (<= c, 3): torch.chunk's block, as a Shard(0) DTensor holds it
+
+    def loss(part):
+        out = context.position_rows(part, rows, t, group, world, rank)  # (T / world, 3)
+        return (out * w[pos]).sum(), out
+
+    grad_fn = torch.func.grad_and_value(loss, has_aux=True)
+    if compiled:
+        grad_fn = torch.compile(grad_fn, backend="aot_eager", fullgraph=True)
+    grad, (_, out) = grad_fn(part)
+    assert part.shape[0] < rows, part.shape  # the part, not the whole table
+    assert torch.equal(out, table[pos]), (out, table[pos])
+    assert torch.equal(grad, full.grad[rank * c:(rank + 1) * c]), (grad, full.grad)
+
+
+def _run(fn, *args) -> str:
+    """"ok", or the scenario's failure (reported per scenario; the test names it)."""
+    try:
+        fn(*args)
+        return "ok"
+    except Exception:
+        return traceback.format_exc()[-3000:]
+
+
 def main():
     out = sys.argv[1]
     torch.distributed.init_process_group("gloo")
@@ -88,11 +123,9 @@ def main():
             ("zigzag_gqa_func", 4, 2, "func", "zigzag"), ("zigzag_gqa_compiled", 4, 2, "compiled", "zigzag"),
             ("stream_mha", 4, 4, False, "stream"), ("stream_gqa_func", 4, 2, "func", "stream"),
             ("stream_gqa_compiled", 4, 2, "compiled", "stream")):
-        try:
-            scenario(h, hkv, compiled, group, world, rank, kernel)
-            results[name] = "ok"
-        except Exception:  # reported per scenario; the test names it
-            results[name] = traceback.format_exc()[-3000:]
+        results[name] = _run(scenario, h, hkv, compiled, group, world, rank, kernel)
+    for name, rows, compiled in (("rows", 4 * world, False), ("rows_uneven_compiled", 4 * world + 3, True)):
+        results[name] = _run(rows_scenario, rows, compiled, group, world, rank)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.destroy_process_group()

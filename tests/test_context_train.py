@@ -66,6 +66,8 @@ def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
         _assert_matches(res, steps, dtype)
         # FSDP over cp: no rank holds the whole model
         assert 2 * res["local_numel"] == res["global_numel"], res
+        if "position_rows" in res:  # the staged GPT's embedding reads its cp half of the position table
+            assert 2 * res["position_rows"]["local"] == res["position_rows"]["global"], res
 
 
 @pytest.mark.numeric  # (the 4-rank suite only) rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
@@ -82,6 +84,9 @@ def test_four_ranks_match_one_process(cp4, name, shards):
             assert res["local_numel"] * shards <= 1.05 * res["global_numel"], res
         else:  # tp shards the blocks' Linears, cp the rest (and the other dim of the Linears)
             assert res["local_numel"] < res["global_numel"] / 2, res
+        if "position_rows" in res:  # the staged GPT's embedding reads its cp part of the position table
+            cp = 4 if "cp4" in name else 2
+            assert cp * res["position_rows"]["local"] == res["position_rows"]["global"], res
 
 
 def test_compile_unit_blocks_under_cp_matches_one_process(cp2):

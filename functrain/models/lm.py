@@ -348,8 +348,8 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
         return over_sequence(_head_loss(hidden, p[head], y, chunk_size, ignore_index), y)
 
     head_names = stages.final.names + ((head,) if head not in stages.final.names else ())
-    return remat_lib.staged_loss(Stage(stages.embed.names, embed), stages.blocks, Stage(head_names, head_stage),
-                                 policy=remat)
+    return remat_lib.staged_loss(Stage(stages.embed.names, embed, rows=stages.embed.rows), stages.blocks,
+                                 Stage(head_names, head_stage), policy=remat)
 
 
 @torch.no_grad()

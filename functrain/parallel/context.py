@@ -17,16 +17,18 @@ gathers the few kv heads, not the repeated ones). The kernels (`KERNELS`, `Split
             the forward and the backward. On other devices each chunk goes through the causal kernel
             over the keys up to its end (`F.scaled_dot_product_attention(is_causal=True)`), its
             queries placed after zero rows.
-  "stream"  (`zigzag_attention(..., stream=True)`, CPU) the same blocks, each key chunk all-reduced
-            from its owner when needed and its gradient summed back the same way: one chunk of keys
+  "stream"  (`zigzag_attention(..., stream=True)`, CPU) the same blocks, each key chunk broadcast
+            from its owner when needed and its gradient summed back (an all-reduce): one chunk of keys
             and values held at a time instead of the whole sequence's, 2N collectives a layer.
   "mask"    (`attention`) one attention under the causal mask written in global positions
             ((T/N) x T, a query at position p sees keys at positions <= p).
 
 The gather's backward is a reduce-scatter: each rank gets the gradient of its own keys and values
 summed over every rank's queries. Rotary or learned positions take `positions` (the global positions
-of the rank's tokens). Gathered, the keys and values of the whole sequence (and, in the backward,
-their gradients) exist on every rank for one layer at a time: O(T) in the kv width; streamed, O(T / N).
+of the rank's tokens); a learned table's rows come from `position_rows`, which reads them from the
+table's cp shards (an all-to-all of T / N rows per rank) when the layout hands it this rank's part.
+Gathered, the keys and values of the whole sequence (and, in the backward, their gradients) exist on
+every rank for one layer at a time: O(T) in the kv width; streamed, O(T / N).
 
 The collectives are functional collectives inside a `torch.autograd.Function`: they work under
 `torch.func.grad_and_value`, eagerly and inside `torch.compile(fullgraph=True)`.
@@ -49,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -60,8 +63,8 @@ from functrain.parallel.mesh import CP_AXIS
 from functrain.parallel.spmd import _all_gather, _reduce_scatter, _wait  # (torch's renamed collectives)
 from functrain.parallel.tp import _meta_copy
 
-__all__ = ["KERNELS", "Split", "attention", "context_parallel", "gather_sequence", "positions", "shard_sequence", "split_of",
-           "zigzag_attention"]
+__all__ = ["KERNELS", "Split", "attention", "context_parallel", "gather_sequence", "position_rows", "positions",
+           "shard_sequence", "split_of", "zigzag_attention"]
 
 
 KERNELS = ("zigzag", "stream", "mask")  # the attention's kernels (`split_of`)
@@ -232,15 +235,12 @@ class _KeyChunks:
 
     gather  all-gathered once, (2N, B, Hkv, c, D) each: one collective each, T rows of keys and of
             values held while the attention runs;
-    stream  chunk j all-reduced from its owner (the others add zeros) when asked for: 2N collectives
-            of twice the bytes, one chunk held at a time.
+    stream  chunk j broadcast from its owner when asked for: 2N collectives, one chunk held at a time.
     """
 
     def __init__(self, k, v, group, world: int, rank: int, stream: bool):
-        self.group, self.world, self.rank, self.stream = group, world, rank, stream
-        if stream:
-            self.mine = torch.stack([_slots(k), _slots(v)], dim=1)  # (2, k | v, B, Hkv, c, D): my chunks
-        else:
+        self.k, self.v, self.group, self.world, self.rank, self.stream = k, v, group, world, rank, stream
+        if not stream:
             self.full = [_wait(_all_gather(_slots(x), 0, group)) for x in (k, v)]  # (2N, B, Hkv, c, D) each
 
     def __call__(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,8 +248,12 @@ class _KeyChunks:
         if not self.stream:
             return self.full[0][_slot(j, self.world)], self.full[1][_slot(j, self.world)]
         owner, half = _owner(j, self.world)
-        part = self.mine[half] if owner == self.rank else torch.zeros_like(self.mine[0])  # (k | v, B, Hkv, c, D)
-        kv = _wait(funcol.all_reduce(part, "sum", self.group))
+        k, c = self.k, self.k.shape[2] // 2
+        if owner == self.rank:  # (k | v, B, Hkv, c, D): my chunk, sent
+            part = torch.stack([x[:, :, half * c:(half + 1) * c] for x in (self.k, self.v)])
+        else:  # received into
+            part = k.new_empty((2, *k.shape[:2], c, k.shape[3]))
+        kv = _wait(funcol.broadcast(part, owner, self.group))
         return kv[0], kv[1]
 
 
@@ -301,16 +305,17 @@ class _ZigzagFlash(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         n, heads, c = ctx.world, q.shape[1], q.shape[2] // 2
         mine = (ctx.rank, 2 * n - 1 - ctx.rank)
+        f32 = dict(dtype=torch.float32, device=k.device)
         with torch.no_grad():
             chunks = _KeyChunks(k, v, ctx.group, n, ctx.rank, ctx.stream)
-            dq = [torch.zeros(*q.shape[:2], c, q.shape[3], dtype=torch.float32, device=q.device) for _ in mine]
+            dq = torch.zeros(q.shape, **f32)  # (B, H, L, D)
             halves = [slice(h * c, (h + 1) * c) for h in range(2)]
-            parts = [(grad[:, :, p].contiguous(), q[:, :, p], out[:, :, p], lse[:, :, p]) for p in halves]
-            # key and value gradients in float32, (slots, B, Hkv, c, D): every chunk's (gathered, reduce-
-            # scattered at the end) or this rank's two (streamed: each chunk's summed when done)
-            slots = 2 if ctx.stream else 2 * n
-            dk, dv = (torch.zeros((slots, *k.shape[:2], c, k.shape[3]), dtype=torch.float32, device=k.device)
-                      for _ in range(2))
+            # key and value gradients in float32: gathered, every chunk's (2N slots, reduce-scattered at
+            # the end); streamed, this rank's (B, Hkv, L, D), each chunk's summed over the ranks when done
+            if ctx.stream:
+                dk, dv = torch.zeros(k.shape, **f32), torch.zeros(v.shape, **f32)
+            else:
+                dk, dv = (torch.zeros((2 * n, *k.shape[:2], c, k.shape[3]), **f32) for _ in range(2))
 
             def kv_heads(d):
                 """A (B, H, c, D) key gradient on the kv heads: each sums over the q heads it served (GQA)."""
@@ -319,33 +324,37 @@ class _ZigzagFlash(torch.autograd.Function):
             for jk in range(2 * n):
                 kc, vc = chunks(jk)
                 kc, vc = _repeat(kc, heads), _repeat(vc, heads)  # (B, H, c, D) each
-                if ctx.stream:
-                    d = torch.zeros((2, *k.shape[:2], c, k.shape[3]), dtype=torch.float32, device=k.device)
-                    dkc, dvc = d[0], d[1]  # this chunk's gradient from this rank's queries
+                if ctx.stream:  # this chunk's gradient from this rank's queries
+                    d = torch.zeros((2, *k.shape[:2], c, k.shape[3]), **f32)
+                    dkc, dvc = d[0], d[1]
                 else:
                     dkc, dvc = dk[_slot(jk, n)], dv[_slot(jk, n)]
                 for h, jq in enumerate(mine):
                     if jk > jq:
                         continue
-                    g, qc, o, lc = parts[h]
-                    dq_b, dk_b, dv_b = _flash_backward(g, qc, kc, vc, o, lc, jk == jq, ctx.scale)
-                    dq[h] += dq_b
+                    p = halves[h]
+                    dq_b, dk_b, dv_b = _flash_backward(grad[:, :, p], q[:, :, p], kc, vc, out[:, :, p], lse[:, :, p],
+                                                       jk == jq, ctx.scale)
+                    dq[:, :, p] += dq_b
                     dkc += kv_heads(dk_b)
                     dvc += kv_heads(dv_b)
+                    del dq_b, dk_b, dv_b
+                del kc, vc, dkc, dvc
                 if ctx.stream:
                     total = _wait(funcol.all_reduce(d, "sum", ctx.group))  # summed over every rank's queries
+                    del d
                     owner, half = _owner(jk, n)
                     if owner == ctx.rank:
-                        dk[half], dv[half] = total[0], total[1]
-            pending, grads = [dk, dv], []
-            del chunks, kc, vc, dkc, dvc, dk, dv  # (the gathered keys go now, each gradient once reduced)
-            for x in (k, v):
-                d = pending.pop(0)
+                        dk[:, :, halves[half]], dv[:, :, halves[half]] = total[0], total[1]
+                    del total
+            del chunks  # (the gathered keys go now)
+            grads = []
+            for x, d in ((k, dk), (v, dv)):
                 if not ctx.stream:  # (2N, ...) summed over ranks -> this rank's two chunks
-                    d = _wait(_reduce_scatter(d, "sum", 0, ctx.group))
-                grads.append(d.permute(1, 2, 0, 3, 4).reshape(x.shape).to(x.dtype))  # (B, Hkv, L, D)
-                del d
-        return torch.cat(dq, dim=2).to(q.dtype), grads[0], grads[1], None, None, None, None, None
+                    d = _wait(_reduce_scatter(d, "sum", 0, ctx.group)).permute(1, 2, 0, 3, 4).reshape(x.shape)
+                grads.append(d.to(x.dtype))  # (B, Hkv, L, D)
+            del dk, dv, d
+        return dq.to(q.dtype), grads[0], grads[1], None, None, None, None, None
 
 
 def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, world: int, rank: int,
@@ -385,6 +394,72 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: A
     return torch.cat([first, last], dim=2)  # (B, H, L, D)
 
 
+@functools.lru_cache(maxsize=64)
+def _row_plan(rows: int, seq_len: int, world: int, rank: int) -> tuple[tuple, tuple, tuple]:
+    """How a table of `rows` rows, `Shard(0)` over the group (torch.chunk: ceil(rows / N) per rank), reaches
+    each rank's token positions: (this part's rows to send, in destination order; rows sent to each
+    rank; rows received from each owner). A rank's positions ascend and each owner holds a run of
+    rows, so the rows received in owner order are in position order."""
+    c, h = -(-rows // world), seq_len // (2 * world)
+    # positions(seq_len, world, q) as Python ints (a constant plan, also while Dynamo traces)
+    want = [[*range(q * h, (q + 1) * h), *range((2 * world - 1 - q) * h, (2 * world - q) * h)] for q in range(world)]
+    send = [[p - rank * c for p in want[q] if p // c == rank] for q in range(world)]
+    return tuple(i for s in send for i in s), tuple(len(s) for s in send), \
+        tuple(sum(p // c == o for p in want[rank]) for o in range(world))
+
+
+class _PositionRows(torch.autograd.Function):
+    """This rank's rows of a row-sharded table from their owners (an all-to-all); backward, each
+    row's gradient back to its owner, summed there over the ranks that read it."""
+
+    @staticmethod
+    def forward(part, send, sends, recvs, group):
+        return _wait(funcol.all_to_all_single(part.index_select(0, send), recvs, sends, group))  # (L, C)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        part, send, ctx.sends, ctx.recvs, ctx.group = inputs
+        ctx.rows = part.shape[0]
+        ctx.save_for_backward(send)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (send,) = ctx.saved_tensors
+        with torch.no_grad():  # the collective's own autograd kernel is not a functorch-ready Function
+            back = _wait(funcol.all_to_all_single(grad.contiguous(), ctx.sends, ctx.recvs, ctx.group))  # (sent, C)
+            out = grad.new_zeros((ctx.rows, *grad.shape[1:])).index_add_(0, send, back)  # (rows of the part, C)
+        return out, None, None, None, None
+
+
+def position_rows(table: torch.Tensor, rows: int, seq_len: int, group: Any, world: int, rank: int) -> torch.Tensor:
+    """A position table's rows at this rank's token positions (learned position embeddings).
+
+    Args:
+      table: the whole table (`rows` rows), or this rank's `Shard(0)` part of it over the group
+        (torch.chunk's blocks: ceil(rows / N) rows per rank), what `functrain.parallel.spmd.Spmd`
+        hands a stage for the parameters it names in `Stage.rows`.
+      rows: the table's global row count.
+      seq_len: the whole sequence's length T.
+      group: the context-parallel group; world: its size; rank: this rank's index.
+
+    Returns:
+      (T / N, ...): the rows at `positions(seq_len, world, rank)`. From a part, each rank's rows come
+      from their owners (one all-to-all, T / N rows per rank, never the whole table) and their
+      gradients go back to them.
+
+    Example:
+      >>> pe = position_rows(wpe_part, block_size, T, mesh["cp"], 4, rank)   # (T / 4, C)
+    """
+    if seq_len > rows:
+        raise ValueError(f"sequence length {seq_len} exceeds the position table's {rows} rows")
+    if table.shape[0] == rows:
+        return table.index_select(0, positions(seq_len, world, rank, device=table.device))
+    send, sends, recvs = _row_plan(rows, seq_len, world, rank)
+    index = torch.tensor(send, dtype=torch.long, device=table.device)
+    # view_as: see gather_sequence
+    return _PositionRows.apply(table.view_as(table), index, list(sends), list(recvs), group)
+
+
 class Split(NamedTuple):
     """This rank's place in a sequence split over a context-parallel group (see the module docstring).
 
@@ -407,6 +482,10 @@ class Split(NamedTuple):
     def positions(self, local_len: int, device: Any = None) -> torch.Tensor:
         """(L,) the global positions of this rank's L tokens (the sequence is N x L long)."""
         return positions(local_len * self.world, self.world, self.rank, device=device)
+
+    def position_rows(self, table: torch.Tensor, rows: int, local_len: int) -> torch.Tensor:
+        """(L, ...) the rows of a position table (whole, or this rank's part) at this rank's positions."""
+        return position_rows(table, rows, local_len * self.world, self.group, self.world, self.rank)
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of `x`, whose `dim` is the whole sequence."""

@@ -49,17 +49,20 @@ class Layout:
     dp_world: int = 1
     sharded: bool = False  # whether `gather` does any communication (a loss may then gather per stage)
 
-    def gather(self, params: PyTree) -> PyTree:
-        """Plain tensors to compute with (all-gathered over the dp axes when sharded)."""
+    def gather(self, params: PyTree, rows: tuple[str, ...] = ()) -> PyTree:
+        """Plain tensors to compute with (all-gathered over the dp axes when sharded). `rows` names
+        position tables (`functrain.remat.Stage.rows`) a layout may hand over as this rank's rows on
+        the cp axis instead (`functrain.parallel.context.position_rows` reads either)."""
         raise NotImplementedError
 
-    def gather_start(self, params: PyTree):
+    def gather_start(self, params: PyTree, rows: tuple[str, ...] = ()):
         """`gather` in two halves: starts it, returns a function that waits and gives the result."""
-        gathered = self.gather(params)
+        gathered = self.gather(params, rows)
         return lambda: gathered
 
-    def reduce_grads(self, grads: PyTree, params: PyTree) -> PyTree:
-        """Gradients of the computed tensors, averaged over dp ranks, in the params' placements."""
+    def reduce_grads(self, grads: PyTree, params: PyTree, rows: tuple[str, ...] = ()) -> PyTree:
+        """Gradients of the computed tensors (of what `gather(params, rows)` gave), averaged over dp
+        ranks, in the params' placements."""
         raise NotImplementedError
 
     def mean_over_dp(self, metrics: dict) -> dict:
@@ -86,10 +89,10 @@ class Layout:
 class Local(Layout):
     """Plain tensors on one process: nothing to gather, reduce or average."""
 
-    def gather(self, params):
+    def gather(self, params, rows=()):
         return params
 
-    def reduce_grads(self, grads, params):
+    def reduce_grads(self, grads, params, rows=()):
         return grads
 
     def mean_over_dp(self, metrics):

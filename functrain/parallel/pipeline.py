@@ -202,11 +202,11 @@ class Stages(Layout):
         self.inner, self.pipe = inner, pipe
         self.dp_rank, self.dp_world, self.sharded = inner.dp_rank, inner.dp_world, inner.sharded
 
-    def gather(self, params):
-        return self.inner.gather(params)
+    def gather(self, params, rows=()):
+        return self.inner.gather(params, rows)
 
-    def reduce_grads(self, grads, params):
-        return self.inner.reduce_grads(grads, params)
+    def reduce_grads(self, grads, params, rows=()):
+        return self.inner.reduce_grads(grads, params, rows)
 
     def mean_over_dp(self, metrics):
         return self.inner.mean_over_dp(metrics)

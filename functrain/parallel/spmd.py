@@ -18,6 +18,15 @@ tensors, FSDP-style:
   4. The optimizer (clipping, global norms, AdamW) runs on the DTensor shards; norms reduce over
      the whole mesh.
 
+Position tables. A stage may name parameters it reads only at the batch's token positions
+(`functrain.remat.Stage.rows`: the GPT's learned position embedding). With a cp axis of several
+ranks, `gather(params, rows)` hands these over as this rank's rows on cp (`Shard(0)` there, whole
+on the other dp axes) instead of the whole table, and `functrain.parallel.context.position_rows`
+fetches each rank's rows from their owners; `reduce_grads(grads, params, rows)` takes their
+gradients as it gets them (summed over cp on the owner's rows) and averages them over the other dp
+axes. Under context parallelism the table has a row per token of the whole sequence, so a rank
+holds T / cp of its rows, never T.
+
 Bucketing. Parameters sharded on dim 0 by one dp axis (the FSDP layout) and parameters replicated
 on every dp axis (DDP) go through ONE flat collective per (kind, axis, dtype), like FSDP2's flat
 buffers: each local shard is padded to the ceil-sized chunk, flattened and concatenated, so uneven
@@ -190,17 +199,29 @@ class Spmd(Layout):
             buckets.setdefault((*key, n), []).append(i)
         return buckets, other
 
-    def gather(self, params: PyTree) -> PyTree:
-        """Plain local tensors to compute with: all-gathered on dp, this rank's slice on tp."""
-        return self.gather_start(params)()
+    def gather(self, params: PyTree, rows: tuple[str, ...] = ()) -> PyTree:
+        """Plain local tensors to compute with: all-gathered on dp, this rank's slice on tp; the
+        position tables named in `rows` (keys of the `params` dict) stay this rank's rows on cp."""
+        return self.gather_start(params, rows)()
 
-    def gather_start(self, params: PyTree):
-        """Starts `gather(params)`'s all-gathers; returns a function that waits and gives the result.
+    def gather_start(self, params: PyTree, rows: tuple[str, ...] = ()):
+        """Starts `gather(params, rows)`'s all-gathers; returns a function that waits and gives the result.
 
         Eagerly the collectives run in the background until that function is called (compiled,
         it is `gather` in two halves). Lets an eager stage loop gather the next stage while the
         current one computes (`functrain.remat`, compile="blocks").
         """
+        kept = self._rows_on_cp(params, rows)
+        if kept:
+            finish = self.gather_start({n: p for n, p in params.items() if n not in kept})
+            local = {n: self._cp_rows(params[n]) for n in kept}
+
+            def merged() -> PyTree:
+                """The gathered params and the position tables' rows, in `params`' order."""
+                rest = finish()
+                return {n: local[n] if n in local else rest[n] for n in params}
+
+            return merged
         ps, spec = tree_lib.flatten(params)
         out: list = [None] * len(ps)
         buckets, other = self._buckets(ps)
@@ -233,8 +254,39 @@ class Spmd(Layout):
 
         return finish
 
-    def reduce_grads(self, grads: PyTree, params: PyTree) -> PyTree:
-        """Averages local grads over the dp ranks into the params' placements (reduce-scatter)."""
+    def _rows_on_cp(self, params: PyTree, rows: tuple[str, ...]) -> tuple[str, ...]:
+        """The names in `rows` that stay row-sharded over cp: with a cp axis of several ranks, dict
+        params, and no model-parallel axis cutting the table's rows."""
+        if not rows or self.cp_world == 1 or not isinstance(params, dict):
+            return ()
+        return tuple(n for n in rows if n in params and not any(
+            pl == Shard(0) for d, pl in enumerate(params[n].placements) if d not in self.dp_dims))
+
+    def _rows_placements(self, p: DTensor) -> list:
+        """A position table's compute placements: `Shard(0)` on cp, Replicate on the other dp axes."""
+        cp = self.mesh.mesh_dim_names.index(CP_AXIS)
+        return [Shard(0) if d == cp else pl for d, pl in enumerate(self._compute_placements(p.placements))]
+
+    def _cp_rows(self, p: DTensor) -> torch.Tensor:
+        """This rank's rows of a position table on cp, whole on the other dp axes (`position_rows` reads them)."""
+        return p.redistribute(self.mesh, self._rows_placements(p)).to_local()
+
+    def reduce_grads(self, grads: PyTree, params: PyTree, rows: tuple[str, ...] = ()) -> PyTree:
+        """Averages local grads over the dp ranks into the params' placements (reduce-scatter); the
+        gradients of the position tables in `rows` (`gather`) arrive summed over cp on their rows."""
+        kept = self._rows_on_cp(params, rows)
+        if kept:
+            out = self.reduce_grads({n: g for n, g in grads.items() if n not in kept},
+                                    {n: p for n, p in params.items() if n not in kept})
+            cp = self.mesh.mesh_dim_names.index(CP_AXIS)  # summed there already (`position_rows`)
+            for n in kept:
+                p = params[n]
+                src = [Partial("avg") if d in self.dp_dims and d != cp else pl
+                       for d, pl in enumerate(self._rows_placements(p))]
+                cp_sum = DTensor.from_local(grads[n] / self.cp_world, self.mesh, src, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+                out[n] = cp_sum.redistribute(self.mesh, p.placements)
+            return {n: out[n] for n in grads}
         ps, spec = tree_lib.flatten(params)
         gs = spec.flatten_up_to(grads)
         out: list = [None] * len(ps)

@@ -113,8 +113,11 @@ def _embed(cfg: GPTConfig, wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tens
     world = 1 if context is None else context.world
     if t * world > cfg.block_size:
         raise ValueError(f"sequence length {t * world} exceeds block_size {cfg.block_size}")
-    pos = torch.arange(t, device=idx.device) if context is None else context.positions(t, idx.device)  # (T,)
-    x = ops.embedding(wte, idx) + ops.embedding(wpe, pos)  # (B, T, C)
+    if context is None:
+        pe = ops.embedding(wpe, torch.arange(t, device=idx.device))  # (T, C)
+    else:  # wpe whole, or (on a mesh) this rank's rows of it: the rows at its global positions
+        pe = context.position_rows(wpe, cfg.block_size, t)  # (T, C): this rank's T tokens
+    x = ops.embedding(wte, idx) + pe  # (B, T, C)
     return rng.dropout(x, cfg.dropout, _site_key(key, 0))
 
 
@@ -274,7 +277,7 @@ def stages(model: GPT) -> GPTStages:
 
     names = tuple(n for n, _ in model.named_parameters() if n.startswith(("wte.", "wpe.")))
     return GPTStages(
-        embed=Stage(names, embed),
+        embed=Stage(names, embed, rows=("wpe.weight",)),  # looked up at the tokens' positions only
         blocks=repeated_stages(model, "blocks", block),
         final=submodule_stage(model, "ln_f.", lambda module, own, h, key: torch.func.functional_call(module, own, (h,))),
     )
