@@ -20,8 +20,8 @@ ratios of the longest sequences against cp=1; with --json a last line of JSON.
     ... --seq 8192             # one length, no search: step time and peak of each mesh
     ... --exact-heap           # CPU: the resident set follows live memory (slower; docs/results.md)
 
-Measured (docs/results.md, 4 gloo ranks on 2 CPU cores): Llama cp=2 2.00x, cp=4 3.62x the cp=1
-length; GPT 1.70x and 2.35x (zigzag), 1.74x and 2.78x (stream).
+Measured (docs/results.md, 4 gloo ranks on 2 CPU cores): GPT `--exact-heap --kernel stream` cp=2
+1.87x, cp=4 3.73x the cp=1 length; Llama (zigzag, default reading) 2.00x and 3.62x.
 """
 
 from __future__ import annotations
