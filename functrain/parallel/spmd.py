@@ -213,12 +213,12 @@ class Spmd(Layout):
         """
         kept = self._rows_on_cp(params, rows)
         if kept:
-            finish = self.gather_start({n: p for n, p in params.items() if n not in kept})
+            others = self.gather_start({n: p for n, p in params.items() if n not in kept})
             local = {n: self._cp_rows(params[n]) for n in kept}
 
             def merged() -> PyTree:
                 """The gathered params and the position tables' rows, in `params`' order."""
-                rest = finish()
+                rest = others()
                 return {n: local[n] if n in local else rest[n] for n in params}
 
             return merged
