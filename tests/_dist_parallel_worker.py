@@ -219,8 +219,8 @@ def s_gathered_live(ctx, remat="full"):
     lay = parallel.layout_of(state.params)
     live, trace, real = {}, [], type(lay).gather
 
-    def spy(self, params):
-        out = real(self, params)
+    def spy(self, params, rows=()):
+        out = real(self, params, rows)
         for ptr in [p for p, (ref, _) in live.items() if ref.expired()]:  # freed (before a reused address)
             del live[ptr]
         own = {p.to_local().untyped_storage().data_ptr() for p in params.values()}  # replicated: no copy
