@@ -579,13 +579,32 @@ MESHES = {"fsdp": {"dp_shard": 2}, "tp": {"dp_shard": 1, "tp": 2}}
 UNITS = {"step": (True, loss_fn_for), "blocks": ("blocks", staged_loss_for("full"))}
 
 
-def matrix_cells():
-    """(name, unit, precision, accum, mesh) of every sharded route the config can reach beyond fp32
-    without accumulation (those are the compiled2 scenarios): the matrix2 suite runs each against the
-    single-process eager step (Dynamo + AOTAutograd; 3 steps)."""
-    return [(f"matrix_{unit}_{prec}_accum{accum}_{mesh}", unit, prec, accum, mesh)
-            for unit in UNITS for prec in ("fp32", "bf16", "fp16") for accum in (1, 2) for mesh in MESHES
-            if (prec, accum) != ("fp32", 1)]
+# Every value pair of (unit, precision, accumulation, mesh) in 6 sharded cells; with compiled2's fp32
+# cells without accumulation, every pair of the full product (tests/test_parallel_dist.py checks it).
+# The full product is tests/test_route_matrix.py's on one process; FUNCTRAIN_SLOW_TESTS=1 runs it
+# sharded too (20 cells: ~13 min of CI beside another worker).
+PAIRWISE = [("step", "bf16", 1, "fsdp"), ("step", "fp16", 2, "tp"), ("step", "fp32", 2, "fsdp"),
+            ("blocks", "bf16", 2, "tp"), ("blocks", "fp16", 1, "fsdp"), ("blocks", "fp32", 2, "tp")]
+
+
+def matrix_cells(full: bool = bool(os.environ.get("FUNCTRAIN_SLOW_TESTS"))):
+    """(name, unit, precision, accum, mesh) of the sharded routes beyond fp32 without accumulation
+    (those are the compiled2 scenarios): `PAIRWISE`, or every one when `full`. The matrix2 suite runs
+    each against the single-process eager step (Dynamo + AOTAutograd; 3 steps)."""
+    cells = ([(u, p, a, m) for u in UNITS for p in ("fp32", "bf16", "fp16") for a in (1, 2) for m in MESHES
+              if (p, a) != ("fp32", 1)] if full else PAIRWISE)
+    return [(f"matrix_{u}_{p}_accum{a}_{m}", u, p, a, m) for u, p, a, m in cells]
+
+
+MESHES_2D = {"fsdp_tp": {"dp_shard": 2, "tp": 2}, "hsdp": {"dp_replicate": 2, "dp_shard": 2}}
+
+
+def two_dim_cells(full: bool = bool(os.environ.get("FUNCTRAIN_SLOW_TESTS"))):
+    """(unit, mesh) of the eager4 suite's compiled scenarios: each unit and each 2-D mesh once (~50 s
+    of 4 ranks a capture on 2 cores), or every pair when `full`."""
+    if full:
+        return [(u, m) for u in UNITS for m in MESHES_2D]
+    return [("step", "hsdp"), ("blocks", "fsdp_tp")]
 
 
 def _route_matrix():
@@ -666,11 +685,10 @@ SUITES = {
         ("stages_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_stages),
         ("sample_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_sample),
         # the compiled units on the 2-D meshes (Dynamo + AOTAutograd, against one process)
-        *[(f"compiled_{unit}_{mesh}", shape, functools.partial(
+        *[(f"compiled_{unit}_{mesh}", MESHES_2D[mesh], functools.partial(
             s_compiled, backend="aot_eager", make_loss=UNITS[unit][1], compile=UNITS[unit][0], steps=3,
             vs_sharded_eager=False))
-          for unit in UNITS for mesh, shape in (("fsdp_tp", {"dp_shard": 2, "tp": 2}),
-                                                ("hsdp", {"dp_replicate": 2, "dp_shard": 2}))],
+          for unit, mesh in two_dim_cells()],
     ],
     "single": [("single", None, s_single)],
 }

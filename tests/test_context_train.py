@@ -70,7 +70,7 @@ def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
             assert 2 * res["position_rows"]["local"] == res["position_rows"]["global"], res
 
 
-@pytest.mark.numeric  # (the 4-rank suite only) rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+@pytest.mark.numeric
 @pytest.mark.parametrize("name, shards", [
     ("gpt_cp4", 4), ("llama_cp4", 4), ("gpt_cp4_stream", 4),
     ("gpt_fsdp_cp", 4),  # dp_shard=2 x cp=2

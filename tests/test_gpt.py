@@ -21,7 +21,7 @@ from functrain.models.gpt import (
     num_params,
 )
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1, bias=True)
 

@@ -14,7 +14,7 @@ from functrain.interop import SafetensorsError, load_safetensors, safetensors_me
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config, import_hf_gpt2
 from functrain.models import gpt
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 
 def _mixed() -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from functrain.models import llama
 
 import _tol
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 
 def _model(**kw):

@@ -18,7 +18,7 @@ from functrain.models import llama
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATOL = 1e-5  # the bound on logits; measured: 0 (the same float32 ops in the same order)

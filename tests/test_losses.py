@@ -18,7 +18,7 @@ from functrain.step import value_and_grad
 
 import _tol
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 
 def _problem(n=37, c=16, v=50, dtype=torch.float32, ignore_every=5, seed=0):

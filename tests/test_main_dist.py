@@ -16,7 +16,7 @@ from functrain import tree as tree_lib
 
 import _tol
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [

@@ -16,7 +16,7 @@ import torch
 from functrain import optim
 from functrain.defaults import trainer_config as default_config
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 STEPS = 8
 EPS32 = float(np.finfo(np.float32).eps)

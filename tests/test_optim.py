@@ -11,7 +11,7 @@ import torch
 from functrain import apply_gradients, init_state, optim, tree, value_and_grad
 from functrain.models import gpt
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 STEPS = 20
 

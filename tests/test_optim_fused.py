@@ -10,7 +10,7 @@ import torch
 from functrain import init_state, make_train_step, optim, tree
 from functrain.update import update_step
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 STEPS, LR, WD, CLIP, BETAS, EPS = 8, 1e-2, 0.1, 0.5, (0.9, 0.95), 1e-8
 EPS32 = torch.finfo(torch.float32).eps

@@ -3,9 +3,9 @@
 Each suite is one launch of plain subprocesses with torchrun's env vars (tests/_dist_launch.py);
 the worker (tests/_dist_parallel_worker.py) runs every scenario of the suite, each against the
 plain single-process run of the same global batches, and reports numbers per scenario.
-The route matrix (`matrix_cells`: 20 aot_eager captures on both ranks) is a launch of its own
-(matrix2): with compiled2 in one launch, CI's run beside another test worker passed the launch's
-900 s limit on a 2-core AMD EPYC. Cost on 2 idle CPU cores: eager2 ~15 s, eager4 ~30 s, single
+The route matrix (`matrix_cells`: 6 aot_eager captures on both ranks that hold every value pair of
+unit, precision, accumulation and mesh; all 20 cells under FUNCTRAIN_SLOW_TESTS=1) is a launch of
+its own (matrix2). Cost on 2 idle CPU cores: eager2 ~15 s, eager4 ~35 s and ~50 s a compiled scenario, single
 ~6 s, compiled2 ~145 s with a cold inductor cache (one inductor compile, the kept-blocks FSDP step,
 and six aot_eager captures, each on both ranks at once; ~240 s when the whole-model-gather FSDP
 step was inductor too, as it is under FUNCTRAIN_SLOW_TESTS; the TP step under inductor was checked
@@ -24,9 +24,9 @@ import torch
 
 import _tol
 from _dist_launch import REPO, run_suite, scenario_results
-from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S, matrix_cells
+from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S, matrix_cells, two_dim_cells
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 WORKER = os.path.join(REPO, "tests", "_dist_parallel_worker.py")
 # The worker's problem: global batch 8 x 16 tokens through matmuls up to 4 x 32 wide; losses ~4;
@@ -172,8 +172,7 @@ def test_two_dim_meshes_on_four_ranks(eager4, name):
         assert set(ranks[name]["group_threads"].values()) == {1}, ranks[name]["group_threads"]
 
 
-@pytest.mark.parametrize("unit", ["step", "blocks"])
-@pytest.mark.parametrize("mesh", ["fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("unit, mesh", two_dim_cells())
 def test_compiled_units_on_two_dim_meshes_equal_one_process(eager4, unit, mesh):
     for res in scenario_results(eager4, f"compiled_{unit}_{mesh}"):
         assert res["unique_graphs"] == (1 if unit == "step" else 6 + 2), res
@@ -215,6 +214,15 @@ def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
             assert res["regathered"] == 2 and res["recomputed"] >= 2 * 4, res
         else:  # nothing to rewrite: every block recomputed, or no staged loss, or not inductor
             assert res["regathered"] == 0 and res["recomputed"] == 0, res
+
+
+def test_route_matrix_holds_every_pair_of_the_full_product():
+    """The 6 sharded cells plus compiled2's fp32 cells without accumulation: every value pair."""
+    compiled2 = [(u, "fp32", 1, m) for u in ("step", "blocks") for m in ("fsdp", "tp")]
+    pairs = lambda cells: {(i, j, c[i], c[j]) for c in cells for i in range(4) for j in range(i + 1, 4)}
+    full = [c[1:] for c in matrix_cells(full=True)] + compiled2
+    assert len(full) == 24 and len(matrix_cells(full=False)) == 6
+    assert pairs([c[1:] for c in matrix_cells(full=False)] + compiled2) == pairs(full)
 
 
 @pytest.mark.parametrize("name, unit, precision, accum, mesh", matrix_cells(), ids=[c[0] for c in matrix_cells()])

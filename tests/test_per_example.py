@@ -10,7 +10,7 @@ import functrain as ft
 from functrain import per_example, rng, tree
 from functrain.models import gpt
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 B, T, V, C = 4, 8, 32, 16
 

@@ -19,7 +19,7 @@ from functrain.step import value_and_grad
 
 import _tol
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 
 def _gpt_problem(tiny_gpt, batches, *, n_layer=3, dropout=0.1, bias=True):

@@ -11,7 +11,7 @@ import torch
 
 from functrain import init_state, make_train_step, optim, tree
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 _spec = importlib.util.spec_from_file_location(
     "gpt_config", Path(__file__).resolve().parent.parent / "configs" / "gpt.py"

@@ -12,7 +12,7 @@ import torch
 
 from functrain import tree
 
-pytestmark = pytest.mark.numeric  # rerun by .ci/run under OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2
+pytestmark = pytest.mark.numeric
 
 
 def _tree():
