@@ -574,7 +574,8 @@ def s_single(_ctx):
     return out
 
 
-SLOW_BACKEND = "inductor" if os.environ.get("FUNCTRAIN_SLOW_TESTS") else "aot_eager"
+SLOW = bool(os.environ.get("FUNCTRAIN_SLOW_TESTS"))  # the full matrices and inductor where marked
+SLOW_BACKEND = "inductor" if SLOW else "aot_eager"
 MESHES = {"fsdp": {"dp_shard": 2}, "tp": {"dp_shard": 1, "tp": 2}}
 UNITS = {"step": (True, loss_fn_for), "blocks": ("blocks", staged_loss_for("full"))}
 
@@ -587,7 +588,7 @@ PAIRWISE = [("step", "bf16", 1, "fsdp"), ("step", "fp16", 2, "tp"), ("step", "fp
             ("blocks", "bf16", 2, "tp"), ("blocks", "fp16", 1, "fsdp"), ("blocks", "fp32", 2, "tp")]
 
 
-def matrix_cells(full: bool = bool(os.environ.get("FUNCTRAIN_SLOW_TESTS"))):
+def matrix_cells(full: bool = SLOW):
     """(name, unit, precision, accum, mesh) of the sharded routes beyond fp32 without accumulation
     (those are the compiled2 scenarios): `PAIRWISE`, or every one when `full`. The matrix2 suite runs
     each against the single-process eager step (Dynamo + AOTAutograd; 3 steps)."""
@@ -599,7 +600,7 @@ def matrix_cells(full: bool = bool(os.environ.get("FUNCTRAIN_SLOW_TESTS"))):
 MESHES_2D = {"fsdp_tp": {"dp_shard": 2, "tp": 2}, "hsdp": {"dp_replicate": 2, "dp_shard": 2}}
 
 
-def two_dim_cells(full: bool = bool(os.environ.get("FUNCTRAIN_SLOW_TESTS"))):
+def two_dim_cells(full: bool = SLOW):
     """(unit, mesh) of the eager4 suite's compiled scenarios: each unit and each 2-D mesh once (~50 s
     of 4 ranks a capture on 2 cores), or every pair when `full`."""
     if full:
@@ -672,7 +673,7 @@ SUITES = {
         ("blocks_tp", {"dp_shard": 1, "tp": 2},
          lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
     ],
-    "matrix2": _route_matrix(),  # (a launch of its own: 20 captures, ~15 min of CI beside another worker)
+    "matrix2": _route_matrix(),  # (a launch of its own: ~4 min of CI beside another worker, 20 cells ~13)
     "eager4": [
         ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),
         ("reduce_fsdp4", {"dp_shard": 4}, s_reduce_routes),

@@ -5,12 +5,12 @@ the worker (tests/_dist_parallel_worker.py) runs every scenario of the suite, ea
 plain single-process run of the same global batches, and reports numbers per scenario.
 The route matrix (`matrix_cells`: 6 aot_eager captures on both ranks that hold every value pair of
 unit, precision, accumulation and mesh; all 20 cells under FUNCTRAIN_SLOW_TESTS=1) is a launch of
-its own (matrix2). Cost on 2 idle CPU cores: eager2 ~15 s, eager4 ~35 s and ~50 s a compiled scenario, single
-~6 s, compiled2 ~145 s with a cold inductor cache (one inductor compile, the kept-blocks FSDP step,
-and six aot_eager captures, each on both ranks at once; ~240 s when the whole-model-gather FSDP
-step was inductor too, as it is under FUNCTRAIN_SLOW_TESTS; the TP step under inductor was checked
-by hand: one graph, params within 1.3e-7 of one process after 20 steps). Each rank prints where its
-scenarios start ("scenario compiled_tp at 14.2 s").
+its own (matrix2). Cost on 2 idle CPU cores: eager2 ~15 s, eager4 ~35 s and ~50 s a compiled
+scenario, single ~6 s, compiled2 ~145 s with a cold inductor cache (one inductor compile, the
+kept-blocks FSDP step, and six aot_eager captures, each on both ranks at once; ~240 s when the
+whole-model-gather FSDP step was inductor too, as it is under FUNCTRAIN_SLOW_TESTS; the TP step under
+inductor was checked by hand: one graph, params within 1.3e-7 of one process after 20 steps). Each
+rank prints where its scenarios start ("scenario compiled_tp at 14.2 s").
 """
 
 from __future__ import annotations
