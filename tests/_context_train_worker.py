@@ -186,9 +186,10 @@ SUITES = {
         ("gpt_mask", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, kernel="mask")),
         ("llama_stream", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, "llama", remat="full", kernel="stream")),
         ("gpt_compiled", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, remat="full", steps=4, compile=True)),
-        ("gpt_blocks", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, remat="full", steps=4, compile="blocks")),
-        ("gpt_stream_compiled", {"dp_shard": 1, "cp": 2},
-         lambda ctx: compare(ctx, remat="full", steps=4, compile=True, kernel="stream")),
+        # the two compile units, each with one kernel: the step with the gathered keys, the blocks
+        # with the streamed ones (a collective per key chunk inside the block graph)
+        ("gpt_blocks_stream", {"dp_shard": 1, "cp": 2},
+         lambda ctx: compare(ctx, remat="full", steps=4, compile="blocks", kernel="stream")),
         ("checkpoint", {"dp_shard": 1, "cp": 2}, s_checkpoint),
         ("bad_length", {"dp_shard": 1, "cp": 2}, s_bad_length),
     ],

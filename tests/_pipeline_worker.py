@@ -190,7 +190,10 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
     return out
 
 
-def compare_mesh(ctx_rank, world, mesh_cfg, name="gpt", *, micro=4, layers=2, remat="none", steps=STEPS,
+MESH_STEPS = 10  # pipelines on a mesh: 4 and 8 ranks on the CI's 2 cores (pp=2 and pp=4 alone run STEPS)
+
+
+def compare_mesh(ctx_rank, world, mesh_cfg, name="gpt", *, micro=4, layers=2, remat="none", steps=MESH_STEPS,
                  precision=None):
     """Pipeline stages on a mesh (FSDP / TP inside each stage) vs one process with accum_steps=micro."""
     ctx = parallel.setup(mesh_cfg, timeout_s=COLLECTIVE_TIMEOUT_S)

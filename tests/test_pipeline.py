@@ -16,6 +16,7 @@ import torch
 
 import _tol
 from _dist_launch import REPO, run_suite, scenario_results
+from _pipeline_worker import MESH_STEPS
 from functrain.parallel import schedule as S
 
 WORKER = os.path.join(REPO, "tests", "_pipeline_worker.py")
@@ -176,7 +177,7 @@ def test_four_pipeline_ranks_match_one_process(pp4, name, dtype):
 ])
 def test_pipeline_stages_on_a_mesh_match_one_process(pp4, name, mesh):
     results = scenario_results(pp4, name)
-    _assert_matches(results, 20, torch.bfloat16 if "bf16" in name else torch.float32)
+    _assert_matches(results, MESH_STEPS, torch.bfloat16 if "bf16" in name else torch.float32)
     assert sorted(tuple(r["pp"]) for r in results) == [(0, 2), (0, 2), (1, 2), (1, 2)], results
     for res in results:  # each stage holds its part of the model, sharded over its 2-rank mesh
         assert res["stage_numel"] < res["model_numel"] and res["local_numel"] < res["stage_numel"] * 0.65, res
@@ -185,7 +186,7 @@ def test_pipeline_stages_on_a_mesh_match_one_process(pp4, name, mesh):
 def test_pipeline_stages_with_fsdp_and_tp_together_match_one_process(tmp_path_factory):
     # pp=2 x dp_shard=2 x tp=2 on 8 gloo ranks: each block of a stage tp-split and FSDP-sharded
     results = scenario_results(_suite(tmp_path_factory, "pp8", 8), "gpt_pp_fsdp_tp")
-    _assert_matches(results, 20)
+    _assert_matches(results, MESH_STEPS)
     assert sorted((r["pp"][0], r["dp"][0], r["tp"][0]) for r in results) == [
         (p, d, t) for p in range(2) for d in range(2) for t in range(2)], results
     for res in results:

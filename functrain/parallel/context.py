@@ -235,7 +235,7 @@ class _KeyChunks:
 
     gather  all-gathered once, (2N, B, Hkv, c, D) each: one collective each, T rows of keys and of
             values held while the attention runs;
-    stream  chunk j broadcast from its owner when asked for: 2N collectives, one chunk held at a time.
+    stream  chunk j broadcast from its owner when asked for: 2N collectives, one chunk held at a time (eager).
     """
 
     def __init__(self, k, v, group, world: int, rank: int, stream: bool):
@@ -248,11 +248,11 @@ class _KeyChunks:
         if not self.stream:
             return self.full[0][_slot(j, self.world)], self.full[1][_slot(j, self.world)]
         owner, half = _owner(j, self.world)
-        k, c = self.k, self.k.shape[2] // 2
-        if owner == self.rank:  # (k | v, B, Hkv, c, D): my chunk, sent
-            part = torch.stack([x[:, :, half * c:(half + 1) * c] for x in (self.k, self.v)])
-        else:  # received into
-            part = k.new_empty((2, *k.shape[:2], c, k.shape[3]))
+        c = self.k.shape[2] // 2
+        # (k | v, B, Hkv, c, D): the owner's chunk, sent; the others receive into their own chunk at
+        # the same place. Every rank builds the same ops: a compiled graph (CSE, the forward/backward
+        # partition) then treats every rank's broadcasts alike, and no two chunks' are equal.
+        part = torch.stack([x[:, :, half * c:(half + 1) * c] for x in (self.k, self.v)])
         kv = _wait(funcol.broadcast(part, owner, self.group))
         return kv[0], kv[1]
 
@@ -321,14 +321,18 @@ class _ZigzagFlash(torch.autograd.Function):
                 """A (B, H, c, D) key gradient on the kv heads: each sums over the q heads it served (GQA)."""
                 return d if d.shape[1] == k.shape[1] else d.view(d.shape[0], k.shape[1], -1, *d.shape[2:]).sum(2)
 
+            # zero, computed from the output's cotangent: a streamed chunk's gradient starts from it,
+            # so its all-reduce stays in the backward even where this rank adds nothing to the chunk
+            # (a compiled graph would move an all-reduce of plain zeros into the forward on that rank only)
+            nil = grad.reshape(-1)[:1].float() * 0 if ctx.stream else None
             for jk in range(2 * n):
                 kc, vc = chunks(jk)
-                kc, vc = _repeat(kc, heads), _repeat(vc, heads)  # (B, H, c, D) each
-                if ctx.stream:  # this chunk's gradient from this rank's queries
-                    d = torch.zeros((2, *k.shape[:2], c, k.shape[3]), **f32)
+                if ctx.stream:  # this chunk's gradient from this rank's queries, (2, B, Hkv, c, D)
+                    d = torch.stack([kc, vc]).float() * nil  # zeros, distinct per chunk (no CSE of two)
                     dkc, dvc = d[0], d[1]
                 else:
                     dkc, dvc = dk[_slot(jk, n)], dv[_slot(jk, n)]
+                kc, vc = _repeat(kc, heads), _repeat(vc, heads)  # (B, H, c, D) each
                 for h, jq in enumerate(mine):
                     if jk > jq:
                         continue

@@ -159,8 +159,9 @@ class Spmd(Layout):
         # (a context-parallel loss is scaled so that this average is the whole sequence's gradient).
         self.dp_dims = [i for i, n in enumerate(names) if n in GRAD_AXES and mesh.size(i) > 1]
         self.dp_rank, self.dp_world = dp_coordinates(mesh)
-        self.cp_rank, self.cp_world = (mesh.get_local_rank(CP_AXIS), mesh.size(names.index(CP_AXIS))) \
-            if CP_AXIS in names else (0, 1)
+        self.cp_dim = names.index(CP_AXIS) if CP_AXIS in names else None  # the mesh dim of cp, if any
+        self.cp_rank, self.cp_world = (mesh.get_local_rank(CP_AXIS), mesh.size(self.cp_dim)) \
+            if self.cp_dim is not None else (0, 1)
         # read by the "auto" route; on a CUDA mesh the groups' gloo half never sees a gradient
         self._gloo = {d: mesh.device_type == "cpu" and gloo.is_gloo(mesh.get_group(d)) for d in self.dp_dims}
 
@@ -264,8 +265,7 @@ class Spmd(Layout):
 
     def _rows_placements(self, p: DTensor) -> list:
         """A position table's compute placements: `Shard(0)` on cp, Replicate on the other dp axes."""
-        cp = self.mesh.mesh_dim_names.index(CP_AXIS)
-        return [Shard(0) if d == cp else pl for d, pl in enumerate(self._compute_placements(p.placements))]
+        return [Shard(0) if d == self.cp_dim else pl for d, pl in enumerate(self._compute_placements(p.placements))]
 
     def _cp_rows(self, p: DTensor) -> torch.Tensor:
         """This rank's rows of a position table on cp, whole on the other dp axes (`position_rows` reads them)."""
@@ -278,10 +278,10 @@ class Spmd(Layout):
         if kept:
             out = self.reduce_grads({n: g for n, g in grads.items() if n not in kept},
                                     {n: p for n, p in params.items() if n not in kept})
-            cp = self.mesh.mesh_dim_names.index(CP_AXIS)  # summed there already (`position_rows`)
             for n in kept:
                 p = params[n]
-                src = [Partial("avg") if d in self.dp_dims and d != cp else pl
+                # averaged over the dp axes but cp, where `position_rows` summed them already
+                src = [Partial("avg") if d in self.dp_dims and d != self.cp_dim else pl
                        for d, pl in enumerate(self._rows_placements(p))]
                 cp_sum = DTensor.from_local(grads[n] / self.cp_world, self.mesh, src, run_check=False,
                                             shape=p.shape, stride=p.stride())
