@@ -46,7 +46,7 @@ def _child(args) -> dict:
 
     from functrain import init_state, make_train_step, optim, rng
     from functrain.models import gpt
-    from functrain.step import apply
+    from functrain.functional import apply
 
     device = torch.device(args.device)
     cfg = gpt.GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,

@@ -15,11 +15,12 @@ from functrain._lazy import lazy_exports
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain import checkpoint, losses, memory, metric_names, ops, optim, per_example, precision, remat, rng, tree
+    from functrain import checkpoint, functional, losses, memory, metric_names, ops, optim, per_example, precision, remat, rng, tree
     from functrain.checkpoint import CheckpointError
     from functrain.data import DataError, eval_batches, get_batch, load_dataset
+    from functrain.functional import apply
     from functrain.state import Guard, TrainState, init_guard, init_state, params_of
-    from functrain.step import apply, apply_gradients, make_train_step, make_eval_step, update_step, value_and_grad
+    from functrain.step import apply_gradients, make_train_step, make_eval_step, update_step, value_and_grad
     from functrain.task import Task
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -52,7 +52,6 @@ import warnings
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from functrain import metric_names as M
 from functrain import compiler, optim
@@ -68,7 +67,6 @@ from functrain.state import TrainState
 from functrain.update import apply_gradients, make_update, to_master, update_step
 
 __all__ = [
-    "apply",
     "apply_gradients",
     "loss_and_aux",
     "make_train_step",
@@ -79,23 +77,6 @@ __all__ = [
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
-
-
-def apply(model: nn.Module, params: PyTree, *args, **kwargs):
-    """Calls `model(*args, **kwargs)` with `params` in place of its parameters (functional_call).
-
-    Args:
-      model: the module (a real one or a storage-free template built on the "meta" device).
-      params: {name: tensor} for every parameter (tied parameters once).
-      *args, **kwargs: the forward's arguments.
-
-    Returns:
-      Whatever the module's forward returns.
-
-    Example:
-      >>> logits = functrain.apply(model, state.params, x, dropout_key=key)
-    """
-    return torch.func.functional_call(model, params, args, kwargs)
 
 
 def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_scale=None, layout=None):

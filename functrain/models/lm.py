@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from functrain import data as data_lib
+from functrain import functional
 from functrain import parallel
 from functrain import remat as remat_lib
 from functrain import rng
@@ -237,7 +238,7 @@ def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tens
     Example:
       >>> h = lm_hidden(template, state.params, x, key)
     """
-    return torch.func.functional_call(model, params, (idx,), {"dropout_key": dropout_key, "return_hidden": True})
+    return functional.apply(model, params, idx, dropout_key=dropout_key, return_hidden=True)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
@@ -410,7 +411,7 @@ def generate(
             if staged:
                 logits = _staged_logits(stages, head, params, ctx, parallel.gather)[:, -1, :].float()  # (B, V)
             else:
-                logits = torch.func.functional_call(model, params, (ctx,))[:, -1, :].float()  # (B, V)
+                logits = functional.apply(model, params, ctx)[:, -1, :].float()  # (B, V)
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:

@@ -41,9 +41,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops.layers.torch import Rearrange
 
-from functrain import ops, rng
+from functrain import functional, ops, rng
 from functrain.models.lm import LMStages, init_blocks, repeated_stages, submodule_stage
 from functrain.remat import Stage
 
@@ -161,26 +161,29 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * d, bias=b)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * d, bias=b)
         self.o_proj = nn.Linear(cfg.n_head * d, cfg.n_embd, bias=b)
+        # Head counts come from the tensors, so a TP-local slice of heads runs unchanged. Layers, not
+        # `einops.rearrange` calls: torch.compile would trace the pattern's parse at every call.
+        self.split_heads = Rearrange("b t (h d) -> b h t d", d=d)
+        self.merge_heads = Rearrange("b h t d -> b t (h d)")
 
     def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, C) -> (B, T, C)."""
         d = self.cfg.head_dim
-        # Head counts come from the tensors, so a TP-local slice of heads runs unchanged.
-        q = rearrange(self.q_proj(x), "b t (h d) -> b h t d", d=d)  # (B, H, T, D)
-        k = rearrange(self.k_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
-        v = rearrange(self.v_proj(x), "b t (h d) -> b h t d", d=d)  # (B, Hkv, T, D)
+        q = self.split_heads(self.q_proj(x))  # (B, H, T, D)
+        k = self.split_heads(self.k_proj(x))  # (B, Hkv, T, D)
+        v = self.split_heads(self.v_proj(x))  # (B, Hkv, T, D)
         t = x.shape[1]
         pos = None if self.context is None else self.context.positions(t, x.device)  # (T,) global positions
         cos, sin = rotary(d, self.cfg.rope_theta, t, x.device, pos)  # (T, D) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.context is not None:  # this rank's queries over every rank's (few) kv heads
-            y = rearrange(self.context.attention(q, k, v), "b h t d -> b t (h d)")  # (B, T, H*D)
+            y = self.merge_heads(self.context.attention(q, k, v))  # (B, T, H*D)
             return rng.dropout(self.o_proj(y), self.cfg.dropout, dropout_key)
         group = q.shape[1] // k.shape[1]  # query heads per kv head; kv head j serves q heads j*group...
-        k = repeat(k, "b h t d -> b (h g) t d", g=group)  # (B, H, T, D)
-        v = repeat(v, "b h t d -> b (h g) t d", g=group)  # (B, H, T, D)
+        k = k[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)  # (B, Hkv, G, T, D) -> (B, H, T, D)
+        v = v[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)  # (B, Hkv, G, T, D) -> (B, H, T, D)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        y = rearrange(y, "b h t d -> b t (h d)")  # (B, T, H*D)
+        y = self.merge_heads(y)  # (B, T, H*D)
         return rng.dropout(self.o_proj(y), self.cfg.dropout, dropout_key)
 
 
@@ -287,12 +290,12 @@ def stages(model: Llama) -> LMStages:
     def block(module, own, h, key, i):
         """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i, 2 + 2i."""
         key = _dropout_key(cfg, key)
-        return torch.func.functional_call(module, own, (h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i)))
+        return functional.apply(module, own, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
 
     return LMStages(
         embed=Stage(("embed_tokens.weight",), embed),
         blocks=repeated_stages(model, "layers", block),
-        final=submodule_stage(model, "norm.", lambda module, own, h, key: torch.func.functional_call(module, own, (h,))),
+        final=submodule_stage(model, "norm.", lambda module, own, h, key: functional.apply(module, own, h)),
     )
 
 
