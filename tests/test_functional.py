@@ -7,22 +7,18 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from functrain import functional, rng
-from functrain.models.gpt import GPT, GPTConfig, cross_entropy
-
-CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+from functrain import functional
+from functrain.models.gpt import cross_entropy
 
 
-@pytest.fixture(scope="module")
-def model():
-    return GPT(CFG, key=rng.key(0))
+@pytest.fixture
+def model(tiny_gpt):
+    return tiny_gpt(n_layer=2, bias=True)
 
 
-@pytest.fixture(scope="module")
-def batch():
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, CFG.vocab_size, (3, CFG.block_size), generator=g), \
-        torch.randint(0, CFG.vocab_size, (3, CFG.block_size), generator=g)
+@pytest.fixture
+def batch(model, batches):
+    return batches(model.cfg, 1, batch_size=3)[0]
 
 
 def _params(model, scale=1.0):
@@ -60,7 +56,7 @@ def test_a_tied_parameter_may_come_under_any_of_its_names(model, batch):
 
 def test_two_tensors_under_tied_names_is_one_clear_error(model, batch):
     x, _ = batch
-    params = {**_params(model), "lm_head.weight": torch.zeros(CFG.vocab_size, CFG.n_embd)}
+    params = {**_params(model), "lm_head.weight": torch.zeros_like(model.lm_head.weight)}
     with pytest.raises(ValueError, match=r"tied parameters \['wte.weight', 'lm_head.weight'\] were given different tensors"):
         functional.apply(model, params, x)
 
