@@ -6,8 +6,13 @@ Per rank the step's `observe` hook reports the seconds each forward and backward
 blocked in receives left out). A step's span runs from the first action to the last action of any
 rank (the optimizer update left out); a rank's bubble is 1 - (its compute seconds) / (the spans),
 over the timed steps. Printed: the mean over ranks, the median step's, the theoretical
-(N - 1) / (M + N - 1) of equal stages, and what the schedule leaves idle for the measured per-rank
-forward and backward costs (`parallel.schedule.simulate`: unequal stages idle more).
+(N - 1) / (M + N - 1) of equal stages, and what the schedule leaves idle when transfers are free
+(`parallel.schedule.simulate`) for two readings of the measured compute: each rank's mean forward
+and backward ("for these stages' costs": unequal stages idle more), and each microbatch's own
+forward and backward in each step ("for these microbatches' costs": a slow action on the critical
+path idles the other ranks more, and a fast one does not give it back). What the measurement adds
+to the latter is the pipeline's own share of the bubble: transfers, waiting for them, and the
+Python between actions.
 
 The formula assumes equal stages, so the default model gives each rank 8 blocks: the embedding and
 the head (with the loss), which the first and the last rank run besides, then weigh ~1% of a stage
@@ -98,17 +103,20 @@ def _measure(name, pipe, params, batch, args, m):
     opt = optim.adamw(1e-4)
     busy = [0.0]
     spent = {"F": 0.0, "B": 0.0}  # compute seconds by kind over the timed steps
-    walls, busies, after_forward = [], [], []
+    each = {"F": [0.0] * m, "B": [0.0] * m}  # this step's compute seconds per microbatch
+    walls, busies, actions, after_forward = [], [], [], []
     measuring = False
 
     def observe(kind, micro, seconds):
         if kind == "schedule":  # the step's schedule has run: its span and this rank's compute in it
             walls.append(seconds)
             busies.append(busy[0])
+            actions.append({k: list(v) for k, v in each.items()})
             busy[0] = 0.0
         elif kind in ("F", "B"):
             busy[0] += seconds
             spent[kind] += seconds
+            each[kind][micro] = seconds
             if kind == "F" and measuring:
                 if not torch.cuda.is_available():
                     trim()  # freed heap back to the OS: the resident set is the live memory
@@ -123,7 +131,7 @@ def _measure(name, pipe, params, batch, args, m):
     state, peak, held = _peak_growth(step, state, batch, after_forward)
     measuring = False
     dist.barrier()
-    walls[:], busies[:], spent["F"], spent["B"] = [], [], 0.0, 0.0
+    walls[:], busies[:], actions[:], spent["F"], spent["B"] = [], [], [], 0.0, 0.0
     t0 = time.perf_counter()
     for _ in range(args.steps):
         state, metrics = step(state, batch)
@@ -131,8 +139,8 @@ def _measure(name, pipe, params, batch, args, m):
     dist.barrier()
     seconds = (time.perf_counter() - t0) / args.steps
     per = args.steps * m  # microbatches timed
-    return {"step_s": seconds, "busy_s": busies, "span_s": walls, "peak_mib": peak, "held_mib": held,
-            "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
+    return {"step_s": seconds, "busy_s": busies, "span_s": walls, "actions_s": actions,
+            "peak_mib": peak, "held_mib": held, "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
 
 
 def _bubbles(every: list) -> tuple[list, list]:
@@ -144,6 +152,18 @@ def _bubbles(every: list) -> tuple[list, list]:
     per_rank = [1.0 - sum(r["busy_s"]) / sum(spans) for r in every]
     per_step = [sum(1.0 - r["busy_s"][s] / span for r in every) / len(every) for s, span in enumerate(spans)]
     return per_rank, per_step
+
+
+def _replayed(name: str, n: int, m: int, every: list) -> list:
+    """Per timed step, the mean over ranks of the bubble the schedule leaves when each microbatch's
+    forward and backward on each rank cost what they were measured to cost in that step and
+    transfers are free (`parallel.schedule.simulate`): the measured bubble less the pipeline's own share."""
+    out = []
+    for s in range(len(every[0]["actions_s"])):
+        idle = schedules.simulate(name, n, m, [r["actions_s"][s]["F"] for r in every],
+                                  [r["actions_s"][s]["B"] for r in every])
+        out.append(sum(idle) / n)
+    return out
 
 
 def main():
@@ -174,11 +194,15 @@ def main():
         dist.all_gather_object(every, mine)
         bubbles, steps = _bubbles(every)
         median = sorted(steps)[len(steps) // 2]
+        replayed = _replayed(name, n, m, every)
+        own = (sum(steps) - sum(replayed)) / len(steps)  # transfers, waits and Python between actions
         # what the schedule leaves idle for these stages' measured costs (the formula assumes equal stages)
         expected = schedules.simulate(name, n, m, [r["forward_s"] for r in every], [r["backward_s"] for r in every])
         row = {"step_s": max(r["step_s"] for r in every), "bubble": sum(bubbles) / n, "bubble_per_rank": bubbles,
                "bubble_median_step": median, "bubble_per_step": steps,
                "expected_bubble": sum(expected) / n, "expected_bubble_per_rank": expected,
+               "replayed_bubble": sum(replayed) / len(replayed), "replayed_bubble_per_step": replayed,
+               "pipeline_share": own,
                "forward_s_per_rank": [r["forward_s"] for r in every],
                "backward_s_per_rank": [r["backward_s"] for r in every],
                "peak_mib_per_rank": [r["peak_mib"] for r in every],
@@ -188,7 +212,8 @@ def main():
         if rank == 0:
             print(f"{name}: {row['step_s']:.3f} s/step, bubble {row['bubble']:.3f} (median step {median:.3f}; "
                   f"theory {theory:.3f}, for these "
-                  f"stages' costs {row['expected_bubble']:.3f}; per rank "
+                  f"stages' costs {row['expected_bubble']:.3f}, for these microbatches' costs "
+                  f"{row['replayed_bubble']:.3f} + the pipeline's own {own:+.3f}; per rank "
                   + ", ".join(f"{b:.3f}" for b in bubbles) + " vs " + ", ".join(f"{b:.3f}" for b in expected)
                   + "), peak MiB per rank "
                   + ", ".join(f"{p:.1f}" for p in row["peak_mib_per_rank"]) + ", activations held MiB per rank "

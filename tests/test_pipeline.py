@@ -46,6 +46,24 @@ def test_a_heavier_stage_idles_less_and_the_others_more(name):
     assert bubbles[1] < S.bubble_fraction(3, 6) < min(bubbles[0], bubbles[2])
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_per_microbatch_costs_replay_the_schedule(name):
+    # the same costs for every microbatch, given one per microbatch: the same bubble
+    per_micro = S.simulate(name, 3, 5, [[1.0] * 5, [1.5] * 5, [1.0] * 5], [[2.0] * 5, [3.0] * 5, [2.0] * 5])
+    assert per_micro == pytest.approx(S.simulate(name, 3, 5, [1.0, 1.5, 1.0], [2.0, 3.0, 2.0]), abs=1e-12)
+    # 2 ranks, 2 microbatches, rank 1's second forward twice as slow; worked by hand from the schedules:
+    # gpipe: r0 F0 [0,1] F1 [1,2]; r1 F0 [1,2] F1 [2,4] B0 [4,6] B1 [6,8]; r0 B0 [6,8] B1 [8,10]
+    # 1f1b:  r0 F0 [0,1] F1 [1,2]; r1 F0 [1,2] B0 [2,4] F1 [4,6] B1 [6,8]; r0 B0 [4,6] B1 [8,10]
+    # either way a span of 10: rank 0 computes 6 of it, rank 1 7
+    assert S.simulate(name, 2, 2, [[1.0, 1.0], [1.0, 2.0]], [2.0, 2.0]) == pytest.approx([0.4, 0.3], abs=1e-12)
+    # a slow microbatch then a fast one (the same mean) on the critical path: more idle than the mean cost gives
+    noisy = [1.0, 1.6, 0.4, 1.0]
+    slow = S.simulate(name, 2, 4, [noisy, noisy], [2.0, 2.0])
+    assert sum(slow) > sum(S.simulate(name, 2, 4, [1.0, 1.0], [2.0, 2.0]))
+    with pytest.raises(ValueError, match="forward costs: got 3 for 4 microbatches; give one number or one per"):
+        S.simulate(name, 2, 4, [1.0, [1.0, 1.0, 1.0]], [2.0, 2.0])
+
+
 @pytest.mark.parametrize("n, m", [(2, 8), (4, 16), (4, 3)])
 def test_1f1b_holds_at_most_n_minus_rank_microbatches_gpipe_all_of_them(n, m):
     for r in range(n):

@@ -121,13 +121,14 @@ def bubble_fraction(n: int, m: int) -> float:
     return (n - 1) / (m + n - 1)
 
 
-def simulate(name: str, n: int, m: int, forward: Sequence[float], backward: Sequence[float]) -> list[float]:
-    """Each rank's idle share of a step when rank r's forward costs `forward[r]` and its backward
-    `backward[r]` and transfers are free: the bubble a schedule leaves for these stage costs.
+def simulate(name: str, n: int, m: int, forward: Sequence, backward: Sequence) -> list[float]:
+    """Each rank's idle share of a step when its forwards and backwards cost what is given and
+    transfers are free: the bubble a schedule leaves for these costs.
 
     Args:
       name: a key of `SCHEDULES`. n: pipeline ranks. m: microbatches per step.
-      forward, backward: per rank, the seconds of one microbatch's forward and backward.
+      forward, backward: per rank, the seconds of one microbatch's forward and backward: one number
+        (every microbatch costs the same) or a sequence of m numbers (microbatch i costs the i-th).
 
     Returns:
       Per rank, 1 - (its compute) / (the step's span). With equal costs every entry is
@@ -135,11 +136,15 @@ def simulate(name: str, n: int, m: int, forward: Sequence[float], backward: Sequ
 
     Raises:
       RuntimeError: the schedules deadlock (a rank waits for work no rank can do).
+      ValueError: a rank's costs are a sequence of other than m numbers (one line).
 
     Example:
       >>> [round(b, 6) for b in simulate("1f1b", 2, 4, [1, 1], [2, 2])]
       [0.2, 0.2]
+      >>> [round(b, 6) for b in simulate("1f1b", 2, 2, [[1, 1], [1, 2]], [2, 2])]  # one slow forward
+      [0.4, 0.3]
     """
+    costs = {"F": [_per_micro(c, m, "forward") for c in forward], "B": [_per_micro(c, m, "backward") for c in backward]}
     plans = [schedule(name, n, m, r) for r in range(n)]
     done: dict = {}  # (kind, rank, micro) -> when it finished
     clock, at = [0.0] * n, [0] * n
@@ -153,13 +158,23 @@ def simulate(name: str, n: int, m: int, forward: Sequence[float], backward: Sequ
                 if not all(k in done for k in need):
                     break
                 start = max([clock[r]] + [done[k] for k in need])
-                clock[r] = done[(kind, r, i)] = start + (forward[r] if kind == "F" else backward[r])
+                clock[r] = done[(kind, r, i)] = start + costs[kind][r][i]
                 at[r] += 1
                 moved = True
         if not moved:
             raise RuntimeError(f"schedule {name!r} deadlocks at n={n}, m={m} (ranks at actions {at})")
     span = max(clock)
-    return [1.0 - m * (forward[r] + backward[r]) / span for r in range(n)]
+    return [1.0 - (sum(costs["F"][r]) + sum(costs["B"][r])) / span for r in range(n)]
+
+
+def _per_micro(cost, m: int, what: str) -> list[float]:
+    """A rank's cost per microbatch: one number repeated m times, or m numbers as given."""
+    if isinstance(cost, (int, float)):
+        return [float(cost)] * m
+    cost = [float(c) for c in cost]
+    if len(cost) != m:
+        raise ValueError(f"{what} costs: got {len(cost)} for {m} microbatches; give one number or one per microbatch")
+    return cost
 
 
 def held(actions: Sequence[Action]) -> int:
