@@ -1,4 +1,5 @@
-"""Pipeline parallelism: the measured bubble against the schedule's, and per-rank peak memory, GPipe vs 1F1B.
+"""Pipeline parallelism: the measured bubble against the schedule's, and per-rank peak memory, GPipe vs 1F1B
+(and eager 1F1B).
 
 One launch of N ranks (a pipeline of N stages) trains a GPT whose blocks are cut over the ranks
 (`functrain.parallel.pipeline.place`), with M microbatches per step, under each schedule in turn.
@@ -64,7 +65,7 @@ def _args():
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--steps", type=int, default=4, help="timed steps per schedule (after 2 warm-up steps)")
-    p.add_argument("--schedules", default="gpipe,1f1b")
+    p.add_argument("--schedules", default="gpipe,1f1b,eager-1f1b")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each rank to a core of its own")
     p.add_argument("--give-back", dest="keep", action="store_false",
                    help="let malloc hand freed memory back to the OS between steps (page faults in every step)")
@@ -233,6 +234,14 @@ def main():
                   + f" (N / M = {n / m:.2f}, + 1 / M = {1 / m:.2f} for one microbatch: "
                   + ("met" if out["activations_target_met"] else "missed") + "; microbatches held by 1F1B "
                   + ", ".join(str(h) for h in fb["held_per_rank"]) + f" of {m})", flush=True)
+    if "gpipe" in s and "eager-1f1b" in s:  # one microbatch more than 1F1B on every rank but the last
+        gp, ea = s["gpipe"], s["eager-1f1b"]
+        out["activations_ratio_eager_1f1b_over_gpipe"] = [
+            a / b for a, b in zip(ea["activations_mib_per_rank"], gp["activations_mib_per_rank"])]
+        if rank == 0:
+            print("eager 1F1B / GPipe per rank: activations held "
+                  + ", ".join(f"{x:.2f}" for x in out["activations_ratio_eager_1f1b_over_gpipe"])
+                  + " (microbatches held " + ", ".join(str(h) for h in ea["held_per_rank"]) + f" of {m})", flush=True)
     if rank == 0 and args.json:
         print(json.dumps(out))
     dist.destroy_process_group()

@@ -306,7 +306,7 @@ LOOP_CHECKS: list[Check] = [
     ("compile_unit", one_of("step", "blocks")),
     ("cp_attention", one_of("zigzag", "stream", "mask")),
     ("pp.microbatches", int_at_least(1)),
-    ("pp.schedule", one_of("1f1b", "gpipe")),
+    ("pp.schedule", one_of("1f1b", "eager-1f1b", "gpipe")),
     ("cuda_graphs", boolean()),
     ("donate", boolean()),
     ("deterministic", boolean()),

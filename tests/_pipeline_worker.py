@@ -304,6 +304,7 @@ SUITES = {
     "pp2": [
         ("gpt_1f1b", lambda r, w: compare(r, w)),
         ("gpt_gpipe", lambda r, w: compare(r, w, sched="gpipe")),
+        ("gpt_eager_1f1b", lambda r, w: compare(r, w, sched="eager-1f1b")),
         ("gpt_one_micro", lambda r, w: compare(r, w, micro=1)),
         ("gpt_eight_micro", lambda r, w: compare(r, w, micro=8, layers=3, steps=5)),
         ("gpt_remat", lambda r, w: compare(r, w, remat="full")),
@@ -327,6 +328,7 @@ SUITES = {
         ("llama_pp_tp", lambda r, w: compare_mesh(r, w, {"pp": 2, "dp_shard": 1, "tp": 2}, "llama", micro=2)),
         ("gpt_1f1b", lambda r, w: compare(r, w, micro=8, layers=4)),
         ("gpt_gpipe", lambda r, w: compare(r, w, sched="gpipe", micro=4, layers=4)),
+        ("gpt_eager_1f1b", lambda r, w: compare(r, w, sched="eager-1f1b", micro=8, layers=4)),
         ("llama", lambda r, w: compare(r, w, "llama", micro=4, layers=5)),
         ("gpt_one_micro", lambda r, w: compare(r, w, micro=1, layers=4)),
         ("llama_bf16", lambda r, w: compare(r, w, "llama", micro=2, layers=4, precision="bf16")),

@@ -125,7 +125,7 @@ def test_dist_timeout_reaches_the_parallel_setup(tmp_path, monkeypatch, value, e
      "batch_size=16 must divide by data-parallel ranks (1) x pp.microbatches (3)"),
     ("--config.mesh.pp=3", "2", "pp=3: pipeline ranks must be a positive divisor of the world size 2"),
     ("--config.mesh.pp=4 --config.model.n_layer=2", "4", "mesh.pp=4 pipeline stages over model.n_layer=2 blocks"),
-    ("--config.pp.schedule=zb", None, "pp.schedule='zb' is out of range: one of '1f1b', 'gpipe'"),
+    ("--config.pp.schedule=zb", None, "pp.schedule='zb' is out of range: one of '1f1b', 'eager-1f1b', 'gpipe'"),
 ])
 def test_bad_config_is_reported_before_torch_loads(tmp_path, flags, world, expected):
     """Every config check (the loop's, the optimizer's, the family's, the mesh against torchrun's

@@ -8,7 +8,7 @@ its own stages' params and optimizer state (`Pipeline.params` picks them from th
 `make_train_step(pipe, optimizer, microbatches=M, schedule="1f1b")` builds `step(state, batch) ->
 (state, metrics)` for one rank. Every rank gets the same batch (the first reads its inputs, the last
 its targets); it is cut into M microbatches, which run through the rank's stages in the order of the
-schedule (`parallel.schedule`: "gpipe" or "1f1b"). A forward receives its input activation from the
+schedule (`parallel.schedule`: "gpipe", "1f1b" or "eager-1f1b"). A forward receives its input activation from the
 rank before and sends its output to the rank after; a backward receives the output's cotangent from
 the rank after and sends the input's cotangent to the rank before (torch.distributed point-to-point
 on the pipeline group: non-blocking sends; each receive posted one action ahead of the action that
@@ -433,8 +433,9 @@ def make_train_step(
       optimizer: a `functrain.optim.Transform`; `state.opt_state` is its state over `pipe`'s params.
       microbatches: the batch is cut into this many microbatches (its dim 0 must divide by it);
         the gradients are their mean, as `functrain.make_train_step(accum_steps=microbatches)`.
-      schedule: "1f1b" (at most `world - rank` microbatches' activations held) or "gpipe" (all of
-        them), see `functrain.parallel.schedule`.
+      schedule: "1f1b" (at most `world - rank` microbatches' activations held), "eager-1f1b" (one
+        more: a slow action on one rank idles the others less) or "gpipe" (all of them), see
+        `functrain.parallel.schedule`.
       compile: run the stages as the staged loss's compiled graphs and the update as one graph
         (module docstring: the compile contract); False: eager.
       donate: write the new params and optimizer state into the input state's buffers.
