@@ -102,21 +102,15 @@ def _peak_growth(step, state, batch, after_forward: list):
 def _measure(name, pipe, params, batch, args, m):
     """Step seconds, this rank's compute and schedule seconds per timed step, and its peak growth under `name`."""
     opt = optim.adamw(1e-4)
-    busy = [0.0]
-    spent = {"F": 0.0, "B": 0.0}  # compute seconds by kind over the timed steps
     each = {"F": [0.0] * m, "B": [0.0] * m}  # this step's compute seconds per microbatch
-    walls, busies, actions, after_forward = [], [], [], []
+    walls, actions, after_forward = [], [], []  # per step: its span, its compute seconds per microbatch
     measuring = False
 
     def observe(kind, micro, seconds):
         if kind == "schedule":  # the step's schedule has run: its span and this rank's compute in it
             walls.append(seconds)
-            busies.append(busy[0])
             actions.append({k: list(v) for k, v in each.items()})
-            busy[0] = 0.0
         elif kind in ("F", "B"):
-            busy[0] += seconds
-            spent[kind] += seconds
             each[kind][micro] = seconds
             if kind == "F" and measuring:
                 if not torch.cuda.is_available():
@@ -132,7 +126,7 @@ def _measure(name, pipe, params, batch, args, m):
     state, peak, held = _peak_growth(step, state, batch, after_forward)
     measuring = False
     dist.barrier()
-    walls[:], busies[:], actions[:], spent["F"], spent["B"] = [], [], [], 0.0, 0.0
+    walls[:], actions[:] = [], []
     t0 = time.perf_counter()
     for _ in range(args.steps):
         state, metrics = step(state, batch)
@@ -140,8 +134,10 @@ def _measure(name, pipe, params, batch, args, m):
     dist.barrier()
     seconds = (time.perf_counter() - t0) / args.steps
     per = args.steps * m  # microbatches timed
-    return {"step_s": seconds, "busy_s": busies, "span_s": walls, "actions_s": actions,
-            "peak_mib": peak, "held_mib": held, "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
+    spent = {k: sum(sum(a[k]) for a in actions) for k in ("F", "B")}  # compute seconds by kind
+    return {"step_s": seconds, "busy_s": [sum(a["F"]) + sum(a["B"]) for a in actions], "span_s": walls,
+            "actions_s": actions, "peak_mib": peak, "held_mib": held,
+            "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
 
 
 def _bubbles(every: list) -> tuple[list, list]:
