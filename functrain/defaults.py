@@ -95,7 +95,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.pp = ml_collections.ConfigDict()
     c.pp.microbatches = 1  # mesh.pp > 1: microbatches per step (the gradients' mean; in place of accum_steps)
     # "1f1b" holds at most pp - stage microbatches' activations, "gpipe" all of them, "eager-1f1b" one more
-    # than 1f1b and keeps the bubble near (pp - 1) / (microbatches + pp - 1) when stages' times vary
+    # than 1f1b and keeps the bubble near (pp - 1) / (microbatches + pp - 1) when single actions' times vary
     c.pp.schedule = "1f1b"
     # Context-parallel attention (mesh.cp > 1; functrain.parallel.context.KERNELS): "zigzag" all-gathers
     # one layer's keys and values; "stream" fetches them a chunk at a time (less memory, 2N collectives a
