@@ -18,6 +18,7 @@ import torch
 import _tol
 from _dist_launch import REPO, run_suite, scenario_results
 from _pipeline_worker import MESH_STEPS
+from functrain import validate
 from functrain.parallel import schedule as S
 
 WORKER = os.path.join(REPO, "tests", "_pipeline_worker.py")
@@ -96,6 +97,13 @@ def test_a_bad_schedule_name_or_size_is_one_line():
         S.schedule("zb", 2, 2, 0)
     with pytest.raises(ValueError, match="rank=2"):
         S.gpipe(2, 4, 2)
+
+
+def test_the_config_check_accepts_exactly_the_schedules():
+    # validate.py spells the names itself (config errors come before torch is imported)
+    ok, words = dict(validate.LOOP_CHECKS)["pp.schedule"]
+    assert all(ok(name) for name in S.SCHEDULES) and not ok("zb")
+    assert sorted(words.removeprefix("one of ").split(", ")) == sorted(repr(name) for name in S.SCHEDULES)
 
 
 def _best_cut(weights, n, first, last):
