@@ -60,3 +60,14 @@ def batch(args, ds, step: int):
 def val_batches(ds, num_batches: int = 4) -> list:
     """Fixed held-out batches of 32 examples."""
     return list(ft.eval_batches(ds.val, batch_size=32, block_size=BLOCK, num_batches=num_batches))
+
+
+def synthetic_images(n: int, batch_size: int, classes: int = 4, seed: int = 0) -> list:
+    """`n` batches (x (B, 3, 8, 8), y (B,)) of noisy images whose class is a brightness pattern."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(classes, 3, 8, 8, generator=g)  # one per class
+    out = []
+    for _ in range(n):
+        y = torch.randint(0, classes, (batch_size,), generator=g)
+        out.append((patterns[y] + 2.0 * torch.randn(batch_size, 3, 8, 8, generator=g), y))
+    return out

@@ -15,7 +15,7 @@ from functrain._lazy import lazy_exports
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain import checkpoint, functional, losses, memory, metric_names, ops, optim, per_example, precision, remat, rng, tree
+    from functrain import checkpoint, functional, losses, memory, metric_names, nn, ops, optim, per_example, precision, remat, rng, tree
     from functrain.checkpoint import CheckpointError
     from functrain.data import DataError, eval_batches, get_batch, load_dataset
     from functrain.functional import apply

@@ -39,6 +39,13 @@ def trainer_config() -> ml_collections.ConfigDict:
     # optimizer update block by block: as many graphs and about the same cold compile at any depth;
     # README "Compile unit").
     c.compile_unit = "step"
+    # True: the step is one graph, and a graph break in the model stops with one line naming it.
+    # False: torch.compile compiles around graph breaks (several graphs; for modules that print,
+    # log or branch on a tensor's value), still without recompiles from step to step.
+    c.fullgraph = True
+    # What a data-parallel run keeps of the model state (BatchNorm statistics each rank updates from
+    # its own rows): "broadcast" dp rank 0's (as DDP), "mean" the floating buffers' mean over dp ranks.
+    c.model_state_sync = "broadcast"
     # Replay the compiled step as CUDA graphs (inductor's cudagraph trees): one launch per step
     # instead of hundreds, for small launch-bound models. CUDA, compile=True, compile_unit="step".
     c.cuda_graphs = False

@@ -8,8 +8,14 @@ groups of tied names are a constant of the module (`tied_names`, which torch.com
 instead of tracing), and functional_call runs with `tie_weights=False` on a dict that already
 names every tied copy.
 
+Any module: `model_state=` passes its buffers (BatchNorm statistics) in and returns the updated
+ones (`functrain.nn.model_state`); the module runs in the mode the enclosing step asks for
+(`functrain.nn.mode`), and a meta template that would compute with a tensor nobody replaced is
+refused in one line (`functrain.nn.meta`).
+
 Example:
     >>> logits = functional.apply(model, state.params, x, dropout_key=key)   # (B, T, V)
+    >>> logits, ms = functional.apply(cnn, params, x, model_state=ms)         # with buffers
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from functrain.nn import meta as meta_lib
+from functrain.nn import mode as mode_lib
 
 __all__ = ["apply", "tied_names"]
 
@@ -44,19 +53,30 @@ def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
-def apply(model: nn.Module, params: Any, *args, **kwargs):
+def apply(model: nn.Module, params: Any, *args, model_state: Any = None, train: "bool | None" = None, **kwargs):
     """Calls `model(*args, **kwargs)` with `params` in place of its parameters (functional_call).
 
     Args:
       model: the module (a real one or a storage-free template built on the "meta" device).
       params: {name: tensor} for every parameter (tied parameters under any one of their names).
       *args, **kwargs: the forward's arguments.
+      model_state: optional {name: tensor} of buffers (`TrainState.model_state`). The module gets
+        clones, updates them in place as it would its own buffers (BatchNorm's statistics in train
+        mode), and the clones come back: the dict passed in is never written.
+      train: run the module in training (True) or eval (False) mode for this call; None (default):
+        the mode of the enclosing step (`make_train_step`: train, `make_eval_step`: eval), or the
+        template's own outside any step. The template's flags are put back afterwards.
 
     Returns:
-      Whatever the module's forward returns.
+      Whatever the module's forward returns; with `model_state`, `(output, new_model_state)`.
+
+    Raises:
+      ValueError: the template would compute with a tensor on the meta device that `params` and
+        `model_state` do not replace (one line naming them), or tied names given different tensors.
 
     Example:
       >>> logits = functrain.apply(model, state.params, x, dropout_key=key)
+      >>> logits, ms = functrain.apply(cnn, params, x, model_state=state.model_state)
     """
     groups = tied_names(model)
     if groups:
@@ -69,4 +89,19 @@ def apply(model: nn.Module, params: Any, *args, **kwargs):
             if any(params[n] is not value for n in given[1:]):
                 raise ValueError(f"tied parameters {given} were given different tensors; give one of them")
             params.update((n, value) for n in group)
-    return torch.func.functional_call(model, params, args, kwargs, tie_weights=False)
+    tensors = params
+    state = None
+    if model_state is not None:
+        state = {name: value.clone() for name, value in model_state.items()}  # the module updates these
+        tensors = {**params, **state}
+    if meta_lib.meta_tensors(model):
+        missing = meta_lib.unreplaced(model, tensors.keys())
+        if missing:
+            raise ValueError(meta_lib.refusal(missing, tensors))
+    flag = mode_lib.current() if train is None else train
+    changed = mode_lib.switched(model, flag) if flag is not None else []
+    try:
+        out = torch.func.functional_call(model, tensors, args, kwargs, tie_weights=False)
+    finally:
+        mode_lib.restore(changed)
+    return out if state is None else (out, state)

@@ -21,8 +21,8 @@ holds `<workdir>/.lock` while it runs (`functrain.workdir_lock`), so a second ru
 workdir stops with one line instead of deleting the first's checkpoints.
 
 The loop's own config keys (`functrain.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
-accum_steps, log_every, eval_every, compile, compile_cache, cuda_graphs, donate, deterministic,
-precision, max_consecutive_skips, tensorboard, device, host_memory, gc_every, seed, checkpoint.*,
+accum_steps, log_every, eval_every, compile, fullgraph, model_state_sync, compile_cache, cuda_graphs,
+donate, deterministic, precision, max_consecutive_skips, tensorboard, device, host_memory, gc_every, seed, checkpoint.*,
 profile.*.
 """
 
@@ -356,14 +356,19 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         param_norm = functools.partial(pipeline.global_norm, pipe)
     else:
         params = _init_params(task, rng_lib.key(config.seed), device, ctx)
-        state = init_state(params, optimizer, seed=config.seed, copy=False)  # moments mirror the placements
-        del params
+        model_state = task.init_model_state(device) if task.init_model_state is not None else None
+        # moments mirror the placements; the model state is replicated (plain tensors on every rank)
+        state = init_state(params, optimizer, seed=config.seed, copy=False, model_state=model_state)
+        del params, model_state
+        fullgraph = bool(config.get("fullgraph", True))
         train_step = make_train_step(
             task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=_compile(config), donate=config.donate,
             precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
-            compile_options=cuda_graphs.options() if graphs else None,
+            compile_options=cuda_graphs.options() if graphs else None, fullgraph=fullgraph,
+            model_state_sync=config.get("model_state_sync", "broadcast"),
         )
-        eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision)
+        eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision,
+                                   fullgraph=fullgraph)
         param_norm = tree_lib.global_norm
 
     print_fn(f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
@@ -620,6 +625,9 @@ def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.Paral
     if config.get("cuda_graphs", False):
         raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
                                    "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1")
+    if task.init_model_state is not None:
+        raise validate.ConfigError("this model has model state (buffers such as BatchNorm statistics) and the "
+                                   "pipeline's stages carry params only: set --config.mesh.pp=1")
     key = rng_lib.key(config.seed)
     try:
         pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, key), group=ctx.pp_group)

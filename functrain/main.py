@@ -286,11 +286,14 @@ def main(argv: list[str]) -> None:
         sys.exit(130)
     except Exception as exc:
         from functrain.checkpoint import CheckpointError
+        from functrain.compiler import GraphBreakError
         from functrain.data import DataError
         from functrain.loop import TrainingError
 
         if isinstance(exc, (CheckpointError, DataError, TrainingError)):
             _fail(str(exc))
+        if isinstance(exc, GraphBreakError):
+            _fail(f"{exc}".replace("fullgraph=False (--config.fullgraph=False)", "--config.fullgraph=False"))
         raise
 
 

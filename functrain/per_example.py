@@ -35,7 +35,8 @@ __all__ = ["grads", "norms", "clipped_sum", "privatize"]
 PyTree = Any
 
 
-def grads(loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | None = None):
+def grads(loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | None = None, *,
+          model_state: PyTree = None):
     """The gradient of each example's loss, stacked on a leading batch dim.
 
     Args:
@@ -44,6 +45,8 @@ def grads(loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | 
       params: a pytree of plain (local) tensors.
       batch: a pytree of tensors whose leading dim B is the example index.
       key: a dropout key or None; example i gets `rng.split(key, B)[i]`.
+      model_state: must be empty: per-example gradients run each example as a batch of one, where
+        batch statistics (BatchNorm) mean nothing; a model state is refused in one line.
 
     Returns:
       `(grads, losses, aux)`: grads like `params` with a leading (B,) on every leaf, losses (B,),
@@ -52,6 +55,10 @@ def grads(loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | 
     Example:
       >>> g, losses, _ = per_example.grads(loss_fn, params, (x, y))   # g["wte.weight"]: (B, V, C)
     """
+    if model_state is not None and optree.tree_leaves(model_state):
+        raise ValueError("per-example gradients run every example as a batch of one, where a model's batch "
+                         f"statistics ({next(iter(model_state))!r}, ...) mean nothing: use a model without "
+                         "BatchNorm (GroupNorm or LayerNorm normalize per example)")
     b = optree.tree_leaves(batch)[0].shape[0]
 
     def one(p, example, k):

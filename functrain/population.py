@@ -31,6 +31,7 @@ import torch
 
 from functrain import compiler, foreach
 from functrain import step as step_lib
+from functrain.nn.model_state import check_loss
 from functrain.parallel.layout import LOCAL
 from functrain.state import TrainState
 
@@ -129,6 +130,7 @@ def make_population_step(
     population_step = compiler.maybe_compile(population_step, compile, compile_options)  # as make_train_step
 
     def step(state: TrainState, batch: PyTree):
+        check_loss(loss_fn, state.model_state)
         with foreach.per_tensor():  # vmap has no batching rules for the fused foreach kernels
             return population_step(state, batch)
 

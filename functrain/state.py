@@ -9,6 +9,7 @@ from torch import nn
 
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
+from functrain.nn.model_state import buffers_of
 from functrain.optim.base import Transform
 
 __all__ = ["Guard", "TrainState", "init_guard", "init_state", "params_of"]
@@ -54,7 +55,7 @@ def init_guard(device=None, loss_scale: float = DEFAULT_LOSS_SCALE) -> Guard:
 
 
 class TrainState(NamedTuple):
-    """Params, optimizer state, step counter and RNG key, as one pytree.
+    """Params, optimizer state, step counter, RNG key and model state, as one pytree.
 
     A NamedTuple is a native node for optree, `torch.utils._pytree` and `torch.compile`, so the
     whole state flattens, maps, compiles and checkpoints with no registration. Keep every dict in
@@ -67,6 +68,9 @@ class TrainState(NamedTuple):
       rng: int64 key of shape (2,) (see `functrain.rng`); per-step keys are
         `rng.fold_in(state.rng, state.step)`, so the key itself never changes.
       guard: a `Guard`: skipped-update counters and the fp16 dynamic loss scale.
+      model_state: {dotted buffer name: tensor}: the module's buffers that a forward reads or
+        updates (BatchNorm's running statistics and counters; `functrain.nn.model_state`); empty
+        for a model without them. Replicated on a mesh (plain tensors, the same on every rank).
     """
 
     params: PyTree
@@ -74,6 +78,7 @@ class TrainState(NamedTuple):
     step: torch.Tensor
     rng: torch.Tensor
     guard: Guard
+    model_state: PyTree = {}
 
     def replace(self, **changes) -> "TrainState":
         """A copy with some fields replaced: `state.replace(step=state.step + 1)`."""
@@ -101,16 +106,20 @@ def init_state(
     seed: int = 0,
     *,
     copy: bool = True,
+    model_state: PyTree = None,
 ) -> TrainState:
     """Builds the initial `TrainState` from a model (or a params tree) and an optimizer.
 
     Args:
-      model_or_params: an initialized `nn.Module` (its parameters are taken, see `params_of`),
-        or a pytree of parameter tensors.
+      model_or_params: an initialized `nn.Module` (its parameters are taken, see `params_of`, and
+        its persistent buffers as the model state, see `functrain.nn.buffers_of`), or a pytree of
+        parameter tensors.
       optimizer: a `functrain.optim.Transform`.
       seed: seeds the state's RNG key (`rng.key(seed)`); parameter init is the model's business.
-      copy: clone the parameters, so that the state owns its buffers and a donating step never
-        writes into the module (default True).
+      copy: clone the parameters (and buffers), so that the state owns its tensors and a donating
+        step never writes into the module (default True).
+      model_state: {name: tensor} of buffers, when they are given explicitly (a params tree, or a
+        meta template's buffers made elsewhere); default: the module's, or none for a params tree.
 
     Returns:
       A `TrainState` with `step == 0` on the params' device.
@@ -121,10 +130,14 @@ def init_state(
     """
     if isinstance(model_or_params, nn.Module):
         params = params_of(model_or_params)
+        if model_state is None:
+            model_state = buffers_of(model_or_params)
     else:
         params = model_or_params
+    model_state = {} if model_state is None else dict(model_state)
     if copy:
         params = tree_lib.map(lambda v: v.detach().clone(), params)
+        model_state = tree_lib.map(lambda v: v.detach().clone(), model_state)
     first = next(iter(tree_lib.leaves(params)), None)
     device = first.device if first is not None else None
     return TrainState(
@@ -133,4 +146,5 @@ def init_state(
         step=torch.zeros((), dtype=torch.int64, device=device),
         rng=rng_lib.key(seed, device=device),
         guard=init_guard(device),
+        model_state=model_state,
     )

@@ -60,6 +60,9 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain import update_groups
 from functrain.loss_contract import loss_and_aux
+from functrain.nn import mode as mode_lib
+from functrain.nn import randomness
+from functrain.nn.model_state import call_loss, check_loss, has_model_state, restore_dtypes
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
 from functrain.remat import StagedLoss
@@ -79,22 +82,32 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
 
 
-def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_scale=None, layout=None):
+def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_scale=None, layout=None,
+                   model_state=None, fullgraph: bool = True, keyed: bool = True):
     """Loss, aux and gradients of `loss_fn(params, batch, key)` with respect to `params`.
 
     Args:
-      loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss).
+      loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss); with
+        `model_state`, `(params, batch, key, model_state) -> (loss, aux, new_model_state)`.
       params: the parameter tree (plain tensors).
       batch: the batch pytree.
-      key: the RNG key passed to `loss_fn` (or None).
+      key: the RNG key passed to `loss_fn` (or None). While the loss runs, every dropout inside any
+        module draws from it (`functrain.nn.randomness`).
       loss_scale: optional 0-d tensor; the gradients are those of `loss * loss_scale` (fp16 loss
         scaling) while the returned loss is unscaled.
       layout: for sharded (DTensor) params and a `functrain.remat.StagedLoss`: its
         `value_and_grad_sharded` gathers each stage's params itself and returns grads in the
         params' placements.
+      model_state: the model's buffers (`TrainState.model_state`), passed to the loss and returned
+        updated (no gradient flows into them).
+      fullgraph: False when the step compiles around graph breaks: the gradients are then taken
+        by plain autograd (Dynamo compiles the forward's pieces with their backwards).
+      keyed: draw the modules' dropout from `key` (False inside torch's scan, whose body cannot
+        enter a torch function mode).
 
     Returns:
-      `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params.
+      `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params; with
+      `model_state`, `(loss, aux, grads, new_model_state)`.
 
     A `functrain.remat.StagedLoss` brings its own gradient route (`value_and_grad`, which recomputes
     blocks in the backward); any other loss function is differentiated by `torch.func.grad_and_value`
@@ -104,21 +117,29 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
       >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
     """
     if isinstance(loss_fn, StagedLoss):
+        if has_model_state(model_state):
+            raise ValueError("a staged loss (functrain.remat) runs the model's own stages and takes no model "
+                             "state: use a plain loss function for a model with buffers")
         if layout is not None:
             loss, aux, grads = loss_fn.value_and_grad_sharded(params, batch, key, layout=layout, loss_scale=loss_scale)
         else:
             loss, aux, grads = loss_fn.value_and_grad(params, batch, key, loss_scale=loss_scale)
-        return loss.detach(), dict(aux or {}), grads
+        out = (loss.detach(), dict(aux or {}), grads)
+        return out if model_state is None else (*out, model_state)
 
     def f(p):
-        loss, aux = loss_and_aux(loss_fn(p, batch, key))
+        with randomness.keyed(key if keyed else None):
+            loss, aux, new_state = call_loss(loss_fn, p, batch, key, model_state)
         scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
-        return scaled, (loss.detach(), aux)
+        return scaled, (loss.detach(), (aux, new_state))
 
-    if compiler.eager_autograd_ok():  # the same gradients, without torch.func's per-op wrapping
-        return _autograd_value_and_grad(f, params)
-    grads, (_, (loss, aux)) = torch.func.grad_and_value(f, has_aux=True)(params)
-    return loss, aux, grads
+    if compiler.eager_autograd_ok() or not fullgraph:  # the same gradients, without torch.func's per-op wrapping
+        loss, (aux, new_state), grads = _autograd_value_and_grad(f, params)
+    else:
+        grads, (_, (loss, (aux, new_state))) = torch.func.grad_and_value(f, has_aux=True)(params)
+    if model_state is None:
+        return loss, aux, grads
+    return loss, aux, grads, tree_lib.map(torch.Tensor.detach, new_state)
 
 
 def _autograd_value_and_grad(f, params: PyTree):
@@ -132,10 +153,13 @@ def _autograd_value_and_grad(f, params: PyTree):
     return loss, tree_lib.map(lambda a: a.detach() if torch.is_tensor(a) else a, aux), spec.unflatten(grads)
 
 
-def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None):
-    """({"loss": loss, **aux}, grads) for one (micro)batch (per-stage gathers with a `layout`)."""
-    loss, aux, grads = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale, layout=layout)
-    return {M.LOSS: loss, **aux}, grads
+def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None, model_state=None, fullgraph=True,
+                       keyed=True):
+    """({"loss": loss, **aux}, grads, new model state) for one (micro)batch (per-stage gathers with a `layout`)."""
+    loss, aux, grads, model_state = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale, layout=layout,
+                                                   model_state={} if model_state is None else model_state,
+                                                   fullgraph=fullgraph, keyed=keyed)
+    return {M.LOSS: loss, **aux}, grads, model_state
 
 
 def _split_microbatches(batch: PyTree, k: int) -> PyTree:
@@ -153,43 +177,54 @@ def _split_microbatches(batch: PyTree, k: int) -> PyTree:
 
 
 def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str, loss_scale=None,
-                                layout=None):
+                                layout=None, model_state=None, fullgraph=True):
     """Mean loss/aux/grads over `accum_steps` microbatches, inside one graph (grads summed in
-    float32 when accumulating, else in the compute dtype; the caller casts them to the masters').
+    float32 when accumulating, else in the compute dtype; the caller casts them to the masters'),
+    and the model state after the last one (each microbatch updates it, as torch's loop would).
     With `layout`, params are sharded and the loss gathers them stage by stage."""
     if accum_steps == 1:
-        return _metrics_and_grads(loss_fn, params, batch, key, loss_scale, layout)
+        return _metrics_and_grads(loss_fn, params, batch, key, loss_scale, layout, model_state, fullgraph)
     micro = _split_microbatches(batch, accum_steps)
     keys = rng_lib.split(key, accum_steps)  # (K, 2)
     if impl == "scan":
         def body(carry, xs):
             mb, k = xs
-            aux, grads = _metrics_and_grads(loss_fn, params, mb, k, loss_scale)
-            return tree_lib.map(torch.add, carry, (grads, aux)), torch.zeros(())
+            sums, ms = carry
+            aux, grads, ms = _metrics_and_grads(loss_fn, params, mb, k, loss_scale, model_state=ms, keyed=False)
+            return (tree_lib.map(torch.add, sums, (grads, aux)), ms), torch.zeros(())
 
-        probe_aux = _zeros_aux(loss_fn, params, micro, keys)
-        init = (tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux)
-        (gsum, asum), _ = compiler.scan(body, init, (micro, keys))
+        probe_aux = _zeros_aux(loss_fn, params, micro, keys, model_state)
+        init = ((tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux), model_state)
+        ((gsum, asum), model_state), _ = compiler.scan(body, init, (micro, keys))
     else:  # "unroll": a Python loop traced into the same graph
         gsum = asum = None
         for i in range(accum_steps):
             mb = tree_lib.map(lambda x: x[i], micro)
-            aux, grads = _metrics_and_grads(loss_fn, params, mb, keys[i], loss_scale, layout)
+            aux, grads, model_state = _metrics_and_grads(loss_fn, params, mb, keys[i], loss_scale, layout,
+                                                         model_state, fullgraph)
             grads = tree_lib.map(lambda g: g.float(), grads)
             gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
             asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
     scale = 1.0 / accum_steps
     grads = tree_lib.map(lambda g: g * scale, gsum)  # float32
-    return tree_lib.map(lambda a: a * scale, asum), grads
+    return tree_lib.map(lambda a: a * scale, asum), grads, model_state
 
 
-def _zeros_aux(loss_fn, params, micro, keys):
+def _zeros_aux(loss_fn, params, micro, keys, model_state):
     """Zeros shaped like the (loss, aux) of one microbatch, to start the scan's carry."""
     mb = tree_lib.map(lambda x: x[0], micro)
     with torch.no_grad():
-        loss, aux = loss_and_aux(loss_fn(params, mb, keys[0]))
+        loss, aux, _ = call_loss(loss_fn, params, mb, keys[0], model_state)
     aux = {M.LOSS: loss, **aux}
     return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), aux)
+
+
+def _compute_model_state(model_state: PyTree, lay: Layout, prec) -> PyTree:
+    """The model state the forward runs with: this rank's tensors, floating buffers in the compute dtype."""
+    if not has_model_state(model_state):
+        return model_state
+    local = lay.local_model_state(model_state)
+    return precision_lib.cast_floating(local, prec.compute_dtype) if prec.casts else local
 
 
 def make_train_step(
@@ -204,6 +239,8 @@ def make_train_step(
     skip_nonfinite: bool = True,
     compile_options: dict | None = None,
     layout: Layout | None = None,
+    fullgraph: bool = True,
+    model_state_sync: str = "broadcast",
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
     """Builds `step(state, batch) -> (new_state, metrics)`.
 
@@ -224,7 +261,9 @@ def make_train_step(
         optimizer is not leafwise). False: eager.
       donate: reuse the input state's buffers for the output state (the input is consumed).
       accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
-        op; one graph, compile time independent of accum_steps).
+        op; one graph, compile time independent of accum_steps). torch's scan body cannot enter a
+        torch function mode, so under "scan" only the loss's own use of `key` is keyed: a module's
+        `nn.Dropout` draws from torch's generator there (use "unroll" for keyed module dropout).
       precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or a
         `functrain.precision.Precision`: forward and backward run in that dtype on a cast copy of
         the params; the state keeps its fp32 master params and optimizer state.
@@ -237,6 +276,22 @@ def make_train_step(
       layout: build the step for params laid out this way only (e.g. `parallel.LOCAL`), instead of
         looking the layout up from the params at each call: for a step run inside another
         transform, such as the population's `torch.func.vmap`.
+      fullgraph: True (default): the compiled step must be one graph, and a graph break in the
+        loss or the model stops with one line naming it (`functrain.compiler.GraphBreakError`).
+        False: torch.compile compiles around graph breaks (several graphs, gradients by plain
+        autograd; still no recompiles from step to step), for modules that cannot be one graph.
+      model_state_sync: what a data-parallel run keeps of the model state (BatchNorm statistics,
+        which each rank updates from its own rows): "broadcast" (default) keeps dp rank 0's, as
+        DDP's `broadcast_buffers` does; "mean" averages the floating buffers over the dp ranks
+        (integer counters agree anyway), as flax's cross-replica `batch_stats` mean does.
+        Normalization itself always uses each rank's own batch statistics (no SyncBatchNorm).
+
+    The train step runs the model in training mode (`functrain.apply` sets it for the call,
+    whatever mode the template is in), and every dropout inside any module draws from the step's key
+    (`functrain.nn.randomness`). A state with model state (`TrainState.model_state`, e.g. from
+    `init_state(module, ...)`) passes it to `loss_fn` as a fourth argument; the loss returns the
+    updated one third (see `functrain.nn.model_state`), and the step keeps it (the old one when it
+    skips a non-finite update).
 
     Returns:
       The step function. Metrics (0-d tensors): `loss`, `grad_norm` (before clipping),
@@ -253,10 +308,13 @@ def make_train_step(
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
     if accum_impl not in ("unroll", "scan"):
         raise ValueError(f"accum_impl must be 'unroll' or 'scan', got {accum_impl!r}")
+    if model_state_sync not in SYNCS:
+        raise ValueError(f"model_state_sync must be one of {', '.join(map(repr, SYNCS))}, got {model_state_sync!r}")
     prec = precision_lib.get(precision)
     guarded = skip_nonfinite or prec.loss_scaling
     update = make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec)
     mode = _compile_mode(compile)
+    compile_options = _with_fullgraph(compile_options, fullgraph, mode)
     if mode == "blocks" and accum_impl == "scan":
         raise ValueError(f"compile={mode!r} runs the microbatches as a Python loop: use accum_impl='unroll'")
     # "step": the whole body is one graph; "blocks": prepare and the update are graphs of their own
@@ -287,12 +345,13 @@ def make_train_step(
             return params, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
 
         @piece
-        def whole_finish(state: TrainState, aux: dict, grads: PyTree):
-            """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update."""
+        def whole_finish(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
+            """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update
+            (with the new model state, kept unless the update is skipped)."""
             grads = to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
             if not per_stage:  # grads back to the params' placements (per stage: done already)
                 grads = lay.reduce_grads(grads, state.params)
-            return update(state, lay.mean_over_dp(aux), grads)
+            return update(state, lay.mean_over_dp(aux), grads, model_state)
 
         chosen: list = []  # compile="blocks": the finish, chosen at the first call (from the params)
 
@@ -319,21 +378,52 @@ def make_train_step(
         def train_step(state: TrainState, batch: PyTree):
             params, batch, key = prepare(state, batch)
             loss_scale = state.guard.loss_scale if prec.loss_scaling else None
-            aux, grads = _accumulated_value_and_grad(
-                loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale, layout=lay if per_stage else None
+            model_state = _compute_model_state(state.model_state, lay, prec)
+            aux, grads, model_state = _accumulated_value_and_grad(
+                loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale, layout=lay if per_stage else None,
+                model_state=model_state, fullgraph=fullgraph,
             )
-            return finish(state, aux, grads)
+            if not has_model_state(model_state):
+                return finish(state, aux, grads)
+            model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), model_state_sync)
+            return whole_finish(state, aux, grads, model_state)
 
         return train_step
 
-    if layout is not None:  # one layout, resolved now
-        return whole(build(layout, run_loss, piece, grouped=mode == "blocks"))
+    def checked(fn):
+        """`fn` run in train mode, after a one-line check that the loss takes the state's model state."""
+
+        def step(state: TrainState, batch: PyTree):
+            check_loss(loss_fn, state.model_state)
+            with mode_lib.running(train=True):
+                return fn(state, batch)
+
+        return step
+
+    if layout is not None:  # one layout, resolved now; run inside another transform, whose caller checks
+        inner = whole(build(layout, run_loss, piece, grouped=mode == "blocks"))
+
+        def step_in_mode(state: TrainState, batch: PyTree):
+            with mode_lib.running(train=True):
+                return inner(state, batch)
+
+        return step_in_mode
     steps = _PerLayout(lambda lay: build(lay, run_loss, piece, grouped=mode == "blocks"), whole)
+    return checked(lambda state, batch: steps.get(state.params)(state, batch))
 
-    def step(state: TrainState, batch: PyTree):
-        return steps.get(state.params)(state, batch)
 
-    return step
+SYNCS = ("broadcast", "mean")
+"""`make_train_step`'s `model_state_sync` values."""
+
+
+def _with_fullgraph(options: dict | None, fullgraph: bool, mode) -> dict | None:
+    """`compile_options` with `fullgraph=False` added when asked (a one-graph step compiled around breaks)."""
+    if fullgraph:
+        return options
+    if mode == "blocks":
+        raise ValueError("fullgraph=False compiles one step around graph breaks; compile='blocks' compiles the "
+                         "model's own stages: use compile=True with fullgraph=False")
+    return {**(options or {}), "fullgraph": False}
 
 
 def _compile_mode(compile) -> "str | None":
@@ -364,8 +454,13 @@ def make_eval_step(
     compile: "bool | str" = True,
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
     compile_options: dict | None = None,
+    fullgraph: bool = True,
 ) -> Callable[[TrainState, PyTree], dict]:
     """Builds `eval_step(state, batch) -> metrics` ({"loss": ..., **aux}), with no dropout key.
+
+    The model runs in eval mode (`functrain.apply` sets it for the call, whatever mode the
+    template is in): no dropout, BatchNorm normalizing with its running statistics, which stay as
+    they are (a loss with model state gets `state.model_state`; what it returns is dropped).
 
     Args:
       loss_fn: the same `(params, batch, key) -> (loss, aux)` as for training; it gets key=None.
@@ -373,6 +468,7 @@ def make_eval_step(
         stage graphs (see `make_train_step`); False: eager.
       precision: compute precision, as for `make_train_step` (params and inputs are cast).
       compile_options: extra keyword arguments for `torch.compile`.
+      fullgraph: False compiles around graph breaks (see `make_train_step`).
 
     Returns:
       The eval function; it never changes the state.
@@ -384,6 +480,7 @@ def make_eval_step(
 
     prec = precision_lib.get(precision)
     mode = _compile_mode(compile)
+    compile_options = _with_fullgraph(compile_options, fullgraph, mode)
     if mode == "blocks":  # the stages' own graphs (the no-grad ones the train step's recompute uses)
         loss_fn = _stage_compiled(loss_fn, compile_options)
 
@@ -394,11 +491,15 @@ def make_eval_step(
 
         def eval_step(state: TrainState, batch: PyTree):
             params, batch = precision_lib.to_compute(prec, state.params, batch)
+            model_state = _compute_model_state(state.model_state, lay, prec)
+            if isinstance(loss_fn, StagedLoss) and has_model_state(model_state):
+                raise ValueError("a staged loss (functrain.remat) takes no model state: use a plain loss function "
+                                 "for a model with buffers")
             with torch.no_grad():
                 if per_stage:  # each stage gathers its own params
                     loss, aux = loss_fn.apply_sharded(params, batch, None, layout=lay)
                 else:
-                    loss, aux = loss_and_aux(loss_fn(lay.gather(params), batch, None))
+                    loss, aux, _ = call_loss(loss_fn, lay.gather(params), batch, None, model_state)
             return lay.mean_over_dp({M.LOSS: loss, **aux})
 
         return eval_step
@@ -406,7 +507,9 @@ def make_eval_step(
     fns = _PerLayout(build, lambda f: compiler.maybe_compile(f, mode == "step", compile_options))
 
     def evaluate(state: TrainState, batch: PyTree):
-        return fns.get(state.params)(state, batch)
+        check_loss(loss_fn, state.model_state)
+        with mode_lib.running(train=False):
+            return fns.get(state.params)(state, batch)
 
     return evaluate
 

@@ -60,6 +60,10 @@ class Task(NamedTuple):
         --export_hf=DIR` calls it on a checkpoint. None: the family has none.
       data_position: optional `step -> {name: number}`: where the run is in its data after `step`
         steps (e.g. `{"epoch": 1, "epoch_fraction": 0.25}`), logged with the step's metrics.
+      init_model_state: optional `device -> {name: tensor}`: the model's initial buffers
+        (BatchNorm statistics; `functrain.nn.buffers_of(module)`), kept in `TrainState.model_state`
+        and replicated on a mesh. With it, `loss_fn` is `(params, batch, key, model_state) -> (loss,
+        aux, new_model_state)` (`functrain.nn.model_state`). None: the model has no state.
     """
 
     describe: str
@@ -73,3 +77,4 @@ class Task(NamedTuple):
     finish: Callable[[PyTree, torch.Tensor], dict]
     export: Callable[[PyTree, Any], Any] | None = None
     data_position: Callable[[int], dict] | None = None
+    init_model_state: Callable[[torch.device], PyTree] | None = None

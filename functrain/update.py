@@ -87,6 +87,7 @@ def apply_gradients(
     skip_nonfinite: bool = True,
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
     layout: "Layout | None" = None,
+    model_state: PyTree = None,
 ) -> tuple[TrainState, dict]:
     """The optimizer half of a train step: `state` updated by `grads` (pure; compiles in a graph).
 
@@ -104,6 +105,8 @@ def apply_gradients(
       precision: only its loss-scaling rule is used (the fp16 scale update in `state.guard`).
       layout: where the params live (default `layout_of(state.params)`); a pipeline stage passes one
         whose norms sum over every stage (`functrain.parallel.pipeline`).
+      model_state: the model state the forward produced (BatchNorm statistics); it replaces
+        `state.model_state`, except when the update is skipped. None keeps `state.model_state`.
 
     Returns:
       `(new_state, metrics)`: metrics hold `aux`, `grad_norm`, `update_norm` (of the optimizer's
@@ -129,16 +132,19 @@ def apply_gradients(
     # e.g. a param norm, makes inductor split the loop in two passes: 4x the update's time).
     metrics[M.UPDATE_NORM] = lay.global_norm(updates, fused=True)
     guard = state.guard
-    if guarded:  # non-finite: keep the old params and optimizer state
+    model_state = state.model_state if model_state is None else model_state
+    if guarded:  # non-finite: keep the old params, optimizer state and model state
         params = lay.select(ok, params, state.params)
         opt_state = lay.select(ok, opt_state, state.opt_state)
+        model_state = lay.select(ok, model_state, state.model_state)
         guard = guard_after(guard, ok, prec, metrics)
     metrics.update(optim.report(optimizer, opt_state))  # e.g. the learning rate this update used
-    return TrainState(params, opt_state, state.step + 1, state.rng, guard), metrics
+    return state._replace(params=params, opt_state=opt_state, step=state.step + 1, guard=guard,
+                          model_state=model_state), metrics
 
 
 def _fused_in_place(state: TrainState, aux: dict, grads: PyTree, optimizer: optim.Transform, guarded: bool,
-                    prec: precision_lib.Precision):
+                    prec: precision_lib.Precision, model_state: PyTree = None):
     """`apply_gradients` + donation through the optimizer's fused kernel (eager, local params), or None where it cannot run."""
     if not compiler.eager_autograd_ok() or layout_of(state.params) is not LOCAL:
         return None
@@ -150,21 +156,22 @@ def _fused_in_place(state: TrainState, aux: dict, grads: PyTree, optimizer: opti
         return None
     guard = guard_after(state.guard, ok, prec, metrics) if guarded else state.guard
     metrics.update(optim.report(optimizer, opt_state))
-    new = TrainState(state.params, opt_state, state.step + 1, state.rng, guard)
+    model_state = state.model_state if model_state is None else LOCAL.select(ok, model_state, state.model_state)
+    new = state._replace(opt_state=opt_state, step=state.step + 1, guard=guard, model_state=model_state)
     return LOCAL.write_into(state, new), metrics  # (the counters; params and moments changed in place)
 
 
 def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, layout: "Layout | None" = None):
-    """`update(state, aux, grads) -> (state, metrics)`: `apply_gradients`, then donation (in place through
+    """`update(state, aux, grads, model_state=None) -> (state, metrics)`: `apply_gradients`, then donation (in place through
     the optimizer's fused kernel when it has one, the step runs eagerly and no `layout` is given)."""
 
-    def update(state: TrainState, aux: dict, grads: PyTree):
+    def update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
         if donate and optimizer.fused is not None and layout is None:
-            done = _fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision)
+            done = _fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision, model_state)
             if done is not None:
                 return done
         new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=skip_nonfinite,
-                                             precision=precision, layout=layout)
+                                             precision=precision, layout=layout, model_state=model_state)
         if donate:
             new_state = (layout_of(state.params) if layout is None else layout).write_into(state, new_state)
         return new_state, metrics

@@ -343,7 +343,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         # reported values (e.g. the learning rate) are copied: with donation the state's buffers
         # are overwritten by the next step
         metrics.update({k: v.clone() for k, v in optim.report(optimizer, opt_state).items()})
-        return TrainState(params, opt_state, step, state.rng, guard), metrics
+        return state._replace(params=params, opt_state=opt_state, step=step, guard=guard), metrics
 
     return finish
 

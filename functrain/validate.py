@@ -304,6 +304,8 @@ LOOP_CHECKS: list[Check] = [
     ("eval_batches", int_at_least(1)),
     ("compile", boolean()),
     ("compile_unit", one_of("step", "blocks")),
+    ("fullgraph", boolean()),
+    ("model_state_sync", one_of("broadcast", "mean")),
     ("cp_attention", one_of("zigzag", "stream", "mask")),
     ("pp.microbatches", int_at_least(1)),
     ("pp.schedule", one_of("1f1b", "eager-1f1b", "gpipe")),

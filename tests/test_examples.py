@@ -49,7 +49,7 @@ def _check(proc, name):
 
 def test_all_examples_listed():
     assert set(RECIPES) == {"custom_loss", "ema", "per_example_grad_norms", "masked_weight_decay",
-                            "frozen_params", "train_then_eval", "dp_sgd", "population", "lr_sweep"}
+                            "frozen_params", "train_then_eval", "dp_sgd", "population", "lr_sweep", "batchnorm", "hf_model"}
     readme = (REPO / "examples" / "README.md").read_text()
     for name in RECIPES:
         assert f"`{name}.py`" in readme, name

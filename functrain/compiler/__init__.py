@@ -6,7 +6,8 @@
 gradient accumulation). The rest: the compile cache (`cache`), the marks a staged loss places in a
 graph (`marks`) and the graph passes that read them (`recompute`, `regather`), the efficient-attention
 seed pass (`sdpa_seeds`), CUDA graphs for the train step (`cuda_graphs`), whether plain autograd may run (`transforms`), and the table of torch workarounds with a self-test each
-(`workarounds`; docs/compiler.md). Nothing outside this package imports `torch._dynamo`,
+(`workarounds`; docs/compiler.md), and the one-line account of a graph break in user code
+(`graph_breaks`). Nothing outside this package imports `torch._dynamo`,
 `torch._inductor`, `torch._functorch` or `torch._higher_order_ops` (tests/test_architecture.py).
 
 Names load on first use (`functrain._lazy`), so `functrain.compiler.cache.setup` can run before
@@ -24,6 +25,7 @@ from functrain._lazy import lazy_exports
 if TYPE_CHECKING:
     from functrain.compiler import cache, cuda_graphs, marks, recompute, regather, sdpa_seeds, workarounds
     from functrain.compiler.compile import graph, maybe_compile, scan
+    from functrain.compiler.graph_breaks import GraphBreakError
     from functrain.compiler.marks import mark_forward_done, remat_barrier
     from functrain.compiler.passes import InTurn, with_step_passes
     from functrain.compiler.regather import RegatherPass, gathered_in_flight

@@ -19,7 +19,7 @@ from typing import Any
 import optree
 import torch
 
-from functrain.compiler import mesh_key
+from functrain.compiler import graph_breaks, mesh_key
 
 __all__ = ["graph", "maybe_compile", "scan"]
 
@@ -86,7 +86,8 @@ def maybe_compile(fn, compile: bool, options: dict | None):
     @functools.wraps(fn)
     def call(*args):
         lifted, args, views, originals = _lift(args)
-        out = compiled(lifted, *args)
+        with graph_breaks.explained():  # a break in user code: one line and the ways on
+            out = compiled(lifted, *args)
         if not lifted:
             return out
         back = {i: originals[i] for i, x in _at_paths(out, lifted) if x is views[i]}

@@ -85,6 +85,15 @@ class Layout:
         """Copies every leaf of `new` into the matching leaf of `old` (donation); returns `old`."""
         raise NotImplementedError
 
+    def local_model_state(self, model_state: PyTree) -> PyTree:
+        """The model state as plain tensors to compute with (it is replicated: every rank holds it whole)."""
+        return model_state
+
+    def sync_model_state(self, model_state: PyTree, how: str) -> PyTree:
+        """The model state each rank updated from its own rows, made one again over the dp ranks:
+        "broadcast" keeps dp rank 0's, "mean" averages the floating leaves (identity on one process)."""
+        return model_state
+
 
 class Local(Layout):
     """Plain tensors on one process: nothing to gather, reduce or average."""

@@ -311,8 +311,8 @@ def shard_state(
     Parameters get the placements of `rules`. Optimizer-state leaves that mirror a parameter (their
     tree path ends with the parameter's name and their shape equals its shape: Adam's mu/nu, the
     momentum trace, masked states keyed by name) get the same placements. Every other leaf (update
-    counts, the step, the RNG key) stays a plain tensor, i.e. replicated: each rank holds the same
-    value. With `mesh=None` (the plain single-process path) the state is returned unchanged.
+    counts, the step, the RNG key, the model state) stays a plain tensor, i.e. replicated: each rank
+    holds the same value. With `mesh=None` (the plain single-process path) the state is returned unchanged.
 
     Args:
       state: a `TrainState`, or any params pytree.
@@ -355,6 +355,7 @@ def shard_state(
         step=state.step.clone(),
         rng=state.rng.clone(),
         guard=tree_lib.map(torch.clone, state.guard),
+        model_state=tree_lib.map(torch.clone, state.model_state),  # replicated: plain tensors on every rank
     )
 
 

@@ -391,6 +391,27 @@ class Spmd(Layout):
                 out.append(torch.where(ok, n, o))
         return spec.unflatten(out)
 
+    def local_model_state(self, model_state: PyTree) -> PyTree:
+        """Plain tensors of the (replicated) model state."""
+        return tree_lib.map(lambda x: x.to_local() if isinstance(x, DTensor) else x, model_state)
+
+    def sync_model_state(self, model_state: PyTree, how: str) -> PyTree:
+        """Rank 0's model state ("broadcast") or the floating leaves' mean ("mean") on every dp rank:
+        one all-reduce over the dp axes per leaf (the buffers are small)."""
+        if not self.dp_dims:
+            return model_state
+        first = all(self.mesh.get_local_rank(d) == 0 for d in self.dp_dims)
+        world = _prod(self.mesh.size(d) for d in self.dp_dims)
+
+        def sync(x: torch.Tensor) -> torch.Tensor:
+            if how == "mean":
+                if not x.is_floating_point():  # counters: every rank counted the same steps
+                    return x
+                return self._all_reduce(x, self.dp_dims) / world
+            return self._all_reduce(x if first else torch.zeros_like(x), self.dp_dims)  # rank 0's, exactly
+
+        return tree_lib.map(sync, model_state)
+
     def write_into(self, old: PyTree, new: PyTree) -> PyTree:
         """Copies the local shard of every leaf of `new` into `old`'s (donation); returns `old`."""
         pairs = tree_lib._copy_pairs(old, new)

@@ -1,0 +1,78 @@
+"""A graph break in a user's module, told in one line with the two ways on.
+
+A functrain step compiles with `torch.compile(fullgraph=True)`: one graph or nothing. When the
+user's forward does something Dynamo cannot put into a graph (a `print`, a `logging` call, a branch
+on a tensor's value), torch raises `torch._dynamo.exc.Unsupported` with a long message. `explained`
+turns it into a `GraphBreakError` whose one line names Dynamo's reason, the file and line in the
+user's code (the innermost frame outside torch and functrain), and the two ways on: change the
+module there, or build the step with `fullgraph=False` (`--config.fullgraph=False`), which compiles
+around the break.
+
+Example:
+    >>> with graph_breaks.explained():
+    ...     state, metrics = compiled_step(state, batch)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+import torch._dynamo.exc as dynamo_exc
+
+__all__ = ["GraphBreakError", "explained", "describe"]
+
+_SKIP = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+class GraphBreakError(RuntimeError):
+    """A graph break under `fullgraph=True`, as one line (see the module docstring)."""
+
+
+def _where(exc: BaseException) -> str:
+    """'file:line (in function)' of the innermost frame of `exc`'s user stack outside torch and functrain."""
+    frames = list(getattr(exc, "real_stack", None) or [])
+    inner = getattr(exc, "innermost_user_frame_summary", None)
+    if inner is not None and not frames:
+        frames = [inner]
+    if not frames:
+        return "an unknown place (set TORCHDYNAMO_VERBOSE=1 for the stack)"
+    outside = [f for f in frames if not os.path.abspath(f.filename).startswith(_SKIP)]
+    f = (outside or frames)[-1]
+    return f"{f.filename}:{f.lineno} (in {f.name})"
+
+
+def describe(exc: BaseException) -> str:
+    """The one line for a Dynamo `Unsupported` error: the reason, the place, the two ways on.
+
+    Args:
+      exc: the exception torch.compile raised.
+
+    Returns:
+      One line.
+
+    Example:
+      >>> describe(exc)
+      'the step breaks torch.compile's graph at model.py:12 (in forward): Failed to trace builtin ...'
+    """
+    reason = getattr(exc, "gb_type", None) or str(exc).split("\n", 1)[0]
+    return (f"the step cannot compile as one graph: {reason}, at {_where(exc)}; change the module there "
+            "(no print, logging or branch on a tensor's value inside the forward), or build the step with "
+            "fullgraph=False (--config.fullgraph=False) to compile around the break (several graphs)")
+
+
+@contextlib.contextmanager
+def explained() -> Iterator[None]:
+    """Re-raises a Dynamo graph-break error inside the block as a one-line `GraphBreakError`.
+
+    Example:
+      >>> with explained():
+      ...     out = compiled(*args)
+    """
+    try:
+        yield
+    except dynamo_exc.Unsupported as exc:
+        raise GraphBreakError(describe(exc)) from None

@@ -1,0 +1,93 @@
+"""Train and eval modes, set by the step that runs a module rather than left to its template.
+
+A torch module's `training` flag decides what dropout and BatchNorm do. A functional step must not
+depend on the mode its template was last left in, so `make_train_step` runs its loss under
+`running(train=True)` and `make_eval_step` under `running(train=False)`; `functrain.apply` reads
+`current()` and runs the module in that mode for the call, then puts the template's flags back.
+
+The flag is set in Python around the (compiled) step call, outside the graph: Dynamo reads it while
+tracing and guards on it, and since a train step always runs in train mode and an eval step in eval
+mode, neither ever recompiles for it.
+
+Example:
+    >>> with mode.running(train=False):
+    ...     logits = functrain.apply(model, params, x)      # eval mode, whatever model.training is
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from torch import nn
+
+__all__ = ["current", "restore", "running", "switched"]
+
+
+
+class _Mode:
+    """The mode the enclosing step set (a plain object: Dynamo traces its writes inside a compiled step)."""
+
+    train: "bool | None" = None
+
+
+_STATE = _Mode()
+
+
+def current() -> "bool | None":
+    """The mode the enclosing step asks for: True (train), False (eval), or None outside any step.
+
+    Returns:
+      A bool, or None where no step set one (then `functrain.apply` leaves the module's own mode).
+
+    Example:
+      >>> mode.current()
+      None
+    """
+    return _STATE.train
+
+
+@contextlib.contextmanager
+def running(train: "bool | None") -> Iterator[None]:
+    """Runs the block with `functrain.apply` in train (True) or eval (False) mode; None: the template's.
+
+    Args:
+      train: the mode modules run in inside the block.
+
+    Example:
+      >>> with mode.running(train=True):
+      ...     loss = loss_fn(params, batch, key)
+    """
+    before = current()
+    _STATE.train = train
+    try:
+        yield
+    finally:
+        _STATE.train = before
+
+
+def switched(model: nn.Module, train: bool) -> list[tuple[nn.Module, bool]]:
+    """Sets every submodule's `training` flag to `train`; returns [(module, flag before)] to restore.
+
+    Args:
+      model: the module.
+      train: the mode to run in.
+
+    Returns:
+      The submodules whose flag changed, with their old flags (`restore` puts them back).
+
+    Example:
+      >>> changed = switched(model, False); ...; restore(changed)
+    """
+    changed = []
+    for m in model.modules():
+        if m.training != train:
+            changed.append((m, m.training))
+            m.training = train
+    return changed
+
+
+def restore(changed: list[tuple[nn.Module, bool]]) -> None:
+    """Puts back the flags `switched` changed."""
+    for m, flag in changed:
+        m.training = flag
