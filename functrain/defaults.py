@@ -54,6 +54,9 @@ def trainer_config() -> ml_collections.ConfigDict:
     # a restart from a copy of the workdir compiles warm), "off" (always cold), or a directory path.
     c.compile_cache = "user"
     c.donate = True
+    # Peak FLOP/s of one device, the MFU's denominator; 0: the data sheet's for known GPUs, else
+    # measured (a matmul probe at the start and after every log window, the best kept).
+    c.peak_flops = 0.0
     # CPU runs are bit-reproducible without it (functrain/ops.py); on CUDA, True turns on
     # torch.use_deterministic_algorithms (atomic-add kernels replaced), needed for bit-identical reruns.
     c.deterministic = False

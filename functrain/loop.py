@@ -22,8 +22,8 @@ workdir stops with one line instead of deleting the first's checkpoints.
 
 The loop's own config keys (`functrain.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
 accum_steps, log_every, eval_every, compile, fullgraph, model_state_sync, compile_cache, cuda_graphs,
-donate, deterministic, precision, max_consecutive_skips, tensorboard, device, host_memory, gc_every, seed, checkpoint.*,
-profile.*.
+donate, peak_flops, deterministic, precision, max_consecutive_skips, tensorboard, device, host_memory,
+gc_every, seed, checkpoint.*, profile.*.
 """
 
 from __future__ import annotations
@@ -344,9 +344,10 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         compile_dir = compile_cache.setup(config.compile_cache, workdir)
     except ValueError as exc:
         raise validate.ConfigError(f"{exc} (--config.compile_cache)") from None
-    # The MFU denominator, measured before anything runs beside it: the ISA probe's g++ runs below
-    # took a core from this 2048^2 matmul on a 2-core machine and the run printed an MFU of 107.7%.
-    peak = ctx.world_size * (metrics_lib.peak_flops(device) or metrics_lib.measure_peak_flops(device))
+    # The MFU denominator: the config's, else the data sheet's (GPUs), else measured (CPUs): before
+    # anything runs beside it (the ISA probe's g++ below once took a core from it: MFU 107.7%), and
+    # again after each log window, keeping the best (a busy machine slows some probes, not all).
+    peak, probe = _peak_flops(config, device, ctx.world_size)
     if _compile(config) and device.type == "cpu":
         compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
     compile_before = compile_cache.stats()
@@ -375,7 +376,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
              f"precision {config.precision}, mesh {dict(ctx.shape)}"
              + (f" x pp={ctx.pp_world} ({config.pp.schedule}, {config.pp.microbatches} microbatches)"
                 if ctx.pp_world > 1 else ""))
-    throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps)
+    throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps, probe=probe)
     writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
     if main:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -484,6 +485,16 @@ def _summary(workdir: Path, steps: int, loss, val_loss: float, *, trained: bool)
             before = {}
         summary.update({k: before[k] for k in ("loss", "val_loss") if summary[k] is None and k in before})
     return summary
+
+
+def _peak_flops(config, device: torch.device, world: int):
+    """(peak FLOP/s of the job, probe or None): `config.peak_flops` per device when set, else the data
+    sheet's, else a measurement that is taken again at each log step (`metrics.Throughput`'s probe)."""
+    per_device = float(config.get("peak_flops", 0.0)) or metrics_lib.peak_flops(device)
+    if per_device:
+        return world * per_device, None
+    return world * metrics_lib.measure_peak_flops(device), \
+        lambda: world * metrics_lib.measure_peak_flops(device, seconds=0.1)
 
 
 def _silent(*args, **kwargs) -> None:

@@ -166,17 +166,23 @@ class Throughput:
       flops_per_token: training FLOPs per token (see `models.gpt.flops_per_token`).
       peak_flops: the hardware's peak FLOP/s for the whole job (all ranks), or None.
       total_steps: the run's length, for the ETA.
+      probe: optional `() -> FLOP/s` of the whole job, measured again after each report (outside
+        the timed window): the peak is the best of every probe, so one probe that a busy machine
+        slowed does not stay the denominator. Whatever the peak, the MFU is at most 100%: a window
+        that computed faster than the peak proves the machine can, and raises the peak to it.
 
     Example:
       >>> tp = Throughput(4096, 6 * n_params, peak_flops=1e12, total_steps=1000)
       >>> tp.start(0); ...; stats = tp.report(step)
     """
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, total_steps: int):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, total_steps: int,
+                 probe=None):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.total_steps = total_steps
+        self.probe = probe
         self._t0 = None
         self._step0 = 0
 
@@ -199,8 +205,13 @@ class Throughput:
         tokens_per_s = steps * self.tokens_per_step / dt
         out: dict[str, float | str] = {M.TOKENS_PER_S: tokens_per_s, M.STEP_TIME_S: dt / steps}
         if self.peak_flops:
-            out[M.MFU] = tokens_per_s * self.flops_per_token / self.peak_flops
+            achieved = tokens_per_s * self.flops_per_token
+            self.peak_flops = max(self.peak_flops, achieved)  # what the machine just did, it can do
+            out[M.MFU] = achieved / self.peak_flops
         out[M.ETA] = format_eta((self.total_steps - step) * dt / steps)
+        if self.probe is not None and self.peak_flops:
+            self.peak_flops = max(self.peak_flops, self.probe())
+            self._t0 = time.perf_counter()  # the probe's time is no step's
         return out
 
 
@@ -252,8 +263,8 @@ def measure_peak_flops(device: torch.device | str, dtype: torch.dtype = torch.fl
     """
     device = torch.device(device)
     n = 2048 if device.type == "cpu" else 8192
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(0))
+    b = a.t().contiguous()  # (global RNG untouched: a probe during a run changes no draw)
     a @ b  # warm-up
     best = 0.0
     deadline = time.perf_counter() + seconds

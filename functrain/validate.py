@@ -311,6 +311,7 @@ LOOP_CHECKS: list[Check] = [
     ("pp.schedule", one_of("1f1b", "eager-1f1b", "gpipe")),
     ("cuda_graphs", boolean()),
     ("donate", boolean()),
+    ("peak_flops", number_at_least(0.0)),
     ("deterministic", boolean()),
     ("precision", one_of("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),
     ("max_consecutive_skips", int_at_least(0)),

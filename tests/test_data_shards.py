@@ -241,3 +241,27 @@ def test_the_tokenizing_worker_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_dictionary_encoded_and_large_string_columns_are_text(tmp_path):
+    docs = _docs(50, 7, lo=1, hi=3)  # few distinct values: what a categorical column holds
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.table({"text": pa.array(docs).dictionary_encode()}), src / "dict.parquet")
+    pq.write_table(pa.table({"text": pa.array(docs, type=pa.large_string())}), src / "large.parquet")
+    assert pq.read_schema(src / "dict.parquet").field("text").type == pa.dictionary(pa.int32(), pa.string())
+    ds = load_dataset(str(src), tmp_path / "cache", val_fraction=0.1, log=_quiet)
+    assert sorted(_documents(ds.train) + _documents(ds.val)) == sorted(docs + docs)
+
+
+def test_files_that_are_not_shards_are_listed_once_and_the_progress_names_its_bytes(tmp_path):
+    docs = _corpus(tmp_path / "src", n_shards=2)
+    (tmp_path / "src" / "README.md").write_text("about this data\n")
+    (tmp_path / "src" / "notes.json").write_text("{}\n")
+    logs = []
+    ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", val_fraction=0.1, log=logs.append)
+    assert sorted(_documents(ds.train) + _documents(ds.val)) == sorted(docs)
+    skipped = [line for line in logs if "not shards" in line]
+    assert len(skipped) == 1 and "2 file(s)" in skipped[0] and "README.md, notes.json" in skipped[0], logs
+    assert logs.index(skipped[0]) == 0  # at the start
+    assert all("MB of files on disk" in line for line in logs if "MB" in line and "tokeniz" in line), logs

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from functrain.data.errors import DataError
 
-__all__ = ["BadLines", "SHARD_SUFFIXES", "is_shard_source", "read_texts", "shard_files", "shard_kind"]
+__all__ = ["BadLines", "SHARD_SUFFIXES", "is_shard_source", "read_texts", "shard_files", "shard_kind", "skipped_files"]
 
 SHARD_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
 _CHUNK_BYTES = 4 << 20  # text handed to the tokenizer at a time
@@ -196,10 +196,7 @@ def _read_parquet(path: Path, field: str, chunk_bytes: int):
     texts: list[str] = []
     held = 0
     for batch in f.iter_batches(batch_size=batch_rows, columns=[field]):
-        column = batch.column(0)
-        if not (str(column.type) in ("string", "large_string", "string_view")):
-            raise DataError(f"{path}: column {field!r} holds {column.type}, not text; set --config.data.text_field "
-                            "to a string column")
+        column = _text_column(batch.column(0), path, field)
         for value in column.to_pylist():
             if value:
                 texts.append(value)
@@ -212,6 +209,39 @@ def _read_parquet(path: Path, field: str, chunk_bytes: int):
             done_rows = 0
     if texts or done_rows:
         yield texts, size
+
+
+_TEXT_TYPES = ("string", "large_string", "string_view")
+
+
+def _text_column(column, path: Path, field: str):
+    """A parquet column as text: string, large_string or string_view as they are; a dictionary-encoded
+    column of strings (pandas' categoricals) decoded; anything else the one-line DataError."""
+    if str(column.type) in _TEXT_TYPES:
+        return column
+    if str(getattr(column.type, "value_type", "")) in _TEXT_TYPES and hasattr(column, "dictionary_decode"):
+        return column.dictionary_decode()
+    raise DataError(f"{path}: column {field!r} holds {column.type}, not text; set --config.data.text_field "
+                    "to a string column")
+
+
+def skipped_files(source: str) -> list[Path]:
+    """The files of a data directory that are not shards (a README, a .json), which `shard_files` leaves out.
+
+    Args:
+      source: the data path (only a directory has any).
+
+    Returns:
+      Their paths, sorted (empty for a file or a glob).
+
+    Example:
+      >>> skipped_files("/data/web")
+      [PosixPath('/data/web/README.md')]
+    """
+    path = Path(source).expanduser()
+    if glob_lib.has_magic(source) or not path.is_dir():
+        return []
+    return [p for p in _walk(path) if shard_kind(p) is None]
 
 
 def _read_jsonl(path: Path, field: str, bad_lines: BadLines, chunk_bytes: int):

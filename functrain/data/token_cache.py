@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from functrain.data.errors import DataError
-from functrain.data.shards import BadLines, read_texts, shard_files
+from functrain.data.shards import BadLines, read_texts, shard_files, skipped_files
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, path_hash64, slug, token_dtype
 from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, separator_ids
 from functrain.data.tokens import ConcatTokens
@@ -124,6 +124,12 @@ def tokenize_shards(
     """
     tokenizer = tokenizer or ByteTokenizer()
     files, root = shard_files(source)
+    skipped = skipped_files(source)
+    if skipped:  # once, at the start: what the directory holds besides shards is left out
+        names = ", ".join(p.relative_to(root).as_posix() for p in skipped[:8])
+        more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""
+        log(f"data.path {source}: skipping {len(skipped)} file(s) that are not shards ({names}{more}); shards end in "
+            ".parquet, .jsonl, .jsonl.gz, .json.gz or .ndjson")
     stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
     tok = tokenizer_id(tokenizer)
     fingerprint = hashlib.sha256(json.dumps({
@@ -152,7 +158,7 @@ def tokenize_shards(
     if mine:
         how = f"rank {rank} of {world}: " if world > 1 else ""
         log(f"tokenizing {label}: {how}{len(mine)} of {len(shards)} shards, "
-            f"{sum(s['size'] for _, s in mine) / 1e6:.1f} MB ({sum(done)} done earlier)")
+            f"{sum(s['size'] for _, s in mine) / 1e6:.1f} MB of files on disk ({sum(done)} done earlier)")
         try:
             _run_share(mine, job, workers or _default_workers(), log, label)
         except DataError as exc:
@@ -286,7 +292,8 @@ def _feed(pool, tasks, progress) -> None:
 
 
 class _Progress:
-    """Bytes and shards done on this rank; a line with MB/s and the ETA every few seconds."""
+    """Bytes and shards done on this rank; a line with MB/s and the ETA every few seconds. The bytes are
+    the shards' files on disk (compressed parquet and .gz read so far), not the text they hold."""
 
     def __init__(self, total, shards, log, label):
         self.total, self.shards, self.log, self.label = total, shards, log, label
@@ -301,7 +308,7 @@ class _Progress:
             self.last = now
             rate = self.done_bytes / max(now - self.t0, 1e-9)
             eta = (self.total - self.done_bytes) / rate if rate > 0 else math.inf
-            self.log(f"tokenizing {self.label}: {self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB "
+            self.log(f"tokenizing {self.label}: {self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB of files on disk "
                      f"({100 * self.done_bytes / max(self.total, 1):.0f}%), {rate / 1e6:.1f} MB/s, ETA {eta:.0f}s, "
                      f"{self.done_shards}/{self.shards} shards")
 
@@ -314,8 +321,8 @@ class _Progress:
     def end(self) -> None:
         """The closing line: throughput and skipped lines."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        self.log(f"tokenized {self.label}: {self.total / 1e6:.1f} MB in {dt:.1f}s ({self.total / 1e6 / dt:.1f} MB/s), "
-                 f"{self.shards} shards")
+        self.log(f"tokenized {self.label}: {self.total / 1e6:.1f} MB of files on disk in {dt:.1f}s "
+                 f"({self.total / 1e6 / dt:.1f} MB/s), {self.shards} shards")
         if self.bad:
             n = sum(m["bad_lines"] for m in self.bad)
             self.log(f"skipped {n} jsonl lines that are not JSON objects (first at {self.bad[0]['first_bad_line']}; "
