@@ -265,3 +265,87 @@ def test_files_that_are_not_shards_are_listed_once_and_the_progress_names_its_by
     assert len(skipped) == 1 and "2 file(s)" in skipped[0] and "README.md, notes.json" in skipped[0], logs
     assert logs.index(skipped[0]) == 0  # at the start
     assert all("MB of files on disk" in line for line in logs if "MB" in line and "tokeniz" in line), logs
+
+
+def test_a_small_shard_source_still_gets_a_validation_document(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = _docs(111, 3)
+    _jsonl(src / "a.jsonl", docs[:60])
+    _jsonl(src / "b.jsonl", docs[60:])
+    logs = []
+    ds = load_dataset(str(src), tmp_path / "cache", val_fraction=1e-6, log=logs.append)
+    train, val = _documents(ds.train), _documents(ds.val)
+    assert val == [docs[0]] and sorted(train + val) == sorted(docs)  # the first train document, moved
+    assert any("is the validation split" in line for line in logs), logs
+    again = load_dataset(str(src), tmp_path / "cache", val_fraction=1e-6, log=logs.append)  # the cache as written
+    assert _documents(again.val) == val
+    one = tmp_path / "one"
+    one.mkdir()
+    _jsonl(one / "x.jsonl", docs[:1])
+    with pytest.raises(DataError, match="1 document: a validation split needs a second one"):
+        load_dataset(str(one), tmp_path / "cache1", log=_quiet)
+
+
+def _bad_text_files(root):
+    """{case: file} of shards whose text is not valid Unicode, and a parquet file corrupt mid-file."""
+    root.mkdir(parents=True, exist_ok=True)
+    good = _docs(40, 11)
+    (root / "surrogate.jsonl").write_text(
+        json.dumps({"text": good[0]}) + "\n" + '{"text": "lone \\ud800 surrogate"}\n' + json.dumps({"text": good[1]}) + "\n")
+    (root / "bytes.jsonl").write_bytes(
+        (json.dumps({"text": good[2]}) + "\n").encode() + b'{"text": "not utf-8 \xff\xfe here"}\n')
+    raw = pa.array([good[3].encode(), b"bad \xc3\x28 utf-8", good[4].encode()], type=pa.binary())
+    unchecked = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # pyarrow would refuse to build it
+    pq.write_table(pa.table({"text": unchecked}), root / "utf8.parquet")
+    corrupt = root / "corrupt.parquet"
+    pq.write_table(pa.table({"text": _docs(4000, 12)}), corrupt, row_group_size=500, compression="snappy")
+    data = bytearray(corrupt.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 2000] = bytes(2000)  # a data page zeroed; the footer intact
+    corrupt.write_bytes(bytes(data))
+    return {"surrogate": root / "surrogate.jsonl", "bytes": root / "bytes.jsonl", "utf8": root / "utf8.parquet",
+            "corrupt": corrupt}
+
+
+@pytest.mark.parametrize("where", ["file", "directory"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bad_text_is_replaced_and_counted_and_a_corrupt_file_is_one_line(tmp_path, where, workers):
+    files = _bad_text_files(tmp_path / "bad")
+    for case in ("surrogate", "bytes", "utf8"):
+        src = files[case] if where == "file" else tmp_path / f"dir-{case}"
+        if where == "directory":
+            _corpus(src, n_shards=2, docs=20)
+            os.replace(files[case], src / files[case].name)
+        logs = []
+        ds = load_dataset(str(src), tmp_path / f"cache-{case}", val_fraction=0.0, workers=workers, log=logs.append)
+        text = np.asarray(ds.train[0:len(ds.train)]).astype(np.uint8).tobytes().decode("utf-8")
+        assert "\ufffd" in text, case
+        line = [x for x in logs if "by U+FFFD in 1 records" in x]
+        assert line and (".jsonl:2" in line[0] or "row 1" in line[0]), (case, logs)
+    src = files["corrupt"] if where == "file" else tmp_path / "dir-corrupt"
+    if where == "directory":
+        _corpus(src, n_shards=2, docs=20)
+        os.replace(files["corrupt"], src / "corrupt.parquet")
+    with pytest.raises(DataError) as e:
+        load_dataset(str(src), tmp_path / "cache-corrupt", workers=workers, log=_quiet)
+    msg = str(e.value)
+    assert "\n" not in msg and "corrupt.parquet" in msg and "rows after" in msg and "replace it or remove it" in msg
+
+
+def test_a_corrupt_file_is_one_line_on_two_ranks(tmp_path):
+    files = _bad_text_files(tmp_path / "bad")
+    src = tmp_path / "src"
+    _corpus(src, n_shards=3, docs=20)
+    os.replace(files["corrupt"], src / "corrupt.parquet")
+    code = ("import sys; from functrain.data import tokenize_shards, DataError\n"
+            "try:\n    tokenize_shards(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2, poll_s=0.05)\n"
+            "except DataError as e:\n    print('ERROR', e)\n    raise SystemExit(2)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "ranks"), str(r)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    for out in outs:
+        errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+        assert len(errors) == 1 and "corrupt.parquet" in errors[0] and "Traceback" not in out, out

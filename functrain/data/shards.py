@@ -20,6 +20,7 @@ import glob as glob_lib
 import gzip
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,8 @@ __all__ = ["BadLines", "SHARD_SUFFIXES", "is_shard_source", "read_texts", "shard
 
 SHARD_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")
 _CHUNK_BYTES = 4 << 20  # text handed to the tokenizer at a time
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape that can decode to a lone surrogate
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def shard_kind(path: str | os.PathLike) -> str | None:
@@ -112,7 +115,11 @@ def shard_files(source: str) -> tuple[list[Path], Path]:
 
 @dataclasses.dataclass
 class BadLines:
-    """The bad-line policy of jsonl shards and the tally of one shard.
+    """The bad-record policy of shards and the tally of one shard.
+
+    Lines that are not JSON objects are skipped, up to `max_fraction`. Text that is not valid
+    Unicode (bytes that are not UTF-8, a JSON `\\ud800` lone surrogate) is kept with each bad part
+    replaced by U+FFFD, as `bytes.decode(errors="replace")` does, and counted.
 
     Args:
       max_fraction: bad lines (not JSON, or not an object) a shard may have, as a fraction of its
@@ -126,11 +133,18 @@ class BadLines:
     count: int = 0
     lines: int = 0
     first: str | None = None
+    replaced: int = 0  # records whose text held bytes that are not UTF-8, or lone surrogates (-> U+FFFD)
+    first_replaced: str | None = None
 
     def bad(self, where: str) -> None:
         """Counts one bad line at `where` (file:line)."""
         self.count += 1
         self.first = self.first or where
+
+    def replace(self, where: str) -> None:
+        """Counts one record at `where` (file:line or file:row) whose bad text was replaced by U+FFFD."""
+        self.replaced += 1
+        self.first_replaced = self.first_replaced or where
 
     def check(self, path: Path) -> None:
         """Raises the one-line DataError when the shard's bad lines pass the threshold."""
@@ -162,7 +176,7 @@ def read_texts(path: Path, *, text_field: str, bad_lines: BadLines,
       >>> for texts, nbytes in read_texts(p, text_field="text", bad_lines=BadLines()): ...
     """
     if shard_kind(path) == "parquet":
-        yield from _read_parquet(path, text_field, chunk_bytes)
+        yield from _read_parquet(path, text_field, chunk_bytes, bad_lines)
     else:
         yield from _read_jsonl(path, text_field, bad_lines, chunk_bytes)
         bad_lines.check(path)
@@ -177,7 +191,28 @@ def _pyarrow_parquet():
     return pq
 
 
-def _read_parquet(path: Path, field: str, chunk_bytes: int):
+def _column_texts(column, path: Path, row: int, bad_lines: BadLines) -> list:
+    """A text column's Python strings; values whose bytes are not UTF-8 decoded with U+FFFD and counted."""
+    try:
+        return column.to_pylist()
+    except (UnicodeDecodeError, ValueError):  # (pyarrow: ArrowInvalid is a ValueError)
+        import pyarrow as pa
+
+        raw = column.cast(pa.large_binary()).to_pylist()
+    out = []
+    for i, value in enumerate(raw):
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            out.append(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            bad_lines.replace(f"{path}: row {row + i}")
+            out.append(value.decode("utf-8", "replace"))
+    return out
+
+
+def _read_parquet(path: Path, field: str, chunk_bytes: int, bad_lines: BadLines):
     """(texts, bytes) groups of a parquet file's `field` column, a record batch at a time."""
     pq = _pyarrow_parquet()
     try:
@@ -195,13 +230,23 @@ def _read_parquet(path: Path, field: str, chunk_bytes: int):
     done_rows = 0
     texts: list[str] = []
     held = 0
-    for batch in f.iter_batches(batch_size=batch_rows, columns=[field]):
+    batches = f.iter_batches(batch_size=batch_rows, columns=[field])
+    row = 0  # rows of the file read so far
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # noqa: BLE001 - pyarrow's ArrowInvalid / OSError: a corrupt page
+            raise DataError(f"{path}: rows after {row} cannot be read ({str(exc).splitlines()[0]}): the file is "
+                            "corrupt; replace it or remove it from data.path") from None
+        if batch is None:
+            break
         column = _text_column(batch.column(0), path, field)
-        for value in column.to_pylist():
+        for value in _column_texts(column, path, row, bad_lines):
             if value:
                 texts.append(value)
                 held += len(value)
         done_rows += len(batch)
+        row += len(batch)
         if held >= chunk_bytes:
             yield texts, size * done_rows // rows
             texts, held = [], 0
@@ -258,6 +303,13 @@ def _read_jsonl(path: Path, field: str, bad_lines: BadLines, chunk_bytes: int):
                 bad_lines.lines += 1
                 try:
                     record = json.loads(line)
+                except UnicodeDecodeError:  # bytes that are not UTF-8: replaced, the record kept
+                    bad_lines.replace(f"{path}:{number}")
+                    try:
+                        record = json.loads(line.decode("utf-8", "replace"))
+                    except ValueError:
+                        bad_lines.bad(f"{path}:{number}")
+                        continue
                 except ValueError:
                     bad_lines.bad(f"{path}:{number}")
                     continue
@@ -273,6 +325,9 @@ def _read_jsonl(path: Path, field: str, bad_lines: BadLines, chunk_bytes: int):
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{number}: field {field!r} is a {type(text).__name__}, not text; set "
                                     "--config.data.text_field to a string field")
+                if _ESCAPED_SURROGATE.search(line) and _SURROGATE.search(text):  # "\ud800" alone: not Unicode
+                    bad_lines.replace(f"{path}:{number}")
+                    text = _SURROGATE.sub("\ufffd", text)
                 if text:
                     texts.append(text)
                     held += len(text)

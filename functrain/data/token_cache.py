@@ -315,7 +315,7 @@ class _Progress:
     def shard_done(self, marker: dict) -> None:
         """Counts a finished shard (and its skipped lines)."""
         self.done_shards += 1
-        if marker["bad_lines"]:
+        if marker["bad_lines"] or marker.get("replaced"):
             self.bad.append(marker)
 
     def end(self) -> None:
@@ -323,10 +323,16 @@ class _Progress:
         dt = max(time.perf_counter() - self.t0, 1e-9)
         self.log(f"tokenized {self.label}: {self.total / 1e6:.1f} MB of files on disk in {dt:.1f}s "
                  f"({self.total / 1e6 / dt:.1f} MB/s), {self.shards} shards")
-        if self.bad:
-            n = sum(m["bad_lines"] for m in self.bad)
-            self.log(f"skipped {n} jsonl lines that are not JSON objects (first at {self.bad[0]['first_bad_line']}; "
+        skipped = [m for m in self.bad if m["bad_lines"]]
+        if skipped:
+            n = sum(m["bad_lines"] for m in skipped)
+            self.log(f"skipped {n} jsonl lines that are not JSON objects (first at {skipped[0]['first_bad_line']}; "
                      "data.max_bad_line_fraction allows them)")
+        replaced = [m for m in self.bad if m.get("replaced")]
+        if replaced:
+            n = sum(m["replaced"] for m in replaced)
+            self.log(f"replaced the text that is not valid UTF-8 (bytes that are not UTF-8, lone surrogates) by U+FFFD "
+                     f"in {n} records (first at {replaced[0]['first_replaced']}); the records are kept")
 
 
 _TOKENIZERS: dict = {}
@@ -395,6 +401,7 @@ def _tokenize_shard(args, report: Callable[[int], None]) -> dict:
     bad = BadLines(job["max_bad"])
     counts = {"train": 0, "val": 0}
     docs = 0
+    first_train = 0  # tokens of the shard's first train document (with its separator)
     t0 = time.perf_counter()
     try:
         with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
@@ -402,6 +409,8 @@ def _tokenize_shard(args, report: Callable[[int], None]) -> dict:
                                             chunk_bytes=job["chunk_bytes"]):
                 to_val = draws.random(len(texts)) < job["val_fraction"]
                 docs += len(texts)
+                if not first_train and not to_val.all():
+                    first_train = len(_encode(tokenizer, [texts[int((~to_val).argmax())]], sep, dtype))
                 for split, f, pick in (("train", ftrain, ~to_val), ("val", fval, to_val)):
                     ids = _encode(tokenizer, [t for t, keep in zip(texts, pick) if keep], sep, dtype)
                     f.write(ids.tobytes())
@@ -412,11 +421,17 @@ def _tokenize_shard(args, report: Callable[[int], None]) -> dict:
                             "remove it from data.path")
         for split in ("train", "val"):
             os.replace(tmp[split], out / split / f"{key}.bin")
+    except (DataError, OSError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any other failure: one line naming the shard, never a traceback
+        raise DataError(f"{path}: tokenizing failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                        "fix or remove this shard") from None
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
     marker = dict(shard, tokenizer=job["tok"], dtype=dtype.name, tokens=counts, documents=docs,
-                  bad_lines=bad.count, first_bad_line=bad.first, seconds=round(time.perf_counter() - t0, 3))
+                  bad_lines=bad.count, first_bad_line=bad.first, seconds=round(time.perf_counter() - t0, 3),
+                  first_train_tokens=first_train, replaced=bad.replaced, first_replaced=bad.first_replaced)
     _atomic_json(out / "done" / f"{key}.json", marker)
     return marker
 
@@ -461,6 +476,8 @@ def _finish(out, shards, tok, tokenizer, text_field, val_fraction, source, log) 
     """Rank 0, once every shard is done: temporaries removed, meta.json written (last)."""
     _remove_temporaries(out)
     markers = [_marker(out, s, tok) for s in shards]
+    if not sum(m["tokens"]["val"] for m in markers):
+        _guarantee_val(out, markers, source, val_fraction, log)
     info = {
         "format": FORMAT, "version": VERSION, "source": source, "text_field": text_field,
         "val_fraction": val_fraction, "tokenizer": tok, "tokenizer_name": tokenizer.name,
@@ -473,6 +490,30 @@ def _finish(out, shards, tok, tokenizer, text_field, val_fraction, source, log) 
         "python": sys.version.split()[0], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     _atomic_json(out / "meta.json", info)
+
+
+def _guarantee_val(out: Path, markers: list[dict], source: str, val_fraction: float, log) -> None:
+    """No document drew into val: the first train document of the first shard that has one moves there
+    (its train file loses that prefix), as a text source always keeps a validation file."""
+    if sum(m["documents"] for m in markers) < 2:
+        raise DataError(f"data.path {source}: {sum(m['documents'] for m in markers)} document: a validation split "
+                        "needs a second one; add text")
+    for m in markers:
+        n = m.get("first_train_tokens", 0)
+        if n and m["tokens"]["train"] > n:
+            break
+    else:
+        raise DataError(f"data.path {source}: no document went to the validation split; raise "
+                        f"--config.data.val_fraction (now {val_fraction:g})")
+    dtype = np.dtype(m["dtype"])
+    train = np.fromfile(out / "train" / f"{m['key']}.bin", dtype=dtype)
+    atomic_write(out / "val" / f"{m['key']}.bin", lambda f: f.write(train[:n].tobytes()))
+    atomic_write(out / "train" / f"{m['key']}.bin", lambda f: f.write(train[n:].tobytes()))
+    m["tokens"] = {"train": int(len(train) - n), "val": int(n)}
+    m["first_train_tokens"] = 0  # (moved: a rerun's _finish finds a validation split)
+    _atomic_json(out / "done" / f"{m['key']}.json", m)
+    log(f"no document of {source} drew into the validation split (val_fraction={val_fraction:g}): the first document "
+        f"of {m['rel']} ({n} tokens) is the validation split")
 
 
 def open_token_cache(out: str | os.PathLike) -> tuple[ConcatTokens, ConcatTokens, dict]:

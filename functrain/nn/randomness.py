@@ -80,16 +80,13 @@ class KeyedRandomness(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.dropout:
-            return self._dropout(func, args, kwargs)
+            return self._dropout(func, args, kwargs, 0)
         if func is F.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
         if func is F.dropout1d or func is F.dropout2d or func is F.dropout3d:
-            spatial = 1 if func is F.dropout1d else 2 if func is F.dropout2d else 3
-            return self._feature_dropout(spatial, func, args, kwargs)
-        if func is F.alpha_dropout:
-            return self._alpha_dropout(func, args, kwargs)
-        if func is F.feature_alpha_dropout:
-            return self._feature_alpha_dropout(func, args, kwargs)
+            return self._dropout(func, args, kwargs, 1 if func is F.dropout1d else 2 if func is F.dropout2d else 3)
+        if func is F.alpha_dropout or func is F.feature_alpha_dropout:
+            return self._dropout(func, args, kwargs, 0, alpha=True, feature=func is F.feature_alpha_dropout)
         return func(*args, **kwargs)
 
     def _next_key(self) -> torch.Tensor:
@@ -102,46 +99,23 @@ class KeyedRandomness(TorchFunctionMode):
         """A 0/1 mask in `dtype`, 1 with probability 1 - p."""
         return (rng.uniform(self._next_key(), shape) >= p).to(dtype)
 
-    def _dropout(self, func, args, kwargs):
+    def _dropout(self, func, args, kwargs, spatial: int, alpha: bool = False, feature: bool = False):
+        """Any dropout: elementwise (spatial 0), whole channels over `spatial` trailing dims, or alpha
+        dropout (which keeps a SELU network's mean and variance; `feature`: per channel)."""
         x, p = args[0], float(_arg(args, kwargs, 1, "p", 0.5))
-        if not _active(p, _arg(args, kwargs, 2, "training", True)):
+        if not _active(p, _arg(args, kwargs, 2, "training", not alpha)):  # alpha dropouts default to eval
             return func(*args, **kwargs)
         if p == 1.0:
             return x * 0.0
-        return x * self._keep(x.shape, p, x.dtype) * (1.0 / (1.0 - p))  # inplace=True: a new tensor, as under vmap
-
-    def _feature_dropout(self, spatial: int, func, args, kwargs):
-        """`dropout{spatial}d`: whole channels dropped."""
-        x, p = args[0], float(_arg(args, kwargs, 1, "p", 0.5))
-        if not _active(p, _arg(args, kwargs, 2, "training", True)):
-            return func(*args, **kwargs)
-        if p == 1.0:
-            return x * 0.0
+        if feature:
+            spatial = x.ndim - 2  # (N, C, ...): one draw per (sample, channel)
         # (N, C, *spatial) or, without a batch dim, (C, *spatial): one draw per channel
-        return x * self._keep(_feature_mask_shape(x, spatial), p, x.dtype) * (1.0 / (1.0 - p))
-
-    def _alpha(self, x: torch.Tensor, p: float, shape) -> torch.Tensor:
-        """Alpha dropout (keeps a SELU network's mean and variance) with a mask of `shape`."""
+        shape = x.shape if spatial == 0 else _feature_mask_shape(x, spatial)
         keep = self._keep(shape, p, x.dtype)
+        if not alpha:  # inplace=True gives a new tensor, as under vmap
+            return x * keep * (1.0 / (1.0 - p))
         a = 1.0 / math.sqrt((_ALPHA_PRIME**2 * p + 1.0) * (1.0 - p))
-        b = -a * _ALPHA_PRIME * p
-        return (x * keep + _ALPHA_PRIME * (1.0 - keep)) * a + b
-
-    def _alpha_dropout(self, func, args, kwargs):
-        x, p = args[0], float(_arg(args, kwargs, 1, "p", 0.5))
-        if not _active(p, _arg(args, kwargs, 2, "training", False)):
-            return func(*args, **kwargs)
-        if p == 1.0:
-            return x * 0.0
-        return self._alpha(x, p, x.shape)
-
-    def _feature_alpha_dropout(self, func, args, kwargs):
-        x, p = args[0], float(_arg(args, kwargs, 1, "p", 0.5))
-        if not _active(p, _arg(args, kwargs, 2, "training", False)):
-            return func(*args, **kwargs)
-        if p == 1.0:
-            return x * 0.0
-        return self._alpha(x, p, list(x.shape[:2]) + [1] * (x.ndim - 2))
+        return (x * keep + _ALPHA_PRIME * (1.0 - keep)) * a - a * _ALPHA_PRIME * p
 
     def _sdpa(self, func, args, kwargs):
         p = float(_arg(args, kwargs, 4, "dropout_p", 0.0))
