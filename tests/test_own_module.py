@@ -80,7 +80,7 @@ def test_accumulation_updates_the_statistics_once_per_microbatch():
         for xs, ys in zip(x.chunk(2), y.chunk(2)):
             loss = F.cross_entropy(net(xs), ys) / 2
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         want.append(total)
