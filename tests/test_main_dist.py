@@ -148,3 +148,13 @@ def test_a_block_size_the_cp_ranks_cannot_split_is_one_line(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert out.returncode != 0 and len(lines) == 1, out.stderr
     assert "model.block_size=62" in lines[0] and "--config.mesh.cp" in lines[0], lines
+
+
+def test_torchrun_brings_a_run_back_after_a_worker_is_killed_bit_exactly():
+    """torchrun --max-restarts=1, 2 gloo ranks, one worker killed with kill -9 after the step-30
+    checkpoint: the new attempt builds its groups afresh (under a store prefix of its own: the
+    elastic_attempt_store workaround), restores step 30 and logs the uninterrupted run's losses, bit
+    for bit. One drill here; `bash bench/elastic.sh 10` runs ten in a row."""
+    proc = subprocess.run(["bash", "bench/elastic.sh", "1"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0 and "elastic: 1/1 restarted bit-exactly" in proc.stdout, proc.stdout + proc.stderr

@@ -120,6 +120,16 @@ def _check_gloo_threads() -> None:
         _fail("gloo_one_thread", problem)
 
 
+def _check_agent_store_unprefixed() -> None:
+    """torch's env:// rendezvous under torchrun's agent store still hands over the run's one store with no
+    prefix of the restart attempt."""
+    from functrain.parallel import mesh
+
+    problem = mesh.attempt_store_premise_problem()
+    if problem:
+        _fail("elastic_attempt_store", problem)
+
+
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         "float64_scalars_lifted",
@@ -159,6 +169,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "(torch's backend registry) that builds them with one thread",
         "bench/gloo_threads.py", "2.13, 2.14", "functrain/parallel/gloo.py",
         _check_gloo_threads),
+    Workaround(
+        "elastic_attempt_store",
+        "torchrun keeps one store for every restart attempt and env:// hands it over unprefixed, so a "
+        "restarted attempt's groups read the killed attempt's keys (gloo: connectFullMesh refused by a dead "
+        "rank's port); the default group gets a store prefixed with the attempt",
+        "bench/elastic.sh (kill -9 of a worker under --max-restarts=1)", "2.13, 2.14",
+        "functrain/parallel/mesh.py (`attempt_store`)", _check_agent_store_unprefixed),
 )
 """The table (docs/compiler.md shows it)."""
 
