@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from functrain import checkpoint as ckpt_lib
+from functrain.data import record as data_record_lib
 from functrain.data.prefetch import Prefetcher
 from functrain import memory, parallel
 from functrain.parallel import pipeline
@@ -196,13 +197,15 @@ class _Eval(Hook):
 
 
 class _Checkpoint(Hook):
-    """Saves every `checkpoint.every` steps (the manager decides), and always at the end."""
+    """Saves every `checkpoint.every` steps (the manager decides), and always at the end, with the
+    record of the data the run trains on (`Task.data_record`)."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, data_record: dict | None):
         self.manager = manager
+        self.custom = {"functrain": {"data": data_record}} if data_record else None
 
     def after(self, info):
-        self.manager.save(info.step, info.state, force=info.final)
+        self.manager.save(info.step, info.state, force=info.final, custom_metadata=self.custom)
         if info.final:
             self.manager.wait()
 
@@ -392,7 +395,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
         state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
     state = _maybe_restore(manager, state, train_step, task.train_batch, config, print_fn,
-                           whole=ctx.pp_world == 1)
+                           whole=ctx.pp_world == 1, data_record=task.data_record)
     if graphs:
         state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
 
@@ -408,7 +411,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     builtin: list[Hook] = [_SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
     builtin += [log, evaluation]
     if manager is not None:
-        builtin.append(_Checkpoint(manager))
+        builtin.append(_Checkpoint(manager, task.data_record))
     builtin.append(_Profiler(config.profile.start, config.profile.stop, workdir, print_fn))
     if config.gc_every > 0:
         builtin.append(_GarbageCollection(config.gc_every))
@@ -675,12 +678,17 @@ def _init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
 
 
 def _maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn,
-                   whole: bool = True) -> TrainState:
+                   whole: bool = True, data_record: dict | None = None) -> TrainState:
     """Restores the latest checkpoint, if any, compiling the step while the bytes stream in (`whole`:
-    the state is the whole tree, so a checkpoint leaf it lacks is an error; a pipeline stage's is a part)."""
+    the state is the whole tree, so a checkpoint leaf it lacks is an error; a pipeline stage's is a part).
+    A checkpoint of other data stops the run first (`data.record.check_resume`)."""
     latest = manager.latest_step() if manager is not None else None
     if latest is None:
         return state
+    saved = manager.custom_metadata(latest).get("functrain", {}).get("data")
+    changed = data_record_lib.check_resume(saved, data_record, latest, bool(config.get("data", {}).get("allow_changed")))
+    if changed:
+        print_fn(changed)
     try:
         return _restore(manager, latest, state, train_step, batch_at, config, print_fn, whole)
     except ckpt_lib.MismatchError as exc:

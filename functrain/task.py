@@ -64,6 +64,9 @@ class Task(NamedTuple):
         (BatchNorm statistics; `functrain.nn.buffers_of(module)`), kept in `TrainState.model_state`
         and replicated on a mesh. With it, `loss_fn` is `(params, batch, key, model_state) -> (loss,
         aux, new_model_state)` (`functrain.nn.model_state`). None: the model has no state.
+      data_record: optional JSON record of the data trained on (`LMData.record()`: files, sizes,
+        sha256). The loop saves it with each checkpoint, and a resume on other data stops in one
+        line unless `data.allow_changed`. None: not recorded, not checked.
     """
 
     describe: str
@@ -78,3 +81,4 @@ class Task(NamedTuple):
     export: Callable[[PyTree, Any], Any] | None = None
     data_position: Callable[[int], dict] | None = None
     init_model_state: Callable[[torch.device], PyTree] | None = None
+    data_record: dict | None = None

@@ -5,7 +5,8 @@ Usage:
 
 --read:  restores checkpoint STEP under ROOT with ocp.CheckpointManager (no args: numpy arrays), also
          onto 2 (virtual) CPU devices with a NamedSharding and checks both agree, and dumps the
-         arrays to OUT.npz/OUT.json (raw bytes + dtype + shape, keyed by '.'-joined tree path).
+         arrays to OUT.npz/OUT.json (raw bytes + dtype + shape, keyed by '.'-joined tree path), and the
+         step's custom_metadata to OUT.custom.json.
 --standard: `ocp.StandardCheckpointer().restore(ITEM)` with no template (ITEM = <step>/default), dumps
          the arrays and the tree's empty nodes to OUT, then restores ITEM again onto 2 CPU devices with
          every matrix sharded by columns (dim 1; ours are written by rows) and checks it equals.
@@ -74,8 +75,11 @@ def read(root: str, step: int, out: str) -> None:
             continue
         assert len(b.sharding.device_set) == 2, _name(path)
         assert np.asarray(b).tobytes() == a.tobytes(), f"sharded restore of {_name(path)} differs"
+    custom = mngr.metadata(step).custom_metadata  # what functrain saved with the step (e.g. its data record)
     mngr.close()
     dump(restored, out)
+    with open(out + ".custom.json", "w") as f:
+        json.dump(custom, f)
 
 
 def _empty_paths(tree) -> dict:

@@ -20,10 +20,19 @@ def interop(tmp_path_factory):
     """We save a mixed state; one orbax process restores it and writes its own checkpoints."""
     wd = str(tmp_path_factory.mktemp("ckpt_orbax"))
     with ckpt.Manager(os.path.join(wd, "ours")) as mgr:
-        mgr.save(5, full_state())
+        mgr.save(5, full_state(), custom_metadata=_CUSTOM)
     read = ["--read", os.path.join(wd, "ours"), "5", os.path.join(wd, "read")]
     run_orbax(read + ["--write", os.path.join(wd, "theirs"), os.path.join(wd, "wrote")])
     return wd
+
+
+_CUSTOM = {"functrain": {"data": {"sources": {"data": {"files": [["a.jsonl", 12, "ab" * 32]], "tokenizer": "bytes"}}}}}
+
+
+def test_orbax_reads_our_custom_metadata(interop):
+    with open(os.path.join(interop, "read.custom.json")) as f:
+        assert json.load(f) == _CUSTOM
+    assert ckpt.Manager(os.path.join(interop, "ours")).custom_metadata(5) == _CUSTOM
 
 
 def test_orbax_restores_our_checkpoint_bit_exact(interop):

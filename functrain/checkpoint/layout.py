@@ -202,15 +202,15 @@ def tree_metadata_json(entries: list[tuple[LeafKey, str]]) -> dict[str, Any]:
     }
 
 
-def checkpoint_metadata_json(init_ns: int, commit_ns: int) -> dict[str, Any]:
-    """The content of ``_CHECKPOINT_METADATA``."""
+def checkpoint_metadata_json(init_ns: int, commit_ns: int, custom_metadata: dict | None = None) -> dict[str, Any]:
+    """The content of ``_CHECKPOINT_METADATA`` (``custom_metadata``: JSON the user attaches, as orbax's)."""
     return {
         "item_handlers": {ITEM: STANDARD_HANDLER},
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": init_ns,
         "commit_timestamp_nsecs": commit_ns,
-        "custom_metadata": {},
+        "custom_metadata": dict(custom_metadata or {}),
     }
 
 
@@ -236,9 +236,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_commit_files(path: str, final_path: str, init_ns: int) -> None:
+def write_commit_files(path: str, final_path: str, init_ns: int, custom_metadata: dict | None = None) -> None:
     """Writes ``_CHECKPOINT_METADATA`` and the commit marker into the directory ``path``."""
-    write_json(os.path.join(path, CHECKPOINT_METADATA), checkpoint_metadata_json(init_ns, time.time_ns()))
+    write_json(os.path.join(path, CHECKPOINT_METADATA), checkpoint_metadata_json(init_ns, time.time_ns(), custom_metadata))
     write_text(os.path.join(path, COMMIT_MARKER), f"Checkpoint commit was successful to {final_path}")
 
 
@@ -258,6 +258,22 @@ class TreeMetadata:
     use_ocdbt: bool
     use_zarr3: bool
     empties: dict[tuple[str, ...], StoredLeaf] = dataclasses.field(default_factory=dict)
+
+
+def read_custom_metadata(path: str) -> dict[str, Any]:
+    """The ``custom_metadata`` of the committed checkpoint at ``path`` ({} when it has none).
+
+    Raises CheckpointError (naming ``path``) if ``_CHECKPOINT_METADATA`` is unreadable.
+    """
+    try:
+        with open(os.path.join(path, CHECKPOINT_METADATA)) as f:
+            custom = json.load(f).get("custom_metadata")
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {CHECKPOINT_METADATA} is unreadable ({e}); restore an earlier "
+                              "step") from None
+    return custom if isinstance(custom, dict) else {}
 
 
 def read_tree_metadata(path: str) -> TreeMetadata:

@@ -118,7 +118,7 @@ class Manager:
         with self._lock:
             return step % self.every == 0 and step not in self._steps and step != self._pending_step
 
-    def save(self, step: int, state: Any, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, force: bool = False, *, custom_metadata: dict | None = None) -> bool:
         """Starts saving ``state`` as checkpoint ``step`` if ``should_save(step)`` or ``force``.
 
         Waits for the previous save (re-raising its error), snapshots the local shards to host
@@ -128,6 +128,8 @@ class Manager:
           step: the step number (the directory name).
           state: pytree of tensors/DTensors; free to mutate or donate once this returns.
           force: save even if ``step`` is not a multiple of ``every``.
+          custom_metadata: a JSON-serializable dict kept with the checkpoint (``custom_metadata(step)``
+            reads it; orbax's ``CheckpointManager.metadata(step).custom_metadata`` too).
 
         Returns:
           True if a save was started, False if skipped.
@@ -147,7 +149,8 @@ class Manager:
         with self._lock:
             self._pending_step = step
         self._writer.save(
-            self.step_path(step), state, compression=self.compression, on_commit=lambda: self._committed(step)
+            self.step_path(step), state, compression=self.compression, on_commit=lambda: self._committed(step),
+            custom_metadata=custom_metadata,
         )
         return True
 
@@ -223,6 +226,20 @@ class Manager:
         if step is None:
             raise CheckpointError(f"checkpoint directory {self.directory}: no committed checkpoint")
         return reader.read_metadata(self.step_path(step))
+
+    def custom_metadata(self, step: int | None = None) -> dict:
+        """The ``custom_metadata`` saved with checkpoint ``step`` (default: the latest; {} when none).
+
+        Example:
+          >>> mgr.save(100, state, custom_metadata={"data": "v2"}); mgr.wait()
+          >>> mgr.custom_metadata(100)
+          {'data': 'v2'}
+        """
+        self.wait()
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"checkpoint directory {self.directory}: no committed checkpoint")
+        return layout.read_custom_metadata(self.step_path(step))
 
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is committed; re-raises its error."""

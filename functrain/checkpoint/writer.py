@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import glob
+import json
 import os
 import shutil
 import time
@@ -140,7 +141,8 @@ def _write_process_db(leaves: list[_Leaf], tmp: str, me: int, compression: str |
         w.result()
 
 
-def _merge_and_commit(entries: list[tuple[layout.LeafKey, str]], tmp: str, path: str, init_ns: int) -> None:
+def _merge_and_commit(entries: list[tuple[layout.LeafKey, str]], tmp: str, path: str, init_ns: int,
+                      custom_metadata: dict | None = None) -> None:
     """Rank 0: merges the per-process databases, writes metadata and marker, renames tmp -> path."""
     ctx = tsspec.new_context()
     item = layout.item_dir(tmp)
@@ -155,7 +157,7 @@ def _merge_and_commit(entries: list[tuple[layout.LeafKey, str]], tmp: str, path:
         c.result()
     txn.commit_async().result()
     layout.write_json(os.path.join(item, layout.TREE_METADATA), layout.tree_metadata_json(entries))
-    layout.write_commit_files(tmp, path, init_ns)
+    layout.write_commit_files(tmp, path, init_ns, custom_metadata)
     layout.fsync_dir(item)
     layout.fsync_dir(tmp)
     os.rename(tmp, path)
@@ -223,6 +225,7 @@ def _write_and_commit(
     compression: str | None,
     init_ns: int,
     on_commit: Callable[[], None] | None,
+    custom_metadata: dict | None = None,
 ) -> None:
     """The background part of a save: write all ranks' chunks, then commit atomically."""
     me = _dist.rank()
@@ -235,7 +238,7 @@ def _write_and_commit(
         _run_phase(group, me, lambda: _write_process_db(leaves, tmp, me, compression), path, "writing chunks")
     finally:
         leaves.clear()  # drop the host copies as soon as they are written (or the save failed)
-    commit = (lambda: _merge_and_commit(entries, tmp, path, init_ns)) if me == 0 else None
+    commit = (lambda: _merge_and_commit(entries, tmp, path, init_ns, custom_metadata)) if me == 0 else None
     _run_phase(group, me, commit, path, "committing")
     if on_commit is not None:
         on_commit()
@@ -281,6 +284,7 @@ class AsyncWriter:
         *,
         compression: str | None = "zstd",
         on_commit: Callable[[], None] | None = None,
+        custom_metadata: dict | None = None,
     ) -> concurrent.futures.Future:
         """Waits for the previous save, snapshots ``state`` and writes it to ``path`` in the background.
 
@@ -289,6 +293,8 @@ class AsyncWriter:
           state: pytree of tensors/DTensors; free to mutate once this returns.
           compression: "zstd" (default) or None.
           on_commit: called in the background thread on every rank after the commit.
+          custom_metadata: JSON-serializable dict stored in ``_CHECKPOINT_METADATA`` (rank 0's is kept),
+            where orbax keeps its ``custom_metadata``.
 
         Returns:
           A Future that resolves to None once the checkpoint is committed on every rank, or raises
@@ -306,12 +312,14 @@ class AsyncWriter:
         if os.path.exists(path):
             raise CheckpointError(f"checkpoint {path} already exists; delete it or save under another step")
         init_ns = time.time_ns()
+        if custom_metadata is not None:
+            custom_metadata = json.loads(json.dumps(custom_metadata))  # a copy, and unserializable fails here
         leaves = snapshot(state, self._buffers)
         entries = layout.metadata_entries(state)  # the arrays and the empty subtrees, in tree order
         if self._reuse_buffers:  # safe to reuse: the next snapshot only happens after wait()
             self._buffers = {leaf.key.name: leaf.data for leaf in leaves if leaf.data is not None}
         self._pending = self._executor.submit(
-            _write_and_commit, leaves, entries, path, self._group, compression, init_ns, on_commit
+            _write_and_commit, leaves, entries, path, self._group, compression, init_ns, on_commit, custom_metadata
         )
         return self._pending
 
@@ -352,7 +360,8 @@ def _default_writer() -> AsyncWriter:
     return _DEFAULT_WRITER
 
 
-def save_async(path: str, state: Any, *, compression: str | None = "zstd") -> concurrent.futures.Future:
+def save_async(path: str, state: Any, *, compression: str | None = "zstd",
+               custom_metadata: dict | None = None) -> concurrent.futures.Future:
     """Saves ``state`` to the checkpoint directory ``path`` in the background.
 
     Blocks only for the previous save (if still running) and the host snapshot of the local shards.
@@ -363,6 +372,7 @@ def save_async(path: str, state: Any, *, compression: str | None = "zstd") -> co
         ``/ckpt/100.orbax-checkpoint-tmp`` and renamed on commit.
       state: a pytree of torch.Tensor / DTensor leaves (any Shard/Replicate placements).
       compression: "zstd" (default) or None.
+      custom_metadata: a JSON-serializable dict kept in ``_CHECKPOINT_METADATA``.
 
     Returns:
       A concurrent.futures.Future resolving to None once committed (raises CheckpointError on failure).
@@ -372,16 +382,17 @@ def save_async(path: str, state: Any, *, compression: str | None = "zstd") -> co
       >>> state = train_step(state, batch)   # safe: the snapshot is already taken
       >>> fut.result()
     """
-    return _default_writer().save(path, state, compression=compression)
+    return _default_writer().save(path, state, compression=compression, custom_metadata=custom_metadata)
 
 
-def save(path: str, state: Any, *, compression: str | None = "zstd") -> None:
+def save(path: str, state: Any, *, compression: str | None = "zstd", custom_metadata: dict | None = None) -> None:
     """Saves ``state`` to the checkpoint directory ``path`` and returns once it is committed.
 
     Args:
       path: the checkpoint directory to create, e.g. ``/ckpt/100``.
       state: a pytree of torch.Tensor / DTensor leaves.
       compression: "zstd" (default) or None.
+      custom_metadata: a JSON-serializable dict kept in ``_CHECKPOINT_METADATA``.
 
     Returns:
       None.
@@ -389,4 +400,4 @@ def save(path: str, state: Any, *, compression: str | None = "zstd") -> None:
     Example:
       >>> save("/ckpt/100", {"params": params, "step": torch.tensor(100)})
     """
-    save_async(path, state, compression=compression).result()
+    save_async(path, state, compression=compression, custom_metadata=custom_metadata).result()

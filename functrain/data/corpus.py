@@ -21,7 +21,7 @@ file never moves another), with at least one file in each split. A single text f
 with one file) is split by position instead: its last `val_fraction` goes to val.
 
 Text sources are tokenized once into a cache (`<cache_dir>/<name>-<fingerprint>/train.bin, val.bin,
-meta.json`), keyed by the files' paths, sizes and mtimes. Every file is written to a temporary name
+meta.json`), keyed by the files' relative paths and the sha256 of their bytes (`digests`). Every file is written to a temporary name
 and renamed into place, and `meta.json` (the provenance record) is written last, so a killed run
 never leaves a cache that looks complete; concurrent builders (several ranks) each write their own
 temporaries and the renames are atomic.
@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from functrain.data.digests import file_digests
 from functrain.data.errors import DataError
 from functrain.data.shards import is_shard_source, shard_files
 from functrain.data.token_cache import FORMAT as SHARDS_FORMAT
@@ -187,7 +188,7 @@ def load_dataset(
         if path.is_file() and path.suffix == ".bin":
             path = path.parent
         if path.is_dir() and (path / "train.bin").exists():
-            ds = _load_bin(path, source, vocab_size)
+            ds = _load_bin(path, source, vocab_size, cache_dir)
         else:
             ds = _load_text(*_text_source(str(path)), source=source, cache_dir=cache_dir, val_fraction=val_fraction,
                             tokenizer=tokenizer)
@@ -286,6 +287,7 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
     total = sum(st.st_size for _, _, st in stats)
     if not stats or total == 0:
         raise DataError(f"data.path {source!r} holds no text ({len(stats)} files, 0 bytes); {_FIX}")
+    content = _content(stats, root, cache_dir)
     tokenizer = tokenizer or ByteTokenizer()
     hf = getattr(tokenizer, "sha256", None)  # a `tokenizers` file; None: bytes
     fingerprint = hashlib.sha256(json.dumps({
@@ -293,7 +295,7 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
         "source": source if source == "stdlib" else str(Path(source).resolve()),
         "python": sys.version if source == "stdlib" else None,
         "val_fraction": val_fraction,
-        "files": [[rel, st.st_size, st.st_mtime_ns] for _, rel, st in stats],
+        "files": content,
         **({"tokenizer": hf} if hf else {}),
     }).encode()).hexdigest()
     out = Path(cache_dir) / f"{name}{'-tok' if hf else ''}-{fingerprint[:16]}"
@@ -331,7 +333,7 @@ def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=
         if hf:
             info["tokenizer_file"], info["tokenizer_sha256"] = str(tokenizer.path), hf
         atomic_write(out / "meta.json", lambda f: f.write(json.dumps(info, indent=1).encode()))
-    info = dict(info, cache_dir=str(out))
+    info = dict(info, cache_dir=str(out), content=content)
     return Dataset(_memmap(out / "train.bin", dtype), _memmap(out / "val.bin", dtype),
                    tokenizer.vocab_size, tokenizer, info)
 
@@ -368,7 +370,7 @@ def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, 
         stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
         fingerprint = hashlib.sha256(json.dumps({
             "bpe": vocab_size, "val_fraction": val_fraction, "text_field": text_field,
-            "files": [[rel, st.st_size, st.st_mtime_ns] for _, rel, st in stats]}).encode()).hexdigest()
+            "files": _content(stats, root, cache_dir)}).encode()).hexdigest()
         path = Path(cache_dir) / f"{slug(root.name)}-bpe{vocab_size}-{fingerprint[:16]}.json"
         if path.exists():
             return HFTokenizer(path)
@@ -380,7 +382,7 @@ def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, 
     train_pieces, _, _, _ = _plan(stats, val_fraction)
     fingerprint = hashlib.sha256(json.dumps({
         "bpe": vocab_size, "val_fraction": val_fraction, "python": sys.version if source == "stdlib" else None,
-        "files": [[rel, st.st_size, st.st_mtime_ns] for _, rel, st in stats],
+        "files": _content(stats, root, cache_dir),
     }).encode()).hexdigest()
     path = Path(cache_dir) / f"{name}-bpe{vocab_size}-{fingerprint[:16]}.json"
     if path.exists():
@@ -452,7 +454,14 @@ def _memmap(path: Path, dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _load_bin(path: Path, source: str, vocab_size: int | None) -> Dataset:
+def _content(stats, root: Path, cache_dir) -> list[list]:
+    """[relative path, size, sha256] of each file (digests remembered under `<cache_dir>/digests/`)."""
+    memo = Path(cache_dir) / "digests" / f"{slug(root.name, 'data')}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
+    digests = file_digests([p for p, _, _ in stats], memo=memo)
+    return [[rel, st.st_size, d] for (_, rel, st), d in zip(stats, digests)]
+
+
+def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dataset:
     """Opens a nanoGPT-style directory with train.bin / val.bin (+ optional meta.json / meta.pkl)."""
     if not (path / "val.bin").exists():
         raise DataError(f"data.path {source!r} has train.bin but no val.bin; add a val.bin next to it")
@@ -482,8 +491,9 @@ def _load_bin(path: Path, source: str, vocab_size: int | None) -> Dataset:
         tokenizer = VocabTokenizer(meta["itos"], meta.get("stoi"))
     else:
         tokenizer = IdTokenizer(int(vocab))
+    bins = [(path / f"{s}.bin", f"{s}.bin", (path / f"{s}.bin").stat()) for s in ("train", "val")]
     info = {"source": source, "kind": "bin", "dtype": str(dtype), "vocab_size": int(vocab),
-            "tokenizer": tokenizer.name}
+            "tokenizer": tokenizer.name, "content": _content(bins, path, cache_dir)}
     return Dataset(_memmap(path / "train.bin", dtype), _memmap(path / "val.bin", dtype),
                    int(vocab), tokenizer, info)
 
@@ -512,4 +522,5 @@ def _load_token_cache(out: Path, source: str, tokenizer: Any) -> Dataset:
             tokenizer = IdTokenizer(info["vocab_size"])
     meta = {k: info[k] for k in ("source", "text_field", "tokenizer", "dtype", "tokens", "documents", "bad_lines")}
     return Dataset(train, val, tokenizer.vocab_size, tokenizer,
-                   dict(meta, kind="shards", shards=len(info["shards"]), cache_dir=str(out), requested=source))
+                   dict(meta, kind="shards", shards=len(info["shards"]), cache_dir=str(out), requested=source,
+                        content=[[s["rel"], s["size"], s.get("sha256")] for s in info["shards"]]))

@@ -23,6 +23,7 @@ import torch
 from functrain.data.batches import eval_batches as eval_windows
 from functrain.data.corpus import DEFAULT_VAL_FRACTION, Dataset, load_dataset
 from functrain.data.errors import DataError
+from functrain.data.record import source_record
 from functrain.data.sampling import Sampler
 
 __all__ = ["LMData", "lm_data", "parse_mixture"]
@@ -118,6 +119,24 @@ class LMData:
     def decode(self, tokens) -> str:
         """The text of token ids."""
         return self.tokenizer.decode(tokens)
+
+    def record(self) -> dict:
+        """What the run trains on: per source its kind, tokenizer and files with their sizes and sha256
+        (`functrain.data.record`; checkpoints carry it, a resume compares it).
+
+        Returns:
+          `{"sources": {name: {"kind", "tokenizer", "files"}}}`, JSON-serializable.
+
+        Example:
+          >>> data.record()["sources"]["data"]["files"][0]
+          ['a.jsonl', 1204, '5f1d...']
+        """
+        sources = {}
+        for name, ds in self.datasets.items():
+            sha = getattr(ds.tokenizer, "sha256", None)
+            sources[name] = source_record(ds.info.get("kind", "text"), f"tokenizers:{sha}" if sha else ds.tokenizer.name,
+                                          ds.info.get("content", []))
+        return {"sources": sources}
 
     def describe(self) -> str:
         """E.g. '1,234,567 train tokens' or 'mixture web 70% / code 30%, 9,876,543 train tokens'."""

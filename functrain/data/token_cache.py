@@ -11,7 +11,10 @@ val when a draw from a generator seeded by its shard's relative path falls below
   `workers` processes (default: its share of the cores). Progress lines give MB/s and an ETA.
 * Streaming: a worker holds one bounded group of text and its tokens at a time (`shards.read_texts`).
 * Atomic and resumable: a shard's files are written under temporary names and renamed, its marker
-  last; a rerun keeps every shard with a valid marker and tokenizes the rest. `meta.json` (the list
+  last; a rerun keeps every shard with a valid marker and tokenizes the rest.
+* Keyed by content: a marker records the sha256 of its shard's bytes (`digests.file_digests`, which
+  hashes a file again only when its size, times or inode changed); a shard whose bytes changed, even
+  with its size and mtime kept, is tokenized again, and a copied or touched one is not. `meta.json` (the list
   of shards, the tokenizer, the counts) is written once all are done. A failing shard leaves no file
   of its own and an `errors/<rank>.txt` line that stops the other ranks with the same message.
 
@@ -40,6 +43,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from functrain.data.digests import file_digests
 from functrain.data.errors import DataError
 from functrain.data.shards import BadLines, read_texts, shard_files, skipped_files
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, path_hash64, slug, token_dtype
@@ -49,7 +53,7 @@ from functrain.data.tokens import ConcatTokens
 __all__ = ["FORMAT", "open_token_cache", "tokenize_shards", "tokenizer_id", "train_documents"]
 
 FORMAT = "functrain-token-shards"
-VERSION = 1
+VERSION = 2  # 2: shards keyed by the sha256 of their bytes (1: by size and mtime)
 _PROGRESS_EVERY_S = 5.0
 
 
@@ -130,17 +134,18 @@ def tokenize_shards(
         more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""
         log(f"data.path {source}: skipping {len(skipped)} file(s) that are not shards ({names}{more}); shards end in "
             ".parquet, .jsonl, .jsonl.gz, .json.gz or .ndjson")
-    stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
     tok = tokenizer_id(tokenizer)
     fingerprint = hashlib.sha256(json.dumps({
         "format": FORMAT, "version": VERSION, "source": str(Path(os.path.expanduser(source)).resolve()),
         "text_field": text_field, "val_fraction": val_fraction, "tokenizer": tok,
     }).encode()).hexdigest()
     out = Path(cache_dir) / f"{slug(root.name, 'shards')}-{fingerprint[:16]}"
-    shards = [{"rel": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "key": _key(rel)} for _, rel, st in stats]
+    digests = file_digests(files, memo=out / "digests.json")
+    shards = [{"rel": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": d,
+               "key": _key(p.relative_to(root).as_posix())} for p, d in zip(files, digests)]
     info = _read_meta(out)
-    if info is not None and info.get("tokenizer") == tok and [_stat(s) for s in info["shards"]] == [_stat(s) for s in shards]:
-        return out  # complete, and the shards have not changed since
+    if info is not None and info.get("tokenizer") == tok and [_content(s) for s in info["shards"]] == [_content(s) for s in shards]:
+        return out  # complete, and the shards hold the same bytes as when they were tokenized
     try:
         for sub in ("train", "val", "done", "errors"):
             (out / sub).mkdir(parents=True, exist_ok=True)
@@ -150,7 +155,7 @@ def tokenize_shards(
     (out / "errors" / f"{rank}.txt").unlink(missing_ok=True)
     owner = _deal([s["size"] for s in shards], world)
     done = [_marker(out, s, tok) is not None for s in shards]
-    mine = [(p, s) for (p, _, _), s, r, d in zip(stats, shards, owner, done) if r == rank and not d]
+    mine = [(p, s) for p, s, r, d in zip(files, shards, owner, done) if r == rank and not d]
     job = {"out": str(out), "tokenizer": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
            "tok": tok, "text_field": text_field, "val_fraction": val_fraction,
            "max_bad": max_bad_line_fraction, "run": uuid.uuid4().hex[:8], "chunk_bytes": chunk_bytes}
@@ -172,25 +177,25 @@ def tokenize_shards(
     return out
 
 
-def _stat(shard: dict) -> tuple:
-    """What identifies a shard's content: its path, size and mtime."""
-    return shard["rel"], shard["size"], shard["mtime_ns"]
+def _content(shard: dict) -> tuple:
+    """What identifies a shard: its relative path and the size and sha256 of its bytes."""
+    return shard["rel"], shard["size"], shard.get("sha256")
 
 
-def _read_meta(out: Path) -> dict | None:
-    """The cache's meta.json, or None when absent or not this format."""
+def _read_meta(out: Path, versions: tuple[int, ...] = (VERSION,)) -> dict | None:
+    """The cache's meta.json, or None when absent or not this format (of one of `versions`)."""
     try:
         info = json.loads((out / "meta.json").read_text())
     except (OSError, ValueError):
         return None
-    return info if info.get("format") == FORMAT and info.get("version") == VERSION else None
+    return info if info.get("format") == FORMAT and info.get("version") in versions else None
 
 
 def _marker(out: Path, shard: dict, tok: str) -> dict | None:
-    """A shard's done marker when it is valid: same file stats, tokenizer and complete files."""
+    """A shard's done marker when it is valid: same bytes (sha256), tokenizer and complete files."""
     try:
         m = json.loads((out / "done" / f"{shard['key']}.json").read_text())
-        if _stat(m) != _stat(shard):
+        if _content(m) != _content(shard):
             return None
         if m["tokenizer"] != tok:
             raise DataError(f"{out}: shard {shard['rel']} was tokenized by {m['tokenizer']}, this run uses {tok}; "
@@ -486,7 +491,7 @@ def _finish(out, shards, tok, tokenizer, text_field, val_fraction, source, log) 
         "tokens": {s: sum(m["tokens"][s] for m in markers) for s in ("train", "val")},
         "documents": sum(m["documents"] for m in markers),
         "bad_lines": sum(m["bad_lines"] for m in markers),
-        "shards": [{k: m[k] for k in ("rel", "size", "mtime_ns", "key", "tokens")} for m in markers],
+        "shards": [{k: m[k] for k in ("rel", "size", "sha256", "key", "tokens")} for m in markers],
         "python": sys.version.split()[0], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     _atomic_json(out / "meta.json", info)
@@ -532,7 +537,7 @@ def open_token_cache(out: str | os.PathLike) -> tuple[ConcatTokens, ConcatTokens
       >>> train, val, info = open_token_cache(out)
     """
     out = Path(out)
-    info = _read_meta(out)
+    info = _read_meta(out, versions=(1, VERSION))  # a version 1 cache reads alike (its shards carry no digest)
     if info is None:
         raise DataError(f"{out}: not a complete token cache (no valid meta.json); point data.path at the shards "
                         "to tokenize them again")

@@ -104,6 +104,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         train_batch=dataset.train_batch,
         eval_batches=dataset.eval_sets,
         data_position=dataset.position,
+        data_record=dataset.record(),
         tokens_per_step=config.batch_size * cfg.block_size,
         flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,

@@ -1,0 +1,87 @@
+"""Content digests of data files: the sha256 of each file's bytes, remembered by the file's identity.
+
+Token caches and checkpoints key data by what the files hold, not by their names or times. Hashing
+reads a file once (about 1.7 GB/s on one core); the digest is remembered in a small JSON memo
+together with the file's size, mtime, ctime, inode and device, and read again only when one of them
+changed. The kernel sets ctime on every write and it cannot be set back from user space, so an edit
+that keeps the size and restores the mtime is still seen; a copy or a `touch` is re-hashed and, when
+the bytes are the same, keeps its cache.
+
+Example:
+    >>> digests = file_digests([Path("a.jsonl"), Path("b.jsonl")], memo=Path("/tmp/cache/digests.json"))
+    >>> digests[0][:12]
+    '5f1d0c7e9a2b'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+from functrain.data.token_files import atomic_write
+
+__all__ = ["file_digest", "file_digests"]
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The sha256 (hex) of a file's bytes.
+
+    Args:
+      path: the file.
+
+    Returns:
+      64 hex digits.
+
+    Example:
+      >>> file_digest("data/shard-0.parquet")[:8]
+    """
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    """What a file's digest is remembered by: size, mtime, ctime, inode, device."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def file_digests(paths: Iterable[str | os.PathLike], memo: str | os.PathLike | None = None) -> list[str]:
+    """The sha256 of each file, hashing only those whose identity changed since the memo was written.
+
+    Args:
+      paths: the files.
+      memo: a JSON file remembering digests (created or updated here; None: hash every file).
+
+    Returns:
+      One digest per path, in order.
+
+    Example:
+      >>> file_digests(sorted(Path("data").glob("*.jsonl")), memo="runs/x/data/digests.json")
+    """
+    paths = [Path(p) for p in paths]
+    known: dict = {}
+    if memo is not None:
+        try:
+            known = json.loads(Path(memo).read_text())
+        except (OSError, ValueError):
+            known = {}
+    out, fresh, changed = [], {}, False
+    for p in paths:
+        key = str(p.resolve())
+        ident = _identity(p.stat())
+        entry = known.get(key)
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == ident:
+            digest = entry[1]
+        else:
+            digest, changed = file_digest(p), True
+        fresh[key] = [ident, digest]
+        out.append(digest)
+    if memo is not None and (changed or len(fresh) != len(known)):
+        try:
+            Path(memo).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(Path(memo), lambda f: f.write(json.dumps(fresh).encode()))
+        except OSError:
+            pass  # a read-only cache: the digests are right, only the next run hashes again
+    return out
