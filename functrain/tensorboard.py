@@ -1,12 +1,12 @@
-"""TensorBoard scalars through the `tensorboard` package's own event-file writer.
+"""TensorBoard scalars through torch's public writer, `torch.utils.tensorboard.SummaryWriter`.
 
-`TensorBoardWriter` has the interface of `metrics.JsonlWriter` (`write(step, metrics)`, `close()`);
-it builds `Event`/`Summary` protos and hands them to tensorboard's `EventFileWriter`, which frames
-and checksums the records (until issue 13 functrain encoded protobuf and CRC-32C by hand; the
-package maintains that). Each write is flushed, so a running TensorBoard shows every step at once.
+`TensorBoardWriter` has the interface of `metrics.JsonlWriter` (`write(step, metrics)`, `close()`):
+each numeric metric becomes a scalar at its step, and every write is flushed, so a running
+TensorBoard shows each step at once.
 
-`tensorboard` is an optional dependency: `available()` says whether it is installed, and the loop
-prints one line saying how to get it when it is not (metrics.jsonl holds every metric regardless).
+`tensorboard` is an optional dependency (SummaryWriter needs it): `available()` says whether it is
+installed, and the loop prints one line saying how to get it when it is not (metrics.jsonl holds
+every metric regardless).
 
 Example:
     >>> writer = TensorBoardWriter("runs/gpt/tb")
@@ -74,29 +74,27 @@ class TensorBoardWriter:
     """
 
     def __init__(self, logdir: str | os.PathLike, filename_suffix: str = ""):
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from torch.utils.tensorboard import SummaryWriter
 
-        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        self._writer = EventFileWriter(str(self.logdir), filename_suffix=filename_suffix)
+        self._writer = SummaryWriter(str(self.logdir), filename_suffix=filename_suffix)
         self._closed = False
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Appends one event holding every numeric entry of `metrics` as a scalar at `step`.
+        """Adds every numeric entry of `metrics` as a scalar at `step`, then flushes.
 
         Strings (e.g. "eta") and other non-numbers are skipped; 0-d tensors are read with `float()`.
         """
-        values = []
+        now = time.time()
+        wrote = False
         for k, v in metrics.items():
             x = _scalar(v)
             if x is not None:  # NaN / inf are written as such; TensorBoard shows them
-                values.append(self._summary.Value(tag=str(k), simple_value=x))
-        if not values:
-            return
-        self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=self._summary(value=values)))
-        self._writer.flush()  # TensorBoard tails the file: make each step visible at once
+                self._writer.add_scalar(str(k), x, global_step=int(step), walltime=now)
+                wrote = True
+        if wrote:
+            self._writer.flush()  # TensorBoard tails the file: make each step visible at once
 
     def close(self) -> None:
         """Flushes and closes the file (idempotent)."""

@@ -1,4 +1,4 @@
-"""TensorBoardWriter (tensorboard's own EventFileWriter underneath), read back with tensorboard's readers."""
+"""TensorBoardWriter (torch's SummaryWriter underneath), read back with tensorboard's readers."""
 
 from __future__ import annotations
 
@@ -29,11 +29,12 @@ def _events(path):
     return list(event_file_loader.EventFileLoader(str(path)).Load())
 
 
-def test_one_event_per_numeric_write_after_the_version_record(tmp_path):
+def test_one_event_per_numeric_value_after_the_version_record(tmp_path):
     events = _events(_write_run(tmp_path))
-    assert len(events) == 1 + 5
+    assert len(events) == 1 + 5 * 4  # loss, lr, tokens_per_s, steps_done at 5 steps; "eta" and None skipped
     assert events[0].file_version == "brain.Event:2" and events[0].wall_time > 1e9
-    assert [e.step for e in events[1:]] == [10, 20, 30, 40, 50]
+    assert [e.step for e in events[1:]] == [10 * i for i in range(1, 6) for _ in range(4)]
+    assert len({e.wall_time for e in events[1:5]}) == 1  # one write, one wall time
 
 
 def test_event_accumulator_reads_our_scalars(tmp_path):
