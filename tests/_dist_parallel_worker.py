@@ -170,17 +170,17 @@ def _gathered_numels(ctx, step_fn, state, batch):
     """Elements of every all-gather one eager step issues (spmd's funcol calls, in order)."""
     from functrain.parallel import spmd
 
-    seen, real = [], spmd._all_gather
+    seen, real = [], spmd.all_gather
 
     def spy(x, *args, **kwargs):
         seen.append(x.numel() * ctx.dp_world)
         return real(x, *args, **kwargs)
 
-    spmd._all_gather = spy
+    spmd.all_gather = spy
     try:
         step_fn(state, parallel.split_batch(batch, ctx.dp_rank, ctx.dp_world))
     finally:
-        spmd._all_gather = real
+        spmd.all_gather = real
     return seen
 
 

@@ -133,6 +133,25 @@ def test_no_import_circle_counting_local_and_importlib_imports():
             visit(n, [n])
 
 
+def test_no_private_name_crosses_modules():
+    """A name with a leading underscore is its module's own: what modules share has a public name (a
+    package's private submodule, `from . import _dist`, is its package's)."""
+    crossings = []
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        pkg = ".".join(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("functrain")):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                own_package = base.rsplit(".", 1)[-1].startswith("_")  # e.g. checkpoint._dist, functrain._lazy
+                crossings += [f"{path.relative_to(PKG.parent)}:{node.lineno} {base}.{a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__") and not own_package
+                              and not (base == pkg and PKG.parent.joinpath(*base.split("."), f"{a.name}.py").exists())]
+    assert not crossings, crossings
+
+
 def test_no_import_cycles():
     """Each module imports in a fresh interpreter on its own (a cycle fails on one of them)."""
     code = ("import importlib, sys, json\nbad = []\nfor m in json.loads(sys.argv[1]):\n"

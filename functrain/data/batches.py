@@ -21,12 +21,12 @@ from functrain.data.errors import DataError
 
 __all__ = ["get_batch", "eval_batches"]
 
-_TRAIN_STREAM, _EVAL_STREAM = 0, 1
+TRAIN_STREAM, EVAL_STREAM = 0, 1
 _U64 = (1 << 64) - 1
 
 
-def _window_starts(n_tokens: int, batch_size: int, block_size: int, stream: int, seed: int,
-                   step: int) -> np.ndarray:
+def window_starts(n_tokens: int, batch_size: int, block_size: int, stream: int, seed: int,
+                  step: int) -> np.ndarray:
     """Start offsets of the global batch's windows, a pure function of the arguments."""
     if n_tokens < block_size + 1:
         raise DataError(
@@ -37,7 +37,7 @@ def _window_starts(n_tokens: int, batch_size: int, block_size: int, stream: int,
     return gen.integers(0, n_tokens - block_size, size=batch_size)  # start + block_size + 1 <= n
 
 
-def _rows(tokens, starts, block_size, rank, world, device):
+def window_rows(tokens, starts, block_size, rank, world, device):
     """This rank's rows of the global windows as (x, y) int64 tensors of shape (B_local, T)."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
@@ -48,10 +48,10 @@ def _rows(tokens, starts, block_size, rank, world, device):
     b = len(starts) // world
     local = starts[rank * b:(rank + 1) * b]
     windows = np.stack([np.asarray(tokens[s:s + block_size + 1]) for s in local])  # (B_local, T+1)
-    return _inputs_targets(windows.astype(np.int64), device)
+    return inputs_targets(windows.astype(np.int64), device)
 
 
-def _inputs_targets(windows: np.ndarray, device):
+def inputs_targets(windows: np.ndarray, device):
     """(x, y) of int64 windows (B, T + 1): x = all but the last token, y = all but the first, on
     `device` (from pinned memory with non-blocking copies off the CPU)."""
     xy = torch.from_numpy(windows)
@@ -93,8 +93,8 @@ def get_batch(
       >>> x.shape
       torch.Size([4, 64])
     """
-    starts = _window_starts(len(tokens), batch_size, block_size, _TRAIN_STREAM, seed, step)
-    return _rows(tokens, starts, block_size, rank, world, device)
+    starts = window_starts(len(tokens), batch_size, block_size, TRAIN_STREAM, seed, step)
+    return window_rows(tokens, starts, block_size, rank, world, device)
 
 
 def eval_batches(
@@ -131,5 +131,5 @@ def eval_batches(
       ...                                                          block_size=64, num_batches=20)]
     """
     for i in range(num_batches):
-        starts = _window_starts(len(tokens), batch_size, block_size, _EVAL_STREAM, seed, i)
-        yield _rows(tokens, starts, block_size, rank, world, device)
+        starts = window_starts(len(tokens), batch_size, block_size, EVAL_STREAM, seed, i)
+        yield window_rows(tokens, starts, block_size, rank, world, device)

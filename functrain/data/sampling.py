@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from functrain.data.batches import _TRAIN_STREAM, _inputs_targets, _rows, _window_starts
+from functrain.data.batches import TRAIN_STREAM, inputs_targets, window_rows, window_starts
 from functrain.data.errors import DataError
 
 __all__ = ["SAMPLINGS", "Sampler", "mixture_rows", "permute"]
@@ -210,9 +210,9 @@ class Sampler:
         """
         step = int(step)
         if len(self.tokens) == 1 and self.sampling == "windows":  # today's random windows, bit for bit
-            starts = _window_starts(len(self.tokens[0]), self.batch_size, self.block_size, _TRAIN_STREAM,
+            starts = window_starts(len(self.tokens[0]), self.batch_size, self.block_size, TRAIN_STREAM,
                                     self.seed, step)
-            return _rows(self.tokens[0], starts, self.block_size, rank, world, device)
+            return window_rows(self.tokens[0], starts, self.block_size, rank, world, device)
         if world < 1 or not 0 <= rank < world or self.batch_size % world:
             raise ValueError(f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, "
                              f"world={world}")
@@ -224,7 +224,7 @@ class Sampler:
             sel = np.flatnonzero(source == k)
             for row, s in zip(sel, self._starts(int(k), index[sel])):
                 windows[row] = self.tokens[k][s:s + self.block_size + 1]
-        return _inputs_targets(windows, device)
+        return inputs_targets(windows, device)
 
     def rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, that source's row number) of global rows (all source 0 with one source)."""

@@ -216,7 +216,7 @@ def _run_share(mine, job, workers, log, label) -> None:
     tasks = [(str(p), s, job) for p, s in mine]
     if workers <= 1 or len(mine) == 1:
         for task in tasks:
-            progress.shard_done(_tokenize_shard(task, progress.add))
+            progress.shard_done(tokenize_shard(task, progress.add))
         progress.end()
         return
     pool = [_Worker() for _ in range(min(workers, len(tasks)))]
@@ -393,7 +393,7 @@ def train_documents(source: str, *, text_field: str = "text",
             yield from (t for t, v in zip(texts, to_val) if not v)
 
 
-def _tokenize_shard(args, report: Callable[[int], None]) -> dict:
+def tokenize_shard(args, report: Callable[[int], None]) -> dict:
     """Writes one shard's train and val token files and then its marker; returns the marker."""
     path, shard, job = args
     path, out = Path(path), Path(job["out"])

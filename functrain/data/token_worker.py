@@ -12,7 +12,7 @@ import json
 import sys
 
 from functrain.data.errors import DataError
-from functrain.data.token_cache import _tokenize_shard
+from functrain.data.token_cache import tokenize_shard
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
 
     for line in sys.stdin:
         try:
-            reply = {"done": _tokenize_shard(json.loads(line), report)}
+            reply = {"done": tokenize_shard(json.loads(line), report)}
         except DataError as exc:
             reply = {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - the parent raises it as one line naming the shard

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from functrain.interop.safetensors import SafetensorsError, _rank_and_world, open_safetensors, save_safetensors
+from functrain.interop.safetensors import SafetensorsError, rank_and_world, open_safetensors, save_safetensors
 
 __all__ = ["HFDirectory", "HFError", "HFWeights", "save_hf_directory"]
 
@@ -201,7 +201,7 @@ def save_hf_directory(directory: str | os.PathLike, state_dict: Mapping[str, tor
     """
     out = Path(directory)
     save_safetensors(dict(state_dict), out / _SINGLE, metadata={"format": "pt"})  # every rank; rank 0 writes
-    rank, distributed = _rank_and_world()
+    rank, distributed = rank_and_world()
     if rank == 0:
         (out / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
         if tokenizer_file is not None and Path(tokenizer_file).resolve() != (out / "tokenizer.json").resolve():

@@ -62,7 +62,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _rank_and_world() -> tuple[int, bool]:
+def rank_and_world() -> tuple[int, bool]:
     """(this process's rank, whether torch.distributed is initialized)."""
     import torch.distributed as dist
 
@@ -119,7 +119,7 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
     for name, t in items:
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} has no safetensors code; cast it to one of {sorted(_DTYPES.values())}")
-    rank, distributed = _rank_and_world()
+    rank, distributed = rank_and_world()
     tmp = path.with_name(path.name + ".tmp")
     failed: BaseException | None = None
     out = None

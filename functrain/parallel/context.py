@@ -60,8 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from functrain.parallel.mesh import CP_AXIS
-from functrain.parallel.spmd import _all_gather, _reduce_scatter, _wait  # (torch's renamed collectives)
-from functrain.parallel.tp import _meta_copy
+from functrain.parallel.collectives import all_gather, reduce_scatter, wait
+from functrain.parallel.tp import meta_copy
 
 __all__ = ["KERNELS", "Split", "attention", "context_parallel", "gather_sequence", "position_rows", "positions",
            "shard_sequence", "split_of", "zigzag_attention"]
@@ -124,7 +124,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(x, dim, group, world):
         moved = x.movedim(dim, 0).contiguous()  # (L, ...)
-        full = _wait(_all_gather(moved, 0, group))  # (N L, ...)
+        full = wait(all_gather(moved, 0, group))  # (N L, ...)
         return full.movedim(0, dim)
 
     @staticmethod
@@ -135,7 +135,7 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         with torch.no_grad():  # the collective's own autograd kernel is not a functorch-ready Function
             moved = grad.movedim(ctx.dim, 0).contiguous()  # (N L, ...)
-            part = _wait(_reduce_scatter(moved, "sum", 0, ctx.group))  # (L, ...)
+            part = wait(reduce_scatter(moved, "sum", 0, ctx.group))  # (L, ...)
         return part.movedim(0, ctx.dim), None, None, None
 
 
@@ -241,7 +241,7 @@ class _KeyChunks:
     def __init__(self, k, v, group, world: int, rank: int, stream: bool):
         self.k, self.v, self.group, self.world, self.rank, self.stream = k, v, group, world, rank, stream
         if not stream:
-            self.full = [_wait(_all_gather(_slots(x), 0, group)) for x in (k, v)]  # (2N, B, Hkv, c, D) each
+            self.full = [wait(all_gather(_slots(x), 0, group)) for x in (k, v)]  # (2N, B, Hkv, c, D) each
 
     def __call__(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk j's keys and values, (B, Hkv, c, D) each."""
@@ -253,7 +253,7 @@ class _KeyChunks:
         # the same place. Every rank builds the same ops: a compiled graph (CSE, the forward/backward
         # partition) then treats every rank's broadcasts alike, and no two chunks' are equal.
         part = torch.stack([x[:, :, half * c:(half + 1) * c] for x in (self.k, self.v)])
-        kv = _wait(funcol.broadcast(part, owner, self.group))
+        kv = wait(funcol.broadcast(part, owner, self.group))
         return kv[0], kv[1]
 
 
@@ -345,7 +345,7 @@ class _ZigzagFlash(torch.autograd.Function):
                     del dq_b, dk_b, dv_b
                 del kc, vc, dkc, dvc
                 if ctx.stream:
-                    total = _wait(funcol.all_reduce(d, "sum", ctx.group))  # summed over every rank's queries
+                    total = wait(funcol.all_reduce(d, "sum", ctx.group))  # summed over every rank's queries
                     del d
                     owner, half = _owner(jk, n)
                     if owner == ctx.rank:
@@ -355,7 +355,7 @@ class _ZigzagFlash(torch.autograd.Function):
             grads = []
             for x, d in ((k, dk), (v, dv)):
                 if not ctx.stream:  # (2N, ...) summed over ranks -> this rank's two chunks
-                    d = _wait(_reduce_scatter(d, "sum", 0, ctx.group)).permute(1, 2, 0, 3, 4).reshape(x.shape)
+                    d = wait(reduce_scatter(d, "sum", 0, ctx.group)).permute(1, 2, 0, 3, 4).reshape(x.shape)
                 grads.append(d.to(x.dtype))  # (B, Hkv, L, D)
             del dk, dv, d
         return dq.to(q.dtype), grads[0], grads[1], None, None, None, None, None
@@ -418,7 +418,7 @@ class _PositionRows(torch.autograd.Function):
 
     @staticmethod
     def forward(part, send, sends, recvs, group):
-        return _wait(funcol.all_to_all_single(part.index_select(0, send), recvs, sends, group))  # (L, C)
+        return wait(funcol.all_to_all_single(part.index_select(0, send), recvs, sends, group))  # (L, C)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -430,7 +430,7 @@ class _PositionRows(torch.autograd.Function):
     def backward(ctx, grad):
         (send,) = ctx.saved_tensors
         with torch.no_grad():  # the collective's own autograd kernel is not a functorch-ready Function
-            back = _wait(funcol.all_to_all_single(grad.contiguous(), ctx.sends, ctx.recvs, ctx.group))  # (sent, C)
+            back = wait(funcol.all_to_all_single(grad.contiguous(), ctx.sends, ctx.recvs, ctx.group))  # (sent, C)
             out = grad.new_zeros((ctx.rows, *grad.shape[1:])).index_add_(0, send, back)  # (rows of the part, C)
         return out, None, None, None, None
 
@@ -511,7 +511,7 @@ class Split(NamedTuple):
         """
         count = (targets != ignore_index).sum().to(torch.float32)  # this rank's counted targets
         with torch.no_grad():  # a count: nothing to differentiate, and collectives' autograd is not functorch's
-            total = _wait(funcol.all_reduce(count, "sum", self.group))
+            total = wait(funcol.all_reduce(count, "sum", self.group))
         local_sum = torch.where(count > 0, local_mean, torch.zeros_like(local_mean)) * count
         return local_sum * (self.world / total)
 
@@ -557,7 +557,7 @@ def context_parallel(model: nn.Module, split: Split | None) -> nn.Module:
     """
     if split is None:
         return model
-    out = _meta_copy(model)
+    out = meta_copy(model)
     aware = [m for m in out.modules() if hasattr(m, "context")]
     if not aware:
         raise ValueError(f"context_parallel: no module of {type(model).__name__} has a `context` attribute, "

@@ -64,13 +64,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.parallel import gloo
+from functrain.parallel.collectives import all_gather, reduce_scatter, wait
 from functrain.parallel.layout import Layout
 from functrain.parallel.mesh import CP_AXIS, GRAD_AXES, dp_coordinates
 
-# torch 2.13 renamed these (the old names warn on every eager call: one line per stage per step
-# when compile="blocks" gathers from eager code); older torch has only the old names
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 __all__ = ["Spmd", "global_norm", "mesh_of"]
 
@@ -117,11 +114,6 @@ def mesh_of(params: PyTree):
     if any(x.device_mesh != mesh for x in leaves):
         raise ValueError("params live on different DeviceMeshes; use one mesh for the whole state")
     return mesh
-
-
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    """The value of a functional collective's result (waits in eager mode)."""
-    return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
 def _chunk(n: int, w: int) -> int:
@@ -236,7 +228,7 @@ class Spmd(Layout):
             locs = [ps[i].to_local() for i in idx]
             chunks = [_chunk(ps[i].shape[0], w) for i in idx]
             flat = torch.cat([_pad_rows(x, c).reshape(-1) for x, c in zip(locs, chunks)])  # (S,)
-            pending.append((idx, locs, chunks, w, _all_gather(flat, 0, (self.mesh, dim))))
+            pending.append((idx, locs, chunks, w, all_gather(flat, 0, (self.mesh, dim))))
         for i in other:
             p = ps[i]
             out[i] = p.redistribute(self.mesh, self._compute_placements(p.placements)).to_local()
@@ -244,7 +236,7 @@ class Spmd(Layout):
         def finish() -> PyTree:
             """The gathered tensors (waits for the all-gathers)."""
             for idx, locs, chunks, w, started in pending:
-                full = _wait(started).view(w, -1)  # (w, S)
+                full = wait(started).view(w, -1)  # (w, S)
                 off = 0
                 for i, x, c in zip(idx, locs, chunks):
                     size = c * _row_numel(x)
@@ -333,22 +325,22 @@ class Spmd(Layout):
         if route != "all_to_all":
             buf = torch.cat(parts, dim=1)  # (w, S): row j holds every param's chunk for rank j
             if route == "all_reduce":
-                full = _wait(funcol.all_reduce(buf.reshape(-1), "sum", (self.mesh, dim)))
+                full = wait(funcol.all_reduce(buf.reshape(-1), "sum", (self.mesh, dim)))
                 return full.view(buf.shape)[r].clone()  # (S,): a copy, so the (w, S) sum can go
-            return _wait(_reduce_scatter(buf.reshape(-1), "sum", 0, (self.mesh, dim)))
+            return wait(reduce_scatter(buf.reshape(-1), "sum", 0, (self.mesh, dim)))
         w = parts[0].shape[0]
         # send row j to rank j, keep row r: the buffers of a reduce-scatter, S each, no more
         own = torch.cat([p[r] for p in parts])  # (S,)
         send = torch.cat([p[j] for j in range(w) if j != r for p in parts])  # ((w-1) S,)
         n = own.numel()
         splits = [0 if j == r else n for j in range(w)]
-        got = _wait(funcol.all_to_all_single(send, splits, splits, (self.mesh, dim)))  # ((w-1) S,)
+        got = wait(funcol.all_to_all_single(send, splits, splits, (self.mesh, dim)))  # ((w-1) S,)
         return own + got.view(w - 1, n).sum(0)  # rank order after own: a + b on 2 ranks
 
     def _all_reduce(self, x: torch.Tensor, dims) -> torch.Tensor:
         """Sum of `x` over the mesh dims `dims`, one after the other."""
         for d in dims:
-            x = _wait(funcol.all_reduce(x, "sum", (self.mesh, d)))
+            x = wait(funcol.all_reduce(x, "sum", (self.mesh, d)))
         return x
 
     def _wrap(self, local: torch.Tensor, like: DTensor) -> DTensor:
@@ -465,7 +457,7 @@ def global_norm(xs: list, *, fused: bool = False) -> torch.Tensor:
     for (mesh, dims), ns in groups.items():
         sq = torch.stack(ns).sum()
         for d in dims:
-            sq = _wait(funcol.all_reduce(sq, "sum", (mesh, d)))
+            sq = wait(funcol.all_reduce(sq, "sum", (mesh, d)))
         total = sq if total is None else total + sq
     return total.sqrt().to(torch.float32)
 

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 from functrain.parallel.mesh import TP_AXIS
 from functrain.parallel.sharding import Rule, placements_for
 
-__all__ = ["tensor_parallel", "copy_to_tp", "reduce_from_tp"]
+__all__ = ["tensor_parallel", "copy_to_tp", "meta_copy", "reduce_from_tp"]
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -132,9 +132,22 @@ class _RowwiseLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` whose parameters and buffers live on "meta" (ties kept; the DeviceMeshes
-    its modules name, e.g. another parallelism's groups, shared, not copied)."""
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters and buffers live on "meta": the template a parallel
+    rewrite edits without touching the user's module.
+
+    Ties are kept; the DeviceMeshes its modules name (another parallelism's groups) are shared, not
+    copied.
+
+    Args:
+      model: any module.
+
+    Returns:
+      The copy, on meta.
+
+    Example:
+      >>> template = meta_copy(model)  # then swap its Linears for tensor-parallel ones
+    """
     memo = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, DeviceMesh)}
     memo.update({id(v): v for m in model.modules() for v in vars(m).values()
                  if isinstance(v, tuple) and any(isinstance(x, DeviceMesh) for x in v)})
@@ -171,7 +184,7 @@ def tensor_parallel(model: nn.Module, mesh, rules: Sequence[Rule]) -> nn.Module:
     placement = {
         name: placements_for(name, p.shape, mesh, rules)[tp_dim] for name, p in model.named_parameters()
     }
-    out = _meta_copy(model)
+    out = meta_copy(model)
     linears = {name: m for name, m in out.named_modules() if type(m) is nn.Linear}
     handled = set()
     for name, m in linears.items():

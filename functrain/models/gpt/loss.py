@@ -57,7 +57,7 @@ def gpt_hidden(
     return lm.lm_hidden(model, params, idx, dropout_key)  # (B, T, C)
 
 
-def _head_name(names) -> str:
+def head_name(names) -> str:
     """The lm_head weight's name: its own entry when untied, else the tied token embedding."""
     return "lm_head.weight" if "lm_head.weight" in names else "wte.weight"
 
@@ -90,7 +90,7 @@ def gpt_loss(
     Example:
       >>> loss = gpt_loss(template, params, x, y, key, chunk_size=2048)
     """
-    return lm.lm_loss(model, params, x, y, key, head=_head_name(params), chunk_size=chunk_size,
+    return lm.lm_loss(model, params, x, y, key, head=head_name(params), chunk_size=chunk_size,
                       ignore_index=ignore_index)
 
 
@@ -125,6 +125,6 @@ def make_loss_fn(
       >>> step = make_train_step(make_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))
       >>> step = make_train_step(make_loss_fn(template, remat=2), optim.adamw(3e-4))
     """
-    head = _head_name({n for n, _ in model.named_parameters()})
+    head = head_name({n for n, _ in model.named_parameters()})
     return lm.make_lm_loss_fn(model, gpt_lib.stages(model), head=head, chunk_size=chunk_size,
                               ignore_index=ignore_index, remat=remat, staged=staged)

@@ -24,7 +24,7 @@ from functrain.models import lm
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.checks import CHECKS
-from functrain.models.gpt.loss import _head_name, make_loss_fn
+from functrain.models.gpt.loss import head_name, make_loss_fn
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -87,7 +87,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
         out = gpt_lib.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
                                top_k=sample.top_k or None, key=key, stages=gpt_lib.stages(template),
-                               head=_head_name(params))
+                               head=head_name(params))
         return {"sample": dataset.decode(out[0].tolist())}
 
     def export(params, out):

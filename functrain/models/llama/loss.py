@@ -18,7 +18,7 @@ from functrain.models.llama import model as llama_lib
 __all__ = ["make_loss_fn"]
 
 
-def _head_name(cfg) -> str:
+def head_name(cfg) -> str:
     """The output projection's weight: the token embedding when tied, else `lm_head.weight`."""
     return "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
 
@@ -40,5 +40,5 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
     Example:
       >>> loss, aux = make_loss_fn(template)(params, (x, y), None)
     """
-    return lm.make_lm_loss_fn(model, llama_lib.stages(model), head=_head_name(model.cfg), chunk_size=chunk_size,
+    return lm.make_lm_loss_fn(model, llama_lib.stages(model), head=head_name(model.cfg), chunk_size=chunk_size,
                               ignore_index=ignore_index, remat=remat, staged=staged)

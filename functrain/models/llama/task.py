@@ -34,7 +34,7 @@ from functrain.models import lm
 from functrain.models.llama import hf as hf_lib
 from functrain.models.llama import model as llama_lib
 from functrain.models.llama.checks import CHECKS
-from functrain.models.llama.loss import _head_name, make_loss_fn
+from functrain.models.llama.loss import head_name, make_loss_fn
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -159,7 +159,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
         out = lm.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
                           top_k=sample.top_k or None, key=key, stages=llama_lib.stages(template),
-                          head=_head_name(cfg))
+                          head=head_name(cfg))
         result = {"sample": dataset.decode(out[0].tolist())}
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
