@@ -110,7 +110,7 @@ def _report():
 
 atexit.register(_report)
 sys.argv[0] = "functrain.main"
-from functrain.main import run
+from functrain.trainer.main import run
 run()
 """
 

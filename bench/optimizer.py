@@ -48,7 +48,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from functrain import init_state, memory, optim, rng  # noqa: E402
+from functrain import init_state, optim, rng  # noqa: E402
+from functrain.trainer import memory
 from functrain import step as step_lib  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 
@@ -158,7 +159,7 @@ def main():
                     help="also profile N functrain updates and print the top kernels by device (or CPU) time")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
-                    help="keep: freed memory stays in the process for both variants (functrain.memory), as "
+                    help="keep: freed memory stays in the process for both variants (functrain.trainer.memory), as "
                          "the main program does; default: glibc's policy")
     args = ap.parse_args()
     if args.host_memory == "keep":

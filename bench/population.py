@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from functrain import init_state, make_train_step, metrics, optim, population, rng, tree
+from functrain import init_state, make_train_step, optim, population, rng, tree
+from functrain.trainer import metrics
 from functrain.models import gpt
 
 

@@ -8,7 +8,7 @@ and its `gpt2` variant; a step here is one micro-batch: 12 x 1024 tokens for gpt
 bf16`: functrain's `precision="bf16"` (bf16 compute on cast params, fp32 masters and moments)
 against the eager loop under `torch.autocast(bf16)`. MFU = tokens/s x `gpt.flops_per_token` over
 the large-matmul rate measured in the same process in that dtype, and over the published bf16
-dense peak where the device is known (`functrain.metrics.peak_flops`).
+dense peak where the device is known (`functrain.trainer.metrics.peak_flops`).
 
 Measured on one H200 (2026-11-26, torch 2.11.0+cu130, 8192^3 bf16 matmul 791 TFLOP/s, published
 989), `--sizes default,gpt2 --precision bf16 --steps 12 --rounds 3 --mem-steps 2 --no-breakdown`
@@ -77,8 +77,10 @@ import time
 
 import torch
 
-from functrain import init_state, make_train_step, memory, metrics, optim, rng, value_and_grad
-from functrain import precision as precision_lib
+from functrain import init_state, make_train_step, optim, rng, value_and_grad
+from functrain.trainer import memory
+from functrain.trainer import metrics
+from functrain.step import precision as precision_lib
 from functrain import step as step_lib
 from functrain.models import gpt
 from functrain.models.gpt import make_loss_fn
@@ -478,7 +480,7 @@ def main():
     ap.add_argument("--breakdown-rounds", type=int, default=6, help="alternating rounds of the breakdown")
     ap.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
-                    help="keep: freed memory stays in the process for both variants (functrain.memory), as "
+                    help="keep: freed memory stays in the process for both variants (functrain.trainer.memory), as "
                          "the main program does; default: glibc's policy")
     args = ap.parse_args()
     global PRECISION

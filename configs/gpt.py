@@ -8,8 +8,7 @@ Expected result (2 CPU cores, torch 2.13), measured from a fresh clone with the 
 (14 minutes in all, pip included): 40-50 s of cold compilation (~9 s warm: `compile_cache`), then
 0.26-0.31 s/step for 2500 steps; train loss falls from ~5.6 (ln 256, uniform over bytes) to 1.14,
 val loss 1.26 at the end (1.1408 and 1.2554 measured), and the final sample looks like indented Python (`def`, `raise
-ValueError(...)`, `return`). An earlier revision measured 0.22 s/step on a quieter machine; run back to back against
-this one it gave 0.30 vs 0.28 s/step with identical losses.
+ValueError(...)`, `return`).
 Metrics land in `runs/gpt/metrics.jsonl`, TensorBoard events in `runs/gpt/tb`.
 
 Variants (`--config=configs/gpt.py:<variant>`):
@@ -27,7 +26,7 @@ Multi-process: `torchrun --standalone --nproc_per_node=2 -m functrain.main --con
 
 import ml_collections
 
-from functrain import defaults
+from functrain.trainer import defaults
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:

@@ -39,7 +39,7 @@ Multi-process (FSDP, per-block gather): `torchrun --standalone --nproc_per_node=
 
 import ml_collections
 
-from functrain import defaults
+from functrain.trainer import defaults
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:

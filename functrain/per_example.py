@@ -4,14 +4,10 @@
 a batch of one for the same `loss_fn(params, batch, key) -> (loss, aux)` the train step takes.
 Inside it attention runs on SDPA's math backend: torch has no vmap rule for the CPU
 flash-attention kernel (aten falls back to a Python loop over the batch, with a warning), while the
-math form's matmuls and softmax batch natively (tiny GPT, B=32, torch 2.13 CPU: 22 ms vs 27 ms a
-call, compiled).
+math form's matmuls and softmax batch natively.
 
-What made DP-SGD's compiled step "never finish" was not vmap(grad) (the per-example gradients of
-the tiny GPT compile in ~25 s) but its noise keys: `rng.fold_in`/`rng.split` were chains of
-int64 ops that inductor re-traced per read (44 s for one key's draw, >10 min for 18 leaves). They
-are one opaque op each now, and the whole DP-SGD step (`examples/dp_sgd.py --compile`) compiles
-in ~80 s on 2 CPU cores.
+The noise keys (`rng.fold_in`/`rng.split`) are one opaque op each: as chains of int64 ops,
+inductor re-traced them per read and the DP-SGD step took minutes to compile (docs/results.md).
 
 Example:
     >>> g, losses, _ = per_example.grads(loss_fn, state.params, (x, y))      # {name: (B, ...)}

@@ -12,7 +12,7 @@ learning rate, betas, weight decay... and still share the one graph. Each member
 its solo run computes (tests/test_population.py: 20 steps, 1e-5).
 
 Under vmap the optimizer's fused `torch._foreach_*` kernels, which have no batching rules, run as
-per-tensor ops (`functrain.foreach.per_tensor`); compiled, both fuse into the same loops.
+per-tensor ops (`functrain.ops.foreach.per_tensor`); compiled, both fuse into the same loops.
 
 Example:
     >>> states = [optim.set_hyperparams(init_state(params_k, opt, seed=k), lr=lr_k) for k, ...]
@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from functrain import compiler, foreach
+from functrain import compiler
+from functrain.ops import foreach
 from functrain import step as step_lib
 from functrain.nn.model_state import check_loss
 from functrain.parallel.layout import LOCAL

@@ -1,6 +1,6 @@
 """A model family as the training loop sees it: a small NamedTuple of functions.
 
-In the spirit of optax's `GradientTransformation`, a `Task` is data: the loop (`functrain.loop.run`)
+In the spirit of optax's `GradientTransformation`, a `Task` is data: the loop (`functrain.trainer.loop.run`)
 calls these functions and knows nothing else about the model. A model family builds one from the
 run config in `functrain/models/<name>/task.py` (`build(config, ctx, workdir) -> Task`), beside
 `checks.py` (`CHECKS`: its config keys' checks, torch-free, run by `functrain.main` first); research
@@ -40,7 +40,8 @@ class Task(NamedTuple):
         rng key (the loop shards them with `shard_rules`). On a mesh, an init that also takes
         `where=` (`where(name, shape) -> (offset, local_shape)`) draws only this rank's block of each
         parameter (`functrain.parallel.init_sharded`): no rank ever holds the whole model. Without
-        `where`, each whole parameter is made on every rank, then sharded, one at a time.
+        `where`, every rank makes the whole tree and the loop then shards it, so each rank holds
+        the whole model once at start: give `where` to a model that does not fit.
       shard_rules: sharding rules as data (`functrain.parallel.sharding`): regex -> placements.
       loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss); `key` is the
         step's dropout key, None when evaluating.

@@ -19,7 +19,7 @@ from typing import Any, Iterator, NamedTuple
 import optree
 import torch
 
-from functrain import foreach
+from functrain.ops import foreach
 
 __all__ = [
     "map",

@@ -574,8 +574,9 @@ def s_single(_ctx):
     return out
 
 
-SLOW = bool(os.environ.get("FUNCTRAIN_SLOW_TESTS"))  # the full matrices and inductor where marked
-SLOW_BACKEND = "inductor" if SLOW else "aot_eager"
+# A suite named "<suite>_exhaustive" (tests marked `exhaustive`) runs the full matrices, and inductor where
+# the suite runs aot_eager for speed.
+EXHAUSTIVE = "_exhaustive"
 MESHES = {"fsdp": {"dp_shard": 2}, "tp": {"dp_shard": 1, "tp": 2}}
 UNITS = {"step": (True, loss_fn_for), "blocks": ("blocks", staged_loss_for("full"))}
 
@@ -583,13 +584,13 @@ UNITS = {"step": (True, loss_fn_for), "blocks": ("blocks", staged_loss_for("full
 # With compiled2's fp32 cells without accumulation, these 5 sharded cells hold every value pair of
 # (unit, precision, accumulation, mesh) of the full product (tests/test_parallel_dist.py checks it);
 # 5 is the fewest that can: bf16 and fp16 each need both units, and fp32 an accumulated cell.
-# The full product is tests/test_route_matrix.py's on one process; FUNCTRAIN_SLOW_TESTS=1 runs it
+# The full product is tests/test_route_matrix.py's on one process; `pytest -m exhaustive` runs it
 # sharded too (20 cells: ~13 min of CI beside another worker).
 PAIRWISE = [("step", "bf16", 1, "fsdp"), ("step", "fp16", 2, "tp"), ("step", "fp32", 2, "fsdp"),
             ("blocks", "bf16", 2, "tp"), ("blocks", "fp16", 1, "fsdp")]
 
 
-def matrix_cells(full: bool = SLOW):
+def matrix_cells(full: bool = False):
     """(name, unit, precision, accum, mesh) of the sharded routes beyond fp32 without accumulation
     (those are the compiled2 scenarios): `PAIRWISE`, or every one when `full`. The matrix2 suite runs
     each against the single-process eager step (Dynamo + AOTAutograd; 3 steps)."""
@@ -601,7 +602,7 @@ def matrix_cells(full: bool = SLOW):
 MESHES_2D = {"fsdp_tp": {"dp_shard": 2, "tp": 2}, "hsdp": {"dp_replicate": 2, "dp_shard": 2}}
 
 
-def two_dim_cells(full: bool = SLOW):
+def two_dim_cells(full: bool = False):
     """(unit, mesh) of the eager4 suite's compiled scenarios: each unit and each 2-D mesh once (~50 s
     of 4 ranks a capture on 2 cores), or every pair when `full`."""
     if full:
@@ -609,91 +610,94 @@ def two_dim_cells(full: bool = SLOW):
     return [("step", "hsdp"), ("blocks", "fsdp_tp")]
 
 
-def _route_matrix():
+def _route_matrix(full: bool):
     """The matrix2 scenarios of `matrix_cells`."""
     out = []
-    for name, unit, prec, accum, mesh in matrix_cells():
+    for name, unit, prec, accum, mesh in matrix_cells(full):
         compile, make_loss = UNITS[unit]
         out.append((name, MESHES[mesh], functools.partial(
             s_compiled, backend="aot_eager", make_loss=make_loss, compile=compile, precision=prec, accum=accum,
             steps=3, vs_sharded_eager=False)))
     return out
 
-SUITES = {
-    "eager2": [
-        ("fsdp", {"dp_shard": 2}, s_fsdp),
-        ("tp", {"dp_shard": 1, "tp": 2}, s_tp),
-        ("ddp", {"dp_replicate": 2, "dp_shard": 1}, s_ddp),
-        ("adamw_fsdp", {"dp_shard": 2}, s_adamw_step),
-        ("adamw_tp", {"dp_shard": 1, "tp": 2}, s_adamw_step),
-        # traced by dynamo (the "eager" backend: no inductor cost): AdamW's 0-d hyper-parameter
-        # tensors in foreach ops on DTensors once failed there ("could not guard on zuf0")
-        ("adamw_traced_fsdp", {"dp_shard": 2}, lambda ctx: compare(
-            ctx, make_opt=adamw, steps=1, compile=True, compile_options={"backend": "eager"},
-            make_loss=staged_loss_for("full"))),
-        ("fsdp_bias", {"dp_shard": 2}, s_bias),
-        ("tp_bias", {"dp_shard": 1, "tp": 2}, s_bias),
-        ("tp_is_local", {"dp_shard": 1, "tp": 2}, s_tp_is_local),
-        ("accum_fsdp", {"dp_shard": 2}, s_accum),
-        ("uneven", {"dp_shard": 2}, s_uneven),
-        ("reduce_fsdp", {"dp_shard": 2}, s_reduce_routes),
-        ("eval_keys_fsdp", {"dp_shard": 2}, s_eval_and_keys),
-        ("eval_keys_tp", {"dp_shard": 1, "tp": 2}, s_eval_and_keys),
-        ("bf16_fsdp", {"dp_shard": 2}, s_bf16),
-        ("bf16_tp", {"dp_shard": 1, "tp": 2}, s_bf16),
-        ("nan_fsdp", {"dp_shard": 2}, s_nan_skip),
-        ("nan_tp", {"dp_shard": 1, "tp": 2}, s_nan_skip),
-        ("init_fsdp", {"dp_shard": 2}, s_init),
-        ("init_tp", {"dp_shard": 1, "tp": 2}, s_init),
-        ("stages_fsdp", {"dp_shard": 2}, s_stages),
-        ("stages_kept_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, remat="none")),
-        ("stages_tp", {"dp_shard": 1, "tp": 2}, s_stages),
-        ("stages_bf16_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, precision="bf16", steps=10)),
-        ("sample_fsdp", {"dp_shard": 2}, s_sample),
-        ("live_fsdp", {"dp_shard": 2}, s_gathered_live),
-        ("live_kept_fsdp", {"dp_shard": 2}, lambda ctx: s_gathered_live(ctx, remat="none")),
-        ("sample_tp", {"dp_shard": 1, "tp": 2}, s_sample),
-    ],
-    "compiled2": [
-        # the whole-model gather and the staged one-graph step: inductor under FUNCTRAIN_SLOW_TESTS
-        # (each a cold inductor compile on both ranks: ~100 s of CI on 2 cores); the collectives they
-        # trace are the same under aot_eager, and inductor lowers those in compiled_kept_fsdp
-        ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, SLOW_BACKEND)),
-        ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
-        ("compiled_stages_fsdp", {"dp_shard": 2},
-         lambda ctx: s_compiled(ctx, SLOW_BACKEND, make_loss=staged_loss_for("full"))),
-        # kept blocks under inductor: the post-grad passes (functrain.compiler.recompute's cheap activations
-        # recomputed after the forward, compiler.regather's second gathers) rewrite this step's graph;
-        # the one inductor compile of a sharded step in CI
-        ("compiled_kept_fsdp", {"dp_shard": 2},
-         lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("none"))),
-        ("blocks_fsdp", {"dp_shard": 2},
-         lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
-        ("blocks_kept_fsdp", {"dp_shard": 2},
-         lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("none"), compile="blocks")),
-        ("blocks_tp", {"dp_shard": 1, "tp": 2},
-         lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
-    ],
-    "matrix2": _route_matrix(),  # (a launch of its own: ~3.5 min of CI beside another worker, 20 cells ~13)
-    "eager4": [
-        ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),
-        ("reduce_fsdp4", {"dp_shard": 4}, s_reduce_routes),
-        ("reduce_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_reduce_routes),
-        ("reduce_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_reduce_routes),
-        ("hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_fsdp),
-        ("stages_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_stages),
-        ("init_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_init),
-        ("init_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_init),
-        ("stages_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_stages),
-        ("sample_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_sample),
-        # the compiled units on the 2-D meshes (Dynamo + AOTAutograd, against one process)
-        *[(f"compiled_{unit}_{mesh}", MESHES_2D[mesh], functools.partial(
-            s_compiled, backend="aot_eager", make_loss=UNITS[unit][1], compile=UNITS[unit][0], steps=3,
-            vs_sharded_eager=False))
-          for unit, mesh in two_dim_cells()],
-    ],
-    "single": [("single", None, s_single)],
-}
+def suites(full: bool) -> dict:
+    """The scenarios of every suite (`full`: the exhaustive variants)."""
+    slow_backend = "inductor" if full else "aot_eager"
+    return {
+        "eager2": [
+            ("fsdp", {"dp_shard": 2}, s_fsdp),
+            ("tp", {"dp_shard": 1, "tp": 2}, s_tp),
+            ("ddp", {"dp_replicate": 2, "dp_shard": 1}, s_ddp),
+            ("adamw_fsdp", {"dp_shard": 2}, s_adamw_step),
+            ("adamw_tp", {"dp_shard": 1, "tp": 2}, s_adamw_step),
+            # traced by dynamo (the "eager" backend: no inductor cost): AdamW's 0-d hyper-parameter
+            # tensors in foreach ops on DTensors once failed there ("could not guard on zuf0")
+            ("adamw_traced_fsdp", {"dp_shard": 2}, lambda ctx: compare(
+                ctx, make_opt=adamw, steps=1, compile=True, compile_options={"backend": "eager"},
+                make_loss=staged_loss_for("full"))),
+            ("fsdp_bias", {"dp_shard": 2}, s_bias),
+            ("tp_bias", {"dp_shard": 1, "tp": 2}, s_bias),
+            ("tp_is_local", {"dp_shard": 1, "tp": 2}, s_tp_is_local),
+            ("accum_fsdp", {"dp_shard": 2}, s_accum),
+            ("uneven", {"dp_shard": 2}, s_uneven),
+            ("reduce_fsdp", {"dp_shard": 2}, s_reduce_routes),
+            ("eval_keys_fsdp", {"dp_shard": 2}, s_eval_and_keys),
+            ("eval_keys_tp", {"dp_shard": 1, "tp": 2}, s_eval_and_keys),
+            ("bf16_fsdp", {"dp_shard": 2}, s_bf16),
+            ("bf16_tp", {"dp_shard": 1, "tp": 2}, s_bf16),
+            ("nan_fsdp", {"dp_shard": 2}, s_nan_skip),
+            ("nan_tp", {"dp_shard": 1, "tp": 2}, s_nan_skip),
+            ("init_fsdp", {"dp_shard": 2}, s_init),
+            ("init_tp", {"dp_shard": 1, "tp": 2}, s_init),
+            ("stages_fsdp", {"dp_shard": 2}, s_stages),
+            ("stages_kept_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, remat="none")),
+            ("stages_tp", {"dp_shard": 1, "tp": 2}, s_stages),
+            ("stages_bf16_fsdp", {"dp_shard": 2}, lambda ctx: s_stages(ctx, precision="bf16", steps=10)),
+            ("sample_fsdp", {"dp_shard": 2}, s_sample),
+            ("live_fsdp", {"dp_shard": 2}, s_gathered_live),
+            ("live_kept_fsdp", {"dp_shard": 2}, lambda ctx: s_gathered_live(ctx, remat="none")),
+            ("sample_tp", {"dp_shard": 1, "tp": 2}, s_sample),
+        ],
+        "compiled2": [
+            # the whole-model gather and the staged one-graph step: inductor in the exhaustive suite
+            # (each a cold inductor compile on both ranks: ~100 s of CI on 2 cores); the collectives they
+            # trace are the same under aot_eager, and inductor lowers those in compiled_kept_fsdp
+            ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, slow_backend)),
+            ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
+            ("compiled_stages_fsdp", {"dp_shard": 2},
+             lambda ctx: s_compiled(ctx, slow_backend, make_loss=staged_loss_for("full"))),
+            # kept blocks under inductor: the post-grad passes (functrain.compiler.recompute's cheap activations
+            # recomputed after the forward, compiler.regather's second gathers) rewrite this step's graph;
+            # the one inductor compile of a sharded step in CI
+            ("compiled_kept_fsdp", {"dp_shard": 2},
+             lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("none"))),
+            ("blocks_fsdp", {"dp_shard": 2},
+             lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
+            ("blocks_kept_fsdp", {"dp_shard": 2},
+             lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("none"), compile="blocks")),
+            ("blocks_tp", {"dp_shard": 1, "tp": 2},
+             lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
+        ],
+        "matrix2": _route_matrix(full),  # (a launch of its own: ~3.5 min of CI beside another worker, 20 cells ~13)
+        "eager4": [
+            ("fsdp_tp", {"dp_shard": 2, "tp": 2}, s_fsdp),
+            ("reduce_fsdp4", {"dp_shard": 4}, s_reduce_routes),
+            ("reduce_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_reduce_routes),
+            ("reduce_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_reduce_routes),
+            ("hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_fsdp),
+            ("stages_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_stages),
+            ("init_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_init),
+            ("init_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_init),
+            ("stages_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_stages),
+            ("sample_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_sample),
+            # the compiled units on the 2-D meshes (Dynamo + AOTAutograd, against one process)
+            *[(f"compiled_{unit}_{mesh}", MESHES_2D[mesh], functools.partial(
+                s_compiled, backend="aot_eager", make_loss=UNITS[unit][1], compile=UNITS[unit][0], steps=3,
+                vs_sharded_eager=False))
+              for unit, mesh in two_dim_cells(full)],
+        ],
+        "single": [("single", None, s_single)],
+    }
 
 
 OUTDIR = ""  # the suite's output directory (shared by the ranks), set by main
@@ -723,7 +727,7 @@ def main(outdir: str, suite: str, only: list[str]) -> None:
     OUTDIR = outdir
     results = {}
     t0 = time.monotonic()
-    for name, mesh_cfg, fn in SUITES[suite]:
+    for name, mesh_cfg, fn in suites(suite.endswith(EXHAUSTIVE))[suite.removesuffix(EXHAUSTIVE)]:
         if only and name not in only:
             continue
         # a rank that dies names where in its failure's output tail; the time says where a suite's

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from _host_reads import Reads, counting
-from functrain import loop, optim, parallel
+from functrain import optim, parallel
+from functrain.trainer import loop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 import gpt as gpt_config  # noqa: E402

@@ -72,7 +72,7 @@ def poisoned(make_loss):
             loss = loss[0] if isinstance(loss, tuple) else loss
             return loss * torch.where((y == -7).any(), float("nan"), 1.0)
 
-        from functrain.remat import Stage, staged_loss
+        from functrain.step.staged import Stage, staged_loss
         return staged_loss(staged.embed, staged.blocks, Stage(head.names, head_fn), policy=staged.policy)
 
     return make

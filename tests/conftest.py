@@ -11,6 +11,16 @@ from functrain import rng
 from functrain.models import gpt
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `exhaustive` run only when `-m` names the marker (`pytest -m exhaustive`)."""
+    if "exhaustive" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="an exhaustive variant: `pytest -m exhaustive` runs it")
+    for item in items:
+        if "exhaustive" in item.keywords:
+            item.add_marker(skip)
+
+
 # Every child process the tests start (torchrun ranks, workers) prints each thread's Python stack
 # if it dies on a signal (SIGABRT from a heap check, SIGSEGV), so a crash names where it happened.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")

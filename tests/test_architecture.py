@@ -52,7 +52,7 @@ def _modules():
 
 def test_only_main_imports_a_model_family_outside_models():
     offenders = [name for name, path in _modules()
-                 if not name.startswith("functrain.models") and name != "functrain.main"
+                 if not name.startswith("functrain.models") and name not in ("functrain.main", "functrain.trainer.main")
                  and any(i.startswith("functrain.models.") or i == "functrain.models" for i in _imports(path))]
     assert offenders == []
 
@@ -65,7 +65,7 @@ def test_only_parallel_and_storage_know_dtensor():
                  and name != "functrain.compiler.mesh_key"
                  and any(i.startswith("torch.distributed") for i in _imports(path))]
     assert offenders == []
-    code = ast.parse((PKG / "step.py").read_text())
+    code = ast.parse((PKG / "step" / "steps.py").read_text())
     names = {n.id for n in ast.walk(code) if isinstance(n, ast.Name)} | {
         n.attr for n in ast.walk(code) if isinstance(n, ast.Attribute)}
     assert not names & {"DTensor", "Spmd", "spmd", "_is_dtensor", "is_dtensor"}  # one body, via the Layout
@@ -73,6 +73,37 @@ def test_only_parallel_and_storage_know_dtensor():
 
 
 _PRIVATE_COMPILER = re.compile(r"torch\._(dynamo|inductor|functorch|higher_order_ops)\b")
+
+
+# The layers, top down (docs/layers.md): a module may import its own layer and the ones below.
+_LAYERS = [
+    ("trainer", ("functrain.trainer", "functrain.main")),
+    ("families", ("functrain.models",)),
+    ("library", ("functrain.state", "functrain.step", "functrain.functional", "functrain.losses", "functrain.task",
+                 "functrain.per_example", "functrain.population", "functrain.optim", "functrain.parallel",
+                 "functrain.checkpoint", "functrain.data", "functrain.interop", "functrain.nn", "functrain.compiler",
+                 "functrain")),
+    ("base", ("functrain.tree", "functrain.rng", "functrain.ops", "functrain.config", "functrain._lazy")),
+]
+
+
+def _layer(name: str) -> int:
+    """The index in _LAYERS of the most specific prefix that names `name` (0: the top)."""
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(_LAYERS) for p in prefixes
+                if name == p or name.startswith(p + ".")), default=None)
+    assert best is not None, f"{name} is in no layer of docs/layers.md"
+    return best[1]
+
+
+def test_imports_point_down_the_layers_and_the_library_never_imports_the_trainer():
+    upward = []
+    for name, path in _modules():
+        name = name.removesuffix(".__init__")
+        me = _layer(name)
+        for imported in _imports(path):
+            if imported.startswith("functrain.") and _layer(imported) < me:
+                upward.append(f"{name} ({_LAYERS[me][0]}) imports {imported} ({_LAYERS[_layer(imported)][0]})")
+    assert sorted(set(upward)) == []
 
 
 def test_only_the_compiler_package_touches_torch_compiler_internals():
@@ -167,7 +198,7 @@ def test_no_import_cycles():
 def test_the_step_tells_a_staged_loss_by_its_type():
     """A plain function with the staged loss's method names is an ordinary loss: the step
     differentiates it with torch.func (no attribute probing), and a StagedLoss uses its own route."""
-    from functrain import remat
+    from functrain.step import staged as remat
 
     def plain(p, b, k):
         return (p["w"] ** 2).sum()
@@ -231,7 +262,8 @@ def _tiny_config(tmp_path):
 
 
 def test_hooks_run_on_their_steps_and_at_the_end(tmp_path):
-    from functrain import loop, parallel
+    from functrain import parallel
+    from functrain.trainer import loop
 
     c = _tiny_config(tmp_path)
     c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 7, False, 100, 100, False
@@ -254,7 +286,8 @@ def test_gc_is_off_during_training_and_collects_every_n_steps_on_schedule(tmp_pa
     every `gc_every` steps (the same steps on every rank) and automatic collection is back after."""
     import gc
 
-    from functrain import loop, parallel
+    from functrain import parallel
+    from functrain.trainer import loop
     from functrain.models.gpt import task as gpt_task
 
     c = _tiny_config(tmp_path)
@@ -284,7 +317,9 @@ def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, m
     """The loop times its 2048^2 matmul (the MFU denominator) before it starts the ISA probe's
     background g++ runs: measured beside them on 2 cores, the peak came out low and a run printed an
     MFU of 107.7%. The run is stopped where the probe would start (nothing is compiled)."""
-    from functrain import loop, metrics, parallel
+    from functrain import parallel
+    from functrain.trainer import loop
+    from functrain.trainer import metrics
     from functrain.compiler import cache as compile_cache
     from functrain.models.gpt import task as gpt_task
 
@@ -317,7 +352,7 @@ def test_the_mfu_denominator_is_the_best_2048_cubed_matmul_rate_and_takes_a_devi
     import itertools
     import time
 
-    from functrain import metrics
+    from functrain.trainer import metrics
 
     clock = itertools.count()
     monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
@@ -328,7 +363,10 @@ def test_the_mfu_denominator_is_the_best_2048_cubed_matmul_rate_and_takes_a_devi
 def test_the_config_is_checked_once(tmp_path, monkeypatch):
     """`main.check_config` checks every key; a family's `build` and `loop.run` take that config and
     do not run the key checks again."""
-    from functrain import loop, main, parallel, validate
+    from functrain import parallel
+    from functrain.trainer import loop
+    from functrain.trainer import main
+    from functrain.trainer import validate
     from functrain.models.gpt import task as gpt_task  # a test may import a model family
 
     c = _tiny_config(tmp_path)
@@ -357,7 +395,7 @@ def test_an_mfu_measured_on_a_busy_machine_never_passes_100_percent():
 
     import torch
 
-    from functrain import metrics
+    from functrain.trainer import metrics
 
     burn = "import time\nt = time.time()\nwhile time.time() - t < 30: pass\n"
     hogs = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(2 * (os.cpu_count() or 1))]

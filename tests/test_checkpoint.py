@@ -124,6 +124,7 @@ def test_bad_leaves_are_rejected(tmp_path):
         ckpt.save(str(tmp_path / "3"), {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
 
 
+@pytest.mark.slow
 def test_no_jax_at_runtime():
     import ast
     import sys
@@ -228,6 +229,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_previous_step(tmp_path):
     p = subprocess.Popen([PYTHON, "-c", _CRASH, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -252,6 +254,7 @@ assert float(tree["w1499"][0]) == 1499.0
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_right_after_a_restore_exits_cleanly(tmp_path):
     """The restore thread drops its TensorStore futures before resolving the future; before, a program
     that restored and exited aborted ("terminate called without an active exception") in 12 of 12

@@ -15,6 +15,8 @@ from _ckpt_util import REPO, assert_bits_equal, full_state, load_dump, leaves_by
 from _dist_launch import read_results, run_ranks
 from functrain import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # gloo ranks in subprocesses
+
 WORKER = os.path.join(REPO, "tests", "_ckpt_worker.py")
 
 

@@ -12,7 +12,8 @@ import torch
 from _ckpt_util import assert_bits_equal, full_state, load_dump, leaves_by_name, orbax_missing, run_orbax
 from functrain import checkpoint as ckpt
 
-pytestmark = pytest.mark.skipif(orbax_missing() is not None, reason=str(orbax_missing()))
+pytestmark = [pytest.mark.skipif(orbax_missing() is not None, reason=str(orbax_missing())),
+              pytest.mark.slow]  # slow: stock orbax (jax) in its own process
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from functrain import init_state, make_eval_step, make_train_step, optim
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
-from functrain.remat import Stage, staged_loss
+from functrain.step.staged import Stage, staged_loss
 
 import _tol
 
@@ -56,12 +56,13 @@ def _assert_same_run(got, want, model, steps=3):
 
 
 # graphs: prepare, embedding, block (with grad), head; + the no-grad block for recomputation; the
-# optimizer update group by group (functrain.update_groups): one graph for every block, one for the
+# optimizer update group by group (functrain.step.update_groups): one graph for every block, one for the
 # rest. Every 2nd block recomputed covers kept and recomputed blocks (remat "none" alone: the 2-rank
 # blocks_kept_fsdp case in tests/test_parallel_dist.py).
 GRAPHS = 5 + 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, graphs", [(2, GRAPHS)], ids=["every2"])
 def test_blocks_equal_eager_with_as_many_graphs_at_any_depth(tiny_gpt, batches, policy, graphs):
     _, _, stats, _ = _run(tiny_gpt, batches, 2, policy, "blocks", {"backend": "aot_eager"})
@@ -73,6 +74,7 @@ def test_blocks_equal_eager_with_as_many_graphs_at_any_depth(tiny_gpt, batches, 
     assert hist[-1]["loss"] < hist[0]["loss"]
 
 
+@pytest.mark.slow
 def test_blocks_with_inductor_equal_eager(tiny_gpt, batches):
     # every-2 on 2 blocks: block 0 kept (autograd through its compiled forward), block 1 recomputed.
     state, hist, stats, model = _run(tiny_gpt, batches, 2, 2, "blocks")

@@ -21,6 +21,8 @@ import torch
 
 from functrain.compiler import cache as compile_cache
 
+pytestmark = pytest.mark.slow  # inductor compiles in subprocesses
+
 ISA = torch.backends.cpu.get_cpu_capability().lower()  # the subdirectory every mode keys by
 
 REPO = Path(__file__).resolve().parent.parent

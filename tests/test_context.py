@@ -12,6 +12,8 @@ import torch
 from _dist_launch import REPO, read_results, run_ranks
 from functrain.parallel import context
 
+pytestmark = pytest.mark.slow  # gloo ranks in subprocesses
+
 WORKER = os.path.join(REPO, "tests", "_context_worker.py")
 
 

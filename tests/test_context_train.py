@@ -16,6 +16,8 @@ import torch
 import _tol
 from _dist_launch import REPO, run_suite, scenario_results
 
+pytestmark = pytest.mark.slow  # gloo ranks in subprocesses
+
 
 WORKER = os.path.join(REPO, "tests", "_context_train_worker.py")
 # The worker's problem: global batch 8 x 16 tokens through matmuls up to 2 x 32 wide (the MLPs);

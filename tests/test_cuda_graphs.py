@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs"),
+              pytest.mark.slow]  # slow: a main-job run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config=configs/gpt.py:tiny", "--config.device=cuda", "--config.steps=12", "--config.log_every=1",

@@ -15,6 +15,8 @@ import pytest
 
 import _tol
 
+pytestmark = pytest.mark.slow  # main-job runs, under torchrun too
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WORDS = "def return class import self if else for while in not and or None True".split()
 

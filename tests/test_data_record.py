@@ -134,6 +134,7 @@ def _main(workdir, data, steps, *extra):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow
 def test_a_resume_on_changed_data_stops_in_one_line_unless_allowed(tmp_path):
     src = _shards(tmp_path / "src")
     run = tmp_path / "run"

@@ -8,6 +8,8 @@ import pytest
 
 from _dist_launch import run_ranks
 
+pytestmark = pytest.mark.slow  # torchrun launches
+
 _WORKER = """
 import os, sys, time
 rank = int(os.environ["RANK"])

@@ -1,10 +1,10 @@
 """Runs every `examples/*.py` recipe as a subprocess: exit status 0 and its `<name>: OK` line.
 
 Each script checks its own result (asserts) and prints one `<name>: OK ...` line at the end. They run
-eagerly. FUNCTRAIN_SLOW_TESTS=1 also runs compiled the three whose point is compilation: the LR
-sweep (one graph for 4 learning rates, ~80 s; CI still checks that other rates hit the compile
-cache, tests/test_compile_cache.py), DP-SGD (vmap(grad) + noise + update as one graph, ~110 s) and
-EMA (its composed step as one graph, ~1-2 min): together over 3 of CI's 30 minutes on 2 cores. The
+eagerly. `pytest -m exhaustive` also runs compiled the three whose point is compilation: the LR
+sweep (one graph for 4 learning rates, ~80 s; the whole suite still checks that other rates hit
+the compile cache, tests/test_compile_cache.py), DP-SGD (vmap(grad) + noise + update as one graph,
+~110 s) and EMA (its composed step as one graph, ~1-2 min). The
 data cache goes to a temporary directory, never into the repository. Each recipe's own code is at most 30
 lines (imports and docstring aside; flags and data set-up live in `examples/_common.py`).
 """
@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from _tol import rtol
+
+pytestmark = pytest.mark.slow  # every recipe in a subprocess
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.stem for p in (REPO / "examples").glob("*.py") if not p.stem.startswith("_"))
@@ -92,8 +94,7 @@ def test_example_runs(name, cache_dir):
     _check(_run(name, cache_dir=cache_dir), name)
 
 
-@pytest.mark.skipif(not os.environ.get("FUNCTRAIN_SLOW_TESTS"),
-                    reason="compiles the LR sweep (~80 s CPU); set FUNCTRAIN_SLOW_TESTS=1")
+@pytest.mark.exhaustive  # compiles the LR sweep (~80 s CPU)
 def test_lr_sweep_compiles_once(cache_dir):
     """4 learning rates, one compiled graph (the recipe asserts it with dynamo's counters)."""
     proc = _run("lr_sweep", "--compile", "--steps", "8", cache_dir=cache_dir, timeout=900)
@@ -101,8 +102,7 @@ def test_lr_sweep_compiles_once(cache_dir):
     assert "1 compiled graph(s)" in proc.stdout.splitlines()[-1]
 
 
-@pytest.mark.skipif(not os.environ.get("FUNCTRAIN_SLOW_TESTS"),
-                    reason="compiles the DP-SGD step (~110 s CPU); set FUNCTRAIN_SLOW_TESTS=1")
+@pytest.mark.exhaustive  # compiles the DP-SGD step (~110 s CPU)
 def test_dp_sgd_compiles(cache_dir):
     """The whole DP-SGD step (per-example grads, clipping, keyed noise, update) compiles as one
     graph and trains (the recipe's own checks); its first loss equals the eager run's."""
@@ -115,7 +115,6 @@ def test_dp_sgd_compiles(cache_dir):
     assert abs(first[0] - first[1]) <= 1e-4 + rtol(n) * abs(first[0]), first  # printed to 4 decimals
 
 
-@pytest.mark.skipif(not os.environ.get("FUNCTRAIN_SLOW_TESTS"),
-                    reason="compiles the composed EMA step (~1-2 min CPU); set FUNCTRAIN_SLOW_TESTS=1")
+@pytest.mark.exhaustive  # compiles the composed EMA step (~1-2 min CPU)
 def test_ema_compiled(cache_dir):
     _check(_run("ema", "--compile", "--steps", "20", cache_dir=cache_dir, timeout=900), "ema")

@@ -120,6 +120,7 @@ def test_each_dropout_site_has_its_own_key(model, idx, monkeypatch):
     assert len({tuple(k.tolist()) for k in seen}) == len(seen)
 
 
+@pytest.mark.slow
 def test_compiled_grad_matches_eager(idx):
     """The one compile test: loss through functional_call + grad_and_value, fullgraph.
 

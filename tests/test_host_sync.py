@@ -17,6 +17,8 @@ import torch
 
 from _dist_launch import REPO, read_results, run_ranks
 
+pytestmark = pytest.mark.slow  # gloo ranks in subprocesses
+
 WORKER = os.path.join(REPO, "tests", "_host_sync_worker.py")
 LOG_STEPS = {4, 8, 12}
 CHECKPOINT_STEPS = {6, 12}

@@ -151,6 +151,7 @@ _DIST_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_dtensor_params_two_ranks(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(_DIST_WORKER)

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-PACKAGES = ["functrain", "functrain.optim", "functrain.models.gpt", "functrain.models.llama"]
+PACKAGES = ["functrain", "functrain.optim", "functrain.models.gpt", "functrain.models.llama", "functrain.step",
+            "functrain.trainer"]
 
 
 def _run_static_imports(package) -> dict:
@@ -43,12 +44,22 @@ def test_the_top_level_names_are_the_documented_ones():
 
     assert functrain.TrainState is state.TrainState and functrain.make_train_step is step.make_train_step
     assert functrain.optim is optim and optim.adamw is importlib.import_module("functrain.optim.aliases").adamw
-    assert {"checkpoint", "CheckpointError", "DataError", "Task", "init_state", "value_and_grad"} <= set(functrain.__all__)
+    assert sorted(functrain.__all__) == sorted([  # what a user composes (docs/layers.md)
+        "checkpoint", "data", "losses", "nn", "optim", "parallel", "rng", "step", "tree", "apply", "TrainState",
+        "init_state", "params_of", "apply_gradients", "make_train_step", "make_eval_step", "update_step",
+        "value_and_grad", "Task"])
+    from functrain import data, checkpoint as ckpt
+    with pytest.warns(FutureWarning, match=r"functrain.get_batch is no longer a top-level name: use "
+                                           r"functrain.data.get_batch \(functrain.get_batch goes in 0.2\)"):
+        assert functrain.get_batch is data.get_batch
+    with pytest.warns(FutureWarning, match="use functrain.checkpoint.CheckpointError"):
+        assert functrain.CheckpointError is ckpt.CheckpointError
+    assert functrain.per_example is importlib.import_module("functrain.per_example")  # a submodule stays reachable
 
 
 def test_importing_the_packages_and_the_config_checks_loads_no_torch():
     code = ("import sys, functrain, functrain.optim.checks, functrain.models.gpt.checks, "
-            "functrain.models.llama.checks, functrain.defaults, functrain.mesh_config\n"
+            "functrain.models.llama.checks, functrain.trainer.defaults, functrain.config\n"
             "print(sorted(m for m in ('torch', 'numpy', 'tensorstore') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
@@ -83,3 +94,31 @@ dist.destroy_process_group()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["error:", "import_functrain.parallel_first", "Tensor", "torch.float32", "True"], \
         proc.stdout
+
+
+def test_a_moved_module_keeps_its_old_name_for_a_release_with_a_warning_naming_the_new_one():
+    code = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import functrain.loop as old
+    from functrain.remat import StagedLoss
+    import functrain
+    memory = functrain.memory
+import functrain.trainer.loop, functrain.step.staged, functrain.trainer.memory
+print(old is functrain.trainer.loop, StagedLoss is functrain.step.staged.StagedLoss, memory is functrain.trainer.memory)
+for w in caught:
+    print(w.category.__name__, w.filename.endswith("<string>"), str(w.message))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "True True True"
+    assert lines[1:] == [
+        "FutureWarning True functrain.loop moved to functrain.trainer.loop: import it from there (functrain.loop goes "
+        "in 0.2)",
+        "FutureWarning True functrain.remat moved to functrain.step.staged: import it from there (functrain.remat goes "
+        "in 0.2)",
+        "FutureWarning False functrain.memory moved to functrain.trainer.memory: import it from there "
+        "(functrain.memory goes in 0.2)",
+    ], lines

@@ -12,7 +12,7 @@ import pytest
 
 import _tol
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.slow]  # slow: gloo ranks in subprocesses
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 12

@@ -165,7 +165,7 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
 def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_front(tmp_path):
     """data.tokenizer=auto, no tokenizer.json: a 256-id model gets bytes; any other is refused before a BPE is trained."""
-    from functrain import validate
+    from functrain.trainer import validate
     from functrain.models.llama import task
 
     byte_dir, _ = _hf_model(tmp_path, vocab=256, name="bytes")
@@ -184,6 +184,7 @@ def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_f
     assert not (tmp_path / "run_bpe" / "data").exists()  # refused before any data was prepared
 
 
+@pytest.mark.slow
 def test_train_from_hf_export_at_the_end_and_from_a_checkpoint(tmp_path):
     """init_from=hf: trains from the directory's weights with its tokenizer; the end-of-run export and
     an export of an earlier checkpoint both load in transformers and compute our logits."""

@@ -139,6 +139,7 @@ def test_full_logits_never_materialize_forward_or_backward(chunk_size):
         assert mode.max_numel >= n * v
 
 
+@pytest.mark.slow
 def test_compiled_grad_and_value_fullgraph_matches_eager():
     h, w, t = _problem(n=40)
     fn = torch.func.grad_and_value(lambda a, b: chunked_cross_entropy(a, b, t, chunk_size=16), argnums=(0, 1))

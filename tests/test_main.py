@@ -87,7 +87,8 @@ def test_dist_timeout_reaches_the_parallel_setup(tmp_path, monkeypatch, value, e
     that setup gives it to every mesh group is tests/test_parallel_dist.py's."""
     import importlib.util
 
-    from functrain import main, parallel
+    from functrain import parallel
+    from functrain.trainer import main
 
     spec = importlib.util.spec_from_file_location("gpt_config", CONFIG)
     gpt_config = importlib.util.module_from_spec(spec)
@@ -149,6 +150,7 @@ def test_bad_config_is_reported_before_torch_loads(tmp_path, flags, world, expec
     assert expected in _error_line(proc)
 
 
+@pytest.mark.slow
 def test_missing_data_path_is_one_clear_error_line(tmp_path):
     missing = tmp_path / "nonexistent"
     proc = _main("--config.compile=False", f"--config.data.path={missing}",
@@ -157,6 +159,7 @@ def test_missing_data_path_is_one_clear_error_line(tmp_path):
     assert str(missing) in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, expected", [
     ("--config.batch_size=0", "batch_size=0 is out of range: an integer >= 1 (--config.batch_size)"),
     ("--config.model.block_size=0", "model.block_size=0 is out of range: an integer >= 1 (--config.model.block_size)"),
@@ -188,6 +191,7 @@ def test_bad_values_are_one_clear_error_line(tmp_path, flag, expected):
     assert expected in line, line
 
 
+@pytest.mark.slow
 def test_resume_takes_the_configs_hyperparameters_unless_told_otherwise(tmp_path):
     """Hyper-parameters are optimizer state: on resume the config's values replace the checkpoint's
     (printed), and `checkpoint.resume_hyperparams=checkpoint` keeps the checkpoint's."""
@@ -211,6 +215,7 @@ def test_resume_takes_the_configs_hyperparameters_unless_told_otherwise(tmp_path
         assert lr_at_step(workdir, 4) == pytest.approx(0.01) and lr_at_step(workdir, 5) == pytest.approx(expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["workdir", "data.cache_dir"])
 def test_a_workdir_or_cache_that_cannot_be_made_is_one_line(tmp_path, where):
     blocker = tmp_path / "a_file"

@@ -16,7 +16,7 @@ from functrain import tree as tree_lib
 
 import _tol
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.slow]  # slow: main-job runs under torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [

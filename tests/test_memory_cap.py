@@ -15,6 +15,8 @@ import json
 import pytest
 from _dist_launch import run_ranks, run_single
 
+pytestmark = pytest.mark.slow  # a main-job run under a memory cap
+
 CAP_MIB = 768
 WORKER = "tests/_memcap_worker.py"
 

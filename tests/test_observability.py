@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # main-job runs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,7 +41,7 @@ def test_tiny_run_writes_tensorboard_and_plot(tmp_path):
     assert [e.step for e in acc.Scalars("val_loss")] == [6, 12]
 
     plot = subprocess.run(
-        [sys.executable, "-m", "functrain.plot", str(work)], cwd=REPO, env=env,
+        [sys.executable, "-m", "functrain.trainer.plot", str(work)], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=300,
     )
     assert plot.returncode == 0, plot.stderr

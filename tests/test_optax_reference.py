@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from functrain import optim
-from functrain.defaults import trainer_config as default_config
+from functrain.trainer.defaults import trainer_config as default_config
 
 pytestmark = pytest.mark.numeric
 

@@ -405,6 +405,7 @@ def test_hyperparams_are_float64_state_tensors_and_match_torch_adamw():
         torch.testing.assert_close(ours[k], torch_params[k].detach(), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_gpu_scalar_route_reads_no_scalar_on_the_host_and_computes_the_same_update():
     """On a GPU, a 0-d tensor scalar (Adam's betas, eps, the clip factor) given to a `_foreach_*`
     Scalar overload compiles to `.item()`: a device-to-host sync per call. Off the CPU, functrain's
@@ -412,7 +413,7 @@ def test_gpu_scalar_route_reads_no_scalar_on_the_host_and_computes_the_same_upda
     here. Its compiled update has no `.item()` and equals the eager update of the usual route."""
     from torch._inductor.utils import run_and_get_code
 
-    from functrain import foreach
+    from functrain.ops import foreach
     from functrain import step as step_lib
 
     from _tol import assert_close, rtol

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from functrain import init_state, make_train_step, optim, tree
-from functrain.update import update_step
+from functrain.step.update import update_step
 
 pytestmark = pytest.mark.numeric
 

@@ -36,6 +36,7 @@ def _train(step, state, data):
     return state, losses
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_batchnorm_trains_like_the_torch_loop(compile):
@@ -258,6 +259,7 @@ def test_resume_with_dropout_is_bit_exact(tmp_path):
     assert all(torch.equal(done.params[k], whole.params[k]) for k in whole.params)
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_compiled_dropout_equals_eager():
     eager, a = _dropout_run(False)
@@ -323,6 +325,7 @@ class _Breaks(nn.Module):
         return h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,reason", [("print", "builtin operator"), ("logging", "logging.Logger"),
                                          ("branch", "Data-dependent branching")])
 def test_a_graph_break_stops_with_one_line_and_fullgraph_false_trains_without_recompiles(kind, reason):
@@ -416,6 +419,7 @@ def _token_batches(n):
     return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_a_transformers_model_draws_its_dropout_from_the_key(tmp_path):
     model, loss_fn = _gpt2()
     opt = optim.adamw(1e-3)
@@ -441,6 +445,7 @@ def test_a_transformers_model_draws_its_dropout_from_the_key(tmp_path):
     assert len(set(m["loss"].tolist())) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_a_compiled_transformers_model_with_dropout_equals_eager():
     model, loss_fn = _gpt2()
@@ -454,6 +459,7 @@ def test_a_compiled_transformers_model_with_dropout_equals_eager():
 # --- data parallel ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_two_data_parallel_ranks_keep_the_statistics_each_sync_promises(tmp_path):
     """2 gloo ranks, each normalizing with its own rows' statistics; "broadcast" keeps rank 0's running
@@ -504,7 +510,8 @@ def _bn_task(template):
 def _loop_run(tmp_path, workdir, stop_at=0):
     from configs import gpt as gpt_config
 
-    from functrain import loop, parallel
+    from functrain import parallel
+    from functrain.trainer import loop
 
     c = gpt_config.get_config("tiny")
     c.steps, c.stop_at, c.compile, c.log_every, c.eval_every = 20, stop_at, False, 1, 10
@@ -513,6 +520,7 @@ def _loop_run(tmp_path, workdir, stop_at=0):
         return loop.run(_bn_task(model(0)), optimizer(), c, workdir, ctx, print_fn=lambda *a: None)
 
 
+@pytest.mark.slow
 def test_the_loop_trains_a_task_with_model_state_and_resumes_bit_exactly(tmp_path):
     import json
 

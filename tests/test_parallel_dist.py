@@ -4,11 +4,11 @@ Each suite is one launch of plain subprocesses with torchrun's env vars (tests/_
 the worker (tests/_dist_parallel_worker.py) runs every scenario of the suite, each against the
 plain single-process run of the same global batches, and reports numbers per scenario.
 The route matrix (`matrix_cells`: 5 aot_eager captures on both ranks that hold every value pair of
-unit, precision, accumulation and mesh; all 20 cells under FUNCTRAIN_SLOW_TESTS=1) is a launch of
+unit, precision, accumulation and mesh; all 20 cells under `pytest -m exhaustive`) is a launch of
 its own (matrix2). Cost on 2 idle CPU cores: eager2 ~15 s, eager4 ~35 s and ~50 s a compiled
 scenario, single ~6 s, compiled2 ~145 s with a cold inductor cache (one inductor compile, the
 kept-blocks FSDP step, and six aot_eager captures, each on both ranks at once; ~240 s when the
-whole-model-gather FSDP step was inductor too, as it is under FUNCTRAIN_SLOW_TESTS; the TP step under
+whole-model-gather FSDP step was inductor too, as it is in the exhaustive suite; the TP step under
 inductor was checked by hand: one graph, params within 1.3e-7 of one process after 20 steps). Each
 rank prints where its scenarios start ("scenario compiled_tp at 14.2 s").
 """
@@ -26,7 +26,7 @@ import _tol
 from _dist_launch import REPO, run_suite, scenario_results
 from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S, matrix_cells, two_dim_cells
 
-pytestmark = pytest.mark.numeric
+pytestmark = [pytest.mark.numeric, pytest.mark.slow]
 
 WORKER = os.path.join(REPO, "tests", "_dist_parallel_worker.py")
 # The worker's problem: global batch 8 x 16 tokens through matmuls up to 4 x 32 wide; losses ~4;
@@ -66,6 +66,21 @@ def compiled2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def matrix2(tmp_path_factory):
     return _suite(tmp_path_factory, "matrix2", 2)
+
+
+@pytest.fixture(scope="module")
+def matrix2_exhaustive(tmp_path_factory):
+    return _suite(tmp_path_factory, "matrix2_exhaustive", 2)
+
+
+@pytest.fixture(scope="module")
+def eager4_exhaustive(tmp_path_factory):
+    return _suite(tmp_path_factory, "eager4_exhaustive", 4)
+
+
+@pytest.fixture(scope="module")
+def compiled2_exhaustive(tmp_path_factory):
+    return _suite(tmp_path_factory, "compiled2_exhaustive", 2)
 
 
 def _assert_matches_single_process(res, steps=20):
@@ -174,7 +189,17 @@ def test_two_dim_meshes_on_four_ranks(eager4, name):
 
 @pytest.mark.parametrize("unit, mesh", two_dim_cells())
 def test_compiled_units_on_two_dim_meshes_equal_one_process(eager4, unit, mesh):
-    for res in scenario_results(eager4, f"compiled_{unit}_{mesh}"):
+    _assert_two_dim_unit(eager4, unit, mesh)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("unit, mesh", two_dim_cells(full=True))
+def test_every_compiled_unit_on_every_two_dim_mesh_equals_one_process(eager4_exhaustive, unit, mesh):
+    _assert_two_dim_unit(eager4_exhaustive, unit, mesh)
+
+
+def _assert_two_dim_unit(suite, unit, mesh):
+    for res in scenario_results(suite, f"compiled_{unit}_{mesh}"):
         assert res["unique_graphs"] == (1 if unit == "step" else 6 + 2), res
         loss_tol, params_tol = _tols(3)
         assert res["vs_single_loss"] <= loss_tol and res["vs_single_params"] <= params_tol, res
@@ -197,13 +222,23 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
 
 # compile="blocks" graphs: prepare, embedding and block without grad (the sharded forward) and with
 # grad (recomputed in backward), head; kept blocks: no no-grad block graph; + the optimizer update
-# group by group (functrain.update_groups): one graph for every block, one for the rest.
+# group by group (functrain.step.update_groups): one graph for every block, one for the rest.
 @pytest.mark.parametrize("name, graphs", [("compiled_fsdp", 1), ("compiled_tp", 1), ("compiled_stages_fsdp", 1),
                                           ("compiled_kept_fsdp", 1),
                                           ("blocks_fsdp", 6 + 2), ("blocks_kept_fsdp", 5 + 2),
                                           ("blocks_tp", 6 + 2)])
 def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
-    for res in scenario_results(compiled2, name):
+    _assert_compiled(compiled2, name, graphs)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name, graphs", [("compiled_fsdp", 1), ("compiled_stages_fsdp", 1)])
+def test_compiled_sharded_step_under_inductor_one_graph_no_recompiles(compiled2_exhaustive, name, graphs):
+    _assert_compiled(compiled2_exhaustive, name, graphs)
+
+
+def _assert_compiled(suite, name, graphs):
+    for res in scenario_results(suite, name):
         assert res["unique_graphs"] == graphs
         assert res["metric_types"] == ["Tensor"]
         loss_tol, params_tol = _tols(6)
@@ -228,6 +263,18 @@ def test_route_matrix_holds_every_pair_of_the_full_product():
 @pytest.mark.parametrize("name, unit, precision, accum, mesh", matrix_cells(), ids=[c[0] for c in matrix_cells()])
 def test_every_compiled_sharded_route_equals_one_process(matrix2, name, unit, precision, accum, mesh):
     """compile unit x precision x accumulation on FSDP and TP (fp32 without accumulation: above)."""
+    _assert_route(matrix2, name, unit, precision)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("name, unit, precision, accum, mesh", matrix_cells(full=True),
+                         ids=[c[0] for c in matrix_cells(full=True)])
+def test_the_full_product_of_sharded_routes_equals_one_process(matrix2_exhaustive, name, unit, precision, accum,
+                                                               mesh):
+    _assert_route(matrix2_exhaustive, name, unit, precision)
+
+
+def _assert_route(matrix2, name, unit, precision):
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     for res in scenario_results(matrix2, name):
         assert res["unique_graphs"] == (1 if unit == "step" else 6 + 2), res

@@ -18,7 +18,7 @@ import torch
 import _tol
 from _dist_launch import REPO, run_suite, scenario_results
 from _pipeline_worker import MESH_STEPS
-from functrain import validate
+from functrain.trainer import validate
 from functrain.parallel import schedule as S
 
 WORKER = os.path.join(REPO, "tests", "_pipeline_worker.py")
@@ -182,6 +182,7 @@ def _assert_matches(results, steps, dtype=torch.float32):
     return names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, steps, dtype", [
     ("gpt_1f1b", 20, torch.float32),  # 4 microbatches
     ("gpt_gpipe", 20, torch.float32),
@@ -205,6 +206,7 @@ def test_two_pipeline_ranks_match_one_process(pp2, name, steps, dtype):
         assert not first & last
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 @pytest.mark.parametrize("name, dtype", [
     ("gpt_1f1b", torch.float32), ("gpt_gpipe", torch.float32), ("gpt_eager_1f1b", torch.float32),
@@ -217,6 +219,7 @@ def test_four_pipeline_ranks_match_one_process(pp4, name, dtype):
     assert all(len(r["blocks"]) >= 1 for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, mesh", [
     ("gpt_pp_fsdp", "pp=2 x dp_shard=2"), ("gpt_pp_tp", "pp=2 x tp=2, remat"),
     ("llama_pp_fsdp_bf16", "pp=2 x dp_shard=2, bf16"), ("llama_pp_tp", "pp=2 x tp=2"),
@@ -229,6 +232,7 @@ def test_pipeline_stages_on_a_mesh_match_one_process(pp4, name, mesh):
         assert res["stage_numel"] < res["model_numel"] and res["local_numel"] < res["stage_numel"] * 0.65, res
 
 
+@pytest.mark.slow
 def test_pipeline_stages_with_fsdp_and_tp_together_match_one_process(tmp_path_factory):
     # pp=2 x dp_shard=2 x tp=2 on 8 gloo ranks: each block of a stage tp-split and FSDP-sharded
     results = scenario_results(_suite(tmp_path_factory, "pp8", 8), "gpt_pp_fsdp_tp")
@@ -239,6 +243,7 @@ def test_pipeline_stages_with_fsdp_and_tp_together_match_one_process(tmp_path_fa
         assert res["local_numel"] < res["stage_numel"] / 3, res  # tp x FSDP: about a quarter of the stage
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoints_are_one_tree_that_moves_between_meshes(pp2, pp4):
     for res in scenario_results(pp2, "checkpoint") + scenario_results(pp4, "checkpoint_mesh"):
         # pp -> one whole state (strict: every leaf, none extra) -> pp, bit-equal; then on to 20 steps
@@ -247,6 +252,7 @@ def test_pipeline_checkpoints_are_one_tree_that_moves_between_meshes(pp2, pp4):
         assert res["resumed_vs_single_params"] <= _tols(20)[2] and res["resumed_vs_single_opt"] <= _tols(20)[2], res
 
 
+@pytest.mark.slow
 def test_stock_orbax_reads_a_pipeline_checkpoint(pp2, tmp_path):
     from _ckpt_util import assert_bits_equal, load_dump, orbax_missing, run_orbax
     from functrain import checkpoint as ckpt
@@ -278,12 +284,14 @@ def _named_leaves(tree, prefix=""):
     return {prefix[:-1]: tree} if isinstance(tree, torch.Tensor) else {}
 
 
+@pytest.mark.slow
 def test_a_nonfinite_loss_skips_the_update_on_every_rank(pp2):
     results = scenario_results(pp2, "gpt_nan_skip")
     _assert_matches(results, 5)
     assert all(r["skipped"] == [0.0, 0.0, 1.0, 0.0, 0.0] for r in results), results
 
 
+@pytest.mark.slow
 def test_compiled_pipeline_stages_make_no_graph_per_microbatch_or_step(pp2):
     # 2 microbatches x 4 steps under error_on_recompile: per rank the block graph with and without grad
     # (every block recomputed), the embedding or the head, and the update: 4 graphs
@@ -292,12 +300,14 @@ def test_compiled_pipeline_stages_make_no_graph_per_microbatch_or_step(pp2):
     _assert_matches(results, 4)
 
 
+@pytest.mark.slow
 def test_pipeline_eval_equals_one_process(pp2):
     for res in scenario_results(pp2, "eval"):
         assert res["eval_loss"] <= _tols(1)[0] and res["keys"] == ["loss"], res
         assert res["receives"][1] == [0, res["expected_receives"]], res  # posted ahead once shapes are known
 
 
+@pytest.mark.slow
 def test_too_many_pipeline_ranks_is_one_line(pp2):
     for res in scenario_results(pp2, "too_many_stages"):
         line = res["error_line"]

@@ -1,4 +1,4 @@
-"""functrain.plot: curves PNG from a metrics.jsonl, as a function and as `python -m functrain.plot`."""
+"""functrain.trainer.plot: curves PNG from a metrics.jsonl, as a function and as `python -m functrain.trainer.plot`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from functrain import plot
+from functrain.trainer import plot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -72,7 +72,7 @@ def test_command_line(tmp_path):
     pytest.importorskip("matplotlib")
     _write_metrics(tmp_path / "run")
     out = tmp_path / "c.png"
-    r = subprocess.run([sys.executable, "-m", "functrain.plot", str(tmp_path / "run"), "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "functrain.trainer.plot", str(tmp_path / "run"), "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(out)
@@ -80,10 +80,10 @@ def test_command_line(tmp_path):
 
 
 def test_command_line_errors_exit_2_with_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "functrain.plot", str(tmp_path / "nope")],
+    r = subprocess.run([sys.executable, "-m", "functrain.trainer.plot", str(tmp_path / "nope")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
-    assert r.stderr.startswith("functrain.plot: error: no such run directory")
+    assert r.stderr.startswith("functrain.trainer.plot: error: no such run directory")
     assert plot.main([str(tmp_path)]) == 2  # a directory without metrics.jsonl
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "eta": "1s"}) + "\n")
     assert plot.main([str(tmp_path)]) == 2  # nothing plottable

@@ -79,6 +79,7 @@ def test_per_member_batches_and_donation():
     assert _max_diff(pop, want) <= 1e-6
 
 
+@pytest.mark.slow
 def test_compiled_population_is_one_graph_and_matches_eager():
     cfg, loss_fn, opt, members = _setup(k=2, n_layer=1)
     torch._dynamo.reset()

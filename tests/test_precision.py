@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from functrain import init_state, make_train_step, optim, precision, tree
+from functrain import init_state, make_train_step, optim, tree
+from functrain.step import precision
 from functrain.state import init_guard
 
 import _tol
@@ -131,6 +132,7 @@ def test_unknown_precision_is_a_clear_error():
         precision.get("fp8")
 
 
+@pytest.mark.slow
 def test_compiled_fp16_step_is_one_graph_and_matches_eager(tiny_gpt, batches, gpt_loss_fn):
     """Casting, loss scaling, the finite check and the update all live in one compiled graph."""
     from torch._dynamo.utils import counters

@@ -1,4 +1,4 @@
-"""functrain.remat: staged gradients (activation checkpointing) equal plain grad_and_value, eagerly,
+"""functrain.step.staged: staged gradients (activation checkpointing) equal plain grad_and_value, eagerly,
 through the train step and compiled; loss scaling; policies; the GPT stages."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from functrain import init_state, make_train_step, optim, rng, tree
 from functrain.models.gpt import gpt_hidden
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 from functrain.models import gpt
-from functrain.remat import Stage, parse_policy, staged_loss
+from functrain.step.staged import Stage, parse_policy, staged_loss
 from functrain.step import value_and_grad
 
 import _tol
@@ -184,6 +184,7 @@ def test_train_step_with_accumulation_equals_non_remat(tiny_gpt, batches):
         _tol.assert_close(state.opt_state, ref_state.opt_state, atol, absolute=True, msg=f"{remat} opt_state")
 
 
+@pytest.mark.slow
 def test_compiled_staged_step_matches_eager_with_one_graph(tiny_gpt, batches):
     # every-2 on 2 blocks: block 0 kept (vjp closure), block 1 recomputed behind the barrier.
     model = tiny_gpt(n_layer=2, n_embd=32, block_size=16)

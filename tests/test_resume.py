@@ -19,6 +19,8 @@ import torch
 
 from functrain import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # main-job runs, killed and resumed
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 TINY = [
@@ -97,7 +99,7 @@ def stuck_on_second(*args, **kwargs):
         time.sleep(600)
     return real(*args, **kwargs)
 writer._merge_and_commit = stuck_on_second
-from functrain import main
+from functrain.trainer import main
 sys.argv = ["functrain.main"] + sys.argv[1:]
 main.run()
 """
@@ -183,9 +185,8 @@ def _rows(workdir):
 
 
 @pytest.mark.numeric
-@pytest.mark.skipif(not os.environ.get("FUNCTRAIN_SLOW_TESTS"),
-                    reason="three compiled runs (~2-2.5 min CPU; CI's 30 minutes; kill -9 during a save and bit-exact "
-                           "resume keep their own tests here); set FUNCTRAIN_SLOW_TESTS=1")
+@pytest.mark.exhaustive  # three compiled runs (~2-2.5 min CPU); kill -9 during a save and bit-exact resume keep
+# their own tests here
 def test_compiled_runs_are_reproducible_and_survive_kill_9(tmp_path):
     """The default (compiled) step is deterministic: a second run of the same command logs the same
     losses at every step, and one killed with SIGKILL mid-run and restarted continues exactly."""
@@ -272,7 +273,8 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
     slow restore."""
     import ml_collections
 
-    from functrain import init_state, loop, optim
+    from functrain import init_state, optim
+    from functrain.trainer import loop
 
     params = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
     saved = init_state(params, optim.adamw(1e-3), seed=1)
@@ -304,7 +306,9 @@ def test_init_from_is_checked_first_unless_the_run_resumes(tmp_path):
     its own workdir never reads it (its source may be gone by then)."""
     import ml_collections
 
-    from functrain import loop, main, validate
+    from functrain.trainer import loop
+    from functrain.trainer import main
+    from functrain.trainer import validate
 
     config = ml_collections.ConfigDict({"checkpoint": {"init_from": str(tmp_path / "gone")}})
     with pytest.raises(validate.ConfigError, match="^checkpoint.init_from=.*gone.*no committed checkpoint there"):
@@ -343,7 +347,8 @@ def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_summary(tmp_path)
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, capsys):
     """The flag's handler: the first SIGINT asks for a clean stop, the second raises
     KeyboardInterrupt, which `functrain.main` turns into one line and exit status 130."""
-    from functrain import loop, main
+    from functrain.trainer import loop
+    from functrain.trainer import main
 
     lines = []
     # Python's own Ctrl-C handler to start from, whatever this process inherited: a process started

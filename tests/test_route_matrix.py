@@ -1,7 +1,7 @@
 """The single-process routes the config can reach, compiled, against the eager step: compile unit
 ("step": one graph; "blocks": a graph per stage kind) x precision (fp32, bf16, fp16 with loss
 scaling) x gradient accumulation (1, 2 unrolled microbatches): every value pair in 6 cells, the
-whole product under FUNCTRAIN_SLOW_TESTS=1. The sharded routes (FSDP, TP) are the compiled2 and
+whole product under `pytest -m exhaustive`. The sharded routes (FSDP, TP) are the compiled2 and
 matrix2 suites of tests/test_parallel_dist.py.
 
 The compiled side uses the "aot_eager" backend: Dynamo and AOTAutograd trace the same graphs the
@@ -13,7 +13,6 @@ tests/test_precision.py. Tolerances come from the compute dtype (tests/_tol.py).
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -50,19 +49,21 @@ def _run(model, data, *, compile, precision, accum):
 
 UNITS, PRECISIONS, ACCUMS = ("step", "blocks"), ("fp32", "bf16", "fp16"), (1, 2)
 # Every value pair of the three axes in 6 cells (the fewest: unit x precision alone has 6 pairs);
-# the full product (12 cells) under FUNCTRAIN_SLOW_TESTS=1.
+# the full product (12 cells) under `pytest -m exhaustive`.
 PAIRWISE = [("step", "fp32", 1), ("step", "bf16", 2), ("step", "fp16", 1),
             ("blocks", "fp32", 2), ("blocks", "bf16", 1), ("blocks", "fp16", 2)]
-CELLS = list(itertools.product(UNITS, PRECISIONS, ACCUMS)) if os.environ.get("FUNCTRAIN_SLOW_TESTS") else PAIRWISE
+CELLS = PAIRWISE + [pytest.param(*c, marks=pytest.mark.exhaustive)
+                    for c in itertools.product(UNITS, PRECISIONS, ACCUMS) if c not in PAIRWISE]
 
 
 def test_the_cells_hold_every_value_pair():
     for (i, xs), (j, ys) in itertools.combinations(enumerate((UNITS, PRECISIONS, ACCUMS)), 2):
-        missing = set(itertools.product(xs, ys)) - {(c[i], c[j]) for c in CELLS}
+        missing = set(itertools.product(xs, ys)) - {(c[i], c[j]) for c in PAIRWISE}
         assert not missing, (i, j, missing)
 
 
-@pytest.mark.parametrize("unit,precision,accum", CELLS, ids=[f"{u}-{p}-accum{a}" for u, p, a in CELLS])
+@pytest.mark.parametrize("unit,precision,accum", CELLS,
+                         ids=[f"{u}-{p}-accum{a}" for u, p, a in (getattr(c, "values", c) for c in CELLS)])
 def test_compiled_route_equals_eager(tiny_gpt, batches, unit, precision, accum):
     model = tiny_gpt(n_layer=2, n_embd=32, block_size=16)
     data = batches(model.cfg, STEPS, batch_size=4)

@@ -48,6 +48,7 @@ def _copy(state):
     return tree.map(torch.clone, state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile,donate", [(False, True), (False, False), (True, True)])
 def test_nan_batch_skips_the_update_and_leaves_the_state_bit_identical(compile, donate):
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
@@ -102,7 +103,8 @@ def test_without_skipping_a_nan_batch_poisons_the_params():
 def _poisoned_run(tmp_path, config, bad_steps, print_fn):
     """Runs the tiny GPT job through the model-free loop with a Task whose loss is NaN on the
     batches of `bad_steps` (0-based): its batches carry a flag tensor, so the loss stays pure."""
-    from functrain import loop, parallel
+    from functrain import parallel
+    from functrain.trainer import loop
     from functrain.models.gpt import task as gpt_task
 
     with parallel.setup(config.mesh) as ctx:
@@ -135,6 +137,7 @@ def _tiny_config(tmp_path, steps):
     return c
 
 
+@pytest.mark.slow
 def test_one_bad_batch_is_skipped_and_the_run_finishes(tmp_path):
     torch.set_num_threads(1)
     summary = _poisoned_run(tmp_path, _tiny_config(tmp_path, 10), {5}, print_fn=lambda *a: None)
@@ -145,8 +148,9 @@ def test_one_bad_batch_is_skipped_and_the_run_finishes(tmp_path):
     assert all("consecutive_skips" not in r for r in rows)
 
 
+@pytest.mark.slow
 def test_k_consecutive_bad_steps_stop_the_run_with_one_clear_message(tmp_path):
-    from functrain import loop
+    from functrain.trainer import loop
 
     torch.set_num_threads(1)
     c = _tiny_config(tmp_path, 30)

@@ -3,7 +3,6 @@ determinism, donation, evaluation and errors."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -64,6 +63,7 @@ def _assert_trees_equal(a, b):
 # Compiled step: matches eager and honours the compile contract. The only compiling tests.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps", [1, 2], ids=["no_accum", "accum2_unroll"])
 def test_compiled_step_matches_eager_with_one_graph_and_no_recompiles(
     tiny_gpt, batches, gpt_loss_fn, accum_steps
@@ -112,6 +112,7 @@ def test_compiled_step_matches_eager_with_one_graph_and_no_recompiles(
     _tol.assert_close(c_state.params, e_state.params, atol, absolute=True, msg="params")  # clipped: |g| <= 1
 
 
+@pytest.mark.slow
 def test_compiled_adamw_update_matches_eager_and_has_no_atomic_adds():
     """The optimizer half compiled alone (clip + AdamW + non-finite guard + donation) on the same
     gradients as eager: elementwise math, so only op fusion differs (a few ulp per step)."""
@@ -184,8 +185,8 @@ def test_float64_hyperparameters_trace_once_and_come_back_as_the_callers_tensors
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["recompiles"])
 
 
-@pytest.mark.skipif(not os.environ.get("FUNCTRAIN_SLOW_TESTS"),
-                    reason="compiles a dropout step (~2 min CPU cold); set FUNCTRAIN_SLOW_TESTS=1")
+@pytest.mark.slow
+@pytest.mark.exhaustive  # compiles a dropout step (~2 min CPU cold)
 def test_compiled_dropout_step_matches_eager_and_repeats_bit_identically(tiny_gpt, batches, gpt_loss_fn):
     model = tiny_gpt(n_layer=1, dropout=0.1)
     loss_fn = gpt_loss_fn(model)
@@ -387,7 +388,7 @@ def test_eager_value_and_grad_by_autograd_equals_torch_func(tiny_gpt, batches, g
     """Eagerly the gradients come from plain autograd; they are torch.func.grad_and_value's, bit for bit
     (the same backward kernels), with dropout, a loss scale and a param the loss never reads."""
     from functrain import compiler, rng
-    from functrain.loss_contract import loss_and_aux
+    from functrain.step.loss_contract import loss_and_aux
 
     model = tiny_gpt(n_layer=2, dropout=0.1)
     loss_fn = gpt_loss_fn(model)

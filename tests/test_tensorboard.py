@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from functrain import tensorboard as tb_lib
-from functrain.tensorboard import TensorBoardWriter
+from functrain.trainer import tensorboard as tb_lib
+from functrain.trainer.tensorboard import TensorBoardWriter
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing import event_accumulator, event_file_loader  # noqa: E402
@@ -73,7 +73,7 @@ def test_large_and_negative_steps_and_nonfinite_values(tmp_path):
 
 
 def test_loop_says_how_to_get_tensorboard_when_missing(tmp_path, monkeypatch):
-    from functrain import loop
+    from functrain.trainer import loop
 
     monkeypatch.setattr(tb_lib, "available", lambda: False)
     lines = []

@@ -95,7 +95,7 @@ def test_clone_makes_independent_copies():
 
 @pytest.mark.parametrize("per_tensor", [False, True])
 def test_incremental_update_is_a_pure_lerp(per_tensor):
-    from functrain import foreach
+    from functrain.ops import foreach
 
     g = torch.Generator().manual_seed(1)
     old = {"w": torch.randn(4, 3, generator=g), "b": [torch.randn(5, generator=g, dtype=torch.float64)]}

@@ -1,4 +1,4 @@
-"""The optimizer update group by group (functrain.update_groups, compile="blocks").
+"""The optimizer update group by group (functrain.step.update_groups, compile="blocks").
 
 The reference is `apply_gradients` over the whole tree, run eagerly on the same numbers: without
 clipping the grouped update is the same per-element arithmetic, so params and optimizer state must
@@ -14,12 +14,13 @@ import optree
 import pytest
 import torch
 
-from functrain import init_state, optim, update_groups
-from functrain import precision as precision_lib
+from functrain import init_state, optim
+from functrain.step import update_groups
+from functrain.step import precision as precision_lib
 from functrain.models.gpt import make_loss_fn
 from functrain.optim.transforms import ScaleByAdamState
 from functrain.parallel import LOCAL
-from functrain.update import apply_gradients, to_master
+from functrain.step.update import apply_gradients, to_master
 
 import _tol
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from functrain import optim, validate
+from functrain import optim
+from functrain.trainer import validate
 from functrain.models.gpt import task as gpt_task
 
 _spec = importlib.util.spec_from_file_location("gpt_config", Path(__file__).resolve().parent.parent / "configs" / "gpt.py")

@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from functrain import workdir_lock
-from functrain.validate import ConfigError
+from functrain.trainer import workdir_lock
+from functrain.trainer.validate import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _HOLDER = """
 import sys, time
-from functrain import workdir_lock
+from functrain.trainer import workdir_lock
 with workdir_lock.hold(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -54,6 +54,7 @@ def test_a_second_holder_is_refused_until_the_first_ends_even_by_kill_9(tmp_path
         assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.slow
 def test_a_run_on_a_workdir_in_use_stops_on_every_rank_with_one_line(tmp_path):
     """Under torchrun the main process finds the lock taken; both ranks exit with the error line
     (none waits in a collective for the one that stopped)."""
@@ -76,7 +77,7 @@ def test_a_run_on_a_workdir_in_use_stops_on_every_rank_with_one_line(tmp_path):
 
 
 _SAYER = """
-from functrain.main import _say
+from functrain.trainer.main import _say
 for _ in range(500):
     _say("functrain: error: " + "x" * 200)
 """

@@ -7,16 +7,10 @@ keeps `_hash`, the mesh's cached `hash(...)` of a tuple holding its axis names: 
 salted per process (PYTHONHASHSEED). So every process computed new keys for the same sharded step,
 and a restarted or resumed sharded run compiled cold every time, whatever `compile_cache` said.
 
-Found from the keys' pickles (`pickletools.dis` of `FxGraphHashDetails`, two runs of the same
-2-rank compiled FSDP step): the only differing bytes were `_hash`. Measured (2-core AMD EPYC,
-torch 2.13.0+cpu), the main job on 2 gloo ranks run twice with one cache directory,
-`OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m functrain.main
---config=configs/gpt.py:tiny --config.mesh.dp_shard=2 --config.stop_at=3 --config.compile_cache=DIR`:
-before, both runs "0 hits, 2 misses", first step 82.4 s then 52.6 s (only the C++ kernels reused);
-with this module, the second run "2 hits, 0 misses", first step 73.3 s then 16.5 s
-(tests/test_compile_cache.py checks the hits across two PYTHONHASHSEEDs).
+The only bytes that differed between two processes' keys were `_hash` (docs/results.md has the
+cache hits before and after).
 
-`register()` (run when `functrain.parallel` is imported) installs a `copyreg` reducer for
+`register()` (run by `compiler.maybe_compile` before each compile) installs a `copyreg` reducer for
 `DeviceMesh` that is the default reduction with `_hash` left out; unpickling recomputes it lazily
 as `DeviceMesh.__hash__` always does, so pickle, `copy.deepcopy` and the caches see the same mesh.
 The rest of the state stays in the key, the rank's own coordinates included, so two ranks whose
@@ -45,7 +39,7 @@ def register() -> None:
 
     Example:
         >>> from functrain.compiler import mesh_key
-        >>> mesh_key.register()  # done by `compiler.maybe_compile` and `compiler.graph`
+        >>> mesh_key.register()  # done by `compiler.maybe_compile`
     """
     if not dist.is_available():
         return

@@ -3,7 +3,7 @@
 FSDP frees a block's gathered parameters after its forward and gathers them again for its backward
 ("reshard after forward"), so at most a block or two are gathered at any moment even when every
 block keeps its activations. functrain's staged loss gets there for a *recomputed* block by
-construction (`functrain.remat`: its recomputation gathers again). A *kept* block (remat policy
+construction (`functrain.step.staged`: its recomputation gathers again). A *kept* block (remat policy
 "none", or the blocks that policy N does not recompute) is differentiated by `torch.func.vjp`, and
 its vjp closure holds the gathered parameters its backward needs (`dY W` needs `W`); no Python-level
 schedule can swap them for a second gather.

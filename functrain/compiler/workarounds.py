@@ -68,7 +68,7 @@ def _check_float64_lift() -> None:
 
 def _check_lerp_written_out() -> None:
     """`foreach.lerp` with a tensor weight compiles (the written-out form) and equals eager `x + w (y - x)`."""
-    from functrain import foreach
+    from functrain.ops import foreach
 
     xs, ys = [torch.linspace(-1, 1, 37), torch.linspace(0, 3, 5)], [torch.linspace(2, -2, 37), torch.ones(5)]
     w = torch.tensor(0.1)

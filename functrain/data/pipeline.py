@@ -155,7 +155,7 @@ def lm_data(data: Any, *, cache_dir: str, batch_size: int, block_size: int, seed
     """Loads the sources `data` names and builds their training sampler.
 
     Args:
-      data: the run config's `data` (`functrain.defaults.data_config()`'s keys).
+      data: the run config's `data` (`functrain.trainer.defaults.data_config()`'s keys).
       cache_dir: where text and shard sources are tokenized to.
       batch_size: the global batch size.
       block_size: the window length T.

@@ -8,8 +8,8 @@ Example:
 
 from __future__ import annotations
 
-from functrain import validate as v
-from functrain.remat_policy import parse_policy
+from functrain import config as v
+from functrain.step.remat_policy import parse_policy
 
 __all__ = ["DATA_CHECKS", "LM_CHECKS", "REMAT_CHECK"]
 

@@ -1,11 +1,11 @@
 """What every decoder-only language model family shares: the next-token loss through the output
-head (plain, chunked or as `functrain.remat` stages), stage helpers, and sampling.
+head (plain, chunked or as `functrain.step.staged` stages), stage helpers, and sampling.
 
 A family provides an nn.Module whose forward is `forward(idx, dropout_key=None, *, return_hidden=False)`
 (logits (B, T, V), or the final hidden states (B, T, C) before the head), a `cfg.block_size`, and its
 forward cut into `LMStages` (embedding, blocks, final norm), each stage reading only its own
 parameters. `make_lm_loss_fn` turns that into the `loss_fn(params, (x, y), key)` a `Task` carries;
-on sharded params its stages make the train step gather one block at a time (`functrain.remat`).
+on sharded params its stages make the train step gather one block at a time (`functrain.step.staged`).
 
 Example:
     >>> loss_fn = make_lm_loss_fn(template, gpt.stages(template), head="wte.weight", chunk_size=1024)
@@ -23,11 +23,11 @@ from torch import nn
 from functrain import data as data_lib
 from functrain import functional
 from functrain import parallel
-from functrain import remat as remat_lib
+import functrain.step.staged as remat_lib
 from functrain import rng
-from functrain import validate
+from functrain import config as validate
 from functrain.losses import chunked_cross_entropy
-from functrain.remat import Stage
+from functrain.step.staged import Stage
 
 __all__ = [
     "LMStages", "context_model", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
@@ -300,7 +300,7 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
       head: the output projection's parameter name (see `lm_loss`).
       chunk_size: see `lm_loss`.
       ignore_index: target value to ignore.
-      remat: activation checkpointing of the blocks (`functrain.remat.parse_policy`): "none", "full"
+      remat: activation checkpointing of the blocks (`functrain.step.staged.parse_policy`): "none", "full"
         or an int N (every N-th block). Other than "none" the loss is a `remat.staged_loss` whose
         `value_and_grad` the train step uses; loss and gradients are unchanged (to float rounding).
       staged: build the staged loss even with remat "none": on sharded (DTensor) params the train

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from functrain import tree as tree_lib
-from functrain.loss_contract import loss_and_aux
+from functrain.step.loss_contract import loss_and_aux
 
 __all__ = ["buffers_of", "call_loss", "check_loss", "has_model_state", "restore_dtypes"]
 

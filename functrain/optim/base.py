@@ -20,7 +20,7 @@ A transform may declare itself `leafwise` (its fourth field): each leaf's new up
 depend only on that leaf's update, param and state, plus state shared by all leaves (counters,
 hyper-parameters). True for every transform here; "norm" for `clip_by_global_norm`, leafwise
 once it is handed the global norm. Only then may the train step update the parameters group by
-group, one compiled graph reused for every block (`functrain.update_groups`); a custom transform
+group, one compiled graph reused for every block (`functrain.step.update_groups`); a custom transform
 is assumed not leafwise unless it says so.
 
 `updates` has the structure of the params; `apply_updates` adds them. Transforms compose with
@@ -42,7 +42,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from functrain import foreach
+from functrain.ops import foreach
 from functrain import tree as tree_lib
 
 __all__ = [
@@ -263,7 +263,7 @@ def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> l
     flat = []
     for flag, sub in zip(flags, subtrees):
         flat.extend([bool(flag)] * len(tree_lib.leaves(sub)))
-    if _MASK_LOG is not None:  # functrain.update_groups checks masks resolved on a group of leaves
+    if _MASK_LOG is not None:  # functrain.step.update_groups checks masks resolved on a group of leaves
         _MASK_LOG.append({n: f for (n, _), f in zip(tree_lib.named_leaves(params), flat)})
     return flat
 

@@ -1,4 +1,4 @@
-"""The checks of a run config's `optim` keys (see `functrain.validate`): plain Python, no torch, so
+"""The checks of a run config's `optim` keys (see `functrain.config`): plain Python, no torch, so
 `python -m functrain.main` reports a bad value before the heavy modules load.
 `functrain.optim.config` (which reads these keys) re-exports `CHECKS`.
 
@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from functrain import validate as v
+from functrain import config as v
 
 __all__ = ["CHECKS", "DTYPES"]
 

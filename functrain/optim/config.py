@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from functrain import precision as precision_lib
+import functrain.step.precision as precision_lib
 from functrain.optim.checks import CHECKS
 from functrain.optim.aliases import adamw, sgd
 from functrain.optim.base import Transform, chain

@@ -20,7 +20,9 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
-from functrain import foreach, metric_names, ops
+from functrain import ops
+from functrain.ops import foreach
+import functrain.step.metric_names as metric_names
 from functrain import tree as tree_lib
 from functrain.optim.base import Transform, resolve_mask
 from functrain.optim.schedules import Schedule

@@ -1,7 +1,7 @@
 """`layout_of(params)`: the params' `Layout`, `LOCAL` or the mesh's `Spmd` (see `parallel.layout`).
 
-DTensor's machinery (`parallel.spmd`) is imported only when the params are DTensors, so a
-single-process run never loads it.
+Plain tensors get `LOCAL`, whose methods are identities, so a single-process step runs no DTensor
+code (the module `parallel.spmd` is imported with `functrain.parallel`, for its public names).
 """
 
 from __future__ import annotations

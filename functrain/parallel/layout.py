@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from functrain import foreach
+from functrain.ops import foreach
 from functrain import tree as tree_lib
 
 __all__ = ["Layout", "Local", "LOCAL", "is_dtensor"]
@@ -51,7 +51,7 @@ class Layout:
 
     def gather(self, params: PyTree, rows: tuple[str, ...] = ()) -> PyTree:
         """Plain tensors to compute with (all-gathered over the dp axes when sharded). `rows` names
-        position tables (`functrain.remat.Stage.rows`) a layout may hand over as this rank's rows on
+        position tables (`functrain.step.staged.Stage.rows`) a layout may hand over as this rank's rows on
         the cp axis instead (`functrain.parallel.context.position_rows` reads either)."""
         raise NotImplementedError
 

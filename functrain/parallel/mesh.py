@@ -41,7 +41,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from functrain.mesh_config import mesh_shape
+from functrain.config import mesh_shape
 from functrain.parallel import gloo
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Pipeline parallelism: a staged loss's stages on different ranks, microbatches on a schedule.
 
-`place` cuts a `functrain.remat.StagedLoss` (embedding, blocks, head) over the ranks of a pipeline
+`place` cuts a `functrain.step.staged.StagedLoss` (embedding, blocks, head) over the ranks of a pipeline
 group: the blocks into contiguous groups of balanced parameter count (`parallel.schedule.partition`),
 the embedding on the first rank, the head and the loss on the last. Each rank's state is a pytree of
 its own stages' params and optimizer state (`Pipeline.params` picks them from the full params).
@@ -8,12 +8,11 @@ its own stages' params and optimizer state (`Pipeline.params` picks them from th
 `make_train_step(pipe, optimizer, microbatches=M, schedule="1f1b")` builds `step(state, batch) ->
 (state, metrics)` for one rank. Every rank gets the same batch (the first reads its inputs, the last
 its targets); it is cut into M microbatches, which run through the rank's stages in the order of the
-schedule (`parallel.schedule`: "gpipe", "1f1b" or "eager-1f1b"). A forward receives its input activation from the
-rank before and sends its output to the rank after; a backward receives the output's cotangent from
-the rank after and sends the input's cotangent to the rank before (torch.distributed point-to-point
-on the pipeline group: non-blocking sends; each receive posted one action ahead of the action that
-waits on it, so a send finds its receive ready and goes out at once). Within a rank the stages run as the
-staged loss runs them: vjp closures, blocks recomputed in the backward as its remat policy says.
+schedule (`parallel.schedule`: "gpipe", "1f1b" or "eager-1f1b"). Activations go forward to the
+next rank and cotangents back to the previous one by point-to-point transfers on the pipeline group
+(non-blocking sends; each receive posted one action ahead of the action that waits on it). Within a
+rank the stages run as the staged loss runs them: vjp closures, blocks recomputed in the backward as
+its remat policy says.
 
 One global decision. The gradients are the mean over microbatches (as `accum_steps=M` on one
 process); a weight read on two ranks (a tied embedding and head) has its gradients summed over the
@@ -25,9 +24,8 @@ the step count every rank holds.
 
 Compile contract (`compile=True`): the stages run as the staged loss's own graphs
 (`StagedLoss.compile_stages`: the embedding, ONE block graph for every block, a no-grad block graph
-when blocks are recomputed, the head; each with its AOTAutograd backward), called from the eager
-schedule, and the optimizer update is one graph. No graph per block, microbatch or step; the
-schedule and the point-to-point transfers stay in Python between graphs.
+when blocks are recomputed, the head), called from the eager schedule; the optimizer update is one
+graph. No graph per block, microbatch or step.
 
 Example:
     >>> pipe = pipeline.place(gpt.make_loss_fn(template, staged=True), full_params)
@@ -47,17 +45,18 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from functrain import compiler
-from functrain import metric_names as M
-from functrain import precision as precision_lib
+import functrain.step.metric_names as M
+import functrain.step.precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
-from functrain.loss_contract import loss_and_aux
+from functrain.step.loss_contract import loss_and_aux
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
 from functrain.parallel.schedule import Action, bubble_fraction, partition, schedule as make_schedule
-from functrain.remat import StagedLoss
+from functrain.step.staged import StagedLoss, cotangent_seed
+from functrain.step.steps import split_microbatches
 from functrain.state import TrainState
-from functrain.update import make_update, to_master
+from functrain.step.update import make_update, to_master
 
 __all__ = ["Pipeline", "Stages", "bubble_fraction", "global_norm", "make_eval_step", "make_train_step",
            "param_shapes", "place"]
@@ -111,7 +110,7 @@ def place(loss_fn: StagedLoss, params: Params, *, group=None, rank: int | None =
     """Cuts `loss_fn`'s stages over the pipeline ranks and returns this rank's share.
 
     Args:
-      loss_fn: a `functrain.remat.StagedLoss` (e.g. `gpt.make_loss_fn(template, staged=True)`).
+      loss_fn: a `functrain.step.staged.StagedLoss` (e.g. `gpt.make_loss_fn(template, staged=True)`).
       params: the whole model's params, {name: tensor}; only their shapes are read (meta tensors do).
       group: the pipeline's process group (None: the default group).
       rank, world: this rank's pipeline index and the pipeline's size (default: from `group`).
@@ -323,23 +322,6 @@ def _signature(batch: PyTree):
     return tuple((tuple(x.shape), str(x.dtype)) for x in tree_lib.leaves(batch))
 
 
-def _microbatches(batch: PyTree, m: int) -> list:
-    """`batch` cut into `m` microbatches along dim 0 (one line when it does not divide)."""
-    def split(x):
-        if x.shape[0] % m:
-            raise ValueError(f"batch dimension {x.shape[0]} is not divisible by microbatches={m}; "
-                             "make the batch size a multiple of the pipeline's microbatches")
-        return x.reshape(m, x.shape[0] // m, *x.shape[1:])  # (M, B/M, ...)
-
-    cut = tree_lib.map(split, batch)
-    return [tree_lib.map(lambda x: x[i], cut) for i in range(m)]
-
-
-def _seed(loss: torch.Tensor, loss_scale) -> torch.Tensor:
-    """The loss's cotangent: ones, or the fp16 loss scale."""
-    return torch.ones_like(loss) if loss_scale is None else loss_scale.to(loss.dtype).expand(loss.shape)
-
-
 class _Rank:
     """The forward and backward of one microbatch through this rank's stages (`StagedLoss` routes)."""
 
@@ -387,7 +369,7 @@ class _Rank:
         embed_vjp, saved, head = held
         if pipe.last:
             head_vjp, loss = head
-            g_head, g = head_vjp(_seed(loss, loss_scale))
+            g_head, g = head_vjp(cotangent_seed(loss, loss_scale))
             add(self.head, g_head)
         else:
             shape, dtype = self.wire.shapes[self.sig, "out"]
@@ -485,7 +467,8 @@ def make_train_step(
         params, batch = precision_lib.to_compute(prec, state.params, batch)
         params = lay.gather(params)  # this rank's stages, whole on the dp axes (tp slices stay slices)
         key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
-        micro = _microbatches(batch, microbatches)
+        cut = split_microbatches(batch, microbatches, "pp.microbatches")  # (M, B/M, ...) each leaf
+        micro = [tree_lib.map(lambda x, i=i: x[i], cut) for i in range(microbatches)]
         keys = rng_lib.split(key, microbatches) if microbatches > 1 else key[None]
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
         stages = _Rank(pipe, loss_fn, wire, _signature(batch))
@@ -604,7 +587,8 @@ def make_eval_step(
         losses, auxes = [], []
         forwards = wire.ahead([Action("F", i) for i in range(microbatches)], stages.sig, _device(params))
         with torch.no_grad():
-            for act, mb in zip(forwards, _microbatches(batch, microbatches)):
+            cut = split_microbatches(batch, microbatches, "pp.microbatches")  # (M, B/M, ...) each leaf
+            for act, mb in zip(forwards, (tree_lib.map(lambda x, i=i: x[i], cut) for i in range(microbatches))):
                 _, loss, aux = stages.forward(params, mb, None, act.micro, grad=False)
                 if pipe.last:
                     losses.append(loss)

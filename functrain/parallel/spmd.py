@@ -6,10 +6,10 @@ tensors, FSDP-style:
   1. `Spmd.gather`: parameters are made whole on the data-parallel axes (all-gather over
      dp_shard) and kept as they are on the tp axis; the resulting plain tensor (the whole parameter,
      or this rank's tp slice) is what the forward sees. With a staged loss
-     (`functrain.remat.staged_loss`, e.g. `gpt.make_loss_fn(..., staged=True)`, which the GPT task
+     (`functrain.step.staged.staged_loss`, e.g. `gpt.make_loss_fn(..., staged=True)`, which the GPT task
      uses on a mesh) the step calls it once per stage, just before the stage runs, and
      `reduce_grads` once per stage, as soon as its vjp has made the gradients (FSDP's per-block
-     schedule, see `functrain.remat`); otherwise once for the whole model.
+     schedule, see `functrain.step.staged`); otherwise once for the whole model.
   2. `torch.func.grad_and_value` runs over those plain tensors (transforms cannot see through
      DTensors); tensor-parallel collectives inside the model are differentiable functional
      collectives (see `functrain.parallel.tp`).
@@ -19,7 +19,7 @@ tensors, FSDP-style:
      the whole mesh.
 
 Position tables. A stage may name parameters it reads only at the batch's token positions
-(`functrain.remat.Stage.rows`: the GPT's learned position embedding). With a cp axis of several
+(`functrain.step.staged.Stage.rows`: the GPT's learned position embedding). With a cp axis of several
 ranks, `gather(params, rows)` hands these over as this rank's rows on cp (`Shard(0)` there, whole
 on the other dp axes) instead of the whole table, and `functrain.parallel.context.position_rows`
 fetches each rank's rows from their owners; `reduce_grads(grads, params, rows)` takes their
@@ -31,19 +31,15 @@ Bucketing. Parameters sharded on dim 0 by one dp axis (the FSDP layout) and para
 on every dp axis (DDP) go through ONE flat collective per (kind, axis, dtype), like FSDP2's flat
 buffers: each local shard is padded to the ceil-sized chunk, flattened and concatenated, so uneven
 shards need no special case. Any other layout (e.g. FSDP on dim 1 of a colwise weight under 2-D
-FSDP + TP) is redistributed per parameter through DTensor. Measured on 2 gloo ranks, 68 GPT
-tensors: per-tensor all-gathers 0.07-0.14 s vs 0.04-0.06 s flat; per-tensor reduce-scatters
-0.15-0.26 s vs 0.05-0.07 s flat.
+FSDP + TP) is redistributed per parameter through DTensor (a flat bucket is 2-4x faster than
+per-tensor collectives: docs/results.md).
 
 Reduce-scatter routes (`REDUCE_SCATTER`). gloo has no reduce-scatter of its own: torch's
 `ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the whole (w, S) input, all-reduces the
 clone and copies this rank's row out when waited on. So on gloo groups the default ("auto") runs
 "all_reduce": the bucket all-reduced (`funcol.all_reduce`) and this rank's row copied out, so the
 (w, S) sum is freed at once. Same collective, same bits (tests/test_parallel_dist.py), one
-whole-bucket copy fewer. Measured interleaved in one run (`bench/sharded.py --remat none
---reduce-scatter reduce_scatter,all_reduce`, 2 gloo ranks, 2-core AMD EPYC, torch 2.13,
-OMP_NUM_THREADS=1, 2026-11-25): 6 x 512 1.404 vs 1.489 and 1.663 vs 1.696 s/step, a live peak of 236
-vs 262 and 248 vs 278 MiB per rank (two runs); 12 x 512 3.083 vs 3.560 s/step, 428 vs 496 MiB.
+whole-bucket copy fewer: faster and a lower peak (docs/results.md).
 Elsewhere (nccl) "auto" is the backend's reduce-scatter, which moves half an all-reduce's bytes.
 
 "all_to_all" (opt-in): each rank sends row j of its gradient buffer to rank j with
@@ -202,7 +198,7 @@ class Spmd(Layout):
 
         Eagerly the collectives run in the background until that function is called (compiled,
         it is `gather` in two halves). Lets an eager stage loop gather the next stage while the
-        current one computes (`functrain.remat`, compile="blocks").
+        current one computes (`functrain.step.staged`, compile="blocks").
         """
         kept = self._rows_on_cp(params, rows)
         if kept:

@@ -6,7 +6,7 @@ One factory, `make_loss_fn(model, chunk_size=0, remat="none")`, for `make_train_
   plain    the full (B, T, V) logits, `model.cross_entropy`;
   chunked  `chunk_size > 0`: `functrain.losses.chunked_cross_entropy` through the tied head, so the
            logits never exist whole;
-  remat    `remat != "none"`: the same loss as `functrain.remat` stages (embedding, blocks, head),
+  remat    `remat != "none"`: the same loss as `functrain.step.staged` stages (embedding, blocks, head),
            whose `value_and_grad` recomputes the chosen blocks in the backward.
 
 All three compute the same loss and gradients (to float rounding; the plain route is the model's
@@ -104,15 +104,15 @@ def make_loss_fn(
       model: the (meta-device) GPT template (or its tensor-parallel copy).
       chunk_size: see `gpt_loss` (0 = plain loss).
       ignore_index: target value to ignore.
-      remat: activation checkpointing of the transformer blocks (`functrain.remat.parse_policy`):
+      remat: activation checkpointing of the transformer blocks (`functrain.step.staged.parse_policy`):
         "none", "full" (recompute every block in backward) or an int N (every N-th block). Other
-        than "none", the loss is a `functrain.remat.staged_loss` (embedding, blocks, and a head
+        than "none", the loss is a `functrain.step.staged.staged_loss` (embedding, blocks, and a head
         ln_f -> loss through the tied lm_head) whose `value_and_grad` the train step uses. The
         loss and gradients are the same as without remat (to float rounding); only memory and
         time change.
       staged: build the staged loss even with remat "none": on sharded (DTensor) params the train
         step then gathers each block's parameters just before it runs and reduce-scatters its
-        gradients as soon as they exist (see `functrain.remat`), instead of gathering the whole
+        gradients as soon as they exist (see `functrain.step.staged`), instead of gathering the whole
         model; on plain params it is the same as the unstaged loss.
 
     Returns:

@@ -49,7 +49,7 @@ from einops.layers.torch import Rearrange
 
 from functrain import functional, ops, rng
 from functrain.models.lm import LMStages, init_blocks, cross_entropy, generate, repeated_stages, submodule_stage
-from functrain.remat import Stage
+from functrain.step.staged import Stage
 
 __all__ = [
     "GPTConfig",
@@ -242,7 +242,7 @@ class GPT(nn.Module):
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
 
-GPTStages = LMStages  # embed, blocks, final: a GPT cut into `functrain.remat.Stage`s (see `stages`)
+GPTStages = LMStages  # embed, blocks, final: a GPT cut into `functrain.step.staged.Stage`s (see `stages`)
 
 
 def stages(model: GPT) -> GPTStages:

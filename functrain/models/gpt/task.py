@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from functrain import parallel
-from functrain import validate as v
+from functrain import config as v
 from functrain.interop.hf import save_hf_directory
 from functrain.models import lm
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config

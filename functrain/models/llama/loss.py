@@ -1,5 +1,5 @@
 """The Llama's loss: next-token cross-entropy through its head (the tied embedding or `lm_head`),
-plain, chunked or as `functrain.remat` stages (which also give the per-block sharded step).
+plain, chunked or as `functrain.step.staged` stages (which also give the per-block sharded step).
 
 Example:
     >>> loss_fn = make_loss_fn(template, chunk_size=1024, remat="full")

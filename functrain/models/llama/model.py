@@ -45,7 +45,7 @@ from einops.layers.torch import Rearrange
 
 from functrain import functional, ops, rng
 from functrain.models.lm import LMStages, init_blocks, repeated_stages, submodule_stage
-from functrain.remat import Stage
+from functrain.step.staged import Stage
 
 __all__ = ["LlamaConfig", "Llama", "TP_RULES", "flops_per_token", "init_params", "num_params", "stages"]
 
@@ -265,7 +265,7 @@ class Llama(nn.Module):
 
 
 def stages(model: Llama) -> LMStages:
-    """`model`'s forward up to the hidden states after `norm`, as `functrain.remat` stages.
+    """`model`'s forward up to the hidden states after `norm`, as `functrain.step.staged` stages.
 
     Each stage reads only its own parameters and runs its submodule functionally, so a
     tensor-parallel copy of the model works unchanged, and on sharded params the train step gathers

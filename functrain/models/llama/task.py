@@ -28,7 +28,7 @@ import torch
 
 from functrain import data as data_lib
 from functrain import parallel
-from functrain import validate as v
+from functrain import config as v
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm
 from functrain.models.llama import hf as hf_lib

@@ -52,7 +52,7 @@ autograd through AOTAutograd's forward/backward graphs (`torch.func.vjp` cannot 
 compiled function from eager code). Graphs: embedding, block and head, each with grad and (for a
 no-grad forward: a recomputed block, the sharded embedding, eval) without; none per block. The
 train step's optimizer update then runs group by group, one graph for every block
-(`functrain.update_groups`), and the cold compile is flat in depth (bench/compile_depth.py; README
+(`functrain.step.update_groups`), and the cold compile is flat in depth (bench/compile_depth.py; README
 "Compile unit").
 
 Example:
@@ -72,8 +72,8 @@ import torch
 from functrain import compiler
 from functrain import tree as tree_lib
 from functrain.compiler.marks import mark_forward_done, remat_barrier
-from functrain.loss_contract import loss_and_aux
-from functrain.remat_policy import parse_policy, recomputed_blocks
+from functrain.step.loss_contract import loss_and_aux
+from functrain.step.remat_policy import parse_policy, recomputed_blocks
 
 __all__ = ["Stage", "StagedLoss", "parse_policy", "recomputed_blocks", "remat_barrier", "staged_loss"]
 
@@ -133,7 +133,7 @@ def _add_grads(total: Params, grads: Params) -> None:
         total[name] = g if name not in total else total[name] + g
 
 
-def _seed(loss: torch.Tensor, loss_scale) -> torch.Tensor:
+def cotangent_seed(loss: torch.Tensor, loss_scale) -> torch.Tensor:
     """The head's output cotangent: ones, or `loss_scale` in the loss's dtype and shape."""
     if loss_scale is None:
         return torch.ones_like(loss)
@@ -351,7 +351,7 @@ def _plain_value_and_grad(loss_fn, params, batch, key, loss_scale):
     def scaled(p):
         """(loss * loss_scale, (loss, aux))."""
         loss, aux = loss_fn(p, batch, key)
-        out = loss if loss_scale is None else loss * _seed(loss, loss_scale)
+        out = loss if loss_scale is None else loss * cotangent_seed(loss, loss_scale)
         return out, (loss.detach(), aux)
 
     grads, (_, (loss, aux)) = torch.func.grad_and_value(scaled, has_aux=True)(params)
@@ -442,7 +442,7 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
 
     # Backward: head, blocks in reverse (recomputing where asked), embedding.
     grads: Params = {}
-    g_head, g = head_vjp(_seed(loss, loss_scale))
+    g_head, g = head_vjp(cotangent_seed(loss, loss_scale))
     del head_vjp  # its closure holds the head's gathered parameters
     add(head, g_head)
     for i in reversed(range(len(blocks))):

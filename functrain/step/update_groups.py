@@ -43,13 +43,13 @@ from typing import Any, Callable, NamedTuple, Sequence
 import optree
 import torch
 
-from functrain import metric_names as M
+import functrain.step.metric_names as M
 from functrain import optim
 from functrain import tree as tree_lib
 from functrain.optim import base as optim_base
 from functrain.parallel import Layout
 from functrain.state import TrainState
-from functrain.update import guard_after, to_master, update_ok
+from functrain.step.update import guard_after, to_master, update_ok
 
 __all__ = ["Group", "plan", "make_finish"]
 
@@ -86,7 +86,7 @@ def plan(params: PyTree, blocks: Sequence, optimizer: optim.Transform) -> "tuple
 
     Args:
       params: the params (a flat dict {name: tensor or DTensor}).
-      blocks: the staged loss's block stages (`functrain.remat.Stage`: `names`, `prefix`).
+      blocks: the staged loss's block stages (`functrain.step.staged.Stage`: `names`, `prefix`).
       optimizer: the transform the step applies.
 
     Returns:
@@ -245,7 +245,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       lay: the params' layout.
       donate: write the new state into the input state's buffers.
       guarded: skip a non-finite update (keep params and optimizer state).
-      prec: the `functrain.precision.Precision` (its loss-scaling rule).
+      prec: the `functrain.step.precision.Precision` (its loss-scaling rule).
       piece: wraps the update phase (`torch.compile` for compile="blocks"); the others run eagerly.
 
     Returns:

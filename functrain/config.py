@@ -1,22 +1,27 @@
-"""Config validation: every value checked once, each failure one line naming the key and its range.
+"""Run-config checks every layer shares, and the mesh a config asks for: plain Python, no torch.
 
 A check is data: `(key, predicate, valid range in words)`; `relation` checks several keys together
-(n_head dividing n_embd), `check_batch` the batch against the mesh. The loop's keys are in `LOOP_CHECKS`;
-the optimizer's (`functrain.optim.checks`) and each model family's (its `checks.py`) sit beside the
-code that reads them and use the same helpers. Check modules import no torch: `python -m
-functrain.main` runs every check before the heavy modules load. `check_all` raises one `ConfigError`:
+(n_head dividing n_embd), `check_batch` the batch against the mesh. The optimizer's checks
+(`functrain.optim.checks`), each model family's (its `checks.py`) and the trainer's
+(`functrain.trainer.validate.LOOP_CHECKS`) sit beside the code that reads them and use these helpers.
+Nothing here imports torch: `python -m functrain.main` runs every check before the heavy modules
+load. `check_all` raises one `ConfigError`:
 
     functrain: error: batch_size=0 is out of range: an integer >= 1 (--config.batch_size)
 
+`mesh_shape` resolves a config's mesh axis sizes for a number of processes (`functrain.parallel`
+re-exports it).
+
 Example:
-    >>> validate.check_all(config, validate.LOOP_CHECKS)
-    >>> validate.check_all(config, [("model.n_layer", validate.int_at_least(1))])
+    >>> check_all(config, [("model.n_layer", int_at_least(1))])
+    >>> mesh_shape({"tp": 2}, 8)
+    {'dp_replicate': 1, 'dp_shard': 4, 'cp': 1, 'tp': 2}
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "ConfigError",
@@ -33,8 +38,8 @@ __all__ = [
     "check_batch",
     "check_pipeline",
     "check_context",
-    "check_cuda_graphs",
-    "LOOP_CHECKS",
+    "mesh_shape",
+    "dp_world",
 ]
 
 Check = tuple  # (dotted key, (predicate, valid range in words)); a relation: ((key, ...), (predicate, rule))
@@ -221,7 +226,7 @@ def check_batch(batch_size: int, accum_steps: int, dp_world: int, what: str = "a
     Args:
       batch_size: the global batch (`config.batch_size`).
       accum_steps: gradient-accumulation micro-batches per step.
-      dp_world: data-parallel ranks of the mesh (`functrain.mesh_config.dp_world`).
+      dp_world: data-parallel ranks of the mesh (`functrain.config.dp_world`).
       what: the key that sets the micro-batches ("pp.microbatches" for pipeline stages).
 
     Example:
@@ -268,65 +273,80 @@ def check_context(block_size: int, cp: int) -> None:
             "holds two chunks of every sequence); change --config.model.block_size or --config.mesh.cp")
 
 
-def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:
-    """Raises `ConfigError` when `config.cuda_graphs` is asked for where it cannot work.
+def _get(cfg: Any, name: str, default: int) -> int:
+    """Field `name` of a dict-like or attribute-style config, or `default`."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        return int(cfg.get(name, default))
+    return int(getattr(cfg, name, default))
+
+
+def mesh_shape(mesh_config: Any, world: int) -> dict[str, int]:
+    """Resolves the axis sizes of a mesh config for `world` processes.
 
     Args:
-      config: the run config (reads cuda_graphs, compile, compile_unit).
-      device_type: the run's device type, once known ("cuda", "cpu", ...); None skips that check.
+      mesh_config: a dict / ml_collections ConfigDict / object with optional int fields
+        `dp_replicate` (default 1), `dp_shard` (default -1), `cp` (default 1), `tp` (default 1); -1
+        means "the rest of the world size" and may appear once. None means pure FSDP over all
+        processes. An optional `pp` (default 1, pipeline ranks, see `functrain.parallel.pipeline`) splits
+        the world into `pp` pipeline stages, each a mesh of the other four axes over world / pp.
+      world: the number of processes.
 
     Returns:
-      None.
+      {"dp_replicate": a, "dp_shard": b, "cp": c, "tp": d} with a * b * c * d == world / pp: the
+      mesh of one pipeline stage (of the whole world without `pp`).
+
+    Raises:
+      ValueError: one line naming the sizes and the world size when they do not fit.
 
     Example:
-      >>> check_cuda_graphs(config, "cuda")
+      >>> mesh_shape({"tp": 2}, 8)
+      {'dp_replicate': 1, 'dp_shard': 4, 'cp': 1, 'tp': 2}
     """
-    if not config.get("cuda_graphs", False):
-        return
-    if not config.compile:
-        raise ConfigError("cuda_graphs=True records the compiled step: it needs compile=True "
-                          "(set --config.compile=True or drop --config.cuda_graphs)")
-    if config.compile_unit != "step":
-        raise ConfigError(f"cuda_graphs=True records the one-graph step: it needs compile_unit='step', not "
-                          f"{config.compile_unit!r} (set --config.compile_unit=step or drop --config.cuda_graphs)")
-    if device_type is not None and device_type != "cuda":
-        raise ConfigError(f"cuda_graphs=True needs a CUDA device; this run's device is {device_type} "
-                          "(drop --config.cuda_graphs)")
+    pp = _get(mesh_config, "pp", 1)
+    if pp < 1 or world % pp:
+        raise ValueError(f"mesh config pp={pp}: pipeline ranks must be a positive divisor of the world size {world}")
+    world //= pp
+    sizes = {
+        "dp_replicate": _get(mesh_config, "dp_replicate", 1),
+        "dp_shard": _get(mesh_config, "dp_shard", -1),
+        "cp": _get(mesh_config, "cp", 1),
+        "tp": _get(mesh_config, "tp", 1),
+    }
+    desc = " x ".join(f"{k}={v}" for k, v in sizes.items()) + (f" (one of pp={pp} pipeline stages)" if pp > 1 else "")
+    bad = [k for k, v in sizes.items() if v == 0 or v < -1]
+    rest = [k for k, v in sizes.items() if v == -1]
+    if bad:
+        raise ValueError(f"mesh config {desc}: sizes must be positive or -1 (got {', '.join(bad)})")
+    if len(rest) > 1:
+        raise ValueError(f"mesh config {desc}: at most one axis may be -1 (got {', '.join(rest)})")
+    known = 1
+    for v in sizes.values():
+        known *= v if v > 0 else 1
+    if rest:
+        if world % known:
+            raise ValueError(
+                f"mesh config {desc}: world size {world} is not divisible by {known}, "
+                f"so {rest[0]}=-1 has no integer size"
+            )
+        sizes[rest[0]] = world // known
+    elif known != world:
+        raise ValueError(f"mesh config {desc}: product {known} != world size {world}")
+    return sizes
 
 
-LOOP_CHECKS: list[Check] = [
-    ("steps", int_at_least(1)),
-    ("stop_at", int_at_least(0)),
-    ("batch_size", int_at_least(1)),
-    ("accum_steps", int_at_least(1)),
-    ("log_every", int_at_least(1)),
-    ("eval_every", int_at_least(1)),
-    ("eval_batches", int_at_least(1)),
-    ("compile", boolean()),
-    ("compile_unit", one_of("step", "blocks")),
-    ("fullgraph", boolean()),
-    ("model_state_sync", one_of("broadcast", "mean")),
-    ("cp_attention", one_of("zigzag", "stream", "mask")),
-    ("pp.microbatches", int_at_least(1)),
-    ("pp.schedule", one_of("1f1b", "eager-1f1b", "gpipe")),
-    ("cuda_graphs", boolean()),
-    ("donate", boolean()),
-    ("peak_flops", number_at_least(0.0)),
-    ("deterministic", boolean()),
-    ("precision", one_of("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),
-    ("max_consecutive_skips", int_at_least(0)),
-    ("tensorboard", boolean()),
-    ("host_memory", one_of("keep", "default")),
-    ("gc_every", int_at_least(0)),
-    ("prefetch", int_at_least(0)),
-    ("dist_timeout_s", int_at_least(0)),
-    ("checkpoint.enabled", boolean()),
-    ("checkpoint.every", int_at_least(0)),
-    ("checkpoint.keep", int_at_least(1)),
-    ("checkpoint.keep_every", int_at_least(0)),
-    ("checkpoint.async_restore", boolean()),
-    ("checkpoint.resume_hyperparams", one_of("config", "checkpoint")),
-    ("profile.start", int_at_least(0)),
-    ("profile.stop", int_at_least(0)),
-]
-"""The training loop's own keys (the model's and the optimizer's are checked beside their code)."""
+def dp_world(shape: Mapping[str, int]) -> int:
+    """The number of data-parallel replicas (batch shards) of a resolved mesh shape.
+
+    Args:
+      shape: `mesh_shape`'s result.
+
+    Returns:
+      dp_replicate x dp_shard (context- and tensor-parallel ranks share their batch rows).
+
+    Example:
+      >>> dp_world(mesh_shape({"tp": 2}, 8))
+      4
+    """
+    return shape["dp_replicate"] * shape["dp_shard"]

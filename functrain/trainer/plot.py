@@ -1,7 +1,7 @@
 """Training curves from a run's `metrics.jsonl` as one PNG: loss (train and val), lr, throughput, grad norm.
 
-    python -m functrain.plot runs/gpt                 # writes runs/gpt/curves.png
-    python -m functrain.plot runs/gpt --out gpt.png
+    python -m functrain.trainer.plot runs/gpt                 # writes runs/gpt/curves.png
+    python -m functrain.trainer.plot runs/gpt --out gpt.png
 
 Needs matplotlib (`pip install matplotlib`, or the `functrain[plot]` extra); training does not.
 Each line of `metrics.jsonl` is a JSON object with a `step` and any of `loss`, `val_loss`, `lr`,
@@ -10,7 +10,7 @@ re-logs some steps: the last value logged for a step wins. A truncated last line
 writing) is skipped.
 
 Example:
-    >>> from functrain.plot import plot_metrics
+    >>> from functrain.trainer.plot import plot_metrics
     >>> plot_metrics("runs/gpt")
     PosixPath('runs/gpt/curves.png')
 """
@@ -91,7 +91,7 @@ def _import_matplotlib():
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotError(
-            "functrain.plot needs matplotlib: pip install matplotlib (or pip install 'functrain[plot]')"
+            "functrain.trainer.plot needs matplotlib: pip install matplotlib (or pip install 'functrain[plot]')"
         ) from None
     return Figure
 
@@ -151,9 +151,9 @@ def plot_metrics(workdir: str | os.PathLike, out: str | os.PathLike | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: `python -m functrain.plot <workdir> [--out FILE.png]`; returns the exit code."""
+    """Command line: `python -m functrain.trainer.plot <workdir> [--out FILE.png]`; returns the exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m functrain.plot", description="Plot a functrain run's metrics.jsonl into a PNG."
+        prog="python -m functrain.trainer.plot", description="Plot a functrain run's metrics.jsonl into a PNG."
     )
     parser.add_argument("workdir", help="run directory holding metrics.jsonl (or the file itself)")
     parser.add_argument("--out", default=None, help="PNG to write (default: <workdir>/curves.png)")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = plot_metrics(args.workdir, args.out)
     except PlotError as e:
-        print(f"functrain.plot: error: {e}", file=sys.stderr)  # as functrain.main words its errors
+        print(f"functrain.trainer.plot: error: {e}", file=sys.stderr)  # as functrain.main words its errors
         return 2
     print(out)
     return 0

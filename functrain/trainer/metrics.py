@@ -17,8 +17,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from functrain import metric_names as M
-from functrain.tensorboard import TensorBoardWriter
+import functrain.step.metric_names as M
+from functrain.trainer.tensorboard import TensorBoardWriter
 
 __all__ = [
     "ConsoleWriter",

@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 import torch
 
-from functrain import metric_names as M
-from functrain import compiler, foreach, ops, optim
-from functrain import precision as precision_lib
+import functrain.step.metric_names as M
+from functrain import compiler, ops, optim
+from functrain.ops import foreach
+import functrain.step.precision as precision_lib
 from functrain import tree as tree_lib
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import LOCAL, Layout
@@ -112,7 +113,7 @@ def apply_gradients(
       `(new_state, metrics)`: metrics hold `aux`, `grad_norm`, `update_norm` (of the optimizer's
       update, before a skip), `lr`, and the skip counters when skipping. The params' norm is not
       taken here (it would cost a pass of its own every step): log `tree.global_norm(state.params)`
-      when you log, as `functrain.loop` does.
+      when you log, as `functrain.trainer.loop` does.
 
     Example:
       >>> grads = tree.map(lambda g: g + sigma * torch.randn_like(g), clipped_mean_grads)

@@ -1,7 +1,7 @@
 """Pure train and eval steps: `step(state, batch) -> (state, metrics)`, compiled as one graph.
 
 This module holds the mathematics of a step (value and grad, accumulation, the finish) and asks
-`functrain.compiler` for the compile unit; the optimizer half is `functrain.update`.
+`functrain.compiler` for the compile unit; the optimizer half is `functrain.step.update`.
 
 The train step does forward, backward (`torch.func.grad_and_value` over the params; plain autograd
 when eager), gradient accumulation, the optimizer (clipping, schedule, update) and the step counter
@@ -16,16 +16,16 @@ keeps peak memory near one copy of the state. `donate=False` allocates a new sta
 input untouched (useful for tests, EMA tricks and debugging).
 
 Compile unit. `compile=True` makes the whole step one graph: the fastest steps, but every block is
-inlined, so compile time grows with depth. `compile="blocks"` (a `functrain.remat.StagedLoss`
+inlined, so compile time grows with depth. `compile="blocks"` (a `functrain.step.staged.StagedLoss`
 only) compiles the step's prepare (casts, key) as a graph and lets the loss run its stages as graphs
 of their own, one block graph shared by every block (`StagedLoss.compile_stages`); the finish
 (grads to the masters, metrics, the optimizer update) runs group by group, one update graph for
-every block (`functrain.update_groups`; one finish graph when the optimizer or its masks do not
+every block (`functrain.step.update_groups`; one finish graph when the optimizer or its masks do not
 allow that). No graph per block, none per step.
 
 Precision and safety. `precision="bf16"` (or "fp16", with dynamic loss scaling) runs forward and
 backward on a cast copy of the params inside the same graph while the state keeps fp32 masters
-(`functrain.precision`). A step whose loss or gradient norm is not finite keeps the old params and
+(`functrain.step.precision`). A step whose loss or gradient norm is not finite keeps the old params and
 optimizer state (a `torch.where` fused into the update kernels: no host sync, no graph break),
 advances `step`, and counts the skip in `state.guard` and the metrics.
 
@@ -53,21 +53,21 @@ from typing import Any, Callable
 
 import torch
 
-from functrain import metric_names as M
+import functrain.step.metric_names as M
 from functrain import compiler, optim
-from functrain import precision as precision_lib
+import functrain.step.precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
-from functrain import update_groups
-from functrain.loss_contract import loss_and_aux
+import functrain.step.update_groups as update_groups
+from functrain.step.loss_contract import loss_and_aux
 from functrain.nn import mode as mode_lib
 from functrain.nn import randomness
 from functrain.nn.model_state import call_loss, check_loss, has_model_state, restore_dtypes
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
-from functrain.remat import StagedLoss
+from functrain.step.staged import StagedLoss
 from functrain.state import TrainState
-from functrain.update import apply_gradients, make_update, to_master, update_step
+from functrain.step.update import apply_gradients, make_update, to_master, update_step
 
 __all__ = [
     "apply_gradients",
@@ -95,7 +95,7 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
         module draws from it (`functrain.nn.randomness`).
       loss_scale: optional 0-d tensor; the gradients are those of `loss * loss_scale` (fp16 loss
         scaling) while the returned loss is unscaled.
-      layout: for sharded (DTensor) params and a `functrain.remat.StagedLoss`: its
+      layout: for sharded (DTensor) params and a `functrain.step.staged.StagedLoss`: its
         `value_and_grad_sharded` gathers each stage's params itself and returns grads in the
         params' placements.
       model_state: the model's buffers (`TrainState.model_state`), passed to the loss and returned
@@ -109,7 +109,7 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
       `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params; with
       `model_state`, `(loss, aux, grads, new_model_state)`.
 
-    A `functrain.remat.StagedLoss` brings its own gradient route (`value_and_grad`, which recomputes
+    A `functrain.step.staged.StagedLoss` brings its own gradient route (`value_and_grad`, which recomputes
     blocks in the backward); any other loss function is differentiated by `torch.func.grad_and_value`
     (compiled, or in a transform), or eagerly by plain autograd (the same gradients, faster).
 
@@ -118,7 +118,7 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
     """
     if isinstance(loss_fn, StagedLoss):
         if has_model_state(model_state):
-            raise ValueError("a staged loss (functrain.remat) runs the model's own stages and takes no model "
+            raise ValueError("a staged loss (functrain.step.staged) runs the model's own stages and takes no model "
                              "state: use a plain loss function for a model with buffers")
         if layout is not None:
             loss, aux, grads = loss_fn.value_and_grad_sharded(params, batch, key, layout=layout, loss_scale=loss_scale)
@@ -162,15 +162,30 @@ def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None
     return {M.LOSS: loss, **aux}, grads, model_state
 
 
-def _split_microbatches(batch: PyTree, k: int) -> PyTree:
-    """Reshapes every batch leaf (B, ...) to (k, B // k, ...)."""
+def split_microbatches(batch: PyTree, k: int, what: str = "accum_steps") -> PyTree:
+    """Every batch leaf (B, ...) reshaped to (k, B // k, ...): the microbatches of accumulation and of
+    pipeline stages.
+
+    Args:
+      batch: a pytree of tensors sharing dim 0.
+      k: the number of microbatches.
+      what: the config key that set `k`, for the error.
+
+    Returns:
+      The same tree, each leaf (k, B // k, ...).
+
+    Raises:
+      ValueError: B is not divisible by k (one line naming `what`).
+
+    Example:
+      >>> split_microbatches((x, y), 4)[0].shape   # x: (32, T)
+      torch.Size([4, 8, T])
+    """
 
     def split(x):
         if x.shape[0] % k:
-            raise ValueError(
-                f"batch dimension {x.shape[0]} is not divisible by accum_steps={k}; "
-                "make the batch size a multiple of accum_steps"
-            )
+            raise ValueError(f"batch dimension {x.shape[0]} is not divisible by {what}={k}; "
+                             f"make the batch size a multiple of {what}")
         return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (K, B/K, ...)
 
     return tree_lib.map(split, batch)
@@ -184,7 +199,7 @@ def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, i
     With `layout`, params are sharded and the loss gathers them stage by stage."""
     if accum_steps == 1:
         return _metrics_and_grads(loss_fn, params, batch, key, loss_scale, layout, model_state, fullgraph)
-    micro = _split_microbatches(batch, accum_steps)
+    micro = split_microbatches(batch, accum_steps)
     keys = rng_lib.split(key, accum_steps)  # (K, 2)
     if impl == "scan":
         def body(carry, xs):
@@ -251,13 +266,13 @@ def make_train_step(
       accum_steps: split the batch into this many microbatches and average their gradients
         inside the one call (the batch dimension must divide by it).
       compile: True (or "step"): the whole step is one `torch.compile(fullgraph=True)` graph.
-        "blocks": for a staged loss (`functrain.remat.staged_loss`, e.g. `gpt.make_loss_fn(...,
+        "blocks": for a staged loss (`functrain.step.staged.staged_loss`, e.g. `gpt.make_loss_fn(...,
         staged=True)`): each stage kind is its own graph, every block running the same one, so
         neither the number of graphs nor the cold compile grows with depth (README "Compile
         unit"); graphs: the step's prepare (cast, key), the embedding, the block (a second one
         for a recomputed block's no-grad forward), the head (see `remat.staged_loss`'s
         `compile_stages`), and the optimizer update block by block: one graph for every block, one
-        for the rest (`functrain.update_groups`; one finish graph over every tensor when the
+        for the rest (`functrain.step.update_groups`; one finish graph over every tensor when the
         optimizer is not leafwise). False: eager.
       donate: reuse the input state's buffers for the output state (the input is consumed).
       accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
@@ -265,7 +280,7 @@ def make_train_step(
         torch function mode, so under "scan" only the loss's own use of `key` is keyed: a module's
         `nn.Dropout` draws from torch's generator there (use "unroll" for keyed module dropout).
       precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or a
-        `functrain.precision.Precision`: forward and backward run in that dtype on a cast copy of
+        `functrain.step.precision.Precision`: forward and backward run in that dtype on a cast copy of
         the params; the state keeps its fp32 master params and optimizer state.
       skip_nonfinite: when the loss or the gradient norm is not finite, skip the update: params
         and optimizer state come back bit-identical, `step` still advances (the next batch is a
@@ -370,7 +385,7 @@ def make_train_step(
             return chosen[0]
 
         def grouped_finish(state: TrainState, aux: dict, grads: PyTree):
-            """The update group by group (functrain.update_groups) when the plan allows, else whole."""
+            """The update group by group (functrain.step.update_groups) when the plan allows, else whole."""
             return choose(state)(state, aux, grads)
 
         finish = grouped_finish if grouped and (per_stage or not lay.sharded) else whole_finish
@@ -443,7 +458,7 @@ def _stage_compiled(loss_fn, options: dict | None):
     if not isinstance(loss_fn, StagedLoss):
         raise ValueError(
             "compile='blocks' compiles a staged loss stage by stage, and this loss has no stages: build it "
-            "with functrain.remat.staged_loss (e.g. gpt.make_loss_fn(template, staged=True)), or use compile=True"
+            "with functrain.step.staged.staged_loss (e.g. gpt.make_loss_fn(template, staged=True)), or use compile=True"
         )
     return loss_fn.compile_stages(options)
 
@@ -493,7 +508,7 @@ def make_eval_step(
             params, batch = precision_lib.to_compute(prec, state.params, batch)
             model_state = _compute_model_state(state.model_state, lay, prec)
             if isinstance(loss_fn, StagedLoss) and has_model_state(model_state):
-                raise ValueError("a staged loss (functrain.remat) takes no model state: use a plain loss function "
+                raise ValueError("a staged loss (functrain.step.staged) takes no model state: use a plain loss function "
                                  "for a model with buffers")
             with torch.no_grad():
                 if per_stage:  # each stage gathers its own params

@@ -8,7 +8,7 @@ the last holder's host and pid for the error line. Only the main process locks; 
 learns the outcome (one broadcast), so all fail together instead of waiting in a collective.
 
 Example:
-    >>> with workdir_lock.hold("runs/gpt", ctx):
+    >>> with workdir_lock.hold("runs/gpt", ctx.is_main_process):
     ...     train()
 """
 
@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from functrain.validate import ConfigError
+from functrain.trainer.validate import ConfigError
 
 __all__ = ["hold", "LOCK_FILE"]
 

@@ -2,11 +2,8 @@
 
 A train step allocates the same large buffers every step (activations, gradients, the logits).
 glibc's malloc serves blocks above its mmap threshold (at most 32 MB) with fresh `mmap`s and
-returns them on free, so every step touches brand-new pages: one page fault per 4 KB. On the
-2-core CPU machines of this project a fault costs ~4-6 us: zero-filling a fresh 50 MB tensor took
-16.5 ms against 0.96 ms for the same tensor kept in the heap, and the default GPT step went from
-221.8 to 183.2 ms (56% -> 67% MFU against a 2048 x 2048 matmul), the 100M GPT step from 1.61 to
-1.07 s compiled and from 1.25 to 1.04 s eager (measured side by side, 2026-11-22).
+returns them on free, so every step touches brand-new pages: one page fault per 4 KB, which made
+the default GPT step about a fifth slower on CPU (docs/results.md).
 
 `keep_freed_memory()` turns glibc's mmap path off for large blocks and raises the trim threshold,
 so freed memory stays in the process heap and is reused on the next step, as a caching allocator

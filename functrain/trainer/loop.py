@@ -1,0 +1,404 @@
+"""The training loop: runs any `functrain.task.Task`, and knows no model.
+
+`run(task, optimizer, config, workdir, ctx)` builds the state (params from the task, sharded by its
+rules, optimizer state made from the sharded params), the compiled train and eval steps, restores
+the latest checkpoint (compiling while the bytes stream in), then steps. Everything periodic is a
+`Hook` with an `every`: logging, evaluation, checkpointing, the skip watch, the profiler window and
+garbage collection are built-in hooks, and research code adds its own the same way:
+
+    >>> def probe(info):
+    ...     print(info.step, float(info.metrics["grad_norm"]))
+    >>> loop.run(task, opt, config, "runs/x", ctx, hooks=[loop.every(100, probe)])
+
+A hook is called after each step whose number is a multiple of its `every` (and after the last
+step, unless `at_end=False`) with a `StepInfo`: the step number, the new state and the step's
+metrics (device tensors: reading one syncs). Between log steps the loop itself reads no tensor value
+(the skip watch and the NaN check read at log steps, preemption is agreed one step late over the
+host), so on an accelerator the host queues steps ahead of the device. Preemption (SIGTERM), a first
+Ctrl-C and `stop_at` end the run with a checkpoint of the current step (a second Ctrl-C stops at
+once); restarting the same command resumes it bit-exactly. One run per workdir: the main process
+holds `<workdir>/.lock` while it runs (`functrain.trainer.workdir_lock`), so a second run started on the same
+workdir stops with one line instead of deleting the first's checkpoints.
+
+The loop's own config keys (`functrain.trainer.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
+accum_steps, log_every, eval_every, compile, fullgraph, model_state_sync, compile_cache, cuda_graphs,
+donate, peak_flops, deterministic, precision, max_consecutive_skips, tensorboard, device, host_memory,
+gc_every, seed, checkpoint.*, profile.*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import subprocess
+import functools
+import sys
+import time
+from pathlib import Path
+from collections.abc import Mapping
+from typing import Any, Callable, Sequence
+
+import torch
+
+from functrain.data.prefetch import Prefetcher
+from functrain import parallel
+from functrain.parallel import pipeline
+from functrain.compiler import cache as compile_cache
+from functrain.compiler import cuda_graphs
+import functrain.step.metric_names as M
+from functrain import rng as rng_lib
+from functrain import tree as tree_lib
+from functrain.optim.base import Transform
+from functrain.state import init_state
+from functrain.step import make_eval_step, make_train_step
+from functrain.task import Task
+from functrain.trainer import memory
+from functrain.trainer import metrics as metrics_lib
+from functrain.trainer import tensorboard as tensorboard_lib
+from functrain.trainer import validate, workdir_lock
+from functrain.trainer.hooks import (Eval, GarbageCollection, Hook, Log, Profiler, SaveCheckpoints, SkipWatch, StepInfo,
+                                     TrainingError, every)
+from functrain.trainer.preemption import PreemptionFlag
+from functrain.trainer.restore import checkpoint_path, init_params_from, make_manager, maybe_restore
+
+__all__ = ["Hook", "StepInfo", "TrainingError", "checkpoint_path", "every", "resolve_device", "run"]
+
+
+def run(
+    task: Task,
+    optimizer: Transform,
+    config: Any,
+    workdir: str | Path,
+    ctx: parallel.ParallelContext,
+    *,
+    hooks: Sequence[Hook] = (),
+    print_fn: Callable[..., None] = print,
+    t_program: float | None = None,
+) -> dict[str, Any]:
+    """Trains `task` with `optimizer` as `config` says, writing into `workdir`.
+
+    Args:
+      task: the model family's `Task`.
+      optimizer: the optimizer (`functrain.optim.config.from_config(config.optim, config.steps)`).
+      config: the run config, checked by `functrain.main.check_config` (the loop reads the keys in
+        the module docstring).
+      workdir: the run directory (`metrics.jsonl`, `tb/`, `config.json`, `run.json`, checkpoints).
+      ctx: the `functrain.parallel.ParallelContext` (`parallel.setup(config.mesh)`).
+      hooks: extra hooks, run after the built-in ones.
+      print_fn: where console lines go (the main process's; other ranks print nothing).
+      t_program: `time.perf_counter()` at program start, for the time-to-first-step line.
+
+    Returns:
+      A summary: steps, the last logged train loss, the last val loss, whatever `task.finish`
+      returned, and `preempted=True` when the run stopped early.
+
+    Raises:
+      ConfigError, TrainingError, CheckpointError, DataError: one line each (see `functrain.main`).
+
+    Example:
+      >>> with parallel.setup(config.mesh) as ctx:
+      ...     summary = loop.run(task, opt, config, "runs/gpt", ctx)
+    """
+    t_program = time.perf_counter() if t_program is None else t_program
+    micro = ("pp.microbatches", config.pp.microbatches) if ctx.pp_world > 1 else ("accum_steps", config.accum_steps)
+    validate.check_batch(config.batch_size, micro[1], ctx.dp_world, micro[0])  # (the mesh at hand)
+    with workdir_lock.hold(workdir, ctx.is_main_process):  # one run per workdir
+        return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program)
+
+
+def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: parallel.ParallelContext,
+           hooks: Sequence[Hook], print_fn: Callable[..., None], t_program: float) -> dict[str, Any]:
+    """`run`'s body, once the config is checked and the workdir is this run's."""
+    main = ctx.is_main_process
+    print_fn = print_fn if main else _silent
+    device = resolve_device(config, ctx)
+    validate.check_cuda_graphs(config, device.type)
+    graphs = bool(config.get("cuda_graphs", False))
+    if config.deterministic:
+        torch.use_deterministic_algorithms(True)
+    if config.host_memory == "keep" and device.type == "cpu":
+        memory.keep_freed_memory()
+    try:  # before anything is compiled: where compiled graphs are cached across runs
+        compile_dir = compile_cache.setup(config.compile_cache, workdir)
+    except ValueError as exc:
+        raise validate.ConfigError(f"{exc} (--config.compile_cache)") from None
+    # The MFU denominator: the config's, else the data sheet's (GPUs), else measured (CPUs): before
+    # anything runs beside it (the ISA probe's g++ below once took a core from it: MFU 107.7%), and
+    # again after each log window, keeping the best (a busy machine slows some probes, not all).
+    peak, probe = _peak_flops(config, device, ctx.world_size)
+    if _compile(config) and device.type == "cpu":
+        compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
+    compile_before = compile_cache.stats()
+
+    if ctx.pp_world > 1:  # this rank's pipeline stages: their params, optimizer state and steps
+        pipe, state, train_step, eval_step = _pipeline(task, optimizer, config, ctx, device)
+        param_norm = functools.partial(pipeline.global_norm, pipe)
+    else:
+        params = _init_params(task, rng_lib.key(config.seed), device, ctx)
+        model_state = task.init_model_state(device) if task.init_model_state is not None else None
+        # moments mirror the placements; the model state is replicated (plain tensors on every rank)
+        state = init_state(params, optimizer, seed=config.seed, copy=False, model_state=model_state)
+        del params, model_state
+        fullgraph = bool(config.get("fullgraph", True))
+        train_step = make_train_step(
+            task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=_compile(config), donate=config.donate,
+            precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
+            compile_options=cuda_graphs.options() if graphs else None, fullgraph=fullgraph,
+            model_state_sync=config.get("model_state_sync", "broadcast"),
+        )
+        eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision,
+                                   fullgraph=fullgraph)
+        param_norm = tree_lib.global_norm
+
+    print_fn(f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
+             f"precision {config.precision}, mesh {dict(ctx.shape)}"
+             + (f" x pp={ctx.pp_world} ({config.pp.schedule}, {config.pp.microbatches} microbatches)"
+                if ctx.pp_world > 1 else ""))
+    throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps, probe=probe)
+    writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        _write_run_info(config, workdir)
+        writers += _writers(config.tensorboard, workdir, print_fn)
+    writer = metrics_lib.MultiWriter(writers)
+
+    manager = make_manager(config, workdir)
+    t_start = time.perf_counter()
+    if config.checkpoint.init_from and (manager is None or manager.latest_step() is None):
+        state = init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it
+    graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
+    if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
+        state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
+    state = maybe_restore(manager, state, train_step, task.train_batch, config, print_fn,
+                           whole=ctx.pp_world == 1, data_record=task.data_record)
+    if graphs:
+        state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
+
+    skips_enabled = config.max_consecutive_skips > 0
+    start = int(state.step)
+    batches = Prefetcher(task.train_batch, start, depth=config.prefetch, device=device) if config.prefetch else None
+    log = Log(config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches,
+               param_norm)
+    eval_sets = task.eval_batches()
+    eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
+    evaluation = Eval(config.eval_every, eval_step, eval_sets, writer)
+    # In this order: a run that stops on skipped updates neither logs nor saves that step.
+    builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
+    builtin += [log, evaluation]
+    if manager is not None:
+        builtin.append(SaveCheckpoints(manager, task.data_record))
+    builtin.append(Profiler(config.profile.start, config.profile.stop, workdir, print_fn))
+    if config.gc_every > 0:
+        builtin.append(GarbageCollection(config.gc_every))
+    all_hooks = builtin + list(hooks)
+
+    if start >= config.steps:
+        print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to "
+                 "train on)")
+    stopped = None
+    with PreemptionFlag(print_fn) as preemption, manager or contextlib.nullcontext():
+        try:
+            for step in range(start, config.steps):
+                for h in all_hooks:
+                    h.before(step)
+                batch = batches.get(step) if batches is not None else task.train_batch(step)
+                if graphs:
+                    cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
+                state, m = train_step(state, batch)
+                done = step + 1
+                if step == start:
+                    if graphs and cuda_graphs.skips() > graph_skips:
+                        raise validate.ConfigError(
+                            "cuda_graphs=True, but inductor could not record the train step as a CUDA graph "
+                            "(TORCH_LOGS=perf_hints prints why); drop --config.cuda_graphs")
+                    print_fn(f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
+                             f"time to first step {time.perf_counter() - t_program:.1f}s")
+                    if config.compile:
+                        print_fn(compile_cache.report(compile_dir, since=compile_before))
+                    throughput.start(done)
+                if preemption.requested():
+                    stopped = preemption.reason
+                elif done == config.stop_at:
+                    stopped = "stop_at"
+                info = StepInfo(done, state, m, final=stopped is not None or done == config.steps)
+                for h in all_hooks:
+                    if done % h.every == 0 or (info.final and h.at_end):
+                        h.after(info)
+                if stopped:
+                    print_fn(f"stopped ({stopped}) at step {done}; checkpoint saved, exiting")
+                    break
+        finally:
+            if batches is not None:
+                batches.close()
+            for h in all_hooks:
+                h.close()
+            writer.close()
+    summary = _summary(workdir, int(state.step), log.last.get(M.LOSS), evaluation.val_loss,
+                       trained=start < config.steps)
+    if stopped:
+        summary["preempted"] = True
+        return summary
+    if ctx.pp_world > 1:  # a task's finish (e.g. a text sample) reads the whole model, split over the stages here
+        print_fn(f"finish skipped: the params are split over {ctx.pp_world} pipeline stages (sample from the "
+                 "final checkpoint on one mesh)")
+        finished = {}
+    else:  # on every rank: a sharded task gathers stage by stage (collectives), never the whole model
+        finished = task.finish(state.params, rng_lib.fold_in(state.rng, state.step))
+    if main:
+        for name, value in finished.items():
+            print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
+        summary.update(finished)
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary(workdir: Path, steps: int, loss, val_loss: float, *, trained: bool) -> dict[str, Any]:
+    """The run's summary: its last loss and val loss (None, not NaN, when never evaluated); a run
+    that trained nothing (resumed at its end) keeps the losses its `summary.json` already holds."""
+    summary: dict[str, Any] = {"steps": steps, "loss": loss, "val_loss": val_loss if math.isfinite(val_loss) else None}
+    if not trained:
+        try:
+            before = json.loads((workdir / "summary.json").read_text())
+        except (OSError, ValueError):
+            before = {}
+        summary.update({k: before[k] for k in ("loss", "val_loss") if summary[k] is None and k in before})
+    return summary
+
+
+def _peak_flops(config, device: torch.device, world: int):
+    """(peak FLOP/s of the job, probe or None): `config.peak_flops` per device when set, else the data
+    sheet's, else a measurement that is taken again at each log step (`metrics.Throughput`'s probe)."""
+    per_device = float(config.get("peak_flops", 0.0)) or metrics_lib.peak_flops(device)
+    if per_device:
+        return world * per_device, None
+    return world * metrics_lib.measure_peak_flops(device), \
+        lambda: world * metrics_lib.measure_peak_flops(device, seconds=0.1)
+
+
+def _silent(*args, **kwargs) -> None:
+    """print_fn of the ranks other than 0."""
+
+
+def _compile(config) -> "bool | str":
+    """`make_train_step`'s `compile` from the config: False, True (one graph) or "blocks"."""
+    if config.compile and config.compile_unit == "blocks":
+        return config.compile_unit
+    return bool(config.compile)
+
+
+def _compile_label(config) -> str:
+    """How the step is compiled, for the start-up line: "on", "blocks" or "off"."""
+    mode = _compile(config)
+    return mode if isinstance(mode, str) else "on" if mode else "off"
+
+
+def resolve_device(config: Any, ctx: parallel.ParallelContext) -> torch.device:
+    """The compute device: the context's (cuda:LOCAL_RANK or cpu) unless `config.device` names one.
+
+    Args:
+      config: the run config (its `device` key).
+      ctx: the parallel context.
+
+    Returns:
+      The device.
+
+    Raises:
+      ConfigError: a device this torch build or machine lacks (one line naming it and the fix).
+
+    Example:
+      >>> resolve_device(config, ctx)  # device(type='cpu')
+    """
+    if config.device == "auto":
+        return ctx.device
+    try:
+        device = torch.device(config.device)
+    except RuntimeError:
+        raise validate.fail("device", config.device, "'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type not in ("cpu", "cuda"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, NotImplementedError, AssertionError):
+            raise validate.ConfigError(f"device={config.device!r} but this torch ({torch.__version__}) has no "
+                                       f"{device.type} device; use 'auto', 'cpu' or 'cuda' (--config.device)") from None
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise validate.ConfigError(f"device={config.device!r} but this torch ({torch.__version__}) sees no CUDA "
+                                       "device; use 'auto' or 'cpu' (--config.device)")
+        if (device.index or 0) >= n:
+            raise validate.ConfigError(f"device={config.device!r} but this torch sees {n} CUDA device(s); use "
+                                       f"'auto' or 'cuda:N' with N < {n} (--config.device)")
+    return device
+
+
+def _git_revision() -> str | None:
+    """The git revision of the functrain checkout (with '-dirty' if modified), or None."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _write_run_info(config, workdir: Path) -> None:
+    """The resolved config and the code revision, into the workdir (`config.json`, `run.json`)."""
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    info = {"git_revision": _git_revision(), "torch": torch.__version__, "argv": sys.argv, "started": time.time()}
+    (workdir / "run.json").write_text(json.dumps(info, indent=2))
+
+
+
+
+def _writers(tensorboard: bool, workdir: Path, print_fn) -> list:
+    """The main process's file writers: metrics.jsonl always, TensorBoard events when asked and installed."""
+    out = [metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
+    if tensorboard and tensorboard_lib.available():
+        out.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
+    elif tensorboard:
+        print_fn(tensorboard_lib.MISSING)
+    return out
+
+
+def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device):
+    """(pipe, state, train step, eval step) of this rank's pipeline stages (`functrain.parallel.pipeline`): only
+    their params are drawn, sharded over the stage's mesh."""
+    if config.get("cuda_graphs", False):
+        raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
+                                   "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1")
+    if task.init_model_state is not None:
+        raise validate.ConfigError("this model has model state (buffers such as BatchNorm statistics) and the "
+                                   "pipeline's stages carry params only: set --config.mesh.pp=1")
+    key = rng_lib.key(config.seed)
+    try:
+        pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, key), group=ctx.pp_group)
+    except ValueError as exc:
+        raise validate.ConfigError(f"{exc} (--config.mesh.pp)") from None
+    params = parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device,
+                                   names=pipe.names)
+    state = init_state(params, optimizer, seed=config.seed, copy=False)
+    compile = bool(_compile(config))
+    train_step = pipeline.make_train_step(
+        pipe, optimizer, microbatches=config.pp.microbatches, schedule=config.pp.schedule, compile=compile,
+        donate=config.donate, precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0)
+    eval_step = pipeline.make_eval_step(pipe, compile=compile, precision=config.precision)
+    return pipe, state, train_step, eval_step
+
+
+def _init_params(task: Task, key, device, ctx):
+    """The task's fresh params: each rank draws only its shards when the task's init takes `where`,
+    else the whole tree is made and sharded one parameter at a time."""
+    if ctx.mesh is None:
+        return task.init_params(key, device)
+    if "where" in inspect.signature(task.init_params).parameters:
+        return parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device)
+    params = task.init_params(key, device)
+    return parallel.shard_params(params.items(), ctx.mesh, task.shard_rules)
+
+

@@ -1,0 +1,132 @@
+"""Resuming a run: the checkpoint manager of a workdir, the restore of its latest step (compiling the
+step while the bytes stream in), params from another run (`checkpoint.init_from`), the
+hyper-parameters' policy, and the check that the data is the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from functrain import checkpoint as ckpt_lib
+from functrain import optim as optim_lib
+from functrain.config import ConfigError
+from functrain.data import record as data_record_lib
+from functrain.state import TrainState
+
+__all__ = ["checkpoint_path", "init_params_from", "make_manager", "maybe_restore"]
+
+
+def make_manager(config, workdir: Path) -> ckpt_lib.Manager | None:
+    """The checkpoint manager for `<workdir>/checkpoints` (None when checkpointing is off)."""
+    c = config.checkpoint
+    if not c.enabled:
+        return None
+    return ckpt_lib.Manager(str(workdir / "checkpoints"), keep=c.keep,
+                            every=c.every if c.every > 0 else config.steps, keep_every=c.keep_every or None)
+
+
+def checkpoint_path(path: str, key: str = "checkpoint.init_from") -> str:
+    """The committed step directory `path` names: a step directory, a checkpoints root (its latest
+    step) or a workdir (its `checkpoints/` latest step).
+
+    Args:
+      path: a directory.
+      key: the config key or flag that named it (for the error line).
+
+    Returns:
+      The path of one committed checkpoint.
+
+    Raises:
+      ConfigError: nothing committed is found there.
+
+    Example:
+      >>> checkpoint_path("runs/gpt")        # -> 'runs/gpt/checkpoints/2500'
+    """
+    p = Path(path)
+    if (p / "commit_success.txt").exists():
+        return str(p)
+    for root in (p, p / "checkpoints"):
+        steps = [int(c.name) for c in root.glob("*") if c.name.isdigit() and (c / "commit_success.txt").exists()]
+        if steps:
+            return str(root / str(max(steps)))
+    raise ConfigError(
+        f"{key.lstrip('-')}={path!r}: no committed checkpoint there; give a step directory "
+        f"(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir ({key if key.startswith('--') else '--config.' + key})"
+    )
+
+
+def init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
+    """`state` with its params read from the checkpoint at `path` (onto their mesh); optimizer fresh."""
+    step_dir = checkpoint_path(path)
+    params = ckpt_lib.restore(step_dir, {"params": ckpt_lib.abstract(state.params)}).result()["params"]
+    print_fn(f"params initialized from checkpoint {step_dir} (optimizer state, step and schedule start fresh)")
+    return state.replace(params=params)
+
+
+def maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn,
+                   whole: bool = True, data_record: dict | None = None) -> TrainState:
+    """Restores the latest checkpoint, if any, compiling the step while the bytes stream in (`whole`:
+    the state is the whole tree, so a checkpoint leaf it lacks is an error; a pipeline stage's is a part).
+    A checkpoint of other data stops the run first (`data.record.check_resume`)."""
+    latest = manager.latest_step() if manager is not None else None
+    if latest is None:
+        return state
+    saved = manager.custom_metadata(latest).get("functrain", {}).get("data")
+    changed = data_record_lib.check_resume(saved, data_record, latest, bool(config.get("data", {}).get("allow_changed")))
+    if changed:
+        print_fn(changed)
+    try:
+        return _restore(manager, latest, state, train_step, batch_at, config, print_fn, whole)
+    except ckpt_lib.MismatchError as exc:
+        if any(name.startswith("params.") for name in exc.leaves):
+            raise  # the params do not fit: starting from them cannot help
+        raise ckpt_lib.CheckpointError(  # what does not fit is optimizer state (or another state field)
+            f"{exc}; to keep its params under this optimizer, start a new --workdir with "
+            f"--config.checkpoint.init_from={manager.step_path(latest)}") from None
+
+
+def _restore(manager, latest: int, state: TrainState, train_step, batch_at, config, print_fn,
+             whole: bool = True) -> TrainState:
+    """`maybe_restore`'s restore of step `latest` (MismatchError when the state does not fit)."""
+    t0 = time.perf_counter()
+    # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
+    # fresh state; leaves this code does not know are an error (strict).
+    future = manager.restore(latest, ckpt_lib.abstract(state), defaults=state, strict=whole)
+    read_done: list[float] = []  # when the bytes were in (the compile below may take longer)
+    future.add_done_callback(lambda _: read_done.append(time.perf_counter()))
+    configured = optim_lib.get_hyperparams(state)  # read now: the compile below consumes `state`
+    if future.missing:
+        print_fn(f"checkpoint step {latest} has no {', '.join(future.missing)} (written by an older version): "
+                 "taken from the fresh state")
+    if not config.checkpoint.async_restore:
+        future.result()  # blocking restore: the bytes first, compilation after (for comparison)
+    elif config.compile:
+        # Compile now, on the fresh state (consumed and thrown away), while TensorStore reads.
+        train_step(state, batch_at(latest))
+    restored = future.result()
+    if config.checkpoint.async_restore and config.compile:
+        # result() may return before the callback ran in the reading thread: then they just came in
+        how = f"compile overlapped; its bytes were read in {min(read_done, default=time.perf_counter()) - t0:.1f}s"
+    else:
+        how = "blocking"
+    print_fn(f"restored checkpoint step {latest} in {time.perf_counter() - t0:.1f}s ({how})")
+    return _resume_hyperparams(restored, configured, config.checkpoint.resume_hyperparams, print_fn)
+
+
+def _resume_hyperparams(restored: TrainState, configured: dict, policy: str, print_fn) -> TrainState:
+    """The config's hyper-parameters over the checkpoint's ("config"), or the checkpoint's kept."""
+    stored = optim_lib.get_hyperparams(restored)
+    changed = {k: v for k, v in configured.items() if k in stored and stored[k] != v}
+    if not changed:
+        return restored
+    diff = ", ".join(f"{k} {stored[k]:g} -> {v:g}" for k, v in changed.items())
+    if policy == "checkpoint":
+        print_fn(f"hyper-parameters differ from the config ({diff}); keeping the checkpoint's "
+                 "(checkpoint.resume_hyperparams=checkpoint)")
+        return restored
+    print_fn(f"hyper-parameters from the config replace the checkpoint's: {diff} "
+             "(--config.checkpoint.resume_hyperparams=checkpoint keeps the checkpoint's)")
+    return optim_lib.set_hyperparams(restored, **changed)
+
+

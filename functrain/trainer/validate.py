@@ -1,0 +1,82 @@
+"""The trainer's own config checks: the loop's keys (`LOOP_CHECKS`) and CUDA graphs' needs, over the
+check helpers of `functrain.config` (re-exported here, the names `functrain.trainer.validate` had).
+
+Example:
+    >>> validate.check_all(config, validate.LOOP_CHECKS)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from functrain.config import (Check, ConfigError, boolean, check_all, check_batch, check_context, check_pipeline,
+                              fail, get, int_at_least, number_at_least, number_in, one_of, relation)
+
+__all__ = [
+    "ConfigError", "Check", "check_all", "fail", "get", "int_at_least", "number_at_least", "number_in", "one_of",
+    "boolean", "relation", "check_batch", "check_pipeline", "check_context", "check_cuda_graphs", "LOOP_CHECKS",
+]
+
+
+def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:
+    """Raises `ConfigError` when `config.cuda_graphs` is asked for where it cannot work.
+
+    Args:
+      config: the run config (reads cuda_graphs, compile, compile_unit).
+      device_type: the run's device type, once known ("cuda", "cpu", ...); None skips that check.
+
+    Returns:
+      None.
+
+    Example:
+      >>> check_cuda_graphs(config, "cuda")
+    """
+    if not config.get("cuda_graphs", False):
+        return
+    if not config.compile:
+        raise ConfigError("cuda_graphs=True records the compiled step: it needs compile=True "
+                          "(set --config.compile=True or drop --config.cuda_graphs)")
+    if config.compile_unit != "step":
+        raise ConfigError(f"cuda_graphs=True records the one-graph step: it needs compile_unit='step', not "
+                          f"{config.compile_unit!r} (set --config.compile_unit=step or drop --config.cuda_graphs)")
+    if device_type is not None and device_type != "cuda":
+        raise ConfigError(f"cuda_graphs=True needs a CUDA device; this run's device is {device_type} "
+                          "(drop --config.cuda_graphs)")
+
+
+LOOP_CHECKS: list[Check] = [
+    ("steps", int_at_least(1)),
+    ("stop_at", int_at_least(0)),
+    ("batch_size", int_at_least(1)),
+    ("accum_steps", int_at_least(1)),
+    ("log_every", int_at_least(1)),
+    ("eval_every", int_at_least(1)),
+    ("eval_batches", int_at_least(1)),
+    ("compile", boolean()),
+    ("compile_unit", one_of("step", "blocks")),
+    ("fullgraph", boolean()),
+    ("model_state_sync", one_of("broadcast", "mean")),
+    ("cp_attention", one_of("zigzag", "stream", "mask")),
+    ("pp.microbatches", int_at_least(1)),
+    ("pp.schedule", one_of("1f1b", "eager-1f1b", "gpipe")),
+    ("cuda_graphs", boolean()),
+    ("donate", boolean()),
+    ("peak_flops", number_at_least(0.0)),
+    ("deterministic", boolean()),
+    ("precision", one_of("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),
+    ("max_consecutive_skips", int_at_least(0)),
+    ("tensorboard", boolean()),
+    ("host_memory", one_of("keep", "default")),
+    ("gc_every", int_at_least(0)),
+    ("prefetch", int_at_least(0)),
+    ("dist_timeout_s", int_at_least(0)),
+    ("checkpoint.enabled", boolean()),
+    ("checkpoint.every", int_at_least(0)),
+    ("checkpoint.keep", int_at_least(1)),
+    ("checkpoint.keep_every", int_at_least(0)),
+    ("checkpoint.async_restore", boolean()),
+    ("checkpoint.resume_hyperparams", one_of("config", "checkpoint")),
+    ("profile.start", int_at_least(0)),
+    ("profile.stop", int_at_least(0)),
+]
+"""The training loop's own keys (the model's and the optimizer's are checked beside their code)."""
