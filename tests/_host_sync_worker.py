@@ -19,7 +19,7 @@ import torch
 
 from _host_reads import Reads, counting
 from functrain import optim, parallel
-from functrain.trainer import loop
+from functrain.trainer import loop, preemption
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 import gpt as gpt_config  # noqa: E402
@@ -80,7 +80,7 @@ def preemption_checks(raise_at: int, checks: int) -> list[bool]:
     """`requested()` at each of `checks` checks, the last rank raising its flag before check `raise_at`."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     seen = []
-    with loop._PreemptionFlag() as flag:
+    with preemption.PreemptionFlag() as flag:
         for i in range(checks):
             if i == raise_at and rank == world - 1:
                 flag._handle(signal.SIGTERM, None)

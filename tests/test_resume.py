@@ -274,7 +274,7 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
     import ml_collections
 
     from functrain import init_state, optim
-    from functrain.trainer import loop
+    from functrain.trainer import restore
 
     params = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
     saved = init_state(params, optim.adamw(1e-3), seed=1)
@@ -291,7 +291,7 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
             time.sleep(1.0)
 
         lines = []
-        restored = loop._maybe_restore(mgr, fresh, slow_compile, lambda step: step, config, lines.append)
+        restored = restore.maybe_restore(mgr, fresh, slow_compile, lambda step: step, config, lines.append)
     assert compiles == [3]
     assert torch.equal(restored.params["w"], params["w"]) and int(restored.step) == int(saved.step)
     match = re.fullmatch(r"restored checkpoint step 3 in ([\d.]+)s \(compile overlapped; its bytes were read in "
@@ -347,7 +347,7 @@ def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_summary(tmp_path)
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, capsys):
     """The flag's handler: the first SIGINT asks for a clean stop, the second raises
     KeyboardInterrupt, which `functrain.main` turns into one line and exit status 130."""
-    from functrain.trainer import loop
+    from functrain.trainer import preemption
     from functrain.trainer import main
 
     lines = []
@@ -356,7 +356,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
     # and the flag then leaves it so (tested below)
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        with loop._PreemptionFlag(lines.append) as flag:
+        with preemption.PreemptionFlag(lines.append) as flag:
             assert signal.getsignal(signal.SIGINT) == flag._handle  # installed (pytest runs tests on the main thread)
             os.kill(os.getpid(), signal.SIGINT)
             assert flag.requested() and flag.reason == "SIGINT" and len(lines) == 1
@@ -365,7 +365,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
                 time.sleep(1)  # the handler runs at the next bytecode: well before this ends
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with loop._PreemptionFlag(lines.append):
+        with preemption.PreemptionFlag(lines.append):
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # an ignored Ctrl-C is left ignored
     finally:
         signal.signal(signal.SIGINT, inherited)

@@ -24,11 +24,13 @@ from torch import nn
 __all__ = ["current", "restore", "running", "switched"]
 
 
-
 class _Mode:
     """The mode the enclosing step set (a plain object: Dynamo traces its writes inside a compiled step)."""
 
-    train: "bool | None" = None
+    def __init__(self):
+        # an instance attribute from the start: a step that enters `running` inside its graph (the
+        # population's) is guarded on this object's __dict__, which must not change from call to call
+        self.train: "bool | None" = None
 
 
 _STATE = _Mode()
