@@ -32,7 +32,7 @@ against a floor of 1.33x.
 On one H100 80GB (torch 2.11.0+cu130, `--device cuda`, 100m, 97.6M fp32 params in 99 tensors):
 functrain 9.5 ms, fused AdamW 1.4 ms (6.8x), clip_grad_norm_ + fused AdamW 2.2 ms. Its compiled
 code then read two scalars with `.item()` (device syncs: the lerp weight and eps), since removed
-off the CPU (functrain/foreach.py); the rest of the gap is not yet profiled on a GPU.
+off the CPU (functrain/ops/foreach.py); the rest of the gap is not yet profiled on a GPU.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "compiled `_foreach_lerp.Scalar` with a 0-d tensor weight: 2.14's decomposition branches on the "
         "unbacked weight (GuardOnDataDependentSymNode); compiled, lerp is written out as x + w (y - x)",
         "reproduced by configs/gpt.py:tiny on 2.14.1", "2.14 (on 2.13 the written-out form gives the same bits)",
-        "functrain/foreach.py (`lerp`)", _check_lerp_written_out),
+        "functrain/ops/foreach.py (`lerp`)", _check_lerp_written_out),
     Workaround(
         "sdpa_efficient_seeds",
         "CUDA efficient attention makes its philox seed/offset on the CPU while inductor plans CUDA buffers; "
@@ -160,7 +160,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "`torch.utils.checkpoint` cannot run under `torch.func.grad` (no saved tensor hooks), and a custom "
         "autograd.Function's backward is dropped under torch.func + torch.compile; activation checkpointing "
         "is spelled out as per-stage vjps behind an opaque barrier op",
-        "pytorch#193279", "2.13, 2.14", "functrain/remat.py, functrain/compiler/marks.py",
+        "pytorch#193279", "2.13, 2.14", "functrain/step/staged.py, functrain/compiler/marks.py",
         _check_checkpoint_under_func),
     Workaround(
         "gloo_one_thread",

@@ -64,7 +64,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row, checked at log steps (0 = never skip)
     c.tensorboard = True  # event files in <workdir>/tb (with the tensorboard package; JSONL always)
     c.device = "auto"  # "auto" = cuda if available, else cpu
-    # keep: freed host memory stays in the process (functrain/memory.py: page faults on fresh
+    # keep: freed host memory stays in the process (functrain/trainer/memory.py: page faults on fresh
     # buffers cost 17% of the default step on CPU); default: glibc's own policy.
     c.host_memory = "keep"
     # Python's automatic garbage collection is off during training; a collection runs every this many
