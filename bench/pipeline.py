@@ -3,8 +3,10 @@
 
 One launch of N ranks (a pipeline of N stages) trains a GPT whose blocks are cut over the ranks
 (`functrain.parallel.pipeline.place`), with M microbatches per step, under each schedule in turn.
-Per rank the step's `observe` hook reports the seconds each forward and backward computed (time
-blocked in receives left out). A step's span runs from the first action to the last action of any
+Per rank the bench reads the step's profiler ranges (`torch.profiler`; the pipeline names each
+action "pipeline F<micro>" / "pipeline B<micro>", each blocking receive "pipeline recv" and the
+whole schedule "pipeline schedule"): the seconds each forward and backward computed are its range
+less the receives within it. A step's span runs from the first action to the last action of any
 rank (the optimizer update left out); a rank's bubble is 1 - (its compute seconds) / (the spans),
 over the timed steps. Printed: the mean over ranks, the median step's, the theoretical
 (N - 1) / (M + N - 1) of equal stages, and what the schedule leaves idle when transfers are free
@@ -22,8 +24,10 @@ to a core of its own when there are enough (`--no-pin` leaves them free), and ma
 memory for the next step (`--give-back`: glibc's default, which page-faults GPipe's growing
 activations in again every step). Memory is the growth of the resident set during one step over
 the resident set before it (bench/_mem.py: the kernel's high-water mark, free heap handed back
-first; on CUDA `torch.cuda.max_memory_allocated`), per rank, for each schedule: 1F1B holds at most
-N - rank microbatches' activations, GPipe all M. The model is narrow and the microbatches long, so
+first; on CUDA `torch.cuda.max_memory_allocated`), per rank, for each schedule; the activations held
+are the most tensor memory the actions have allocated and not yet freed at the end of a forward (the
+profiler's memory accounting of the action ranges, one profiled step): 1F1B holds at most N - rank
+microbatches' activations, GPipe all M. The model is narrow and the microbatches long, so
 activations dominate a step's memory.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/pipeline.py --steps 10 --json
@@ -44,6 +48,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,66 +78,93 @@ def _args():
     return p.parse_args()
 
 
-def _live_mib() -> float:
-    """This rank's live memory now (MiB): allocated CUDA memory, or the resident set on CPU."""
-    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else status_mib("VmRSS")
-
-
-def _peak_growth(step, state, batch, after_forward: list):
-    """(new state, MiB this rank's memory grew by during one step, MiB it held after its fullest forward).
-
-    `after_forward` receives `_live_mib()` after each forward (the observe hook appends to it)."""
+def _peak_growth(step, state, batch):
+    """(new state, MiB this rank's memory grew by during one step)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
     else:
         trim()
         reset_peak()
-    base = _live_mib()
-    after_forward.clear()
-    state, m = step(state, batch)
+        base = status_mib("VmRSS")
+    state, _ = step(state, batch)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = status_mib("VmHWM")
-    return state, peak - base, max(after_forward) - base
+    return state, peak - base
+
+
+def _actions(prof) -> list:
+    """The profiled steps' pipeline action ranges ((kind, micro, event)), in the order they started."""
+    out = [(e.name[9], int(e.name[10:]), e) for e in prof.events()
+           if e.name.startswith("pipeline ") and e.name[9:10] in ("F", "B")]
+    return sorted(out, key=lambda a: a[2].time_range.start)
+
+
+def _within(inner, outer) -> bool:
+    """Whether profiler event `inner` ran inside `outer`."""
+    return outer.time_range.start <= inner.time_range.start and inner.time_range.end <= outer.time_range.end
+
+
+def _schedule_seconds(prof, m: int) -> tuple[list, list]:
+    """(per step: its schedule's span in seconds, per step: this rank's compute seconds per microbatch by
+    kind, receives left out) from the profiled steps' ranges."""
+    events = prof.events()
+    spans = sorted((e for e in events if e.name == "pipeline schedule"), key=lambda e: e.time_range.start)
+    recvs = [e for e in events if e.name == "pipeline recv"]
+    actions = _actions(prof)
+    walls, per_step = [], []
+    for span in spans:
+        each = {"F": [0.0] * m, "B": [0.0] * m}
+        for kind, micro, e in actions:
+            if _within(e, span):
+                waited = sum(r.time_range.elapsed_us() for r in recvs if _within(r, e))
+                each[kind][micro] = (e.time_range.elapsed_us() - waited) / 1e6
+        walls.append(span.time_range.elapsed_us() / 1e6)
+        per_step.append(each)
+    return walls, per_step
+
+
+def _held_mib(prof) -> float:
+    """The most tensor memory (MiB) the profiled step's actions held at the end of a forward: the running
+    sum of each action's allocations less its frees."""
+    live = held = 0
+    for kind, _, e in _actions(prof):
+        live += e.cpu_memory_usage if not torch.cuda.is_available() else e.device_memory_usage
+        if kind == "F":
+            held = max(held, live)
+    return held / 2**20
 
 
 def _measure(name, pipe, params, batch, args, m):
     """Step seconds, this rank's compute and schedule seconds per timed step, and its peak growth under `name`."""
     opt = optim.adamw(1e-4)
-    each = {"F": [0.0] * m, "B": [0.0] * m}  # this step's compute seconds per microbatch
-    walls, actions, after_forward = [], [], []  # per step: its span, its compute seconds per microbatch
-    measuring = False
-
-    def observe(kind, micro, seconds):
-        if kind == "schedule":  # the step's schedule has run: its span and this rank's compute in it
-            walls.append(seconds)
-            actions.append({k: list(v) for k, v in each.items()})
-        elif kind in ("F", "B"):
-            each[kind][micro] = seconds
-            if kind == "F" and measuring:
-                if not torch.cuda.is_available():
-                    trim()  # freed heap back to the OS: the resident set is the live memory
-                after_forward.append(_live_mib())
-
-    step = pipeline.make_train_step(pipe, opt, microbatches=m, schedule=name, observe=observe)
+    step = pipeline.make_train_step(pipe, opt, microbatches=m, schedule=name)
     state = init_state(pipe.params(params), opt)
     for _ in range(2):
         state, _ = step(state, batch)
     dist.barrier()
-    measuring = True
-    state, peak, held = _peak_growth(step, state, batch, after_forward)
-    measuring = False
+    state, peak = _peak_growth(step, state, batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        state, _ = step(state, batch)
+    held = _held_mib(prof)
     dist.barrier()
-    walls[:], actions[:] = [], []
     t0 = time.perf_counter()
     for _ in range(args.steps):
         state, metrics = step(state, batch)
     float(metrics["loss"])
     dist.barrier()
     seconds = (time.perf_counter() - t0) / args.steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the same steps again, their actions timed
+        for _ in range(args.steps):
+            state, metrics = step(state, batch)
+        float(metrics["loss"])
+    dist.barrier()
+    walls, actions = _schedule_seconds(prof, m)
     per = args.steps * m  # microbatches timed
     spent = {k: sum(sum(a[k]) for a in actions) for k in ("F", "B")}  # compute seconds by kind
     return {"step_s": seconds, "busy_s": [sum(a["F"]) + sum(a["B"]) for a in actions], "span_s": walls,

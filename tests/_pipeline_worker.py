@@ -21,6 +21,7 @@ import traceback
 import optree
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from functrain import checkpoint as ckpt
 from functrain import init_state, make_eval_step, make_train_step, parallel, rng
@@ -160,10 +161,8 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
         torch._dynamo.reset()
         counters.clear()
         options = {"backend": "aot_eager"}
-    seen = []
     step = pipeline.make_train_step(pipe, opt, microbatches=micro, schedule=sched, precision=precision,
-                                    compile=compile, compile_options=options,
-                                    observe=lambda kind, i, s: seen.append((kind, i)))
+                                    compile=compile, compile_options=options)
     state = init_state(pipe.params(params), opt)
     hist = []
     try:
@@ -172,22 +171,33 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
                 if compile:
                     torch._dynamo.config.error_on_recompile = i > 0
                 receives.append([0, 0])
-                state, m = step(state, b)
+                if i == 0:  # the first step's actions, in the order they ran (the step's profiler ranges)
+                    with profile(activities=[ProfilerActivity.CPU]) as prof:
+                        state, m = step(state, b)
+                else:
+                    state, m = step(state, b)
                 hist.append({k: float(v) for k, v in m.items()})
     finally:
         if compile:
             torch._dynamo.config.error_on_recompile = False
+    seen = actions_run(prof)
     live = peak = 0
-    for kind, _ in seen[:2 * micro]:  # the first step's actions
-        live += {"F": 1, "B": -1}.get(kind, 0)
+    for kind in seen:
+        live += {"F": 1, "B": -1}[kind[0]]
         peak = max(peak, live)
     out = differences(ref, ref_hist, state, hist, pipe)
     out.update(held=peak, expected_held=schedules.held(schedules.schedule(sched, world, micro, ctx_rank)),
-               order=[k + str(i) for k, i in seen[:2 * micro + 1]], receives=receives,
+               order=seen, receives=receives,
                expected_receives=micro * ((not pipe.first) + (not pipe.last)))
     if counters is not None:
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
     return out
+
+
+def actions_run(prof) -> list:
+    """The pipeline actions a profiled step ran ("F0", "B0", ...), in the order they started."""
+    ranges = [e for e in prof.events() if e.name.startswith("pipeline ") and e.name[9:10] in ("F", "B")]
+    return [e.name[9:] for e in sorted(ranges, key=lambda e: e.time_range.start)]
 
 
 MESH_STEPS = 10  # pipelines on a mesh: 4 and 8 ranks on the CI's 2 cores (pp=2 and pp=4 alone run STEPS)

@@ -236,12 +236,12 @@ def test_the_learning_rate_is_what_the_optimizer_reports():
             lr = rate / (1.0 + state["count"].float())
             return {k: -lr * u for k, u in updates.items()}, {"count": state["count"] + 1, "lr": lr}
 
-        return optim.Transform(init, update, lambda state: {"lr": state["lr"]})
+        return optim.Transform(init, update, optim.Traits(report=lambda state: {"lr": state["lr"]}))
 
     opt = my_scaled_sgd(0.5)
     # `init` has no "lr" yet: fill it so the state keeps one structure from step to step.
     state = init_state({"w": torch.ones(2)}, optim.Transform(lambda p: {"count": torch.zeros((), dtype=torch.int64),
-                                                                         "lr": torch.zeros(())}, opt.update, opt.report))
+                                                                         "lr": torch.zeros(())}, opt.update, opt.traits))
     step = make_train_step(lambda p, b, k: (p["w"] ** 2).sum(), opt, compile=False)
     lrs = []
     for _ in range(3):

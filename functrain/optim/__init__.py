@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
     from functrain.optim.aliases import adam, adamw, sgd
     from functrain.optim.base import (
         MaskedState,
+        Traits,
         Transform,
         apply_updates,
         call_update,

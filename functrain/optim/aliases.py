@@ -68,7 +68,7 @@ def adamw(
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
-    return opt._replace(fused=fused_lib.adamw_route(learning_rate, mask)) if fused else opt
+    return opt._replace(traits=opt.traits._replace(fused=fused_lib.adamw_route(learning_rate, mask))) if fused else opt
 
 
 def adam(

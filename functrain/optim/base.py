@@ -11,12 +11,12 @@ skip check and passes it down; `chain` hands it to its first transform, so a lea
 `clip_by_global_norm` does not take the norm a second time (a full read of the gradients: 12 ms of
 a 100M-parameter update here). `call_update` passes it only to transforms that accept it.
 
-A transform reports the metrics it owns through its optional third function,
-`report(state) -> {name: 0-d tensor}` (the learning rate of `scale_by_learning_rate` under
+What else a transform may say of itself goes in its optional third field, `Traits`. It reports
+the metrics it owns through `Traits.report(state) -> {name: 0-d tensor}` (the learning rate of `scale_by_learning_rate` under
 `metric_names.LR`); `chain` and `masked` merge their parts' reports, and the train step logs
 `optim.report(optimizer, opt_state)`. A custom schedule transform reports its rate the same way.
 
-A transform may declare itself `leafwise` (its fourth field): each leaf's new update and state
+A transform may declare itself `Traits.leafwise`: each leaf's new update and state
 depend only on that leaf's update, param and state, plus state shared by all leaves (counters,
 hyper-parameters). True for every transform here; "norm" for `clip_by_global_norm`, leafwise
 once it is handed the global norm. Only then may the train step update the parameters group by
@@ -56,6 +56,7 @@ __all__ = [
     "MaskedState",
     "resolve_mask",
     "is_leafwise",
+    "Traits",
 ]
 
 PyTree = Any
@@ -64,21 +65,87 @@ UpdateFn = Callable[..., tuple[PyTree, PyTree]]
 ReportFn = Callable[[PyTree], dict]
 
 
-class Transform(NamedTuple):
-    """A gradient transformation: `init(params) -> state` and
-    `update(updates, state, params=None) -> (updates, state)`, both pure; optionally
-    `report(state) -> {metric name: 0-d tensor}`, the metrics it owns (e.g. the learning rate),
-    `leafwise`: True, "norm" (leafwise given the global norm) or False (see the module docstring),
-    and two eager shortcuts (`functrain.optim.fused`): `scale(state, norm) -> 0-d tensor` for a
-    transform whose update only multiplies every leaf by that one factor (`clip_by_global_norm`), and
-    `fused`, an in-place route through one of torch's fused optimizer kernels (`adamw(fused=True)`)."""
+class Traits(NamedTuple):
+    """What a transform may say of itself beyond `init` and `update` (every field optional).
 
-    init: InitFn
-    update: UpdateFn
+    Attributes:
+      report: `report(state) -> {metric name: 0-d tensor}`, the metrics it owns (e.g. the learning rate).
+      leafwise: True, "norm" (leafwise once handed the global norm) or False (module docstring).
+      scale: an eager shortcut (`functrain.optim.fused`): `scale(state, norm) -> 0-d tensor` for a
+        transform whose update only multiplies every leaf by that one factor (`clip_by_global_norm`).
+      fused: an in-place route through one of torch's fused optimizer kernels (`adamw(fused=True)`).
+
+    Example:
+      >>> optim.Transform(init, update, optim.Traits(leafwise=True))
+    """
+
     report: ReportFn | None = None
     leafwise: bool | str = False
     scale: Callable[[PyTree, Any], Any] | None = None
     fused: Callable[..., Any] | None = None
+
+
+_NONE = Traits()
+_OLD_FIELDS = ("report", "leafwise", "scale", "fused")
+
+
+class _Pair(NamedTuple):
+    init: InitFn
+    update: UpdateFn
+    traits: Traits = _NONE
+
+
+class Transform(_Pair):
+    """A gradient transformation: `init(params) -> state` and `update(updates, state, params=None) ->
+    (updates, state)`, both pure, as optax's; optionally `traits` (`Traits`: its metrics, whether it
+    is leafwise, its fused shortcuts). `t.report`, `t.leafwise`, `t.scale` and `t.fused` read them.
+
+    Example:
+      >>> t = optim.Transform(lambda params: (), lambda updates, state, params=None: (updates, state))
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, init: InitFn, update: UpdateFn, traits: "Traits | None" = None, *old, **old_named):
+        if old or old_named or (traits is not None and not isinstance(traits, Traits)):
+            traits = _old_traits(traits, old, old_named)
+        return super().__new__(cls, init, update, _NONE if traits is None else traits)
+
+    @property
+    def report(self) -> ReportFn | None:
+        """`traits.report`."""
+        return self.traits.report
+
+    @property
+    def leafwise(self) -> bool | str:
+        """`traits.leafwise`."""
+        return self.traits.leafwise
+
+    @property
+    def scale(self) -> Callable[[PyTree, Any], Any] | None:
+        """`traits.scale`."""
+        return self.traits.scale
+
+    @property
+    def fused(self) -> Callable[..., Any] | None:
+        """`traits.fused`."""
+        return self.traits.fused
+
+
+def _old_traits(first, rest: tuple, named: dict) -> Traits:
+    """`Traits` from the fields `Transform` had before 0.1 (report, leafwise, scale, fused), with a warning."""
+    import warnings
+
+    values = dict(zip(_OLD_FIELDS, (first, *rest)))
+    unknown = set(named) - set(_OLD_FIELDS)
+    if unknown or len(values) > len(_OLD_FIELDS) or set(values) & set(named):
+        raise TypeError(f"Transform(init, update, traits) takes a functrain.optim.Traits as its third argument; "
+                        f"got {sorted(unknown) or 'more arguments'}")
+    values.update(named)
+    warnings.warn("Transform(init, update, report, leafwise, scale, fused) is now Transform(init, update, "
+                  "optim.Traits(report=..., leafwise=..., scale=..., fused=...)); the old fields go in 0.2",
+                  FutureWarning, stacklevel=3)
+    return Traits(**values)
 
 
 def is_leafwise(t: Transform) -> bool:
@@ -152,7 +219,7 @@ def identity() -> Transform:
     Example:
       >>> optim.chain(optim.identity(), optim.sgd(0.1))
     """
-    return Transform(lambda params: (), lambda updates, state, params=None: (updates, state), leafwise=True)
+    return Transform(lambda params: (), lambda updates, state, params=None: (updates, state), Traits(leafwise=True))
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -191,7 +258,7 @@ def chain(*transforms: Transform) -> Transform:
     first, rest = (transforms[0].leafwise, transforms[1:]) if transforms else (True, ())
     whole = (first if first in (True, "norm") else False) if all(t.leafwise is True for t in rest) else False
     fusable = transforms and transforms[-1].fused is not None and all(t.scale is not None for t in transforms[:-1])
-    return Transform(init, update, report_all, whole, fused=_chain_fused(transforms) if fusable else None)
+    return Transform(init, update, Traits(report_all, whole, fused=_chain_fused(transforms) if fusable else None))
 
 
 def _chain_fused(transforms: tuple) -> Callable[..., Any]:
@@ -333,4 +400,4 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
 
     # leafwise when `inner` is (a norm-reading inner is not: masked does not pass the norm on); the
     # mask itself is checked against the full tree before a grouped update uses it
-    return Transform(init, update, lambda state: report(inner, state.inner), inner.leafwise is True)
+    return Transform(init, update, Traits(lambda state: report(inner, state.inner), inner.leafwise is True))

@@ -24,7 +24,7 @@ from functrain import ops
 from functrain.ops import foreach
 import functrain.step.metric_names as metric_names
 from functrain import tree as tree_lib
-from functrain.optim.base import Transform, resolve_mask
+from functrain.optim.base import Traits, Transform, resolve_mask
 from functrain.optim.schedules import Schedule
 
 __all__ = [
@@ -135,7 +135,7 @@ def scale_by_adam(
         )
         return spec.unflatten(list(out)), new_state
 
-    return Transform(init, update, leafwise=True)
+    return Transform(init, update, Traits(leafwise=True))
 
 
 def _math_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -187,7 +187,7 @@ def add_decayed_weights(
                 u[i] = d
         return spec.unflatten(u), state
 
-    return Transform(init, update, leafwise=True)
+    return Transform(init, update, Traits(leafwise=True))
 
 
 def clip_by_global_norm(max_norm: float) -> Transform:
@@ -213,7 +213,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         (coef,) = ops.hoist(_clip_factor(state, norm))
         return spec.unflatten(foreach.mul(u, coef)), state
 
-    return Transform(init, update, leafwise="norm", scale=_clip_factor)
+    return Transform(init, update, Traits(leafwise="norm", scale=_clip_factor))
 
 
 def _clip_factor(state: HyperState, norm: torch.Tensor) -> torch.Tensor:
@@ -253,7 +253,7 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
         out = foreach.add(g, foreach.mul(t, momentum)) if nesterov else t
         return spec.unflatten(list(out)), TraceState(spec.unflatten(list(t)), state.hyper)
 
-    return Transform(init, update, leafwise=True)
+    return Transform(init, update, Traits(leafwise=True))
 
 
 def scale(factor: float) -> Transform:
@@ -274,7 +274,7 @@ def scale(factor: float) -> Transform:
         u, spec = tree_lib.flatten(updates)
         return spec.unflatten(foreach.mul(u, factor)), state
 
-    return Transform(lambda params: (), update, leafwise=True)
+    return Transform(lambda params: (), update, Traits(leafwise=True))
 
 
 class ScaleByLearningRateState(NamedTuple):
@@ -357,7 +357,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         lr = rate.to(torch.float32)
         return spec.unflatten(list(out)), ScaleByLearningRateState(state.count + 1, lr, state.hyper)
 
-    return Transform(init, update, lambda state: {metric_names.LR: state.lr}, leafwise=True)
+    return Transform(init, update, Traits(lambda state: {metric_names.LR: state.lr}, leafwise=True))
 
 
 def learning_rate(opt_state: PyTree) -> torch.Tensor | None:

@@ -11,8 +11,13 @@ its targets); it is cut into M microbatches, which run through the rank's stages
 schedule (`parallel.schedule`: "gpipe", "1f1b" or "eager-1f1b"). Activations go forward to the
 next rank and cotangents back to the previous one by point-to-point transfers on the pipeline group
 (non-blocking sends; each receive posted one action ahead of the action that waits on it). Within a
-rank the stages run as the staged loss runs them: vjp closures, blocks recomputed in the backward as
-its remat policy says.
+rank the stages run on the staged loss's own engine (`StagedLoss.forward_blocks`/`backward_blocks`
+over the rank's blocks): vjp closures, blocks recomputed in the backward as its remat policy says.
+
+Profiler ranges (`torch.profiler`, e.g. the trainer's `profile.*` window): each action is a range
+named "pipeline F<micro>" or "pipeline B<micro>", each blocking receive "pipeline recv" within it,
+and the whole schedule of a step, its sends completed, "pipeline schedule". `bench/pipeline.py`
+measures the bubble and the activations held from them.
 
 One global decision. The gradients are the mean over microbatches (as `accum_steps=M` on one
 process); a weight read on two ranks (a tied embedding and head) has its gradients summed over the
@@ -37,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable
 
 import torch
@@ -249,7 +253,6 @@ class _Wire:
         self.pending: list = []  # (work, tensor): sends in flight, waited at the end of the step
         self.posted: dict = {}  # (source, tag) -> (work, buffer): receives posted ahead of their action
         self.shapes: dict = {}  # batch signature -> (shape, dtype) of the activation this rank receives
-        self.waited = 0.0  # seconds blocked in receives (not computing) since the last reset
 
     def send(self, x: torch.Tensor, to: int, tag: int) -> None:
         """Sends `x` without waiting (kept alive until `flush`)."""
@@ -258,15 +261,14 @@ class _Wire:
 
     def recv(self, shape, dtype, device, frm: int, tag: int) -> torch.Tensor:
         """Receives a tensor of `shape` and `dtype` (blocks until it arrives; posted ahead or now)."""
-        t0 = time.perf_counter()
         posted = self.posted.pop((frm, tag), None)
-        if posted is None:
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buf, frm, group=self.pipe.group, tag=tag)
-        else:
-            work, buf = posted
-            work.wait()
-        self.waited += time.perf_counter() - t0
+        with torch.profiler.record_function("pipeline recv"):
+            if posted is None:
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(buf, frm, group=self.pipe.group, tag=tag)
+            else:
+                work, buf = posted
+                work.wait()
         return buf
 
     def post(self, act, signature, device) -> None:
@@ -323,40 +325,28 @@ def _signature(batch: PyTree):
 
 
 class _Rank:
-    """The forward and backward of one microbatch through this rank's stages (`StagedLoss` routes)."""
+    """The forward and backward of one microbatch through this rank's stages, on the staged loss's engine
+    (`StagedLoss.forward_blocks`/`backward_blocks` over this rank's blocks)."""
 
     def __init__(self, pipe: Pipeline, loss_fn: StagedLoss, wire: _Wire, signature):
-        self.pipe, self.wire, self.sig = pipe, wire, signature
+        self.pipe, self.loss_fn, self.wire, self.sig = pipe, loss_fn, wire, signature
         self.run = loss_fn.runner
-        self.embed, self.head = loss_fn.embed, loss_fn.head
-        self.blocks = [(i, loss_fn.blocks[i], self.run.blocks[i], loss_fn.recompute[i]) for i in pipe.blocks]
 
     def forward(self, p: Params, mb, key, micro: int, grad: bool = True):
         """Runs microbatch `micro` forward on params `p` (plain tensors); returns what its backward needs
         (the last rank: and the loss and aux)."""
-        pipe, run = self.pipe, self.run
-        if pipe.first:
-            ep = self.embed.params(p)
-            if grad:
-                h, embed_vjp = run.vjp(run.embed, (ep,), mb, key)
-            else:
-                h, embed_vjp = run.embed(ep, mb, key), None
-        else:
+        pipe, run, loss_fn = self.pipe, self.run, self.loss_fn
+        if not pipe.first:
             h, embed_vjp = self.wire.recv_activation(micro, self.sig, _device(p)), None
-        saved = []
-        for _, block, fn, again in self.blocks:
-            bp = block.params(p)
-            if again or not grad:  # recomputed in the backward: keep only the input
-                saved.append(h)
-                with torch.no_grad():
-                    h = fn(bp, h, key)
-            else:
-                h, block_vjp = run.vjp(fn, (bp, h), key)
-                saved.append(block_vjp)
+        elif grad:
+            h, embed_vjp = run.vjp(run.embed, (loss_fn.embed.params(p),), mb, key)
+        else:
+            h, embed_vjp = run.embed(loss_fn.embed.params(p), mb, key), None
+        h, saved = loss_fn.forward_blocks(pipe.blocks, h, key, lambda stage, after=None: stage.params(p), grad=grad)
         if not pipe.last:
             self.wire.send_activation(h, micro, self.sig)
             return (embed_vjp, saved, None), None, None
-        hp = self.head.params(p)
+        hp = loss_fn.head.params(p)
         if not grad:
             loss, aux = loss_and_aux(run.head(hp, h, mb, key))
             return None, loss, aux
@@ -365,26 +355,19 @@ class _Rank:
 
     def backward(self, p: Params, held, key, micro: int, loss_scale, add: Callable) -> None:
         """Runs microbatch `micro` backward from what `forward` kept; `add(stage, grads)` takes each stage's grads."""
-        pipe, run = self.pipe, self.run
+        pipe, loss_fn = self.pipe, self.loss_fn
         embed_vjp, saved, head = held
         if pipe.last:
             head_vjp, loss = head
             g_head, g = head_vjp(cotangent_seed(loss, loss_scale))
-            add(self.head, g_head)
+            add(loss_fn.head, g_head)
         else:
             shape, dtype = self.wire.shapes[self.sig, "out"]
             g = self.wire.recv(shape, dtype, _device(p), self.wire.next, tag=2 * micro + 1)
-        for k in reversed(range(len(self.blocks))):
-            _, block, fn, again = self.blocks[k]
-            block_vjp = saved[k]
-            saved[k] = None
-            if again:  # the saved input: run the block again under its vjp
-                _, block_vjp = run.vjp(fn, (block.params(p), block_vjp), key)
-            g_block, g = block_vjp(g)
-            add(block, g_block)
+        g = loss_fn.backward_blocks(pipe.blocks, saved, g, key, lambda stage, after=None: stage.params(p), add)
         if pipe.first:
             (g_embed,) = embed_vjp(g)
-            add(self.embed, g_embed)
+            add(loss_fn.embed, g_embed)
         else:
             self.wire.send(g, self.wire.prev, tag=2 * micro + 1)
 
@@ -406,7 +389,6 @@ def make_train_step(
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
     skip_nonfinite: bool = True,
     compile_options: dict | None = None,
-    observe: Callable[[str, int, float], None] | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
     """Builds one pipeline rank's `step(state, batch) -> (new_state, metrics)`.
 
@@ -425,11 +407,6 @@ def make_train_step(
       skip_nonfinite: keep the old params and optimizer state when the global loss or gradient norm
         is not finite (the same decision on every rank).
       compile_options: extra keyword arguments for `torch.compile`.
-      observe: called as `observe(kind, micro, seconds)` after each forward ("F") and backward
-        ("B") with the seconds it computed (time blocked in receives left out), as
-        `observe("schedule", microbatches, seconds)` when the schedule's last action has run and
-        its sends have completed (the span a bubble is measured over), and as
-        `observe("step", microbatches, seconds)` at the end of each step.
 
     Returns:
       The step. Metrics, equal on every pipeline rank: `loss` and the head's aux (mean over
@@ -462,7 +439,6 @@ def make_train_step(
         return updates[id(inner)]
 
     def step(state: TrainState, batch: PyTree):
-        t_step = time.perf_counter()
         lay, update = update_for(state.params)
         params, batch = precision_lib.to_compute(prec, state.params, batch)
         params = lay.gather(params)  # this rank's stages, whole on the dp axes (tp slices stay slices)
@@ -481,31 +457,24 @@ def make_train_step(
                 grads[n] = x if n not in grads else grads[n] + x
 
         held, losses, auxes = {}, [], []
-        t_schedule = time.perf_counter()
-        for act in wire.ahead(actions, stages.sig, _device(params)):  # the next action's input posted
-            t0, w0 = time.perf_counter(), wire.waited
-            i = act.micro
-            if act.kind == "F":
-                held[i], loss, aux = stages.forward(params, micro[i], keys[i], i)
-                if pipe.last:
-                    losses.append(loss.detach())
-                    auxes.append({k: v.detach() for k, v in (aux or {}).items()})
-            else:
-                stages.backward(params, held.pop(i), keys[i], i, loss_scale, add)
-            if observe is not None:
-                observe(act.kind, i, time.perf_counter() - t0 - (wire.waited - w0))
-        wire.flush()
-        if observe is not None:
-            observe("schedule", microbatches, time.perf_counter() - t_schedule)
+        with torch.profiler.record_function("pipeline schedule"):
+            for act in wire.ahead(actions, stages.sig, _device(params)):  # the next action's input posted
+                i = act.micro
+                with torch.profiler.record_function(f"pipeline {act.kind}{i}"):
+                    if act.kind == "F":
+                        held[i], loss, aux = stages.forward(params, micro[i], keys[i], i)
+                        if pipe.last:
+                            losses.append(loss.detach())
+                            auxes.append({k: v.detach() for k, v in (aux or {}).items()})
+                    else:
+                        stages.backward(params, held.pop(i), keys[i], i, loss_scale, add)
+            wire.flush()
         grads = {n: (grads[n] / microbatches if wide else grads[n]) if n in grads else torch.zeros_like(p)
                  for n, p in params.items()}
         grads = _sum_tied(grads, pipe)
         metrics = _metrics(losses, auxes, pipe, _device(params), aux_names)
         grads = lay.reduce_grads(to_master(grads, state.params, loss_scale), state.params)  # dp mean, placements
-        out = update(state, lay.mean_over_dp(metrics), grads)
-        if observe is not None:
-            observe("step", microbatches, time.perf_counter() - t_step)
-        return out
+        return update(state, lay.mean_over_dp(metrics), grads)
 
     return step
 

@@ -200,6 +200,75 @@ class StagedLoss:
             return _plain_value_and_grad(self, params, batch, key, loss_scale)
         return _staged_value_and_grad(self, params, batch, key, loss_scale)
 
+    def forward_blocks(self, indices: Sequence[int], h: torch.Tensor, key, params_of: Callable, *,
+                       grad: bool = True) -> tuple[torch.Tensor, list]:
+        """Runs the blocks at `indices` in order from `h`, keeping what their backward needs.
+
+        The forward half of the engine, shared by `value_and_grad` and a pipeline rank (which runs
+        its own slice of the blocks). A recomputed block (`recompute`) keeps only its input; a kept
+        block keeps its vjp closure (its activations).
+
+        Args:
+          indices: block positions, in forward order.
+          h: the first block's input.
+          key: the step's RNG key (or None).
+          params_of: `params_of(stage, after=None)` gives a stage's params to compute with (its
+            gather when sharded; `after`: a tensor the gather must wait for).
+          grad: False runs the blocks under `torch.no_grad()` and keeps nothing (eval).
+
+        Returns:
+          `(h, saved)`: the last block's output and, per block, what `backward_blocks` takes.
+
+        Example:
+          >>> h, saved = loss_fn.forward_blocks(range(4), h, key, lambda s, after=None: s.params(params))
+        """
+        run, saved = self._run, []
+        for i in indices:
+            block, fn = self.blocks[i], run.blocks[i]
+            if not grad or self.recompute[i]:  # keep only the input (recomputed in the backward)
+                saved.append(h if grad else None)
+                with torch.no_grad():
+                    h = fn(params_of(block), h, key)
+            else:
+                h, block_vjp = run.vjp(fn, (params_of(block), h), key)
+                saved.append(block_vjp)
+        return h, saved
+
+    def backward_blocks(self, indices: Sequence[int], saved: list, g: torch.Tensor, key, params_of: Callable,
+                        add: Callable) -> torch.Tensor:
+        """Pulls the cotangent `g` back through the blocks at `indices` (as given to `forward_blocks`).
+
+        The backward half of the engine: blocks in reverse, a recomputed block run again under its
+        vjp from its saved input once `g` exists (behind `remat_barrier` in a traced graph, so the
+        compiler cannot merge it into the forward). Each entry of `saved` is freed as soon as its
+        block is done.
+
+        Args:
+          indices: the block positions given to `forward_blocks`.
+          saved: what `forward_blocks` returned (emptied here).
+          g: the cotangent of the last block's output.
+          key: the step's RNG key (the forward's, so a recomputed block draws the same dropout masks).
+          params_of: as for `forward_blocks`.
+          add: `add(stage, grads)` takes each block's gradients (a dict over its names).
+
+        Returns:
+          The cotangent of the first block's input.
+
+        Example:
+          >>> g = loss_fn.backward_blocks(range(4), saved, g, key, params_of, add)
+        """
+        run, indices = self._run, list(indices)
+        for k in reversed(range(len(indices))):
+            i = indices[k]
+            block_vjp, saved[k] = saved[k], None  # free the closure / saved input as soon as the block is done
+            if self.recompute[i]:  # block_vjp is the block's saved input: recompute it once g exists
+                h_in = remat_barrier(block_vjp, g) if run.barrier else block_vjp
+                _, block_vjp = run.vjp(run.blocks[i], (params_of(self.blocks[i], after=g), h_in), key)
+            g_block, g = block_vjp(g)
+            del block_vjp  # (the closure holds the block's gathered parameters)
+            add(self.blocks[i], g_block)
+        return g
+
     def value_and_grad_sharded(self, params: Params, batch, key, *, layout, loss_scale=None):
         """`value_and_grad` over sharded params, each stage gathered just before it runs (module docstring)."""
         return _staged_value_and_grad(self, params, batch, key, loss_scale, layout=layout)
@@ -427,15 +496,8 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
         with torch.no_grad():
             h = run.embed(local(embed), batch, key)
         embed_vjp = None
-    saved = []  # per block: its vjp closure, or its input when it is recomputed
-    for block, fn, again in zip(blocks, run.blocks, recompute):
-        if again:
-            saved.append(h)
-            with torch.no_grad():
-                h = fn(local(block), h, key)
-        else:
-            h, block_vjp = run.vjp(fn, (local(block), h), key)
-            saved.append(block_vjp)
+    every = range(len(blocks))
+    h, saved = staged.forward_blocks(every, h, key, local)
     if layout is not None and run.reshard and not all(recompute):
         h = mark_forward_done(h)  # kept blocks' gathered params: gathered again for their backward
     loss, head_vjp, aux = run.vjp(run.head, (local(head), h), batch, key, has_aux=True)
@@ -445,15 +507,7 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
     g_head, g = head_vjp(cotangent_seed(loss, loss_scale))
     del head_vjp  # its closure holds the head's gathered parameters
     add(head, g_head)
-    for i in reversed(range(len(blocks))):
-        block_vjp = saved[i]
-        saved[i] = None  # free the closure / saved input as soon as the block is done
-        if recompute[i]:  # block_vjp is the block's saved input: recompute it once g exists
-            h_in = remat_barrier(block_vjp, g) if run.barrier else block_vjp
-            _, block_vjp = run.vjp(run.blocks[i], (local(blocks[i], after=g), h_in), key)
-        g_block, g = block_vjp(g)
-        del block_vjp  # (the closure holds the block's gathered parameters)
-        add(blocks[i], g_block)
+    g = staged.backward_blocks(every, saved, g, key, local, add)
     if embed_vjp is None:  # sharded: gathered again, once g exists
         _, embed_vjp = run.vjp(run.embed, (local(embed, after=g),), batch, key)
     (g_embed,) = embed_vjp(g)

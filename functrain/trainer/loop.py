@@ -29,11 +29,9 @@ gc_every, seed, checkpoint.*, profile.*.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import math
 import subprocess
-import functools
 import sys
 import time
 from pathlib import Path
@@ -44,19 +42,15 @@ import torch
 
 from functrain.data.prefetch import Prefetcher
 from functrain import parallel
-from functrain.parallel import pipeline
 from functrain.compiler import cache as compile_cache
 from functrain.compiler import cuda_graphs
 import functrain.step.metric_names as M
-from functrain import rng as rng_lib
-from functrain import tree as tree_lib
 from functrain.optim.base import Transform
-from functrain.state import init_state
-from functrain.step import make_eval_step, make_train_step
 from functrain.task import Task
 from functrain.trainer import memory
 from functrain.trainer import metrics as metrics_lib
 from functrain.trainer import tensorboard as tensorboard_lib
+from functrain.trainer import route as route_lib
 from functrain.trainer import validate, workdir_lock
 from functrain.trainer.hooks import (Eval, GarbageCollection, Hook, Log, Profiler, SaveCheckpoints, SkipWatch, StepInfo,
                                      TrainingError, every)
@@ -102,8 +96,8 @@ def run(
       ...     summary = loop.run(task, opt, config, "runs/gpt", ctx)
     """
     t_program = time.perf_counter() if t_program is None else t_program
-    micro = ("pp.microbatches", config.pp.microbatches) if ctx.pp_world > 1 else ("accum_steps", config.accum_steps)
-    validate.check_batch(config.batch_size, micro[1], ctx.dp_world, micro[0])  # (the mesh at hand)
+    key, micro = route_lib.microbatching(config, ctx)
+    validate.check_batch(config.batch_size, micro, ctx.dp_world, key)  # (the mesh at hand)
     with workdir_lock.hold(workdir, ctx.is_main_process):  # one run per workdir
         return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program)
 
@@ -132,30 +126,12 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
     compile_before = compile_cache.stats()
 
-    if ctx.pp_world > 1:  # this rank's pipeline stages: their params, optimizer state and steps
-        pipe, state, train_step, eval_step = _pipeline(task, optimizer, config, ctx, device)
-        param_norm = functools.partial(pipeline.global_norm, pipe)
-    else:
-        params = _init_params(task, rng_lib.key(config.seed), device, ctx)
-        model_state = task.init_model_state(device) if task.init_model_state is not None else None
-        # moments mirror the placements; the model state is replicated (plain tensors on every rank)
-        state = init_state(params, optimizer, seed=config.seed, copy=False, model_state=model_state)
-        del params, model_state
-        fullgraph = bool(config.get("fullgraph", True))
-        train_step = make_train_step(
-            task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=_compile(config), donate=config.donate,
-            precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
-            compile_options=cuda_graphs.options() if graphs else None, fullgraph=fullgraph,
-            model_state_sync=config.get("model_state_sync", "broadcast"),
-        )
-        eval_step = make_eval_step(task.loss_fn, compile=_compile(config), precision=config.precision,
-                                   fullgraph=fullgraph)
-        param_norm = tree_lib.global_norm
+    state, route = route_lib.choose(task, optimizer, config, ctx, device, _compile(config),
+                                    cuda_graphs.options() if graphs else None)
 
     print_fn(f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
              f"precision {config.precision}, mesh {dict(ctx.shape)}"
-             + (f" x pp={ctx.pp_world} ({config.pp.schedule}, {config.pp.microbatches} microbatches)"
-                if ctx.pp_world > 1 else ""))
+             + route.banner)
     throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps, probe=probe)
     writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
     if main:
@@ -171,8 +147,8 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
     if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
         state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
-    state = maybe_restore(manager, state, train_step, task.train_batch, config, print_fn,
-                           whole=ctx.pp_world == 1, data_record=task.data_record)
+    state = maybe_restore(manager, state, route.train_step, task.train_batch, config, print_fn,
+                           whole=route.whole, data_record=task.data_record)
     if graphs:
         state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
 
@@ -180,10 +156,10 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     start = int(state.step)
     batches = Prefetcher(task.train_batch, start, depth=config.prefetch, device=device) if config.prefetch else None
     log = Log(config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches,
-               param_norm)
+              route.param_norm)
     eval_sets = task.eval_batches()
     eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
-    evaluation = Eval(config.eval_every, eval_step, eval_sets, writer)
+    evaluation = Eval(config.eval_every, route.eval_step, eval_sets, writer)
     # In this order: a run that stops on skipped updates neither logs nor saves that step.
     builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
     builtin += [log, evaluation]
@@ -206,7 +182,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
                 batch = batches.get(step) if batches is not None else task.train_batch(step)
                 if graphs:
                     cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
-                state, m = train_step(state, batch)
+                state, m = route.train_step(state, batch)
                 done = step + 1
                 if step == start:
                     if graphs and cuda_graphs.skips() > graph_skips:
@@ -240,12 +216,9 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     if stopped:
         summary["preempted"] = True
         return summary
-    if ctx.pp_world > 1:  # a task's finish (e.g. a text sample) reads the whole model, split over the stages here
-        print_fn(f"finish skipped: the params are split over {ctx.pp_world} pipeline stages (sample from the "
-                 "final checkpoint on one mesh)")
-        finished = {}
-    else:  # on every rank: a sharded task gathers stage by stage (collectives), never the whole model
-        finished = task.finish(state.params, rng_lib.fold_in(state.rng, state.step))
+    finished, note = route.finish(state)
+    if note:
+        print_fn(note)
     if main:
         for name, value in finished.items():
             print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
@@ -364,41 +337,5 @@ def _writers(tensorboard: bool, workdir: Path, print_fn) -> list:
     elif tensorboard:
         print_fn(tensorboard_lib.MISSING)
     return out
-
-
-def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device):
-    """(pipe, state, train step, eval step) of this rank's pipeline stages (`functrain.parallel.pipeline`): only
-    their params are drawn, sharded over the stage's mesh."""
-    if config.get("cuda_graphs", False):
-        raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
-                                   "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1")
-    if task.init_model_state is not None:
-        raise validate.ConfigError("this model has model state (buffers such as BatchNorm statistics) and the "
-                                   "pipeline's stages carry params only: set --config.mesh.pp=1")
-    key = rng_lib.key(config.seed)
-    try:
-        pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, key), group=ctx.pp_group)
-    except ValueError as exc:
-        raise validate.ConfigError(f"{exc} (--config.mesh.pp)") from None
-    params = parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device,
-                                   names=pipe.names)
-    state = init_state(params, optimizer, seed=config.seed, copy=False)
-    compile = bool(_compile(config))
-    train_step = pipeline.make_train_step(
-        pipe, optimizer, microbatches=config.pp.microbatches, schedule=config.pp.schedule, compile=compile,
-        donate=config.donate, precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0)
-    eval_step = pipeline.make_eval_step(pipe, compile=compile, precision=config.precision)
-    return pipe, state, train_step, eval_step
-
-
-def _init_params(task: Task, key, device, ctx):
-    """The task's fresh params: each rank draws only its shards when the task's init takes `where`,
-    else the whole tree is made and sharded one parameter at a time."""
-    if ctx.mesh is None:
-        return task.init_params(key, device)
-    if "where" in inspect.signature(task.init_params).parameters:
-        return parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device)
-    params = task.init_params(key, device)
-    return parallel.shard_params(params.items(), ctx.mesh, task.shard_rules)
 
 
