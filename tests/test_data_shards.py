@@ -236,8 +236,11 @@ def test_tokenizing_memory_is_flat_in_corpus_size(tmp_path):
     assert info["documents"] == 2 * copies * 2000  # it did tokenize the whole corpus
 
 
-def test_the_tokenizing_worker_imports_no_torch():
-    code = "import sys, functrain.data.token_worker; assert 'torch' not in sys.modules, 'torch imported'"
+def test_a_spawned_tokenizing_worker_imports_no_torch():
+    # what a spawned worker of `python -m functrain.main` imports: the main module again (as __mp_main__)
+    # and the token cache, whose functions it runs
+    code = ("import runpy, sys; runpy.run_module('functrain.main', run_name='__mp_main__'); "
+            "import functrain.data.token_cache; assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -33,11 +33,12 @@ import hashlib
 import json
 import math
 import os
-import selectors
-import subprocess
+import multiprocessing
 import sys
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -210,7 +211,12 @@ def _marker(out: Path, shard: dict, tok: str) -> dict | None:
 
 
 def _run_share(mine, job, workers, log, label) -> None:
-    """Tokenizes this rank's shards on `workers` worker processes (in this one when 1)."""
+    """Tokenizes this rank's shards on a pool of `workers` processes (in this one when 1).
+
+    The pool is `concurrent.futures` on a spawn context: fresh interpreters, so nothing of this process
+    (threads, torch's state) is forked into them. Workers report the bytes they read on a queue, for
+    the progress lines. On a failure the shards already running finish (their markers are kept),
+    the rest are cancelled, and this run's temporaries are removed."""
     total = sum(s["size"] for _, s in mine)
     progress = _Progress(total, len(mine), log, label)
     tasks = [(str(p), s, job) for p, s in mine]
@@ -219,81 +225,38 @@ def _run_share(mine, job, workers, log, label) -> None:
             progress.shard_done(tokenize_shard(task, progress.add))
         progress.end()
         return
-    pool = [_Worker() for _ in range(min(workers, len(tasks)))]
+    spawn = multiprocessing.get_context("spawn")
+    read = spawn.SimpleQueue()  # bytes read, from every worker
+    pool = ProcessPoolExecutor(min(workers, len(tasks)), mp_context=spawn, initializer=_start_worker, initargs=(read,))
     try:
-        _feed(pool, tasks, progress)
+        pending = {pool.submit(_tokenize_in_worker, task) for task in tasks}
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            while not read.empty():
+                progress.add(read.get())
+            for future in finished:
+                progress.shard_done(future.result())  # a worker's DataError is raised here, as it was
+    except BrokenProcessPool:
+        raise DataError("a tokenizing worker process died (out of memory, or killed); see its error above") from None
     finally:
-        for w in pool:
-            w.stop()
+        pool.shutdown(wait=True, cancel_futures=True)
         _remove_temporaries(Path(job["out"]), job["run"])
     progress.end()
 
 
-class _Worker:
-    """A tokenizing process (`python -m functrain.data.token_worker`): a JSON task per stdin line in,
-    JSON progress/result lines out. A fresh interpreter: nothing of this process (threads, torch,
-    `__main__`) is forked or re-imported into it."""
-
-    def __init__(self):
-        here = str(Path(__file__).resolve().parents[2])  # the directory holding the functrain package
-        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONPATH=path)
-        self.proc = subprocess.Popen([sys.executable, "-m", "functrain.data.token_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, bufsize=0)
-        self.busy = False
-        self._buffer = b""
-
-    def lines(self) -> list[dict] | None:
-        """The complete lines the worker has written so far (one read: call when its pipe is ready);
-        None once it exited."""
-        chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-        if not chunk:
-            return None
-        *complete, self._buffer = (self._buffer + chunk).split(b"\n")
-        return [json.loads(line) for line in complete if line]
-
-    def send(self, task) -> None:
-        """Hands the worker one shard."""
-        self.proc.stdin.write((json.dumps(task) + "\n").encode())
-        self.busy = True
-
-    def stop(self) -> None:
-        """Ends the worker (killed if still working: its shard's temporaries are removed after)."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        if self.busy:
-            self.proc.kill()
-        self.proc.wait()
+_READ = None  # in a worker process: the queue its bytes read go to
 
 
-def _feed(pool, tasks, progress) -> None:
-    """Deals tasks to idle workers and collects their lines until every shard is done."""
-    pending = list(tasks)
-    with selectors.DefaultSelector() as sel:
-        for w in pool:
-            sel.register(w.proc.stdout, selectors.EVENT_READ, w)
-            if pending:
-                w.send(pending.pop(0))
-        left = len(tasks)
-        while left:
-            for key, _ in sel.select():
-                w = key.data
-                messages = w.lines()
-                if messages is None:
-                    raise DataError(f"a tokenizing worker exited with code {w.proc.wait()}; see its error above")
-                for msg in messages:
-                    if "bytes" in msg:
-                        progress.add(msg["bytes"])
-                        continue
-                    w.busy = False
-                    if "error" in msg:
-                        raise DataError(msg["error"])
-                    progress.shard_done(msg["done"])
-                    left -= 1
-                    if pending:
-                        w.send(pending.pop(0))
+def _start_worker(read) -> None:
+    """A worker's set-up: one thread for the tokenizer, and where its progress goes."""
+    global _READ
+    os.environ.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    _READ = read
+
+
+def _tokenize_in_worker(task) -> dict:
+    """`tokenize_shard` in a worker process, its progress sent to the parent."""
+    return tokenize_shard(task, _READ.put)
 
 
 class _Progress:
