@@ -16,9 +16,11 @@ Example (a package's `__init__.py`):
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.abc
 import importlib.util
+import pkgutil
 import sys
 import warnings
 from pathlib import Path
@@ -60,6 +62,11 @@ def lazy_exports(package: str, path: str, moved: dict[str, str] | None = None,
     """
     table = _static_imports(path)
 
+    @functools.cache
+    def submodules() -> frozenset:
+        """The package's own modules and subpackages (listed once, from its directory)."""
+        return frozenset(m.name for m in pkgutil.iter_modules([str(Path(path).parent)]))
+
     def __getattr__(name: str) -> object:
         if name not in table and name in (deprecated or {}):
             module_name, _, attribute = deprecated[name].partition(":")
@@ -71,7 +78,7 @@ def lazy_exports(package: str, path: str, moved: dict[str, str] | None = None,
                 return importlib.import_module(f"{module_name}.{attribute}")
         if name not in table and f"{package}.{name}" in (moved or {}):
             return importlib.import_module(f"{package}.{name}")  # the old name: warns, then the new module
-        if name not in table and importlib.util.find_spec(f"{package}.{name}") is not None:
+        if name not in table and name in submodules():
             return importlib.import_module(f"{package}.{name}")  # a submodule, reached as an attribute
         if name not in table:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

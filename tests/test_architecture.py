@@ -195,6 +195,29 @@ def test_no_import_cycles():
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+def test_the_loop_never_asks_whether_it_runs_a_pipeline():
+    # the route (one process or a pipeline rank) is chosen in trainer/route.py; the loop only runs it
+    source = (PKG / "trainer" / "loop.py").read_text()
+    assert "functrain.trainer.route" in _imports(PKG / "trainer" / "loop.py")
+    for word in ("pp_world", "pipeline", "pp_group"):
+        assert word not in source, f"trainer/loop.py mentions {word!r}: put the difference in trainer/route.py"
+
+
+def test_a_pipeline_rank_runs_the_staged_engine_not_a_copy_of_it():
+    # no loop over blocks and no vjp of a block in parallel/pipeline.py: its ranks call the engine's halves
+    tree = ast.parse((PKG / "parallel" / "pipeline.py").read_text())
+    running = [n for n in tree.body if getattr(n, "name", "") in ("_Rank", "make_train_step", "make_eval_step")]
+    assert len(running) == 3
+    calls = {n.func.attr for r in running for n in ast.walk(r) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute)}
+    assert {"forward_blocks", "backward_blocks"} <= calls
+    for node in (n for r in running for n in ast.walk(r)):
+        if isinstance(node, ast.For):
+            assert "blocks" not in ast.unparse(node.iter), f"pipeline.py:{node.lineno} loops over blocks itself"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "vjp":
+            assert "block" not in ast.unparse(node), f"pipeline.py:{node.lineno} differentiates a block itself"
+
+
 def test_the_step_tells_a_staged_loss_by_its_type():
     """A plain function with the staged loss's method names is an ordinary loss: the step
     differentiates it with torch.func (no attribute probing), and a StagedLoss uses its own route."""

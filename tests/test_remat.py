@@ -226,3 +226,48 @@ def test_bad_policy_is_a_clear_value_error(tiny_gpt, bad):
     embed, blocks, head, _, _ = _toy()
     with pytest.raises(ValueError, match="remat policy"):
         staged_loss(embed, blocks, head, policy=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's halves: what a pipeline rank runs over its own slice of the blocks
+
+
+@pytest.mark.parametrize("policy", ["none", "full", 2])
+def test_the_engine_run_in_two_slices_equals_value_and_grad(tiny_gpt, batches, policy):
+    # forward_blocks / backward_blocks over blocks [0, 2) and [2, 4), as two pipeline ranks run them, with
+    # the embedding and head around them, give value_and_grad's loss and gradients bit for bit
+    model, params, batch, key = _gpt_problem(tiny_gpt, batches, n_layer=4)
+    staged = make_gpt_loss_fn(model, remat=policy, staged=True)
+    want_loss, _, want = staged.value_and_grad(params, batch, key)
+    run = staged.runner
+
+    def params_of(stage, after=None):
+        return stage.params(params)
+
+    grads: dict = {}
+
+    def add(stage, g):
+        for n, x in g.items():
+            grads[n] = x if n not in grads else grads[n] + x
+
+    h, embed_vjp = run.vjp(run.embed, (staged.embed.params(params),), batch, key)
+    h, first = staged.forward_blocks(range(0, 2), h, key, params_of)
+    h, second = staged.forward_blocks(range(2, 4), h, key, params_of)
+    loss, head_vjp, _ = run.vjp(run.head, (staged.head.params(params), h), batch, key, has_aux=True)
+    g_head, g = head_vjp(torch.ones_like(loss))
+    add(staged.head, g_head)
+    g = staged.backward_blocks(range(2, 4), second, g, key, params_of, add)
+    g = staged.backward_blocks(range(0, 2), first, g, key, params_of, add)
+    add(staged.embed, embed_vjp(g)[0])
+    assert first == [None, None] and second == [None, None]  # each block's closure freed once used
+    assert torch.equal(loss, want_loss)
+    assert sorted(grads) == sorted(want)
+    for n in want:
+        assert torch.equal(grads[n], want[n]), n
+
+    # grad=False (eval): the same output, nothing kept
+    with torch.no_grad():
+        h0 = run.embed(staged.embed.params(params), batch, key)
+    out, kept = staged.forward_blocks(range(4), h0, key, params_of, grad=False)
+    h1, _ = staged.forward_blocks(range(4), h0, key, params_of)
+    assert torch.equal(out, h1) and kept == [None] * 4
