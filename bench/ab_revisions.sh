@@ -8,9 +8,7 @@
 # A, B, A, B... so slow drift of a shared machine hits both. VARIANT is a configs/gpt.py variant
 # ("" for the default run, "tiny"). Prints the logged steps' loss and step_time_s per run, and
 # "losses sha1 ..." of every logged loss at full precision (metrics.jsonl): equal digests mean
-# bit-identical losses. Measured 2026-11-22 (2 shared cores), ac77636 vs d6ac7c5, 300 steps, 2 rounds:
-# losses identical at every logged step (2.5101 / 2.1829 / 2.1135); step_time_s 0.295-0.316 (A) vs
-# 0.263-0.298 (B).
+# bit-identical losses. Measured: docs/results.md.
 set -euo pipefail
 a=${1:?usage: bench/ab_revisions.sh REV_A REV_B [STEPS] [ROUNDS]}
 b=${2:?usage: bench/ab_revisions.sh REV_A REV_B [STEPS] [ROUNDS]}

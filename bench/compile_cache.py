@@ -21,54 +21,7 @@ load on a hit); both summed over the compiled graphs of the process (here: the t
 Before `config.compile_cache` exists, TORCHINDUCTOR_CACHE_DIR picks the directory (what the "user"
 mode honors); with it, the workdir runs also pass `--config.compile_cache=workdir`.
 
-Measured at 38d46ec + this docstring's commit (2 CPU cores, quiet, torch 2.13 CPU),
-`python bench/compile_cache.py --variants default,tiny` (6 minutes); FX/AOT misses count 2 graphs
-(the train step and the eval step the stop at step 2 runs):
-
-  | variant | case            | time to first step s | vs cold | dynamo trace s | AOT+inductor s | FX hit/miss | AOT hit/miss |
-  |---------|-----------------|------|-------|-----|------|-----|-----|
-  | default | cold            | 46.2 | 1.00x | 6.3 | 43.1 | 0/2 | 0/2 |
-  | default | warm            |  8.5 | 0.18x | 5.5 |  1.2 | 2/0 | 2/0 |
-  | default | restart (copy)  |  9.5 | 0.21x | 6.6 |  1.1 | 2/0 | 2/0 |
-  | default | mega-cache only | 26.8 | 0.58x | 6.3 | 22.6 | 2/0 | 2/0 |
-  | tiny    | cold            | 27.4 | 1.00x | 3.9 | 26.0 | 0/2 | 0/2 |
-  | tiny    | warm            |  6.3 | 0.23x | 3.8 |  1.1 | 2/0 | 2/0 |
-  | tiny    | restart (copy)  |  6.9 | 0.25x | 4.1 |  1.3 | 2/0 | 2/0 |
-  | tiny    | mega-cache only | 20.2 | 0.74x | 3.9 | 17.9 | 2/0 | 2/0 |
-
-  cold / warm: 5.4x (default), 4.4x (tiny). Cache dir after the cold run: 7.1 MiB (default),
-  4.9 MiB (tiny); mega-cache artifacts 2.5 / 1.6 MiB. The default cold run gave 40.4 and 42.6 s in
-  two earlier runs of the same code, and 51.4 / 51.3 s without `compile_cache.start_isa_probe`
-  (back to back; see that module). (At f6e00f3, on a loaded machine: 76.8 s cold, 19.0 s warm.)
-
-Where the default step's cold compile goes (2 cores, caches off, `compilation_time_metrics`): Dynamo
-~6 s; AOTAutograd ~2 s; post-grad passes 2.4 s (1.5 s of it inductor's reinplacing); lowering 2.9 s;
-the scheduler's fusion 5.3 s; C++ code generation ~5 s (+7.4 s of the vector-ISA probe when it is
-not started early); g++ 34 CPU-s for 44 compilations, of which ~19 s are waited for after code
-generation. Each kernel is its own g++ process and shared library: 0.6-0.9 s each, ~0.45 s of it
-g++ instantiating the templates of the ATen vector headers that every kernel includes (a
-precompiled header does not save that), 0.12 s linking; -O1/-O2 instead of -O3 changed nothing;
-inductor's `cpp_wrapper` (one C++ file for the whole graph) was slower (one 14.3 s g++ run, serial,
-55 s in all). With SGD instead of AdamW the cold first step is 8 s shorter (the update's foreach
-kernel over every parameter is the longest C++ file, 4,550 lines, 2.3 s of g++ alone).
-Measured again on 2026-11-26 (same host kind, slower hour, inductor's own command line re-run by
-hand): 1.52-1.56 s per kernel, and 1.01-1.12 s for the same command without `-ltorch -ltorch_cpu
--ltorch_python`. Inductor's `aot_inductor.link_libtorch=False` drops those libraries, but then its
-vector-ISA check program (it calls `Sleef_expf8_u10`, which lives in libtorch_cpu) fails to load in
-its own process, `pick_vec_isa()` returns InvalidVecISA instead of VecAVX2, and inductor silently
-generates scalar kernels (`std::sin(tmp0)` where `tmp0.sin()` was): a pitfall, not a lever.
-
-Reading it: a warm start removes ~42 s of AOTAutograd + inductor (default model); what is left is
-dynamo re-tracing the step (~6 s, about 65% of the warm time to first step, not cached by these
-caches) plus data/model setup and the first step itself. The copied workdir restarts as warm as
-the same directory (entries are content-keyed; nothing in them depends on the directory's path).
-The mega-cache alone hits but is much slower than warm: on CPU it carries inductor's generated
-source, not the compiled C++ libraries, so g++ still runs; hence the "workdir" mode keeps the whole
-cache directory instead. (It is loaded into the ISA-keyed directory `compile_cache.setup` gives;
-loaded into its parent, as this bench did until this commit, it missed.) Cache keys include the Python numbers baked into the graph as
-constants: changing `steps` (the schedule's decay length) or `optim.lr` was measured to be a miss
-(a cold compile, ~30 s on tiny), while changing `seed` (a tensor in the state) is a hit.
-
+Measured: docs/results.md ("bench/compile_cache.py").
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ ratios of the longest sequences against cp=1; with --json a last line of JSON.
     ... --seq 8192             # one length, no search: step time and peak of each mesh
     ... --exact-heap           # CPU: the resident set follows live memory (slower; docs/results.md)
 
-Measured (docs/results.md, 4 gloo ranks on 2 CPU cores): GPT `--exact-heap --kernel stream` cp=2
-1.87x, cp=4 3.73x the cp=1 length; Llama (zigzag, default reading) 2.00x and 3.62x.
+Measured: docs/results.md ("bench/context.py").
 """
 
 from __future__ import annotations

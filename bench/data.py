@@ -22,12 +22,7 @@ as a share of the step time (target <= 2%).
 
 With `--json` the last line is one JSON object.
 
-On a 2-core AMD EPYC (AVX-512, torch 2.13.0+cpu), 2026-11-27: `--mb 200 --loop-steps 0 --gpt2-rows 0`:
-bytes 85.3 MB/s on 1 worker, 151.9 MB/s on 2 (1.78x; the uint16 token files are twice the input);
-`--mb 100 --bpe 4096 --loop-steps 0 --gpt2-rows 0`: 3.8 vs 6.9 MB/s (1.80x); RSS growth +28 MB for an 87
-or a 188 MB corpus (4 MB text groups; tests/test_data_shards.py holds 126 MB under 12 MB of growth with
-256 KB groups). `--mb 200 --loop-steps 100`: a default batch 0.28 ms, a gpt2 batch 2.3 ms (windows) / 4.4 ms
-(epochs); the default job's step 232 ms, the loop's wait for its batch 0.047 ms (0.02%).
+Measured: docs/results.md ("bench/data.py").
 """
 
 from __future__ import annotations

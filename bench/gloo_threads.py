@@ -14,11 +14,7 @@ Prints per rank `threads T iterations N seconds S`, or dies: with 2 threads a ra
 "malloc(): unaligned tcache chunk detected" or a segfault inside a gloo worker thread
 (`AsyncAllgatherCoalescedWork::allgather_coalesced`, seen with gdb on the core dump).
 
-Measured 2026-11-24, 2-core AMD EPYC, torch 2.13.0+cpu, 6000 iterations per launch: --threads 2
-died in 2 of 2 launches (51 s: a segfault; 19 s: "malloc_consolidate(): unaligned fastbin chunk
-detected"); --threads 1 finished (118 s); --threads 2 --no-overlap finished (93 s). Earlier launches of
-the same loop (3 of 3) and of a variant with DTensor redistributes instead of the four all-gathers
-(2 of 2) died with two threads; 2 of 2 finished with one (functrain/parallel/gloo.py).
+Measured: docs/results.md ("bench/gloo_threads.py").
 """
 
 from __future__ import annotations

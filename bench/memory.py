@@ -14,10 +14,7 @@ tracemalloc does not see torch's allocations; the kernel's RSS accounting does.
 Columns: mode, chunk size, extra peak MiB, its ratio to plain, seconds for the forward+backward,
 and the loss (the same for all modes up to float32 rounding).
 
-Measured here (torch 2.13 CPU, 2 shared cores, so the seconds are noise; N=8192 C=768 V=50304 f32):
-    eager     plain 4,887 MiB | chunk 1024: 561 | chunk 2048: 951 | chunk 4096: 1,731
-    compiled  plain 1,743 MiB | chunk 1024: 561   (inductor fuses the plain loss's softmax backward)
-The plain loss grows with N (one (N, V) float32 array is 1,572 MiB here); the chunked one does not.
+Measured: docs/results.md ("bench/memory.py").
 """
 
 from __future__ import annotations

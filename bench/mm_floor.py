@@ -17,16 +17,7 @@ each run on the next of a pool of input copies larger than the last-level cache,
 step, where a kernel's inputs were written by other kernels since (activations, weights, the
 optimizer's state in between). A step's kernels see something between the two.
 
-Measured on a 2-core AMD EPYC (AVX-512, 32 MB L3, torch 2.13.0+cpu), 2026-11-24, 2048^2 rate 185-191
-GFLOP/s (the spread is machine load: the VM is shared):
-  --size default, 3 runs (4096 tokens, 23.4 GFLOP): kernels 144-167 ms hot / 159-181 ms cold per step,
-      floor_mfu 74-85% hot / 68-78% cold; the default run itself reaches ~67%. Its 128 x 128
-      q/k/v/proj weight gradients and the attention (75-90 GFLOP/s) pull the floor down.
-  --size 100m, 1 run (256 tokens, 151.6 GFLOP): 874 ms hot / 901 ms cold, floor_mfu 93.0% / 90.2%.
-On a 2-core AMD EPYC without AVX-512 (AVX2, 32 MB L3), 2026-11-25, 2048^2 rate 171-182 GFLOP/s:
-  --size default: 175 ms hot / 185 ms cold, floor_mfu 75.4% / 71.0%; the default run itself 56-59%
-      (`bench/step.py --sizes default --no-memory --steps 40`: forward + backward 203 ms of a 208 ms
-      step, eager 205 of 207).
+Measured: docs/results.md ("bench/mm_floor.py").
 """
 
 from __future__ import annotations

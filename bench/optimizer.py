@@ -21,18 +21,7 @@ paired ratio functrain / fused AdamW (target <= 1.2): a ratio taken within one r
 than a ratio of totals on a shared machine. With `--json` the last line is one JSON object.
 `--profile N` then prints the kernels of N functrain updates by device (CUDA) or CPU time.
 
-On a 2-core AMD EPYC (AVX-512, torch 2.13.0+cpu), 2026-11-24, `--rounds 12` (100m): functrain
-67.2 ms, fused AdamW 57.9, clip_grad_norm_ + fused AdamW 90.7, read_grads 15.3: 1.25x fused AdamW
-against a floor of 1.26x for any clipped update (functrain's own gradient read, fused into its
-norm kernel, costs 12.5 ms in a kernel profile; its AdamW kernels match fused AdamW's time).
-On a 2-core AMD EPYC without AVX-512 (AVX2, 32 MB L3; a noisy hour), 2026-11-25, the same command:
-functrain 107.3 ms, fused AdamW 89.6, clip_grad_norm_ + fused AdamW 140.1, read_grads 29.5: 1.20x
-against a floor of 1.33x.
-
-On one H100 80GB (torch 2.11.0+cu130, `--device cuda`, 100m, 97.6M fp32 params in 99 tensors):
-functrain 9.5 ms, fused AdamW 1.4 ms (6.8x), clip_grad_norm_ + fused AdamW 2.2 ms. Its compiled
-code then read two scalars with `.item()` (device syncs: the lerp weight and eps), since removed
-off the CPU (functrain/ops/foreach.py); the rest of the gap is not yet profiled on a GPU.
+Measured: docs/results.md ("bench/optimizer.py").
 """
 
 from __future__ import annotations

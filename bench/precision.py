@@ -10,20 +10,7 @@ and the loss after the run. Ratios are against fp32 measured in the same invocat
     python bench/precision.py --device cuda --n-layer 12 --n-embd 768 --batch 16
     python bench/precision.py --precisions fp32,fp32:noskip     # what the non-finite skip costs
 
-Measured here (torch 2.13 CPU, 2 cores, a CPU with neither AVX512-BF16 nor AMX, so low-precision
-matmuls are emulated), `OMP_NUM_THREADS=2 python bench/precision.py --steps 5` (12 minutes):
-
-    precision   s/step  vs fp32  peak MiB     vs    loss skipped compile+warmup s
-    fp32         0.735    1.00x       293  1.00x 2.50820       0             73.6
-    bf16        26.570   36.16x       153  0.52x 2.50729       0            143.9
-    fp16        30.610   41.65x       154  0.53x 2.50873       0            154.4
-
-Memory halves as it should (activations in 16 bits); the loss after 9 steps agrees to 1e-3; the
-speed is this CPU's: bf16 pays off only on hardware with bf16 matrix units (GPUs, AMX CPUs).
-
-The non-finite skip's cost, `python bench/precision.py --precisions fp32,fp32:noskip,fp32,fp32:noskip
---steps 20`: 0.797 / 0.868 s/step with it, 0.817 / 0.794 without (noise: it is a `torch.where`
-fused into the update kernels), peak memory 297 / 291 vs 300 / 296 MiB, identical losses.
+Measured: docs/results.md ("bench/precision.py").
 """
 
 from __future__ import annotations

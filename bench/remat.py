@@ -20,27 +20,7 @@ build, 2 warm-up steps (the first compiles), then release what the warm-up left 
   loss         the last step's loss: the same for every policy (remat changes memory and time only).
 Ratios are against "none" in the same mode.
 
-Measured here (torch 2.13 CPU, 2 cores shared with other jobs: wall seconds are noisy, the CPU
-seconds steadier; GPT n_layer 8, n_embd 256, n_head 4, block 256, batch 16 (4096 tokens), vocab 256,
-float32, 6.4M params; resident state 408 MB eager, 693 MB compiled):
-
-    python bench/remat.py --threads 1            (7.7 min: each child compiles for 100-165 s)
-    policy    peak growth MB  vs none   s/step  vs none  cpu s/step  vs none       loss
-    none                 563     1.00     4.32     1.00        2.94     1.00   5.512454
-    full                 285     0.51     3.35     0.77        3.23     1.10   5.512454
-    2                    401     0.71     2.97     0.69        2.97     1.01   5.512454
-
-    python bench/remat.py --threads 1 --eager    (1.6 min)
-    policy    peak growth MB  vs none   s/step  vs none  cpu s/step  vs none       loss
-    none               1,244     1.00     4.12     1.00        2.78     1.00   5.512455
-    full                 315     0.25     5.15     1.25        3.46     1.25   5.512455
-    2                    512     0.41     4.94     1.20        3.30     1.19   5.512455
-
-Compiled "none" already keeps far less than eager (inductor fuses and saves fewer activations), so
-remat's relative saving is smaller there: full recomputation halves the step's peak growth for about
-10% more CPU time; eager it cuts it by 4x for 25%. Every-2nd-block sits in between. With 2 threads on
-this loaded machine the OpenMP threads wait on each other and the timings became meaningless (up to
-5x apart between runs), hence `--threads 1`.
+Measured: docs/results.md ("bench/remat.py").
 """
 
 from __future__ import annotations

@@ -30,13 +30,7 @@ unless --warm-cache).
     ... --reduce-scatter all_to_all              # functrain's gradients by all-to-all + sum (spmd)
     ... --reduce-scatter reduce_scatter,all_reduce   # routes interleaved in one run (functrain-all_reduce)
 
-Per-op profile (`--profile 45`, 2026-11-24, 2-core AMD EPYC, 2 gloo ranks, 512 wide, remat none),
-self CPU ms of one step at 4 -> 8 layers: functrain mm + addmm 474 -> 851, wait_tensor (the
-collectives' exposed time) 146 -> 224, copy_ 60 -> 71, attention backward 24 -> 41; FSDP2 mm +
-addmm 472 -> 858, copy_ 77 -> 152, all-gather + post-backward reduce regions 437 -> 367 (noisy). Timed
-(not profiled) s/step 0.846 -> 1.400 (functrain) and 0.911 -> 1.535 (FSDP2): 138 vs 156 ms per
-block, ~0.29 s fixed each. The collectives alone (gloo, one block's 3.15M floats): all-gather 8.6
-ms, reduce-scatter 14.3 ms, so ~43 ms of communication per block per step, about half exposed.
+Measured: docs/results.md ("bench/sharded.py").
 """
 
 from __future__ import annotations

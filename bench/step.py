@@ -10,23 +10,7 @@ against the eager loop under `torch.autocast(bf16)`. MFU = tokens/s x `gpt.flops
 the large-matmul rate measured in the same process in that dtype, and over the published bf16
 dense peak where the device is known (`functrain.trainer.metrics.peak_flops`).
 
-Measured on one H200 (2026-11-26, torch 2.11.0+cu130, 8192^3 bf16 matmul 791 TFLOP/s, published
-989), `--sizes default,gpt2 --precision bf16 --steps 12 --rounds 3 --mem-steps 2 --no-breakdown`
-(bench/gpu.sh step_bf16): gpt2 functrain 36.8 steps/s vs eager 26.5 (1.39x), 452.4k vs 325.5k
-tokens/s, MFU 48.9% vs 35.2% of the measured matmul (39.1% vs 28.1% of 989 TFLOP/s), peak 7879 vs
-13206 MB (growth per step +6421 vs +11717 MB), first step (compile) 85 s; default (0.84M params)
-116.5 vs 116.8 steps/s (0.94x, launch-bound), peak 116 vs 171 MB, compile 34 s. The same command
-on the same kind of machine later that day: gpt2 36.8 vs 26.5 steps/s (1.39x), 452.1k vs
-326.0k tokens/s, MFU 48.6% vs 35.1% of the measured 794 TFLOP/s (39.1% vs 28.2% of 989), the same
-peaks, compile 66 s; default 107.4 vs 112.0 steps/s (0.97x), compile 29 s.
-
-Measured on one H100 80GB HBM3 (2026-11-23, torch 2.11.0+cu130; 8192^3 bf16
-matmul 773 TFLOP/s, published 989), `--sizes gpt2 --precision bf16 --steps 12 --rounds 3
---breakdown-rounds 4`: functrain 29.7 steps/s vs eager 23.1 (1.29x), 364.8k vs 283.6k tokens/s,
-MFU 40.1% vs 31.2% of the measured matmul (31.5% vs 24.5% of 989 TFLOP/s), peak growth per step
-+6420 MB vs +11717 MB (0.55x), first step (compile) 87 s. Breakdown (ms): forward + backward 24.9 vs
-41.8, optimizer update 7.8 vs 3.7 (2.1x fused AdamW), whole step 31.1 vs 44.2. The `default` size
-(0.84M params, launch-bound): whole step 10.4 vs 11.3 ms, update 4.6 vs 1.8 ms.
+Measured: docs/results.md ("bench/step.py").
 
 For each GPT size it compares, on the same model, data and hyper-parameters:
   functrain  `make_train_step(loss_fn, chain(clip_by_global_norm, adamw(warmup_cosine)), donate=True)`,

@@ -8,16 +8,15 @@ tokens in chunks and keeps only each token's logsumexp (N floats); the backward 
 chunk's logits and softmax to produce that chunk's hidden gradient and add to the weight gradient
 (the "chunk loss" of MindSpeed / Liger-Kernel, with recomputation instead of storing gradients).
 Peak extra memory is a few (chunk_size, V) arrays plus the (V, C) weight gradient, instead of
-several (N, V) arrays (bench/memory.py: N=8192, C=768, V=50304, float32, eager grad_and_value:
-4,887 MiB for the plain loss, 561 MiB with chunk_size=1024).
+several (N, V) arrays (`bench/memory.py`; docs/results.md).
 
 It is a `torch.autograd.Function` with `setup_context` and `generate_vmap_rule=True`, so it works
 under `torch.func.grad_and_value` / `grad` / `vmap` (the functrain train step) and under
 `torch.compile(fullgraph=True)`. What runs differs, the gradients do not: eagerly the custom backward
 runs; in the compiled step (torch.compile around `torch.func.grad`) torch 2.13's Dynamo inlines the
 forward and differentiates it, never calling the custom backward (pytorch#193279). The gradients are
-the same either way, and the memory saving holds there too: bench/memory.py's compiled numbers
-(plain 1,743 MiB, chunk_size=1024 561 MiB) were measured in exactly that setting. The chunk loop is
+the same either way, and the memory saving holds there too (bench/memory.py's compiled rows were
+measured in exactly that setting). The chunk loop is
 unrolled, so keep `N / chunk_size` moderate, e.g. <= 64 chunks.
 
 A model's loss factory applies it through its own head (`functrain.models.gpt.loss`).

@@ -4,10 +4,8 @@ For small-model research (sweeps, ensembles, seeds): `torch.func.vmap` maps the 
 (forward, backward, clipping, optimizer, schedule, skip guard) over a leading member dimension of
 every state leaf, so each kernel runs once over K members and the per-step costs (the call, the
 guards, kernel launches) are paid once. What that buys depends on how much of a solo step those
-costs are. Measured on a 2-core CPU (bench/population.py, configs/gpt.py:tiny's model, K=8): 1.02x
-the throughput of 8 solo steps, because a solo step there is compute-bound (its matmuls already run
-near the machine's matmul rate; the FLOP floor caps any batching at 2.35x); a GPU, where such a
-model is launch-bound, is where the population's gain would show (not measured here). Hyper-parameters are state (`functrain.optim.set_hyperparams`), so members may differ in
+costs are: little where a solo step is compute-bound (a small model on a CPU), more where it is
+launch-bound (a GPU); docs/results.md. Hyper-parameters are state (`functrain.optim.set_hyperparams`), so members may differ in
 learning rate, betas, weight decay... and still share the one graph. Each member computes what
 its solo run computes (tests/test_population.py: 20 steps, 1e-5).
 

@@ -99,9 +99,8 @@ def split(key: torch.Tensor, num: int = 2) -> torch.Tensor:
 # Key derivation is one opaque op per call in a compiled graph. Written as plain int64 ops, each
 # `_mix` is 14 elementwise ops whose input is read twice (`x ^ (x >> 16)`); inductor inlines such
 # chains into every consumer and re-traces them per read, so compile time grows with the chain's
-# depth: measured (torch 2.13 CPU) 44 s to compile one `normal` draw from `split(fold_in(k, step))`,
-# 195 s for 8, and DP-SGD's noise for 18 parameters had not compiled after 10 minutes. As ops they
-# compile in milliseconds and run once per call (a few microseconds on tensors of 2 words).
+# depth (minutes for a few draws: docs/results.md). As ops they compile in milliseconds and run once
+# per call (a few microseconds on tensors of 2 words).
 @torch.library.custom_op("functrain::fold_in", mutates_args=())
 def _fold_in_op(key: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     """Keys (..., 2) folded with int64 data broadcastable to (...,): the words of `fold_in`."""

@@ -48,39 +48,23 @@ def _suite(tmp_path_factory, suite: str, nprocs: int):
     return run_suite(WORKER, str(tmp_path_factory.mktemp(suite)), suite, nprocs)
 
 
-@pytest.fixture(scope="module")
-def eager2(tmp_path_factory):
-    return _suite(tmp_path_factory, "eager2", 2)
+def _suite_fixture(suite: str, nprocs: int):
+    """A module-scoped fixture: the results of `suite`, launched once on `nprocs` ranks."""
+
+    @pytest.fixture(scope="module", name=suite)
+    def results(tmp_path_factory):
+        return _suite(tmp_path_factory, suite, nprocs)
+
+    return results
 
 
-@pytest.fixture(scope="module")
-def eager4(tmp_path_factory):
-    return _suite(tmp_path_factory, "eager4", 4)
-
-
-@pytest.fixture(scope="module")
-def compiled2(tmp_path_factory):
-    return _suite(tmp_path_factory, "compiled2", 2)
-
-
-@pytest.fixture(scope="module")
-def matrix2(tmp_path_factory):
-    return _suite(tmp_path_factory, "matrix2", 2)
-
-
-@pytest.fixture(scope="module")
-def matrix2_exhaustive(tmp_path_factory):
-    return _suite(tmp_path_factory, "matrix2_exhaustive", 2)
-
-
-@pytest.fixture(scope="module")
-def eager4_exhaustive(tmp_path_factory):
-    return _suite(tmp_path_factory, "eager4_exhaustive", 4)
-
-
-@pytest.fixture(scope="module")
-def compiled2_exhaustive(tmp_path_factory):
-    return _suite(tmp_path_factory, "compiled2_exhaustive", 2)
+eager2 = _suite_fixture("eager2", 2)
+eager4 = _suite_fixture("eager4", 4)
+compiled2 = _suite_fixture("compiled2", 2)
+matrix2 = _suite_fixture("matrix2", 2)
+matrix2_exhaustive = _suite_fixture("matrix2_exhaustive", 2)
+eager4_exhaustive = _suite_fixture("eager4_exhaustive", 4)
+compiled2_exhaustive = _suite_fixture("compiled2_exhaustive", 2)
 
 
 def _assert_matches_single_process(res, steps=20):

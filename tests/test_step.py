@@ -415,3 +415,19 @@ def test_eager_value_and_grad_by_autograd_equals_torch_func(tiny_gpt, batches, g
 
     inside = torch.func.vmap(lambda x: torch.tensor(compiler.eager_autograd_ok()))(torch.ones(2))
     assert not inside.any()  # inside a transform the torch.func route runs
+
+
+def test_value_and_grad_compiles_on_its_own_with_and_without_a_key():
+    # the public value_and_grad under torch.compile, outside any train step (no model state given)
+    torch._dynamo.reset()
+
+    def loss_fn(p, b, k):
+        return (p["w"] * b).pow(2).sum(), {"first": p["w"][0] * 1.0}
+
+    params, batch = {"w": torch.linspace(-1, 1, 5)}, torch.arange(5.0)
+    for key in (torch.zeros(2, dtype=torch.int64), None):
+        want = value_and_grad(loss_fn, params, batch, key)
+        got = torch.compile(lambda p, b: value_and_grad(loss_fn, p, b, key), backend="aot_eager",
+                            fullgraph=True)(params, batch)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1]["first"], want[1]["first"])
+        assert torch.equal(got[2]["w"], want[2]["w"])

@@ -40,11 +40,9 @@ The CPU vector-ISA probe. The first time inductor generates a CPU kernel in a pr
 which vector ISAs the machine and compiler support (`torch._inductor.cpu_vec_isa.pick_vec_isa`):
 for each candidate (AVX-512 VNNI, AVX-512, AVX2 here) it compiles a test program with the full
 ATen vector headers into the cache directory, then starts a Python process to load it. That is
-serial work on the compile's critical path: 8.3 s with an empty cache directory, 1.3 s with a
-filled one (2-core EPYC). `start_isa_probe` runs it in a background thread (subprocesses, so the GIL
-is free) while Dynamo traces the step: `python bench/compile_cache.py`, two runs each, back to back,
-time to first step of the default run cold 51.4 / 51.3 s -> 40.4 / 42.6 s, warm 10.0 / 9.0 s ->
-8.1 / 8.4 s.
+serial work on the compile's critical path (seconds with an empty cache directory).
+`start_isa_probe` runs it in a background thread (subprocesses, so the GIL is free) while Dynamo
+traces the step, so the two overlap (docs/results.md, "functrain/compiler/cache.py").
 
 Example:
     >>> from functrain.compiler import cache as compile_cache

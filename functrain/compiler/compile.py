@@ -101,9 +101,8 @@ def maybe_compile(fn, compile: bool, options: dict | None):
 # float64 ones (the optimizer's hyper-parameters), has Dynamo specialize them and restarts the whole
 # trace ("Restarting analysis due to _tensorify_python_scalars"): a second Dynamo trace and AOT pass.
 # Passed as (1,) views of the same storage they are plain tensors to Dynamo; in-place writes still land
-# in the caller's tensors, and what comes back unchanged is the caller's own tensor. Measured (2 CPU
-# cores, default run, compiled kernels cached so gcc does not blur it): first step 95 s -> 82 s (mean
-# of two runs each). Integer scalars (step, counts) make no restart and stay as they are.
+# in the caller's tensors, and what comes back unchanged is the caller's own tensor (the saved
+# restart: docs/results.md). Integer scalars (step, counts) make no restart and stay as they are.
 
 
 def _lift(args: tuple) -> tuple[dict, tuple, dict, dict]:

@@ -168,8 +168,7 @@ def active_mesh(mesh):
     """The sub-mesh of `mesh`'s axes with more than one rank (the 1-D dp_shard axis if none).
 
     State DTensors live on it: DTensor's sharding propagation cost grows steeply with the number
-    of mesh dims, size-1 dims included (first eager AdamW step on the tiny GPT, 2 ranks: 2 s on a
-    1-D mesh, 6 s on 2-D, 20-47 s on the 3-D mesh with two size-1 axes; paid again when tracing).
+    of mesh dims, size-1 dims included (docs/results.md; paid again when tracing).
 
     Args:
       mesh: a DeviceMesh with named axes.

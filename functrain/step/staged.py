@@ -24,9 +24,8 @@ builds a loss function that also carries its own `value_and_grad` (which `functr
 The recomputation's input goes through `remat_barrier(h, g)`, an opaque custom op (a copy of `h`)
 that also takes the incoming cotangent `g`. Without it the compiler sees the same ops on the same
 tensor twice and merges the recomputation back into the forward (CSE), or schedules it early; with it
-the recomputation can only run once the backward has reached that block. Measured (8 MLP blocks,
-4096 x 512, compiled, CPU): peak growth 176 MB staged with the barrier, 384 MB without it, 828 MB for
-plain `grad_and_value`. Dropout keys are explicit, so a recomputed block draws the same masks and
+the recomputation can only run once the backward has reached that block (without it, the compiled
+step's peak doubles: docs/results.md). Dropout keys are explicit, so a recomputed block draws the same masks and
 the gradients equal plain `grad_and_value`'s (to float rounding). GPT numbers: `bench/remat.py`.
 
 Sharded params (FSDP's per-block schedule). On DTensor params the train step calls

@@ -131,7 +131,7 @@ def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_
         with randomness.keyed(key if keyed else None):
             loss, aux, new_state = call_loss(loss_fn, p, batch, key, model_state)
         scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
-        return scaled, (loss.detach(), (aux, new_state))
+        return scaled, (loss.detach(), (aux, {} if new_state is None else new_state))  # (torch.func's aux: no None)
 
     if compiler.eager_autograd_ok() or not fullgraph:  # the same gradients, without torch.func's per-op wrapping
         loss, (aux, new_state), grads = _autograd_value_and_grad(f, params)

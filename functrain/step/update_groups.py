@@ -2,9 +2,8 @@
 
 Why. With `compile="blocks"` the forward and backward graphs no longer grow with depth, but the
 update did: one graph over every parameter, one fused loop per tensor, its inductor scheduling
-and C++ compile growing with the tensor count. Measured (2-core AMD EPYC, torch 2.13 CPU, width-64
-GPT, caches off, `bench/compile_depth.py --compile blocks --update`): the update graph alone took
-42 s of the step's 58 s cold compile at 2 layers, 111 of 142 s at 6, 205 of 262 s at 12.
+and C++ compile growing with the tensor count (most of the cold compile at any depth:
+docs/results.md).
 
 How. The parameters fall into groups: one per block (`Stage.prefix`, same names, shapes, dtypes
 and placements as block 0) and one for everything else. A group of blocks presents its tensors
