@@ -364,7 +364,8 @@ class _Rank:
         else:
             shape, dtype = self.wire.shapes[self.sig, "out"]
             g = self.wire.recv(shape, dtype, _device(p), self.wire.next, tag=2 * micro + 1)
-        g = loss_fn.backward_blocks(pipe.blocks, saved, g, key, lambda stage, after=None: stage.params(p), add)
+        cotangent, g = [g], None
+        g = loss_fn.backward_blocks(pipe.blocks, saved, cotangent, key, lambda stage, after=None: stage.params(p), add)
         if pipe.first:
             (g_embed,) = embed_vjp(g)
             add(loss_fn.embed, g_embed)

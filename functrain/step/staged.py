@@ -233,9 +233,9 @@ class StagedLoss:
                 saved.append(block_vjp)
         return h, saved
 
-    def backward_blocks(self, indices: Sequence[int], saved: list, g: torch.Tensor, key, params_of: Callable,
+    def backward_blocks(self, indices: Sequence[int], saved: list, cotangent: list, key, params_of: Callable,
                         add: Callable) -> torch.Tensor:
-        """Pulls the cotangent `g` back through the blocks at `indices` (as given to `forward_blocks`).
+        """Pulls a cotangent back through the blocks at `indices` (as given to `forward_blocks`).
 
         The backward half of the engine: blocks in reverse, a recomputed block run again under its
         vjp from its saved input once `g` exists (behind `remat_barrier` in a traced graph, so the
@@ -245,7 +245,9 @@ class StagedLoss:
         Args:
           indices: the block positions given to `forward_blocks`.
           saved: what `forward_blocks` returned (emptied here).
-          g: the cotangent of the last block's output.
+          cotangent: `[g]`, the cotangent of the last block's output, in a list this method empties: the
+            caller keeps no reference, so `g` is freed as soon as the last block has used it (a
+            variable of the caller's would hold one activation through the whole backward).
           key: the step's RNG key (the forward's, so a recomputed block draws the same dropout masks).
           params_of: as for `forward_blocks`.
           add: `add(stage, grads)` takes each block's gradients (a dict over its names).
@@ -254,9 +256,9 @@ class StagedLoss:
           The cotangent of the first block's input.
 
         Example:
-          >>> g = loss_fn.backward_blocks(range(4), saved, g, key, params_of, add)
+          >>> g = loss_fn.backward_blocks(range(4), saved, [g], key, params_of, add)
         """
-        run, indices = self._run, list(indices)
+        run, indices, g = self._run, list(indices), cotangent.pop()
         for k in reversed(range(len(indices))):
             i = indices[k]
             block_vjp, saved[k] = saved[k], None  # free the closure / saved input as soon as the block is done
@@ -506,7 +508,8 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
     g_head, g = head_vjp(cotangent_seed(loss, loss_scale))
     del head_vjp  # its closure holds the head's gathered parameters
     add(head, g_head)
-    g = staged.backward_blocks(every, saved, g, key, local, add)
+    cotangent, g = [g], None
+    g = staged.backward_blocks(every, saved, cotangent, key, local, add)
     if embed_vjp is None:  # sharded: gathered again, once g exists
         _, embed_vjp = run.vjp(run.embed, (local(embed, after=g),), batch, key)
     (g_embed,) = embed_vjp(g)
