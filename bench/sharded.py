@@ -85,8 +85,8 @@ class Functrain:
     the whole model gathered before the forward with `whole=True` (the route before issue 12)."""
 
     def __init__(self, model, ctx, lr, clip, compile, compile_options=None, remat="full", whole=False,
-                 reduce_scatter="auto"):
-        self.reduce_scatter = reduce_scatter  # spmd.REDUCE_SCATTER for this method's steps
+                 reduce_scatter="auto", layout_options=None):
+        self.mesh, self.options = ctx.mesh, dict(reduce_scatter=reduce_scatter, **(layout_options or {}))
         opt = optim.chain(optim.clip_by_global_norm(clip), optim.adamw(lr, weight_decay=0.1))
         if whole:
             def loss_fn(params, batch, key):
@@ -104,7 +104,7 @@ class Functrain:
                    for x in optree.tree_leaves((self.state.params, self.state.opt_state)))
 
     def step(self, batch):
-        spmd.REDUCE_SCATTER = self.reduce_scatter  # read while tracing; Dynamo guards it: set before every call
+        parallel.configure(self.mesh, **self.options)  # this method's layout (each set of options: its own graph)
         self.state, m = self.step_fn(self.state, batch)
         return m["loss"]
 
@@ -235,7 +235,7 @@ def main():
                     help="functrain's compile unit: one graph per step, or per stage kind with the "
                          "update group by group (README 'Compile unit')")
     ap.add_argument("--reduce-scatter", default="auto",
-                    help="functrain's gradient route (spmd.REDUCE_SCATTER: " + ", ".join(spmd.ROUTES) + "); a "
+                    help="functrain's gradient route (parallel.configure's reduce_scatter: " + ", ".join(spmd.ROUTES) + "); a "
                          "comma list times each route after the first as functrain-<route>, interleaved in one run")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print each method's N costliest ops of one step (inductor kernels named)")
@@ -257,8 +257,7 @@ def main():
     for route in routes:
         if route not in spmd.ROUTES:
             ap.error(f"--reduce-scatter: unknown route {route!r}; use one of {', '.join(spmd.ROUTES)}")
-    if args.bucket_numel:
-        spmd.BUCKET_NUMEL = args.bucket_numel
+    layout = {"bucket_numel": args.bucket_numel} if args.bucket_numel else None
     ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1}, gloo_threads=args.gloo_threads)
     cfg = gpt.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                         n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=True)
@@ -269,16 +268,20 @@ def main():
     options = {"options": {"reorder_for_compute_comm_overlap": True}} if args.reorder else None
     unit = True if args.compile_unit == "step" else "blocks"
     methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
-                                      compile_options=options, remat=args.remat, reduce_scatter=routes[0])}
+                                      compile_options=options, remat=args.remat, reduce_scatter=routes[0],
+                                      layout_options=layout)}
     for route in routes[1:]:
         methods[f"functrain-{route}"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
-                                                  compile_options=options, remat=args.remat, reduce_scatter=route)
+                                                  compile_options=options, remat=args.remat, reduce_scatter=route,
+                                                  layout_options=layout)
     if args.whole:
         methods["functrain-whole"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
-                                               compile_options=options, whole=True, reduce_scatter=routes[0])
+                                               compile_options=options, whole=True, reduce_scatter=routes[0],
+                                               layout_options=layout)
     if args.eager:
         methods["functrain-eager"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=False,
-                                               remat=args.remat, reduce_scatter=routes[0])
+                                               remat=args.remat, reduce_scatter=routes[0],
+                                               layout_options=layout)
     methods["fsdp2"] = FSDP2(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip)
     setup_mib = (_rss_kib("VmRSS") - rss0) / 1024
 

@@ -409,7 +409,7 @@ def s_uneven(ctx):
 
 
 def s_reduce_routes(ctx):
-    """Gradients reduce-scattered by every route of spmd.REDUCE_SCATTER (the backend's reduce-scatter,
+    """Gradients reduce-scattered by every route of `parallel.configure(mesh, reduce_scatter=)` (the backend's reduce-scatter,
     all-to-all + a local sum, an all-reduce with this rank's row copied out, "auto"), against the
     mean of every rank's gradients computed here."""
     from functrain.parallel import spmd
@@ -426,14 +426,14 @@ def s_reduce_routes(ctx):
     grads = per_rank[dp_of[rank]]
     want = {k: sum(per_rank[dp_of[r]][k] for r in range(world)) / world for k in shapes}
     out = {}
-    old = spmd.REDUCE_SCATTER
     try:
         for route in spmd.ROUTES:
-            spmd.REDUCE_SCATTER = route
-            red = lay.reduce_grads(grads, sharded)
+            parallel.configure(ctx.mesh, reduce_scatter=route)
+            assert parallel.layout_of(sharded).reduce_scatter == route
+            red = parallel.layout_of(sharded).reduce_grads(grads, sharded)
             out[route] = {k: v.full_tensor() for k, v in red.items()}
     finally:
-        spmd.REDUCE_SCATTER = old
+        parallel.configure(ctx.mesh)
     return {
         "dp_world": lay.dp_world,
         "to_mean": {r: max_diff(o, want) for r, o in out.items()},

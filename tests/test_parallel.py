@@ -127,3 +127,35 @@ def test_single_process_helpers_without_process_group():
     state = {"w": torch.ones(2)}
     assert parallel.shard_state(state, None) is state
     assert parallel.gather(state)["w"] is state["w"]
+
+
+_CONFIGURE = """
+import torch
+from functrain import parallel
+with parallel.setup({"dp_shard": -1}, mesh_on_single_process=True) as ctx:
+    params = parallel.shard_params({"w": torch.ones(4, 2)}, ctx.mesh)
+    default = parallel.layout_of(params)
+    assert (default.reduce_scatter, default.bucket_numel) == ("auto", 1 << 62)
+    parallel.configure(ctx.mesh, reduce_scatter="all_to_all", bucket_numel=1000)
+    routed = parallel.layout_of(params)  # the params live on a sub-mesh of ctx.mesh: it has the options
+    assert (routed.reduce_scatter, routed.bucket_numel) == ("all_to_all", 1000)
+    later = parallel.shard_params({"v": torch.ones(2)}, ctx.mesh)  # sharded after: the same options
+    assert parallel.layout_of(later).reduce_scatter == "all_to_all"
+    parallel.configure(ctx.mesh)
+    assert parallel.layout_of(params) is default  # back to the defaults: the same layout object
+    try:
+        parallel.configure(ctx.mesh, reduce_scatter="ring")
+    except ValueError as exc:
+        print(exc)
+    assert parallel.layout_of(params) is default  # a refused option changes nothing
+"""
+
+
+def test_a_meshs_layout_options_are_set_by_configure_and_reused():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CONFIGURE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("reduce_scatter='ring': use one of 'auto', 'reduce_scatter', 'all_to_all', "
+                                  "'all_reduce'")

@@ -349,7 +349,7 @@ def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager
     ("eager2", "reduce_fsdp", 2), ("eager4", "reduce_fsdp4", 4), ("eager4", "reduce_hsdp", 4),
     ("eager4", "reduce_fsdp_tp", 2)])
 def test_every_reduce_scatter_route_equals_the_backends_reduce_scatter(request, suite, name, dp):
-    # spmd.REDUCE_SCATTER: "all_to_all" sends rows to their owners and sums there (opt-in);
+    # parallel.configure(mesh, reduce_scatter=...): "all_to_all" sends rows to their owners and sums there (opt-in);
     # "all_reduce" is what gloo's reduce-scatter runs inside (an all-reduce of a copy of the bucket,
     # then its row copied out), so on gloo it gives the same bits; "auto" picks it on gloo groups
     for res in scenario_results(request.getfixturevalue(suite), name):

@@ -22,7 +22,7 @@ from functrain.parallel import schedule  # pipeline schedules and stage partitio
 from functrain.parallel import gloo  # gloo groups with one worker thread (a torch heap-corruption bug)
 from functrain.parallel import spmd  # registers the mesh-wide norm with functrain.tree
 from functrain.parallel.data import data_parallel_kwargs, split_batch
-from functrain.parallel.dispatch import layout_of
+from functrain.parallel.dispatch import configure, layout_of
 from functrain.parallel.layout import LOCAL, Layout, Local, is_dtensor
 from functrain.parallel.mesh import (
     AXES,
@@ -60,6 +60,7 @@ __all__ = [
     "Layout",
     "Local",
     "is_dtensor",
+    "configure",
     "layout_of",
     "dp_coordinates",
     "context",

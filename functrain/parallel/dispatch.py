@@ -11,7 +11,7 @@ from typing import Any
 from functrain import tree as tree_lib
 from functrain.parallel.layout import LOCAL, Layout, is_dtensor
 
-__all__ = ["layout_of"]
+__all__ = ["configure", "layout_of"]
 
 PyTree = Any
 
@@ -19,7 +19,38 @@ PyTree = Any
 # identity: DeviceMesh compares equal by shape and axis names, so two meshes built one after the
 # other (each with its own process groups) would share one Spmd and the second mesh's params
 # would run their collectives on the first mesh's groups.
-_SPMD: dict = {}
+_SPMD: dict = {}  # id(mesh) -> the mesh's Spmd now
+_MADE: dict = {}  # (id(mesh), options) -> its Spmd: going back to earlier options reuses the object
+_OPTIONS: dict = {}  # a mesh, by equality (its sub-meshes over the same axes alike) -> its options
+
+
+def configure(mesh, **options) -> None:
+    """Sets how the params on `mesh` (and on its sub-meshes) are gathered and reduced.
+
+    The options are the `Spmd` keyword arguments that `layout_of` builds the params' layout with.
+    Params sharded onto `mesh` live on its sub-mesh of the axes with more than one rank
+    (`parallel.sharding.active_mesh`); both get the options. A train step picks its compiled
+    function by layout, so each set of options compiles once (going back to earlier options reuses
+    their layout and its graph).
+
+    Args:
+      mesh: the DeviceMesh (e.g. `ctx.mesh`).
+      **options: `functrain.parallel.spmd.Spmd`'s keyword arguments (`bucket_numel`,
+        `reduce_scatter`); none: the defaults.
+
+    Raises:
+      ValueError: an unknown route (one line); TypeError: an unknown option.
+
+    Example:
+      >>> parallel.configure(ctx.mesh, reduce_scatter="all_to_all")
+    """
+    from functrain.parallel import spmd
+    from functrain.parallel.sharding import active_mesh
+
+    spmd.Spmd(mesh, **options)  # refuses a bad option before anything changes
+    for m in (mesh, active_mesh(mesh)):
+        _OPTIONS[m] = tuple(sorted(options.items()))
+    _SPMD.clear()  # every mesh looks its options up again
 
 
 def layout_of(params: PyTree) -> Layout:
@@ -46,5 +77,8 @@ def layout_of(params: PyTree) -> Layout:
     mesh = spmd.mesh_of(params)  # validates: every leaf a DTensor on one mesh
     lay = _SPMD.get(id(mesh))
     if lay is None:  # (the Spmd holds its mesh, so the id is never reused while the entry lives)
-        lay = _SPMD[id(mesh)] = spmd.Spmd(mesh)
+        options = _OPTIONS.get(mesh, ())
+        if (id(mesh), options) not in _MADE:
+            _MADE[id(mesh), options] = spmd.Spmd(mesh, **dict(options))
+        lay = _SPMD[id(mesh)] = _MADE[id(mesh), options]
     return lay

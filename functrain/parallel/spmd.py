@@ -34,7 +34,8 @@ shards need no special case. Any other layout (e.g. FSDP on dim 1 of a colwise w
 FSDP + TP) is redistributed per parameter through DTensor (a flat bucket is 2-4x faster than
 per-tensor collectives: docs/results.md).
 
-Reduce-scatter routes (`REDUCE_SCATTER`). gloo has no reduce-scatter of its own: torch's
+Reduce-scatter routes (`Spmd(..., reduce_scatter=)`, set for a mesh with
+`functrain.parallel.configure`). gloo has no reduce-scatter of its own: torch's
 `ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the whole (w, S) input, all-reduces the
 clone and copies this rank's row out when waited on. So on gloo groups the default ("auto") runs
 "all_reduce": the bucket all-reduced (`funcol.all_reduce`) and this rank's row copied out, so the
@@ -69,20 +70,13 @@ __all__ = ["Spmd", "global_norm", "mesh_of"]
 
 PyTree = Any
 
-BUCKET_NUMEL = 1 << 62
-"""Largest bucket in elements (global sizes); default: one bucket per (kind, axis, dtype). Smaller
-buckets (~one block each) with inductor's `reorder_for_compute_comm_overlap` gave no measurable gain
-on 2 gloo CPU ranks (bench/sharded.py --bucket-numel 1000000 --reorder)."""
+ONE_BUCKET = 1 << 62
+"""`Spmd`'s default `bucket_numel`: one bucket per (kind, axis, dtype). Smaller buckets (~one block each)
+with inductor's `reorder_for_compute_comm_overlap` gave no measurable gain on 2 gloo CPU ranks
+(bench/sharded.py --bucket-numel 1000000 --reorder)."""
 
 ROUTES = ("auto", "reduce_scatter", "all_to_all", "all_reduce")
-"""The values REDUCE_SCATTER takes."""
-
-REDUCE_SCATTER = "auto"
-"""How gradients are reduce-scattered over dp_shard (module docstring): "reduce_scatter" (the
-backend's collective), "all_reduce" (the bucket all-reduced, this rank's row copied out: what gloo's
-reduce-scatter does inside, without its copy of the whole bucket), "all_to_all" (each rank's rows
-sent to their owners, then a local sum), or "auto": "all_reduce" where the mesh dim's group is gloo,
-"reduce_scatter" elsewhere (nccl's reduce-scatter moves half an all-reduce's bytes)."""
+"""The values `Spmd`'s `reduce_scatter` takes."""
 
 
 def mesh_of(params: PyTree):
@@ -132,6 +126,20 @@ class Spmd(Layout):
         (context parallel: its ranks see other tokens of the same sequences, so their parameters are
         gathered and their gradients averaged as on a data-parallel axis); any other axis (e.g.
         "tp") is model parallel: its placements are kept for compute.
+      bucket_numel: the largest gradient/gather bucket in elements (global sizes); a leaf larger
+        than it gets a bucket of its own.
+      reduce_scatter: how gradients are reduce-scattered over dp_shard (module docstring):
+        "reduce_scatter" (the backend's collective), "all_reduce" (the bucket all-reduced, this
+        rank's row copied out: what gloo's reduce-scatter does inside, without its copy of the whole
+        bucket), "all_to_all" (each rank's rows sent to their owners, then a local sum), or "auto":
+        "all_reduce" where the mesh dim's group is gloo, "reduce_scatter" elsewhere (nccl's
+        reduce-scatter moves half an all-reduce's bytes).
+
+    Raises:
+      ValueError: an unknown `reduce_scatter` route (one line).
+
+    `functrain.parallel.configure(mesh, ...)` sets the options the params on `mesh` get from
+    `layout_of` (a train step compiles once per layout).
 
     Example:
       >>> spmd = Spmd(mesh_of(state.params))
@@ -140,8 +148,11 @@ class Spmd(Layout):
 
     sharded = True
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, *, bucket_numel: int = ONE_BUCKET, reduce_scatter: str = "auto"):
+        if reduce_scatter not in ROUTES:
+            raise ValueError(f"reduce_scatter={reduce_scatter!r}: use one of {', '.join(map(repr, ROUTES))}")
         self.mesh = mesh
+        self.bucket_numel, self.reduce_scatter = int(bucket_numel), reduce_scatter
         names = mesh.mesh_dim_names or ()
         # Data- and context-parallel axes with more than one rank: gathered for compute, grads averaged
         # (a context-parallel loss is scaled so that this average is the whole sequence's gradient).
@@ -152,6 +163,12 @@ class Spmd(Layout):
             if self.cp_dim is not None else (0, 1)
         # read by the "auto" route; on a CUDA mesh the groups' gloo half never sees a gradient
         self._gloo = {d: mesh.device_type == "cpu" and gloo.is_gloo(mesh.get_group(d)) for d in self.dp_dims}
+
+    def _route(self, gloo: bool) -> str:
+        """The reduce-scatter route for a group (gloo or not), "auto" resolved."""
+        if self.reduce_scatter == "auto":
+            return "all_reduce" if gloo else "reduce_scatter"
+        return self.reduce_scatter
 
     def _kind(self, p: DTensor):
         """("fsdp", dim) for Shard(0) on one dp dim, ("ddp", None) for Replicate on all, else None."""
@@ -171,7 +188,7 @@ class Spmd(Layout):
 
     def _buckets(self, ps: list):
         """{(kind, dim, dtype, n): [leaf index]} for the bucketable leaves (in leaf order, at most
-        BUCKET_NUMEL elements per bucket unless one leaf is larger), and the other indices."""
+        `bucket_numel` elements per bucket unless one leaf is larger), and the other indices."""
         buckets: dict = {}
         other = []
         fill: dict = {}  # (kind, dim, dtype) -> (bucket number, elements in it)
@@ -182,7 +199,7 @@ class Spmd(Layout):
                 continue
             key = (*kind, p.dtype)
             n, used = fill.get(key, (0, 0))
-            if used and used + p.numel() > BUCKET_NUMEL:
+            if used and used + p.numel() > self.bucket_numel:
                 n, used = n + 1, 0
             fill[key] = (n, used + p.numel())
             buckets.setdefault((*key, n), []).append(i)
@@ -317,7 +334,7 @@ class Spmd(Layout):
     def _reduce_scatter(self, parts: list, dim: int, r: int) -> torch.Tensor:
         """Row r of the (w, n_i) `parts`, concatenated and summed over the ranks of mesh dim `dim`
         (this rank is r there): (S,), S = sum n_i."""
-        route = _route(self._gloo.get(dim, False))
+        route = self._route(self._gloo.get(dim, False))
         if route != "all_to_all":
             buf = torch.cat(parts, dim=1)  # (w, S): row j holds every param's chunk for rank j
             if route == "all_reduce":
@@ -406,15 +423,6 @@ class Spmd(Layout):
         if pairs:
             torch._foreach_copy_([_local(o) for o, _ in pairs], [_local(n, like=o) for o, n in pairs])
         return old
-
-
-def _route(gloo: bool) -> str:
-    """The reduce-scatter route REDUCE_SCATTER names for a group (gloo or not), "auto" resolved."""
-    if REDUCE_SCATTER not in ROUTES:
-        raise ValueError(f"spmd.REDUCE_SCATTER={REDUCE_SCATTER!r}: use one of {', '.join(map(repr, ROUTES))}")
-    if REDUCE_SCATTER == "auto":
-        return "all_reduce" if gloo else "reduce_scatter"
-    return REDUCE_SCATTER
 
 
 def _local(x, like=None):
