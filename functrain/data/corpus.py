@@ -457,7 +457,7 @@ def _memmap(path: Path, dtype) -> np.ndarray:
 def _content(stats, root: Path, cache_dir) -> list[list]:
     """[relative path, size, sha256] of each file (digests remembered under `<cache_dir>/digests/`)."""
     memo = Path(cache_dir) / "digests" / f"{slug(root.name, 'data')}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
-    digests = file_digests([p for p, _, _ in stats], memo=memo)
+    digests = file_digests([p for p, _, _ in stats], memo=memo, stats=[st for _, _, st in stats])
     return [[rel, st.st_size, d] for (_, rel, st), d in zip(stats, digests)]
 
 

@@ -47,12 +47,15 @@ def _identity(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
-def file_digests(paths: Iterable[str | os.PathLike], memo: str | os.PathLike | None = None) -> list[str]:
+def file_digests(paths: Iterable[str | os.PathLike], memo: str | os.PathLike | None = None,
+                 stats: Iterable[os.stat_result] | None = None) -> list[str]:
     """The sha256 of each file, hashing only those whose identity changed since the memo was written.
 
     Args:
       paths: the files.
       memo: a JSON file remembering digests (created or updated here; None: hash every file).
+      stats: each file's `stat()`, when the caller has taken it (the size it records with the digest
+        is then the one the digest is remembered by); None: taken here.
 
     Returns:
       One digest per path, in order.
@@ -61,6 +64,7 @@ def file_digests(paths: Iterable[str | os.PathLike], memo: str | os.PathLike | N
       >>> file_digests(sorted(Path("data").glob("*.jsonl")), memo="runs/x/data/digests.json")
     """
     paths = [Path(p) for p in paths]
+    stats = [p.stat() for p in paths] if stats is None else list(stats)
     known: dict = {}
     if memo is not None:
         try:
@@ -68,9 +72,9 @@ def file_digests(paths: Iterable[str | os.PathLike], memo: str | os.PathLike | N
         except (OSError, ValueError):
             known = {}
     out, fresh, changed = [], {}, False
-    for p in paths:
+    for p, st in zip(paths, stats, strict=True):
         key = str(p.resolve())
-        ident = _identity(p.stat())
+        ident = _identity(st)
         entry = known.get(key)
         if isinstance(entry, list) and len(entry) == 2 and entry[0] == ident:
             digest = entry[1]

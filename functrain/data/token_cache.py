@@ -141,9 +141,10 @@ def tokenize_shards(
         "text_field": text_field, "val_fraction": val_fraction, "tokenizer": tok,
     }).encode()).hexdigest()
     out = Path(cache_dir) / f"{slug(root.name, 'shards')}-{fingerprint[:16]}"
-    digests = file_digests(files, memo=out / "digests.json")
-    shards = [{"rel": p.relative_to(root).as_posix(), "size": p.stat().st_size, "sha256": d,
-               "key": _key(p.relative_to(root).as_posix())} for p, d in zip(files, digests)]
+    stats = [p.stat() for p in files]  # one stat per shard: its size is the one its digest is known by
+    digests = file_digests(files, memo=out / "digests.json", stats=stats)
+    shards = [{"rel": p.relative_to(root).as_posix(), "size": st.st_size, "sha256": d,
+               "key": _key(p.relative_to(root).as_posix())} for p, st, d in zip(files, stats, digests)]
     info = _read_meta(out)
     if info is not None and info.get("tokenizer") == tok and [_content(s) for s in info["shards"]] == [_content(s) for s in shards]:
         return out  # complete, and the shards hold the same bytes as when they were tokenized
