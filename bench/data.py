@@ -4,7 +4,7 @@ time to make a batch next to the step time, and the loader time the training loo
     python bench/data.py [--mb 200] [--shards 8] [--bpe 0] [--loop-steps 100] [--gpt2-rows 1] [--json]
 
 tokenize: a jsonl corpus of `--mb` MB in `--shards` shards (written to a temporary directory) is
-tokenized from scratch with 1 worker and with 2 (`functrain.data.tokenize_shards`, bytes, or a
+tokenized from scratch with 1 worker and with 2 (`functrain.data.tokenize`, bytes, or a
 byte-level BPE of `--bpe` ids trained on the corpus first); printed: MB/s of each and their ratio
 (target >= 1.8 on 2 cores). memory: a fresh process tokenizes the same corpus on one worker; printed:
 its peak RSS growth over its RSS before tokenizing, and the corpus size as a multiple of it (memory
@@ -65,10 +65,10 @@ def _corpus(root: Path, mb: int, shards: int) -> int:
 
 _TIMED = """
 import sys, time
-from functrain.data import HFTokenizer, tokenize_shards
+from functrain.data import HFTokenizer, tokenize
 tok = HFTokenizer(sys.argv[4]) if sys.argv[4] else None
 t0 = time.perf_counter()
-tokenize_shards(sys.argv[1], sys.argv[2], tokenizer=tok, workers=int(sys.argv[3]), log=lambda line: None)
+tokenize(sys.argv[1], sys.argv[2], tokenizer=tok, workers=int(sys.argv[3]), log=lambda line: None)
 print(time.perf_counter() - t0)
 """
 
@@ -84,10 +84,10 @@ def _tokenize(src: Path, cache: Path, workers: int, tokenizer_file: str) -> floa
 
 _MEMORY_PROBE = """
 import sys
-from functrain.data import tokenize_shards
+from functrain.data import tokenize
 import pathlib
 rss_now = int(pathlib.Path('/proc/self/statm').read_text().split()[1]) * 4096 // 1024
-tokenize_shards(sys.argv[1], sys.argv[2], workers=1, log=lambda line: None)
+tokenize(sys.argv[1], sys.argv[2], workers=1, log=lambda line: None)
 hwm = [l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')]
 print(rss_now, int(hwm[0].split()[1]))  # VmHWM: this program's peak (ru_maxrss would keep the forking parent's)
 """

@@ -3,6 +3,8 @@
 import json
 import os
 import pickle
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ from functrain.data import (
     load_dataset,
     stdlib_files,
 )
-from functrain.data import corpus
+from functrain.data import ConcatTokens, token_cache
+from functrain.data.documents import PACK_BYTES, is_val, text_units
 
 
 @pytest.fixture(scope="module")
@@ -40,32 +43,39 @@ def _text_dir(root, n=40):
     return root
 
 
+def _cache_files(out):
+    """Every file of a token cache directory, relative, with its mtime."""
+    return {p.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in Path(out).rglob("*") if p.is_file()}
+
+
 def test_stdlib_corpus_builds_and_is_cached(stdlib, stdlib_cache):
     assert stdlib.vocab_size == 256 and isinstance(stdlib.tokenizer, ByteTokenizer)
-    assert stdlib.train.dtype == np.uint16 and isinstance(stdlib.train, np.memmap)
+    assert stdlib.train.dtype == np.uint16 and isinstance(stdlib.train, ConcatTokens)
     assert len(stdlib.train) > 5_000_000 and 0 < len(stdlib.val) < 0.05 * len(stdlib.train)
     out = stdlib.info["cache_dir"]
-    files = [os.path.join(out, f) for f in ("train.bin", "val.bin", "meta.json")]
-    mtimes = [os.stat(f).st_mtime_ns for f in files]
+    before = _cache_files(out)
+    assert "meta.json" in before and any(f.startswith("train/") for f in before)
     again = load_dataset("stdlib", stdlib_cache)
-    assert [os.stat(f).st_mtime_ns for f in files] == mtimes  # reused, not rewritten
-    assert again.info["cache_dir"] == out and np.array_equal(again.val, stdlib.val)
-    meta = json.loads(open(files[2]).read())
-    assert meta["tokens"] == {"train": len(stdlib.train), "val": len(stdlib.val)}
-    assert not [f for f in os.listdir(out) if ".tmp-" in f]
+    assert _cache_files(out) == before  # reused, not rewritten
+    assert again.info["cache_dir"] == out and np.array_equal(again.val[:], stdlib.val[:])
+    meta = json.loads((Path(out) / "meta.json").read_text())
+    assert meta["format"] == "functrain-tokens" and meta["kind"] == "text"
+    assert meta["tokens"]["train"] == len(stdlib.train) + 1 and meta["tokens"]["val"] == len(stdlib.val) + 1
+    assert not [f for f in before if ".tmp-" in f]
 
 
 def test_stdlib_split_is_by_file(stdlib):
     files = stdlib_files()
+    root = sysconfig.get_paths()["stdlib"]
     assert not [p for p in files if "site-packages" in p.parts or "__pycache__" in p.parts]
-    n_train, n_val = stdlib.info["files"]["train"], stdlib.info["files"]["val"]
-    assert n_train + n_val == len(files) and 1 <= n_val < 0.05 * len(files)
+    rels = [p.relative_to(root).as_posix() for p in files]
+    assert [c[0] for c in stdlib.info["content"]] == rels
     val_files = stdlib.info["val_files"]
-    assert len(val_files) == n_val
+    assert val_files == [r for r in rels if is_val(r, 0.015)] and 1 <= len(val_files) < 0.05 * len(files)
     # the val tokens are exactly the val files, in order, newline-separated
-    root = stdlib.info["root"]
     expected = SEPARATOR.join(open(os.path.join(root, f), "rb").read() for f in val_files)
-    assert bytes(np.asarray(stdlib.val, dtype=np.uint8)) == expected
+    assert bytes(np.asarray(stdlib.val[:], dtype=np.uint8)) == expected
+    assert stdlib.info["units"] > 1  # packed into a few units, tokenized in parallel
 
 
 def test_encode_decode_roundtrip(stdlib):
@@ -126,19 +136,38 @@ def test_text_dir_split_by_file(tmp_path):
         whole = f"<file {i:03d}> " + "lorem ipsum dolor " * 20 + f"</{i:03d}>"
         assert (whole in train) != (whole in val)  # every file wholly in exactly one split
         n_val += whole in val
-    assert 1 <= n_val < 40 and n_val == ds.info["files"]["val"]
+    assert 1 <= n_val < 40 and n_val == len(ds.info["val_files"])
     # deterministic: a second cache dir gives the same split
     ds2 = load_dataset(str(root), tmp_path / "cache2", val_fraction=0.1)
     assert np.array_equal(ds2.val, ds.val)
 
 
-def test_text_cache_rebuilt_when_a_file_changes(tmp_path):
-    root = _text_dir(tmp_path / "corpus", n=5)
-    ds1 = load_dataset(str(root), tmp_path / "cache")
-    (root / "d0" / "f000.txt").write_text("CHANGED " * 10)
-    ds2 = load_dataset(str(root), tmp_path / "cache")
-    assert ds2.info["cache_dir"] != ds1.info["cache_dir"]
-    assert "CHANGED" in ds2.decode(ds2.train) + ds2.decode(ds2.val)
+def test_text_cache_retokenizes_the_pack_of_a_changed_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("functrain.data.documents.PACK_BYTES", 300)  # several packs of a few files
+    root = _text_dir(tmp_path / "corpus", n=12)
+    ds1 = load_dataset(str(root), tmp_path / "cache", log=lambda line: None)
+    out = ds1.info["cache_dir"]
+    assert ds1.info["units"] > 2
+    before = _cache_files(out)
+    (root / "d0" / "f000.txt").write_text("CHANGED " * 10)  # the first file: its pack only
+    ds2 = load_dataset(str(root), tmp_path / "cache", log=lambda line: None)
+    assert ds2.info["cache_dir"] == out
+    assert "CHANGED" in ds2.decode(ds2.train[:]) + ds2.decode(ds2.val[:])
+    after = _cache_files(out)
+    changed = {f for f in before if before[f] != after.get(f)}
+    assert changed and {f[len("done/"):-len(".json")] for f in changed if f.startswith("done/")} == {
+        next(u["key"] for u in text_units(ds2.info["content"], 0.015) if u["rel"] == "d0/f000.txt")}
+    fresh = load_dataset(str(root), tmp_path / "fresh", log=lambda line: None)
+    assert np.array_equal(fresh.train[:], ds2.train[:]) and np.array_equal(fresh.val[:], ds2.val[:])
+
+
+def test_packs_end_where_the_path_hash_says():
+    content = [[f"f{i:04d}.txt", 1 << 20, None] for i in range(200)]
+    units = text_units(content, 0.015)
+    assert [f for u in units for f in u["files"]] == content and 4 < len(units) < 40  # ~16 files per pack
+    grown = text_units(content[:100] + [["f0100a.txt", 10, None]] + content[100:], 0.015)
+    assert sum(u not in units for u in grown) == 1  # adding a file changes its own pack only
+    assert PACK_BYTES == 16 << 20
 
 
 def test_single_text_file_split_by_position(tmp_path):
@@ -180,7 +209,7 @@ def test_bin_source_vocab_from_config_or_error(tmp_path):
 def test_cache_dir_is_itself_a_bin_source(stdlib):
     ds = load_dataset(stdlib.info["cache_dir"], "/nonexistent-unused")
     assert ds.vocab_size == 256 and isinstance(ds.tokenizer, ByteTokenizer)
-    assert len(ds.train) == len(stdlib.train)
+    assert len(ds.train) == len(stdlib.train) and np.array_equal(ds.val[:], stdlib.val[:])
 
 
 def test_missing_path_is_one_clear_line():
@@ -205,28 +234,31 @@ def test_empty_and_too_short_sources(tmp_path):
 
 def test_killed_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
     root = _text_dir(tmp_path / "corpus", n=4)
+    real = token_cache.read_unit
 
-    def die(*args, **kwargs):
-        raise KeyboardInterrupt  # the run is killed while writing val.bin
+    def killed(*args, **kwargs):
+        yield next(real(*args, **kwargs))
+        raise KeyboardInterrupt  # the run is killed while tokenizing
 
-    real = corpus._write_tokens
-    monkeypatch.setattr(corpus, "_write_tokens", lambda dst, pieces, *a: (
-        real(dst, pieces, *a) if dst.name == "train.bin" else die()))
+    monkeypatch.setattr(token_cache, "read_unit", killed)
     with pytest.raises(KeyboardInterrupt):
-        load_dataset(str(root), tmp_path / "cache")
+        load_dataset(str(root), tmp_path / "cache", log=lambda line: None)
     (out,) = [p for p in (tmp_path / "cache").iterdir() if p.name != "digests"]  # (digests: the files' sha256 memo)
-    assert sorted(os.listdir(out)) == ["train.bin"]  # no meta.json, no half val.bin
+    assert not [f for f in _cache_files(out)]  # no meta.json, no marker, no half token file
     monkeypatch.undo()
-    ds = load_dataset(str(root), tmp_path / "cache")  # the next run rebuilds
-    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
-    assert len(ds.val) > 0
+    ds = load_dataset(str(root), tmp_path / "cache", log=lambda line: None)  # the next run rebuilds
+    assert "meta.json" in _cache_files(out) and len(ds.val) > 0
 
 
-def test_failed_write_leaves_no_file(tmp_path):
-    dst = tmp_path / "train.bin"
-    with pytest.raises(OSError):
-        corpus._write_tokens(dst, [(tmp_path / "missing.txt", 0, 10)], corpus.ByteTokenizer(), corpus.np.uint16)
-    assert os.listdir(tmp_path) == []
+def test_one_document_per_split_at_least(tmp_path):
+    root = tmp_path / "two"
+    root.mkdir()
+    (root / "a.txt").write_text("first file " * 30)
+    (root / "b.txt").write_text("second file " * 30)
+    for fraction in (1e-9, 1.0):  # no file draws into val / every file does: the first moves across
+        ds = load_dataset(str(root), tmp_path / "c", val_fraction=fraction, log=lambda line: None)
+        assert ds.info["val_files"] == (["a.txt"] if fraction < 0.5 else ["b.txt"])
+        assert len(ds.train) and len(ds.val)
 
 
 def test_bpe_is_deterministic_round_trips_and_keeps_val_unseen(tmp_path):
@@ -241,7 +273,7 @@ def test_bpe_is_deterministic_round_trips_and_keeps_val_unseen(tmp_path):
     assert a.decode(a.encode(text)) == text  # byte-level: any text round-trips
     assert a.eos_id == 0 and a.decode([a.eos_id]) == END_OF_TEXT
     ds = load_dataset(str(root), tmp_path / "c1", val_fraction=0.3, tokenizer=a)
-    assert ds.train.dtype == np.uint16 and ds.vocab_size == a.vocab_size and ds.info["tokenizer_sha256"] == a.sha256
+    assert ds.train.dtype == np.uint16 and ds.vocab_size == a.vocab_size and ds.info["tokenizer"] == f"tokenizers:{a.sha256}"
     assert ds.decode(ds.train[:50]) == a.decode(a.encode(ds.decode(ds.train[:50])))
     # the BPE saw only the train split: training on those files alone gives the same merges
     train_files = [p for p in sorted(root.rglob("*.txt")) if p.relative_to(root).as_posix() not in ds.info["val_files"]]
@@ -266,7 +298,7 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path):
     text.write_text(" ".join(f"w{(i * 7919) % 70_000}" for i in range(3000)))
     ds = load_dataset(str(text), tmp_path / "cache", val_fraction=0.1, tokenizer=HFTokenizer(tmp_path))
     assert ds.train.dtype == np.uint32 and ds.vocab_size == 70_001
-    assert int(ds.train.max()) > 65_535  # ids above uint16 survive
+    assert int(np.max(ds.train)) > 65_535  # ids above uint16 survive
     assert ds.train[:3].tolist() == [0, 7919, 15838]
     x, y = get_batch(ds.train, batch_size=4, block_size=8, seed=0, step=3)
     assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])

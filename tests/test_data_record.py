@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from functrain import checkpoint as ckpt
-from functrain.data import digests, load_dataset, open_token_cache, tokenize_shards
+from functrain.data import digests, load_dataset, open_token_cache, tokenize
 from functrain.data.record import changes, check_resume, source_record
 from functrain.data.errors import DataError
 
@@ -69,25 +69,25 @@ def test_digests_see_an_edit_that_keeps_size_and_mtime_and_hash_only_what_change
 
 def test_shard_cache_is_keyed_by_content(tmp_path):
     src = _shards(tmp_path / "src")
-    out = tokenize_shards(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=_quiet)
+    out = tokenize(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=_quiet)
     before_train, _, _ = open_token_cache(out)
     bins = {p: p.stat().st_mtime_ns for p in (out / "train").glob("*.bin")}
 
     os.utime(src / "w1.jsonl")  # touched: same bytes, so the tokens are kept, not written again
-    out2 = tokenize_shards(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=_quiet)
+    out2 = tokenize(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=_quiet)
     assert out2 == out and {p: p.stat().st_mtime_ns for p in bins} == bins
 
     _edit_in_place(src / "w0.jsonl")
     lines = []
-    tokenize_shards(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=lines.append)
+    tokenize(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=lines.append)
     assert any("1 of 3 shards" in line for line in lines), lines  # only the edited shard again
     train, val, info = open_token_cache(out)
     fresh_train, fresh_val, _ = open_token_cache(
-        tokenize_shards(str(src), tmp_path / "fresh", val_fraction=0.1, workers=1, log=_quiet))
+        tokenize(str(src), tmp_path / "fresh", val_fraction=0.1, workers=1, log=_quiet))
     assert np.array_equal(train[0:len(train)], fresh_train[0:len(fresh_train)])
     assert np.array_equal(val[0:len(val)], fresh_val[0:len(fresh_val)])
     assert not np.array_equal(train[0:len(train)], before_train[0:len(before_train)])
-    assert [s["sha256"] for s in info["shards"]] == [digests.file_digest(src / f"w{i}.jsonl") for i in range(3)]
+    assert [c[2] for c in info["content"]] == [digests.file_digest(src / f"w{i}.jsonl") for i in range(3)]
 
 
 def test_text_cache_is_keyed_by_content(tmp_path):

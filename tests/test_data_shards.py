@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from functrain.data import ConcatTokens, DataError, load_dataset, open_token_cache, tokenize_shards, train_bpe
+from functrain.data import ConcatTokens, DataError, load_dataset, open_token_cache, tokenize, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 _WORDS = "the of and to in is was for on that with by as at from def return class import é ß 中".split()
@@ -57,10 +57,15 @@ def _quiet(line):
     pass
 
 
+def _cache_dir(cache):
+    """The token cache directory under `cache` (beside the digests memo)."""
+    (out,) = [p for p in cache.iterdir() if p.name != "digests"]
+    return out
+
+
 def _documents(tokens) -> list[str]:
-    """Byte tokens split back into documents (each ends with a newline)."""
-    raw = np.asarray(tokens[0:len(tokens)]).astype(np.uint8).tobytes().decode("utf-8")
-    assert raw.endswith("\n")
+    """Byte tokens split back into documents (newline-separated)."""
+    raw = np.asarray(tokens[0:len(tokens)]).astype(np.uint8).tobytes().decode("utf-8") + "\n"
     return raw[:-1].split("\n")
 
 
@@ -71,7 +76,7 @@ def test_shards_tokenize_to_every_document_once_split_between_train_and_val(tmp_
     train, val = _documents(ds.train), _documents(ds.val)
     assert sorted(train + val) == sorted(docs)  # every document exactly once, byte for byte
     assert 0.03 < len(val) / len(docs) < 0.2  # ~10% by document
-    assert ds.info["documents"] == len(docs) and ds.info["shards"] == 4
+    assert ds.info["documents"] == len(docs) and ds.info["units"] == 4
     # a glob of the same files, and the cache directory itself, read the same tokens
     again = load_dataset(str(tmp_path / "src" / "part*"), tmp_path / "cache2", val_fraction=0.1, log=_quiet)
     assert np.array_equal(again.train[0:len(again.train)], ds.train[0:len(ds.train)])
@@ -81,11 +86,11 @@ def test_shards_tokenize_to_every_document_once_split_between_train_and_val(tmp_
 
 def test_parallel_and_multi_rank_tokenizing_write_the_same_cache_as_one_process(tmp_path):
     _corpus(tmp_path / "src", n_shards=6)
-    one = tokenize_shards(str(tmp_path / "src"), tmp_path / "one", workers=1, log=_quiet)
-    two = tokenize_shards(str(tmp_path / "src"), tmp_path / "two", workers=2, log=_quiet)
+    one = tokenize(str(tmp_path / "src"), tmp_path / "one", workers=1, log=_quiet)
+    two = tokenize(str(tmp_path / "src"), tmp_path / "two", workers=2, log=_quiet)
     # two ranks sharing the work, each its own process with 1 worker
-    code = ("import sys; from functrain.data import tokenize_shards; "
-            "tokenize_shards(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2)")
+    code = ("import sys; from functrain.data import tokenize; "
+            "tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2)")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "ranks"), str(r)],
                               env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
@@ -105,7 +110,7 @@ def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_
     src.mkdir()
     for i in range(12):
         _jsonl(src / f"s{i:02d}.jsonl", _docs(3000, i))
-    code = "import sys; from functrain.data import tokenize_shards; tokenize_shards(sys.argv[1], sys.argv[2], workers=1)"
+    code = "import sys; from functrain.data import tokenize; tokenize(sys.argv[1], sys.argv[2], workers=1)"
     proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "cache")],
                             env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -113,15 +118,15 @@ def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_
         time.sleep(0.01)
     proc.kill()
     proc.wait()
-    out = next((tmp_path / "cache").iterdir())
+    out = _cache_dir(tmp_path / "cache")
     done = len(list((out / "done").glob("*.json")))
     assert 1 <= done < 12 and not (out / "meta.json").exists()  # killed midway: not complete-looking
     lines = []
-    again = tokenize_shards(str(src), tmp_path / "cache", workers=2, log=lines.append)
+    again = tokenize(str(src), tmp_path / "cache", workers=2, log=lines.append)
     assert again == out
     assert f"({done} done earlier)" in lines[0] or f"({done + 1} done earlier)" in lines[0], lines
     assert not list(out.rglob(".*tmp*"))  # the killed run's temporaries are gone
-    fresh = tokenize_shards(str(src), tmp_path / "fresh", workers=1, log=_quiet)
+    fresh = tokenize(str(src), tmp_path / "fresh", workers=1, log=_quiet)
     a, b = open_token_cache(out), open_token_cache(fresh)
     for i in (0, 1):
         assert np.array_equal(a[i][0:len(a[i])], b[i][0:len(b[i])])
@@ -132,7 +137,7 @@ def test_tokenizing_with_a_bpe_uses_its_end_of_text_and_refuses_another_tokenize
     tok = train_bpe(docs, 300, tmp_path / "bpe.json")
     ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", tokenizer=tok, val_fraction=0.1, log=_quiet)
     ids = np.asarray(ds.train[0:len(ds.train)]).astype(np.int64)
-    assert ids[-1] == tok.eos_id and (ids == tok.eos_id).sum() > 100
+    assert ids[-1] != tok.eos_id and (ids == tok.eos_id).sum() > 100  # between documents, none after the last
     first = ids[:int(np.flatnonzero(ids == tok.eos_id)[0])]
     assert tok.decode(first) in docs
     other = train_bpe(docs, 280, tmp_path / "bpe2.json")
@@ -178,7 +183,7 @@ def test_bad_shards_are_one_line_each_and_leave_nothing_half_written(tmp_path):
     message = _error(tmp_path, tmp_path / "b")
     assert "2 of 200 lines are not JSON objects (first at" in message and "b.jsonl:8)" in message
     assert "max_bad_line_fraction" in message
-    for cache in (tmp_path / "cache").iterdir():  # nothing of the failed shards left behind
+    for cache in (tmp_path / "cache").iterdir():  # (and the digests memo) nothing of the failed shards left behind
         assert not list(cache.rglob(".*tmp*"))
     logged = []
     ds = load_dataset(str(tmp_path / "b"), tmp_path / "cache", max_bad_line_fraction=0.02, log=logged.append)
@@ -192,8 +197,8 @@ def test_a_failed_shard_writes_no_token_file_or_marker(tmp_path):
     _jsonl(src / "good.jsonl", _docs(50, 0))
     (src / "zbad.jsonl").write_text("oops\n" * 10)
     with pytest.raises(DataError):
-        tokenize_shards(str(src), tmp_path / "cache", workers=2, log=_quiet)
-    out = next((tmp_path / "cache").iterdir())
+        tokenize(str(src), tmp_path / "cache", workers=2, log=_quiet)
+    out = _cache_dir(tmp_path / "cache")
     names = [p.name for p in out.rglob("*") if p.is_file()]
     assert not any("zbad" in n for n in names), names
     assert not (out / "meta.json").exists()
@@ -207,9 +212,9 @@ def test_missing_pyarrow_is_one_line(tmp_path, monkeypatch):
 
 _PEAK = """
 import pathlib, sys
-from functrain.data import tokenize_shards
+from functrain.data import tokenize
 rss = int(pathlib.Path('/proc/self/statm').read_text().split()[1]) * 4096 // 1024
-tokenize_shards(sys.argv[1], sys.argv[2], workers=1, chunk_bytes=int(sys.argv[3]), log=lambda line: None)
+tokenize(sys.argv[1], sys.argv[2], workers=1, chunk_bytes=int(sys.argv[3]), log=lambda line: None)
 hwm = [l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')]
 print(rss, int(hwm[0].split()[1]))  # VmHWM: this program's peak (ru_maxrss would keep the forking parent's)
 """
@@ -232,7 +237,7 @@ def test_tokenizing_memory_is_flat_in_corpus_size(tmp_path):
     assert out.returncode == 0, out.stderr
     before_kb, peak_kb = map(int, out.stdout.split())
     assert (peak_kb - before_kb) * 1024 < budget, (before_kb, peak_kb, corpus)
-    train, val, info = open_token_cache(next((tmp_path / "cache").iterdir()))
+    train, val, info = open_token_cache(_cache_dir(tmp_path / "cache"))
     assert info["documents"] == 2 * copies * 2000  # it did tokenize the whole corpus
 
 
@@ -280,7 +285,7 @@ def test_a_small_shard_source_still_gets_a_validation_document(tmp_path):
     ds = load_dataset(str(src), tmp_path / "cache", val_fraction=1e-6, log=logs.append)
     train, val = _documents(ds.train), _documents(ds.val)
     assert val == [docs[0]] and sorted(train + val) == sorted(docs)  # the first train document, moved
-    assert any("is the validation split" in line for line in logs), logs
+    assert any("moved there" in line for line in logs), logs
     again = load_dataset(str(src), tmp_path / "cache", val_fraction=1e-6, log=logs.append)  # the cache as written
     assert _documents(again.val) == val
     one = tmp_path / "one"
@@ -341,8 +346,8 @@ def test_a_corrupt_file_is_one_line_on_two_ranks(tmp_path):
     src = tmp_path / "src"
     _corpus(src, n_shards=3, docs=20)
     os.replace(files["corrupt"], src / "corrupt.parquet")
-    code = ("import sys; from functrain.data import tokenize_shards, DataError\n"
-            "try:\n    tokenize_shards(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2, poll_s=0.05)\n"
+    code = ("import sys; from functrain.data import tokenize, DataError\n"
+            "try:\n    tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2, poll_s=0.05)\n"
             "except DataError as e:\n    print('ERROR', e)\n    raise SystemExit(2)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "ranks"), str(r)], env=env,
@@ -352,3 +357,25 @@ def test_a_corrupt_file_is_one_line_on_two_ranks(tmp_path):
     for out in outs:
         errors = [line for line in out.splitlines() if line.startswith("ERROR")]
         assert len(errors) == 1 and "corrupt.parquet" in errors[0] and "Traceback" not in out, out
+
+
+def test_a_cache_of_the_older_shard_format_still_reads(tmp_path):
+    """A `functrain-token-shards` version 2 directory (each split ending with its separator) reads whole."""
+    out = tmp_path / "old"
+    docs = {"train": [b"alpha doc", b"beta"], "val": [b"gamma"]}
+    shards = []
+    for i, split_docs in enumerate(([docs["train"][0]], [docs["train"][1]])):
+        key = f"{i:012x}-s{i}.jsonl"
+        val = docs["val"] if i == 0 else []
+        for split, items in (("train", split_docs), ("val", val)):
+            (out / split).mkdir(parents=True, exist_ok=True)
+            np.frombuffer(b"".join(d + b"\n" for d in items), np.uint8).astype(np.uint16).tofile(out / split / f"{key}.bin")
+        shards.append({"rel": f"s{i}.jsonl", "size": 10, "sha256": "0" * 64, "key": key,
+                       "tokens": {"train": len(split_docs[0]) + 1, "val": sum(len(d) + 1 for d in val)}})
+    (out / "meta.json").write_text(json.dumps({
+        "format": "functrain-token-shards", "version": 2, "source": "s", "text_field": "text", "val_fraction": 0.1,
+        "tokenizer": "bytes", "tokenizer_name": "bytes", "tokenizer_file": None, "vocab_size": 256, "dtype": "uint16",
+        "tokens": {"train": 15, "val": 6}, "documents": 3, "bad_lines": 0, "shards": shards}))
+    ds = load_dataset(str(out), tmp_path / "unused")
+    assert bytes(np.asarray(ds.train[:], np.uint8)) == b"alpha doc\nbeta\n" and ds.decode(ds.val[:]) == "gamma\n"
+    assert ds.info["kind"] == "shards" and [c[0] for c in ds.info["content"]] == ["s0.jsonl", "s1.jsonl"]

@@ -12,12 +12,13 @@ from functrain._lazy import lazy_exports
 if TYPE_CHECKING:
     from functrain.data.batches import eval_batches, get_batch
     from functrain.data.corpus import DEFAULT_VAL_FRACTION, Dataset, load_dataset, stdlib_files, train_tokenizer
+    from functrain.data.documents import is_val
     from functrain.data.errors import DataError
     from functrain.data.pipeline import LMData, lm_data, parse_mixture
     from functrain.data.prefetch import Prefetcher
     from functrain.data.sampling import SAMPLINGS, Sampler, mixture_rows, permute
     from functrain.data.shards import is_shard_source, shard_files
-    from functrain.data.token_cache import open_token_cache, tokenize_shards
+    from functrain.data.token_cache import open_token_cache, tokenize, tokenize_shards
     from functrain.data.tokenizer import (END_OF_TEXT, SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer,
                                           VocabTokenizer, train_bpe)
     from functrain.data.tokens import ConcatTokens

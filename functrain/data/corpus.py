@@ -11,20 +11,17 @@ Sources, as `load_dataset(source, cache_dir)` reads them:
   `meta.json` says `"dtype"`), with the vocabulary from `meta.json` / `meta.pkl` (`vocab_size`, and
   optionally `itos`/`stoi`) or else from the `vocab_size` argument. Read with `np.memmap`.
 
-Text is tokenized to bytes (vocabulary 256, one token per UTF-8 byte) and documents are joined with
-one newline byte (`SEPARATOR`), which keeps decoded samples printable. With a `tokenizer` (an
+Text is tokenized to bytes (vocabulary 256, one token per UTF-8 byte) and documents are separated
+by one newline byte (`SEPARATOR`), which keeps decoded samples printable. With a `tokenizer` (an
 `HFTokenizer`: a model's `tokenizer.json`, or the byte-level BPE `train_tokenizer` trains on the
-train split) text is tokenized with it instead, documents joined by its end-of-text token, ids
-stored as uint16 (uint32 above 65,536 ids). Train/val are split by file:
-a file goes to val when a stable hash of its relative path falls below `val_fraction` (so adding a
-file never moves another), with at least one file in each split. A single text file (or a directory
-with one file) is split by position instead: its last `val_fraction` goes to val.
+train split) text is tokenized with it instead, documents separated by its end-of-text token, ids
+stored as uint16 (uint32 above 65,536 ids).
 
-Text sources are tokenized once into a cache (`<cache_dir>/<name>-<fingerprint>/train.bin, val.bin,
-meta.json`), keyed by the files' relative paths and the sha256 of their bytes (`digests`). Every file is written to a temporary name
-and renamed into place, and `meta.json` (the provenance record) is written last, so a killed run
-never leaves a cache that looks complete; concurrent builders (several ranks) each write their own
-temporaries and the renames are atomic.
+Every text source (the stdlib, text files, parquet/jsonl shards) is tokenized once into one kind of
+cache (`token_cache.tokenize`), with one validation split: a document (a text file, a shard's record)
+goes to val when a stable hash of its name falls below `val_fraction`, so adding a document never
+moves another (`documents.is_val`); a single text file is cut by position, its last `val_fraction`
+going to val.
 
 Example:
     >>> ds = load_dataset("stdlib", "/tmp/functrain-data")
@@ -40,31 +37,23 @@ import json
 import os
 import pickle
 import sys
-import sysconfig
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from functrain.data.digests import file_digests
-from functrain.data.errors import DataError
-from functrain.data.shards import is_shard_source, shard_files
-from functrain.data.token_cache import FORMAT as SHARDS_FORMAT
-from functrain.data.token_cache import open_token_cache, tokenize_shards, tokenizer_id, train_documents
-from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, path_hash64, slug, token_dtype
-from functrain.data.tokenizer import (SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, separator_ids,
-                                      train_bpe)
+from functrain.data.documents import stdlib_files
+from functrain.data.errors import SOURCE_HINT, DataError
+from functrain.data.shards import is_shard_source
+from functrain.data.token_cache import FORMATS as TOKEN_CACHE_FORMATS
+from functrain.data.token_cache import open_token_cache, source_content, tokenize, tokenizer_id, train_documents
+from functrain.data.token_files import DEFAULT_VAL_FRACTION, slug
+from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
 
 __all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
 
-FORMAT_VERSION = 1
-_CHUNK = 1 << 24  # bytes read at a time when tokenizing
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-_FIX = (
-    "point --config.data.path at a text file, a directory of text files, "
-    "a directory with train.bin/val.bin, or 'stdlib'"
-)
+_FIX = SOURCE_HINT
 
 
 @dataclasses.dataclass
@@ -171,27 +160,16 @@ def load_dataset(
     Example:
       >>> ds = load_dataset("data/shakespeare", "/tmp/data", block_size=256)
     """
-    if source != "stdlib" and is_shard_source(source):
-        out = tokenize_shards(source, cache_dir, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction,
-                              max_bad_line_fraction=max_bad_line_fraction, workers=workers, rank=rank, world=world,
-                              log=log)
-        ds = _load_token_cache(out, source, tokenizer)
-    elif source != "stdlib" and (Path(source).expanduser() / "meta.json").is_file() and _is_token_cache(source):
-        ds = _load_token_cache(Path(source).expanduser(), source, tokenizer)
-    elif source == "stdlib":
-        ds = _load_text(*_text_source(source), source=source, cache_dir=cache_dir, val_fraction=val_fraction,
-                        tokenizer=tokenizer)
+    path = Path(source).expanduser()
+    if source != "stdlib" and (path / "meta.json").is_file() and _is_token_cache(source):
+        ds = _load_token_cache(path, source, tokenizer)
+    elif source != "stdlib" and not is_shard_source(source) and (
+            (path.is_file() and path.suffix == ".bin") or (path / "train.bin").exists()):
+        ds = _load_bin(path.parent if path.is_file() else path, source, vocab_size, cache_dir)
     else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"data.path {source!r} does not exist; {_FIX}")
-        if path.is_file() and path.suffix == ".bin":
-            path = path.parent
-        if path.is_dir() and (path / "train.bin").exists():
-            ds = _load_bin(path, source, vocab_size, cache_dir)
-        else:
-            ds = _load_text(*_text_source(str(path)), source=source, cache_dir=cache_dir, val_fraction=val_fraction,
-                            tokenizer=tokenizer)
+        out = tokenize(source, cache_dir, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction,
+                       max_bad_line_fraction=max_bad_line_fraction, workers=workers, rank=rank, world=world, log=log)
+        ds = _load_token_cache(out, source, tokenizer)
     if block_size is not None:
         for split in ("train", "val"):
             n = len(getattr(ds, split))
@@ -201,141 +179,6 @@ def load_dataset(
                     f"block_size + 1 = {block_size + 1}; use more text or a smaller block_size"
                 )
     return ds
-
-
-def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
-    """The `.py` files of the Python standard library that make the default corpus.
-
-    Args:
-      root: the stdlib directory (default `sysconfig.get_paths()["stdlib"]`).
-
-    Returns:
-      Paths sorted by relative path, skipping site-packages, dist-packages and __pycache__.
-
-    Example:
-      >>> len(stdlib_files()) > 500
-      True
-    """
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        out += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
-    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _text_files(root: Path) -> list[Path]:
-    """Non-hidden files under `root` that look like text (no NUL in their first 8 KiB), sorted."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS]
-        for f in filenames:
-            p = Path(dirpath) / f
-            if not f.startswith(".") and p.is_file() and not _looks_binary(p):
-                out.append(p)
-    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _looks_binary(path: Path) -> bool:
-    """True when the file's first 8 KiB contain a NUL byte."""
-    with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
-
-
-def _val_score(rel: str) -> float:
-    """Stable hash of a relative path, uniform in [0, 1)."""
-    return path_hash64(rel) / 2.0**64
-
-
-def _split_files(rels: list[str], val_fraction: float) -> set[str]:
-    """The relative paths that go to val: hash below val_fraction, at least one, never all."""
-    scores = {r: _val_score(r) for r in rels}
-    val = {r for r, s in scores.items() if s < val_fraction}
-    if not val:
-        val = {min(rels, key=scores.get)}
-    if len(val) == len(rels):
-        val.discard(max(val, key=scores.get))
-    return val
-
-
-def _plan(stats, val_fraction):
-    """(train pieces, val pieces, val files, split description) of (path, rel, stat) triples."""
-    if len(stats) == 1:  # one document: split by position
-        path, rel, st = stats[0]
-        cut = st.st_size - max(1, int(st.st_size * val_fraction))
-        return [(path, 0, cut)], [(path, cut, st.st_size)], [], f"by position: last {val_fraction:g} of the bytes"
-    val_set = _split_files([rel for _, rel, _ in stats], val_fraction)
-    train = [(p, 0, st.st_size) for p, rel, st in stats if rel not in val_set]
-    val = [(p, 0, st.st_size) for p, rel, st in stats if rel in val_set]
-    return train, val, sorted(val_set), f"by file: sha256(relative path) < {val_fraction:g}"
-
-
-def _text_source(source: str):
-    """(files, root, cache name) of a text source ("stdlib", a file or a directory of text)."""
-    if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return stdlib_files(root), root, f"stdlib-py{sys.version.split()[0]}"
-    path = Path(source).expanduser()
-    if path.is_file():
-        return [path], path.parent, slug(path.name)
-    return _text_files(path), path, slug(path.name)
-
-
-def _load_text(files, root, name, *, source, cache_dir, val_fraction, tokenizer=None) -> Dataset:
-    """Tokenizes text files (bytes, or `tokenizer`) into a cached train/val pair (or reuses the cache)."""
-    stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
-    total = sum(st.st_size for _, _, st in stats)
-    if not stats or total == 0:
-        raise DataError(f"data.path {source!r} holds no text ({len(stats)} files, 0 bytes); {_FIX}")
-    content = _content(stats, root, cache_dir)
-    tokenizer = tokenizer or ByteTokenizer()
-    hf = getattr(tokenizer, "sha256", None)  # a `tokenizers` file; None: bytes
-    fingerprint = hashlib.sha256(json.dumps({
-        "version": FORMAT_VERSION,
-        "source": source if source == "stdlib" else str(Path(source).resolve()),
-        "python": sys.version if source == "stdlib" else None,
-        "val_fraction": val_fraction,
-        "files": content,
-        **({"tokenizer": hf} if hf else {}),
-    }).encode()).hexdigest()
-    out = Path(cache_dir) / f"{name}{'-tok' if hf else ''}-{fingerprint[:16]}"
-    dtype = token_dtype(tokenizer.vocab_size)
-    info = _read_cache_info(out, dtype)
-    if info is None:
-        train_pieces, val_pieces, val_files, split = _plan(stats, val_fraction)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DataError(f"data cache {cache_dir}: cannot be created ({exc.strerror or exc}); pass a writable "
-                            "--workdir or --config.data.cache_dir") from None
-        t0 = time.perf_counter()
-        n_train = _write_tokens(out / "train.bin", train_pieces, tokenizer, dtype)
-        n_val = _write_tokens(out / "val.bin", val_pieces, tokenizer, dtype)
-        info = {
-            "format": "functrain-tokens",
-            "version": FORMAT_VERSION,
-            "source": source,
-            "root": str(root),
-            "python": sys.version,
-            "tokenizer": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size,
-            "dtype": np.dtype(dtype).name,
-            "separator": separator_ids(tokenizer),
-            "split": split,
-            "val_fraction": val_fraction,
-            "files": {"train": len(train_pieces), "val": len(val_pieces)},
-            "tokens": {"train": n_train, "val": n_val},
-            "val_files": val_files,
-            "fingerprint": fingerprint,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "build_seconds": round(time.perf_counter() - t0, 3),
-        }
-        if hf:
-            info["tokenizer_file"], info["tokenizer_sha256"] = str(tokenizer.path), hf
-        atomic_write(out / "meta.json", lambda f: f.write(json.dumps(info, indent=1).encode()))
-    info = dict(info, cache_dir=str(out), content=content)
-    return Dataset(_memmap(out / "train.bin", dtype), _memmap(out / "val.bin", dtype),
-                   tokenizer.vocab_size, tokenizer, info)
 
 
 def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, *,
@@ -363,102 +206,16 @@ def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, 
       >>> tok = train_tokenizer("stdlib", "runs/llama/data", 4096)
       >>> ds = load_dataset("stdlib", "runs/llama/data", tokenizer=tok)
     """
-    if source != "stdlib" and not Path(source).expanduser().exists():
-        raise DataError(f"data.path {source!r} does not exist; {_FIX}")
-    if source != "stdlib" and is_shard_source(source):
-        files, root = shard_files(source)
-        stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
-        fingerprint = hashlib.sha256(json.dumps({
-            "bpe": vocab_size, "val_fraction": val_fraction, "text_field": text_field,
-            "files": _content(stats, root, cache_dir)}).encode()).hexdigest()
-        path = Path(cache_dir) / f"{slug(root.name)}-bpe{vocab_size}-{fingerprint[:16]}.json"
-        if path.exists():
-            return HFTokenizer(path)
-        return train_bpe(train_documents(source, text_field=text_field, val_fraction=val_fraction), vocab_size, path)
-    files, root, name = _text_source(source)
-    stats = [(p, p.relative_to(root).as_posix(), p.stat()) for p in files]
-    if not stats or sum(st.st_size for _, _, st in stats) == 0:
-        raise DataError(f"data.path {source!r} holds no text to train a tokenizer on; {_FIX}")
-    train_pieces, _, _, _ = _plan(stats, val_fraction)
+    kind, root, name, content = source_content(source, cache_dir, log=lambda line: None)
     fingerprint = hashlib.sha256(json.dumps({
         "bpe": vocab_size, "val_fraction": val_fraction, "python": sys.version if source == "stdlib" else None,
-        "files": _content(stats, root, cache_dir),
+        "files": content, **({"text_field": text_field, "split": "per document"} if kind == "shards" else {}),
     }).encode()).hexdigest()
     path = Path(cache_dir) / f"{name}-bpe{vocab_size}-{fingerprint[:16]}.json"
     if path.exists():
         return HFTokenizer(path)
-    return train_bpe((_read_piece(*piece) for piece in train_pieces), vocab_size, path)
-
-
-def _read_cache_info(out: Path, dtype) -> dict | None:
-    """The meta.json of a complete cache directory, or None when it must be (re)built."""
-    size = np.dtype(dtype).itemsize
-    try:
-        info = json.loads((out / "meta.json").read_text())
-        complete = info.get("version") == FORMAT_VERSION and all(
-            (out / f"{s}.bin").stat().st_size == size * info["tokens"][s] for s in ("train", "val"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return info if complete else None
-
-
-def _read_piece(path: Path, start: int, stop: int) -> str:
-    """The text of bytes [start, stop) of a file (invalid UTF-8 replaced)."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        return f.read(stop - start).decode("utf-8", errors="replace")
-
-
-def _write_tokens(dst: Path, pieces, tokenizer, dtype) -> int:
-    """Writes the tokens of (path, start, stop) pieces, separator-joined, as `dtype`; returns the count."""
-    count = 0
-    sep = np.asarray(separator_ids(tokenizer), dtype=dtype).tobytes()
-
-    def write_bytes(f):
-        nonlocal count
-        for i, (path, start, stop) in enumerate(pieces):
-            if i:
-                f.write(sep)
-                count += len(SEPARATOR)
-            with open(path, "rb") as src:
-                src.seek(start)
-                left = stop - start
-                while left > 0:
-                    buf = src.read(min(_CHUNK, left))
-                    if not buf:
-                        break
-                    f.write(np.frombuffer(buf, np.uint8).astype(dtype).tobytes())
-                    count += len(buf)
-                    left -= len(buf)
-
-    def write_tokenized(f):
-        nonlocal count
-        batch = 64  # documents per encode_batch call (parallel in the tokenizers library)
-        for b in range(0, len(pieces), batch):
-            texts = [_read_piece(*piece) for piece in pieces[b:b + batch]]
-            for i, ids in enumerate(tokenizer.encode_batch(texts)):
-                if b + i:
-                    f.write(sep)
-                    count += len(sep) // np.dtype(dtype).itemsize
-                f.write(np.asarray(ids, dtype=dtype).tobytes())
-                count += len(ids)
-
-    atomic_write(dst, write_bytes if isinstance(tokenizer, ByteTokenizer) else write_tokenized)
-    return count
-
-
-def _memmap(path: Path, dtype) -> np.ndarray:
-    """A read-only memmap of a flat token file (an empty array for an empty file)."""
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
-def _content(stats, root: Path, cache_dir) -> list[list]:
-    """[relative path, size, sha256] of each file (digests remembered under `<cache_dir>/digests/`)."""
-    memo = Path(cache_dir) / "digests" / f"{slug(root.name, 'data')}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
-    digests = file_digests([p for p, _, _ in stats], memo=memo, stats=[st for _, _, st in stats])
-    return [[rel, st.st_size, d] for (_, rel, st), d in zip(stats, digests)]
+    return train_bpe(train_documents(source, text_field=text_field, val_fraction=val_fraction, cache_dir=cache_dir),
+                     vocab_size, path)
 
 
 def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dataset:
@@ -491,17 +248,27 @@ def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dat
         tokenizer = VocabTokenizer(meta["itos"], meta.get("stoi"))
     else:
         tokenizer = IdTokenizer(int(vocab))
-    bins = [(path / f"{s}.bin", f"{s}.bin", (path / f"{s}.bin").stat()) for s in ("train", "val")]
-    info = {"source": source, "kind": "bin", "dtype": str(dtype), "vocab_size": int(vocab),
-            "tokenizer": tokenizer.name, "content": _content(bins, path, cache_dir)}
+    bins = [path / f"{s}.bin" for s in ("train", "val")]
+    stats = [p.stat() for p in bins]
+    memo = Path(cache_dir) / "digests" / f"{slug(path.name)}-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]}.json"
+    info = {"source": source, "kind": "bin", "dtype": str(dtype), "vocab_size": int(vocab), "tokenizer": tokenizer.name,
+            "content": [[p.name, st.st_size, d] for p, st, d in zip(bins, stats, file_digests(bins, memo, stats))]}
     return Dataset(_memmap(path / "train.bin", dtype), _memmap(path / "val.bin", dtype),
                    int(vocab), tokenizer, info)
 
 
+def _memmap(path: Path, dtype) -> np.ndarray:
+    """A read-only memmap of a flat token file (an empty array for an empty file)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
 def _is_token_cache(source: str) -> bool:
-    """Whether `source` is a directory `tokenize_shards` wrote (its meta.json names the format)."""
+    """Whether `source` is a directory `tokenize` wrote (its meta.json names the format)."""
     try:
-        return json.loads((Path(source).expanduser() / "meta.json").read_text()).get("format") == SHARDS_FORMAT
+        meta = json.loads((Path(source).expanduser() / "meta.json").read_text())
+        return (meta.get("format"), meta.get("version")) in TOKEN_CACHE_FORMATS
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -511,8 +278,8 @@ def _load_token_cache(out: Path, source: str, tokenizer: Any) -> Dataset:
     train, val, info = open_token_cache(out)
     if tokenizer is not None and tokenizer_id(tokenizer) != info["tokenizer"]:
         raise DataError(f"{out}: its tokens were written by {info['tokenizer_name']} ({info['tokenizer']}), this run "
-                        f"tokenizes with {tokenizer.name} ({tokenizer_id(tokenizer)}); point data.path at the shards "
-                        "themselves (they are tokenized again) or use the tokenizer that wrote it")
+                        f"tokenizes with {tokenizer.name} ({tokenizer_id(tokenizer)}); point data.path at the source "
+                        "itself (it is tokenized again) or use the tokenizer that wrote it")
     if tokenizer is None:
         if info["tokenizer"] == "bytes":
             tokenizer = ByteTokenizer()
@@ -520,7 +287,8 @@ def _load_token_cache(out: Path, source: str, tokenizer: Any) -> Dataset:
             tokenizer = HFTokenizer(info["tokenizer_file"])
         else:
             tokenizer = IdTokenizer(info["vocab_size"])
-    meta = {k: info[k] for k in ("source", "text_field", "tokenizer", "dtype", "tokens", "documents", "bad_lines")}
+    meta = {k: info[k] for k in ("kind", "source", "text_field", "tokenizer", "dtype", "tokens", "documents",
+                                 "bad_lines", "content")}
     return Dataset(train, val, tokenizer.vocab_size, tokenizer,
-                   dict(meta, kind="shards", shards=len(info["shards"]), cache_dir=str(out), requested=source,
-                        content=[[s["rel"], s["size"], s.get("sha256")] for s in info["shards"]]))
+                   dict(meta, units=len(info["units"]), cache_dir=str(out), requested=source,
+                        val_files=info.get("val_files", [])))

@@ -53,5 +53,9 @@ class ConcatTokens:
                  for p in range(first, last + 1)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """All the tokens as one array (a copy; `np.asarray(toks)`, `np.max(toks)`)."""
+        return self[:] if dtype is None else self[:].astype(dtype)
+
     def __repr__(self) -> str:
         return f"ConcatTokens({len(self):,} tokens in {len(self.arrays)} pieces, {self.dtype})"

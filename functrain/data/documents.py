@@ -1,0 +1,187 @@
+"""Every text source as documents in units, and the one rule that sends a document to validation.
+
+A source (the stdlib, a directory of text files, one text file, parquet/jsonl shards) is a list of
+*units*, the token cache's shards, each tokenized on its own (in parallel, resumably):
+
+* a parquet/jsonl file is a unit; its records are its documents, keyed `"<relative path>:<index>"`;
+* text files are documents keyed by their relative path, packed in sorted order into units of about
+  `PACK_BYTES`. A pack ends after a file with a chance of its size over `PACK_BYTES`, drawn from a
+  hash of its path, so adding or editing a file re-tokenizes its own pack only.
+
+The split, for every source: a document goes to validation when the stable hash of its key falls
+below `val_fraction` (`is_val`; adding a document never moves another). A source that is one text
+file is one document: its last `val_fraction` of bytes is the validation split. When no document (or
+every one) drew into validation, the first document moves across: for text files when they are
+packed (here), for shards once all are tokenized (`token_cache`).
+
+Example:
+    >>> files, root, name = text_source("stdlib")
+    >>> units = text_units(files, root, digests)
+    >>> is_val("json/__init__.py", 0.015)
+    False
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from functrain.data.shards import BadLines, read_texts
+from functrain.data.token_files import path_hash64, slug
+
+__all__ = ["PACK_BYTES", "is_val", "read_unit", "shard_units", "stdlib_files", "text_source", "text_units"]
+
+PACK_BYTES = 16 << 20  # text files per unit: about this many bytes (a few units for the stdlib's 31 MB)
+_TEXT_BATCH = 64  # text files handed to the tokenizer at a time
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def is_val(key: str, val_fraction: float) -> bool:
+    """Whether the document with this key goes to validation: its stable hash, in [0, 1), below val_fraction."""
+    return path_hash64(key) / 2.0**64 < val_fraction
+
+
+def stdlib_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """The `.py` files of the Python standard library that make the default corpus.
+
+    Args:
+      root: the stdlib directory (default `sysconfig.get_paths()["stdlib"]`).
+
+    Returns:
+      Paths sorted by relative path, skipping site-packages, dist-packages and __pycache__.
+
+    Example:
+      >>> len(stdlib_files()) > 500
+      True
+    """
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        out += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+
+
+def text_source(source: str) -> tuple[list[Path], Path, str]:
+    """(files, the root their names are relative to, a cache name) of "stdlib", a text file or a directory of text."""
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return stdlib_files(root), root, f"stdlib-py{sys.version.split()[0]}"
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path], path.parent, slug(path.name)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS]
+        for f in filenames:
+            p = Path(dirpath) / f
+            if not f.startswith(".") and p.is_file() and not _looks_binary(p):
+                out.append(p)
+    return sorted(out, key=lambda p: p.relative_to(path).as_posix()), path, slug(path.name)
+
+
+def _looks_binary(path: Path) -> bool:
+    """True when the file's first 8 KiB contain a NUL byte."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def _key(rel: str) -> str:
+    """A unit's file id: a hash of its name (plus a readable stem)."""
+    return f"{path_hash64(rel):016x}-{slug(Path(rel).name, '')}"
+
+
+def shard_units(content: list[list]) -> list[dict]:
+    """One unit per parquet/jsonl shard, from its [relative path, size, sha256]."""
+    return [{"rel": rel, "key": _key(rel), "kind": "shard", "files": [[rel, size, sha]], "size": size}
+            for rel, size, sha in content]
+
+
+def text_units(content: list[list], val_fraction: float) -> list[dict]:
+    """Text files ([relative path, size, sha256], sorted) packed into units, each with its validation
+    files ("val"); one file is cut by position ("cut")."""
+    if len(content) == 1:
+        rel, size, _ = content[0]
+        return [{"rel": rel, "key": _key(rel), "kind": "text", "files": [list(content[0])], "size": size,
+                 "cut": size - max(1, int(size * val_fraction))}]
+    val = {rel for rel, _, _ in content if is_val(rel, val_fraction)}
+    if not val or len(val) == len(content):
+        val ^= {content[0][0]}  # the first file moves across: both splits hold one
+    units, pack = [], []
+    for i, (rel, size, sha) in enumerate(content):
+        pack.append([rel, size, sha])
+        if i == len(content) - 1 or path_hash64("pack:" + rel) / 2.0**64 < size / PACK_BYTES:
+            units.append({"rel": pack[0][0], "key": _key(pack[0][0]), "kind": "text", "files": pack,
+                          "size": sum(f[1] for f in pack), "val": [f[0] for f in pack if f[0] in val]})
+            pack = []
+    return units
+
+
+def read_unit(unit: dict, root: Path, *, val_fraction: float, text_field: str, bad_lines: BadLines,
+              chunk_bytes: int, raw: bool) -> Iterator[tuple[list, np.ndarray, np.ndarray, int]]:
+    """A unit's documents in order, as (pieces, to_val, ends, bytes read) groups of about `chunk_bytes`.
+
+    Args:
+      unit: from `shard_units` or `text_units`.
+      root: the directory the unit's names are relative to.
+      val_fraction: the share of documents that go to validation (`is_val`).
+      text_field: shards: the column / JSON key holding the text.
+      bad_lines: shards: the jsonl bad-line policy.
+      chunk_bytes: text per group.
+      raw: text files: give bytes (for the byte tokenizer, never decoded, and a large file in
+        pieces); else strings (invalid UTF-8 replaced).
+
+    Returns:
+      An iterator of groups: the pieces (str or bytes), whether each goes to validation, whether each
+      ends its document (a separator follows it), and the bytes read from disk since the last group.
+
+    Example:
+      >>> for pieces, to_val, ends, nbytes in read_unit(u, root, val_fraction=0.015, text_field="text",
+      ...                                                bad_lines=BadLines(), chunk_bytes=4 << 20, raw=True): ...
+    """
+    if unit["kind"] == "shard":
+        index = 0
+        for texts, nbytes in read_texts(root / unit["rel"], text_field=text_field, bad_lines=bad_lines,
+                                        chunk_bytes=chunk_bytes):
+            to_val = np.fromiter((is_val(f"{unit['rel']}:{index + i}", val_fraction) for i in range(len(texts))),
+                                 bool, len(texts))
+            index += len(texts)
+            yield texts, to_val, np.ones(len(texts), bool), nbytes
+        return
+    if "cut" in unit:  # one file, one document: its head trains, its tail validates
+        (rel, size, _), cut = unit["files"][0], unit["cut"]
+        for start, stop, val in ((0, cut, False), (cut, size, True)):
+            for piece, end in _pieces(root / rel, start, stop, chunk_bytes if raw else None):
+                yield [piece if raw else piece.decode("utf-8", errors="replace")], np.array([val]), np.array([end]), len(piece)
+        return
+    group, to_val, ends, nbytes, val_files = [], [], [], 0, set(unit["val"])
+    for rel, size, _ in unit["files"]:
+        val = rel in val_files
+        for piece, end in _pieces(root / rel, 0, size, chunk_bytes if raw else None):
+            group.append(piece if raw else piece.decode("utf-8", errors="replace"))
+            to_val.append(val)
+            ends.append(end)
+            nbytes += len(piece)
+            if len(group) >= _TEXT_BATCH or nbytes >= chunk_bytes:
+                yield group, np.array(to_val, bool), np.array(ends, bool), nbytes
+                group, to_val, ends, nbytes = [], [], [], 0
+    if group:
+        yield group, np.array(to_val, bool), np.array(ends, bool), nbytes
+
+
+def _pieces(path: Path, start: int, stop: int, chunk: int | None) -> Iterator[tuple[bytes, bool]]:
+    """Bytes [start, stop) of a file, whole or in pieces of `chunk`, each with whether it is the last."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = stop - start
+        while True:
+            piece = f.read(left if chunk is None else min(chunk, left))
+            left -= len(piece)
+            yield piece, left <= 0 or not piece
+            if left <= 0 or not piece:
+                return
