@@ -97,13 +97,6 @@ def _peak_growth(step, state, batch):
     return state, peak - base
 
 
-def _actions(prof) -> list:
-    """The profiled steps' pipeline action ranges ((kind, micro, event)), in the order they started."""
-    out = [(e.name[9], int(e.name[10:]), e) for e in prof.events()
-           if e.name.startswith("pipeline ") and e.name[9:10] in ("F", "B")]
-    return sorted(out, key=lambda a: a[2].time_range.start)
-
-
 def _within(inner, outer) -> bool:
     """Whether profiler event `inner` ran inside `outer`."""
     return outer.time_range.start <= inner.time_range.start and inner.time_range.end <= outer.time_range.end
@@ -113,9 +106,9 @@ def _schedule_seconds(prof, m: int) -> tuple[list, list]:
     """(per step: its schedule's span in seconds, per step: this rank's compute seconds per microbatch by
     kind, receives left out) from the profiled steps' ranges."""
     events = prof.events()
-    spans = sorted((e for e in events if e.name == "pipeline schedule"), key=lambda e: e.time_range.start)
-    recvs = [e for e in events if e.name == "pipeline recv"]
-    actions = _actions(prof)
+    spans = sorted((e for e in events if e.name == pipeline.RANGE_SCHEDULE), key=lambda e: e.time_range.start)
+    recvs = [e for e in events if e.name == pipeline.RANGE_RECV]
+    actions = pipeline.action_ranges(events)
     walls, per_step = [], []
     for span in spans:
         each = {"F": [0.0] * m, "B": [0.0] * m}
@@ -132,7 +125,7 @@ def _held_mib(prof) -> float:
     """The most tensor memory (MiB) the profiled step's actions held at the end of a forward: the running
     sum of each action's allocations less its frees."""
     live = held = 0
-    for kind, _, e in _actions(prof):
+    for kind, _, e in pipeline.action_ranges(prof.events()):
         live += e.cpu_memory_usage if not torch.cuda.is_available() else e.device_memory_usage
         if kind == "F":
             held = max(held, live)

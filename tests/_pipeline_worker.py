@@ -196,8 +196,7 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
 
 def actions_run(prof) -> list:
     """The pipeline actions a profiled step ran ("F0", "B0", ...), in the order they started."""
-    ranges = [e for e in prof.events() if e.name.startswith("pipeline ") and e.name[9:10] in ("F", "B")]
-    return [e.name[9:] for e in sorted(ranges, key=lambda e: e.time_range.start)]
+    return [f"{kind}{micro}" for kind, micro, _ in pipeline.action_ranges(prof.events())]
 
 
 MESH_STEPS = 10  # pipelines on a mesh: 4 and 8 ranks on the CI's 2 cores (pp=2 and pp=4 alone run STEPS)

@@ -305,9 +305,9 @@ _READ = None  # in a worker process: the queue its bytes read go to
 
 
 def _start_worker(read) -> None:
-    """A worker's set-up: one thread for the tokenizer, and where its progress goes."""
+    """A worker's set-up: one thread for the tokenizer (read when it first encodes), and where its progress goes."""
     global _READ
-    os.environ.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _READ = read
 
 

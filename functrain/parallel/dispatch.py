@@ -47,9 +47,11 @@ def configure(mesh, **options) -> None:
     from functrain.parallel import spmd
     from functrain.parallel.sharding import active_mesh
 
-    spmd.Spmd(mesh, **options)  # refuses a bad option before anything changes
+    key = tuple(sorted(options.items()))
+    made = spmd.Spmd(mesh, **options)  # refuses a bad option before anything changes
+    _MADE.setdefault((id(mesh), key), made)
     for m in (mesh, active_mesh(mesh)):
-        _OPTIONS[m] = tuple(sorted(options.items()))
+        _OPTIONS[m] = key
     _SPMD.clear()  # every mesh looks its options up again
 
 

@@ -62,8 +62,34 @@ from functrain.step.steps import split_microbatches
 from functrain.state import TrainState
 from functrain.step.update import make_update, to_master
 
-__all__ = ["Pipeline", "Stages", "bubble_fraction", "global_norm", "make_eval_step", "make_train_step",
+__all__ = ["RANGE_RECV", "RANGE_SCHEDULE", "Pipeline", "Stages", "action_ranges", "bubble_fraction", "global_norm", "make_eval_step", "make_train_step",
            "param_shapes", "place"]
+
+RANGE_SCHEDULE = "pipeline schedule"  # a step's whole schedule, its sends completed (a profiler range)
+RANGE_RECV = "pipeline recv"  # one blocking receive, within an action's range
+_RANGE_ACTION = "pipeline "  # + "F<micro>" or "B<micro>": one forward or backward action
+
+
+def action_ranges(events) -> list[tuple[str, int, object]]:
+    """The pipeline actions in a profile: (kind "F" or "B", microbatch, event), in the order they started.
+
+    Args:
+      events: `torch.profiler.profile(...).events()`, of steps run under that profiler.
+
+    Returns:
+      The list; each event's `time_range` gives its start and length.
+
+    Example:
+      >>> with torch.profiler.profile() as prof:
+      ...     state, metrics = step(state, batch)
+      >>> [f"{k}{m}" for k, m, _ in action_ranges(prof.events())]
+      ['F0', 'F1', 'B0', 'F2', 'B1', ...]
+    """
+    n = len(_RANGE_ACTION)
+    out = [(e.name[n], int(e.name[n + 1:]), e) for e in events
+           if e.name.startswith(_RANGE_ACTION) and e.name[n:n + 1] in ("F", "B") and e.name[n + 1:].isdigit()]
+    return sorted(out, key=lambda a: a[2].time_range.start)
+
 
 PyTree = Any
 Params = dict[str, torch.Tensor]
@@ -262,7 +288,7 @@ class _Wire:
     def recv(self, shape, dtype, device, frm: int, tag: int) -> torch.Tensor:
         """Receives a tensor of `shape` and `dtype` (blocks until it arrives; posted ahead or now)."""
         posted = self.posted.pop((frm, tag), None)
-        with torch.profiler.record_function("pipeline recv"):
+        with torch.profiler.record_function(RANGE_RECV):
             if posted is None:
                 buf = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(buf, frm, group=self.pipe.group, tag=tag)
@@ -324,6 +350,11 @@ def _signature(batch: PyTree):
     return tuple((tuple(x.shape), str(x.dtype)) for x in tree_lib.leaves(batch))
 
 
+def _own_params(p: Params) -> Callable:
+    """The engine's `params_of` on a pipeline rank: a stage's params are this rank's own, never gathered."""
+    return lambda stage, after=None: stage.params(p)
+
+
 class _Rank:
     """The forward and backward of one microbatch through this rank's stages, on the staged loss's engine
     (`StagedLoss.forward_blocks`/`backward_blocks` over this rank's blocks)."""
@@ -342,7 +373,7 @@ class _Rank:
             h, embed_vjp = run.vjp(run.embed, (loss_fn.embed.params(p),), mb, key)
         else:
             h, embed_vjp = run.embed(loss_fn.embed.params(p), mb, key), None
-        h, saved = loss_fn.forward_blocks(pipe.blocks, h, key, lambda stage, after=None: stage.params(p), grad=grad)
+        h, saved = loss_fn.forward_blocks(pipe.blocks, h, key, _own_params(p), grad=grad)
         if not pipe.last:
             self.wire.send_activation(h, micro, self.sig)
             return (embed_vjp, saved, None), None, None
@@ -365,7 +396,7 @@ class _Rank:
             shape, dtype = self.wire.shapes[self.sig, "out"]
             g = self.wire.recv(shape, dtype, _device(p), self.wire.next, tag=2 * micro + 1)
         cotangent, g = [g], None
-        g = loss_fn.backward_blocks(pipe.blocks, saved, cotangent, key, lambda stage, after=None: stage.params(p), add)
+        g = loss_fn.backward_blocks(pipe.blocks, saved, cotangent, key, _own_params(p), add)
         if pipe.first:
             (g_embed,) = embed_vjp(g)
             add(loss_fn.embed, g_embed)
@@ -458,10 +489,10 @@ def make_train_step(
                 grads[n] = x if n not in grads else grads[n] + x
 
         held, losses, auxes = {}, [], []
-        with torch.profiler.record_function("pipeline schedule"):
+        with torch.profiler.record_function(RANGE_SCHEDULE):
             for act in wire.ahead(actions, stages.sig, _device(params)):  # the next action's input posted
                 i = act.micro
-                with torch.profiler.record_function(f"pipeline {act.kind}{i}"):
+                with torch.profiler.record_function(f"{_RANGE_ACTION}{act.kind}{i}"):
                     if act.kind == "F":
                         held[i], loss, aux = stages.forward(params, micro[i], keys[i], i)
                         if pipe.last:
