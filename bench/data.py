@@ -156,7 +156,7 @@ def main() -> None:
         size = _corpus(tmp / "src", args.mb, args.shards)
         tokenizer_file = ""
         if args.bpe:
-            from functrain.data.token_cache import train_documents
+            from functrain.data.documents import train_documents
 
             docs = train_documents(str(tmp / "src"))
             train_bpe((d for d, _ in zip(docs, range(20000))), args.bpe, tmp / "bpe.json")

@@ -1,4 +1,5 @@
-"""Token corpora: turn a source (the stdlib, text files, nanoGPT `.bin` files) into train/val tokens.
+"""Token corpora: turn a source (the stdlib, text files, parquet/jsonl shards, nanoGPT `.bin` files) into
+train/val tokens.
 
 Sources, as `load_dataset(source, cache_dir)` reads them:
 
@@ -7,11 +8,12 @@ Sources, as `load_dataset(source, cache_dir)` reads them:
   `__pycache__` skipped), in sorted relative-path order.
 * a directory of text files: every non-hidden file under it whose first 8 KiB hold no NUL byte.
 * a single text file.
+* parquet/jsonl(.gz) shards: such a file, a directory holding them, or a glob (`functrain.data.shards`).
 * a directory holding nanoGPT-style `train.bin` and `val.bin` (flat token arrays, uint16 unless a
   `meta.json` says `"dtype"`), with the vocabulary from `meta.json` / `meta.pkl` (`vocab_size`, and
   optionally `itos`/`stoi`) or else from the `vocab_size` argument. Read with `np.memmap`.
 
-Text is tokenized to bytes (vocabulary 256, one token per UTF-8 byte) and documents are separated
+Text is tokenized to bytes (vocabulary 256, one token per byte of the file, or of a record's UTF-8) and documents are separated
 by one newline byte (`SEPARATOR`), which keeps decoded samples printable. With a `tokenizer` (an
 `HFTokenizer`: a model's `tokenizer.json`, or the byte-level BPE `train_tokenizer` trains on the
 train split) text is tokenized with it instead, documents separated by its end-of-text token, ids
@@ -43,11 +45,11 @@ from typing import Any, Callable
 import numpy as np
 
 from functrain.data.digests import file_digests
-from functrain.data.documents import stdlib_files
+from functrain.data.documents import source_content, stdlib_files, train_documents
 from functrain.data.errors import SOURCE_HINT, DataError
 from functrain.data.shards import is_shard_source
 from functrain.data.token_cache import FORMATS as TOKEN_CACHE_FORMATS
-from functrain.data.token_cache import open_token_cache, source_content, tokenize, tokenizer_id, train_documents
+from functrain.data.token_cache import open_token_cache, tokenize, tokenizer_id
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, slug
 from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
 
@@ -61,7 +63,8 @@ class Dataset:
     """Train and validation token arrays with their vocabulary and tokenizer.
 
     Args:
-      train: 1-D token array (usually a read-only `np.memmap`).
+      train: 1-D tokens: a `ConcatTokens` over the cache's memory-mapped units (a read-only
+        `np.memmap` for `.bin` sources).
       val: 1-D token array.
       vocab_size: number of token ids.
       tokenizer: an object with `encode(str)` and `decode(tokens)`.

@@ -14,6 +14,9 @@ file is one document: its last `val_fraction` of bytes is the validation split. 
 every one) drew into validation, the first document moves across: for text files when they are
 packed (here), for shards once all are tokenized (`token_cache`).
 
+`source_content` lists a source's files with their sha256; `train_documents` streams the train
+split's documents (to train a tokenizer on, the validation text unseen).
+
 Example:
     >>> files, root, name = text_source("stdlib")
     >>> units = text_units(files, root, digests)
@@ -23,18 +26,22 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
-from functrain.data.shards import BadLines, read_texts
-from functrain.data.token_files import path_hash64, slug
+from functrain.data.digests import file_digests
+from functrain.data.errors import SOURCE_HINT, DataError
+from functrain.data.shards import BadLines, is_shard_source, read_texts, shard_files, skipped_files
+from functrain.data.token_files import DEFAULT_VAL_FRACTION, path_hash64, slug
 
-__all__ = ["PACK_BYTES", "is_val", "read_unit", "shard_units", "stdlib_files", "text_source", "text_units"]
+__all__ = ["PACK_BYTES", "is_val", "read_unit", "shard_units", "source_content", "stdlib_files", "text_source",
+           "text_units", "train_documents"]
 
 PACK_BYTES = 16 << 20  # text files per unit: about this many bytes (a few units for the stdlib's 31 MB)
 _TEXT_BATCH = 64  # text files handed to the tokenizer at a time
@@ -89,6 +96,45 @@ def _looks_binary(path: Path) -> bool:
     """True when the file's first 8 KiB contain a NUL byte."""
     with open(path, "rb") as f:
         return b"\0" in f.read(8192)
+
+
+def source_content(source: str, cache_dir: str | os.PathLike | None,
+                   log: Callable[[str], None] = print) -> tuple[str, Path, str, list[list]]:
+    """(kind "text" or "shards", root, cache name, [relative path, size, sha256] per file) of a source.
+
+    Args:
+      source: "stdlib", a text file, a directory of text files, or parquet/jsonl shards.
+      cache_dir: where the files' digests are remembered (`digests.file_digests`; None: nowhere).
+      log: where the line about skipped files goes.
+
+    Returns:
+      The tuple; the files in the source's order.
+
+    Raises:
+      DataError: a missing source, or one with no text (one line).
+
+    Example:
+      >>> kind, root, name, content = source_content("stdlib", "/tmp/cache")
+    """
+    if source != "stdlib" and not Path(source).expanduser().exists() and not is_shard_source(source):
+        raise DataError(f"data.path {source!r} does not exist; {SOURCE_HINT}")
+    if source != "stdlib" and is_shard_source(source):
+        kind, (files, root) = "shards", shard_files(source)
+        name = slug(root.name, "shards")
+        skipped = skipped_files(source)
+        if skipped:  # once, at the start: what the directory holds besides shards is left out
+            names = ", ".join(p.relative_to(root).as_posix() for p in skipped[:8])
+            more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""
+            log(f"data.path {source}: skipping {len(skipped)} file(s) that are not shards ({names}{more}); shards end "
+                "in .parquet, .jsonl, .jsonl.gz, .json.gz or .ndjson")
+    else:
+        kind, (files, root, name) = "text", text_source(source)
+    stats = [p.stat() for p in files]  # one stat per file: its size is the one its digest is known by
+    if kind == "text" and sum(st.st_size for st in stats) == 0:
+        raise DataError(f"data.path {source!r} holds no text ({len(files)} files, 0 bytes); {SOURCE_HINT}")
+    memo = None if cache_dir is None else Path(cache_dir) / "digests" / f"{name}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
+    digests = file_digests(files, memo=memo, stats=stats)
+    return kind, root, name, [[p.relative_to(root).as_posix(), st.st_size, d] for p, st, d in zip(files, stats, digests)]
 
 
 def _key(rel: str) -> str:
@@ -185,3 +231,26 @@ def _pieces(path: Path, start: int, stop: int, chunk: int | None) -> Iterator[tu
             yield piece, left <= 0 or not piece
             if left <= 0 or not piece:
                 return
+
+
+def train_documents(source: str, *, text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
+                    cache_dir: str | os.PathLike | None = None) -> Iterator[str]:
+    """The documents of a source that `tokenize` puts in the train split, streamed.
+
+    Args:
+      source: as `tokenize`'s.
+      text_field: shards: the column / JSON key holding the text.
+      val_fraction: as `tokenize`'s (the same documents are left out).
+      cache_dir: where the files' digests are remembered (None: not remembered).
+
+    Returns:
+      An iterator of strings (e.g. to train a tokenizer on without seeing the validation text).
+
+    Example:
+      >>> tok = train_bpe(train_documents("/data/web"), 4096, "bpe.json")
+    """
+    kind, root, _, content = source_content(source, cache_dir, log=lambda line: None)
+    for unit in shard_units(content) if kind == "shards" else text_units(content, val_fraction):
+        for pieces, to_val, _, _ in read_unit(unit, root, val_fraction=val_fraction, text_field=text_field,
+                                              bad_lines=BadLines(1.0), chunk_bytes=4 << 20, raw=False):
+            yield from (t for t, v in zip(pieces, to_val) if not v)

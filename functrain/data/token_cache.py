@@ -43,20 +43,18 @@ import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from functrain.data.digests import file_digests
-from functrain.data.documents import read_unit, shard_units, text_source, text_units
-from functrain.data.errors import SOURCE_HINT, DataError
-from functrain.data.shards import BadLines, is_shard_source, shard_files, skipped_files
-from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, slug, token_dtype
+from functrain.data.documents import read_unit, shard_units, source_content, text_units
+from functrain.data.errors import DataError
+from functrain.data.shards import BadLines, is_shard_source
+from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, token_dtype
 from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, separator_ids
 from functrain.data.tokens import ConcatTokens
 
-__all__ = ["FORMAT", "FORMATS", "open_token_cache", "source_content", "tokenize", "tokenize_shards", "tokenizer_id",
-           "train_documents"]
+__all__ = ["FORMAT", "FORMATS", "open_token_cache", "tokenize", "tokenize_shards", "tokenizer_id"]
 
 FORMAT = "functrain-tokens"
 VERSION = 3  # 3: one format for every source, split per document (before: text caches and shard caches apart)
@@ -87,45 +85,6 @@ def _default_workers() -> int:
     """This rank's share of the cores (torchrun's LOCAL_WORLD_SIZE ranks share a machine)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-def source_content(source: str, cache_dir: str | os.PathLike | None,
-                   log: Callable[[str], None] = print) -> tuple[str, Path, str, list[list]]:
-    """(kind "text" or "shards", root, cache name, [relative path, size, sha256] per file) of a source.
-
-    Args:
-      source: "stdlib", a text file, a directory of text files, or parquet/jsonl shards.
-      cache_dir: where the files' digests are remembered (`digests.file_digests`; None: nowhere).
-      log: where the line about skipped files goes.
-
-    Returns:
-      The tuple; the files in the source's order.
-
-    Raises:
-      DataError: a missing source, or one with no text (one line).
-
-    Example:
-      >>> kind, root, name, content = source_content("stdlib", "/tmp/cache")
-    """
-    if source != "stdlib" and not Path(source).expanduser().exists() and not is_shard_source(source):
-        raise DataError(f"data.path {source!r} does not exist; {SOURCE_HINT}")
-    if source != "stdlib" and is_shard_source(source):
-        kind, (files, root) = "shards", shard_files(source)
-        name = slug(root.name, "shards")
-        skipped = skipped_files(source)
-        if skipped:  # once, at the start: what the directory holds besides shards is left out
-            names = ", ".join(p.relative_to(root).as_posix() for p in skipped[:8])
-            more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""
-            log(f"data.path {source}: skipping {len(skipped)} file(s) that are not shards ({names}{more}); shards end "
-                "in .parquet, .jsonl, .jsonl.gz, .json.gz or .ndjson")
-    else:
-        kind, (files, root, name) = "text", text_source(source)
-    stats = [p.stat() for p in files]  # one stat per file: its size is the one its digest is known by
-    if kind == "text" and sum(st.st_size for st in stats) == 0:
-        raise DataError(f"data.path {source!r} holds no text ({len(files)} files, 0 bytes); {SOURCE_HINT}")
-    memo = None if cache_dir is None else Path(cache_dir) / "digests" / f"{name}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
-    digests = file_digests(files, memo=memo, stats=stats)
-    return kind, root, name, [[p.relative_to(root).as_posix(), st.st_size, d] for p, st, d in zip(files, stats, digests)]
 
 
 def tokenize(
@@ -389,29 +348,6 @@ def _encode(tokenizer, pieces: list, ends: np.ndarray, sep: list[int], dtype) ->
         out[pos + len(x):pos + n] = sep if end else []
         pos += n
     return out, lengths
-
-
-def train_documents(source: str, *, text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
-                    cache_dir: str | os.PathLike | None = None) -> Iterator[str]:
-    """The documents of a source that `tokenize` puts in the train split, streamed.
-
-    Args:
-      source: as `tokenize`'s.
-      text_field: shards: the column / JSON key holding the text.
-      val_fraction: as `tokenize`'s (the same documents are left out).
-      cache_dir: where the files' digests are remembered (None: not remembered).
-
-    Returns:
-      An iterator of strings (e.g. to train a tokenizer on without seeing the validation text).
-
-    Example:
-      >>> tok = train_bpe(train_documents("/data/web"), 4096, "bpe.json")
-    """
-    kind, root, _, content = source_content(source, cache_dir, log=lambda line: None)
-    for unit in shard_units(content) if kind == "shards" else text_units(content, val_fraction):
-        for pieces, to_val, _, _ in read_unit(unit, root, val_fraction=val_fraction, text_field=text_field,
-                                              bad_lines=BadLines(1.0), chunk_bytes=4 << 20, raw=False):
-            yield from (t for t, v in zip(pieces, to_val) if not v)
 
 
 def tokenize_unit(args, report: Callable[[int], None]) -> dict:

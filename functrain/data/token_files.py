@@ -1,5 +1,5 @@
-"""What the two token caches (text sources in `corpus`, shards in `token_cache`) write alike:
-the token dtype, the held-out share, file-system-safe names, stable path hashes, atomic writes.
+"""What the token cache and the readers of sources share: the token dtype, the held-out share,
+file-system-safe names, stable hashes of names, atomic writes.
 
 Example:
     >>> atomic_write(Path("out/meta.json"), lambda f: f.write(b"{}"))

@@ -80,9 +80,7 @@ def action_ranges(events) -> list[tuple[str, int, object]]:
       The list; each event's `time_range` gives its start and length.
 
     Example:
-      >>> with torch.profiler.profile() as prof:
-      ...     state, metrics = step(state, batch)
-      >>> [f"{k}{m}" for k, m, _ in action_ranges(prof.events())]
+      >>> [f"{k}{m}" for k, m, _ in action_ranges(prof.events())]  # prof: a profile of a step
       ['F0', 'F1', 'B0', 'F2', 'B1', ...]
     """
     n = len(_RANGE_ACTION)
