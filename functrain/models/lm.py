@@ -31,7 +31,7 @@ from functrain.step.staged import Stage
 
 __all__ = [
     "LMStages", "context_model", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
-    "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
+    "repeated_stages", "resolve_remat", "submodule_stage", "tokenizer_of", "wants_stages",
 ]
 
 
@@ -161,6 +161,55 @@ def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int |
                             dp_world=ctx.dp_world, device=ctx.device, rank=ctx.rank, world=ctx.world_size,
                             vocab_size=vocab_size, tokenizer=tokenizer,
                             log=print if ctx.is_main_process else (lambda line: None))
+
+
+def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
+    """The tokenizer `config.data.tokenizer` names (None: bytes, the data layer's default).
+
+    Args:
+      config: the run config (`data.tokenizer`, `data.path`/`data.sources`, `data.text_field`,
+        `data.val_fraction` are read).
+      hf: the model's `functrain.interop.hf.HFDirectory`, or None for a fresh model.
+      cache_dir: where a trained BPE goes.
+      fresh_vocab: the BPE size "auto" trains for a fresh model.
+      key: the config key that named the directory (the refusal's first word).
+
+    Returns:
+      "auto": the directory's tokenizer.json (bytes for a directory without one whose model has 256
+      ids), else a byte-level BPE of `fresh_vocab` ids trained on the train split; "bytes": None;
+      "bpe:N": a BPE of N ids; a path: that tokenizer.json.
+
+    Raises:
+      ConfigError: a directory with no tokenizer.json whose model is not byte-level, or "bpe:N" over
+      a mixture (one line).
+
+    Example:
+      >>> tok = lm.tokenizer_of(config, HFDirectory("SmolLM-135M"), "runs/x/data", fresh_vocab=2048, key="init_from")
+    """
+    spec = config.data.tokenizer
+    if spec == "auto" and hf is not None:
+        if hf.tokenizer_file is not None:
+            return data_lib.HFTokenizer(hf.tokenizer_file)
+        vocab = hf.config.get("vocab_size")
+        if vocab == 256:  # a byte-level model (what functrain exports after a run on bytes)
+            return None
+        raise validate.ConfigError(
+            f"{key}: {hf.path} has no tokenizer.json and its model has {vocab} ids; give the model's tokenizer "
+            f"(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size "
+            f"(--config.data.tokenizer=bpe:{vocab})")
+    if spec == "auto":
+        spec = f"bpe:{fresh_vocab}"
+    if spec == "bytes":
+        return None
+    if spec.startswith("bpe:"):
+        paths = [path for _, path, _ in data_lib.parse_mixture(config.data)]
+        if len(paths) > 1:
+            raise validate.ConfigError("data.tokenizer=bpe:N trains on one source; with data.sources give a "
+                                       "tokenizer.json (--config.data.tokenizer=<path>) or train one on a single "
+                                       "source first")
+        return data_lib.train_tokenizer(paths[0], cache_dir, int(spec[4:]), text_field=config.data.text_field,
+                                       val_fraction=config.data.val_fraction)
+    return data_lib.HFTokenizer(spec)
 
 
 def context_model(model: nn.Module, ctx, block_size: int, kernel: str = "zigzag") -> nn.Module:
@@ -365,6 +414,8 @@ def generate(
     key: torch.Tensor,
     stages: LMStages | None = None,
     head: str | None = None,
+    block_size: int | None = None,
+    logits_fn: Callable | None = None,
 ) -> torch.Tensor:
     """Samples a continuation autoregressively (eager), with randomness from an explicit key.
 
@@ -388,6 +439,9 @@ def generate(
       key: an `rng` key.
       stages: the model's `LMStages` (e.g. `gpt.stages(model)`): needed for sharded params.
       head: the output projection's weight name (e.g. "wte.weight" when tied), with `stages`.
+      block_size: the longest context (default `model.cfg.block_size`).
+      logits_fn: `(params, idx) -> (B, T, V)` logits of plain params (default `apply(model, params, idx)`;
+        e.g. a transformers model's `.logits`).
 
     Returns:
       int64 ids of shape (B, T0 + max_new_tokens) (or (T0 + max_new_tokens,) for a 1-D prompt).
@@ -400,7 +454,8 @@ def generate(
     squeeze = prompt_idx.ndim == 1
     idx = prompt_idx[None] if squeeze else prompt_idx  # (B, T0)
     key = key.to(idx.device)
-    block_size = model.cfg.block_size
+    block_size = block_size or model.cfg.block_size
+    logits_fn = logits_fn or (lambda p, i: functional.apply(model, p, i))
     staged = any(parallel.is_dtensor(t) for t in params.values())
     if staged and (stages is None or head is None):
         raise ValueError("generate: the params are sharded (DTensors); pass the model's `stages=` and `head=` so "
@@ -411,7 +466,7 @@ def generate(
             if staged:
                 logits = _staged_logits(stages, head, params, ctx, parallel.gather)[:, -1, :].float()  # (B, V)
             else:
-                logits = functional.apply(model, params, ctx)[:, -1, :].float()  # (B, V)
+                logits = logits_fn(params, ctx)[:, -1, :].float()  # (B, V)
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
             else:

@@ -59,33 +59,6 @@ def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.
         raise v.ConfigError(f"model: {exc} (--config.model.*)") from None
 
 
-def _tokenizer(config: Any, hf: HFDirectory | None, cache_dir: str):
-    """The tokenizer `data.tokenizer` names (None: bytes, the data layer's default)."""
-    spec = config.data.tokenizer
-    if spec == "auto" and hf is not None:
-        if hf.tokenizer_file is not None:
-            return data_lib.HFTokenizer(hf.tokenizer_file)
-        vocab = hf.config.get("vocab_size")
-        if vocab == 256:  # a byte-level model (what functrain exports after a run on bytes)
-            return None
-        raise v.ConfigError(
-            f"init_from: {hf.path} has no tokenizer.json and its model has {vocab} ids; give the model's tokenizer "
-            f"(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size "
-            f"(--config.data.tokenizer=bpe:{vocab})")
-    if spec == "auto":
-        spec = f"bpe:{config.model.vocab_size or 2048}"
-    if spec == "bytes":
-        return None
-    if spec.startswith("bpe:"):
-        paths = [path for _, path, _ in data_lib.parse_mixture(config.data)]
-        if len(paths) > 1:
-            raise v.ConfigError("data.tokenizer=bpe:N trains on one source; with data.sources give a tokenizer.json "
-                                "(--config.data.tokenizer=<path>) or train one on a single source first")
-        return data_lib.train_tokenizer(paths[0], cache_dir, int(spec[4:]), text_field=config.data.text_field,
-                                       val_fraction=config.data.val_fraction)
-    return data_lib.HFTokenizer(spec)
-
-
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
     """The Llama `Task` for `config` on this process's place in `ctx`.
 
@@ -109,7 +82,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         hf = HFDirectory(config.init_from[3:]) if config.init_from else None
         weights = hf.weights if hf is not None else None  # opened now: a missing shard fails before anything else
         cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-        tokenizer = _tokenizer(config, hf, cache_dir)
+        tokenizer = lm.tokenizer_of(config, hf, cache_dir, fresh_vocab=config.model.vocab_size or 2048, key="init_from")
         tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
         cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
     except HFError as exc:

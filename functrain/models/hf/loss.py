@@ -1,0 +1,61 @@
+"""The loss of a transformers causal LM: next-token cross-entropy of its own logits, or, staged (remat,
+per-block gathers, `compile_unit="blocks"`), through its stages (`model.stages`) and its head.
+
+Example:
+    >>> loss_fn = make_loss_fn(template)
+    >>> loss, aux = loss_fn(params, (x, y), None)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from functrain import functional
+from functrain.models import lm
+from functrain.models.hf.model import HFModelError, head_name, stages
+
+__all__ = ["make_loss_fn"]
+
+
+def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none",
+                 staged: bool = False) -> Callable:
+    """`loss_fn(params, (x, y), key) -> (loss, {})` of a transformers causal LM.
+
+    Args:
+      model: `model.build_template`'s module.
+      chunk_size: staged: > 0 chunks the cross-entropy through the head (the logits never whole).
+      ignore_index: target value to ignore.
+      remat: "none", "full" or N: recompute decoder layers in the backward.
+      staged: stages even without remat (per-block gathers on sharded params).
+
+    Returns:
+      The loss function. Unstaged it reads the model's own logits (`model(input_ids=x).logits`);
+      staged, `hidden @ head.T` of its stages.
+
+    Raises:
+      HFModelError: a staged loss of a model whose logits are more than `hidden @ head.T` (a head
+        bias, logit soft-capping or scaling), in one line.
+
+    Example:
+      >>> loss_fn = make_loss_fn(template, remat="full")
+    """
+    if remat == "none" and not staged:
+        def loss_fn(params, batch, key):
+            """(cross-entropy of the model's logits of x against y, {})."""
+            x, y = batch
+            logits = functional.apply(model, params, input_ids=x).logits  # (B, T, V)
+            return lm.cross_entropy(logits, y, ignore_index=ignore_index), {}
+
+        return loss_fn
+    config = model.config
+    extra = [k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(config, k, None)]
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        extra.append("a head bias")
+    if extra:
+        raise HFModelError(f"{config.model_type}: its logits are more than hidden @ head.T ({', '.join(extra)}); the "
+                           "staged loss (remat, a mesh, compile_unit=blocks) cannot run it: train it on one process "
+                           "with --config.remat=none")
+    return lm.make_lm_loss_fn(model, stages(model), head=head_name(model), chunk_size=chunk_size,
+                              ignore_index=ignore_index, remat=remat, staged=True)

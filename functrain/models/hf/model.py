@@ -1,0 +1,283 @@
+"""Any transformers causal LM as a functrain model: built on meta from its config, initialized from a
+key by transformers' own `_init_weights` a module at a time, and cut into stages at its decoder layers.
+
+The family needs no model code: the decoder layer list is found generically (the `ModuleList` of the
+model's `_no_split_modules` class), and each stage runs the base model's own forward on a *view* of
+it, a shallow copy whose children are swapped:
+
+* the embedding stage: no layers, no final norm: the base forward's embedding side (token and
+  position embeddings, their scale and dropout) on the token ids;
+* block i: only layer i, the embedding side turned off (embeddings to zero, dropout and norm to
+  identity), run on `inputs_embeds=h`: the base forward's masks and rotary tables feed the layer as
+  in the whole model;
+* the final stage: no layers, only the final norm.
+
+So a stage reads only its own parameters, and the composition is the model's forward (the tests
+compare them per architecture).
+
+Example:
+    >>> config = load_config("dirs/qwen2-tiny")
+    >>> template = build_template(config, device="cpu")          # params on meta, buffers real
+    >>> params = init_params(template, rng.key(0), device="cpu")
+    >>> st = stages(template)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from functrain import functional, rng
+from functrain.nn import randomness
+from functrain.models.lm import LMStages
+from functrain.step.staged import Stage
+
+__all__ = ["HFModelError", "build_template", "decoder_layers", "head_name", "init_params", "load_config", "stages"]
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+class HFModelError(ValueError):
+    """A transformers model this family cannot train: one line naming the model and why."""
+
+
+def load_config(path: str | os.PathLike):
+    """The `transformers` config of the model directory `path` (its config.json), checked.
+
+    Args:
+      path: a directory holding `config.json` (weights and tokenizer optional).
+
+    Returns:
+      A `transformers.PretrainedConfig`.
+
+    Raises:
+      HFModelError: no config.json, an unknown model type, an encoder-decoder or a mixture of experts.
+
+    Example:
+      >>> load_config("dirs/llama-tiny").model_type
+      'llama'
+    """
+    import transformers
+
+    where = Path(path).expanduser() / "config.json"
+    if not where.is_file():
+        raise HFModelError(f"{where}: no such file; point --config.model.path at a transformers model directory")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(where.parent))
+    except (ValueError, KeyError, OSError) as exc:
+        raise HFModelError(f"{where}: transformers cannot read it ({str(exc).splitlines()[0]})") from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise HFModelError(f"{where}: {config.model_type} is an encoder-decoder; this family trains decoder-only "
+                           "causal LMs")
+    if any(getattr(config, k, 0) for k in _MOE_KEYS):
+        raise HFModelError(f"{where}: {config.model_type} is a mixture of experts; its routed layers are not "
+                           "supported yet: train a dense model")
+    if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or ["ForCausalLM"])):
+        raise HFModelError(f"{where}: architectures {config.architectures} has no causal LM; this family trains "
+                           "*ForCausalLM models")
+    return config
+
+
+def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
+    """The causal LM of `config` with its parameters on meta and its buffers (rotary tables) real on `device`.
+
+    Args:
+      config: a transformers config (`load_config`).
+      device: where the buffers go.
+
+    Returns:
+      The `*ForCausalLM` module (scaled-dot-product attention, no cache), in train mode.
+
+    Example:
+      >>> template = build_template(load_config("dirs/gpt2-tiny"))
+    """
+    import transformers
+
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    for module in model.modules():
+        if module._buffers:
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = torch.empty_like(buf, device=device)
+            model._init_weights(module)  # transformers computes its buffers here (meta params: no-ops)
+    return model.train()
+
+
+def decoder_layers(model: nn.Module) -> str:
+    """The dotted name of the model's decoder layer list (e.g. "model.layers", "transformer.h").
+
+    Args:
+      model: a transformers causal LM.
+
+    Returns:
+      The name of the `nn.ModuleList` whose items are of the model's `_no_split_modules` class.
+
+    Raises:
+      HFModelError: none found (one line).
+
+    Example:
+      >>> decoder_layers(template)
+      'model.layers'
+    """
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(type(m).__name__ in kinds for m in module):
+            return name
+    raise HFModelError(f"{type(model).__name__}: no list of decoder layers ({sorted(kinds) or 'no _no_split_modules'}) "
+                       "found; this family needs a decoder-only transformers model")
+
+
+def head_name(model: nn.Module) -> str:
+    """The output projection's weight: `lm_head.weight`, or the input embedding's when they are tied."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return names[id(model.get_output_embeddings().weight)]
+
+
+def init_params(template: nn.Module, key: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32,
+                where: Callable | None = None) -> dict[str, torch.Tensor]:
+    """Fresh parameters from `key`: each module initialized by the model's own `_init_weights`.
+
+    A module at a time is made on the CPU and initialized under a seed drawn from (key, its name)
+    (`torch.random.fork_rng`: the global generator is left as it was); with `where` only this rank's
+    block of each parameter is kept, so no rank holds more than one module whole.
+
+    Args:
+      template: `build_template`'s model.
+      key: an `rng` key.
+      device: where the tensors go.
+      dtype: their dtype.
+      where: optional `where(name, shape) -> (offset, local_shape)` (this rank's block).
+
+    Returns:
+      {name: tensor} in `named_parameters()` order (a tied weight once).
+
+    Example:
+      >>> params = init_params(template, rng.key(0))
+    """
+    wanted = {n for n, _ in template.named_parameters()}
+    out = {}
+    for index, (prefix, module) in enumerate(template.named_modules()):
+        own = {n: p for n, p in module._parameters.items() if p is not None and _join(prefix, n) in wanted}
+        if not own:
+            continue
+        made = copy.copy(module)  # this module only: its own parameter dicts, real on the CPU
+        made._parameters = {n: None if p is None else nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
+                            for n, p in module._parameters.items()}
+        made._buffers = {n: (b if b is None or b.device.type != "meta" else torch.empty_like(b, device="cpu"))
+                         for n, b in module._buffers.items()}
+        made._modules = {}
+        seed = rng.key_data(rng.fold_in(key, _name_hash(prefix)))
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed % (1 << 63))
+            template._init_weights(made)
+        for n in own:
+            t = made._parameters[n].detach()
+            name = _join(prefix, n)
+            if where is not None:
+                offset, local = where(name, t.shape)
+                t = t[tuple(slice(o, o + s) for o, s in zip(offset, local))]
+            out[name] = t.to(device=device, dtype=dtype).contiguous()
+    return {n: out[n] for n, _ in template.named_parameters()}
+
+
+def _join(prefix: str, name: str) -> str:
+    """A dotted name under a prefix."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _name_hash(name: str) -> int:
+    """A stable 31-bit number of a module's name (its seed's fold-in)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big") >> 1
+
+
+class _Zero(nn.Module):
+    """An embedding turned off in a block's view: adds nothing."""
+
+    def forward(self, *args, **kwargs):
+        return torch.zeros(())
+
+
+def _view(base: nn.Module, layers: str, keep: list[int], side: bool, norm: bool) -> nn.Module:
+    """A shallow copy of the base model running layers `keep`, its embedding side on or off, its final norm or not."""
+    view = copy.copy(base)
+    view._modules = dict(base._modules)
+    layer_list = base.get_submodule(layers)
+    view._modules[layers] = nn.ModuleList([layer_list[i] for i in keep])
+    for name, child in base._modules.items():
+        if name == layers or not any(True for _ in child.parameters()) and not isinstance(child, nn.Dropout):
+            continue
+        if name == _final_norm(base, layers):
+            view._modules[name] = child if norm else nn.Identity()
+        elif not side:
+            view._modules[name] = _Zero() if isinstance(child, nn.Embedding) else nn.Identity()
+    return view
+
+
+def _final_norm(base: nn.Module, layers: str) -> str:
+    """The name of the base model's last child with parameters after the layers (its final norm)."""
+    names = list(base._modules)
+    after = [n for n in names[names.index(layers) + 1:] if any(True for _ in base._modules[n].parameters())]
+    if not after:
+        raise HFModelError(f"{type(base).__name__}: no final norm after {layers}; this family needs one")
+    return after[0]
+
+
+def stages(model: nn.Module) -> LMStages:
+    """The model's forward cut into stages at its decoder layers (see the module docstring).
+
+    Args:
+      model: `build_template`'s model.
+
+    Returns:
+      `LMStages(embed, blocks, final)`: embed `(p, idx, key) -> h`, block `(p, h, key) -> h`, final
+      `(p, h, key) -> hidden`, each reading only its own parameters (full names).
+
+    Example:
+      >>> st = stages(template)
+      >>> h = st.embed.fn(st.embed.params(params), x, None)   # (B, T, C)
+    """
+    base_name = model.base_model_prefix
+    base = getattr(model, base_name)
+    layers = decoder_layers(base)
+    n = len(base.get_submodule(layers))
+    norm = _final_norm(base, layers)
+    names = [nm for nm, _ in model.named_parameters()]
+    prefix = f"{base_name}."
+    layer_prefix = f"{prefix}{layers}."
+    embed_names = tuple(nm for nm in names if nm.startswith(prefix) and not nm.startswith(layer_prefix)
+                        and not nm.startswith(f"{prefix}{norm}."))
+    norm_names = tuple(nm for nm in names if nm.startswith(f"{prefix}{norm}."))
+
+    def run(view, p, key, salt, **inputs):
+        """The view's base forward on params `p` (full names), its dropout keyed by (key, salt): its last hidden
+        state. A stage's draws are its own, so a block recomputed in the backward draws the same masks."""
+        own = {nm[len(prefix):]: t for nm, t in p.items() if nm.startswith(prefix)}
+        with randomness.keyed(None if key is None else rng.fold_in(key, salt)):  # no key: evaluating, no dropout
+            return functional.apply(view, own, train=None if key is not None else False, **inputs).last_hidden_state
+
+    embed_view = _view(base, layers, [], side=True, norm=False)
+    final_view = _view(base, layers, [], side=False, norm=True)
+    embed = Stage(embed_names, lambda p, idx, key: run(embed_view, p, key, 0, input_ids=idx))
+    blocks = []
+    for i in range(n):
+        view = _view(base, layers, [i], side=False, norm=False)
+        block_names = tuple(nm for nm in names if nm.startswith(f"{layer_prefix}{i}."))
+        own_names = tuple(f"{layer_prefix}0.{nm[len(f'{layer_prefix}{i}.'):]}" for nm in block_names)
+
+        def block(p, h, key, view=view, block_names=block_names, own_names=own_names, i=i):
+            """Layer i on `inputs_embeds=h`, its params renamed to the view's layer 0."""
+            return run(view, {o: p[b] for o, b in zip(own_names, block_names)}, key, 1 + i, inputs_embeds=h)
+
+        blocks.append(Stage(block_names, block, None, f"{layer_prefix}{i}.", i))
+    final = Stage(norm_names, lambda p, h, key: run(final_view, p, key, 1 + n, inputs_embeds=h))
+    return LMStages(embed, blocks, final)

@@ -1,0 +1,161 @@
+"""Any transformers causal LM as a `functrain.task.Task`: a model directory -> tokenizer, data, model
+(initialized from the run's key by transformers' own init, or its weights), loss, batches, FLOPs, a
+text sample and the export of a directory transformers loads.
+
+Keys this family reads (`CHECKS`): model.path (the directory: config.json, optionally *.safetensors and
+tokenizer.json), model.block_size (the training sequence length), model.weights (load the directory's
+weights when it has them), data.* (path, cache_dir, tokenizer), export_hf, loss_chunk_size, remat,
+sample.*.
+
+Parallelism: FSDP (`mesh.dp_shard`, `mesh.dp_replicate`) with a gather per decoder layer (the loss is
+staged at the layers, `model.stages`); each rank initializes or reads only its own block of each
+parameter. Tensor, context and pipeline parallelism are refused in one line.
+
+Example:
+    >>> with parallel.setup(config.mesh) as ctx:
+    ...     task = build(config, ctx, "runs/hf")
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functrain import config as v
+from functrain import data as data_lib
+from functrain import functional, parallel
+from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
+from functrain.models import lm
+from functrain.models.hf.checks import CHECKS
+from functrain.models.hf.loss import make_loss_fn
+from functrain.models.hf.model import HFModelError, build_template, head_name, init_params, load_config, stages
+from functrain.task import Task
+
+__all__ = ["CHECKS", "build"]
+
+
+def _refuse_axes(ctx, model_type: str) -> None:
+    """One line for each mesh axis this family cannot split."""
+    for axis, size, what in (("tp", ctx.tp_world, "tensor"), ("cp", ctx.cp_world, "context"),
+                             ("pp", ctx.pp_world, "pipeline")):
+        if size > 1:
+            raise v.ConfigError(f"mesh.{axis}={size}: the hf family ({model_type}) has no {what} parallelism yet; "
+                                "shard it with FSDP (--config.mesh.dp_shard) and set mesh.{axis}=1")
+
+
+def _load(weights, template, name: str, device, where):
+    """Parameter `name` (this rank's block with `where`) from the directory's safetensors."""
+    stored = name
+    if name not in weights:  # checkpoints saved by the base model lack its prefix (e.g. GPT-2's "h.0...")
+        stored = name.split(".", 1)[1] if name.startswith(f"{template.base_model_prefix}.") else name
+    shape = tuple(template.get_parameter(name).shape)
+    offset, local = where(name, shape) if where is not None else ([0] * len(shape), list(shape))
+    if stored not in weights or tuple(weights.shape(stored)) != shape:
+        found = tuple(weights.shape(stored)) if stored in weights else "missing"
+        raise HFError(f"{weights.directory}: tensor {stored} is {found}, the model's config wants {shape}; "
+                      "the weights and config.json disagree")
+    return weights.read(stored, offset, local).to(device=device, dtype=torch.float32)
+
+
+def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
+    """The Task of the transformers model in `config.model.path` on this process's place in `ctx`.
+
+    Args:
+      config: the run config (`configs/hf.py`), checked by `functrain.main.check_config`.
+      ctx: the parallel context.
+      workdir: the run directory (data cache and trained tokenizer in `<workdir>/data`, the export in
+        `<workdir>/hf`).
+
+    Returns:
+      A `Task`.
+
+    Raises:
+      ConfigError: a bad key, an unusable directory, an encoder-decoder or mixture-of-experts model,
+        a mesh axis the family cannot split (one line each).
+      DataError: missing data, or a tokenizer whose vocabulary exceeds the model's.
+
+    Example:
+      >>> task = build(get_config(), ctx, "runs/hf")
+    """
+    try:
+        hf_config = load_config(config.model.path)
+        directory = HFDirectory(config.model.path)
+        has_weights = any(directory.path.glob("*.safetensors"))
+        weights = directory.weights if has_weights and config.model.weights else None  # a bad shard fails now
+    except (HFModelError, HFError) as exc:
+        raise v.ConfigError(f"model.path: {exc}") from None
+    _refuse_axes(ctx, hf_config.model_type)
+    cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
+    tokenizer = lm.tokenizer_of(config, directory, cache_dir, fresh_vocab=hf_config.vocab_size, key="model.path")
+    tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
+    if tok_vocab > hf_config.vocab_size:
+        where = getattr(tokenizer, "path", "the byte tokenizer")
+        raise data_lib.DataError(f"{where}: the tokenizer has {tok_vocab} ids but the model only {hf_config.vocab_size}; "
+                                 "use the model's own tokenizer (--config.data.tokenizer)")
+    seq = config.model.block_size
+    longest = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if longest and seq > longest:
+        raise v.ConfigError(f"model.block_size={seq} exceeds {directory.path / 'config.json'}'s {longest} positions; "
+                            "lower --config.model.block_size")
+    template = build_template(hf_config, device=ctx.device)
+    try:
+        loss_fn = make_loss_fn(template, chunk_size=config.loss_chunk_size, remat=lm.resolve_remat(config.remat, ctx.mesh),
+                               staged=lm.wants_stages(config, ctx))
+    except HFModelError as exc:
+        raise v.ConfigError(f"model.path: {exc}") from None
+    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer)
+    head = head_name(template)
+    tokenizer_file = getattr(tokenizer, "path", None)
+    if ctx.is_main_process:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        info = {"model": hf_config.to_dict(), "path": str(directory.path), "weights": weights is not None,
+                "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes"}
+        (Path(workdir) / "model.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+    def init(key, device, where=None):
+        """Fresh params from `key`, or the directory's (only this rank's block of each with `where`)."""
+        if weights is None:
+            return init_params(template, key, device=device, where=where)
+        return {name: _load(weights, template, name, device, where) for name, _ in template.named_parameters()}
+
+    def export(params, out):
+        """Writes `params` (full or sharded) as a directory transformers loads: config, weights, tokenizer."""
+        exported = hf_config.to_dict()
+        exported.pop("torch_dtype", None)
+        exported.update(dtype="float32", use_cache=True)
+        return save_hf_directory(out, params, exported, tokenizer_file=tokenizer_file)
+
+    def finish(params, key):
+        """A text sample from the prompt (sharded params: gathered a layer at a time); the export with `export_hf`."""
+        prompt = torch.as_tensor(dataset.encode(config.sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
+        out = lm.generate(template, params, prompt, config.sample.max_new_tokens, temperature=config.sample.temperature,
+                          top_k=config.sample.top_k or None, key=key, stages=stages(template), head=head,
+                          block_size=seq, logits_fn=lambda p, idx: functional.apply(template, p, input_ids=idx,
+                                                                                    train=False).logits)
+        result = {"sample": dataset.decode(out[0].tolist())}
+        if config.export_hf:
+            result["hf_export"] = str(export(params, Path(workdir) / "hf"))
+        return result
+
+    n_params = sum(p.numel() for p in template.parameters())
+    layers = getattr(hf_config, "num_hidden_layers", 0)
+    width = getattr(hf_config, "hidden_size", 0)
+    origin = "its weights" if weights is not None else "fresh"
+    return Task(
+        describe=(f"{type(template).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
+                  f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), {dataset.describe()}"),
+        init_params=init,
+        shard_rules=parallel.default_rules(()),
+        loss_fn=loss_fn,
+        train_batch=dataset.train_batch,
+        eval_batches=dataset.eval_sets,
+        data_position=dataset.position,
+        data_record=dataset.record(),
+        tokens_per_step=config.batch_size * seq,
+        flops_per_token=6 * n_params + 12 * layers * width * seq,  # weights, and attention over the trained length
+        finish=finish,
+        export=export,
+    )

@@ -1,0 +1,57 @@
+"""A tiny transformers model directory to try the Hugging Face family offline: `config.json` of a small
+model of any decoder type (256 ids: byte-level, no tokenizer needed), no weights.
+
+    python -m functrain.models.hf.tiny runs/qwen2-tiny --type qwen2
+    python -m functrain.main --config=configs/hf.py --config.model.path=runs/qwen2-tiny
+
+Example:
+    >>> write_tiny("runs/llama-tiny", "llama", hidden_size=64)
+    PosixPath('runs/llama-tiny')
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+__all__ = ["TINY", "write_tiny"]
+
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+"""The tiny shape: byte-level (256 ids), 2 layers of width 128, 4 query and 2 key/value heads."""
+
+
+def write_tiny(directory: str | os.PathLike, model_type: str, **overrides) -> Path:
+    """Writes `<directory>/config.json` of a tiny `model_type` causal LM (transformers' own config class).
+
+    Args:
+      directory: where (created).
+      model_type: a transformers model type ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2", ...).
+      **overrides: config values in place of `TINY`'s.
+
+    Returns:
+      The directory.
+
+    Example:
+      >>> write_tiny("runs/gpt2-tiny", "gpt2", num_hidden_layers=4)
+    """
+    import transformers
+
+    values = {**TINY, **overrides}
+    config = transformers.AutoConfig.for_model(model_type, **values)
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    config.architectures = [model_class.__name__]
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Writes a tiny transformers model directory (config.json).")
+    parser.add_argument("directory")
+    parser.add_argument("--type", default="qwen2", help="a transformers model type (llama, qwen2, mistral, gpt2, ...)")
+    args = parser.parse_args()
+    print(write_tiny(args.directory, args.type))

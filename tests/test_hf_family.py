@@ -1,0 +1,260 @@
+"""The Hugging Face family: transformers causal LMs of several architectures, from tiny configs made here,
+trained by functrain equal to the same model trained by a plain PyTorch loop, staged equal to whole,
+exported to a directory transformers loads, weights read and written back bit for bit, resumed bit-exactly.
+
+Losses are compared with tolerances from float32's epsilon and the reduction length (tests/_tol.py);
+only losses (never parameters after AdamW steps: tests/_tol.py "Trajectories").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _tol import assert_close, rtol
+
+import functrain as ft
+from functrain import data as data_lib
+from functrain import optim, parallel, rng
+from functrain.models import hf
+from functrain.models.hf.tiny import write_tiny
+
+transformers = pytest.importorskip("transformers")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, B, T, V = 20, 4, 16, 64
+ARCHS = ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3"]
+SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=32, head_dim=8)
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}  # the torch loop's masks are torch's
+# A loss is a mean over B*T tokens of logits over a width-32 model: ~B*T*V terms; 20 steps feed back.
+TOL = rtol(B * T * V * 32) * STEPS
+
+
+def _dir(tmp_path, arch, **extra):
+    """A tiny `arch` model directory (config.json only)."""
+    return write_tiny(tmp_path / arch, arch, **{**SHAPE, **NO_DROPOUT.get(arch, {}), **extra})
+
+
+def _batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)) for _ in range(n)]
+
+
+def _optimizer():
+    return optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, weight_decay=0.0))
+
+
+def _torch_loop(directory, params, data):
+    """Losses of transformers' own module (our initial params loaded) trained by the plain loop."""
+    net = transformers.AutoModelForCausalLM.from_config(hf.load_config(directory), attn_implementation="sdpa")
+    missing, unexpected = net.load_state_dict(params, strict=False)
+    assert not unexpected and all(n == "lm_head.weight" for n in missing)  # (a tied head is the embedding)
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(net(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _functrain(template, params, data, **kw):
+    loss_fn = hf.make_loss_fn(template, **kw.pop("loss", {}))
+    step = ft.make_train_step(loss_fn, _optimizer(), **kw)
+    state = ft.init_state(params, _optimizer())
+    losses = []
+    for batch in data:
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return losses
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_architecture_trains_like_the_torch_loop_and_staged_like_whole(tmp_path, arch):
+    directory = _dir(tmp_path, arch)
+    template = hf.build_template(hf.load_config(directory))
+    params = hf.init_params(template, rng.key(0))
+    assert params.keys() == dict(template.named_parameters()).keys()
+    data = _batches(STEPS)
+    want = _torch_loop(directory, params, data)
+    assert_close(torch.tensor(_functrain(template, params, data, compile=False)), torch.tensor(want), TOL)
+    # the stages (a view of the base model per decoder layer), recomputed in the backward: the same losses
+    staged = _functrain(template, params, data[:3], compile=False, loss={"remat": "full"})
+    assert_close(torch.tensor(staged), torch.tensor(want[:3]), TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "gemma"])
+def test_compiled_in_one_graph_equals_the_torch_loop(tmp_path, arch):
+    from torch._dynamo.utils import counters
+
+    directory = _dir(tmp_path, arch)
+    template = hf.build_template(hf.load_config(directory))
+    params = hf.init_params(template, rng.key(0))
+    data = _batches(STEPS)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _functrain(template, params, data)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["recompiles"])
+    assert_close(torch.tensor(got), torch.tensor(_torch_loop(directory, params, data)), TOL)
+
+
+def test_init_is_a_function_of_the_key_and_where_gives_each_rank_its_block(tmp_path):
+    template = hf.build_template(hf.load_config(_dir(tmp_path, "llama")))
+    a, b, c = (hf.init_params(template, rng.key(s)) for s in (0, 0, 1))
+    assert all(torch.equal(a[n], b[n]) for n in a) and not torch.equal(a["model.embed_tokens.weight"],
+                                                                    c["model.embed_tokens.weight"])
+    norm = a["model.layers.0.input_layernorm.weight"]
+    assert torch.equal(norm, torch.ones_like(norm))  # transformers' own init of an RMSNorm
+
+    def where(name, shape):  # rank 1 of 2 along dim 0
+        rows = -(-shape[0] // 2)
+        return [rows] + [0] * (len(shape) - 1), [shape[0] - rows] + list(shape[1:])
+
+    half = hf.init_params(template, rng.key(0), where=where)
+    assert all(torch.equal(half[n], a[n][-(-a[n].shape[0] // 2):]) for n in a)
+
+
+def test_encoder_decoders_and_mixtures_of_experts_are_refused_in_one_line(tmp_path):
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    (t5 / "config.json").write_text(json.dumps(transformers.T5Config(vocab_size=64, d_model=32).to_dict()))
+    with pytest.raises(hf.HFModelError, match="t5 is an encoder-decoder; this family trains decoder-only"):
+        hf.load_config(t5)
+    moe = write_tiny(tmp_path / "moe", "mixtral", **SHAPE, num_local_experts=4)
+    with pytest.raises(hf.HFModelError, match="mixtral is a mixture of experts"):
+        hf.load_config(moe)
+    with pytest.raises(hf.HFModelError, match="no such file"):
+        hf.load_config(tmp_path / "nothing")
+
+
+def _config(tmp_path, directory, **overrides):
+    spec = importlib.util.spec_from_file_location("hf_config", os.path.join(REPO, "configs", "hf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.model.path = str(directory)
+    c.model.block_size = 16
+    c.data.path = str(_text(tmp_path))
+    c.compile = False
+    for k, val in overrides.items():
+        target = c
+        *path, last = k.split(".")
+        for p in path:
+            target = target[p]
+        target[last] = val
+    return c
+
+
+def _text(tmp_path):
+    root = tmp_path / "text"
+    if not root.exists():
+        root.mkdir()
+        for f in data_lib.stdlib_files()[:30]:
+            (root / f.name).write_bytes(f.read_bytes())
+    return root
+
+
+def test_weights_read_from_a_directory_export_back_bit_for_bit_and_load_in_transformers(tmp_path):
+    from safetensors.torch import load_file
+
+    from functrain.models.hf import task
+
+    torch.manual_seed(0)
+    source = tmp_path / "saved"
+    net = transformers.AutoModelForCausalLM.from_config(hf.load_config(_dir(tmp_path, "qwen2", vocab_size=256)))
+    net.save_pretrained(source)
+    with parallel.setup(None) as ctx:
+        t = task.build(_config(tmp_path, source), ctx, tmp_path / "run")
+        params = t.init_params(rng.key(0), torch.device("cpu"))
+        out = t.export(params, tmp_path / "exported")
+    theirs, ours = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[n], ours[n]) for n in theirs)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits,
+                                   ft.apply(hf.build_template(hf.load_config(source)), params, input_ids=x,
+                                            train=False).logits, rtol=0, atol=0)
+
+
+def test_a_mesh_axis_the_family_cannot_split_is_one_line(tmp_path):
+    from functrain.models.hf import task
+    from functrain.trainer import validate
+
+    class Ctx:  # a context as a 2-rank tp mesh would give (no mesh is made)
+        tp_world, cp_world, pp_world = 2, 1, 1
+
+    with pytest.raises(validate.ConfigError, match="mesh.tp=2: the hf family .* has no tensor parallelism yet"):
+        task._refuse_axes(Ctx, "qwen2")
+
+
+def _main(tmp_path, directory, workdir, *flags):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "functrain.main", "--config=configs/hf.py",
+                          f"--config.model.path={directory}", "--config.compile=False", "--config.model.block_size=16",
+                          f"--config.data.path={_text(tmp_path)}", "--config.batch_size=4", "--config.log_every=1",
+                          "--config.eval_every=100", "--config.eval_batches=1", "--config.sample.max_new_tokens=4",
+                          "--config.tensorboard=False", f"--workdir={workdir}", *flags],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [(r["step"], r["loss"]) for r in map(json.loads, open(workdir / "metrics.jsonl")) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_the_main_job_resumes_bit_exactly_and_its_export_computes_its_logits(tmp_path):
+    directory = _dir(tmp_path, "llama", vocab_size=256)
+    whole = _main(tmp_path, directory, tmp_path / "whole", "--config.steps=6", "--config.checkpoint.every=100")
+    first = _main(tmp_path, directory, tmp_path / "cut", "--config.steps=6", "--config.stop_at=3")  # stops, saves
+    resumed = _main(tmp_path, directory, tmp_path / "cut", "--config.steps=6", "--config.checkpoint.every=100")
+    assert first == whole[:3] and resumed == whole and len(whole) == 6  # 1-3, then 4-6 from the checkpoint
+
+    from functrain import checkpoint as ckpt
+
+    params = ckpt.restore(str(tmp_path / "whole" / "checkpoints" / "6")).result()["params"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "hf").eval()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits,
+                                   ft.apply(hf.build_template(hf.load_config(directory)), params, input_ids=x,
+                                            train=False).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_two_fsdp_ranks_gathering_a_layer_at_a_time_match_one_process(tmp_path):
+    import _tol
+
+    directory = _dir(tmp_path, "qwen2", vocab_size=256)
+    # SGD: the runs stay within rounding of each other (AdamW would not: tests/_tol.py "Trajectories").
+    sgd = ["--config.steps=8", "--config.optim.name=sgd", "--config.optim.lr=0.05", "--config.checkpoint.every=100"]
+    one = _main(tmp_path, directory, tmp_path / "one", *sgd)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "functrain.main", "--config=configs/hf.py", f"--config.model.path={directory}",
+                          "--config.compile=False", "--config.model.block_size=16", f"--config.data.path={_text(tmp_path)}",
+                          "--config.batch_size=4", "--config.log_every=1", "--config.eval_every=100",
+                          "--config.eval_batches=1", "--config.sample.max_new_tokens=4", "--config.tensorboard=False",
+                          "--config.mesh.dp_shard=2", "--config.dist_timeout_s=600", f"--workdir={tmp_path / 'two'}",
+                          *sgd], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-6000:]
+    two = [(r["step"], r["loss"]) for r in map(json.loads, open(tmp_path / "two" / "metrics.jsonl")) if "loss" in r]
+    assert [s for s, _ in two] == list(range(1, 9))
+    n = 4 * 16 * 256 * 128  # the batch's tokens through logits over 256 ids from a 128-wide model
+    for i, ((_, a), (_, b)) in enumerate(zip(one, two)):
+        drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
+        assert abs(b - a) <= _tol.rtol(n) * drift * a, (i, a, b)
+    assert "mesh {'dp_replicate': 1, 'dp_shard': 2, 'cp': 1, 'tp': 1}" in out.stdout
