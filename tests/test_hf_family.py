@@ -195,11 +195,14 @@ def test_a_mesh_axis_the_family_cannot_split_is_one_line(tmp_path):
     from functrain.models.hf import task
     from functrain.trainer import validate
 
-    class Ctx:  # a context as a 2-rank tp mesh would give (no mesh is made)
-        tp_world, cp_world, pp_world = 2, 1, 1
+    class Ctx:  # a context as a 2-rank cp mesh would give (no mesh is made)
+        tp_world, cp_world, pp_world = 1, 2, 1
 
-    with pytest.raises(validate.ConfigError, match="mesh.tp=2: the hf family .* has no tensor parallelism yet"):
+    with pytest.raises(validate.ConfigError, match="mesh.cp=2: the hf family .* has no context parallelism yet"):
         task._refuse_axes(Ctx, "qwen2")
+    for arch, why in (("gpt2", "has no tensor-parallel plan"), ("phi3", "colwise_gather_output")):
+        with pytest.raises(hf.HFModelError, match=why):
+            hf.tp_rules(hf.build_template(hf.load_config(_dir(tmp_path, arch))))
 
 
 def _main(tmp_path, directory, workdir, *flags):
@@ -235,7 +238,9 @@ def test_the_main_job_resumes_bit_exactly_and_its_export_computes_its_logits(tmp
 
 @pytest.mark.slow
 @pytest.mark.numeric
-def test_two_fsdp_ranks_gathering_a_layer_at_a_time_match_one_process(tmp_path):
+@pytest.mark.parametrize("mesh", ["dp_shard", "tp"])
+def test_two_ranks_match_one_process(tmp_path, mesh):
+    """FSDP gathering a decoder layer at a time, or tensor parallel by the model's plan (Qwen2: biased q/k/v)."""
     import _tol
 
     directory = _dir(tmp_path, "qwen2", vocab_size=256)
@@ -248,7 +253,7 @@ def test_two_fsdp_ranks_gathering_a_layer_at_a_time_match_one_process(tmp_path):
                           "--config.compile=False", "--config.model.block_size=16", f"--config.data.path={_text(tmp_path)}",
                           "--config.batch_size=4", "--config.log_every=1", "--config.eval_every=100",
                           "--config.eval_batches=1", "--config.sample.max_new_tokens=4", "--config.tensorboard=False",
-                          "--config.mesh.dp_shard=2", "--config.dist_timeout_s=600", f"--workdir={tmp_path / 'two'}",
+                          f"--config.mesh.{mesh}=2", "--config.dist_timeout_s=600", f"--workdir={tmp_path / 'two'}",
                           *sgd], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-6000:]
     two = [(r["step"], r["loss"]) for r in map(json.loads, open(tmp_path / "two" / "metrics.jsonl")) if "loss" in r]
@@ -257,4 +262,4 @@ def test_two_fsdp_ranks_gathering_a_layer_at_a_time_match_one_process(tmp_path):
     for i, ((_, a), (_, b)) in enumerate(zip(one, two)):
         drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
         assert abs(b - a) <= _tol.rtol(n) * drift * a, (i, a, b)
-    assert "mesh {'dp_replicate': 1, 'dp_shard': 2, 'cp': 1, 'tp': 1}" in out.stdout
+    assert f"'{mesh}': 2" in out.stdout

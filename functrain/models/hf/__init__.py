@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         init_params,
         load_config,
         stages,
+        tp_rules,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -37,7 +38,8 @@ from functrain.nn import randomness
 from functrain.models.lm import LMStages
 from functrain.step.staged import Stage
 
-__all__ = ["HFModelError", "build_template", "decoder_layers", "head_name", "init_params", "load_config", "stages"]
+__all__ = ["HFModelError", "build_template", "decoder_layers", "head_name", "init_params", "load_config", "stages",
+           "tp_rules"]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -133,6 +135,38 @@ def decoder_layers(model: nn.Module) -> str:
             return name
     raise HFModelError(f"{type(model).__name__}: no list of decoder layers ({sorted(kinds) or 'no _no_split_modules'}) "
                        "found; this family needs a decoder-only transformers model")
+
+
+def tp_rules(model: nn.Module) -> list[tuple[str, str]]:
+    """Tensor-parallel rules from the model's own plan (`config.base_model_tp_plan`), for `parallel.default_rules`.
+
+    Args:
+      model: a transformers causal LM.
+
+    Returns:
+      [(regex of full parameter names, "colwise" | "rowwise"), ..., (".*", "replicate")]: its
+      attention and MLP projections split as transformers' plan says, every other parameter replicated.
+
+    Raises:
+      HFModelError: no plan (e.g. GPT-2), or a plan with other kinds than colwise and rowwise (e.g.
+        Phi-3's fused projections), in one line.
+
+    Example:
+      >>> tp_rules(template)[0]
+      ('^model\\.layers\\.\\d+\\.self_attn\\.q_proj\\.(weight|bias)$', 'colwise')
+    """
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    kind = model.config.model_type
+    if not plan:
+        raise HFModelError(f"{kind} has no tensor-parallel plan in its transformers config; set mesh.tp=1")
+    other = sorted({v for v in plan.values() if v not in ("colwise", "rowwise")})
+    if other:
+        raise HFModelError(f"{kind}'s tensor-parallel plan uses {', '.join(other)} (fused projections); only colwise "
+                           "and rowwise splits are supported: set mesh.tp=1")
+    prefix = re.escape(f"{model.base_model_prefix}.")
+    layer = r"\d+"
+    rules = [("^" + prefix + re.escape(k).replace(r"\*", layer) + r"\.(weight|bias)$", v) for k, v in plan.items()]
+    return rules + [(r".*", "replicate")]
 
 
 def head_name(model: nn.Module) -> str:

@@ -9,7 +9,9 @@ sample.*.
 
 Parallelism: FSDP (`mesh.dp_shard`, `mesh.dp_replicate`) with a gather per decoder layer (the loss is
 staged at the layers, `model.stages`); each rank initializes or reads only its own block of each
-parameter. Tensor, context and pipeline parallelism are refused in one line.
+parameter. Tensor parallelism (`mesh.tp`) follows the model's own plan (`config.base_model_tp_plan`:
+Llama, Qwen2, Mistral, Gemma; `model.tp_rules`), and is refused in one line for a model without one
+or with fused projections (GPT-2, Phi-3). Context and pipeline parallelism are refused in one line.
 
 Example:
     >>> with parallel.setup(config.mesh) as ctx:
@@ -31,7 +33,8 @@ from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
-from functrain.models.hf.model import HFModelError, build_template, head_name, init_params, load_config, stages
+from functrain.models.hf.model import (HFModelError, build_template, head_name, init_params, load_config, stages,
+                                      tp_rules)
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -39,11 +42,19 @@ __all__ = ["CHECKS", "build"]
 
 def _refuse_axes(ctx, model_type: str) -> None:
     """One line for each mesh axis this family cannot split."""
-    for axis, size, what in (("tp", ctx.tp_world, "tensor"), ("cp", ctx.cp_world, "context"),
-                             ("pp", ctx.pp_world, "pipeline")):
+    for axis, size, what in (("cp", ctx.cp_world, "context"), ("pp", ctx.pp_world, "pipeline")):
         if size > 1:
             raise v.ConfigError(f"mesh.{axis}={size}: the hf family ({model_type}) has no {what} parallelism yet; "
-                                "shard it with FSDP (--config.mesh.dp_shard) and set mesh.{axis}=1")
+                                f"shard it with FSDP (--config.mesh.dp_shard) and set mesh.{axis}=1")
+
+
+def _with_buffers(model, template):
+    """`model` (a tensor-parallel copy, made on meta) with the template's real buffers (rotary tables)."""
+    if model is not template:
+        for name, module in model.named_modules():
+            source = template.get_submodule(name)
+            module._buffers.update({n: source._buffers[n] for n, b in module._buffers.items() if b is not None})
+    return model
 
 
 def _load(weights, template, name: str, device, where):
@@ -102,7 +113,13 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                             "lower --config.model.block_size")
     template = build_template(hf_config, device=ctx.device)
     try:
-        loss_fn = make_loss_fn(template, chunk_size=config.loss_chunk_size, remat=lm.resolve_remat(config.remat, ctx.mesh),
+        rules = parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None)
+        heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
+        if ctx.tp_world > 1 and any(h % ctx.tp_world for h in heads if h):
+            raise HFModelError(f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
+                               f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp")
+        model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
+        loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=lm.resolve_remat(config.remat, ctx.mesh),
                                staged=lm.wants_stages(config, ctx))
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
@@ -148,7 +165,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         describe=(f"{type(template).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
                   f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), {dataset.describe()}"),
         init_params=init,
-        shard_rules=parallel.default_rules(()),
+        shard_rules=rules,
         loss_fn=loss_fn,
         train_batch=dataset.train_batch,
         eval_batches=dataset.eval_sets,
