@@ -5,8 +5,8 @@
 # on one nccl rank; these run side by side), the CUDA-graph and no-host-sync tests, the Llama ~1B
 # shape compiled and eager, and one table of tokens/s, MFU, peak memory and compiled vs eager.
 #
-#     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke graphs llama1b table step_fp32 optimizer
-#                                       (default: step_bf16 smoke graphs llama1b table)
+#     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke graphs llama1b table hf step_fp32 optimizer
+#                                       (default: step_bf16 smoke graphs llama1b table hf)
 #
 # Each part runs under its own time limit and appends to $OUT/gpu.log (default runs/gpu); a
 # summary of each run (exit code, seconds, its last lines) is printed. A failing compiled run
@@ -20,7 +20,7 @@ mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 py=${PYTHON:-python3}
 log="$OUT/gpu.log"
-parts=${*:-step_bf16 smoke graphs llama1b table}
+parts=${*:-step_bf16 smoke graphs llama1b table hf}
 
 # torch < 2.12 on CUDA: inductor's loop reordering after fusion asserts on a fused node that holds a
 # foreach node (pytorch/pytorch#176591, fixed by #176849 in 2.12; the update graph mixes _foreach
@@ -108,6 +108,17 @@ for p in $parts; do
     table)
       # One table of what the parts above measured (the GPT shapes from step_bf16, the Llama 1b runs).
       $py bench/gpu_table.py "$LOGS/step_bf16.log" /tmp/ft_llama1b /tmp/ft_llama1b_eager | tee -a "$log"
+      ;;
+    hf)
+      # A transformers Qwen2 and GPT-2: functrain's step vs the eager loop and torch.compile, fused AdamW.
+      if $py -c "import transformers" 2>/dev/null; then
+        for t in qwen2 gpt2; do
+          run "hf_$t" 300 $py bench/hf.py --type "$t" --size small --batch 16 --seq 512 --json
+          report "hf_$t"
+        done
+      else
+        echo "hf: transformers is not installed here: skipped" | tee -a "$log"
+      fi
       ;;
     step_fp32)
       run step_fp32 300 $py bench/step.py --sizes 100m --precision fp32 --steps 20 --rounds 4 --json
