@@ -263,3 +263,15 @@ def test_two_ranks_match_one_process(tmp_path, mesh):
         drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
         assert abs(b - a) <= _tol.rtol(n) * drift * a, (i, a, b)
     assert f"'{mesh}': 2" in out.stdout
+
+
+def test_a_missing_or_wrong_model_path_is_one_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for flags, want in (([], "functrain: error: model.path='' is out of range: a transformers model directory"),
+                        ([f"--config.model.path={tmp_path / 'nope'}"],
+                         f"functrain: error: model.path: {tmp_path / 'nope' / 'config.json'}: no such file")):
+        out = subprocess.run([sys.executable, "-m", "functrain.main", "--config=configs/hf.py",
+                              f"--workdir={tmp_path / 'run'}", *flags], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(want), out.stderr[-2000:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functrain import config as v
 from functrain.step.remat_policy import parse_policy
 
-__all__ = ["DATA_CHECKS", "LM_CHECKS", "REMAT_CHECK"]
+__all__ = ["DATA_CHECKS", "LM_CHECKS", "REMAT_CHECK", "TOKENIZER_CHECK"]
 
 
 def _is_remat(value) -> bool:
@@ -24,6 +24,18 @@ def _is_remat(value) -> bool:
     except ValueError:
         return False
 
+
+def _tokenizer_ok(value) -> bool:
+    """'auto', 'bytes', 'bpe:N' (N >= 257) or a path."""
+    if not isinstance(value, str) or not value:
+        return False
+    if value.startswith("bpe:"):
+        return value[4:].isdigit() and int(value[4:]) >= 257
+    return True
+
+
+TOKENIZER_CHECK = ("data.tokenizer", (_tokenizer_ok, "'auto', 'bytes', 'bpe:N' (N >= 257) or a tokenizer.json path"))
+"""The check of a family's `data.tokenizer` key (`models.lm.tokenizer_of` reads it)."""
 
 REMAT_CHECK = ("remat", (_is_remat, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)"))
 """The check of a family's `remat` key."""

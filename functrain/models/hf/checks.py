@@ -8,18 +8,9 @@ Example:
 from __future__ import annotations
 
 from functrain import config as v
-from functrain.models.checks import LM_CHECKS
+from functrain.models.checks import LM_CHECKS, TOKENIZER_CHECK
 
 __all__ = ["CHECKS"]
-
-
-def _tokenizer_ok(value) -> bool:
-    """'auto', 'bytes', 'bpe:N' (N >= 257) or a path."""
-    if not isinstance(value, str) or not value:
-        return False
-    if value.startswith("bpe:"):
-        return value[4:].isdigit() and int(value[4:]) >= 257
-    return True
 
 
 CHECKS: list = [
@@ -27,7 +18,7 @@ CHECKS: list = [
                     "a transformers model directory (config.json; weights and tokenizer.json optional)")),
     ("model.block_size", v.int_at_least(1)),
     ("model.weights", v.boolean()),
-    ("data.tokenizer", (_tokenizer_ok, "'auto', 'bytes', 'bpe:N' (N >= 257) or a tokenizer.json path")),
+    TOKENIZER_CHECK,
     ("export_hf", v.boolean()),
     *LM_CHECKS,
 ]

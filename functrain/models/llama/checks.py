@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 from functrain import config as v
-from functrain.models.checks import LM_CHECKS
+from functrain.models.checks import LM_CHECKS, TOKENIZER_CHECK
 
 __all__ = ["CHECKS"]
 
@@ -17,15 +17,6 @@ __all__ = ["CHECKS"]
 def _init_from_ok(value) -> bool:
     """'' or 'hf:<dir>'."""
     return isinstance(value, str) and (value == "" or (value.startswith("hf:") and len(value) > 3))
-
-
-def _tokenizer_ok(value) -> bool:
-    """'auto', 'bytes', 'bpe:N' (N >= 257) or a path."""
-    if not isinstance(value, str) or not value:
-        return False
-    if value.startswith("bpe:"):
-        return value[4:].isdigit() and int(value[4:]) >= 257
-    return True
 
 
 def _head_dim(embd: int, heads: int, head_dim: int) -> int:
@@ -48,7 +39,7 @@ CHECKS: list = [
     ("model.norm_eps", v.number_at_least(0.0)),
     ("model.tie_embeddings", v.boolean()),
     ("model.dropout", v.number_in(0.0, 1.0)),
-    ("data.tokenizer", (_tokenizer_ok, "'auto', 'bytes', 'bpe:N' (N >= 257) or a tokenizer.json path")),
+    TOKENIZER_CHECK,
     ("init_from", (_init_from_ok, "'' or 'hf:<Hugging Face model directory>'")),
     ("export_hf", v.boolean()),
     *LM_CHECKS,
