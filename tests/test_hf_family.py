@@ -191,7 +191,7 @@ def test_weights_read_from_a_directory_export_back_bit_for_bit_and_load_in_trans
                                             train=False).logits, rtol=0, atol=0)
 
 
-def test_a_mesh_axis_the_family_cannot_split_is_one_line(tmp_path):
+def test_a_mesh_axis_or_plan_the_family_cannot_split_is_one_line(tmp_path):
     from functrain.models.hf import task
     from functrain.trainer import validate
 
@@ -238,15 +238,17 @@ def test_the_main_job_resumes_bit_exactly_and_its_export_computes_its_logits(tmp
 
 @pytest.mark.slow
 @pytest.mark.numeric
-@pytest.mark.parametrize("mesh", ["dp_shard", "tp"])
+@pytest.mark.parametrize("mesh", ["dp_shard", "tp", "pp"])
 def test_two_ranks_match_one_process(tmp_path, mesh):
-    """FSDP gathering a decoder layer at a time, or tensor parallel by the model's plan (Qwen2: biased q/k/v)."""
+    """FSDP gathering a decoder layer at a time, tensor parallel by the model's plan (Qwen2: biased q/k/v), or
+    two pipeline stages of one decoder layer each (4 microbatches, 1F1B; one process accumulates 4)."""
     import _tol
 
     directory = _dir(tmp_path, "qwen2", vocab_size=256)
     # SGD: the runs stay within rounding of each other (AdamW would not: tests/_tol.py "Trajectories").
     sgd = ["--config.steps=8", "--config.optim.name=sgd", "--config.optim.lr=0.05", "--config.checkpoint.every=100"]
-    one = _main(tmp_path, directory, tmp_path / "one", *sgd)
+    micro = {"pp": (["--config.accum_steps=4"], ["--config.pp.microbatches=4"])}.get(mesh, ([], []))
+    one = _main(tmp_path, directory, tmp_path / "one", *sgd, *micro[0])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "-m", "functrain.main", "--config=configs/hf.py", f"--config.model.path={directory}",
@@ -254,7 +256,7 @@ def test_two_ranks_match_one_process(tmp_path, mesh):
                           "--config.batch_size=4", "--config.log_every=1", "--config.eval_every=100",
                           "--config.eval_batches=1", "--config.sample.max_new_tokens=4", "--config.tensorboard=False",
                           f"--config.mesh.{mesh}=2", "--config.dist_timeout_s=600", f"--workdir={tmp_path / 'two'}",
-                          *sgd], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                          *sgd, *micro[1]], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-6000:]
     two = [(r["step"], r["loss"]) for r in map(json.loads, open(tmp_path / "two" / "metrics.jsonl")) if "loss" in r]
     assert [s for s, _ in two] == list(range(1, 9))
@@ -262,7 +264,7 @@ def test_two_ranks_match_one_process(tmp_path, mesh):
     for i, ((_, a), (_, b)) in enumerate(zip(one, two)):
         drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
         assert abs(b - a) <= _tol.rtol(n) * drift * a, (i, a, b)
-    assert f"'{mesh}': 2" in out.stdout
+    assert (f"'{mesh}': 2" if mesh != "pp" else "x pp=2 (1f1b, 4 microbatches)") in out.stdout
 
 
 def test_a_missing_or_wrong_model_path_is_one_line(tmp_path):

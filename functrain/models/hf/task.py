@@ -11,7 +11,9 @@ Parallelism: FSDP (`mesh.dp_shard`, `mesh.dp_replicate`) with a gather per decod
 staged at the layers, `model.stages`); each rank initializes or reads only its own block of each
 parameter. Tensor parallelism (`mesh.tp`) follows the model's own plan (`config.base_model_tp_plan`:
 Llama, Qwen2, Mistral, Gemma; `model.tp_rules`), and is refused in one line for a model without one
-or with fused projections (GPT-2, Phi-3). Context and pipeline parallelism are refused in one line.
+or with fused projections (GPT-2, Phi-3). Pipeline parallelism (`mesh.pp`) cuts the decoder layers
+over the ranks (the stages are the loss's). Context parallelism is refused in one line: the
+attention is transformers' own, which cannot be split along the sequence.
 
 Example:
     >>> with parallel.setup(config.mesh) as ctx:
@@ -41,8 +43,8 @@ __all__ = ["CHECKS", "build"]
 
 
 def _refuse_axes(ctx, model_type: str) -> None:
-    """One line for each mesh axis this family cannot split."""
-    for axis, size, what in (("cp", ctx.cp_world, "context"), ("pp", ctx.pp_world, "pipeline")):
+    """One line for a mesh axis this family cannot split (the sequence: the attention is transformers')."""
+    for axis, size, what in (("cp", ctx.cp_world, "context"),):
         if size > 1:
             raise v.ConfigError(f"mesh.{axis}={size}: the hf family ({model_type}) has no {what} parallelism yet; "
                                 f"shard it with FSDP (--config.mesh.dp_shard) and set mesh.{axis}=1")
