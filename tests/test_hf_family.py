@@ -29,10 +29,13 @@ transformers = pytest.importorskip("transformers")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, T, V = 20, 4, 16, 64
-ARCHS = ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3"]
+ARCHS = ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "qwen3", "olmo2", "opt"]
 SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=32, head_dim=8)
-NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}  # the torch loop's masks are torch's
+NO_DROPOUT = {  # the torch loop's masks are torch's own (and OPT's layers are as wide as its embedding)
+    "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "opt": dict(dropout=0.0, attention_dropout=0.0, layerdrop=0.0, ffn_dim=64, word_embed_proj_dim=32),
+}
 # A loss is a mean over B*T tokens of logits over a width-32 model: ~B*T*V terms; 20 steps feed back.
 TOL = rtol(B * T * V * 32) * STEPS
 
@@ -53,7 +56,11 @@ def _optimizer():
 
 def _torch_loop(directory, params, data):
     """Losses of transformers' own module (our initial params loaded) trained by the plain loop."""
-    net = transformers.AutoModelForCausalLM.from_config(hf.load_config(directory), attn_implementation="sdpa")
+    config = hf.load_config(directory)
+    try:
+        net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # no SDPA path (Gemma 2): its own attention, as the family builds it
+        net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     missing, unexpected = net.load_state_dict(params, strict=False)
     assert not unexpected and all(n == "lm_head.weight" for n in missing)  # (a tied head is the embedding)
     net.train()
@@ -139,6 +146,20 @@ def test_encoder_decoders_and_mixtures_of_experts_are_refused_in_one_line(tmp_pa
         hf.load_config(moe)
     with pytest.raises(hf.HFModelError, match="no such file"):
         hf.load_config(tmp_path / "nothing")
+
+
+def test_what_the_stages_cannot_express_is_refused_in_one_line_and_trains_unstaged(tmp_path):
+    gemma2 = _dir(tmp_path, "gemma2")  # logits soft-capped after the head
+    template = hf.build_template(hf.load_config(gemma2))
+    with pytest.raises(hf.HFModelError, match="more than hidden @ head.T .final_logit_softcapping"):
+        hf.make_loss_fn(template, remat="full")
+    params = hf.init_params(template, rng.key(0))
+    data = _batches(3)
+    assert_close(torch.tensor(_functrain(template, params, data, compile=False)),
+                 torch.tensor(_torch_loop(gemma2, params, data)), TOL)
+    opt = _dir(tmp_path, "opt", **{**NO_DROPOUT["opt"], "word_embed_proj_dim": 16})  # projections around the layers
+    with pytest.raises(hf.HFModelError, match="holds project_out, project_in beside its embeddings"):
+        hf.stages(hf.build_template(hf.load_config(opt)))
 
 
 def _config(tmp_path, directory, **overrides):

@@ -13,7 +13,8 @@ it, a shallow copy whose children are swapped:
 * the final stage: no layers, only the final norm.
 
 So a stage reads only its own parameters, and the composition is the model's forward (the tests
-compare them per architecture).
+compare them per architecture). A base model holding other parameterized parts (OPT's projections
+between a narrower embedding and the layers) is refused in one line: where they run is not known.
 
 Example:
     >>> config = load_config("dirs/qwen2-tiny")
@@ -93,7 +94,8 @@ def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
       device: where the buffers go.
 
     Returns:
-      The `*ForCausalLM` module (scaled-dot-product attention, no cache), in train mode.
+      The `*ForCausalLM` module (scaled-dot-product attention where the architecture has it, else
+      its own; no cache), in train mode.
 
     Example:
       >>> template = build_template(load_config("dirs/gpt2-tiny"))
@@ -103,7 +105,10 @@ def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
     config = copy.deepcopy(config)
     config.use_cache = False
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:  # an architecture without an SDPA path (e.g. Gemma 2): its own attention
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     for module in model.modules():
         if module._buffers:
             for name, buf in list(module._buffers.items()):
@@ -241,16 +246,21 @@ class _Zero(nn.Module):
         return torch.zeros(())
 
 
-def _view(base: nn.Module, layers: str, keep: list[int], side: bool, norm: bool) -> nn.Module:
+def _has_params(module: nn.Module) -> bool:
+    """Whether a module holds any parameter."""
+    return any(True for _ in module.parameters())
+
+
+def _view(base: nn.Module, layers: str, norm_name: str, keep: list[int], side: bool, norm: bool) -> nn.Module:
     """A shallow copy of the base model running layers `keep`, its embedding side on or off, its final norm or not."""
     view = copy.copy(base)
     view._modules = dict(base._modules)
     layer_list = base.get_submodule(layers)
     view._modules[layers] = nn.ModuleList([layer_list[i] for i in keep])
     for name, child in base._modules.items():
-        if name == layers or not any(True for _ in child.parameters()) and not isinstance(child, nn.Dropout):
-            continue
-        if name == _final_norm(base, layers):
+        if name == layers or child is None or (not _has_params(child) and not isinstance(child, nn.Dropout)):
+            continue  # (parameter-free children, the rotary tables among them, stay)
+        if name == norm_name:
             view._modules[name] = child if norm else nn.Identity()
         elif not side:
             view._modules[name] = _Zero() if isinstance(child, nn.Embedding) else nn.Identity()
@@ -258,12 +268,12 @@ def _view(base: nn.Module, layers: str, keep: list[int], side: bool, norm: bool)
 
 
 def _final_norm(base: nn.Module, layers: str) -> str:
-    """The name of the base model's last child with parameters after the layers (its final norm)."""
-    names = list(base._modules)
-    after = [n for n in names[names.index(layers) + 1:] if any(True for _ in base._modules[n].parameters())]
-    if not after:
-        raise HFModelError(f"{type(base).__name__}: no final norm after {layers}; this family needs one")
-    return after[0]
+    """The name of the base model's final norm: its last child with parameters whose class is a norm."""
+    norms = [n for n, m in base._modules.items()
+             if n != layers and m is not None and _has_params(m) and "norm" in type(m).__name__.lower()]
+    if not norms:
+        raise HFModelError(f"{type(base).__name__}: no final norm beside {layers}; this family needs one")
+    return norms[-1]
 
 
 def stages(model: nn.Module) -> LMStages:
@@ -280,17 +290,27 @@ def stages(model: nn.Module) -> LMStages:
       >>> st = stages(template)
       >>> h = st.embed.fn(st.embed.params(params), x, None)   # (B, T, C)
     """
-    base_name = model.base_model_prefix
-    base = getattr(model, base_name)
-    layers = decoder_layers(base)
+    path, _, layers = decoder_layers(model).rpartition(".")  # e.g. "model", "layers"; "model.decoder", "layers"
+    base = model.get_submodule(path)  # the module whose forward runs the layers
     n = len(base.get_submodule(layers))
     norm = _final_norm(base, layers)
     names = [nm for nm, _ in model.named_parameters()]
-    prefix = f"{base_name}."
+    prefix = f"{path}."
     layer_prefix = f"{prefix}{layers}."
     embed_names = tuple(nm for nm in names if nm.startswith(prefix) and not nm.startswith(layer_prefix)
                         and not nm.startswith(f"{prefix}{norm}."))
     norm_names = tuple(nm for nm in names if nm.startswith(f"{prefix}{norm}."))
+    head = head_name(model)
+    other = [n for n, m in base._modules.items()
+             if n not in (layers, norm) and m is not None and _has_params(m) and not isinstance(m, nn.Embedding)]
+    if other:  # (where they run, before the layers or after the norm, is not known from outside)
+        raise HFModelError(f"{type(model).__name__}: {path} holds {', '.join(other)} beside its embeddings, layers and "
+                           "final norm; this family cannot stage it: train it with --config.remat=none on one process")
+    left = [nm for nm in names if not nm.startswith(prefix) and nm != head]
+    if left:
+        raise HFModelError(f"{type(model).__name__}: parameters outside {path} and the head ({', '.join(left[:3])}) "
+                           "belong to no stage; this family cannot stage it: train it with --config.remat=none "
+                           "on one process")
 
     def run(view, p, key, salt, **inputs):
         """The view's base forward on params `p` (full names), its dropout keyed by (key, salt): its last hidden
@@ -299,12 +319,12 @@ def stages(model: nn.Module) -> LMStages:
         with randomness.keyed(None if key is None else rng.fold_in(key, salt)):  # no key: evaluating, no dropout
             return functional.apply(view, own, train=None if key is not None else False, **inputs).last_hidden_state
 
-    embed_view = _view(base, layers, [], side=True, norm=False)
-    final_view = _view(base, layers, [], side=False, norm=True)
+    embed_view = _view(base, layers, norm, [], side=True, norm=False)
+    final_view = _view(base, layers, norm, [], side=False, norm=True)
     embed = Stage(embed_names, lambda p, idx, key: run(embed_view, p, key, 0, input_ids=idx))
     blocks = []
     for i in range(n):
-        view = _view(base, layers, [i], side=False, norm=False)
+        view = _view(base, layers, norm, [i], side=False, norm=False)
         block_names = tuple(nm for nm in names if nm.startswith(f"{layer_prefix}{i}."))
         own_names = tuple(f"{layer_prefix}0.{nm[len(f'{layer_prefix}{i}.'):]}" for nm in block_names)
 
