@@ -115,6 +115,10 @@ def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
                 if buf is not None:
                     module._buffers[name] = torch.empty_like(buf, device=device)
             model._init_weights(module)  # transformers computes its buffers here (meta params: no-ops)
+    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if left:
+        raise HFModelError(f"{config.model_type}: transformers {transformers.__version__} left buffers {left[:3]} "
+                           "uncomputed; the hf family needs transformers >= 5 (pip install 'functrain[hf]')")
     return model.train()
 
 
