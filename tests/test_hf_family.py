@@ -119,6 +119,25 @@ def test_compiled_in_one_graph_equals_the_torch_loop(tmp_path, arch):
     assert_close(torch.tensor(got), torch.tensor(_torch_loop(directory, params, data)), TOL)
 
 
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_compiled_a_graph_per_stage_equals_the_torch_loop(tmp_path):
+    """compile="blocks": the decoder layers (alike) share one compiled graph, with no recompile from layer to layer."""
+    from torch._dynamo.utils import counters
+
+    directory = _dir(tmp_path, "qwen2")
+    template = hf.build_template(hf.load_config(directory))
+    params = hf.init_params(template, rng.key(0))
+    blocks = hf.stages(template).blocks
+    assert blocks[0].shared is not None and all(b.shared is blocks[0].shared for b in blocks)
+    data = _batches(STEPS)
+    torch._dynamo.reset()
+    counters.clear()
+    got = _functrain(template, params, data, compile="blocks", loss={"staged": True})
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert_close(torch.tensor(got), torch.tensor(_torch_loop(directory, params, data)), TOL)
+
+
 def test_init_is_a_function_of_the_key_and_where_gives_each_rank_its_block(tmp_path):
     template = hf.build_template(hf.load_config(_dir(tmp_path, "llama")))
     a, b, c = (hf.init_params(template, rng.key(s)) for s in (0, 0, 1))

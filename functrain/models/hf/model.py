@@ -13,7 +13,8 @@ it, a shallow copy whose children are swapped:
 * the final stage: no layers, only the final norm.
 
 So a stage reads only its own parameters, and the composition is the model's forward (the tests
-compare them per architecture). A base model holding other parameterized parts (OPT's projections
+compare them per architecture). Layers alike (parameters and attention kind) also share one function
+on any layer's parameters (`Stage.shared`: one compiled graph under `compile_unit="blocks"`). A base model holding other parameterized parts (OPT's projections
 between a narrower embedding and the layers) is refused in one line: where they run is not known.
 
 Example:
@@ -316,26 +317,45 @@ def stages(model: nn.Module) -> LMStages:
                            "belong to no stage; this family cannot stage it: train it with --config.remat=none "
                            "on one process")
 
-    def run(view, p, key, salt, **inputs):
-        """The view's base forward on params `p` (full names), its dropout keyed by (key, salt): its last hidden
-        state. A stage's draws are its own, so a block recomputed in the backward draws the same masks."""
-        own = {nm[len(prefix):]: t for nm, t in p.items() if nm.startswith(prefix)}
+    def run(view, own, key, salt, **inputs):
+        """The view's base forward on `own` (names under the base), its dropout keyed by (key, salt): its last
+        hidden state. A stage's draws are its own, so a block recomputed in the backward draws the same masks."""
         with randomness.keyed(None if key is None else rng.fold_in(key, salt)):  # no key: evaluating, no dropout
             return functional.apply(view, own, train=None if key is not None else False, **inputs).last_hidden_state
 
+    def under_base(p):
+        """The params of the base model, named as in it."""
+        return {nm[len(prefix):]: t for nm, t in p.items() if nm.startswith(prefix)}
+
     embed_view = _view(base, layers, norm, [], side=True, norm=False)
     final_view = _view(base, layers, norm, [], side=False, norm=True)
-    embed = Stage(embed_names, lambda p, idx, key: run(embed_view, p, key, 0, input_ids=idx))
+    layer_view = _view(base, layers, norm, [0], side=False, norm=False)  # any layer, as layer 0 of a view
+
+    def shared(own, h, key, index):
+        """Any decoder layer, when they are alike (the same parameters and attention kind), on `own` (its params
+        without its prefix), at position `index`: one compiled graph for all (`compile_unit="blocks"`)."""
+        return run(layer_view, {f"{layers}.0.{nm}": t for nm, t in own.items()}, key, 1 + index, inputs_embeds=h)
+
+    def signature(module: nn.Module):
+        """A layer's parameter names, shapes and classes, and the attention kind it asks the base's masks for."""
+        kinds = [(nm, getattr(m, "attention_type", None), getattr(m, "sliding_window", None), getattr(m, "is_sliding", None))
+                 for nm, m in module.named_modules()]
+        return [(nm, tuple(t.shape), type(module.get_submodule(nm.rpartition(".")[0]))) for nm, t in module.named_parameters()], kinds
+
+    layer_list = base.get_submodule(layers)
+    alike = n > 0 and all(signature(m) == signature(layer_list[0]) for m in layer_list)
+    embed = Stage(embed_names, lambda p, idx, key: run(embed_view, under_base(p), key, 0, input_ids=idx))
     blocks = []
     for i in range(n):
+        own_prefix = f"{layer_prefix}{i}."
+        block_names = tuple(nm for nm in names if nm.startswith(own_prefix))
         view = _view(base, layers, norm, [i], side=False, norm=False)
-        block_names = tuple(nm for nm in names if nm.startswith(f"{layer_prefix}{i}."))
-        own_names = tuple(f"{layer_prefix}0.{nm[len(f'{layer_prefix}{i}.'):]}" for nm in block_names)
 
-        def block(p, h, key, view=view, block_names=block_names, own_names=own_names, i=i):
-            """Layer i on `inputs_embeds=h`, its params renamed to the view's layer 0."""
-            return run(view, {o: p[b] for o, b in zip(own_names, block_names)}, key, 1 + i, inputs_embeds=h)
+        def block(p, h, key, view=view, own_prefix=own_prefix, i=i):
+            """Layer i (its own module: its index, its attention kind) on `inputs_embeds=h`."""
+            own = {f"{layers}.0.{nm[len(own_prefix):]}": t for nm, t in p.items() if nm.startswith(own_prefix)}
+            return run(view, own, key, 1 + i, inputs_embeds=h)
 
-        blocks.append(Stage(block_names, block, None, f"{layer_prefix}{i}.", i))
-    final = Stage(norm_names, lambda p, h, key: run(final_view, p, key, 1 + n, inputs_embeds=h))
+        blocks.append(Stage(block_names, block, shared if alike else None, own_prefix, i))
+    final = Stage(norm_names, lambda p, h, key: run(final_view, under_base(p), key, 1 + n, inputs_embeds=h))
     return LMStages(embed, blocks, final)
