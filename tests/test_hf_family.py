@@ -247,33 +247,63 @@ def test_a_mesh_axis_or_plan_the_family_cannot_split_is_one_line(tmp_path):
 
 def _main(tmp_path, directory, workdir, *flags):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-m", "functrain.main", "--config=configs/hf.py",
-                          f"--config.model.path={directory}", "--config.compile=False", "--config.model.block_size=16",
-                          f"--config.data.path={_text(tmp_path)}", "--config.batch_size=4", "--config.log_every=1",
-                          "--config.eval_every=100", "--config.eval_batches=1", "--config.sample.max_new_tokens=4",
-                          "--config.tensorboard=False", f"--workdir={workdir}", *flags],
+    out = subprocess.run([sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, workdir), *flags],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return [(r["step"], r["loss"]) for r in map(json.loads, open(workdir / "metrics.jsonl")) if "loss" in r]
 
 
+def _flags(tmp_path, directory, workdir):
+    return ["--config=configs/hf.py", f"--config.model.path={directory}", "--config.compile=False",
+            "--config.model.block_size=16", f"--config.data.path={_text(tmp_path)}", "--config.batch_size=4",
+            "--config.log_every=1", "--config.eval_every=100", "--config.eval_batches=1",
+            "--config.sample.max_new_tokens=4", "--config.tensorboard=False", f"--workdir={workdir}"]
+
+
 @pytest.mark.slow
-def test_the_main_job_resumes_bit_exactly_and_its_export_computes_its_logits(tmp_path):
-    directory = _dir(tmp_path, "llama", vocab_size=256)
-    whole = _main(tmp_path, directory, tmp_path / "whole", "--config.steps=6", "--config.checkpoint.every=100")
-    first = _main(tmp_path, directory, tmp_path / "cut", "--config.steps=6", "--config.stop_at=3")  # stops, saves
-    resumed = _main(tmp_path, directory, tmp_path / "cut", "--config.steps=6", "--config.checkpoint.every=100")
-    assert first == whole[:3] and resumed == whole and len(whole) == 6  # 1-3, then 4-6 from the checkpoint
+def test_a_killed_main_job_resumes_bit_exactly_and_its_exports_compute_its_logits(tmp_path):
+    import signal
+    import time
 
     from functrain import checkpoint as ckpt
 
-    params = ckpt.restore(str(tmp_path / "whole" / "checkpoints" / "6")).result()["params"]
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "hf").eval()
+    directory = _dir(tmp_path, "llama", vocab_size=256)
+    steps = ["--config.steps=100", "--config.checkpoint.every=10"]  # (long enough to be killed midway anywhere)
+    whole = _main(tmp_path, directory, tmp_path / "whole", *steps)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, tmp_path / "cut"),
+                             *steps], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, deadline = tmp_path / "cut" / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # killed once a checkpoint is behind it
+        if metrics.exists() and (tmp_path / "cut" / "checkpoints" / "10").exists() and \
+                sum(1 for _ in open(metrics)) >= 15:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = [json.loads(line)["step"] for line in open(metrics) if "loss" in line]
+    assert 10 <= max(done) < 100, done  # killed midway, past the step-10 checkpoint
+    resumed = _main(tmp_path, directory, tmp_path / "cut", *steps)
+    last = {step: loss for step, loss in resumed}  # a step run twice (after the checkpoint, before the kill): its last
+    assert sorted(last.items()) == whole and len(whole) == 100  # 1-10, then 11-100 from the checkpoint: the same bits
+
+    params = ckpt.restore(str(tmp_path / "whole" / "checkpoints" / "100")).result()["params"]
+    template = hf.build_template(hf.load_config(directory))
     x = torch.randint(0, 256, (2, 16))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=x).logits,
-                                   ft.apply(hf.build_template(hf.load_config(directory)), params, input_ids=x,
-                                            train=False).logits, rtol=0, atol=0)
+
+    def logits_equal(exported, params):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=x).logits,
+                                       ft.apply(template, params, input_ids=x, train=False).logits, rtol=0, atol=0)
+
+    logits_equal(tmp_path / "whole" / "hf", params)  # the export at the end of the run
+    out = subprocess.run([sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, tmp_path / "whole"),
+                          *steps, f"--export_hf={tmp_path / 'at90'}",
+                          f"--export_from={tmp_path / 'whole' / 'checkpoints' / '90'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-3000:]
+    logits_equal(tmp_path / "at90", ckpt.restore(str(tmp_path / "whole" / "checkpoints" / "90")).result()["params"])
 
 
 @pytest.mark.slow
