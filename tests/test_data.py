@@ -312,3 +312,19 @@ def test_bad_tokenizer_file_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(DataError, match="bad.json: not a tokenizers file"):
         HFTokenizer(tmp_path / "bad.json")
+
+
+def test_a_script_that_loads_data_at_import_time_needs_no_main_guard(tmp_path):
+    """Small sources tokenize in the calling process by default: no spawned worker re-imports the script."""
+    import subprocess
+    import sys
+
+    root = _text_dir(tmp_path / "corpus", n=6)
+    script = tmp_path / "script.py"
+    script.write_text("from functrain.data import load_dataset\n"
+                      f"ds = load_dataset({str(root)!r}, {str(tmp_path / 'cache')!r}, log=lambda line: None)\n"
+                      "print(len(ds.train) > 0)\n")
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=str(repo)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

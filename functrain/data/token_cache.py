@@ -9,7 +9,8 @@ to is `documents.is_val`, one rule for every kind of source.
 
 * Parallel: units are dealt to ranks (largest first, to the least loaded rank: every rank computes
   the same deal, none duplicates another's work), and each rank runs its share on a pool of
-  `workers` processes (default: its share of the cores). Progress lines give MB/s and an ETA.
+  `workers` processes (default: its share of the cores; its own process for a share under 64 MiB).
+  Progress lines give MB/s and an ETA.
 * Streaming: a worker holds one bounded group of text and its tokens at a time.
 * Atomic and resumable: a unit's files are written under temporary names and renamed, its marker
   last; a rerun keeps every unit with a valid marker and tokenizes the rest.
@@ -54,7 +55,7 @@ from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, token
 from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, separator_ids
 from functrain.data.tokens import ConcatTokens
 
-__all__ = ["FORMAT", "FORMATS", "open_token_cache", "tokenize", "tokenize_shards", "tokenizer_id"]
+__all__ = ["FORMAT", "FORMATS", "POOL_BYTES", "open_token_cache", "tokenize", "tokenize_shards", "tokenizer_id"]
 
 FORMAT = "functrain-tokens"
 VERSION = 3  # 3: one format for every source, split per document (before: text caches and shard caches apart)
@@ -62,6 +63,9 @@ _SHARDS_FORMAT = "functrain-token-shards"  # versions 1 and 2: parquet/jsonl onl
 FORMATS = ((FORMAT, VERSION), (_SHARDS_FORMAT, 1), (_SHARDS_FORMAT, 2))
 """The (format, version) pairs of meta.json that `open_token_cache` reads."""
 _PROGRESS_EVERY_S = 5.0
+POOL_BYTES = 64 << 20
+"""Below this many bytes of files a rank tokenizes in its own process by default (the stdlib's 31 MB take
+0.25 s there): no pool to start, and a script that loads data at import time needs no `__main__` guard."""
 
 
 def tokenizer_id(tokenizer) -> str:
@@ -81,8 +85,11 @@ def _deal(sizes: list[int], world: int) -> list[int]:
     return owner
 
 
-def _default_workers() -> int:
-    """This rank's share of the cores (torchrun's LOCAL_WORLD_SIZE ranks share a machine)."""
+def _default_workers(nbytes: int) -> int:
+    """This rank's share of the cores (torchrun's LOCAL_WORLD_SIZE ranks share a machine); 1 (this process) for
+    less than `POOL_BYTES` of files, where starting a pool costs more than it saves."""
+    if nbytes < POOL_BYTES:
+        return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
@@ -113,7 +120,8 @@ def tokenize(
       val_fraction: the share of documents that go to the validation split (of bytes, for one file).
       max_bad_line_fraction: jsonl lines that are not JSON objects a shard may have (skipped, and
         reported); above it the run stops with a `DataError`.
-      workers: tokenizing processes on this rank; 0 = this rank's share of the cores.
+      workers: tokenizing processes on this rank; 0 = this rank's share of the cores, or this process
+        alone for less than `POOL_BYTES` (64 MiB) of files.
       rank: this process's rank among `world` processes that share the work (all must call this).
       world: how many processes share it.
       log: where progress lines go (pass a no-op on ranks that should not print).
@@ -164,7 +172,7 @@ def tokenize(
         log(f"tokenizing {label}: {how}{len(mine)} of {len(units)} {job['units']}, "
             f"{sum(u['size'] for u in mine) / 1e6:.1f} MB of files on disk ({sum(done)} done earlier)")
         try:
-            _run_share(mine, job, workers or _default_workers(), log, label)
+            _run_share(mine, job, workers or _default_workers(sum(u["size"] for u in mine)), log, label)
         except DataError as exc:
             (out / "errors" / f"{rank}.txt").write_text(str(exc))
             raise
@@ -253,7 +261,9 @@ def _run_share(mine, job, workers, log, label) -> None:
             for future in finished:
                 progress.unit_done(future.result())  # a worker's DataError is raised here, as it was
     except BrokenProcessPool:
-        raise DataError("a tokenizing worker process died (out of memory, or killed); see its error above") from None
+        raise DataError("a tokenizing worker process died (out of memory, killed, or the script tokenizes at import "
+                        "time: start it under `if __name__ == '__main__':` or set data.tokenize_workers=1); see its "
+                        "error above") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         _remove_temporaries(Path(job["out"]), job["run"])

@@ -155,7 +155,7 @@ def data_config() -> ml_collections.ConfigDict:
     d.sources = ml_collections.ConfigDict()
     d.mixture = ml_collections.ConfigDict()
     d.max_bad_line_fraction = 0.0  # jsonl lines that are not JSON a shard may have (skipped); above: stop
-    d.tokenize_workers = 0  # processes per rank that tokenize shards; 0 = the rank's share of the cores
+    d.tokenize_workers = 0  # processes per rank that tokenize; 0 = the rank's share of the cores (its own process under 64 MiB)
     # A resume whose data differs from its checkpoint's (files, sizes, sha256, tokenizer) stops;
     # True goes on with the data as it is and logs what changed
     d.allow_changed = False
