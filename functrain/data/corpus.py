@@ -45,18 +45,14 @@ from typing import Any, Callable
 import numpy as np
 
 from functrain.data.digests import file_digests
-from functrain.data.documents import source_content, stdlib_files, train_documents
-from functrain.data.errors import SOURCE_HINT, DataError
-from functrain.data.shards import is_shard_source
+from functrain.data.documents import digests_memo, source_content, stdlib_files, train_documents
+from functrain.data.errors import DataError
 from functrain.data.token_cache import FORMATS as TOKEN_CACHE_FORMATS
 from functrain.data.token_cache import open_token_cache, tokenize, tokenizer_id
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, slug
 from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
 
 __all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
-
-_FIX = SOURCE_HINT
-
 
 @dataclasses.dataclass
 class Dataset:
@@ -166,8 +162,7 @@ def load_dataset(
     path = Path(source).expanduser()
     if source != "stdlib" and (path / "meta.json").is_file() and _is_token_cache(source):
         ds = _load_token_cache(path, source, tokenizer)
-    elif source != "stdlib" and not is_shard_source(source) and (
-            (path.is_file() and path.suffix == ".bin") or (path / "train.bin").exists()):
+    elif source != "stdlib" and ((path.is_file() and path.suffix == ".bin") or (path / "train.bin").exists()):
         ds = _load_bin(path.parent if path.is_file() else path, source, vocab_size, cache_dir)
     else:
         out = tokenize(source, cache_dir, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction,
@@ -253,7 +248,7 @@ def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dat
         tokenizer = IdTokenizer(int(vocab))
     bins = [path / f"{s}.bin" for s in ("train", "val")]
     stats = [p.stat() for p in bins]
-    memo = Path(cache_dir) / "digests" / f"{slug(path.name)}-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]}.json"
+    memo = digests_memo(cache_dir, slug(path.name), path)
     info = {"source": source, "kind": "bin", "dtype": str(dtype), "vocab_size": int(vocab), "tokenizer": tokenizer.name,
             "content": [[p.name, st.st_size, d] for p, st, d in zip(bins, stats, file_digests(bins, memo, stats))]}
     return Dataset(_memmap(path / "train.bin", dtype), _memmap(path / "val.bin", dtype),

@@ -40,7 +40,7 @@ from functrain.data.errors import SOURCE_HINT, DataError
 from functrain.data.shards import BadLines, is_shard_source, read_texts, shard_files, skipped_files
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, path_hash64, slug
 
-__all__ = ["PACK_BYTES", "is_val", "read_unit", "shard_units", "source_content", "stdlib_files", "text_source",
+__all__ = ["PACK_BYTES", "digests_memo", "is_val", "read_unit", "shard_units", "source_content", "stdlib_files", "text_source",
            "text_units", "train_documents"]
 
 PACK_BYTES = 16 << 20  # text files per unit: about this many bytes (a few units for the stdlib's 31 MB)
@@ -132,9 +132,13 @@ def source_content(source: str, cache_dir: str | os.PathLike | None,
     stats = [p.stat() for p in files]  # one stat per file: its size is the one its digest is known by
     if kind == "text" and sum(st.st_size for st in stats) == 0:
         raise DataError(f"data.path {source!r} holds no text ({len(files)} files, 0 bytes); {SOURCE_HINT}")
-    memo = None if cache_dir is None else Path(cache_dir) / "digests" / f"{name}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
-    digests = file_digests(files, memo=memo, stats=stats)
+    digests = file_digests(files, memo=None if cache_dir is None else digests_memo(cache_dir, name, root), stats=stats)
     return kind, root, name, [[p.relative_to(root).as_posix(), st.st_size, d] for p, st, d in zip(files, stats, digests)]
+
+
+def digests_memo(cache_dir: str | os.PathLike, name: str, root: Path) -> Path:
+    """Where the sha256 of a source's files are remembered: `<cache_dir>/digests/<name>-<hash of its root>.json`."""
+    return Path(cache_dir) / "digests" / f"{name}-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
 
 
 def _key(rel: str) -> str:

@@ -50,7 +50,7 @@ import numpy as np
 
 from functrain.data.documents import read_unit, shard_units, source_content, text_units
 from functrain.data.errors import DataError
-from functrain.data.shards import BadLines, is_shard_source
+from functrain.data.shards import BadLines
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, token_dtype
 from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, separator_ids
 from functrain.data.tokens import ConcatTokens
@@ -140,13 +140,12 @@ def tokenize(
     """
     tokenizer = tokenizer or ByteTokenizer()
     tok = tokenizer_id(tokenizer)
-    shards = source != "stdlib" and is_shard_source(source)
+    kind, root, name, content = source_content(source, cache_dir, log)
     fingerprint = hashlib.sha256(json.dumps({
         "format": FORMAT, "version": VERSION, "val_fraction": val_fraction, "tokenizer": tok,
         "source": source if source == "stdlib" else str(Path(os.path.expanduser(source)).resolve()),
-        **({"text_field": text_field} if shards else {}), **({"python": sys.version} if source == "stdlib" else {}),
+        **({"text_field": text_field} if kind == "shards" else {}), **({"python": sys.version} if source == "stdlib" else {}),
     }).encode()).hexdigest()
-    kind, root, name, content = source_content(source, cache_dir, log)
     out = Path(cache_dir) / f"{name}-{fingerprint[:16]}"
     units = shard_units(content) if kind == "shards" else text_units(content, val_fraction)
     info = _read_meta(out)

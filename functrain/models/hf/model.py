@@ -208,7 +208,7 @@ def init_params(template: nn.Module, key: torch.Tensor, *, device=None, dtype: t
     """
     wanted = {n for n, _ in template.named_parameters()}
     out = {}
-    for index, (prefix, module) in enumerate(template.named_modules()):
+    for prefix, module in template.named_modules():
         own = {n: p for n, p in module._parameters.items() if p is not None and _join(prefix, n) in wanted}
         if not own:
             continue

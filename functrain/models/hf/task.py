@@ -44,10 +44,9 @@ __all__ = ["CHECKS", "build"]
 
 def _refuse_axes(ctx, model_type: str) -> None:
     """One line for a mesh axis this family cannot split (the sequence: the attention is transformers')."""
-    for axis, size, what in (("cp", ctx.cp_world, "context"),):
-        if size > 1:
-            raise v.ConfigError(f"mesh.{axis}={size}: the hf family ({model_type}) has no {what} parallelism yet; "
-                                f"shard it with FSDP (--config.mesh.dp_shard) and set mesh.{axis}=1")
+    if ctx.cp_world > 1:
+        raise v.ConfigError(f"mesh.cp={ctx.cp_world}: the hf family ({model_type}) has no context parallelism yet; "
+                            "shard it with FSDP (--config.mesh.dp_shard) and set mesh.cp=1")
 
 
 def _with_buffers(model, template):
