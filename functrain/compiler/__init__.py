@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from functrain.compiler import cache, cuda_graphs, marks, recompute, regather, sdpa_seeds, workarounds
+    from functrain.compiler import cache, cuda_graphs, like_draws, marks, recompute, regather, sdpa_seeds, workarounds
     from functrain.compiler.compile import graph, maybe_compile, scan
     from functrain.compiler.graph_breaks import GraphBreakError
     from functrain.compiler.marks import mark_forward_done, remat_barrier

@@ -19,7 +19,7 @@ from typing import Any
 import optree
 import torch
 
-from functrain.compiler import graph_breaks, mesh_key
+from functrain.compiler import graph_breaks, like_draws, mesh_key
 
 __all__ = ["graph", "maybe_compile", "scan"]
 
@@ -57,6 +57,7 @@ def graph(fn, options: dict | None = None):
       >>> block = compiler.graph(block_fn)
     """
     mesh_key.register()  # (a sharded step's cache keys must not hold a per-process hash)
+    like_draws.route()  # (keyed rand_like and friends compiled as eagerly)
     return torch.compile(fn, **{"fullgraph": True, "dynamic": False, **(options or {})})
 
 

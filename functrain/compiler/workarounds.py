@@ -130,6 +130,15 @@ def _check_agent_store_unprefixed() -> None:
         _fail("elastic_attempt_store", problem)
 
 
+def _check_like_draws() -> None:
+    """Dynamo's mode-dispatched set still misses `rand_like`, `randn_like` and `randint_like`."""
+    from functrain.compiler import like_draws
+
+    like_draws.dynamo_set()  # (the hook exists)
+    if not like_draws.dynamo_misses_them():
+        _fail("like_draws_routed", "torch now routes the random _like factories through torch function modes")
+
+
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         "float64_scalars_lifted",
@@ -176,6 +185,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "rank's port); the default group gets a store prefixed with the attempt",
         "bench/elastic.sh (kill -9 of a worker under --max-restarts=1)", "2.13, 2.14",
         "functrain/parallel/mesh.py (`attempt_store`)", _check_agent_store_unprefixed),
+    Workaround(
+        "like_draws_routed",
+        "Dynamo hands a torch function mode only the functions of its overridable set, which lacks "
+        "`rand_like`, `randn_like` and `randint_like` (eager torch hands them over): a compiled step drew "
+        "them from torch's generator where the eager one drew from the key; they are added to that set",
+        "tests/test_keyed_randomness.py (compiled noise = eager)", "2.13, 2.14",
+        "functrain/compiler/like_draws.py", _check_like_draws),
 )
 """The table (docs/compiler.md shows it)."""
 

@@ -1,18 +1,27 @@
-"""Dropout inside any module drawn from the step's key: a torch function mode, no change to the module.
+"""Every random draw inside any module taken from the step's key: a torch function mode, no change to the module.
 
-`nn.Dropout`, `F.dropout` and the alpha, feature and 1-d/2-d/3-d dropouts, and
-`F.scaled_dot_product_attention(..., dropout_p > 0)` normally draw from torch's global generator,
-which a step cannot carry as data: such a run is not a function of (seed, step) and a resume is not
-bit-exact. Under `keyed(key)` each of these calls draws its mask from
-`rng.fold_in(key, SALT + i)` for the i-th call in the forward instead (one opaque `functrain::uniform`
-draw), so the same key gives the same masks, eagerly or compiled, and the masks follow the state's
-key: per step, per microbatch, per data-parallel rank and per population member.
+Dropout, `torch.rand`/`randn`/`randint` and their `_like` forms, `bernoulli`, the in-place
+`bernoulli_`/`uniform_`/`normal_`/`exponential_` (DropPath's `x.new_empty(...).bernoulli_(p)`),
+`rrelu`, fractional max pooling and `F.scaled_dot_product_attention(..., dropout_p > 0)` normally
+draw from torch's global generator, which a step cannot carry as data: such a run is not a function
+of (seed, step) and a resume is not bit-exact. Under `keyed(key)` the i-th drawing call of the
+forward draws from `rng.fold_in(key, SALT + i)` instead (one opaque `functrain::uniform` or
+`functrain::gaussian` draw), so the same key gives the same numbers, eagerly or compiled, and the
+numbers follow the state's key: per step, per microbatch, per data-parallel rank and per population
+member. A call given its own `generator=` keeps it (that randomness is the caller's, explicitly).
 
-`make_train_step` enters it around the loss with the (micro)batch's key; the eval step has no key,
-and modules in eval mode do not drop. Calls that do not drop (`training=False`, p == 0) pass through
-unchanged, as does every other function, so a model without dropout computes exactly what it did.
-The call counter is a Python int read while tracing: a forward makes its calls in one order, so the
-i-th call gets the same key every step.
+A torch function mode sees only the outermost call of a composite torch function: the draws inside
+`F.multi_head_attention_forward` (hence `nn.MultiheadAttention` and every `nn.Transformer*` layer)
+and `F.gumbel_softmax` would run unseen. Those two run as a copy of their own code whose override
+check is off, inside the mode, so their inner draws are keyed too. The few draws that cannot be
+keyed (`randperm`, `multinomial`, `poisson`, `normal`, `random_`, `cauchy_`, `log_normal_`,
+`geometric_`) still run, and are recorded: `unkeyed()` names them, and the train step prints one
+`functrain: warning:` line for each, once.
+
+`make_train_step` enters the mode around the loss with the (micro)batch's key; the eval step has no
+key, and modules in eval mode do not drop. Calls that draw nothing pass through unchanged, so a
+model without randomness computes exactly what it did. The call counter is a Python int read while
+tracing: a forward makes its calls in one order, so the i-th call gets the same key every step.
 
 SDPA with dropout runs as its math formulation (scores, softmax, keyed dropout, weighted sum): the
 fused kernels draw their own numbers. It keeps the (B, H, T, T) weights, as torch's math backend does.
@@ -26,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from functrain import rng
 
-__all__ = ["SALT", "KeyedRandomness", "keyed"]
+__all__ = ["SALT", "KeyedRandomness", "keyed", "unkeyed", "warn_unkeyed"]
 
 SALT = 0x6472_6F70  # "drop": keeps these keys apart from a loss's own fold_in(key, small int)
 
@@ -41,12 +52,45 @@ _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
 _ALPHA_PRIME = -_SELU_ALPHA * _SELU_SCALE  # the value alpha dropout sets dropped units to
 
+# Tensor methods written in Python (`Tensor.unflatten`, `split`, `norm`, ...): passed through by
+# name, since Dynamo cannot trace their bodies' `super()` calls when it inlines the mode.
+_TENSOR_PY_METHODS = frozenset(k for k, v in vars(torch.Tensor).items() if isinstance(v, types.FunctionType))
+# Draws no key can stand in for: run from torch's generator, and named once (`unkeyed`).
+_UNKEYABLE = (torch.randperm, torch.multinomial, torch.Tensor.multinomial, torch.poisson, torch.normal,
+              torch.Tensor.random_, torch.Tensor.cauchy_, torch.Tensor.log_normal_, torch.Tensor.geometric_)
+_UNKEYED: set[str] = set()
+_WARNED: set[str] = set()
+
+
+def _no_override(*args) -> bool:
+    return False
+
+
+def _without_override_check(func):
+    """A copy of a torch.nn.functional composite whose entry check for overrides is off."""
+    names = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+    globals_ = dict(func.__globals__, **{n: _no_override for n in names})
+    copy = types.FunctionType(func.__code__, globals_, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+_MHA = _without_override_check(F.multi_head_attention_forward)
+_GUMBEL = _without_override_check(F.gumbel_softmax)
+
 
 def _arg(args, kwargs, i: int, name: str, default):
     """Argument `name` of a call, given by position `i` or by keyword."""
     if name in kwargs:
         return kwargs[name]
     return args[i] if len(args) > i else default
+
+
+def _size(args) -> list[int]:
+    """The size of a factory call: `rand(2, 3)` or `rand((2, 3))`."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return [int(s) for s in args[0]]
+    return [int(s) for s in args]
 
 
 def _feature_mask_shape(x: torch.Tensor, spatial: int) -> list[int]:
@@ -61,8 +105,38 @@ def _active(p: float, training: bool) -> bool:
     return bool(training) and p > 0.0
 
 
+def unkeyed() -> set[str]:
+    """The draws seen under `keyed` that could not be keyed (they drew from torch's generator).
+
+    Returns:
+      Their names, e.g. `{"randperm"}`; the caller may clear the set once it has reported them.
+
+    Example:
+      >>> with keyed(key):
+      ...     torch.randperm(4)
+      >>> "randperm" in unkeyed()
+      True
+    """
+    return _UNKEYED
+
+
+def warn_unkeyed() -> None:
+    """Warns once for each draw `unkeyed()` names (one `functrain: warning:` line each), then clears it.
+
+    Example:
+      >>> state, metrics = compiled_step(state, batch)
+      >>> warn_unkeyed()   # make_train_step's step does this after every call
+    """
+    for name in sorted(_UNKEYED - _WARNED):
+        warnings.warn(f"functrain: warning: torch.{name} inside the loss draws from torch's global generator (it "
+                      f"cannot be keyed): the run is not a function of its seed; pass it a generator=, or draw "
+                      f"from the step's key (functrain.rng)", stacklevel=3)
+    _WARNED.update(_UNKEYED)
+    _UNKEYED.clear()
+
+
 class KeyedRandomness(TorchFunctionMode):
-    """The torch function mode behind `keyed`: dropouts draw from `key` (see the module docstring).
+    """The torch function mode behind `keyed`: random draws come from `key` (see the module docstring).
 
     Args:
       key: an int64 key of shape (2,), e.g. the step's dropout key.
@@ -79,7 +153,7 @@ class KeyedRandomness(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.dropout:
+        if func is F.dropout or func is torch.dropout:
             return self._dropout(func, args, kwargs, 0)
         if func is F.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
@@ -87,7 +161,48 @@ class KeyedRandomness(TorchFunctionMode):
             return self._dropout(func, args, kwargs, 1 if func is F.dropout1d else 2 if func is F.dropout2d else 3)
         if func is F.alpha_dropout or func is F.feature_alpha_dropout:
             return self._dropout(func, args, kwargs, 0, alpha=True, feature=func is F.feature_alpha_dropout)
+        if func is F.multi_head_attention_forward or func is F.gumbel_softmax:
+            with self:  # the composite's own draws, seen by this mode
+                return (_MHA if func is F.multi_head_attention_forward else _GUMBEL)(*args, **kwargs)
+        if "generator" in kwargs and kwargs["generator"] is not None:
+            return func(*args, **kwargs)  # the caller's own generator
+        drawn = self._draw(func, args, kwargs)
+        if drawn is not None:
+            return drawn
+        name = getattr(func, "__name__", None)
+        if name in _TENSOR_PY_METHODS and getattr(torch.Tensor, name) is func:
+            return getattr(args[0], name)(*args[1:], **kwargs)
         return func(*args, **kwargs)
+
+    def _draw(self, func, args, kwargs):
+        """A keyed draw for the random factories, `_like`s, in-place fills and rrelu; None for any other call."""
+        if func is torch.rand or func is torch.randn:
+            shape, dtype = _size(args), kwargs.get("dtype") or torch.get_default_dtype()
+            return self._numbers(func is torch.randn, shape, dtype, kwargs.get("device"))
+        if func is torch.rand_like or func is torch.randn_like:
+            x = args[0]
+            return self._numbers(func is torch.randn_like, x.shape, kwargs.get("dtype") or x.dtype,
+                                 kwargs.get("device") or x.device)
+        if func is torch.randint or func is torch.randint_like:
+            return self._randint(func, args, kwargs)
+        if func is torch.bernoulli or func is torch.Tensor.bernoulli or func is torch.Tensor.bernoulli_:
+            x = args[0]
+            p = _arg(args, kwargs, 1, "p", None)
+            probs = x if p is None else p
+            keep = (self._uniform(x.shape, x.dtype if x.is_floating_point() else torch.float32) < probs).to(x.dtype)
+            return x.copy_(keep) if func is torch.Tensor.bernoulli_ else keep
+        if func is torch.Tensor.uniform_ or func is torch.Tensor.normal_ or func is torch.Tensor.exponential_:
+            return args[0].copy_(self._fill(func, args, kwargs))
+        if func is F.rrelu or func is torch.rrelu:
+            return self._rrelu(func, args, kwargs)
+        if (func is F.fractional_max_pool2d or func is F.fractional_max_pool3d or func is F.fractional_max_pool2d_with_indices
+                or func is F.fractional_max_pool3d_with_indices):
+            return self._fractional_max_pool(func, args, kwargs)
+        for f in _UNKEYABLE:
+            if func is f:
+                _UNKEYED.add(func.__name__)
+                return func(*args, **kwargs)
+        return None
 
     def _next_key(self) -> torch.Tensor:
         """The key of the next drawing call."""
@@ -95,15 +210,73 @@ class KeyedRandomness(TorchFunctionMode):
         self.calls += 1
         return k
 
+    def _uniform(self, shape, dtype) -> torch.Tensor:
+        """Uniform [0, 1) numbers of `shape` from the next key."""
+        return rng.uniform(self._next_key(), shape, dtype)
+
+    def _numbers(self, normal: bool, shape, dtype, device) -> torch.Tensor:
+        """`rand` (uniform [0, 1)) or `randn` (standard normal) numbers from the next key."""
+        draw = rng.gaussian if normal else rng.uniform
+        out = draw(self._next_key(), shape, dtype)
+        return out if device is None else out.to(device)
+
     def _keep(self, shape, p: float, dtype) -> torch.Tensor:
         """A 0/1 mask in `dtype`, 1 with probability 1 - p."""
-        return (rng.uniform(self._next_key(), shape) >= p).to(dtype)
+        return (self._uniform(shape, dtype) >= p).to(dtype)
+
+    def _randint(self, func, args, kwargs):
+        """`randint(high, size)`, `randint(low, high, size)` or `randint_like(x, [low,] high)`."""
+        if func is torch.randint_like:
+            x, bounds = args[0], list(args[1:])
+            shape, dtype, device = x.shape, kwargs.get("dtype") or x.dtype, kwargs.get("device") or x.device
+        else:
+            bounds, shape = list(args[:-1]), _size(args[-1:])
+            dtype, device = kwargs.get("dtype") or torch.int64, kwargs.get("device")
+        if "high" in kwargs:
+            bounds.append(kwargs["high"])
+        low, high = (kwargs.get("low", 0), bounds[0]) if len(bounds) == 1 else bounds
+        u = self._uniform(shape, torch.float64)
+        out = (torch.floor(u * (high - low)) + low).to(dtype)
+        return out if device is None else out.to(device)
+
+    def _fill(self, func, args, kwargs) -> torch.Tensor:
+        """The numbers `uniform_(a, b)`, `normal_(mean, std)` or `exponential_(lambd)` would write."""
+        x = args[0]
+        if func is torch.Tensor.uniform_:
+            a, b = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
+            return self._uniform(x.shape, x.dtype) * (b - a) + a
+        if func is torch.Tensor.normal_:
+            mean, std = _arg(args, kwargs, 1, "mean", 0.0), _arg(args, kwargs, 2, "std", 1.0)
+            return rng.gaussian(self._next_key(), x.shape, x.dtype) * std + mean
+        lambd = _arg(args, kwargs, 1, "lambd", 1.0)
+        return -torch.log1p(-self._uniform(x.shape, x.dtype)) / lambd
+
+    def _rrelu(self, func, args, kwargs):
+        """Randomized leaky ReLU: in training each negative input's slope is uniform in [lower, upper]."""
+        x = args[0]
+        lower, upper = _arg(args, kwargs, 1, "lower", 1.0 / 8), _arg(args, kwargs, 2, "upper", 1.0 / 3)
+        if not _arg(args, kwargs, 3, "training", False):
+            return func(*args, **kwargs)
+        slope = self._uniform(x.shape, x.dtype) * (upper - lower) + lower
+        out = torch.where(x >= 0, x, x * slope)
+        return x.copy_(out) if _arg(args, kwargs, 4, "inplace", False) and func is F.rrelu else out
+
+    def _fractional_max_pool(self, func, args, kwargs):
+        """Fractional max pooling with its random offsets drawn from the next key (the shape torch draws)."""
+        if kwargs.get("_random_samples") is not None or len(args) > 5:
+            return func(*args, **kwargs)
+        x = args[0]
+        dims = 2 if func is F.fractional_max_pool2d or func is F.fractional_max_pool2d_with_indices else 3
+        batch = 1 if x.dim() == dims + 1 else x.shape[0]
+        samples = self._uniform([batch, x.shape[-dims - 1], dims], x.dtype)  # (N, C, dims)
+        return func(*args, **dict(kwargs, _random_samples=samples))
 
     def _dropout(self, func, args, kwargs, spatial: int, alpha: bool = False, feature: bool = False):
         """Any dropout: elementwise (spatial 0), whole channels over `spatial` trailing dims, or alpha
         dropout (which keeps a SELU network's mean and variance; `feature`: per channel)."""
         x, p = args[0], float(_arg(args, kwargs, 1, "p", 0.5))
-        if not _active(p, _arg(args, kwargs, 2, "training", not alpha)):  # alpha dropouts default to eval
+        training = _arg(args, kwargs, 2, "train" if func is torch.dropout else "training", not alpha)
+        if not _active(p, training):  # alpha dropouts default to eval
             return func(*args, **kwargs)
         if p == 1.0:
             return x * 0.0

@@ -228,8 +228,11 @@ def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, i
 def _zeros_aux(loss_fn, params, micro, keys, model_state):
     """Zeros shaped like the (loss, aux) of one microbatch, to start the scan's carry."""
     mb = tree_lib.map(lambda x: x[0], micro)
-    with torch.no_grad():
+    with torch.no_grad(), randomness.KeyedRandomness(keys[0]) as drawn:
         loss, aux, _ = call_loss(loss_fn, params, mb, keys[0], model_state)
+    if drawn.calls:  # the scan body runs without the mode: its modules' draws would be torch's global ones
+        raise ValueError("accum_impl='scan' cannot key the random draws of the loss's modules (dropout and the "
+                         "like; torch's scan body cannot enter a torch function mode): use accum_impl='unroll'")
     aux = {M.LOSS: loss, **aux}
     return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), aux)
 
@@ -278,7 +281,8 @@ def make_train_step(
       accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
         op; one graph, compile time independent of accum_steps). torch's scan body cannot enter a
         torch function mode, so under "scan" only the loss's own use of `key` is keyed: a module's
-        `nn.Dropout` draws from torch's generator there (use "unroll" for keyed module dropout).
+        `nn.Dropout` would draw from torch's generator there, so a step whose loss draws under "scan"
+        stops with one line (use "unroll" for keyed module dropout).
       precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or a
         `functrain.step.precision.Precision`: forward and backward run in that dtype on a cast copy of
         the params; the state keeps its fp32 master params and optimizer state.
@@ -411,7 +415,9 @@ def make_train_step(
         def step(state: TrainState, batch: PyTree):
             check_loss(loss_fn, state.model_state)
             with mode_lib.running(train=True):
-                return fn(state, batch)
+                out = fn(state, batch)
+            randomness.warn_unkeyed()
+            return out
 
         return step
 
