@@ -100,8 +100,20 @@ def apply(model: nn.Module, params: Any, *args, model_state: Any = None, train: 
             raise ValueError(meta_lib.refusal(missing, tensors))
     flag = mode_lib.current() if train is None else train
     changed = mode_lib.switched(model, flag) if flag is not None else []
+    watched = [] if torch.compiler.is_compiling() else _template_buffers(model, tensors)
     try:
         out = torch.func.functional_call(model, tensors, args, kwargs, tie_weights=False)
     finally:
         mode_lib.restore(changed)
+    written = [n for n, b, version in watched if b._version != version]
+    if written:
+        raise ValueError(f"functrain.apply: the forward wrote into buffer(s) {', '.join(written[:3])} of the template, "
+                         "which the model state does not carry (non-persistent buffers); pass them in the model state "
+                         "(init_state(..., model_state=functrain.nn.buffers_of(module, persistent=False))) so the "
+                         "step updates them purely")
     return out if state is None else (out, state)
+
+
+def _template_buffers(model: nn.Module, given) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, buffer, its version counter) of the template's real buffers that `given` does not replace."""
+    return [(n, b, b._version) for n, b in model.named_buffers() if n not in given and b.device.type != "meta"]

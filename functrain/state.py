@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import nn
 
@@ -100,6 +101,12 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def _named(tree: PyTree) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor leaf of `tree`."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return [(".".join(map(str, p)), x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor)]
+
+
 def init_state(
     model_or_params: nn.Module | PyTree,
     optimizer: Transform,
@@ -135,6 +142,11 @@ def init_state(
     else:
         params = model_or_params
     model_state = {} if model_state is None else dict(model_state)
+    on_meta = [n for n, v in (*_named(params), *_named(model_state)) if v.device.type == "meta"]
+    if on_meta:
+        raise ValueError(f"functrain.init_state: {len(on_meta)} tensor(s) are on the meta device ({', '.join(on_meta[:3])}"
+                         f"{', ...' if len(on_meta) > 3 else ''}): a meta template has no numbers; pass real params (a "
+                         "family's init_params, or the module built on a real device) and keep the template for apply")
     if copy:
         params = tree_lib.map(lambda v: v.detach().clone(), params)
         model_state = tree_lib.map(lambda v: v.detach().clone(), model_state)

@@ -347,3 +347,35 @@ def test_a_missing_or_wrong_model_path_is_one_line(tmp_path):
                              text=True, timeout=300)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(want), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["bloom", "olmo", "gptj"])
+def test_a_model_the_family_cannot_stage_samples_and_exports_on_one_process(tmp_path, arch):
+    """The end of a run (sample, export) needs no stages on one process: no error, a sample and a directory."""
+    from functrain.models.hf import task
+
+    directory = _dir(tmp_path, arch, vocab_size=256, **({"rotary_dim": 4} if arch == "gptj" else {}))
+    with pytest.raises(hf.HFModelError):  # (what the stages cannot express)
+        hf.make_loss_fn(hf.build_template(hf.load_config(directory)), remat="full")
+    with parallel.setup(None) as ctx:
+        t = task.build(_config(tmp_path, directory, export_hf=True, **{"sample.max_new_tokens": 3}), ctx, tmp_path / "run")
+        params = t.init_params(rng.key(0), torch.device("cpu"))
+        out = t.finish(params, rng.key(1))
+    assert isinstance(out["sample"], str) and (tmp_path / "run" / "hf" / "config.json").is_file()
+
+
+def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_by_default(tmp_path, capsys):
+    """xglm's stages differ from its forward: remat=auto on a mesh falls back (one note), remat=full refuses."""
+    from functrain.models.hf import task
+    from functrain.trainer import validate
+
+    directory = _dir(tmp_path, "xglm", vocab_size=256)
+    template = hf.build_template(hf.load_config(directory))
+
+    class Mesh:  # a context as a 2-rank FSDP mesh gives (no mesh is made)
+        mesh, tp_world, cp_world, pp_world, is_main_process = object(), 1, 1, 1, True
+
+    loss_fn, staged = task._loss(_config(tmp_path, directory, remat="auto"), Mesh, template, template)
+    assert not staged and "its stages composed differ" in capsys.readouterr().err
+    with pytest.raises(validate.ConfigError, match="its stages composed differ from the base model's forward by"):
+        task._loss(_config(tmp_path, directory, remat="full"), Mesh, template, template)

@@ -87,7 +87,7 @@ def maybe_compile(fn, compile: bool, options: dict | None):
     @functools.wraps(fn)
     def call(*args):
         lifted, args, views, originals = _lift(args)
-        with graph_breaks.explained():  # a break in user code: one line and the ways on
+        with graph_breaks.explained(lambda: lowered(lifted, *args)):  # a break in user code: one line, the ways on
             out = compiled(lifted, *args)
         if not lifted:
             return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch._dynamo.exc as dynamo_exc
@@ -59,20 +59,35 @@ def describe(exc: BaseException) -> str:
       'the step breaks torch.compile's graph at model.py:12 (in forward): Failed to trace builtin ...'
     """
     reason = getattr(exc, "gb_type", None) or str(exc).split("\n", 1)[0]
+    if "RNN, GRU, or LSTM" in reason:
+        return (f"the step cannot compile as one graph: torch.compile does not trace nn.RNN, nn.GRU or nn.LSTM "
+                f"(at {_where(exc)}); build the step with fullgraph=False (--config.fullgraph=False): the recurrent "
+                "module then runs between compiled graphs, with the same numbers")
     return (f"the step cannot compile as one graph: {reason}, at {_where(exc)}; change the module there "
             "(no print, logging or branch on a tensor's value inside the forward), or build the step with "
             "fullgraph=False (--config.fullgraph=False) to compile around the break (several graphs)")
 
 
 @contextlib.contextmanager
-def explained() -> Iterator[None]:
+def explained(rerun: "Callable[[], object] | None" = None) -> Iterator[None]:
     """Re-raises a Dynamo graph-break error inside the block as a one-line `GraphBreakError`.
 
+    Args:
+      rerun: the block's computation uncompiled. When Dynamo stops on an exception the traced code
+        raised (a check's refusal, say), `rerun()` raises that exception itself, with its own message
+        and traceback, in place of the graph-break line.
+
     Example:
-      >>> with explained():
+      >>> with explained(lambda: fn(*args)):
       ...     out = compiled(*args)
     """
     try:
         yield
+    except dynamo_exc.TorchRuntimeError:  # an op that failed on fake tensors: the eager run says which and why
+        if rerun is not None:
+            rerun()
+        raise
     except dynamo_exc.Unsupported as exc:
+        if rerun is not None and getattr(exc, "gb_type", "").startswith("Observed exception"):
+            rerun()  # (raises the code's own exception; tracing failed before anything ran)
         raise GraphBreakError(describe(exc)) from None

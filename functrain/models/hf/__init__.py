@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
     from functrain.models.hf.model import (
         HFModelError,
         build_template,
+        check_stages,
         decoder_layers,
         head_name,
         init_params,

@@ -14,13 +14,13 @@ from torch import nn
 
 from functrain import functional
 from functrain.models import lm
-from functrain.models.hf.model import HFModelError, head_name, stages
+from functrain.models.hf.model import HFModelError, check_stages, head_name, stages
 
 __all__ = ["make_loss_fn"]
 
 
 def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none",
-                 staged: bool = False) -> Callable:
+                 staged: bool = False, probe: "nn.Module | None" = None) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` of a transformers causal LM.
 
     Args:
@@ -29,6 +29,7 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
       ignore_index: target value to ignore.
       remat: "none", "full" or N: recompute decoder layers in the backward.
       staged: stages even without remat (per-block gathers on sharded params).
+      probe: the plain template `model` was made from (a tensor-parallel copy's), for `model.check_stages`.
 
     Returns:
       The loss function. Unstaged it reads the model's own logits (`model(input_ids=x).logits`);
@@ -36,7 +37,7 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
 
     Raises:
       HFModelError: a staged loss of a model whose logits are more than `hidden @ head.T` (a head
-        bias, logit soft-capping or scaling), in one line.
+        bias, logit soft-capping or scaling), or whose stages fail `model.check_stages`, in one line.
 
     Example:
       >>> loss_fn = make_loss_fn(template, remat="full")
@@ -57,5 +58,5 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
         raise HFModelError(f"{config.model_type}: its logits are more than hidden @ head.T ({', '.join(extra)}); the "
                            "staged loss (remat, a mesh, compile_unit=blocks) cannot run it: train it on one process "
                            "with --config.remat=none")
-    return lm.make_lm_loss_fn(model, stages(model), head=head_name(model), chunk_size=chunk_size,
+    return lm.make_lm_loss_fn(model, stages(model, share=check_stages(probe or model)), head=head_name(model), chunk_size=chunk_size,
                               ignore_index=ignore_index, remat=remat, staged=True)

@@ -29,25 +29,29 @@ from __future__ import annotations
 import copy
 import os
 import re
+import weakref
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from functrain import functional, rng
+from functrain.config import ConfigError
 from functrain.nn import randomness
 from functrain.models.lm import LMStages
 from functrain.step.staged import Stage
 
-__all__ = ["HFModelError", "build_template", "decoder_layers", "head_name", "init_params", "load_config", "stages",
+__all__ = ["HFModelError", "build_template", "check_stages", "decoder_layers", "head_name", "init_params", "load_config", "stages",
            "tp_rules"]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-class HFModelError(ValueError):
-    """A transformers model this family cannot train: one line naming the model and why."""
+class HFModelError(ConfigError):
+    """A transformers model this family cannot train: one line naming the model and why (a config error:
+    the trainer prints it as its one `functrain: error:` line)."""
 
 
 def load_config(path: str | os.PathLike):
@@ -78,7 +82,7 @@ def load_config(path: str | os.PathLike):
     if getattr(config, "is_encoder_decoder", False):
         raise HFModelError(f"{where}: {config.model_type} is an encoder-decoder; this family trains decoder-only "
                            "causal LMs")
-    if any(getattr(config, k, 0) for k in _MOE_KEYS):
+    if _experts(config):
         raise HFModelError(f"{where}: {config.model_type} is a mixture of experts; its routed layers are not "
                            "supported yet: train a dense model")
     if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or ["ForCausalLM"])):
@@ -87,8 +91,22 @@ def load_config(path: str | os.PathLike):
     return config
 
 
+def _experts(config) -> int:
+    """The expert count of a mixture of experts anywhere in its config (DBRX keeps it in `ffn_config`), else 0."""
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    found = [v for k, v in values.items() if k in _MOE_KEYS and isinstance(v, int) and v > 1]
+    found += [_experts(v) for v in values.values() if isinstance(v, dict)]
+    return max(found, default=0)
+
+
 def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
-    """The causal LM of `config` with its parameters on meta and its buffers (rotary tables) real on `device`.
+    """The causal LM of `config` with its parameters on meta and its buffers real on `device`.
+
+    The model is built for real, as `from_config` builds it, except that no write into a parameter
+    runs: each is recorded instead (the constructor's `nn.init` calls, transformers' `_init_weights`
+    over every module, in their order), for `init_params` to replay one parameter at a time. So no
+    memory is touched for the parameters, which then move to meta, and every buffer is exactly what a
+    real build makes (rotary tables, activation constants such as xIELU's `beta`).
 
     Args:
       config: a transformers config (`load_config`).
@@ -98,6 +116,9 @@ def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
       The `*ForCausalLM` module (scaled-dot-product attention where the architecture has it, else
       its own; no cache), in train mode.
 
+    Raises:
+      HFModelError: transformers cannot build the model from its config (one line).
+
     Example:
       >>> template = build_template(load_config("dirs/gpt2-tiny"))
     """
@@ -105,22 +126,97 @@ def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
 
     config = copy.deepcopy(config)
     config.use_cache = False
-    with torch.device("meta"):
+    with _ParamWrites() as writes:
         try:
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         except ValueError:  # an architecture without an SDPA path (e.g. Gemma 2): its own attention
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        except (AttributeError, TypeError, RuntimeError, ImportError) as exc:
+            raise HFModelError(f"{config.model_type}: transformers {transformers.__version__} cannot build it from "
+                               f"its config ({str(exc).splitlines()[0]})") from None
+    _INITS[model] = writes.by_name(model)
+    _params_to_meta(model)
     for module in model.modules():
-        if module._buffers:
-            for name, buf in list(module._buffers.items()):
-                if buf is not None:
-                    module._buffers[name] = torch.empty_like(buf, device=device)
-            model._init_weights(module)  # transformers computes its buffers here (meta params: no-ops)
-    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
-    if left:
-        raise HFModelError(f"{config.model_type}: transformers {transformers.__version__} left buffers {left[:3]} "
-                           "uncomputed; the hf family needs transformers >= 5 (pip install 'functrain[hf]')")
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
     return model.train()
+
+
+class _Write(NamedTuple):
+    """One recorded write into a parameter: `func` on the view (offset, size, stride) of it, with the other arguments."""
+
+    func: Callable
+    view: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _ParamWrites(TorchFunctionMode):
+    """While a model is built: every in-place write into a parameter is recorded and skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.params: dict[int, nn.Parameter] = {}  # storage -> the parameter on it (kept alive)
+        self.writes: dict[int, list[_Write]] = {}  # id(parameter) -> its writes, in order
+        self.empty: dict[int, torch.Tensor] = {}  # storages made uninitialized (torch.empty and the like)
+
+    def __enter__(self):
+        self._hook = nn.modules.module.register_module_parameter_registration_hook(self._registered)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+        return super().__exit__(*exc)
+
+    def _registered(self, module, name, param):
+        if param is not None:
+            self.params[param.untyped_storage()._cdata] = param
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
+            target = args[0] if args else kwargs.get("tensor")  # (torch.nn.init's functions take it by keyword too)
+            if isinstance(target, torch.Tensor) and not isinstance(target, torch._subclasses.FakeTensor):
+                storage = target.untyped_storage()._cdata
+                if isinstance(target, nn.Parameter) or storage in self.params:
+                    param = self.params.setdefault(storage, target)
+                    view = (target.storage_offset(), tuple(target.shape), target.stride())
+                    rest = (args[1:], kwargs) if args else ((), {k: a for k, a in kwargs.items() if k != "tensor"})
+                    self.writes.setdefault(id(param), []).append(_Write(func, view, *rest))
+                    return target
+        out = func(*args, **kwargs)
+        if func is torch.empty or func is torch.empty_like or func is torch.Tensor.new_empty:
+            self.empty[out.untyped_storage()._cdata] = out  # (kept alive: its storage's id stays its own)
+        return out
+
+    def by_name(self, model: nn.Module) -> dict[str, "list[_Write] | torch.Tensor"]:
+        """Each parameter's recorded writes, or, for one never written, its value as built."""
+        out = {}
+        for n, p in model.named_parameters():
+            writes = self.writes.get(id(p))  # (by the parameter: `.data = ...` may have given it another storage)
+            if not writes and p.untyped_storage()._cdata in self.empty:
+                raise HFModelError(f"{model.config.model_type}: nothing initializes {n} (neither its constructor nor "
+                                   "transformers' _init_weights writes it); this family cannot make it: start from the "
+                                   "directory's weights")
+            out[n] = [w._replace(view=(w.view[0] - p.storage_offset(), *w.view[1:])) for w in writes] if writes \
+                else p.detach().clone()
+        return out
+
+
+_INITS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # template -> its parameters' writes
+
+
+def _params_to_meta(model: nn.Module) -> None:
+    """Moves every parameter to meta in place, tied ones staying one object."""
+    moved: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                module._parameters[name] = moved[id(p)]
 
 
 def decoder_layers(model: nn.Module) -> str:
@@ -186,12 +282,15 @@ def head_name(model: nn.Module) -> str:
 
 
 def init_params(template: nn.Module, key: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32,
-                where: Callable | None = None) -> dict[str, torch.Tensor]:
-    """Fresh parameters from `key`: each module initialized by the model's own `_init_weights`.
+                where: Callable | None = None, only: "set[str] | None" = None) -> dict[str, torch.Tensor]:
+    """Fresh parameters from `key`, as transformers' `from_config` makes them, one parameter at a time.
 
-    A module at a time is made on the CPU and initialized under a seed drawn from (key, its name)
-    (`torch.random.fork_rng`: the global generator is left as it was); with `where` only this rank's
-    block of each parameter is kept, so no rank holds more than one module whole.
+    Each parameter's writes recorded by `build_template` (its constructor's init, then every
+    `_init_weights` that touches it, in order: GPT-2's depth-scaled `c_proj` overwrites the plain
+    one) are replayed on a real CPU tensor under a seed drawn from (key, its name)
+    (`torch.random.fork_rng`: the global generator is left as it was); a parameter never written
+    keeps its built value. With `where` only this rank's block of each is kept, so no rank holds more
+    than one parameter whole.
 
     Args:
       template: `build_template`'s model.
@@ -199,6 +298,7 @@ def init_params(template: nn.Module, key: torch.Tensor, *, device=None, dtype: t
       device: where the tensors go.
       dtype: their dtype.
       where: optional `where(name, shape) -> (offset, local_shape)` (this rank's block).
+      only: optional names: just these parameters (each as in the whole init).
 
     Returns:
       {name: tensor} in `named_parameters()` order (a tied weight once).
@@ -206,30 +306,27 @@ def init_params(template: nn.Module, key: torch.Tensor, *, device=None, dtype: t
     Example:
       >>> params = init_params(template, rng.key(0))
     """
-    wanted = {n for n, _ in template.named_parameters()}
+    inits = _INITS[template]
     out = {}
-    for prefix, module in template.named_modules():
-        own = {n: p for n, p in module._parameters.items() if p is not None and _join(prefix, n) in wanted}
-        if not own:
+    for name, p in template.named_parameters():
+        if only is not None and name not in only:
             continue
-        made = copy.copy(module)  # this module only: its own parameter dicts, real on the CPU
-        made._parameters = {n: None if p is None else nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
-                            for n, p in module._parameters.items()}
-        made._buffers = {n: (b if b is None or b.device.type != "meta" else torch.empty_like(b, device="cpu"))
-                         for n, b in module._buffers.items()}
-        made._modules = {}
-        seed = rng.key_data(rng.fold_in(key, _name_hash(prefix)))
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed % (1 << 63))
-            template._init_weights(made)
-        for n in own:
-            t = made._parameters[n].detach()
-            name = _join(prefix, n)
-            if where is not None:
-                offset, local = where(name, t.shape)
-                t = t[tuple(slice(o, o + s) for o, s in zip(offset, local))]
-            out[name] = t.to(device=device, dtype=dtype).contiguous()
-    return {n: out[n] for n, _ in template.named_parameters()}
+        writes = inits[name]
+        if isinstance(writes, torch.Tensor):
+            t = writes.clone()
+        else:
+            t = torch.empty(p.shape, dtype=torch.float32)
+            seed = rng.key_data(rng.fold_in(key, _name_hash(name)))
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(seed % (1 << 63))
+                for w in writes:
+                    offset, size, stride = w.view
+                    w.func(t.as_strided(size, stride, offset), *w.args, **w.kwargs)
+        if where is not None:
+            offset, local = where(name, t.shape)
+            t = t[tuple(slice(o, o + s) for o, s in zip(offset, local))]
+        out[name] = t.to(device=device, dtype=dtype).contiguous()
+    return out
 
 
 def _join(prefix: str, name: str) -> str:
@@ -281,11 +378,12 @@ def _final_norm(base: nn.Module, layers: str) -> str:
     return norms[-1]
 
 
-def stages(model: nn.Module) -> LMStages:
+def stages(model: nn.Module, share: bool = True) -> LMStages:
     """The model's forward cut into stages at its decoder layers (see the module docstring).
 
     Args:
       model: `build_template`'s model.
+      share: let layers alike share one function (`check_stages` says whether that is exact).
 
     Returns:
       `LMStages(embed, blocks, final)`: embed `(p, idx, key) -> h`, block `(p, h, key) -> h`, final
@@ -343,7 +441,7 @@ def stages(model: nn.Module) -> LMStages:
         return [(nm, tuple(t.shape), type(module.get_submodule(nm.rpartition(".")[0]))) for nm, t in module.named_parameters()], kinds
 
     layer_list = base.get_submodule(layers)
-    alike = n > 0 and all(signature(m) == signature(layer_list[0]) for m in layer_list)
+    alike = share and n > 0 and all(signature(m) == signature(layer_list[0]) for m in layer_list)
     embed = Stage(embed_names, lambda p, idx, key: run(embed_view, under_base(p), key, 0, input_ids=idx))
     blocks = []
     for i in range(n):
@@ -359,3 +457,81 @@ def stages(model: nn.Module) -> LMStages:
         blocks.append(Stage(block_names, block, shared if alike else None, own_prefix, i))
     final = Stage(norm_names, lambda p, h, key: run(final_view, under_base(p), key, 1 + n, inputs_embeds=h))
     return LMStages(embed, blocks, final)
+
+
+_PROBE_NUMEL = 1 << 26  # a model of at most this many parameters is probed whole, a larger one on two layers
+_PROBE_RTOL = 1e-4  # the same ops in another order differ by float32 rounding: ~1e-6 relative
+
+
+def check_stages(model: nn.Module) -> bool:
+    """Checks `stages(model)` on a probe batch: the stages composed must equal the base model's forward.
+
+    The probe is 2 x 8 token ids through params from `init_params` on the CPU, in eval mode: the
+    whole model when it has at most 2**26 parameters, else its first two layers (the base model
+    running just those, against the stages of those).
+
+    Args:
+      model: `build_template`'s model.
+
+    Returns:
+      Whether each layer also equals the one function it would share with the layers alike
+      (`stages(model, share=...)`); True when no layers are alike.
+
+    Raises:
+      HFModelError: the stages composed differ from the base model's forward (the check and the
+        number, in one line), or `stages` cannot cut the model.
+
+    Example:
+      >>> st = stages(template, share=check_stages(template))
+    """
+    st = stages(model)
+    path, _, layers = decoder_layers(model).rpartition(".")
+    base = model.get_submodule(path)
+    whole = sum(p.numel() for p in model.parameters()) <= _PROBE_NUMEL
+    keep = list(range(len(st.blocks))) if whole else list(range(min(len(st.blocks), 2)))
+    names = {*st.embed.names, *st.final.names, *(nm for i in keep for nm in st.blocks[i].names)}
+    device = next((b.device for b in model.buffers()), torch.device("cpu"))
+    p = init_params(model, rng.key(0), device=device, only=names)
+    x = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    try:
+        return _probe(st, base if whole else _view(base, layers, _final_norm(base, layers), keep, side=True, norm=True),
+                      path, keep, p, x)
+    except HFModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a view the model's own code cannot run
+        raise HFModelError(f"{model.config.model_type}: its stages cannot run on a probe batch ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}); this family cannot stage it: train it on one "
+                           "process with --config.remat=none and compile_unit=step") from None
+
+
+def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: dict, x: torch.Tensor) -> bool:
+    """`check_stages` on params `p` and ids `x`: raises when the stages composed differ from `reference`'s
+    forward; whether each block equals its shared function."""
+    device = x.device
+    shared_ok = True
+    with torch.no_grad():
+        own = {nm[len(path) + 1:]: t for nm, t in p.items() if nm.startswith(f"{path}.")}
+        want = functional.apply(reference, own, input_ids=x, train=False).last_hidden_state  # (B, T, C)
+        h = st.embed.fn(st.embed.params(p), x, None)  # (B, T, C)
+        for i in keep:
+            block = st.blocks[i]
+            out = block.fn(block.params(p), h, None)
+            if block.shared is not None:
+                alone = block.shared(block.own(p), h, None, torch.tensor(i, device=device))
+                shared_ok = shared_ok and _relative(alone, out) <= _PROBE_RTOL
+            h = out
+        got = st.final.fn(st.final.params(p), h, None)
+    off = _relative(got, want)
+    if not off <= _PROBE_RTOL:
+        raise HFModelError(f"{reference.config.model_type}: its stages composed differ from the base model's forward by "
+                           f"{off:.2g} (relative, on a probe batch); this family cannot stage it: train it on one "
+                           "process with --config.remat=none and compile_unit=step")
+    return shared_ok
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (inf for other shapes or non-finite values)."""
+    if a.shape != b.shape:
+        return float("inf")
+    scale = float(b.abs().max())
+    return float((a - b).abs().max()) / max(scale, 1e-30) if scale == scale else float("inf")

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,23 @@ def _load(weights, template, name: str, device, where):
         raise HFError(f"{weights.directory}: tensor {stored} is {found}, the model's config wants {shape}; "
                       "the weights and config.json disagree")
     return weights.read(stored, offset, local).to(device=device, dtype=torch.float32)
+
+
+def _loss(config, ctx, model, template):
+    """(the loss, whether it is staged): staged where the run asks for it; a model whose stages fail their check
+    trains unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh)."""
+    remat, staged = lm.resolve_remat(config.remat, ctx.mesh), lm.wants_stages(config, ctx)
+    try:
+        return make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template), \
+            staged or remat != "none"
+    except HFModelError as exc:
+        chosen = config.remat != "auto" or config.get("compile_unit", "step") == "blocks" or ctx.pp_world > 1
+        if chosen or not (staged or remat != "none"):
+            raise
+        if ctx.is_main_process:
+            print(f"functrain: note: {exc}; so it trains unstaged: the whole model is gathered for each step",
+                  file=sys.stderr, flush=True)
+        return make_loss_fn(model, chunk_size=config.loss_chunk_size), False
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
@@ -120,8 +138,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             raise HFModelError(f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
                                f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp")
         model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
-        loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=lm.resolve_remat(config.remat, ctx.mesh),
-                               staged=lm.wants_stages(config, ctx))
+        loss_fn, staged = _loss(config, ctx, model, template)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
     dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer)
@@ -150,7 +167,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         """A text sample from the prompt (sharded params: gathered a layer at a time); the export with `export_hf`."""
         prompt = torch.as_tensor(dataset.encode(config.sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
         out = lm.generate(template, params, prompt, config.sample.max_new_tokens, temperature=config.sample.temperature,
-                          top_k=config.sample.top_k or None, key=key, stages=stages(template), head=head,
+                          top_k=config.sample.top_k or None, key=key, stages=stages(template) if staged else None,
+                          head=head,
                           block_size=seq, logits_fn=lambda p, idx: functional.apply(template, p, input_ids=idx,
                                                                                     train=False).logits)
         result = {"sample": dataset.decode(out[0].tolist())}
