@@ -21,10 +21,12 @@ Example:
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
     "ConfigError",
+    "check_attention_fits",
     "Check",
     "check_all",
     "fail",
@@ -350,3 +352,30 @@ def dp_world(shape: Mapping[str, int]) -> int:
       4
     """
     return shape["dp_replicate"] * shape["dp_shard"]
+
+
+def check_attention_fits(block_size: int, heads: int, rows: int, cp: int = 1, memory: int | None = None) -> None:
+    """Raises `ConfigError` when one attention layer's scores of a microbatch cannot fit the host's memory.
+
+    The CPU attention of a training step (and inductor's kernels for it) holds the (rows, heads, T / cp, T)
+    scores of a layer at once: a block size they cannot fit would only fail after minutes of compiling.
+
+    Args:
+      block_size: the training sequence length T.
+      heads: the attention heads.
+      rows: the sequences of one microbatch on a rank.
+      cp: the context-parallel size (each rank's queries are T / cp).
+      memory: bytes available (default: the host's physical memory).
+
+    Example:
+      >>> check_attention_fits(1024, 12, 8)   # 400 MiB of scores: fine
+    """
+    if memory is None:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = rows * heads * (block_size // max(cp, 1)) * block_size * 4
+    if heads > 0 and need > memory:
+        raise ConfigError(
+            f"model.block_size={block_size}: one attention layer's scores alone take {need / 2**30:.1f} GiB "
+            f"({rows} rows x {heads} heads x {block_size // max(cp, 1)} x {block_size} floats) where this host has "
+            f"{memory / 2**30:.1f} GiB; lower --config.model.block_size or --config.batch_size, or raise "
+            "--config.accum_steps")

@@ -388,3 +388,37 @@ def test_the_old_name_tokenize_shards_warns_and_tokenizes(tmp_path):
     with pytest.warns(FutureWarning, match="tokenize_shards is now functrain.data.tokenize"):
         out = tokenize_shards(str(tmp_path / "src"), tmp_path / "cache", workers=1, log=_quiet)
     assert out == tokenize(str(tmp_path / "src"), tmp_path / "cache", workers=1, log=_quiet)
+
+
+def test_rank_zero_reports_the_records_every_rank_replaced(tmp_path):
+    """Two ranks tokenizing one cache (threads standing in for processes): rank 0 prints the replaced record
+    of the shard rank 1 tokenized (units go largest first to the least loaded rank: the corpus shard to rank 0,
+    the small bad one to rank 1); rank 1 prints no such line."""
+    import threading
+
+    from functrain.data.token_cache import tokenize
+
+    files = _bad_text_files(tmp_path / "bad")
+    src = tmp_path / "two"
+    _corpus(src, n_shards=1, docs=20)
+    os.replace(files["surrogate"], src / files["surrogate"].name)
+    logs = {0: [], 1: []}
+    errors = []
+
+    def run(rank):
+        try:
+            tokenize(str(src), tmp_path / "cache", val_fraction=0.0, workers=1, rank=rank, world=2,
+                     log=logs[rank].append, poll_s=0.05)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert [x for x in logs[1] if x.startswith("tokenizing") and "rank 1 of 2: 1 of 2 shards" in x], logs[1]
+    replaced = [x for x in logs[0] if "by U+FFFD in 1 records" in x]
+    assert replaced and "surrogate.jsonl:2" in replaced[0], logs
+    assert not [x for x in logs[1] if "U+FFFD" in x]

@@ -206,3 +206,46 @@ def test_scan_refuses_a_loss_whose_modules_draw():
     step = ft.make_train_step(loss_fn, opt, compile=False, accum_steps=2, accum_impl="scan")
     with pytest.raises(ValueError, match="accum_impl='scan' cannot key the random draws"):
         step(ft.init_state(net, opt, seed=0), torch.randn(8, 4))
+
+
+def _embedding_grads(net, x, keyed):
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    def loss(p):
+        with randomness.keyed(rng.key(0) if keyed else None):
+            return ft.apply(net, p, x).pow(2).sum()
+
+    return torch.func.grad(loss)(params)
+
+
+def test_a_users_embedding_gets_the_same_values_and_gradients():
+    """nn.Embedding (with a padding row) under the mode: torch's gradients, the padding row's zero."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(50, 8, padding_idx=3), nn.Linear(8, 8))
+    x = torch.randint(0, 50, (4, 12))
+    x[0, :4] = 3
+    ours, theirs = _embedding_grads(net, x, True), _embedding_grads(net, x, False)
+    assert_close(ours, theirs, rtol(48))
+    assert torch.equal(ours["0.weight"][3], torch.zeros(8))
+
+
+@pytest.mark.slow
+def test_a_users_embedding_compiles_to_bit_identical_steps():
+    """The same (state, batch) six times through the compiled step on two threads: one result."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64))
+
+        def loss_fn(params, batch, key):
+            return F.cross_entropy(ft.apply(net, params, batch).flatten(0, 1), batch.flatten())
+
+        opt = optim.sgd(0.1)
+        step = ft.make_train_step(loss_fn, opt, donate=False)
+        state = ft.init_state(net, opt, seed=0)
+        x = torch.randint(0, 64, (16, 64), generator=torch.Generator().manual_seed(1))
+        outs = [step(state, x)[0].params["0.weight"] for _ in range(6)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])

@@ -248,3 +248,21 @@ def test_bad_hf_directory_is_one_error_line(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("functrain: error: init_from: ") and str(directory) in lines[0]
     assert "no model.safetensors" in lines[0]
+
+
+def test_an_export_onto_a_file_is_one_line_with_the_right_advice(tmp_path):
+    """An existing file as the export path: the library and the command line say it is a file (not "free space")."""
+    import importlib.util
+
+    from functrain.trainer import main, validate
+
+    target = tmp_path / "taken"
+    target.write_text("mine")
+    with pytest.raises(HFError, match="is a file, not a directory; export to another path"):
+        save_hf_directory(target, {"w": torch.zeros(2)}, {})
+    spec = importlib.util.spec_from_file_location("llama_config", os.path.join(REPO, "configs", "llama.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(validate.ConfigError, match=r"--export_hf=.*taken: is a file, not a directory"):
+        main.export_hf(module.get_config("tiny"), tmp_path / "run", target)
+    assert target.read_text() == "mine"  # nothing lost

@@ -239,3 +239,29 @@ def test_a_config_file_that_cannot_load_is_one_line(tmp_path, config, expected):
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     line = _error_line(proc)
     assert line.startswith(f"functrain: error: {expected}"), line
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_first_compile_stops_cleanly(tmp_path):
+    """SIGTERM to the whole process group (the compiler's jobs too) while the first step compiles: rc 0, one line,
+    no traceback, no step taken."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "functrain.main", f"--config={CONFIG}:tiny", f"--workdir={tmp_path / 'run'}"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stdout:  # the run's description comes just before the first step compiles
+        lines.append(line)
+        if line.startswith("functrain: GPT"):
+            break
+    time.sleep(4.0)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert ("stopped (SIGTERM) while the first step compiled: no step taken, nothing to save" in text
+            or "stopped (SIGTERM) at step 1" in text), text[-3000:]

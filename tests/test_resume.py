@@ -381,3 +381,33 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
         main.main([])
     assert exit_.value.code == 130
     assert capsys.readouterr().err == "functrain: interrupted; the same command resumes from the last committed checkpoint\n"
+
+
+def test_a_corrupt_latest_step_names_the_command_that_resumes_from_the_one_before(tmp_path):
+    """A corrupt newest checkpoint: one line with the `mv` that lets the same command resume from the step before;
+    run as said, the resume takes that step."""
+    import ml_collections
+
+    from functrain import init_state, optim
+    from functrain.trainer import restore
+
+    params = {"w": torch.arange(6.0).reshape(2, 3)}
+    config = ml_collections.ConfigDict({"compile": False, "checkpoint": {"async_restore": False,
+                                                                           "resume_hyperparams": "config"}})
+    root = tmp_path / "checkpoints"
+    with ckpt.Manager(str(root), every=1, keep=3) as mgr:
+        for step in (2, 4):
+            mgr.save(step, init_state({"w": params["w"] * step}, optim.sgd(0.1), seed=0))
+            mgr.wait()
+    (root / "4" / "default" / "_METADATA").write_text("{not json")
+    fresh = init_state({"w": torch.zeros(2, 3)}, optim.sgd(0.1), seed=0)
+    with ckpt.Manager(str(root), every=1, keep=3) as mgr:
+        with pytest.raises(ckpt.CheckpointError) as info:
+            restore.maybe_restore(mgr, fresh, None, lambda s: s, config, print)
+    line = str(info.value)
+    assert "\n" not in line and f"to resume from step 2, move this one aside (mv {root / '4'} {root / '4'}.corrupt)" in line
+    os.rename(root / "4", root / "4.corrupt")
+    with ckpt.Manager(str(root), every=1, keep=3) as mgr:
+        restored = restore.maybe_restore(mgr, fresh, None, lambda s: s, config, lambda _: None)
+    assert torch.equal(restored.params["w"], params["w"] * 2)
+    assert (root / "4.corrupt" / "default").is_dir()  # nothing lost

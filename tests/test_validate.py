@@ -128,3 +128,21 @@ def test_check_batch_splits_into_ranks_and_micro_batches(batch, accum, dp, ok):
         with pytest.raises(validate.ConfigError, match=rf"^batch_size={batch} must divide by data-parallel "
                                                        rf"ranks \({dp}\) x accum_steps \({accum}\);"):
             validate.check_batch(batch, accum, dp)
+
+
+def test_a_block_size_whose_attention_cannot_fit_is_refused_before_any_work():
+    """block_size=100000 on the CPU: one line naming the scores' size, from the torch-free checks."""
+    from functrain import config as config_lib
+    from functrain.trainer import main
+
+    c = gpt_config.get_config()
+    c.model.block_size = 100_000
+    c.device = "cpu"
+    with pytest.raises(validate.ConfigError, match=r"model.block_size=100000: one attention layer's scores alone take "
+                                                   r"4768.4 GiB \(32 rows x 4 heads x 100000 x 100000 floats\)"):
+        main.check_config(c)
+    config_lib.check_attention_fits(1024, 12, 8, memory=2**30)  # 384 MiB of scores in 1 GiB: fine
+    with pytest.raises(validate.ConfigError, match="raise --config.accum_steps"):
+        config_lib.check_attention_fits(1024, 12, 8, memory=2**28)
+    c.model.block_size = 256
+    main.check_config(c)  # the default's block size passes

@@ -290,7 +290,7 @@ class _Progress:
 
     def __init__(self, total, units, log, label, noun):
         self.total, self.units, self.log, self.label, self.noun = total, units, log, label, noun
-        self.done_bytes, self.done_units, self.bad = 0, 0, []
+        self.done_bytes, self.done_units = 0, 0
         self.t0 = self.last = time.perf_counter()
 
     def add(self, nbytes: int) -> None:
@@ -306,26 +306,28 @@ class _Progress:
                      f"{self.done_units}/{self.units} {self.noun}")
 
     def unit_done(self, marker: dict) -> None:
-        """Counts a finished unit (and its skipped lines)."""
+        """Counts a finished unit."""
         self.done_units += 1
-        if marker["bad_lines"] or marker.get("replaced"):
-            self.bad.append(marker)
 
     def end(self) -> None:
-        """The closing line: throughput and skipped lines."""
+        """The closing line: throughput."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
         self.log(f"tokenized {self.label}: {self.total / 1e6:.1f} MB of files on disk in {dt:.1f}s "
                  f"({self.total / 1e6 / dt:.1f} MB/s), {self.units} {self.noun}")
-        skipped = [m for m in self.bad if m["bad_lines"]]
-        if skipped:
-            n = sum(m["bad_lines"] for m in skipped)
-            self.log(f"skipped {n} jsonl lines that are not JSON objects (first at {skipped[0]['first_bad_line']}; "
-                     "data.max_bad_line_fraction allows them)")
-        replaced = [m for m in self.bad if m.get("replaced")]
-        if replaced:
-            n = sum(m["replaced"] for m in replaced)
-            self.log(f"replaced the text that is not valid UTF-8 (bytes that are not UTF-8, lone surrogates) by U+FFFD "
-                     f"in {n} records (first at {replaced[0]['first_replaced']}); the records are kept")
+
+
+def _report_bad(markers: list[dict], log) -> None:
+    """The lines skipped and the records whose text was replaced, over every unit (whichever rank made it)."""
+    skipped = [m for m in markers if m["bad_lines"]]
+    if skipped:
+        n = sum(m["bad_lines"] for m in skipped)
+        log(f"skipped {n} jsonl lines that are not JSON objects (first at {skipped[0]['first_bad_line']}; "
+            "data.max_bad_line_fraction allows them)")
+    replaced = [m for m in markers if m.get("replaced")]
+    if replaced:
+        n = sum(m["replaced"] for m in replaced)
+        log(f"replaced the text that is not valid UTF-8 (bytes that are not UTF-8, lone surrogates) by U+FFFD "
+            f"in {n} records (first at {replaced[0]['first_replaced']}); the records are kept")
 
 
 _TOKENIZERS: dict = {}
@@ -450,6 +452,7 @@ def _finish(out, units, content, kind, tok, tokenizer, text_field, val_fraction,
     """Rank 0, once every unit is done: both splits non-empty, temporaries removed, meta.json written (last)."""
     _remove_temporaries(out)
     markers = [_marker(out, u, tok) for u in units]
+    _report_bad(markers, log)
     for empty, full in (("val", "train"), ("train", "val")):
         if not sum(m["tokens"][empty] for m in markers):
             _move_first_document(out, markers, full, empty, source, val_fraction, log)

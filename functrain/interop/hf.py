@@ -200,6 +200,9 @@ def save_hf_directory(directory: str | os.PathLike, state_dict: Mapping[str, tor
       >>> save_hf_directory("runs/llama/hf", export_hf_llama(params, cfg), hf_llama_config(cfg))
     """
     out = Path(directory)
+    if out.exists() and not out.is_dir():  # (every rank sees it: no rank starts a collective alone)
+        raise HFError(f"{out}: is a file, not a directory; export to another path (a new directory, or one to "
+                      "overwrite), or move the file away")
     save_safetensors(dict(state_dict), out / _SINGLE, metadata={"format": "pt"})  # every rank; rank 0 writes
     rank, distributed = rank_and_world()
     if rank == 0:

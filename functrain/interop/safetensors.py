@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -148,7 +149,9 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
 
         dist.barrier()
     if failed is not None:
-        raise SafetensorsError(f"{path}: could not write ({failed}); free space or pick another path") from None
+        fix = "free space on that disk" if getattr(failed, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else \
+            "pick a path where a file can be written"
+        raise SafetensorsError(f"{path}: could not write ({failed}); {fix}") from None
     return path
 
 

@@ -18,6 +18,11 @@ keyed (`randperm`, `multinomial`, `poisson`, `normal`, `random_`, `cauchy_`, `lo
 `geometric_`) still run, and are recorded: `unkeyed()` names them, and the train step prints one
 `functrain: warning:` line for each, once.
 
+The same mode gives every `F.embedding` (hence a user's `nn.Embedding`) `functrain.ops.embedding`'s
+backward, which compiles to a deterministic kernel on CPU (inductor's own sums with atomic adds, so
+identical compiled steps differ in the last bits), with the same values and the padding row's zero
+gradient.
+
 `make_train_step` enters the mode around the loss with the (micro)batch's key; the eval step has no
 key, and modules in eval mode do not drop. Calls that draw nothing pass through unchanged, so a
 model without randomness computes exactly what it did. The call counter is a Python int read while
@@ -42,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from functrain import rng
+from functrain import ops, rng
 
 __all__ = ["SALT", "KeyedRandomness", "keyed", "unkeyed", "warn_unkeyed"]
 
@@ -161,6 +166,8 @@ class KeyedRandomness(TorchFunctionMode):
             return self._dropout(func, args, kwargs, 1 if func is F.dropout1d else 2 if func is F.dropout2d else 3)
         if func is F.alpha_dropout or func is F.feature_alpha_dropout:
             return self._dropout(func, args, kwargs, 0, alpha=True, feature=func is F.feature_alpha_dropout)
+        if func is F.embedding:
+            return self._embedding(func, args, kwargs)
         if func is F.multi_head_attention_forward or func is F.gumbel_softmax:
             with self:  # the composite's own draws, seen by this mode
                 return (_MHA if func is F.multi_head_attention_forward else _GUMBEL)(*args, **kwargs)
@@ -203,6 +210,21 @@ class KeyedRandomness(TorchFunctionMode):
                 _UNKEYED.add(func.__name__)
                 return func(*args, **kwargs)
         return None
+
+    def _embedding(self, func, args, kwargs):
+        """`F.embedding` as `functrain.ops.embedding` (a deterministic compiled backward on CPU), the padding row
+        getting no gradient; max_norm, scale_grad_by_freq and sparse keep torch's own."""
+        idx, weight = args[0], _arg(args, kwargs, 1, "weight", None)
+        padding_idx = _arg(args, kwargs, 2, "padding_idx", None)
+        own = (_arg(args, kwargs, 3, "max_norm", None) is not None or _arg(args, kwargs, 5, "scale_grad_by_freq", False)
+               or _arg(args, kwargs, 6, "sparse", False))
+        if own or weight.device.type != "cpu":
+            return func(*args, **kwargs)
+        out = ops.embedding(weight, idx)  # (..., C)
+        if padding_idx is None:
+            return out
+        padding_idx = padding_idx + weight.shape[0] if padding_idx < 0 else padding_idx
+        return torch.where((idx == padding_idx)[..., None], out.detach(), out)
 
     def _next_key(self) -> torch.Tensor:
         """The key of the next drawing call."""

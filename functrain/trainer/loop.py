@@ -182,7 +182,15 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
                 batch = batches.get(step) if batches is not None else task.train_batch(step)
                 if graphs:
                     cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
-                state, m = route.train_step(state, batch)
+                try:
+                    state, m = route.train_step(state, batch)
+                except Exception:  # a signal that interrupted the first compile (its compiler jobs killed)
+                    if step != start or not preemption.signalled():
+                        raise
+                    stopped = preemption.reason
+                    print_fn(f"stopped ({stopped}) while the first step compiled: no step taken, nothing to save; "
+                             "the same command starts again")
+                    break
                 done = step + 1
                 if step == start:
                     if graphs and cuda_graphs.skips() > graph_skips:

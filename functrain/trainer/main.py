@@ -178,6 +178,9 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
     from functrain.trainer import validate
 
     family = _family(config)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise validate.ConfigError(f"--export_hf={out}: is a file, not a directory; export to another path (a new "
+                                   "directory, or one to overwrite), or move the file away")
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
     # One process reads the params whole, whatever mesh trained them: the training run's mesh flags
     # only count under torchrun.
@@ -236,6 +239,15 @@ def check_config(config: Any, mesh: bool = True) -> None:
     micro = ("pp.microbatches", config.pp.microbatches) if pp > 1 else ("accum_steps", config.accum_steps)
     validate.check_batch(config.batch_size, micro[1], mesh_config.dp_world(shape) if world > 1 else 1, micro[0])
     validate.check_context(config.model.get("block_size", 0), shape["cp"])
+    if config.get("device", "auto") == "cpu" or (config.get("device", "auto") == "auto" and not _has_gpu()):
+        rows = config.batch_size // micro[1] // (mesh_config.dp_world(shape) if world > 1 else 1)
+        mesh_config.check_attention_fits(config.model.get("block_size", 0), config.model.get("n_head", 0), rows,
+                                         shape["cp"])
+
+
+def _has_gpu() -> bool:
+    """Whether this host has an NVIDIA device (torch-free: its device node)."""
+    return os.path.exists("/dev/nvidiactl")
 
 
 def _check_init_from(config: Any, workdir: str | Path, loop) -> None:
@@ -293,9 +305,11 @@ def main(argv: list[str]) -> None:
         from functrain.checkpoint import CheckpointError
         from functrain.compiler import GraphBreakError
         from functrain.data import DataError
+        from functrain.interop.hf import HFError
+        from functrain.interop.safetensors import SafetensorsError
         from functrain.trainer.loop import TrainingError
 
-        if isinstance(exc, (CheckpointError, DataError, TrainingError)):
+        if isinstance(exc, (CheckpointError, DataError, TrainingError, HFError, SafetensorsError)):
             _fail(str(exc))
         if isinstance(exc, GraphBreakError):
             _fail(f"{exc}".replace("fullgraph=False (--config.fullgraph=False)", "--config.fullgraph=False"))

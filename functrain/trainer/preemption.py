@@ -58,6 +58,10 @@ class PreemptionFlag:
             self.reason = signal.Signals(signum).name
         self._flag = True
 
+    def signalled(self) -> bool:
+        """Whether this process has received the signal (no agreement over ranks: for a stop before any step)."""
+        return self._flag
+
     def requested(self) -> bool:
         """Whether any rank got SIGTERM or Ctrl-C (distributed: as of the previous check)."""
         if self._group is None:

@@ -72,18 +72,36 @@ def maybe_restore(manager, state: TrainState, train_step, batch_at, config, prin
     latest = manager.latest_step() if manager is not None else None
     if latest is None:
         return state
-    saved = manager.custom_metadata(latest).get("functrain", {}).get("data")
-    changed = data_record_lib.check_resume(saved, data_record, latest, bool(config.get("data", {}).get("allow_changed")))
-    if changed:
-        print_fn(changed)
     try:
+        saved = manager.custom_metadata(latest).get("functrain", {}).get("data")
+        allow = bool(config.get("data", {}).get("allow_changed"))
+        changed = data_record_lib.check_resume(saved, data_record, latest, allow)
+        if changed:
+            print_fn(changed)
         return _restore(manager, latest, state, train_step, batch_at, config, print_fn, whole)
-    except ckpt_lib.MismatchError as exc:
-        if any(name.startswith("params.") for name in exc.leaves):
-            raise  # the params do not fit: starting from them cannot help
-        raise ckpt_lib.CheckpointError(  # what does not fit is optimizer state (or another state field)
-            f"{exc}; to keep its params under this optimizer, start a new --workdir with "
-            f"--config.checkpoint.init_from={manager.step_path(latest)}") from None
+    except ckpt_lib.CheckpointError as exc:
+        if isinstance(exc, ckpt_lib.MismatchError):
+            raise _mismatch(exc, manager, latest) from None
+        raise ckpt_lib.CheckpointError(f"{exc}; {_how_to_skip(manager, latest)}") from None
+
+
+def _how_to_skip(manager, latest: int) -> str:
+    """The command that resumes from the step before `latest` (moving `latest` aside, losing nothing)."""
+    path = manager.step_path(latest)
+    earlier = [s for s in manager.all_steps() if s < latest]
+    if not earlier:
+        return f"no earlier step is kept: move it aside (mv {path} {path}.corrupt) and run the same command to start over"
+    return (f"to resume from step {earlier[-1]}, move this one aside (mv {path} {path}.corrupt) and run the same "
+            "command again")
+
+
+def _mismatch(exc, manager, latest: int) -> Exception:
+    """A state that does not fit the checkpoint: as it is when the params differ, else how to keep the params."""
+    if any(name.startswith("params.") for name in exc.leaves):
+        return exc  # the params do not fit: starting from them cannot help
+    return ckpt_lib.CheckpointError(  # what does not fit is optimizer state (or another state field)
+        f"{exc}; to keep its params under this optimizer, start a new --workdir with "
+        f"--config.checkpoint.init_from={manager.step_path(latest)}")
 
 
 def _restore(manager, latest: int, state: TrainState, train_step, batch_at, config, print_fn,
