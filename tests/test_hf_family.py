@@ -377,5 +377,8 @@ def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_
 
     loss_fn, staged = task._loss(_config(tmp_path, directory, remat="auto"), Mesh, template, template)
     assert not staged and "its stages composed differ" in capsys.readouterr().err
-    with pytest.raises(validate.ConfigError, match="its stages composed differ from the base model's forward by"):
+    with pytest.raises(validate.ConfigError, match="its stages composed differ from the base model's forward by .*; "
+                                                   "this family cannot stage it: train it with --config.remat=none$"):
         task._loss(_config(tmp_path, directory, remat="full"), Mesh, template, template)
+    with pytest.raises(validate.ConfigError, match="train it with --config.compile_unit=step$"):  # the flag this run set
+        task._loss(_config(tmp_path, directory, remat="auto", compile_unit="blocks"), Mesh, template, template)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
     from functrain.models.hf.loss import make_loss_fn
     from functrain.models.hf.model import (
         HFModelError,
+        StagingError,
         build_template,
         check_stages,
         decoder_layers,

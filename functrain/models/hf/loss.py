@@ -14,7 +14,7 @@ from torch import nn
 
 from functrain import functional
 from functrain.models import lm
-from functrain.models.hf.model import HFModelError, check_stages, head_name, stages
+from functrain.models.hf.model import StagingError, check_stages, head_name, stages
 
 __all__ = ["make_loss_fn"]
 
@@ -36,8 +36,9 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
       staged, `hidden @ head.T` of its stages.
 
     Raises:
-      HFModelError: a staged loss of a model whose logits are more than `hidden @ head.T` (a head
-        bias, logit soft-capping or scaling), or whose stages fail `model.check_stages`, in one line.
+      StagingError: a staged loss of a model whose logits are more than `hidden @ head.T` (a head
+        bias, logit soft-capping or scaling), or whose stages fail `model.check_stages`, in one line
+        (the unstaged loss, remat="none" and staged=False, trains it).
 
     Example:
       >>> loss_fn = make_loss_fn(template, remat="full")
@@ -55,8 +56,8 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         extra.append("a head bias")
     if extra:
-        raise HFModelError(f"{config.model_type}: its logits are more than hidden @ head.T ({', '.join(extra)}); the "
-                           "staged loss (remat, a mesh, compile_unit=blocks) cannot run it: train it on one process "
-                           "with --config.remat=none")
-    return lm.make_lm_loss_fn(model, stages(model, share=check_stages(probe or model)), head=head_name(model), chunk_size=chunk_size,
-                              ignore_index=ignore_index, remat=remat, staged=True)
+        raise StagingError(f"{config.model_type}: its logits are more than hidden @ head.T ({', '.join(extra)}), which "
+                           "a staged loss computes")
+    st = stages(model, share=check_stages(probe or model))
+    return lm.make_lm_loss_fn(model, st, head=head_name(model), chunk_size=chunk_size, ignore_index=ignore_index,
+                              remat=remat, staged=True)

@@ -43,7 +43,7 @@ from functrain.nn import randomness
 from functrain.models.lm import LMStages
 from functrain.step.staged import Stage
 
-__all__ = ["HFModelError", "build_template", "check_stages", "decoder_layers", "head_name", "init_params", "load_config", "stages",
+__all__ = ["HFModelError", "StagingError", "build_template", "check_stages", "decoder_layers", "head_name", "init_params", "load_config", "stages",
            "tp_rules"]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -52,6 +52,11 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_ex
 class HFModelError(ConfigError):
     """A transformers model this family cannot train: one line naming the model and why (a config error:
     the trainer prints it as its one `functrain: error:` line)."""
+
+
+class StagingError(HFModelError):
+    """A model the family cannot cut into stages (it may still train unstaged): one line naming why; the
+    caller adds what to change (`hf.make_loss_fn`'s arguments, the trainer's flags)."""
 
 
 def load_config(path: str | os.PathLike):
@@ -239,8 +244,8 @@ def decoder_layers(model: nn.Module) -> str:
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) and all(type(m).__name__ in kinds for m in module):
             return name
-    raise HFModelError(f"{type(model).__name__}: no list of decoder layers ({sorted(kinds) or 'no _no_split_modules'}) "
-                       "found; this family needs a decoder-only transformers model")
+    raise StagingError(f"{type(model).__name__}: no list of decoder layers ({sorted(kinds) or 'no _no_split_modules'}) "
+                       "found to cut its stages at")
 
 
 def tp_rules(model: nn.Module) -> list[tuple[str, str]]:
@@ -374,7 +379,7 @@ def _final_norm(base: nn.Module, layers: str) -> str:
     norms = [n for n, m in base._modules.items()
              if n != layers and m is not None and _has_params(m) and "norm" in type(m).__name__.lower()]
     if not norms:
-        raise HFModelError(f"{type(base).__name__}: no final norm beside {layers}; this family needs one")
+        raise StagingError(f"{type(base).__name__}: no final norm with parameters beside {layers} to end its stages")
     return norms[-1]
 
 
@@ -407,13 +412,12 @@ def stages(model: nn.Module, share: bool = True) -> LMStages:
     other = [n for n, m in base._modules.items()
              if n not in (layers, norm) and m is not None and _has_params(m) and not isinstance(m, nn.Embedding)]
     if other:  # (where they run, before the layers or after the norm, is not known from outside)
-        raise HFModelError(f"{type(model).__name__}: {path} holds {', '.join(other)} beside its embeddings, layers and "
-                           "final norm; this family cannot stage it: train it with --config.remat=none on one process")
+        raise StagingError(f"{type(model).__name__}: {path} holds {', '.join(other)} beside its embeddings, layers and "
+                           "final norm, which no stage can place")
     left = [nm for nm in names if not nm.startswith(prefix) and nm != head]
     if left:
-        raise HFModelError(f"{type(model).__name__}: parameters outside {path} and the head ({', '.join(left[:3])}) "
-                           "belong to no stage; this family cannot stage it: train it with --config.remat=none "
-                           "on one process")
+        raise StagingError(f"{type(model).__name__}: parameters outside {path} and the head ({', '.join(left[:3])}) "
+                           "belong to no stage")
 
     def run(view, own, key, salt, **inputs):
         """The view's base forward on `own` (names under the base), its dropout keyed by (key, salt): its last
@@ -499,9 +503,8 @@ def check_stages(model: nn.Module) -> bool:
     except HFModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - a view the model's own code cannot run
-        raise HFModelError(f"{model.config.model_type}: its stages cannot run on a probe batch ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''}); this family cannot stage it: train it on one "
-                           "process with --config.remat=none and compile_unit=step") from None
+        raise StagingError(f"{model.config.model_type}: its stages cannot run on a probe batch ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: dict, x: torch.Tensor) -> bool:
@@ -523,9 +526,8 @@ def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: di
         got = st.final.fn(st.final.params(p), h, None)
     off = _relative(got, want)
     if not off <= _PROBE_RTOL:
-        raise HFModelError(f"{reference.config.model_type}: its stages composed differ from the base model's forward by "
-                           f"{off:.2g} (relative, on a probe batch); this family cannot stage it: train it on one "
-                           "process with --config.remat=none and compile_unit=step")
+        raise StagingError(f"{reference.config.model_type}: its stages composed differ from the base model's forward by "
+                           f"{off:.2g} (relative, on a probe batch)")
     return shared_ok
 
 

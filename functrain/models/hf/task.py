@@ -36,7 +36,7 @@ from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
-from functrain.models.hf.model import (HFModelError, build_template, head_name, init_params, load_config, stages,
+from functrain.models.hf.model import (HFModelError, StagingError, build_template, head_name, init_params, load_config, stages,
                                       tp_rules)
 from functrain.task import Task
 
@@ -74,19 +74,22 @@ def _load(weights, template, name: str, device, where):
 
 
 def _loss(config, ctx, model, template):
-    """(the loss, whether it is staged): staged where the run asks for it; a model whose stages fail their check
-    trains unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh)."""
+    """(the loss, whether it is staged): staged where the run asks for it; a model the family cannot stage trains
+    unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh), and
+    is refused in one line naming the flags to change where the run asked for them."""
     remat, staged = lm.resolve_remat(config.remat, ctx.mesh), lm.wants_stages(config, ctx)
     try:
         return make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template), \
             staged or remat != "none"
-    except HFModelError as exc:
-        chosen = config.remat != "auto" or config.get("compile_unit", "step") == "blocks" or ctx.pp_world > 1
-        if chosen or not (staged or remat != "none"):
-            raise
+    except StagingError as exc:
+        asked = [flag for flag, on in (("--config.remat=none", config.remat not in ("auto", "none")),
+                                       ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
+                                       ("--config.mesh.pp=1", ctx.pp_world > 1)) if on]
+        if asked:
+            raise HFModelError(f"{exc}; this family cannot stage it: train it with {' and '.join(asked)}") from None
         if ctx.is_main_process:
-            print(f"functrain: note: {exc}; so it trains unstaged: the whole model is gathered for each step",
-                  file=sys.stderr, flush=True)
+            print(f"functrain: note: {exc}; this family cannot stage it, so it trains unstaged: the whole model is "
+                  "gathered for each step", file=sys.stderr, flush=True)
         return make_loss_fn(model, chunk_size=config.loss_chunk_size), False
 
 
