@@ -7,14 +7,14 @@ Commands (from the repository root; the first writes a tiny Qwen2 directory, no 
 
 Expected result (2-core AMD EPYC, torch 2.13, fresh workdir, 1:10 wall): the stdlib is tokenized to
 bytes (31.1M train tokens), the Qwen2ForCausalLM (0.46M params, 2 layers of width 128) compiles in
-~33 s, then 300 steps of 16 x 128 tokens at ~0.062 s/step; train loss ~5.5 -> 2.10 (2.70 at step 50),
-val 2.50 at step 100 and 2.03 at step 300; the sample is Python-like bytes. The run ends by writing
+~33 s, then 300 steps of 16 x 128 tokens at ~0.062 s/step; train loss ~5.5 -> 2.05 (2.63 at step 50),
+val 2.45 at step 100 and 1.97 at step 300; the sample is Python-like bytes. The run ends by writing
 `runs/hf/hf`, which `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
 The directory holds `config.json`, and optionally `*.safetensors` (loaded unless
 `--config.model.weights=False`) and `tokenizer.json` (used with `data.tokenizer="auto"`; a directory
 without one whose model has 256 ids trains on bytes; others need `--config.data.tokenizer`). Without
-weights the model is initialized from the run's key by transformers' own `_init_weights`.
+weights the model is initialized from the run's key as transformers' own init does it.
 At the end the run writes `<workdir>/hf`, a directory `AutoModelForCausalLM.from_pretrained` loads.
 Multi-process (FSDP, a gather per decoder layer):
 `torchrun --standalone --nproc_per_node=2 -m functrain.main --config=configs/hf.py --config.model.path=DIR`.
