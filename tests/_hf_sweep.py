@@ -74,19 +74,23 @@ def check_init(template, params, real) -> None:
         assert torch.equal(ours[name].to(want.dtype), want), name
 
 
-def batches(n, seed=0):
+def batches(n, seed=0, shape=(B, T)):
+    """`n` batches of random (ids, targets) of `shape` below V."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)) for _ in range(n)]
+    return [(torch.randint(0, V, shape, generator=g), torch.randint(0, V, shape, generator=g)) for _ in range(n)]
 
 
-def _optimizer():
+def optimizer():
+    """AdamW (lr 1e-3, no decay) after clipping at 1, as the torch loop runs it."""
     return optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, weight_decay=0.0))
 
 
 def torch_loop(real, params, data):
     """Losses of `real` (our params loaded) trained by the plain loop."""
     missing, unexpected = real.load_state_dict(params, strict=False)
-    assert not unexpected, unexpected
+    tied = {n for n, _ in real.named_parameters(remove_duplicate=False)} - {n for n, _ in real.named_parameters()}
+    kept = tied | {n for n, _ in real.named_buffers()}  # (a tied head is the embedding; buffers are its own)
+    assert not unexpected and set(missing) <= kept, (unexpected, missing)
     real.train()
     opt = torch.optim.AdamW(real.parameters(), lr=1e-3, weight_decay=0.0)
     losses = []
@@ -101,8 +105,8 @@ def torch_loop(real, params, data):
 
 
 def functrain_losses(template, params, data, **loss):
-    step = ft.make_train_step(hf.make_loss_fn(template, **loss), _optimizer(), compile=False)
-    state = ft.init_state(params, _optimizer())
+    step = ft.make_train_step(hf.make_loss_fn(template, **loss), optimizer(), compile=False)
+    state = ft.init_state(params, optimizer())
     out = []
     for batch in data:
         state, m = step(state, batch)

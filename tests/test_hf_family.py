@@ -27,6 +27,8 @@ from functrain.models.hf.tiny import write_tiny
 
 transformers = pytest.importorskip("transformers")
 
+import _hf_sweep as sweep  # noqa: E402  (it imports transformers)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, T, V = 20, 4, 16, 64
 ARCHS = ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "qwen3", "olmo2", "opt"]
@@ -46,40 +48,18 @@ def _dir(tmp_path, arch, **extra):
 
 
 def _batches(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)) for _ in range(n)]
-
-
-def _optimizer():
-    return optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, weight_decay=0.0))
+    return sweep.batches(n, seed, shape=(B, T))
 
 
 def _torch_loop(directory, params, data):
     """Losses of transformers' own module (our initial params loaded) trained by the plain loop."""
-    config = hf.load_config(directory)
-    try:
-        net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError:  # no SDPA path (Gemma 2): its own attention, as the family builds it
-        net = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    missing, unexpected = net.load_state_dict(params, strict=False)
-    assert not unexpected and all(n == "lm_head.weight" for n in missing)  # (a tied head is the embedding)
-    net.train()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
-    losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = F.cross_entropy(net(input_ids=x).logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return sweep.torch_loop(sweep.real_model(directory), params, data)
 
 
 def _functrain(template, params, data, **kw):
     loss_fn = hf.make_loss_fn(template, **kw.pop("loss", {}))
-    step = ft.make_train_step(loss_fn, _optimizer(), **kw)
-    state = ft.init_state(params, _optimizer())
+    step = ft.make_train_step(loss_fn, sweep.optimizer(), **kw)
+    state = ft.init_state(params, sweep.optimizer())
     losses = []
     for batch in data:
         state, m = step(state, batch)

@@ -122,7 +122,7 @@ def test_compiled_draws_equal_eager(name):
     assert_close(compiled.params, eager.params, rtol(8 * 32 * 16))
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.numeric
 def test_inductor_draws_equal_eager():
     eager, a = _run("encoder", torch_seed=1)
