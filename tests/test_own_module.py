@@ -542,3 +542,80 @@ def test_the_loop_trains_a_task_with_model_state_and_resumes_bit_exactly(tmp_pat
     for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
         assert torch.equal(states[0]["model_state"][k], states[1]["model_state"][k]), k
     assert int(states[0]["model_state"]["bn.num_batches_tracked"]) == 20
+
+
+# --- errors that fit -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_recurrent_module_names_the_way_that_works(cell):
+    """LSTM/GRU under the one-graph step: their own line naming fullgraph=False; with it, the eager numbers."""
+    rnn = cell(4, 8, batch_first=True)
+
+    def loss_fn(params, batch, key):
+        return ft.apply(rnn, params, batch)[0].pow(2).mean()
+
+    opt = optim.sgd(0.1)
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    aot = {"backend": "aot_eager"}
+    with pytest.raises(GraphBreakError, match=r"torch.compile does not trace nn.RNN, nn.GRU or nn.LSTM .*build the step "
+                                              r"with fullgraph=False \(--config.fullgraph=False\)"):
+        ft.make_train_step(loss_fn, opt, compile_options=aot)(ft.init_state(rnn, opt), x)
+    _, eager = ft.make_train_step(loss_fn, opt, compile=False)(ft.init_state(rnn, opt), x)
+    _, pieces = ft.make_train_step(loss_fn, opt, compile_options=aot, fullgraph=False)(ft.init_state(rnn, opt), x)
+    assert_close(pieces["loss"], eager["loss"], rtol(5 * 8 * 4))
+
+
+def test_a_meta_refusal_keeps_its_line_in_the_compiled_step_and_init_state_refuses_meta():
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    params = {"0.weight": torch.randn(4, 4), "0.bias": torch.zeros(4)}  # the second layer's are missing
+
+    def loss_fn(p, batch, key):
+        return ft.apply(net, p, batch).sum()
+
+    opt = optim.sgd(0.1)
+    step = ft.make_train_step(loss_fn, opt, compile_options={"backend": "aot_eager"})
+    with pytest.raises(ValueError, match=r"functrain.apply: the template would compute with 2 tensor\(s\) on the meta "
+                                         r"device .*parameter 1.weight \[2, 4\]"):
+        step(ft.init_state(params, opt), torch.randn(2, 4))
+    with pytest.raises(ValueError, match=r"functrain.init_state: 4 tensor\(s\) are on the meta device \(0.bias, "
+                                         r"0.weight, 1.bias, ...\): a meta template has no numbers"):
+        ft.init_state(net, opt)
+
+
+class _Counting(nn.Module):
+    """A forward that counts its calls in a non-persistent buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_forward_writing_a_buffer_the_state_does_not_carry_is_refused_until_the_state_carries_it(compile):
+    net = _Counting()
+
+    def loss_fn(params, batch, key, model_state=None):
+        if model_state is None:
+            return ft.apply(net, params, batch).sum()
+        out, model_state = ft.apply(net, params, batch, model_state=model_state)
+        return out.sum(), {}, model_state
+
+    opt = optim.sgd(0.1)
+    options = {"backend": "aot_eager"} if compile else None
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"functrain.apply: the forward wrote into buffer\(s\) calls of the template"):
+        ft.make_train_step(lambda p, b, k: loss_fn(p, b, k), opt, compile=compile, compile_options=options)(
+            ft.init_state(net, opt), x)
+    net.calls.zero_()  # (the refused call had counted once into the template)
+    state = ft.init_state(net, opt, model_state=ft.nn.buffers_of(net, persistent=False))
+    step = ft.make_train_step(loss_fn, opt, compile=compile, compile_options=options)
+    for _ in range(3):
+        state, _ = step(state, x)
+    assert float(state.model_state["calls"]) == 3.0 and float(net.calls) == 0.0  # the state's, not the template's
