@@ -144,8 +144,9 @@ def init_state(
     model_state = {} if model_state is None else dict(model_state)
     on_meta = [n for n, v in (*_named(params), *_named(model_state)) if v.device.type == "meta"]
     if on_meta:
-        raise ValueError(f"functrain.init_state: {len(on_meta)} tensor(s) are on the meta device ({', '.join(on_meta[:3])}"
-                         f"{', ...' if len(on_meta) > 3 else ''}): a meta template has no numbers; pass real params (a "
+        listed = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
+        raise ValueError(f"functrain.init_state: {len(on_meta)} tensor(s) are on the meta device ({listed}): a meta "
+                         "template has no numbers; pass real params (a "
                          "family's init_params, or the module built on a real device) and keep the template for apply")
     if copy:
         params = tree_lib.map(lambda v: v.detach().clone(), params)

@@ -15,7 +15,7 @@ A torch function mode sees only the outermost call of a composite torch function
 and `F.gumbel_softmax` would run unseen. Those two run as a copy of their own code whose override
 check is off, inside the mode, so their inner draws are keyed too. The few draws that cannot be
 keyed (`randperm`, `multinomial`, `poisson`, `normal`, `random_`, `cauchy_`, `log_normal_`,
-`geometric_`) still run, and are recorded: `unkeyed()` names them, and the train step prints one
+`geometric_`) still run, and are recorded: the train step prints one
 `functrain: warning:` line for each, once.
 
 The same mode gives every `F.embedding` (hence a user's `nn.Embedding`) `functrain.ops.embedding`'s
@@ -49,7 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from functrain import ops, rng
 
-__all__ = ["SALT", "KeyedRandomness", "keyed", "unkeyed", "warn_unkeyed"]
+__all__ = ["SALT", "KeyedRandomness", "keyed", "warn_unkeyed"]
 
 SALT = 0x6472_6F70  # "drop": keeps these keys apart from a loss's own fold_in(key, small int)
 
@@ -60,7 +60,7 @@ _ALPHA_PRIME = -_SELU_ALPHA * _SELU_SCALE  # the value alpha dropout sets droppe
 # Tensor methods written in Python (`Tensor.unflatten`, `split`, `norm`, ...): passed through by
 # name, since Dynamo cannot trace their bodies' `super()` calls when it inlines the mode.
 _TENSOR_PY_METHODS = frozenset(k for k, v in vars(torch.Tensor).items() if isinstance(v, types.FunctionType))
-# Draws no key can stand in for: run from torch's generator, and named once (`unkeyed`).
+# Draws no key can stand in for: run from torch's generator, and named once (`warn_unkeyed`).
 _UNKEYABLE = (torch.randperm, torch.multinomial, torch.Tensor.multinomial, torch.poisson, torch.normal,
               torch.Tensor.random_, torch.Tensor.cauchy_, torch.Tensor.log_normal_, torch.Tensor.geometric_)
 _UNKEYED: set[str] = set()
@@ -110,23 +110,8 @@ def _active(p: float, training: bool) -> bool:
     return bool(training) and p > 0.0
 
 
-def unkeyed() -> set[str]:
-    """The draws seen under `keyed` that could not be keyed (they drew from torch's generator).
-
-    Returns:
-      Their names, e.g. `{"randperm"}`; the caller may clear the set once it has reported them.
-
-    Example:
-      >>> with keyed(key):
-      ...     torch.randperm(4)
-      >>> "randperm" in unkeyed()
-      True
-    """
-    return _UNKEYED
-
-
 def warn_unkeyed() -> None:
-    """Warns once for each draw `unkeyed()` names (one `functrain: warning:` line each), then clears it.
+    """Warns once for each draw seen under `keyed` that could not be keyed (one `functrain: warning:` line each).
 
     Example:
       >>> state, metrics = compiled_step(state, batch)
@@ -202,8 +187,8 @@ class KeyedRandomness(TorchFunctionMode):
             return args[0].copy_(self._fill(func, args, kwargs))
         if func is F.rrelu or func is torch.rrelu:
             return self._rrelu(func, args, kwargs)
-        if (func is F.fractional_max_pool2d or func is F.fractional_max_pool3d or func is F.fractional_max_pool2d_with_indices
-                or func is F.fractional_max_pool3d_with_indices):
+        if (func is F.fractional_max_pool2d or func is F.fractional_max_pool3d
+                or func is F.fractional_max_pool2d_with_indices or func is F.fractional_max_pool3d_with_indices):
             return self._fractional_max_pool(func, args, kwargs)
         for f in _UNKEYABLE:
             if func is f:

@@ -90,7 +90,8 @@ def _how_to_skip(manager, latest: int) -> str:
     path = manager.step_path(latest)
     earlier = [s for s in manager.all_steps() if s < latest]
     if not earlier:
-        return f"no earlier step is kept: move it aside (mv {path} {path}.corrupt) and run the same command to start over"
+        return (f"no earlier step is kept: move it aside (mv {path} {path}.corrupt) and run the same command to start "
+                "over")
     return (f"to resume from step {earlier[-1]}, move this one aside (mv {path} {path}.corrupt) and run the same "
             "command again")
 

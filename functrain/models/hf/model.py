@@ -43,8 +43,8 @@ from functrain.nn import randomness
 from functrain.models.lm import LMStages
 from functrain.step.staged import Stage
 
-__all__ = ["HFModelError", "StagingError", "build_template", "check_stages", "decoder_layers", "head_name", "init_params", "load_config", "stages",
-           "tp_rules"]
+__all__ = ["HFModelError", "StagingError", "build_template", "check_stages", "decoder_layers", "head_name",
+           "init_params", "load_config", "stages", "tp_rules"]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -149,7 +149,7 @@ def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
 
 
 class _Write(NamedTuple):
-    """One recorded write into a parameter: `func` on the view (offset, size, stride) of it, with the other arguments."""
+    """One recorded write into a parameter: `func` on its view (offset, size, stride), with the other arguments."""
 
     func: Callable
     view: tuple
@@ -183,7 +183,7 @@ class _ParamWrites(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__":
             target = args[0] if args else kwargs.get("tensor")  # (torch.nn.init's functions take it by keyword too)
-            if isinstance(target, torch.Tensor) and not isinstance(target, torch._subclasses.FakeTensor):
+            if isinstance(target, torch.Tensor):
                 storage = target.untyped_storage()._cdata
                 if isinstance(target, nn.Parameter) or storage in self.params:
                     param = self.params.setdefault(storage, target)
@@ -332,11 +332,6 @@ def init_params(template: nn.Module, key: torch.Tensor, *, device=None, dtype: t
             t = t[tuple(slice(o, o + s) for o, s in zip(offset, local))]
         out[name] = t.to(device=device, dtype=dtype).contiguous()
     return out
-
-
-def _join(prefix: str, name: str) -> str:
-    """A dotted name under a prefix."""
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _name_hash(name: str) -> int:
@@ -526,8 +521,8 @@ def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: di
         got = st.final.fn(st.final.params(p), h, None)
     off = _relative(got, want)
     if not off <= _PROBE_RTOL:
-        raise StagingError(f"{reference.config.model_type}: its stages composed differ from the base model's forward by "
-                           f"{off:.2g} (relative, on a probe batch)")
+        raise StagingError(f"{reference.config.model_type}: its stages composed differ from the base model's forward "
+                           f"by {off:.2g} (relative, on a probe batch)")
     return shared_ok
 
 

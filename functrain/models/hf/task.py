@@ -36,8 +36,8 @@ from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
-from functrain.models.hf.model import (HFModelError, StagingError, build_template, head_name, init_params, load_config, stages,
-                                      tp_rules)
+from functrain.models.hf.model import (HFModelError, StagingError, build_template, head_name, init_params, load_config,
+                                      stages, tp_rules)
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
