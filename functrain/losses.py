@@ -71,7 +71,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         lse = torch.cat(lse_parts)  # (N,)
         nll = torch.cat(nll_parts)  # (N,)
         count = valid.sum().to(lse.dtype)
-        loss = torch.where(valid, nll, torch.zeros_like(nll)).sum() / count  # NaN when all ignored, as F.cross_entropy
+        loss = torch.where(valid, nll, torch.zeros_like(nll)).sum() / count.clamp(min=1.0)  # 0 when all ignored
         return loss, lse, count
 
     @staticmethod
@@ -132,7 +132,7 @@ def chunked_cross_entropy(
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materializing the logits.
 
     Equal (to float32 rounding) to `F.cross_entropy((hidden @ weight.T).float(), targets,
-    ignore_index=ignore_index)` in value and in gradients for `hidden` and `weight`, but only
+    ignore_index=ignore_index)` in value and in gradients (except that all ignored gives 0, not NaN) for `hidden` and `weight`, but only
     `chunk_size` rows of logits exist at any time, in the forward and in the backward.
 
     Args:
@@ -140,7 +140,7 @@ def chunked_cross_entropy(
         softmax and accumulation are float32, float64 for float64 inputs).
       weight: the output projection (V, C), e.g. a GPT's tied `wte.weight`.
       targets: int64 target ids, (B, T) or (N,); entries equal to `ignore_index` are left out of
-        the mean (all ignored gives NaN, as `F.cross_entropy`).
+        the mean (all ignored gives 0 with zero gradients, as `models.lm.cross_entropy`).
       chunk_size: tokens per chunk; the transient memory is about `3 * chunk_size * V` floats.
       ignore_index: target value to ignore.
 

@@ -68,6 +68,11 @@ class Task(NamedTuple):
       data_record: optional JSON record of the data trained on (`LMData.record()`: files, sizes,
         sha256). The loop saves it with each checkpoint, and a resume on other data stops in one
         line unless `data.allow_changed`. None: not recorded, not checked.
+      count_targets: optional `batch -> 0-d tensor`: the number of target tokens of a batch, for a
+        loss that is a mean over them (`models.lm.count_targets()`): the step's loss and gradient are
+        then the mean over every target token of the step, over microbatches and ranks, and the
+        validation loss the mean over every target of the validation set (`make_train_step`'s
+        `count_targets`). None: each batch weighs the same.
     """
 
     describe: str
@@ -83,3 +88,4 @@ class Task(NamedTuple):
     data_position: Callable[[int], dict] | None = None
     init_model_state: Callable[[torch.device], PyTree] | None = None
     data_record: dict | None = None
+    count_targets: Callable[[PyTree], torch.Tensor] | None = None

@@ -12,7 +12,7 @@ from functrain import tree as tree_lib
 from functrain.losses import chunked_cross_entropy
 from functrain.models.gpt import gpt_hidden, gpt_loss
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
-from functrain.models import gpt
+from functrain.models import gpt, lm
 from functrain.state import init_state
 from functrain.step import value_and_grad
 
@@ -86,12 +86,15 @@ def test_bfloat16_inputs_follow_the_reference():
     torch.testing.assert_close(gw.float(), rw.float(), atol=2e-3, rtol=2e-2)
 
 
-def test_all_targets_ignored_gives_nan_like_reference_and_zero_grads():
+def test_all_targets_ignored_gives_zero_and_zero_grads_where_the_reference_gives_nan():
+    """A microbatch of prompts only adds nothing to a step weighted by its targets: 0, never NaN."""
     h, w, t = _problem(n=8)
     t[:] = -1
     (gh, gw), loss = _grads(lambda a, b: chunked_cross_entropy(a, b, t, chunk_size=3), h, w)
-    assert torch.isnan(loss) and torch.isnan(_reference(h, w, t))
+    assert loss == 0 and torch.isnan(_reference(h, w, t))
     assert gh.abs().max() == 0 and gw.abs().max() == 0
+    (gh, gw), loss = _grads(lambda a, b: lm.cross_entropy((a @ b.t())[None], t[None]), h, w)
+    assert loss == 0 and gh.abs().max() == 0 and gw.abs().max() == 0
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")

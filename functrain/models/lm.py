@@ -30,7 +30,7 @@ from functrain.losses import chunked_cross_entropy
 from functrain.step.staged import Stage
 
 __all__ = [
-    "LMStages", "context_model", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
+    "LMStages", "context_model", "count_targets", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
     "repeated_stages", "resolve_remat", "submodule_stage", "tokenizer_of", "wants_stages",
 ]
 
@@ -291,7 +291,7 @@ def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tens
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in float32.
+    """Mean next-token cross-entropy over the counted targets, computed in float32.
 
     Args:
       logits: (B, T, V) in any floating dtype.
@@ -299,13 +299,39 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
       ignore_index: target value to ignore (nanoGPT uses -1).
 
     Returns:
-      A float32 scalar tensor.
+      A float32 scalar tensor; 0 (with zero gradients) when every target is ignored, where
+      `F.cross_entropy` gives NaN: a microbatch of prompts only then adds nothing to a step weighted
+      by `count_targets`.
 
     Example:
       >>> loss = cross_entropy(model(x), y)
     """
     flat = logits.flatten(0, 1).float()  # (B, T, V) -> (B*T, V)
-    return F.cross_entropy(flat, targets.flatten(), ignore_index=ignore_index)  # targets (B*T,)
+    total = F.cross_entropy(flat, targets.flatten(), ignore_index=ignore_index, reduction="sum")  # targets (B*T,)
+    return total / (targets != ignore_index).sum().clamp(min=1)
+
+
+def count_targets(ignore_index: int = -1) -> Callable:
+    """`count(batch) -> int64 0-d tensor`: the targets of an LM batch `(x, y, ...)` not equal to `ignore_index`.
+
+    The `Task.count_targets` of every decoder LM family, for `make_train_step(count_targets=...)`:
+    the step's loss is then the mean over every target token of the step.
+
+    Args:
+      ignore_index: the target value left out.
+
+    Returns:
+      The counting function (traceable: a comparison and a sum).
+
+    Example:
+      >>> step = make_train_step(loss_fn, opt, accum_steps=4, count_targets=lm.count_targets())
+    """
+
+    def count(batch) -> torch.Tensor:
+        """The counted targets of `batch[1]`."""
+        return (batch[1] != ignore_index).sum()
+
+    return count
 
 
 def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.Tensor:

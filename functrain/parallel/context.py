@@ -513,7 +513,7 @@ class Split(NamedTuple):
         with torch.no_grad():  # a count: nothing to differentiate, and collectives' autograd is not functorch's
             total = wait(funcol.all_reduce(count, "sum", self.group))
         local_sum = torch.where(count > 0, local_mean, torch.zeros_like(local_mean)) * count
-        return local_sum * (self.world / total)
+        return local_sum * (self.world / total.clamp(min=1))
 
 
 def split_of(mesh, kernel: str = "zigzag") -> Split | None:

@@ -73,6 +73,13 @@ class Layout:
         """A key that differs per dp rank (dropout masks must), the same on tp ranks."""
         raise NotImplementedError
 
+    def token_weights(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, total) of this rank's microbatches' target counts (K,): `total` sums them over every
+        rank whose gradients are averaged, `weights[k] = counts[k] * ranks / total` (0 when total is 0),
+        so the average over those ranks of `sum_k weights[k] * mean_loss_k` is the mean over every target."""
+        total = counts.sum()
+        return counts / total.clamp(min=1), total
+
     def global_norm(self, tree: PyTree, *, fused: bool = False) -> torch.Tensor:
         """The L2 norm of all leaves over the whole mesh (see `functrain.tree.global_norm`)."""
         return tree_lib.global_norm(tree, fused=fused)

@@ -58,7 +58,7 @@ from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
 from functrain.parallel.schedule import Action, bubble_fraction, partition, schedule as make_schedule
 from functrain.step.staged import StagedLoss, cotangent_seed
-from functrain.step.steps import split_microbatches
+from functrain.step.steps import microbatch_counts, split_microbatches
 from functrain.state import TrainState
 from functrain.step.update import make_update, to_master
 
@@ -241,6 +241,9 @@ class Stages(Layout):
     def fold_in_dp(self, key):
         return self.inner.fold_in_dp(key)
 
+    def token_weights(self, counts):
+        return self.inner.token_weights(counts)
+
     def global_norm(self, tree, *, fused: bool = False):
         mine = {k: v for k, v in tree.items() if k in self.pipe.counted}
         sq = torch.square(self.inner.global_norm(mine, fused=fused))
@@ -419,6 +422,7 @@ def make_train_step(
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
     skip_nonfinite: bool = True,
     compile_options: dict | None = None,
+    count_targets: Callable[[PyTree], torch.Tensor] | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
     """Builds one pipeline rank's `step(state, batch) -> (new_state, metrics)`.
 
@@ -437,10 +441,14 @@ def make_train_step(
       skip_nonfinite: keep the old params and optimizer state when the global loss or gradient norm
         is not finite (the same decision on every rank).
       compile_options: extra keyword arguments for `torch.compile`.
+      count_targets: `batch -> number of target tokens`, as for `functrain.make_train_step`: the
+        loss and gradients are then the mean over every target token of the step (every rank counts
+        them from its copy of the batch; summed over the data-parallel ranks).
 
     Returns:
       The step. Metrics, equal on every pipeline rank: `loss` and the head's aux (mean over
-      microbatches), `grad_norm`, `update_norm`, `lr`, the skip counters.
+      microbatches, or weighted by their targets), `grad_norm`, `update_norm`, `lr`, the skip
+      counters, and `targets` with `count_targets`.
 
     Raises:
       ValueError: an unknown schedule or microbatches < 1 (one line).
@@ -477,6 +485,9 @@ def make_train_step(
         micro = [tree_lib.map(lambda x, i=i: x[i], cut) for i in range(microbatches)]
         keys = rng_lib.split(key, microbatches) if microbatches > 1 else key[None]
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
+        weights = total = None
+        if count_targets is not None:  # every rank holds the batch: the same counts on every stage
+            weights, total = lay.token_weights(microbatch_counts(count_targets, batch, microbatches))
         stages = _Rank(pipe, loss_fn, wire, _signature(batch))
         grads: Params = {}
         wide = microbatches > 1  # accumulate in float32, as accum_steps does
@@ -497,12 +508,18 @@ def make_train_step(
                             losses.append(loss.detach())
                             auxes.append({k: v.detach() for k, v in (aux or {}).items()})
                     else:
-                        stages.backward(params, held.pop(i), keys[i], i, loss_scale, add)
+                        scale = loss_scale  # times the microbatch's weight, when weighted
+                        if weights is not None:
+                            scale = weights[i] if loss_scale is None else loss_scale * weights[i]
+                        stages.backward(params, held.pop(i), keys[i], i, scale, add)
             wire.flush()
-        grads = {n: (grads[n] / microbatches if wide else grads[n]) if n in grads else torch.zeros_like(p)
+        mean = wide and weights is None  # weighted: the sum is the mean over every target already
+        grads = {n: (grads[n] / microbatches if mean else grads[n]) if n in grads else torch.zeros_like(p)
                  for n, p in params.items()}
         grads = _sum_tied(grads, pipe)
-        metrics = _metrics(losses, auxes, pipe, _device(params), aux_names)
+        metrics = _metrics(losses, auxes, pipe, _device(params), aux_names, weights)
+        if total is not None:
+            metrics[M.TARGETS] = total
         grads = lay.reduce_grads(to_master(grads, state.params, loss_scale), state.params)  # dp mean, placements
         return update(state, lay.mean_over_dp(metrics), grads)
 
@@ -525,15 +542,18 @@ def _sum_tied(grads: Params, pipe: Pipeline) -> Params:
     return out
 
 
-def _metrics(losses: list, auxes: list, pipe: Pipeline, device, names: list) -> dict:
-    """The loss and aux (mean over microbatches) from the last rank, the same on every pipeline rank;
-    `names` caches the aux names (filled by the last rank's broadcast at the first call)."""
+def _metrics(losses: list, auxes: list, pipe: Pipeline, device, names: list, weights=None) -> dict:
+    """The loss and aux (mean over microbatches, or summed with `weights`) from the last rank, the same on
+    every pipeline rank; `names` caches the aux names (filled by the last rank's broadcast at the first call)."""
     if not names:
         names.append(_aux_names(auxes, pipe))
     names = names[0]
     if pipe.last:
         rows = [torch.stack([l.float(), *[a[k].float() for k in names]]) for l, a in zip(losses, auxes)]
-        values = torch.stack(rows).mean(0) if len(rows) > 1 else rows[0]
+        if weights is not None:
+            values = (torch.stack(rows) * weights.to(device)[:, None]).sum(0)
+        else:
+            values = torch.stack(rows).mean(0) if len(rows) > 1 else rows[0]
     else:
         values = torch.zeros(1 + len(names), device=device)
     values = _all_reduce(values.to(device), pipe)

@@ -371,6 +371,17 @@ class Spmd(Layout):
         mean = self._all_reduce(stacked, self.dp_dims) / _prod(self.mesh.size(d) for d in self.dp_dims)
         return {k: mean[i].to(v.dtype) for i, (k, v) in enumerate(zip(keys, vals))}
 
+    def token_weights(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Layout.token_weights`: the count summed over the dp and cp axes (one all-reduce of a scalar). Every
+        cp rank counts the whole sequences (a context-parallel loss keeps its own tokens and scales its mean
+        to the sequence's, `context.Split.token_mean`), so the step's count is that sum over cp_world."""
+        if not self.dp_dims:
+            return super().token_weights(counts)
+        with torch.no_grad():  # a count: nothing to differentiate
+            total = self._all_reduce(counts.sum(), self.dp_dims)
+        ranks = _prod(self.mesh.size(d) for d in self.dp_dims)
+        return counts * (ranks / total.clamp(min=1)), total / self.cp_world
+
     def fold_in_dp(self, key: torch.Tensor) -> torch.Tensor:
         """Folds the dp and cp coordinates into a key, so ranks holding other tokens draw other masks."""
         if self.dp_world * self.cp_world == 1:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 __all__ = [
     "LOSS", "GRAD_NORM", "UPDATE_NORM", "PARAM_NORM", "LR", "SKIPPED", "CONSECUTIVE_SKIPS",
-    "SKIPPED_TOTAL", "LOSS_SCALE", "VAL_LOSS", "TOKENS_PER_S", "STEP_TIME_S", "MFU", "ETA",
+    "SKIPPED_TOTAL", "LOSS_SCALE", "TARGETS", "TARGETS_PER_S", "VAL_LOSS", "TOKENS_PER_S", "STEP_TIME_S", "MFU", "ETA",
     "PEAK_MEM_MB", "DATA_WAIT_MS", "EPOCH", "EPOCH_FRACTION", "PER_STEP_FLAGS", "QUIET_WHEN_ZERO",
 ]
 
 # From the train step (0-d tensors).
-LOSS = "loss"  # the loss (mean over microbatches and data-parallel ranks)
+LOSS = "loss"  # the loss (mean over microbatches and data-parallel ranks; per target token with count_targets)
+TARGETS = "targets"  # with count_targets: the step's target tokens, over every microbatch and rank
 GRAD_NORM = "grad_norm"  # global L2 norm of the gradients, before clipping
 UPDATE_NORM = "update_norm"  # global L2 norm of the optimizer's update (before a skip)
 LR = "lr"  # the learning rate the update used (reported by the optimizer, see optim.report)
@@ -31,6 +32,7 @@ LOSS_SCALE = "loss_scale"  # the fp16 dynamic loss scale this step used
 PARAM_NORM = "param_norm"  # global L2 norm of the params after the step (taken when logging)
 VAL_LOSS = "val_loss"
 TOKENS_PER_S = "tokens_per_s"
+TARGETS_PER_S = "targets_per_s"  # the logged step's target (supervised) tokens over the window's step time
 STEP_TIME_S = "step_time_s"
 MFU = "mfu"  # model FLOP utilization against the device's (measured or published) peak
 ETA = "eta"

@@ -192,37 +192,61 @@ def split_microbatches(batch: PyTree, k: int, what: str = "accum_steps") -> PyTr
 
 
 def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str, loss_scale=None,
-                                layout=None, model_state=None, fullgraph=True):
-    """Mean loss/aux/grads over `accum_steps` microbatches, inside one graph (grads summed in
-    float32 when accumulating, else in the compute dtype; the caller casts them to the masters'),
-    and the model state after the last one (each microbatch updates it, as torch's loop would).
-    With `layout`, params are sharded and the loss gathers them stage by stage."""
+                                layout=None, model_state=None, fullgraph=True, weights=None):
+    """Loss/aux/grads over `accum_steps` microbatches, inside one graph: their mean, or with `weights` (K,)
+    (`Layout.token_weights`) their sum weighted by them (grads summed in float32 when accumulating, else in
+    the compute dtype; the caller casts them to the masters'), and the model state after the last one
+    (each microbatch updates it, as torch's loop would). With `layout`, params are sharded and the loss
+    gathers them stage by stage."""
     if accum_steps == 1:
-        return _metrics_and_grads(loss_fn, params, batch, key, loss_scale, layout, model_state, fullgraph)
+        w = None if weights is None else weights[0]
+        aux, grads, model_state = _metrics_and_grads(loss_fn, params, batch, key, _times(loss_scale, w), layout,
+                                                     model_state, fullgraph)
+        return (aux if w is None else tree_lib.map(lambda a: a * w, aux)), grads, model_state
     micro = split_microbatches(batch, accum_steps)
     keys = rng_lib.split(key, accum_steps)  # (K, 2)
     if impl == "scan":
         def body(carry, xs):
-            mb, k = xs
+            mb, k, w = xs
             sums, ms = carry
-            aux, grads, ms = _metrics_and_grads(loss_fn, params, mb, k, loss_scale, model_state=ms, keyed=False)
+            aux, grads, ms = _metrics_and_grads(loss_fn, params, mb, k, _times(loss_scale, w), model_state=ms,
+                                                keyed=False)
+            aux = tree_lib.map(lambda a: a * w, aux)
             return (tree_lib.map(torch.add, sums, (grads, aux)), ms), torch.zeros(())
 
         probe_aux = _zeros_aux(loss_fn, params, micro, keys, model_state)
         init = ((tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux), model_state)
-        ((gsum, asum), model_state), _ = compiler.scan(body, init, (micro, keys))
+        ones = torch.ones(accum_steps, device=keys.device)  # (the mean's 1/K comes after the sum)
+        ((gsum, asum), model_state), _ = compiler.scan(body, init, (micro, keys, ones if weights is None else weights))
     else:  # "unroll": a Python loop traced into the same graph
         gsum = asum = None
         for i in range(accum_steps):
             mb = tree_lib.map(lambda x: x[i], micro)
-            aux, grads, model_state = _metrics_and_grads(loss_fn, params, mb, keys[i], loss_scale, layout,
+            w = None if weights is None else weights[i]
+            aux, grads, model_state = _metrics_and_grads(loss_fn, params, mb, keys[i], _times(loss_scale, w), layout,
                                                          model_state, fullgraph)
             grads = tree_lib.map(lambda g: g.float(), grads)
+            aux = aux if w is None else tree_lib.map(lambda a, w=w: a * w, aux)
             gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
             asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
+    if weights is not None:  # weighted already: their sum is the mean over every target
+        return asum, gsum, model_state
     scale = 1.0 / accum_steps
-    grads = tree_lib.map(lambda g: g * scale, gsum)  # float32
-    return tree_lib.map(lambda a: a * scale, asum), grads, model_state
+    return tree_lib.map(lambda a: a * scale, asum), tree_lib.map(lambda g: g * scale, gsum), model_state
+
+
+def _times(scale, w):
+    """`scale * w`, either of them None (no factor)."""
+    if w is None or scale is None:
+        return scale if w is None else w
+    return scale * w
+
+
+def microbatch_counts(count_targets: Callable, batch: PyTree, accum_steps: int) -> torch.Tensor:
+    """`count_targets` of each of the `accum_steps` microbatches of `batch`, as a float32 (K,) tensor."""
+    micro = split_microbatches(batch, accum_steps) if accum_steps > 1 else tree_lib.map(lambda x: x[None], batch)
+    counts = [count_targets(tree_lib.map(lambda x: x[i], micro)) for i in range(accum_steps)]
+    return torch.stack([torch.as_tensor(c).to(torch.float32).reshape(()) for c in counts])
 
 
 def _zeros_aux(loss_fn, params, micro, keys, model_state):
@@ -259,6 +283,7 @@ def make_train_step(
     layout: Layout | None = None,
     fullgraph: bool = True,
     model_state_sync: str = "broadcast",
+    count_targets: Callable[[PyTree], torch.Tensor] | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
     """Builds `step(state, batch) -> (new_state, metrics)`.
 
@@ -304,6 +329,15 @@ def make_train_step(
         DDP's `broadcast_buffers` does; "mean" averages the floating buffers over the dp ranks
         (integer counters agree anyway), as flax's cross-replica `batch_stats` mean does.
         Normalization itself always uses each rank's own batch statistics (no SyncBatchNorm).
+      count_targets: `batch -> number of target tokens` (a 0-d tensor, e.g. `models.lm.count_targets()`)
+        for a loss that is a mean over target tokens: the step's loss and gradient are then the mean
+        over every target token of the step, whatever `accum_steps` and the number of data-parallel
+        and context-parallel ranks (as one process would compute the sum of the losses of all the
+        global batch's targets divided by their count), instead of the mean of the microbatches'
+        means. The counts are taken from the batch before the forward and summed over the ranks (one
+        all-reduce of a scalar); each microbatch's loss is weighted by its share. A microbatch with no
+        target adds nothing (the loss must then be finite, e.g. 0, as `models.lm.cross_entropy` is). None:
+        every microbatch weighs the same (a loss that is not a mean over tokens).
 
     The train step runs the model in training mode (`functrain.apply` sets it for the call,
     whatever mode the template is in), and every dropout inside any module draws from the step's key
@@ -317,7 +351,8 @@ def make_train_step(
       `update_norm`, `lr` (when the optimizer has a learning rate), plus the
       loss_fn's aux entries (averaged over microbatches); with skipping, `skipped` (1 when this
       step's update was skipped), `consecutive_skips` and `skipped_total`; under fp16,
-      `loss_scale` (the scale this step used).
+      `loss_scale` (the scale this step used); with `count_targets`, `targets` (the step's count over
+      every microbatch and rank), and the loss and aux are weighted by it.
 
     Example:
       >>> step = make_train_step(loss_fn, optim.adamw(3e-4), accum_steps=4)
@@ -398,10 +433,15 @@ def make_train_step(
             params, batch, key = prepare(state, batch)
             loss_scale = state.guard.loss_scale if prec.loss_scaling else None
             model_state = _compute_model_state(state.model_state, lay, prec)
+            weights = total = None
+            if count_targets is not None:  # counted before the forward, over every microbatch and rank
+                weights, total = lay.token_weights(microbatch_counts(count_targets, batch, accum_steps))
             aux, grads, model_state = _accumulated_value_and_grad(
                 loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale, layout=lay if per_stage else None,
-                model_state=model_state, fullgraph=fullgraph,
+                model_state=model_state, fullgraph=fullgraph, weights=weights,
             )
+            if total is not None:
+                aux[M.TARGETS] = total  # the same on every rank: its mean over them is itself
             if not has_model_state(model_state):
                 return finish(state, aux, grads)
             model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), model_state_sync)
@@ -476,6 +516,7 @@ def make_eval_step(
     precision: "str | torch.dtype | precision_lib.Precision | None" = None,
     compile_options: dict | None = None,
     fullgraph: bool = True,
+    count_targets: Callable[[PyTree], torch.Tensor] | None = None,
 ) -> Callable[[TrainState, PyTree], dict]:
     """Builds `eval_step(state, batch) -> metrics` ({"loss": ..., **aux}), with no dropout key.
 
@@ -490,6 +531,8 @@ def make_eval_step(
       precision: compute precision, as for `make_train_step` (params and inputs are cast).
       compile_options: extra keyword arguments for `torch.compile`.
       fullgraph: False compiles around graph breaks (see `make_train_step`).
+      count_targets: as for `make_train_step`: the loss is then the mean over every target token of
+        the batch on every data-parallel rank, and `targets` their count (weigh batches by it).
 
     Returns:
       The eval function; it never changes the state.
@@ -521,7 +564,11 @@ def make_eval_step(
                     loss, aux = loss_fn.apply_sharded(params, batch, None, layout=lay)
                 else:
                     loss, aux, _ = call_loss(loss_fn, lay.gather(params), batch, None, model_state)
-            return lay.mean_over_dp({M.LOSS: loss, **aux})
+                metrics = {M.LOSS: loss, **aux}
+                if count_targets is None:
+                    return lay.mean_over_dp(metrics)
+                (w,), total = lay.token_weights(microbatch_counts(count_targets, batch, 1))
+                return {**lay.mean_over_dp({k: v * w for k, v in metrics.items()}), M.TARGETS: total}
 
         return eval_step
 

@@ -124,6 +124,8 @@ class Log(Hook):
             )
         row[M.PARAM_NORM] = float(self.param_norm(info.state.params))  # a pass: log steps only
         row.update(self.throughput.report(info.step))
+        if M.TARGETS in row and M.STEP_TIME_S in row:  # the supervised tokens of this step, at the window's pace
+            row[M.TARGETS_PER_S] = row[M.TARGETS] / row[M.STEP_TIME_S]
         row[M.PEAK_MEM_MB] = _peak_memory_mb(self.device)
         if self.batches is not None:  # the loop's wait for batches since the last log line, per step
             steps = max(1, info.step - self._logged_step) if self._logged_step is not None else self.every
@@ -136,7 +138,8 @@ class Log(Hook):
 
 
 class Eval(Hook):
-    """Mean loss of the eval step over the task's eval batches."""
+    """Mean loss of the eval step over the task's eval batches (weighted by their `targets` where the
+    eval step counts them: the mean over every target token)."""
 
     def __init__(self, n, eval_step, batches, writer):
         self.every, self.eval_step, self.batches, self.writer = n, eval_step, batches, writer
@@ -146,12 +149,23 @@ class Eval(Hook):
         sets = self.batches if isinstance(self.batches, dict) else {None: self.batches}
         row, every = {}, []
         for name, batches in sets.items():
-            losses = [self.eval_step(info.state, b)[M.LOSS].detach().float() for b in batches]
-            every += losses
+            rows = [self.eval_step(info.state, b) for b in batches]
+            pairs = [(m[M.LOSS].detach().float(), m[M.TARGETS].detach().float() if M.TARGETS in m else None)
+                     for m in rows]
+            every += pairs
             if name is not None:
-                row[f"{M.VAL_LOSS}/{name}"] = float(torch.stack(losses).mean())
-        self.val_loss = float(torch.stack(every).mean())
+                row[f"{M.VAL_LOSS}/{name}"] = _weighted_mean(pairs)
+        self.val_loss = _weighted_mean(every)
         self.writer.write(info.step, {M.VAL_LOSS: self.val_loss, **row})
+
+
+def _weighted_mean(pairs: list) -> float:
+    """The mean of (loss, count or None) pairs, weighted by the counts when there are any."""
+    losses = torch.stack([loss for loss, _ in pairs])
+    if pairs[0][1] is None:
+        return float(losses.mean())
+    counts = torch.stack([c for _, c in pairs])
+    return float((losses * counts).sum() / counts.sum().clamp(min=1))
 
 
 class SaveCheckpoints(Hook):

@@ -111,7 +111,7 @@ def _fmt(key: str, v: Any) -> str:
         return v
     if key == M.LR:
         return f"{v:.2e}"
-    if key.endswith(M.TOKENS_PER_S):
+    if key.endswith((M.TOKENS_PER_S, M.TARGETS_PER_S)) or key == M.TARGETS:
         return f"{v:,.0f}"
     if key.endswith("_mb"):
         return f"{v:,.0f}"

@@ -93,9 +93,10 @@ def choose(task: Task, optimizer: Transform, config: Any, ctx: parallel.Parallel
         task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=compile, donate=config.donate,
         precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
         compile_options=compile_options, fullgraph=fullgraph,
-        model_state_sync=config.get("model_state_sync", "broadcast"),
+        model_state_sync=config.get("model_state_sync", "broadcast"), count_targets=task.count_targets,
     )
-    eval_step = make_eval_step(task.loss_fn, compile=compile, precision=config.precision, fullgraph=fullgraph)
+    eval_step = make_eval_step(task.loss_fn, compile=compile, precision=config.precision, fullgraph=fullgraph,
+                               count_targets=task.count_targets)
 
     def finish(state: TrainState) -> tuple[dict, None]:
         """On every rank: a sharded task gathers stage by stage (collectives), never the whole model."""
@@ -124,7 +125,8 @@ def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.Paral
     staged = bool(compile)  # a pipeline's stages always compile one by one
     train_step = pipeline.make_train_step(
         pipe, optimizer, microbatches=config.pp.microbatches, schedule=config.pp.schedule, compile=staged,
-        donate=config.donate, precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0)
+        donate=config.donate, precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
+        count_targets=task.count_targets)
     eval_step = pipeline.make_eval_step(pipe, compile=staged, precision=config.precision)
     note = (f"finish skipped: the params are split over {ctx.pp_world} pipeline stages (sample from the final "
             "checkpoint on one mesh)")

@@ -105,6 +105,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         eval_batches=dataset.eval_sets,
         data_position=dataset.position,
         data_record=dataset.record(),
+        count_targets=lm.count_targets(),
         tokens_per_step=config.batch_size * cfg.block_size,
         flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,

@@ -151,6 +151,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         eval_batches=dataset.eval_sets,
         data_position=dataset.position,
         data_record=dataset.record(),
+        count_targets=lm.count_targets(),
         tokens_per_step=config.batch_size * seq,
         flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # the trained length
         finish=finish,
