@@ -73,6 +73,8 @@ class Task(NamedTuple):
         then the mean over every target token of the step, over microbatches and ranks, and the
         validation loss the mean over every target of the validation set (`make_train_step`'s
         `count_targets`). None: each batch weighs the same.
+      steps_per_epoch: optional: the steps one epoch over the data takes (supervised examples): a run
+        with `epochs > 0` trains `ceil(epochs * steps_per_epoch)` steps. None: the data has no epochs.
     """
 
     describe: str
@@ -89,3 +91,4 @@ class Task(NamedTuple):
     init_model_state: Callable[[torch.device], PyTree] | None = None
     data_record: dict | None = None
     count_targets: Callable[[PyTree], torch.Tensor] | None = None
+    steps_per_epoch: float | None = None

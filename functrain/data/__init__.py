@@ -1,5 +1,6 @@
 """Data: corpora and parquet/jsonl shards to cached token files, and stateless batches keyed by
-(seed, step, rank): random windows, epochs without replacement, weighted mixtures, prefetched.
+(seed, step, rank): random windows, epochs without replacement, weighted mixtures, prefetched; and
+supervised examples (prompt/completion, messages, alpaca) with target masks, padded or packed.
 
 The names below load on first use (`functrain._lazy`): the tokenizing worker processes import this
 package without torch.
@@ -14,10 +15,16 @@ if TYPE_CHECKING:
     from functrain.data.corpus import DEFAULT_VAL_FRACTION, Dataset, load_dataset, stdlib_files, train_tokenizer
     from functrain.data.documents import is_val
     from functrain.data.errors import DataError
+    from functrain.data.examples import ExampleSet, ExampleSpec, load_examples
+    from functrain.data.packing import assemble, best_fit_decreasing
     from functrain.data.pipeline import LMData, lm_data, parse_mixture
     from functrain.data.prefetch import Prefetcher
     from functrain.data.sampling import SAMPLINGS, Sampler, mixture_rows, permute
+    from functrain.data.sft import ExampleSampler, SFTData, sft_data
     from functrain.data.shards import is_shard_source, shard_files
+    from functrain.data.stdlib_sft import builtin_format, builtin_source, stdlib_pairs
+    from functrain.data.supervised import (ChatTemplate, chat_template_of, detect_format, first_record,
+                                           has_chat_template, render)
     from functrain.data.token_cache import open_token_cache, tokenize, tokenize_shards
     from functrain.data.tokenizer import (END_OF_TEXT, SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer,
                                           VocabTokenizer, train_bpe)

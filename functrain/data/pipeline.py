@@ -112,6 +112,13 @@ class LMData:
         """The epoch and the fraction of it consumed after `step` steps (`Sampler.position`)."""
         return self.sampler.position(step)
 
+    @property
+    def steps_per_epoch(self) -> float | None:
+        """Steps per epoch of one source sampled by epochs (its windows over the batch); None otherwise."""
+        if self.sampler.sampling != "epochs" or len(self.datasets) > 1:
+            return None
+        return self.sampler.windows[0] / self.sampler.batch_size
+
     def encode(self, text: str):
         """The tokenizer's ids of `text`."""
         return self.tokenizer.encode(text)

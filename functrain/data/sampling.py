@@ -34,7 +34,7 @@ import torch
 from functrain.data.batches import TRAIN_STREAM, inputs_targets, window_rows, window_starts
 from functrain.data.errors import DataError
 
-__all__ = ["SAMPLINGS", "Sampler", "mixture_rows", "permute"]
+__all__ = ["SAMPLINGS", "Sampler", "mixture_rows", "permute", "stream_hash"]
 
 SAMPLINGS = ("windows", "epochs")
 _U64 = (1 << 64) - 1
@@ -49,8 +49,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _hash(*values: int) -> int:
-    """A 64-bit hash of a tuple of ints."""
+def stream_hash(*values: int) -> int:
+    """A 64-bit hash of a tuple of ints (e.g. a stream number, the seed and an epoch: a `permute` key)."""
     h = np.zeros(1, np.uint64)
     for v in values:
         h = _mix(h ^ np.uint64(int(v) & _U64))
@@ -75,7 +75,7 @@ def permute(index: np.ndarray, n: int, key: int, rounds: int = 6) -> np.ndarray:
     """
     half = max(1, math.ceil(math.log2(max(n, 2)) / 2))  # 4 ** half >= n
     mask = np.uint64((1 << half) - 1)
-    keys = [np.uint64(_hash(key, r)) for r in range(rounds)]
+    keys = [np.uint64(stream_hash(key, r)) for r in range(rounds)]
 
     def feistel(x):
         left, right = x >> np.uint64(half), x & mask
@@ -93,7 +93,7 @@ def permute(index: np.ndarray, n: int, key: int, rounds: int = 6) -> np.ndarray:
 
 def _split(w: np.ndarray, k: int, seed: int) -> tuple[float, float]:
     """Split k of the cascade: source k's share p of the weight left, and the seeded offset t in [0, 1)."""
-    return min(w[k] / w[k:].sum(), 1.0 - 1e-12), (_hash(_MIX_STREAM, seed, k) >> 11) / float(1 << 53)
+    return min(w[k] / w[k:].sum(), 1.0 - 1e-12), (stream_hash(_MIX_STREAM, seed, k) >> 11) / float(1 << 53)
 
 
 def mixture_rows(rows: np.ndarray, weights: Sequence[float], seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -187,9 +187,9 @@ class Sampler:
             out = np.empty(len(index), np.int64)
             for e in np.unique(epochs):
                 sel = epochs == e
-                out[sel] = permute(pos[sel], W, _hash(_EPOCH_STREAM, self.seed, k, int(e))) * T
+                out[sel] = permute(pos[sel], W, stream_hash(_EPOCH_STREAM, self.seed, k, int(e))) * T
             return out
-        keys = _mix(np.uint64(_hash(_WINDOW_STREAM, self.seed, k)) ^ index.astype(np.uint64))
+        keys = _mix(np.uint64(stream_hash(_WINDOW_STREAM, self.seed, k)) ^ index.astype(np.uint64))
         return (keys % np.uint64(n - T)).astype(np.int64)
 
     def batch(self, step: int, rank: int = 0, world: int = 1,

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -30,9 +31,41 @@ from functrain.losses import chunked_cross_entropy
 from functrain.step.staged import Stage
 
 __all__ = [
-    "LMStages", "context_model", "count_targets", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn",
+    "LMStages", "Packed", "context_model", "count_targets", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn", "packed", "finish_text", "supervised_format", "chat_template",
     "repeated_stages", "resolve_remat", "submodule_stage", "tokenizer_of", "wants_stages",
 ]
+
+
+class Packed(NamedTuple):
+    """Where the documents of packed rows are: what a decoder's attention and positions read.
+
+    Attributes:
+      positions: int64 (B, T): each token's position in its document (0 where one starts).
+      mask: bool (B, 1, T, T): query i may attend to key j (same document, j <= i): block-causal.
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+def packed(positions: torch.Tensor) -> Packed:
+    """The `Packed` layout of rows whose documents restart their positions at 0.
+
+    Args:
+      positions: int64 (B, T), as `functrain.data.sft` batches carry them (padding is a document of its own).
+
+    Returns:
+      `Packed(positions, block-causal mask (B, 1, T, T))`.
+
+    Example:
+      >>> pk = packed(torch.tensor([[0, 1, 2, 0, 1]]))
+      >>> pk.mask[0, 0, 3].tolist()            # the 2nd document's first token sees only itself
+      [False, False, False, True, False]
+    """
+    t = positions.shape[-1]
+    doc = (positions == 0).cumsum(-1)  # (B, T): the document each token is in
+    causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()  # (T, T)
+    return Packed(positions, ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None])  # (B, 1, T, T)
 
 
 class LMStages(NamedTuple):
@@ -138,8 +171,8 @@ def init_blocks(model: nn.Module, block: Callable, *, device=None, dtype: torch.
 
 
 def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int | None,
-              tokenizer=None) -> "data_lib.LMData":
-    """The run's data (`config.data`: one source or a mixture) on this process's place in `ctx`.
+              tokenizer=None, model_dir=None):
+    """The run's data (`config.data`: one source, a mixture, or supervised examples) on this process's place in `ctx`.
 
     Args:
       config: the run config (data.*, batch_size, seed, eval_batches are read).
@@ -149,18 +182,92 @@ def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int |
       block_size: the window length.
       vocab_size: the vocabulary of `.bin` sources without a meta.json (None: theirs).
       tokenizer: an `HFTokenizer` for text (None: bytes, or a token cache's own).
+      model_dir: the model's directory: its chat template renders `messages` examples.
 
     Returns:
-      A `functrain.data.LMData`.
+      A `functrain.data.LMData`, or for supervised examples (`data.format`, or records with
+      prompt/completion, messages or instruction fields) a `functrain.data.SFTData`.
 
     Example:
       >>> data = lm.load_data(config, ctx, "runs/gpt/data", block_size=128, vocab_size=None)
     """
+    log = print if ctx.is_main_process else (lambda line: None)
+    if supervised_format(config.data) != "text":
+        tok = tokenizer if tokenizer is not None else data_lib.ByteTokenizer()
+        return data_lib.sft_data(config.data, cache_dir=cache_dir, tokenizer=tok,
+                                 template=chat_template(config, model_dir, tok), batch_size=config.batch_size,
+                                 block_size=block_size, seed=config.seed, eval_batches=config.eval_batches,
+                                 dp_rank=ctx.dp_rank, dp_world=ctx.dp_world, device=ctx.device, rank=ctx.rank, log=log)
     return data_lib.lm_data(config.data, cache_dir=cache_dir, batch_size=config.batch_size, block_size=block_size,
                             seed=config.seed, eval_batches=config.eval_batches, dp_rank=ctx.dp_rank,
                             dp_world=ctx.dp_world, device=ctx.device, rank=ctx.rank, world=ctx.world_size,
-                            vocab_size=vocab_size, tokenizer=tokenizer,
-                            log=print if ctx.is_main_process else (lambda line: None))
+                            vocab_size=vocab_size, tokenizer=tokenizer, log=log)
+
+
+def finish_text(dataset, sample, generate: Callable, device) -> dict:
+    """What a run prints at its end: a text sample from `sample.prompt`, or for supervised examples the
+    answer to the first held-out prompt (as the chat template renders it) beside the expected one.
+
+    Args:
+      dataset: the task's `LMData` or `SFTData`.
+      sample: the config's `sample` (prompt, max_new_tokens).
+      generate: `(prompt ids (1, T), max_new_tokens) -> ids (1, T + n)` (the family's `generate` with its
+        temperature, top_k, key and stages).
+      device: where the prompt goes.
+
+    Returns:
+      {"sample": text}, or {"prompt", "answer", "expected"}.
+
+    Example:
+      >>> lm.finish_text(dataset, config.sample, lambda p, n: lm.generate(template, params, p, n, key=key), "cpu")
+    """
+    if isinstance(dataset, data_lib.SFTData):
+        prompt, expected = dataset.held_out()
+        out = generate(torch.as_tensor(prompt, dtype=torch.long, device=device)[None], sample.max_new_tokens)
+        return {"prompt": dataset.decode(prompt), "answer": dataset.answer(out[0, len(prompt):].tolist()),
+                "expected": expected}
+    prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
+    return {"sample": dataset.decode(generate(prompt, sample.max_new_tokens)[0].tolist())}
+
+
+def supervised_format(data) -> str:
+    """`data.format`, or (auto) the format of the first record of a jsonl/parquet `data.path` ("text" otherwise).
+
+    Example:
+      >>> supervised_format(config.data)        # data.path = "sft.jsonl" of prompt/completion records
+      'prompt_completion'
+    """
+    fmt = data.get("format", "auto")
+    if fmt != "auto":
+        return fmt
+    if data_lib.builtin_format(str(data.path)):  # "stdlib:messages", "stdlib:prompt_completion"
+        return data_lib.builtin_format(str(data.path))
+    if data.get("sources") or not data_lib.is_shard_source(str(data.path)):
+        return "text"
+    record = data_lib.first_record(str(data.path))
+    if record is None or data.get("text_field", "text") in record:
+        return "text"
+    return data_lib.detect_format(record, dict(data.get("fields") or {}))
+
+
+def chat_template(config, model_dir, tokenizer) -> "data_lib.ChatTemplate":
+    """The chat template `data.chat_template` names: "auto": the model directory's, else the tokenizer file's
+    directory's, else the default; "default"; a .jinja file; a directory with a tokenizer_config.json."""
+    spec = config.data.get("chat_template", "auto")
+    if spec == "default":
+        return data_lib.chat_template_of(None)
+    if spec != "auto":
+        path = Path(spec).expanduser()
+        if path.is_file():
+            return data_lib.ChatTemplate(path.read_text())
+        if not path.is_dir():
+            raise validate.ConfigError(f"data.chat_template={spec!r} is neither a .jinja file nor a directory; give "
+                                       "one, or 'auto' / 'default'")
+        return data_lib.chat_template_of(path)
+    for d in (model_dir, getattr(tokenizer, "path", None) and Path(tokenizer.path).parent):
+        if d is not None and data_lib.has_chat_template(d):
+            return data_lib.chat_template_of(d)
+    return data_lib.chat_template_of(None)
 
 
 def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
@@ -272,7 +379,7 @@ def wants_stages(config, ctx) -> bool:
 
 
 def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tensor,
-              dropout_key: torch.Tensor | None = None) -> torch.Tensor:
+              dropout_key: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states (after the last norm, before the head) with `params`, functionally.
 
     Args:
@@ -280,6 +387,7 @@ def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tens
       params: its parameters, {name: tensor}.
       idx: int64 token ids (B, T).
       dropout_key: an `rng` key for dropout, or None.
+      positions: packed rows' positions (B, T) (`packed`), or None: one sequence per row.
 
     Returns:
       (B, T, C) hidden states; `hidden @ head.T` are the model's logits.
@@ -287,7 +395,9 @@ def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tens
     Example:
       >>> h = lm_hidden(template, state.params, x, key)
     """
-    return functional.apply(model, params, idx, dropout_key=dropout_key, return_hidden=True)
+    if positions is None:
+        return functional.apply(model, params, idx, dropout_key=dropout_key, return_hidden=True)
+    return functional.apply(model, params, idx, dropout_key=dropout_key, packed=packed(positions), return_hidden=True)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
@@ -334,6 +444,19 @@ def count_targets(ignore_index: int = -1) -> Callable:
     return count
 
 
+def _positions(batch) -> "torch.Tensor | None":
+    """A packed batch's positions (its third entry), or None for (x, y)."""
+    return batch[2] if len(batch) > 2 else None
+
+
+def unpacked_only(batch, what: str) -> None:
+    """Refuses a packed batch (x, y, positions) where `what` cannot carry its document layout (one line)."""
+    if len(batch) > 2:
+        raise ValueError(f"packed rows (data.packing=True) train with the model's own forward; {what} runs it in "
+                         "pieces that do not carry the documents' layout: set --config.data.packing=False (padded "
+                         "rows), or train unstaged on one process (remat=none, compile_unit=step, no cp/pp)")
+
+
 def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against y, chunked when chunk_size > 0."""
     if chunk_size > 0:
@@ -342,7 +465,8 @@ def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.T
 
 
 def lm_loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-            key: torch.Tensor | None = None, *, head: str, chunk_size: int = 0, ignore_index: int = -1) -> torch.Tensor:
+            key: torch.Tensor | None = None, *, head: str, chunk_size: int = 0, ignore_index: int = -1,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy; with `chunk_size > 0` the (B, T, V) logits never exist whole.
 
     Args:
@@ -354,6 +478,7 @@ def lm_loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, 
       head: the name of the output projection's weight (V, C) in `params` (a tied model's embedding).
       chunk_size: 0 = plain loss over the full logits; > 0 = `chunked_cross_entropy`.
       ignore_index: target value to ignore.
+      positions: packed rows' positions (B, T), or None.
 
     Returns:
       A float32 scalar.
@@ -361,7 +486,7 @@ def lm_loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, 
     Example:
       >>> loss = lm_loss(template, params, x, y, key, head="wte.weight", chunk_size=2048)
     """
-    hidden = lm_hidden(model, params, x, key)  # (B, T, C)
+    hidden = lm_hidden(model, params, x, key, positions)  # (B, T, C)
     return _head_loss(hidden, params[head], y, chunk_size, ignore_index)
 
 
@@ -406,15 +531,18 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
 
     if remat == "none" and not staged:
         def loss_fn(params, batch, key):
-            """(lm_loss of batch = (x, y), {})."""
+            """(lm_loss of batch = (x, y) or, packed, (x, y, positions), {})."""
             x, y = mine(batch[0]), mine(batch[1])
-            loss = lm_loss(model, params, x, y, key, head=head, chunk_size=chunk_size, ignore_index=ignore_index)
+            positions = unpacked_only(batch, "context parallelism") if split is not None else _positions(batch)
+            loss = lm_loss(model, params, x, y, key, head=head, chunk_size=chunk_size, ignore_index=ignore_index,
+                           positions=positions)
             return over_sequence(loss, y), {}
 
         return loss_fn
 
     def embed(p, batch, key):
         """Embeddings of the inputs x of batch = (x, y)."""
+        unpacked_only(batch, "a staged loss (remat, compile_unit=blocks, a mesh, pipeline stages)")
         return stages.embed.fn(p, mine(batch[0]), key)
 
     def head_stage(p, h, batch, key):

@@ -26,6 +26,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.steps = 1000
     c.seed = 0
+    c.epochs = 0.0  # > 0: train this many epochs over the examples (supervised data) in place of `steps`
     c.stop_at = 0  # stop (checkpointed) after this step, as if preempted; 0 = run to `steps`
     c.batch_size = 32  # global batch, in sequences (split over the data-parallel ranks)
     c.accum_steps = 1  # microbatches per step (gradient accumulation inside the one compiled step)
@@ -156,6 +157,14 @@ def data_config() -> ml_collections.ConfigDict:
     d.mixture = ml_collections.ConfigDict()
     d.max_bad_line_fraction = 0.0  # jsonl lines that are not JSON a shard may have (skipped); above: stop
     d.tokenize_workers = 0  # processes per rank that tokenize; 0 = the rank's share of the cores (its own process under 64 MiB)
+    # Supervised examples (jsonl/parquet records; docs/guide.md "Fine-tuning"): "auto" finds the format
+    # from the first record's fields (a `text` field alone: pretraining as above)
+    d.format = "auto"  # auto | text | prompt_completion | messages | alpaca
+    d.train_on = "auto"  # what is learned: completion | assistant | last | all (auto: completion, assistant for messages)
+    d.fields = ml_collections.ConfigDict()  # {format field: the records' field}, e.g. {"prompt": "question"}
+    d.packing = False  # pack whole examples into rows (best-fit-decreasing; attention within each example)
+    d.too_long = "drop"  # an example longer than block_size + 1 tokens: drop (counted) | truncate
+    d.chat_template = "auto"  # messages: the model directory's template | "default" (ChatML) | a .jinja file | a directory
     # A resume whose data differs from its checkpoint's (files, sizes, sha256, tokenizer) stops;
     # True goes on with the data as it is and logs what changed
     d.allow_changed = False

@@ -18,7 +18,9 @@ Bad input (unknown config key, bad value, missing data path) ends the program wi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import math
 import os
 import re
 import sys
@@ -146,8 +148,21 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     with ctx:
         loop.resolve_device(config, ctx)  # a device this torch lacks fails before any data is prepared
         task = family.build(config, ctx, workdir)
+        _steps_from_epochs(config, task, validate)
         optimizer = optim.config.from_config(config.optim, config.steps)
         return loop.run(task, optimizer, config, workdir, ctx, hooks=hooks, print_fn=print_fn, t_program=t_program)
+
+
+def _steps_from_epochs(config: Any, task, validate) -> None:
+    """`config.steps` from `config.epochs` when it is set (the task knows its steps per epoch)."""
+    epochs = config.get("epochs", 0.0)
+    if not epochs:
+        return
+    if task.steps_per_epoch is None:
+        raise validate.ConfigError(f"epochs={epochs:g}: this data has no epochs (random windows of text); set "
+                                   "--config.steps, or use supervised examples / --config.data.sampling=epochs")
+    with config.unlocked() if hasattr(config, "unlocked") else contextlib.nullcontext():
+        config.steps = max(1, math.ceil(epochs * task.steps_per_epoch))
 
 
 def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | None = None, *,

@@ -46,6 +46,7 @@ def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:
 
 LOOP_CHECKS: list[Check] = [
     ("steps", int_at_least(1)),
+    ("epochs", number_at_least(0.0)),
     ("stop_at", int_at_least(0)),
     ("batch_size", int_at_least(1)),
     ("accum_steps", int_at_least(1)),

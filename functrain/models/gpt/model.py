@@ -106,14 +106,18 @@ def _dropout_key(cfg: GPTConfig, key: torch.Tensor | None) -> torch.Tensor | Non
     return None if cfg.dropout == 0.0 else key
 
 
-def _embed(cfg: GPTConfig, wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor, key, context=None) -> torch.Tensor:
+def _embed(cfg: GPTConfig, wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor, key, context=None,
+           positions: torch.Tensor | None = None) -> torch.Tensor:
     """Token + position embedding of ids (B, T) -> (B, T, C), dropout site 0: the one definition,
-    used by `GPT.forward` and by the embedding stage of `stages` (`context`: a sequence split's part)."""
+    used by `GPT.forward` and by the embedding stage of `stages` (`context`: a sequence split's part;
+    `positions` (B, T): packed rows' positions, restarting at each document)."""
     t = idx.shape[1]
     world = 1 if context is None else context.world
     if t * world > cfg.block_size:
         raise ValueError(f"sequence length {t * world} exceeds block_size {cfg.block_size}")
-    if context is None:
+    if positions is not None:
+        pe = ops.embedding(wpe, positions)  # (B, T, C)
+    elif context is None:
         pe = ops.embedding(wpe, torch.arange(t, device=idx.device))  # (T, C)
     else:  # wpe whole, or (on a mesh) this rank's rows of it: the rows at its global positions
         pe = context.position_rows(wpe, cfg.block_size, t)  # (T, C): this rank's T tokens
@@ -148,13 +152,16 @@ class CausalSelfAttention(nn.Module):
         self.split_heads = Rearrange("b t (h d) -> b h t d", d=self.head_dim)
         self.merge_heads = Rearrange("b h t d -> b t (h d)")
 
-    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, C) -> (B, T, C); dropout on the output projection when a key is given."""
+    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None, packed=None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C); dropout on the output projection when a key is given; `packed`
+        (`models.lm.Packed`): attention within each document only."""
         q = self.split_heads(self.q(x))  # (B, H, T, D)
         k = self.split_heads(self.k(x))  # (B, H, T, D)
         v = self.split_heads(self.v(x))  # (B, H, T, D)
         # SDPA's own dropout uses the global RNG: keep it off and drop on the projection instead.
-        if self.context is None:
+        if packed is not None:  # block-causal: each document attends to itself only
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask, dropout_p=0.0)  # (B, H, T, D)
+        elif self.context is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)  # (B, H, T, D)
         else:  # this rank's queries over every rank's keys and values
             y = self.context.attention(q, k, v)  # (B, H, T, D)
@@ -186,9 +193,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, attn_key=None, mlp_key=None):
+    def forward(self, x, attn_key=None, mlp_key=None, packed=None):
         """(B, T, C) -> (B, T, C)."""
-        x = x + self.attn(self.ln_1(x), attn_key)
+        x = x + self.attn(self.ln_1(x), attn_key, packed)
         return x + self.mlp(self.ln_2(x), mlp_key)
 
 
@@ -230,14 +237,16 @@ class GPT(nn.Module):
                     p.copy_(_init_block(self, name, p.shape, key, [0] * p.ndim, list(p.shape)))
 
     def forward(
-        self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, return_hidden: bool = False
+        self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, packed=None, return_hidden: bool = False
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab_size), or the final hidden states (B, T, C) after
-        `ln_f` with `return_hidden=True` (for losses that apply the tied head themselves)."""
+        `ln_f` with `return_hidden=True` (for losses that apply the tied head themselves); `packed`
+        (`models.lm.packed(positions)`): rows of several documents, each seeing only itself."""
         dropout_key = _dropout_key(self.cfg, dropout_key)
-        x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, dropout_key, self.context)  # (B, T, C)
+        positions = None if packed is None else packed.positions
+        x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, dropout_key, self.context, positions)  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i))
+            x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i), packed)
         x = self.ln_f(x)  # (B, T, C)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 

@@ -83,12 +83,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     sample = config.sample
 
     def finish(params, key):
-        """A text sample from the prompt, drawn from `key` (sharded params: gathered a stage at a time)."""
-        prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
-        out = gpt_lib.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
-                               top_k=sample.top_k or None, key=key, stages=gpt_lib.stages(template),
-                               head=head_name(params))
-        return {"sample": dataset.decode(out[0].tolist())}
+        """A text sample from the prompt (or the answer to a held-out prompt), drawn from `key` (sharded params:
+        gathered a stage at a time)."""
+        return lm.finish_text(dataset, sample, lambda prompt, n: gpt_lib.generate(
+            template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
+            stages=gpt_lib.stages(template), head=head_name(params)), ctx.device)
 
     def export(params, out):
         """Writes full `params` as a Hugging Face GPT-2 directory `out` (config.json, model.safetensors)."""
@@ -106,6 +105,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         data_position=dataset.position,
         data_record=dataset.record(),
         count_targets=lm.count_targets(),
+        steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=config.batch_size * cfg.block_size,
         flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,

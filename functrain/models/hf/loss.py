@@ -45,9 +45,11 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
     """
     if remat == "none" and not staged:
         def loss_fn(params, batch, key):
-            """(cross-entropy of the model's logits of x against y, {})."""
-            x, y = batch
-            logits = functional.apply(model, params, input_ids=x).logits  # (B, T, V)
+            """(cross-entropy of the model's logits of x against y, {}); a packed batch (x, y, positions) passes
+            its positions as `position_ids`, from which transformers builds its block-causal masks."""
+            x, y = batch[0], batch[1]
+            extra = {"position_ids": batch[2]} if len(batch) > 2 else {}
+            logits = functional.apply(model, params, input_ids=x, **extra).logits  # (B, T, V)
             return lm.cross_entropy(logits, y, ignore_index=ignore_index), {}
 
         return loss_fn

@@ -38,6 +38,7 @@ from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
 from functrain.models.hf.model import (HFModelError, StagingError, build_template, head_name, init_params, load_config,
                                       stages, tp_rules)
+from functrain.models.hf.tiny import model_directory
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -114,8 +115,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
       >>> task = build(get_config(), ctx, "runs/hf")
     """
     try:
-        hf_config = load_config(config.model.path)
-        directory = HFDirectory(config.model.path)
+        path = model_directory(config.model.path, workdir)  # "tiny:qwen2": a tiny model written to the workdir
+        hf_config = load_config(path)
+        directory = HFDirectory(path)
         has_weights = any(directory.path.glob("*.safetensors"))
         weights = directory.weights if has_weights and config.model.weights else None  # a bad shard fails now
     except (HFModelError, HFError) as exc:
@@ -144,7 +146,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         loss_fn, staged = _loss(config, ctx, model, template)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
-    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer)
+    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer,
+                           model_dir=directory.path)
     head = head_name(template)
     tokenizer_file = getattr(tokenizer, "path", None)
     if ctx.is_main_process:
@@ -167,14 +170,13 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         return save_hf_directory(out, params, exported, tokenizer_file=tokenizer_file)
 
     def finish(params, key):
-        """A text sample from the prompt (sharded params: gathered a layer at a time); the export with `export_hf`."""
-        prompt = torch.as_tensor(dataset.encode(config.sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
-        out = lm.generate(template, params, prompt, config.sample.max_new_tokens, temperature=config.sample.temperature,
-                          top_k=config.sample.top_k or None, key=key, stages=stages(template) if staged else None,
-                          head=head,
-                          block_size=seq, logits_fn=lambda p, idx: functional.apply(template, p, input_ids=idx,
-                                                                                    train=False).logits)
-        result = {"sample": dataset.decode(out[0].tolist())}
+        """A text sample from the prompt, or the answer to a held-out prompt (sharded params: gathered a layer at a
+        time); the export with `export_hf`."""
+        sample = config.sample
+        result = lm.finish_text(dataset, sample, lambda prompt, n: lm.generate(
+            template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
+            stages=stages(template) if staged else None, head=head, block_size=seq,
+            logits_fn=lambda p, idx: functional.apply(template, p, input_ids=idx, train=False).logits), ctx.device)
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
         return result
@@ -194,6 +196,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         data_position=dataset.position,
         data_record=dataset.record(),
         count_targets=lm.count_targets(),
+        steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=config.batch_size * seq,
         flops_per_token=6 * n_params + 12 * layers * width * seq,  # weights, and attention over the trained length
         finish=finish,

@@ -3,6 +3,7 @@ model of any decoder type (256 ids: byte-level, no tokenizer needed), no weights
 
     python -m functrain.models.hf.tiny runs/qwen2-tiny --type qwen2
     python -m functrain.main --config=configs/hf.py --config.model.path=runs/qwen2-tiny
+    python -m functrain.main --config=configs/sft.py --config.model.path=tiny:qwen2    # written to the workdir
 
 Example:
     >>> write_tiny("runs/llama-tiny", "llama", hidden_size=64)
@@ -16,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["TINY", "write_tiny"]
+__all__ = ["TINY", "model_directory", "write_tiny"]
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -47,6 +48,21 @@ def write_tiny(directory: str | os.PathLike, model_type: str, **overrides) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str) + "\n")
     return out
+
+
+def model_directory(path: str, workdir: str | os.PathLike) -> str:
+    """`model.path` as a directory: "tiny:<type>" is a tiny `<type>` written (once) to `<workdir>/tiny-<type>`.
+
+    Example:
+      >>> model_directory("tiny:qwen2", "runs/sft")
+      'runs/sft/tiny-qwen2'
+    """
+    if not path.startswith("tiny:"):
+        return path
+    out = Path(workdir) / f"tiny-{path[5:]}"
+    if not (out / "config.json").exists():
+        write_tiny(out, path[5:])
+    return str(out)
 
 
 if __name__ == "__main__":

@@ -132,17 +132,20 @@ class RMSNorm(nn.Module):
 
 def rotary(head_dim: int, theta: float, t: int, device, positions: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, head_dim) of positions 0..t-1 (or of `positions`, (T,)), float32; frequency j
-    repeats at j and j + D/2."""
+    """cos and sin (T, head_dim) of positions 0..t-1 (or of `positions`: (T,), or (B, T) for packed rows,
+    giving (B, T, head_dim)), float32; frequency j repeats at j and j + D/2."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))  # (D/2,)
-    pos = torch.arange(t, device=device) if positions is None else positions  # (T,)
-    freqs = torch.outer(pos.float(), inv_freq)  # (T, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
+    pos = torch.arange(t, device=device) if positions is None else positions  # (T,) or (B, T)
+    freqs = pos.float()[..., None] * inv_freq  # (..., T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (..., T, D)
     return emb.cos(), emb.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates (B, H, T, D) queries or keys: x cos + rotate_half(x) sin, rotate_half = (-x2, x1)."""
+    """Rotates (B, H, T, D) queries or keys: x cos + rotate_half(x) sin, rotate_half = (-x2, x1);
+    cos/sin (T, D), or (B, T, D) per row."""
+    if cos.ndim == 3:  # (B, T, D) -> (B, 1, T, D): the same rotation for every head
+        cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)  # (B, H, T, D/2) each
     rotated = torch.cat([-x2, x1], dim=-1)  # (B, H, T, D)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -166,14 +169,16 @@ class Attention(nn.Module):
         self.split_heads = Rearrange("b t (h d) -> b h t d", d=d)
         self.merge_heads = Rearrange("b h t d -> b t (h d)")
 
-    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, C) -> (B, T, C)."""
+    def forward(self, x: torch.Tensor, dropout_key: torch.Tensor | None = None, packed=None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C); `packed` (`models.lm.Packed`): rows of documents, each seeing only itself."""
         d = self.cfg.head_dim
         q = self.split_heads(self.q_proj(x))  # (B, H, T, D)
         k = self.split_heads(self.k_proj(x))  # (B, Hkv, T, D)
         v = self.split_heads(self.v_proj(x))  # (B, Hkv, T, D)
         t = x.shape[1]
         pos = None if self.context is None else self.context.positions(t, x.device)  # (T,) global positions
+        if packed is not None:
+            pos = packed.positions  # (B, T): restarting at every document
         cos, sin = rotary(d, self.cfg.rope_theta, t, x.device, pos)  # (T, D) each
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.context is not None:  # this rank's queries over every rank's (few) kv heads
@@ -182,7 +187,10 @@ class Attention(nn.Module):
         group = q.shape[1] // k.shape[1]  # query heads per kv head; kv head j serves q heads j*group...
         k = k[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)  # (B, Hkv, G, T, D) -> (B, H, T, D)
         v = v[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)  # (B, Hkv, G, T, D) -> (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        if packed is not None:  # block-causal
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask)  # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
         y = self.merge_heads(y)  # (B, T, H*D)
         return rng.dropout(self.o_proj(y), self.cfg.dropout, dropout_key)
 
@@ -212,9 +220,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, attn_key=None, mlp_key=None):
+    def forward(self, x, attn_key=None, mlp_key=None, packed=None):
         """(B, T, C) -> (B, T, C)."""
-        x = x + self.self_attn(self.input_layernorm(x), attn_key)
+        x = x + self.self_attn(self.input_layernorm(x), attn_key, packed)
         return x + self.mlp(self.post_attention_layernorm(x), mlp_key)
 
 
@@ -253,13 +261,14 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
         return rng.dropout(ops.embedding(weight, idx), self.cfg.dropout, _site_key(key, 0))  # (B, T, C)
 
-    def forward(self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *,
+    def forward(self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, packed=None,
                 return_hidden: bool = False) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, V), or hidden states (B, T, C) with `return_hidden`."""
+        """Token ids (B, T) -> logits (B, T, V), or hidden states (B, T, C) with `return_hidden`; `packed`
+        (`models.lm.packed(positions)`): rows of several documents, each seeing only itself."""
         key = _dropout_key(self.cfg, dropout_key)
         x = self.embed(self.embed_tokens.weight, idx, key)  # (B, T, C)
         for i, block in enumerate(self.layers):
-            x = block(x, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
+            x = block(x, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), packed)
         x = self.norm(x)  # (B, T, C)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 

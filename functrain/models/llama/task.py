@@ -97,7 +97,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
             f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp")
     seq = config.model.block_size
-    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size, tokenizer=tokenizer)
+    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
+                           model_dir=hf.path if hf is not None else None)
     with torch.device("meta"):
         template = llama_lib.Llama(cfg)  # shapes only
     rules = parallel.default_rules(llama_lib.TP_RULES)
@@ -129,11 +130,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     def finish(params, key):
         """A text sample from the prompt (sharded params: gathered a stage at a time); the Hugging Face
         export with `export_hf` (gathered a tensor at a time, written by rank 0)."""
-        prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=ctx.device)[None]  # (1, T)
-        out = lm.generate(template, params, prompt, sample.max_new_tokens, temperature=sample.temperature,
-                          top_k=sample.top_k or None, key=key, stages=llama_lib.stages(template),
-                          head=head_name(cfg))
-        result = {"sample": dataset.decode(out[0].tolist())}
+        result = lm.finish_text(dataset, sample, lambda prompt, n: lm.generate(
+            template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
+            stages=llama_lib.stages(template), head=head_name(cfg)), ctx.device)
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
         return result
@@ -152,6 +151,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         data_position=dataset.position,
         data_record=dataset.record(),
         count_targets=lm.count_targets(),
+        steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=config.batch_size * seq,
         flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # the trained length
         finish=finish,

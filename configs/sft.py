@@ -1,0 +1,59 @@
+"""Fine-tuning a causal LM on supervised examples: prompts masked, the loss over every target token.
+
+Command (from the repository root, no network: a tiny Qwen2 is written to the workdir, the examples
+are the standard library's functions, "What does json.dumps(obj, ...) do?" -> the docstring's summary):
+
+    python -m functrain.main --config=configs/sft.py
+
+Expected result (2-core x86-64, torch 2.13, fresh workdir): EXPECTED
+
+Your own data and model: `--config.data.path=sft.jsonl` (records of prompt/completion, messages,
+or instruction/input/output; `--config.data.fields` maps other names) and `--config.model.path=DIR`
+(any transformers causal LM directory, e.g. the main job's export `runs/hf/hf` after
+`configs/hf.py`, or functrain's gpt/llama exports); its tokenizer.json and chat template are used.
+`--config.data.packing=True` packs whole examples into each row (attention stays within each);
+`--config.data.train_on=all` learns the prompts too; `--config.epochs=N` sets the length in epochs.
+"""
+
+import ml_collections
+
+from functrain.trainer import defaults
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+    """The default fine-tuning run (the module docstring)."""
+    c = defaults.trainer_config()
+    c.epochs = 2.0  # over the training examples (steps follow from it)
+    c.batch_size = 16
+    c.log_every = 50
+    c.eval_every = 100
+    c.eval_batches = 4
+    c.loss_chunk_size = 0
+    c.remat = "auto"
+    c.export_hf = True
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "hf"
+    c.model.path = "tiny:qwen2"  # a transformers model directory, or a tiny one of this type written to the workdir
+    c.model.block_size = 256  # the longest example (tokens), and the row length
+    c.model.weights = True
+
+    c.data = defaults.data_config()
+    c.data.path = "stdlib:messages"  # or "stdlib:prompt_completion", or your jsonl/parquet records
+    c.data.tokenizer = "auto"  # the directory's tokenizer.json; bytes for a 256-id model
+    c.data.val_fraction = 0.02
+    c.data.packing = False
+
+    c.optim.lr = 3e-3  # a tiny model from scratch; fine-tuning a trained one wants ~1e-5 to 1e-4
+    c.optim.min_lr = 3e-4
+    c.optim.warmup_steps = 30
+
+    c.sample = ml_collections.ConfigDict()  # the answer to the first held-out prompt
+    c.sample.prompt = ""
+    c.sample.max_new_tokens = 120
+    c.sample.temperature = 0.0  # greedy
+    c.sample.top_k = 0
+
+    if variant not in (None, "", "default"):
+        raise ValueError(f"configs/sft.py has no variant {variant!r}; it has only the default")
+    return c

@@ -1,0 +1,279 @@
+"""Supervised examples tokenized once into a cache: tokens, a per-token target mask, a train/val split.
+
+`load_examples(source, cache_dir, tokenizer, spec)` renders every record of a jsonl/parquet source
+(`functrain.data.supervised`), splits them by the stable hash of their key ("<file>:<index>", as the
+token cache splits documents: adding an example never moves another), and stores each split as three
+arrays: the tokens and targets of every example concatenated, and the offsets where each starts.
+
+The cache is keyed by content: the source's files (sizes and sha256), the tokenizer, the format and
+field names, what is learned, the chat template, the block size and the too-long rule. A source file's
+examples are kept in a file of their own as soon as they are rendered, so a run stopped while
+tokenizing goes on from the next file. Rank 0 tokenizes; the others wait for it.
+
+Example:
+    >>> spec = ExampleSpec(fmt="auto", train_on="auto", fields={}, template=chat_template_of(model_dir),
+    ...                    block_size=512, too_long="drop", val_fraction=0.05)
+    >>> train, val, info = load_examples("data/sft.jsonl", "runs/sft/data", tokenizer, spec)
+    >>> x, y = train.pair(0)              # inputs and shifted targets (-1 where not learned)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from functrain.data.documents import is_val, source_content
+from functrain.data.errors import DataError
+from functrain.data.supervised import ChatTemplate, detect_format, read_records, render, resolve_train_on
+from functrain.data.token_cache import tokenizer_id
+from functrain.data.token_files import atomic_write, slug
+
+__all__ = ["TOO_LONG", "ExampleSet", "ExampleSpec", "load_examples"]
+
+TOO_LONG = ("drop", "truncate")
+"""What `data.too_long` does with an example longer than `block_size + 1` tokens."""
+
+_FORMAT, _VERSION = "functrain-examples", 1
+IGNORE = -1  # the target id of a token that is not learned (the families' ignore_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleSpec:
+    """How a source's records become examples (every field enters the cache key).
+
+    Attributes:
+      fmt: a `supervised.FORMATS` name, or "auto" (from the first record's fields).
+      train_on: a `supervised.TRAIN_ON` choice, or "auto".
+      fields: {format field: the records' field}.
+      template: the chat template (the messages format).
+      block_size: the longest example is `block_size + 1` tokens (inputs and targets of `block_size`).
+      too_long: "drop" or "truncate" a longer one.
+      val_fraction: the share of examples that go to validation.
+      max_bad_line_fraction: jsonl lines per file that may be skipped as not JSON objects.
+    """
+
+    fmt: str
+    train_on: str
+    fields: tuple
+    template: ChatTemplate | None
+    block_size: int
+    too_long: str
+    val_fraction: float
+    max_bad_line_fraction: float = 0.0
+
+    def key(self, content: list, tokenizer: str) -> str:
+        """The cache key of this spec over `content` ([rel, size, sha256] per file) with `tokenizer`."""
+        what = {"content": content, "tokenizer": tokenizer, "fmt": self.fmt, "train_on": self.train_on,
+                "fields": sorted(self.fields), "block_size": self.block_size, "too_long": self.too_long,
+                "val_fraction": self.val_fraction,
+                "template": None if self.template is None else [self.template.source, sorted(self.template.special.items())],
+                "version": _VERSION}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class ExampleSet:
+    """Examples as three arrays: every token, every target flag, and where each example starts.
+
+    Attributes:
+      tokens: int64 (N,) every example's tokens, concatenated.
+      targets: bool (N,) whether each token is learned.
+      offsets: int64 (n + 1,): example i is [offsets[i], offsets[i + 1]).
+    """
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each example's (input, target) pairs: its tokens minus one."""
+        return np.diff(self.offsets) - 1
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Example i as (inputs, targets): tokens[:-1] and tokens[1:], IGNORE where not learned (the one shift)."""
+        s, e = int(self.offsets[i]), int(self.offsets[i + 1])
+        tok, learn = self.tokens[s:e], self.targets[s:e]
+        return tok[:-1], np.where(learn[1:], tok[1:], IGNORE)
+
+    def target_count(self) -> int:
+        """Learned targets over every example, counted after the shift (a first token is never one)."""
+        starts = self.offsets[:-1][self.offsets[:-1] < len(self.targets)]
+        return int(self.targets.sum() - self.targets[starts].sum())
+
+
+def _concat(parts: list[tuple[np.ndarray, np.ndarray]]) -> ExampleSet:
+    """An `ExampleSet` of (tokens, targets) examples."""
+    lengths = np.array([len(t) for t, _ in parts], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    if not parts:
+        return ExampleSet(np.zeros(0, np.int64), np.zeros(0, bool), offsets)
+    return ExampleSet(np.concatenate([t for t, _ in parts]), np.concatenate([m for _, m in parts]), offsets)
+
+
+def _save(path: Path, ex: ExampleSet, val: np.ndarray, counts: dict) -> None:
+    """One file's examples (and which go to validation) in one npz, atomically."""
+    def write(f):
+        buf = io.BytesIO()
+        np.savez(buf, tokens=ex.tokens, targets=ex.targets, offsets=ex.offsets, val=val,
+                 counts=np.array([counts["dropped"], counts["truncated"], counts["no_target"]], np.int64))
+        f.write(buf.getvalue())
+
+    atomic_write(path, write)
+
+
+def _load(path: Path) -> tuple[ExampleSet, np.ndarray, dict]:
+    """What `_save` wrote."""
+    with np.load(path) as z:
+        c = z["counts"]
+        return (ExampleSet(z["tokens"], z["targets"], z["offsets"]), z["val"],
+                {"dropped": int(c[0]), "truncated": int(c[1]), "no_target": int(c[2])})
+
+
+def _fit(tokens: np.ndarray, targets: np.ndarray, spec: ExampleSpec, counts: dict):
+    """The example cut to block_size + 1 tokens, or None (too long and dropped, or nothing left to learn)."""
+    if len(tokens) > spec.block_size + 1:
+        if spec.too_long == "drop":
+            counts["dropped"] += 1
+            return None
+        tokens, targets = tokens[:spec.block_size + 1], targets[:spec.block_size + 1]
+        counts["truncated"] += 1
+    if not targets[1:].any():
+        counts["no_target"] += 1
+        return None
+    return tokens, targets
+
+
+def _render_file(records, fmt: str, train_on: str, spec: ExampleSpec, tokenizer, val_fraction: float):
+    """(examples, val flags, counts) of one file's records."""
+    parts, val = [], []
+    counts = {"dropped": 0, "truncated": 0, "no_target": 0}
+    fields = dict(spec.fields)
+    for _, key, record in records:
+        ex = render(record, fmt, tokenizer, train_on=train_on, fields=fields, template=spec.template, where=key)
+        kept = _fit(ex.tokens, ex.targets, spec, counts)
+        if kept is not None:
+            parts.append(kept)
+            val.append(is_val(key, val_fraction))
+    return _concat(parts), np.array(val, bool), counts
+
+
+def _first_format(source: str, spec: ExampleSpec) -> str:
+    """`spec.fmt`, or the format of the source's first record."""
+    if spec.fmt != "auto":
+        return spec.fmt
+    for _, _, record in read_records(source, spec.max_bad_line_fraction):
+        return detect_format(record, dict(spec.fields))
+    raise DataError(f"data.path {source!r} holds no record; add examples (one JSON object per line)")
+
+
+def _build(source: str, out: Path, content: list, spec: ExampleSpec, tokenizer, fmt: str, train_on: str, log) -> None:
+    """Renders every file not done yet into out/<file>.npz, then writes out/meta.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    by_file: dict[str, list] = {}
+    for rel, key, record in read_records(source, spec.max_bad_line_fraction):
+        by_file.setdefault(rel, []).append((rel, key, record))
+    t0 = time.perf_counter()
+    for n, (rel, _, _) in enumerate(content):
+        path = out / f"{slug(rel)}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}.npz"
+        if not path.exists():
+            _save(path, *_render_file(by_file.get(rel, []), fmt, train_on, spec, tokenizer, spec.val_fraction))
+        if time.perf_counter() - t0 > 5:
+            log(f"examples: {n + 1}/{len(content)} files rendered")
+    meta = {"format": _FORMAT, "version": _VERSION, "source": source, "fmt": fmt, "train_on": train_on,
+            "files": [[rel, f"{slug(rel)}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}.npz"] for rel, _, _ in content]}
+    atomic_write(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+
+def _wait(out: Path, poll_s: float = 0.2) -> None:
+    """Waits until rank 0 has written out/meta.json (or its error line)."""
+    while not (out / "meta.json").exists():
+        err = out / "error.txt"
+        if err.exists():
+            raise DataError(err.read_text().strip() + " (reported by rank 0)")
+        time.sleep(poll_s)
+
+
+def load_examples(source: str, cache_dir: str | Path, tokenizer, spec: ExampleSpec, *, rank: int = 0,
+                  log: Callable[[str], None] = print) -> tuple[ExampleSet, ExampleSet, dict[str, Any]]:
+    """A source's train and validation examples, rendered and tokenized once (cached by content).
+
+    Args:
+      source: jsonl/parquet records: a file, a directory of them or a glob.
+      cache_dir: where the rendered examples are kept.
+      tokenizer: the functrain tokenizer to encode with.
+      spec: how records become examples (`ExampleSpec`).
+      rank: this process's rank (0 renders, the others wait and read).
+      log: where the counts of left-out examples go.
+
+    Returns:
+      `(train, val, info)`; info holds "fmt", "train_on", "content" ([rel, size, sha256] per file, the
+      data record), "examples" (train, val) and the counts "dropped", "truncated", "no_target".
+
+    Raises:
+      DataError: a record in no format, a bad field or template, or no example with a target (one line).
+
+    Example:
+      >>> train, val, info = load_examples("data/sft.jsonl", "runs/sft/data", tok, spec)
+    """
+    if spec.too_long not in TOO_LONG:
+        raise DataError(f"data.too_long={spec.too_long!r}: use one of {', '.join(TOO_LONG)}")
+    kind, _, name, content = source_content(source, cache_dir, log=log)
+    if kind != "shards":
+        raise DataError(f"data.path {source!r}: supervised examples are jsonl/parquet records (one JSON object per "
+                        "line); for plain text use --config.data.format=text")
+    fmt = _first_format(source, spec)
+    train_on = resolve_train_on(spec.train_on, fmt)
+    out = Path(cache_dir) / f"examples-{name}-{spec.key(content, tokenizer_id(tokenizer))}"
+    if not (out / "meta.json").exists():
+        if rank == 0:
+            try:
+                _build(source, out, content, spec, tokenizer, fmt, train_on, log)
+            except DataError as exc:
+                out.mkdir(parents=True, exist_ok=True)
+                atomic_write(out / "error.txt", lambda f: f.write(str(exc).encode()))
+                raise
+        else:
+            _wait(out)
+    meta = json.loads((out / "meta.json").read_text())
+    parts = [_load(out / f) for _, f in meta["files"]]
+    train, val = _split(parts)
+    counts = {k: sum(p[2][k] for p in parts) for k in ("dropped", "truncated", "no_target")}
+    info = {"fmt": fmt, "train_on": train_on, "content": content, "examples": (len(train), len(val)), **counts}
+    if len(train) == 0:
+        raise DataError(f"data.path {source!r}: no example has a target token to learn ({counts['no_target']} without "
+                        f"one, {counts['dropped']} too long for block_size {spec.block_size}); check data.train_on, "
+                        "data.fields and data.too_long")
+    left = [f"{counts['dropped']} longer than block_size + 1 = {spec.block_size + 1} tokens dropped"] if counts["dropped"] else []
+    left += [f"{counts['truncated']} truncated to block_size + 1"] if counts["truncated"] else []
+    left += [f"{counts['no_target']} with no target left out"] if counts["no_target"] else []
+    if left:
+        log(f"examples: {'; '.join(left)} (data.too_long={spec.too_long})")
+    return train, val, info
+
+
+def _split(parts: list) -> tuple[ExampleSet, ExampleSet]:
+    """(train, val) of every file's examples, in order; an empty split takes the first example of the other."""
+    ex = _concat([_example(s, i) for s, _, _ in parts for i in range(len(s))])
+    val = np.concatenate([v for _, v, _ in parts]) if parts else np.zeros(0, bool)
+    if len(ex) > 1 and (not val.any() or val.all()):
+        val = val.copy()
+        val[0] = not val[0]  # the first example moves across: both splits hold one
+    pick = lambda sel: _concat([_example(ex, i) for i in np.flatnonzero(sel)])  # noqa: E731
+    return pick(~val), pick(val)
+
+
+def _example(s: ExampleSet, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Example i of `s` as (tokens, targets)."""
+    a, b = int(s.offsets[i]), int(s.offsets[i + 1])
+    return s.tokens[a:b], s.targets[a:b]

@@ -1,0 +1,277 @@
+"""Fine-tuning data: supervised examples in epochs, as the batches of a language model's `Task`.
+
+`sft_data(config.data, ...)` loads the examples (`functrain.data.examples`) and returns an `SFTData`
+with the same surface as `LMData` (`train_batch(step)`, `eval_sets()`, `position(step)`, `record()`).
+
+Epochs over examples. The rows of an epoch are its examples, one per row in an order permuted by
+(seed, epoch), or (`data.packing=True`) whole examples packed by best-fit-decreasing (ties broken in
+that order) into rows whose order is permuted again. Global row g of the run is row g mod R of epoch
+g // R (R rows per epoch, the same in every epoch), so the batch of a step is a pure function of
+(seed, step), and data-parallel rank r of `world` takes rows [r B / world, (r + 1) B / world) of it:
+a run resumed on any number of ranks sees the same batches.
+
+Batches are `(x, y)` (unpacked: each example starts a row, padding after it) or `(x, y, positions)`
+(packed: the positions restart at every example, so the models' attention stays within it); `y` is
+-1 where nothing is learned. The validation rows are built the same way from the validation split,
+in order; the last batch is filled with empty rows (no targets): the validation loss is the mean
+over every target (`Task.count_targets`).
+
+Example:
+    >>> d = sft_data(config.data, cache_dir="runs/sft/data", tokenizer=tok, template=t, batch_size=8,
+    ...              block_size=512, seed=0, eval_batches=4)
+    >>> x, y, pos = d.train_batch(0)        # with data.packing=True
+    >>> d.steps_per_epoch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from functrain.data.errors import DataError
+from functrain.data.examples import ExampleSet, ExampleSpec, load_examples
+from functrain.data.packing import assemble, best_fit_decreasing, efficiency
+from functrain.data.record import source_record
+from functrain.data.sampling import permute, stream_hash
+from functrain.data.stdlib_sft import builtin_format, builtin_source
+from functrain.data.supervised import ChatTemplate
+from functrain.data.tokenizer import separator_ids
+
+__all__ = ["END_MARKS", "ExampleSampler", "SFTData", "sft_data"]
+
+_ROWS_STREAM, _ORDER_STREAM = 5, 6
+END_MARKS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
+"""Where a generated answer ends (ChatML's end of turn, common end-of-text tokens)."""
+
+
+class ExampleSampler:
+    """The rows of every epoch over a set of examples, and the batches they make.
+
+    Args:
+      examples: the training examples.
+      batch_size: the GLOBAL batch size (rows).
+      block_size: the row length.
+      seed: the data seed.
+      packing: pack whole examples into rows (best-fit-decreasing), else one per row.
+      pad_id: the input id of padding.
+
+    Example:
+      >>> s = ExampleSampler(train, batch_size=8, block_size=512, seed=0, packing=True, pad_id=0)
+      >>> x, y, pos = s.batch(3, rank=0, world=2)       # (4, 512) each
+    """
+
+    def __init__(self, examples: ExampleSet, *, batch_size: int, block_size: int, seed: int, packing: bool,
+                 pad_id: int):
+        self.examples, self.batch_size, self.block_size = examples, batch_size, block_size
+        self.seed, self.packing, self.pad_id = int(seed), packing, pad_id
+        self._memo: dict[int, list] = {}  # the last epochs' rows
+        self.rows_per_epoch = len(self._rows(0))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The examples of `epoch`, permuted by (seed, epoch)."""
+        n = len(self.examples)
+        return permute(np.arange(n), n, stream_hash(_ORDER_STREAM, self.seed, epoch))
+
+    def _rows(self, epoch: int) -> list[list[int]]:
+        """The rows of `epoch`: lists of example ids, in the order the batches take them (the last 4 kept)."""
+        if epoch not in self._memo:
+            if len(self._memo) >= 4:
+                self._memo.pop(next(iter(self._memo)))
+            order = self._order(epoch)
+            if not self.packing:
+                rows = [[int(i)] for i in order]
+            else:
+                packed = best_fit_decreasing(self.examples.lengths, self.block_size, order)
+                shuffled = permute(np.arange(len(packed)), len(packed), stream_hash(_ROWS_STREAM, self.seed, epoch))
+                rows = [packed[int(j)] for j in shuffled]
+            self._memo[epoch] = rows
+        return self._memo[epoch]
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Steps that make one epoch (a fraction when the rows do not divide by the batch)."""
+        return self.rows_per_epoch / self.batch_size
+
+    def batch(self, step: int, rank: int = 0, world: int = 1, device=None) -> tuple:
+        """This rank's rows of step `step`'s batch: (x, y) or, packed, (x, y, positions), each (B / world, T)."""
+        if world < 1 or not 0 <= rank < world or self.batch_size % world:
+            raise ValueError(f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, "
+                             f"world={world}")
+        b = self.batch_size // world
+        rows = []
+        for g in int(step) * self.batch_size + rank * b + np.arange(b):
+            epoch, j = divmod(int(g), self.rows_per_epoch)
+            rows.append(self._rows(epoch)[j])
+        return _tensors(assemble(self.examples, rows, self.block_size, self.pad_id), self.packing, device)
+
+    def position(self, step: int) -> dict[str, float]:
+        """{"epoch": e, "epoch_fraction": f} after `step` steps."""
+        epoch, at = divmod(int(step) * self.batch_size, self.rows_per_epoch)
+        return {"epoch": epoch, "epoch_fraction": at / self.rows_per_epoch}
+
+
+def _tensors(arrays, packing: bool, device) -> tuple:
+    """(x, y) or (x, y, positions) as int64 tensors on `device`."""
+    out = [torch.from_numpy(a) for a in (arrays if packing else arrays[:2])]
+    if device is not None and torch.device(device).type != "cpu":
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in out)
+    return tuple(out)
+
+
+def eval_rows(examples: ExampleSet, block_size: int, packing: bool) -> list[list[int]]:
+    """The validation rows: every validation example once, in order (packed, or one per row)."""
+    if not packing:
+        return [[i] for i in range(len(examples))]
+    return best_fit_decreasing(examples.lengths, block_size, np.arange(len(examples)))
+
+
+@dataclasses.dataclass
+class SFTData:
+    """A fine-tuning run's examples, for a `Task` (the surface of `LMData`).
+
+    Attributes:
+      train, val: the `ExampleSet`s.
+      sampler: the `ExampleSampler` of the training batches.
+      tokenizer: the tokenizer they were encoded with.
+      vocab_size: its vocabulary.
+      eval_batches: the most validation batches (every validation row when fewer).
+      dp: {"rank", "world", "device"}.
+      info: `load_examples`' info (format, counts, the files).
+      template: the chat template (what the end-of-run answer is rendered with).
+    """
+
+    train: ExampleSet
+    val: ExampleSet
+    sampler: ExampleSampler
+    tokenizer: Any
+    vocab_size: int
+    eval_batches: int
+    dp: dict
+    info: dict
+    template: ChatTemplate | None
+
+    def train_batch(self, step: int) -> tuple:
+        """This rank's rows of step `step`'s batch (a pure function of seed and step)."""
+        return self.sampler.batch(step, **self.dp)
+
+    def eval_sets(self) -> list:
+        """This rank's rows of the fixed validation batches (every validation example, up to `eval_batches`)."""
+        s = self.sampler
+        rows = eval_rows(self.val, s.block_size, s.packing)
+        n = min(self.eval_batches, math.ceil(len(rows) / s.batch_size))
+        rows = rows[:n * s.batch_size] + [[]] * (n * s.batch_size - min(len(rows), n * s.batch_size))
+        world, rank = self.dp["world"], self.dp["rank"]
+        b = s.batch_size // world
+        out = []
+        for k in range(n):
+            mine = rows[k * s.batch_size + rank * b:k * s.batch_size + (rank + 1) * b]
+            out.append(_tensors(assemble(self.val, mine, s.block_size, s.pad_id), s.packing, self.dp["device"]))
+        return out
+
+    def position(self, step: int) -> dict[str, float]:
+        """The epoch and the fraction of it consumed after `step` steps."""
+        return self.sampler.position(step)
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Steps per epoch over the training examples."""
+        return self.sampler.steps_per_epoch
+
+    def efficiency(self) -> tuple[float, float]:
+        """(target tokens, real tokens) over all tokens of an epoch's rows."""
+        return efficiency(self.train, self.sampler.rows_per_epoch, self.sampler.block_size)
+
+    def held_out(self) -> tuple[np.ndarray, str]:
+        """The first validation example's prompt (its tokens before the first target: for a conversation,
+        through the assistant header) and the text it is to learn.
+
+        Example:
+          >>> prompt, expected = data.held_out()
+        """
+        a, b = int(self.val.offsets[0]), int(self.val.offsets[1])
+        tok, learn = self.val.tokens[a:b], self.val.targets[a:b]
+        first = int(np.argmax(learn))
+        return tok[:first], self.decode(tok[first:][learn[first:]])
+
+    def answer(self, tokens) -> str:
+        """Generated ids as text, cut at the first end of turn or end of text (`END_MARKS`, the template's eos)."""
+        text = self.decode(tokens)
+        marks = END_MARKS + tuple(t for t in [(self.template.special if self.template else {}).get("eos_token")] if t)
+        cut = min([text.find(m) for m in marks if m in text] or [len(text)])
+        return text[:cut]
+
+    def encode(self, text: str):
+        """The tokenizer's ids of `text`."""
+        return self.tokenizer.encode(text)
+
+    def decode(self, tokens) -> str:
+        """The text of token ids."""
+        return self.tokenizer.decode(tokens)
+
+    def record(self) -> dict:
+        """What the run trains on (`LMData.record`'s form: checkpoints carry it, a resume compares it)."""
+        sha = getattr(self.tokenizer, "sha256", None)
+        return {"sources": {"data": source_record(f"examples:{self.info['fmt']}:{self.info['train_on']}",
+                                                  f"tokenizers:{sha}" if sha else self.tokenizer.name,
+                                                  self.info["content"])}}
+
+    def describe(self) -> str:
+        """E.g. '1,204 examples (messages, learning assistant), packed 3.1 per row, 150 steps per epoch'."""
+        n_train, _ = self.info["examples"]
+        how = f"packed {n_train / self.sampler.rows_per_epoch:.1f} per row" if self.sampler.packing else "padded"
+        return (f"{n_train:,} examples ({self.info['fmt']}, learning {self.info['train_on']}), {how}, "
+                f"{self.steps_per_epoch:g} steps per epoch")
+
+
+def sft_data(data: Any, *, cache_dir: str, tokenizer, template: ChatTemplate | None, batch_size: int,
+             block_size: int, seed: int, eval_batches: int, dp_rank: int = 0, dp_world: int = 1, device=None,
+             rank: int = 0, log: Callable[[str], None] = print) -> SFTData:
+    """Loads `data.path`'s supervised examples and builds their sampler.
+
+    Args:
+      data: the run config's `data` (`format`, `train_on`, `fields`, `packing`, `too_long`, `val_fraction`,
+        `max_bad_line_fraction` are read).
+      cache_dir: where the rendered examples are cached.
+      tokenizer: the functrain tokenizer.
+      template: the chat template (the messages format).
+      batch_size: the global batch size.
+      block_size: the row length.
+      seed: the data seed.
+      eval_batches: the most validation batches.
+      dp_rank, dp_world, device: this process's data-parallel place.
+      rank: this process's global rank (0 renders the examples).
+      log: where the counts and the packing efficiency go.
+
+    Returns:
+      An `SFTData`.
+
+    Raises:
+      DataError: see `load_examples`; mixtures are not supported (one line).
+
+    Example:
+      >>> d = sft_data(config.data, cache_dir="runs/x/data", tokenizer=tok, template=t, batch_size=8, block_size=256,
+      ...              seed=0, eval_batches=4)
+    """
+    if data.get("sources"):
+        raise DataError("supervised examples come from one source (data.path); data.sources mixes text sources")
+    spec = ExampleSpec(fmt=builtin_format(str(data.path)) or data.get("format", "auto"), train_on=data.get("train_on", "auto"),
+                       fields=tuple(sorted(dict(data.get("fields") or {}).items())), template=template,
+                       block_size=block_size, too_long=data.get("too_long", "drop"),
+                       val_fraction=data.get("val_fraction", 0.05),
+                       max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0))
+    source = builtin_source(str(data.path), cache_dir)  # "stdlib:messages": the stdlib's functions
+    train, val, info = load_examples(source, cache_dir, tokenizer, spec, rank=rank, log=log)
+    pad = separator_ids(tokenizer)[-1]
+    sampler = ExampleSampler(train, batch_size=batch_size, block_size=block_size, seed=seed,
+                             packing=bool(data.get("packing", False)), pad_id=pad)
+    out = SFTData(train, val, sampler, tokenizer, int(getattr(tokenizer, "vocab_size", 256)), eval_batches,
+                  {"rank": dp_rank, "world": dp_world, "device": device}, info, template)
+    targets, real = out.efficiency()
+    log(f"examples: {info['examples'][0]:,} train, {info['examples'][1]:,} val; rows {100 * real:.0f}% tokens, "
+        f"{100 * targets:.0f}% targets ({'packed' if sampler.packing else 'padded'}), "
+        f"{out.steps_per_epoch:g} steps per epoch")
+    return out
