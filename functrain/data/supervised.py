@@ -256,18 +256,18 @@ def _message_pieces(messages, template: ChatTemplate, train_on: str, where: str)
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     learned = set(turns[-1:]) if train_on == "last" else set(turns)
-    pieces, done = [], ""
+    pieces, done, done_n = [], "", 0
 
-    def extend(text: str, target: bool, upto: int) -> None:
-        nonlocal done
+    def extend(text: str, target: bool, n: int) -> None:
+        nonlocal done, done_n
         if not text.startswith(done):
             raise TemplateError(
-                f"{where}: the chat template renders the first {upto} message(s) differently inside the longer "
-                "conversation, so the turns' spans are unknown (e.g. a template that rewrites earlier turns); use a "
-                "template that renders each prefix as the start of the next (--config.data.chat_template), or "
+                f"{where}: the chat template renders the first {done_n} message(s) differently inside the first {n}, "
+                "so the turns' spans are unknown (e.g. a template that rewrites earlier turns); use a template that "
+                "renders each prefix as the start of the next (--config.data.chat_template), or "
                 "--config.data.train_on=all")
         pieces.append((text[len(done):], target))
-        done = text
+        done, done_n = text, n
 
     try:
         for i, m in enumerate(messages):

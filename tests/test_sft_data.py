@@ -1,0 +1,219 @@
+"""Supervised examples: golden tokens and targets for each format, the chat template rendered as
+transformers renders it, masks from spans (EOS learned when pad == eos, the assistant text decoded
+back exactly), the one-line refusals, the cache, and epochs of batches that any number of ranks share."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from ml_collections import ConfigDict
+
+from functrain.data import sft, supervised as S
+from functrain.data.errors import DataError
+from functrain.data.examples import ExampleSpec, load_examples
+from functrain.data.tokenizer import ByteTokenizer, train_bpe
+
+BYTES = ByteTokenizer()
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "done"}]
+# Qwen2's template (transformers' tokenizer_config.json of Qwen2-0.5B-Instruct), one of the common ChatML ones
+QWEN2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _learned(ex) -> str:
+    return BYTES.decode(ex.tokens[ex.targets])
+
+
+def test_prompt_completion_golden():
+    ex = S.render({"prompt": "2+2=", "completion": "4"}, "prompt_completion", BYTES, train_on="completion")
+    assert ex.tokens.tolist() == list(b"2+2=4\n")  # the byte tokenizer's end of text: its separator
+    assert ex.targets.tolist() == [False, False, False, False, True, True]
+    ex = S.render({"prompt": "2+2=", "completion": "4"}, "prompt_completion", BYTES, train_on="all")
+    assert ex.targets.tolist() == [False] + [True] * 5  # the first token is predicted from nothing
+
+
+def test_alpaca_and_text_golden():
+    ex = S.render({"instruction": "Add.", "input": "2, 2", "output": "4"}, "alpaca", BYTES, train_on="completion")
+    text = BYTES.decode(ex.tokens)
+    assert text.startswith("Below is an instruction that describes a task, paired with an input")
+    assert "### Instruction:\nAdd.\n\n### Input:\n2, 2\n\n### Response:\n4\n" in text
+    assert _learned(ex) == "4\n"
+    ex = S.render({"text": "abc"}, "text", BYTES, train_on="all")
+    assert ex.tokens.tolist() == list(b"abc\n") and ex.targets.tolist() == [False, True, True, True]
+
+
+@pytest.mark.parametrize("train_on, learned", [
+    ("assistant", "yo<|im_end|>\ndone<|im_end|>\n"),
+    ("last", "done<|im_end|>\n"),
+])
+def test_messages_learn_exactly_the_assistant_turns(train_on, learned):
+    ex = S.render({"messages": CHAT}, "messages", BYTES, train_on=train_on, template=S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE))
+    assert BYTES.decode(ex.tokens) == S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE).render(CHAT)
+    assert _learned(ex) == learned
+
+
+def test_the_chat_template_renders_as_transformers_does(tmp_path):
+    """Our Jinja rendering of a model's template against transformers' `apply_chat_template`, and the
+    assistant spans decoded from a real BPE tokenizer's targets."""
+    transformers = pytest.importorskip("transformers")
+    tok = train_bpe(["<|im_start|>user\nhello there<|im_end|>\n" * 50, "def f(x): return x\n" * 50], 320,
+                    tmp_path / "tokenizer.json")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    fast.chat_template = QWEN2_TEMPLATE
+    ours = S.ChatTemplate(QWEN2_TEMPLATE)
+    for msgs in (CHAT, CHAT[1:], CHAT[1:3]):
+        for gen in (False, True):
+            assert ours.render(msgs, add_generation_prompt=gen) == fast.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=gen)
+    ex = S.render({"messages": CHAT[1:]}, "messages", tok, train_on="assistant", template=ours)
+    assert tok.decode(ex.tokens[ex.targets]) == "yo<|im_end|>\ndone<|im_end|>\n"
+    assert tok.decode(ex.tokens).startswith("<|im_start|>system\nYou are a helpful assistant.")
+
+
+def test_the_eos_is_learned_when_pad_is_eos(tmp_path):
+    """A BPE whose end-of-text is also the padding id: the example's EOS stays a target in the batch."""
+    tok = train_bpe(["2+2=4 and 3+3=6\n"] * 20, 300, tmp_path / "tok.json")
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "completion": str(2 * i)}) + "\n" for i in range(8)))
+    data = sft.sft_data(ConfigDict({"path": str(path), "val_fraction": 0.2}), cache_dir=str(tmp_path / "c"),
+                        tokenizer=tok, template=None, batch_size=2, block_size=16, seed=0, eval_batches=1)
+    assert data.sampler.pad_id == tok.eos_id
+    x, y = data.train_batch(0)
+    for row in range(2):
+        learned = y[row][y[row] != -1].tolist()
+        assert learned[-1] == tok.eos_id  # the completion's end is learned
+        assert (x[row] == tok.eos_id).sum() > 1  # and the padding after it is the same id, not learned
+        assert (y[row] == tok.eos_id).sum() == 1
+
+
+def test_an_inconsistent_template_is_one_line():
+    rewrites = S.ChatTemplate("{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(S.TemplateError, match="renders the first 1 message\\(s\\) differently"):
+        S.render({"messages": CHAT[1:3]}, "messages", BYTES, train_on="assistant", template=rewrites, where="a.jsonl:3")
+
+
+def _write(tmp_path, records, name="d.jsonl"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def _spec(**kw):
+    base = dict(fmt="auto", train_on="auto", fields=(), template=S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE),
+                block_size=16, too_long="drop", val_fraction=0.2)
+    return ExampleSpec(**{**base, **kw})
+
+
+def test_too_long_drop_and_truncate_and_counts(tmp_path):
+    src = _write(tmp_path, [{"prompt": "p", "completion": "c" * n} for n in (3, 30, 4, 5)])
+    lines = []
+    train, val, info = load_examples(src, tmp_path / "c1", BYTES, _spec(), log=lines.append)
+    assert info["dropped"] == 1 and len(train) + len(val) == 3
+    assert any("1 longer than block_size + 1 = 17 tokens dropped" in line for line in lines)
+    train, val, info = load_examples(src, tmp_path / "c2", BYTES, _spec(too_long="truncate"), log=lines.append)
+    assert info["truncated"] == 1 and len(train) + len(val) == 4
+    assert max(np.diff(np.r_[train.offsets, val.offsets[1:] + train.offsets[-1]])) <= 17
+
+
+def test_no_target_at_all_is_one_line(tmp_path):
+    src = _write(tmp_path, [{"messages": [{"role": "user", "content": "q"}]}] * 3)
+    with pytest.raises(DataError, match="no example has a target token to learn"):
+        load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+
+
+def test_fields_map_and_a_record_in_no_format(tmp_path):
+    src = _write(tmp_path, [{"question": "q", "answer": "a"}] * 4)
+    with pytest.raises(DataError, match="in no supervised format"):
+        load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+    train, val, info = load_examples(src, tmp_path / "c", BYTES,
+                                     _spec(fields=(("completion", "answer"), ("prompt", "question"))),
+                                     log=lambda line: None)
+    assert info["fmt"] == "prompt_completion" and len(train) + len(val) == 4
+    with pytest.raises(DataError, match="train_on='assistant' does not apply"):
+        load_examples(src, tmp_path / "c", BYTES, _spec(train_on="assistant", fields=(("completion", "answer"),
+                                                                                       ("prompt", "question"))))
+
+
+def test_parquet_and_jsonl_give_the_same_examples(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    records = [{"prompt": f"q{i}", "completion": "a" * (i % 5 + 1)} for i in range(20)]
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "pq" / "d.parquet")
+    (tmp_path / "js").mkdir()
+    _write(tmp_path / "js", records, "d.jsonl")
+    a = load_examples(str(tmp_path / "pq"), tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+    b = load_examples(str(tmp_path / "js"), tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+    def examples(train, val):  # the split hashes the file name, so compare the examples of both splits
+        return sorted((s.tokens[s.offsets[i]:s.offsets[i + 1]].tobytes(), s.targets[s.offsets[i]:s.offsets[i + 1]].tobytes())
+                      for s in (train, val) for i in range(len(s)))
+
+    assert examples(*a[:2]) == examples(*b[:2]) and len(examples(*a[:2])) == 20
+
+
+def test_the_cache_is_reused_and_keyed_by_content(tmp_path, monkeypatch):
+    src = _write(tmp_path, [{"prompt": "p", "completion": "c" * (i + 1)} for i in range(10)])
+    load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+    calls = []
+    monkeypatch.setattr(S, "render", lambda *a, **k: calls.append(1))
+    import functrain.data.examples as E
+    monkeypatch.setattr(E, "render", lambda *a, **k: calls.append(1))
+    load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+    assert not calls  # read back, not rendered again
+    monkeypatch.undo()
+    _write(tmp_path, [{"prompt": "p", "completion": "x"}] * 10)  # other content: a new cache entry
+    train, val, _ = load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+    assert set(BYTES.decode(train.tokens).replace("p", "").replace("\n", "")) == {"x"}
+
+
+def _sft(tmp_path, packing, n=40, batch_size=8):
+    src = _write(tmp_path, [{"prompt": f"q{i}:", "completion": "z" * (i % 9 + 1)} for i in range(n)])
+    cfg = ConfigDict({"path": src, "packing": packing, "val_fraction": 0.1})
+    return sft.sft_data(cfg, cache_dir=str(tmp_path / "c"), tokenizer=BYTES, template=None, batch_size=batch_size,
+                        block_size=32, seed=3, eval_batches=8, log=lambda line: None)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_every_example_once_per_epoch_and_any_world_sees_the_same_batches(tmp_path, packing):
+    data = _sft(tmp_path, packing)
+    s = data.sampler
+    per_epoch = [sorted(i for j in range(s.rows_per_epoch) for i in s._rows(e)[j]) for e in (0, 1)]
+    assert per_epoch[0] == per_epoch[1] == list(range(len(data.train)))
+    assert [r for r in s._rows(0)] != [r for r in s._rows(1)]  # shuffled per epoch
+    for step in (0, 3, 7):
+        whole = s.batch(step)
+        halves = [s.batch(step, rank=r, world=2) for r in range(2)]
+        for k in range(len(whole)):
+            assert torch.equal(whole[k], torch.cat([h[k] for h in halves]))
+    assert data.position(int(2 * s.steps_per_epoch) + 1)["epoch"] == 2
+
+
+def test_packing_fills_rows_and_every_target_is_kept(tmp_path):
+    padded, packed = _sft(tmp_path / "a", False), _sft(tmp_path / "b", True)
+    assert packed.sampler.rows_per_epoch < padded.sampler.rows_per_epoch / 2
+    assert packed.efficiency()[1] > 2 * padded.efficiency()[1]
+
+    def targets(d):
+        return sum(int((b[1] != -1).sum()) for b in (d.train_batch(s) for s in range(int(d.steps_per_epoch))))
+
+    assert targets(packed) <= packed.train.target_count()
+    x, y, pos = packed.train_batch(0)
+    starts = (pos == 0).sum(1)
+    assert (starts >= 2).all()  # several documents per row (and the padding after them)
+
+
+def test_the_validation_batches_cover_every_validation_example(tmp_path):
+    data = _sft(tmp_path, False, n=80, batch_size=4)
+    batches = data.eval_sets()
+    counted = sum(int((b[1] != -1).sum()) for b in batches)
+    assert counted == data.val.target_count() and len(batches) == -(-len(data.val) // 4)
