@@ -187,7 +187,7 @@ class SFTData:
 
     def held_out(self) -> tuple[np.ndarray, str]:
         """The first validation example's prompt (its tokens before the first target: for a conversation,
-        through the assistant header) and the text it is to learn.
+        through the assistant header) and the text it is to learn (up to its end of turn).
 
         Example:
           >>> prompt, expected = data.held_out()
@@ -195,7 +195,7 @@ class SFTData:
         a, b = int(self.val.offsets[0]), int(self.val.offsets[1])
         tok, learn = self.val.tokens[a:b], self.val.targets[a:b]
         first = int(np.argmax(learn))
-        return tok[:first], self.decode(tok[first:][learn[first:]])
+        return tok[:first], self.answer(tok[first:][learn[first:]])
 
     def answer(self, tokens) -> str:
         """Generated ids as text, cut at the first end of turn or end of text (`END_MARKS`, the template's eos)."""
@@ -224,7 +224,7 @@ class SFTData:
         n_train, _ = self.info["examples"]
         how = f"packed {n_train / self.sampler.rows_per_epoch:.1f} per row" if self.sampler.packing else "padded"
         return (f"{n_train:,} examples ({self.info['fmt']}, learning {self.info['train_on']}), {how}, "
-                f"{self.steps_per_epoch:g} steps per epoch")
+                f"{self.steps_per_epoch:.1f} steps per epoch")
 
 
 def sft_data(data: Any, *, cache_dir: str, tokenizer, template: ChatTemplate | None, batch_size: int,
@@ -273,5 +273,5 @@ def sft_data(data: Any, *, cache_dir: str, tokenizer, template: ChatTemplate | N
     targets, real = out.efficiency()
     log(f"examples: {info['examples'][0]:,} train, {info['examples'][1]:,} val; rows {100 * real:.0f}% tokens, "
         f"{100 * targets:.0f}% targets ({'packed' if sampler.packing else 'padded'}), "
-        f"{out.steps_per_epoch:g} steps per epoch")
+        f"{out.steps_per_epoch:.1f} steps per epoch")
     return out

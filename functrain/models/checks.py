@@ -51,6 +51,15 @@ def _same_names(sources, mixture) -> bool:
     return set(dict(sources or {})) == set(dict(mixture or {}))
 
 
+def _fields_ok(fields) -> bool:
+    """A mapping of non-empty names to non-empty names."""
+    if fields is None:
+        return True
+    if not hasattr(fields, "items"):
+        return False
+    return all(isinstance(k, str) and k and isinstance(f, str) and f for k, f in fields.items())
+
+
 DATA_CHECKS: list = [
     ("data.path", (lambda x: isinstance(x, str) and bool(x), "a non-empty path, glob or 'stdlib'")),
     ("data.text_field", (lambda x: isinstance(x, str) and bool(x), "a non-empty name of a parquet column / jsonl key")),
@@ -62,12 +71,11 @@ DATA_CHECKS: list = [
     ("data.mixture", (_weights_ok, "{source name: positive weight}")),
     ("data.format", v.one_of("auto", "text", "prompt_completion", "messages", "alpaca")),
     ("data.train_on", v.one_of("auto", "completion", "assistant", "last", "all")),
-    ("data.fields", (lambda x: all(isinstance(k, str) and isinstance(f, str) and f for k, f in dict(x or {}).items()),
-                     "{format field: the records' field}, e.g. {'prompt': 'question', 'completion': 'answer'}")),
+    ("data.fields", (_fields_ok, "{format field: the records' field}, e.g. {'prompt': 'question', 'completion': 'answer'}")),
     ("data.packing", v.boolean()),
     ("data.too_long", v.one_of("drop", "truncate")),
     ("data.chat_template", (lambda x: isinstance(x, str) and bool(x),
-                            "'auto', 'default', a .jinja file or a directory with a tokenizer_config.json")),
+                            "a non-empty 'auto', 'default', a .jinja file or a directory with a tokenizer_config.json")),
     v.relation(("data.sources", "data.mixture"), _same_names,
                "give every source in data.sources one weight in data.mixture (and no other)"),
 ]

@@ -31,7 +31,7 @@ from functrain.losses import chunked_cross_entropy
 from functrain.step.staged import Stage
 
 __all__ = [
-    "LMStages", "Packed", "context_model", "count_targets", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn", "packed", "finish_text", "supervised_format", "chat_template",
+    "LMStages", "Packed", "context_model", "count_targets", "cross_entropy", "generate", "init_blocks", "lm_hidden", "lm_loss", "load_data", "make_lm_loss_fn", "packed", "check_packing", "finish_text", "supervised_format", "chat_template",
     "repeated_stages", "resolve_remat", "submodule_stage", "tokenizer_of", "wants_stages",
 ]
 
@@ -447,6 +447,32 @@ def count_targets(ignore_index: int = -1) -> Callable:
 def _positions(batch) -> "torch.Tensor | None":
     """A packed batch's positions (its third entry), or None for (x, y)."""
     return batch[2] if len(batch) > 2 else None
+
+
+def check_packing(config, ctx, staged: bool) -> None:
+    """Refuses `data.packing=True` where the loss cannot carry the documents' layout (one line naming the flags).
+
+    Args:
+      config: the run config.
+      ctx: the parallel context (cp splits the sequences).
+      staged: whether the family's loss runs in stages (remat, per-block gathers on a mesh, compile_unit=blocks, pp).
+
+    Raises:
+      ConfigError: packing with stages or context parallelism.
+
+    Example:
+      >>> lm.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
+    """
+    if not config.data.get("packing", False):
+        return
+    if ctx.cp_world > 1:
+        raise validate.ConfigError("data.packing=True: context parallelism splits each row over the cp ranks and its "
+                                   "attention has no document mask; set --config.data.packing=False or mesh.cp=1")
+    if staged:
+        raise validate.ConfigError(
+            "data.packing=True: this run's loss is staged (remat, per-layer gathers on a mesh, compile_unit=blocks or "
+            "pipeline stages), whose stages do not carry the documents' layout; set --config.data.packing=False, or "
+            "train unstaged (--config.remat=none --config.compile_unit=step on one process)")
 
 
 def unpacked_only(batch, what: str) -> None:

@@ -74,24 +74,37 @@ def _load(weights, template, name: str, device, where):
     return weights.read(stored, offset, local).to(device=device, dtype=torch.float32)
 
 
+def _asked_stages(config, ctx) -> list[str]:
+    """The flags this run set that ask for a staged loss (not the default `remat=auto` on a mesh)."""
+    return [flag for flag, on in (("--config.remat=none", config.remat not in ("auto", "none")),
+                                  ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
+                                  ("--config.mesh.pp=1", ctx.pp_world > 1)) if on]
+
+
+def _unstaged(config, ctx, model, why: str):
+    """The unstaged loss, with one note line saying why (the whole model is gathered for each step)."""
+    if ctx.is_main_process:
+        print(f"functrain: note: {why}, so it trains unstaged: the whole model is gathered for each step",
+              file=sys.stderr, flush=True)
+    return make_loss_fn(model, chunk_size=config.loss_chunk_size), False
+
+
 def _loss(config, ctx, model, template):
-    """(the loss, whether it is staged): staged where the run asks for it; a model the family cannot stage trains
-    unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh), and
-    is refused in one line naming the flags to change where the run asked for them."""
+    """(the loss, whether it is staged): staged where the run asks for it; a model the family cannot stage, or
+    packed rows (whose document layout the stages do not carry), train unstaged (one line says so) where the run
+    only asked for stages by default (`remat=auto` on a mesh), and are refused in one line naming the flags to
+    change where the run asked for them."""
     remat, staged = lm.resolve_remat(config.remat, ctx.mesh), lm.wants_stages(config, ctx)
+    asked = _asked_stages(config, ctx)
+    if (staged or remat != "none") and config.data.get("packing", False) and not asked:
+        return _unstaged(config, ctx, model, "data.packing=True: packed rows' document layout is not carried by stages")
     try:
         return make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template), \
             staged or remat != "none"
     except StagingError as exc:
-        asked = [flag for flag, on in (("--config.remat=none", config.remat not in ("auto", "none")),
-                                       ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
-                                       ("--config.mesh.pp=1", ctx.pp_world > 1)) if on]
         if asked:
             raise HFModelError(f"{exc}; this family cannot stage it: train it with {' and '.join(asked)}") from None
-        if ctx.is_main_process:
-            print(f"functrain: note: {exc}; this family cannot stage it, so it trains unstaged: the whole model is "
-                  "gathered for each step", file=sys.stderr, flush=True)
-        return make_loss_fn(model, chunk_size=config.loss_chunk_size), False
+        return _unstaged(config, ctx, model, f"{exc}; this family cannot stage it")
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
@@ -144,6 +157,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                                f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp")
         model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = _loss(config, ctx, model, template)
+        lm.check_packing(config, ctx, staged)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
     dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer,
@@ -173,6 +187,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         """A text sample from the prompt, or the answer to a held-out prompt (sharded params: gathered a layer at a
         time); the export with `export_hf`."""
         sample = config.sample
+        if not staged and any(parallel.is_dtensor(t) for t in params.values()):
+            params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
         result = lm.finish_text(dataset, sample, lambda prompt, n: lm.generate(
             template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
             stages=stages(template) if staged else None, head=head, block_size=seq,
