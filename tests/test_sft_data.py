@@ -217,3 +217,26 @@ def test_the_validation_batches_cover_every_validation_example(tmp_path):
     batches = data.eval_sets()
     counted = sum(int((b[1] != -1).sum()) for b in batches)
     assert counted == data.val.target_count() and len(batches) == -(-len(data.val) // 4)
+
+
+def test_the_data_record_names_the_files_and_changes_with_them(tmp_path):
+    data = _sft(tmp_path, False)
+    before = data.record()
+    (rel, size, sha), = before["sources"]["data"]["files"]
+    assert rel == "d.jsonl" and size > 0 and len(sha) == 64
+    assert before["sources"]["data"]["kind"].startswith("examples:prompt_completion:completion")
+    src = _write(tmp_path, [{"prompt": "other", "completion": "z"}] * 40)
+    again = sft.sft_data(ConfigDict({"path": src}), cache_dir=str(tmp_path / "c"), tokenizer=BYTES, template=None,
+                         batch_size=8, block_size=32, seed=3, eval_batches=1, log=lambda line: None)
+    assert again.record() != before  # a resume on it stops in one line (trainer.restore)
+
+
+def test_epochs_set_the_steps_from_the_tasks_steps_per_epoch():
+    from functrain.trainer import main, validate
+
+    config = ConfigDict({"epochs": 2.5, "steps": 1})
+    main._steps_from_epochs(config, type("T", (), {"steps_per_epoch": 10.2})(), validate)
+    assert config.steps == 26  # ceil(2.5 x 10.2)
+    config = ConfigDict({"epochs": 1.0, "steps": 1})
+    with pytest.raises(validate.ConfigError, match="this data has no epochs"):
+        main._steps_from_epochs(config, type("T", (), {"steps_per_epoch": None})(), validate)

@@ -8,6 +8,7 @@ The trainer knows no model: outside this package only `functrain.main` imports a
 the config's `model.name`).
 
 Families: `gpt` (byte-level or BPE GPT-2 style decoder), `llama` (Llama-family decoder with Hugging Face
-interop), `hf` (any transformers causal LM, built from its model directory). What decoder LMs share (the loss factory, sampling) is `lm.py`, their shared config checks
-`checks.py`.
+interop), `hf` (any transformers causal LM, built from its model directory). What decoder LMs share:
+the loss factory, packed attention and sampling in `lm.py`, their data (windows or supervised examples,
+tokenizer, chat template) in `lm_data.py`, their config checks in `checks.py`.
 """

@@ -35,7 +35,7 @@ def _tokenizer_ok(value) -> bool:
 
 
 TOKENIZER_CHECK = ("data.tokenizer", (_tokenizer_ok, "'auto', 'bytes', 'bpe:N' (N >= 257) or a tokenizer.json path"))
-"""The check of a family's `data.tokenizer` key (`models.lm.tokenizer_of` reads it)."""
+"""The check of a family's `data.tokenizer` key (`models.lm_data.tokenizer_of` reads it)."""
 
 REMAT_CHECK = ("remat", (_is_remat, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)"))
 """The check of a family's `remat` key."""

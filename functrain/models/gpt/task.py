@@ -20,7 +20,7 @@ import torch
 from functrain import parallel
 from functrain import config as v
 from functrain.interop.hf import save_hf_directory
-from functrain.models import lm
+from functrain.models import lm, lm_data
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.checks import CHECKS
@@ -61,7 +61,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             "computes whole heads); change --config.model.n_head or --config.mesh.tp"
         )
     cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-    dataset = lm.load_data(config, ctx, cache_dir, block_size=m.block_size, vocab_size=m.vocab_size or None)
+    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=m.block_size, vocab_size=m.vocab_size or None)
     vocab = m.vocab_size or dataset.vocab_size
     if vocab < dataset.vocab_size:
         raise v.ConfigError(
@@ -79,14 +79,14 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     # sharded: staged, so each block is gathered just before it runs; "auto" recomputes the blocks on
     # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
     remat = lm.resolve_remat(config.remat, ctx.mesh)
-    lm.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
+    lm_data.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
     sample = config.sample
 
     def finish(params, key):
         """A text sample from the prompt (or the answer to a held-out prompt), drawn from `key` (sharded params:
         gathered a stage at a time)."""
-        return lm.finish_text(dataset, sample, lambda prompt, n: gpt_lib.generate(
+        return lm_data.finish_text(dataset, sample, lambda prompt, n: gpt_lib.generate(
             template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
             stages=gpt_lib.stages(template), head=head_name(params)), ctx.device)
 

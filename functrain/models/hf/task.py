@@ -33,7 +33,7 @@ from functrain import config as v
 from functrain import data as data_lib
 from functrain import functional, parallel
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
-from functrain.models import lm
+from functrain.models import lm, lm_data
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
 from functrain.models.hf.model import (HFModelError, StagingError, build_template, head_name, init_params, load_config,
@@ -137,7 +137,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         raise v.ConfigError(f"model.path: {exc}") from None
     _refuse_axes(ctx, hf_config.model_type)
     cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-    tokenizer = lm.tokenizer_of(config, directory, cache_dir, fresh_vocab=hf_config.vocab_size, key="model.path")
+    tokenizer = lm_data.tokenizer_of(config, directory, cache_dir, fresh_vocab=hf_config.vocab_size, key="model.path")
     tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
     if tok_vocab > hf_config.vocab_size:
         where = getattr(tokenizer, "path", "the byte tokenizer")
@@ -157,10 +157,10 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                                f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp")
         model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = _loss(config, ctx, model, template)
-        lm.check_packing(config, ctx, staged)
+        lm_data.check_packing(config, ctx, staged)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
-    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer,
+    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer,
                            model_dir=directory.path)
     head = head_name(template)
     tokenizer_file = getattr(tokenizer, "path", None)
@@ -189,7 +189,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         sample = config.sample
         if not staged and any(parallel.is_dtensor(t) for t in params.values()):
             params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
-        result = lm.finish_text(dataset, sample, lambda prompt, n: lm.generate(
+        result = lm_data.finish_text(dataset, sample, lambda prompt, n: lm.generate(
             template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
             stages=stages(template) if staged else None, head=head, block_size=seq,
             logits_fn=lambda p, idx: functional.apply(template, p, input_ids=idx, train=False).logits), ctx.device)

@@ -30,7 +30,7 @@ from functrain import data as data_lib
 from functrain import parallel
 from functrain import config as v
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
-from functrain.models import lm
+from functrain.models import lm, lm_data
 from functrain.models.llama import hf as hf_lib
 from functrain.models.llama import model as llama_lib
 from functrain.models.llama.checks import CHECKS
@@ -82,7 +82,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         hf = HFDirectory(config.init_from[3:]) if config.init_from else None
         weights = hf.weights if hf is not None else None  # opened now: a missing shard fails before anything else
         cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-        tokenizer = lm.tokenizer_of(config, hf, cache_dir, fresh_vocab=config.model.vocab_size or 2048, key="init_from")
+        tokenizer = lm_data.tokenizer_of(config, hf, cache_dir, fresh_vocab=config.model.vocab_size or 2048, key="init_from")
         tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
         cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
     except HFError as exc:
@@ -97,7 +97,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
             f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp")
     seq = config.model.block_size
-    dataset = lm.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
+    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
                            model_dir=hf.path if hf is not None else None)
     with torch.device("meta"):
         template = llama_lib.Llama(cfg)  # shapes only
@@ -105,7 +105,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     model = lm.context_model(template, ctx, seq, config.get("cp_attention", "zigzag"))
     model = parallel.tensor_parallel(model, ctx.mesh, rules)
     remat = lm.resolve_remat(config.remat, ctx.mesh)
-    lm.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
+    lm_data.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
     sample = config.sample
     tokenizer_file = getattr(tokenizer, "path", None)
@@ -131,7 +131,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     def finish(params, key):
         """A text sample from the prompt (sharded params: gathered a stage at a time); the Hugging Face
         export with `export_hf` (gathered a tensor at a time, written by rank 0)."""
-        result = lm.finish_text(dataset, sample, lambda prompt, n: lm.generate(
+        result = lm_data.finish_text(dataset, sample, lambda prompt, n: lm.generate(
             template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
             stages=llama_lib.stages(template), head=head_name(cfg)), ctx.device)
         if config.export_hf:
