@@ -240,3 +240,14 @@ def test_epochs_set_the_steps_from_the_tasks_steps_per_epoch():
     config = ConfigDict({"epochs": 1.0, "steps": 1})
     with pytest.raises(validate.ConfigError, match="this data has no epochs"):
         main._steps_from_epochs(config, type("T", (), {"steps_per_epoch": None})(), validate)
+
+
+def test_a_template_that_renders_the_bos_gives_one_bos(tmp_path):
+    """The tokenizer adds no special token of its own: a template's `bos_token` is the only BOS."""
+    tok = train_bpe(["hello there\n"] * 20, 300, tmp_path / "tok.json")
+    bos = "<|endoftext|>"  # the BPE's one special token, standing in for a BOS
+    template = S.ChatTemplate("{{ bos_token }}" + S.DEFAULT_CHAT_TEMPLATE, {"bos_token": bos})
+    ex = S.render({"messages": CHAT[1:3]}, "messages", tok, train_on="assistant", template=template)
+    assert ex.tokens[0] == tok.eos_id and int((ex.tokens == tok.eos_id).sum()) == 1
+    plain = S.render({"prompt": "hello", "completion": " there"}, "prompt_completion", tok, train_on="completion")
+    assert plain.tokens[0] != tok.eos_id  # no BOS where no template renders one
