@@ -51,3 +51,29 @@ def loss_fn(m):
 
 
 COUNT = lm.count_targets()
+
+
+def packed_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, y, positions) of ROWS packed rows: documents of 2 to 7 pairs, each restarting its positions,
+    each learning all but its first 2 targets."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (ROWS, T), generator=g)
+    y = (3 * x + 1) % V
+    pos = torch.zeros(ROWS, T, dtype=torch.long)
+    for r in range(ROWS):
+        at = 0
+        while at < T:
+            n = min(int(torch.randint(2, 8, (1,), generator=g)), T - at)
+            pos[r, at:at + n] = torch.arange(n)
+            at += n
+    y = torch.where(pos >= 2, y, torch.full_like(y, -1))
+    return x, y, pos
+
+
+def reference_packed(m: gpt.GPT, params: dict, x, y, pos):
+    """(loss, grads) of the packed rows by plain autograd through the model's own (unstaged) forward."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    logits = apply(m, leaves, x, packed=lm.packed(pos))  # (B, T, V)
+    total = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-1, reduction="sum")
+    loss = total / (y != -1).sum()
+    return loss.detach(), dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))

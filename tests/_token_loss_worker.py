@@ -27,7 +27,7 @@ SCENARIOS = {
 }
 
 
-def one_step(mesh: dict, rows: int, staged: bool, cp: bool) -> dict:
+def one_step(mesh: dict, rows: int, staged: bool, cp: bool, batch=None) -> dict:
     """The scenario's gradient, loss and target count (gathered whole)."""
     ctx = parallel.setup(mesh, timeout_s=300)
     template = P.model()
@@ -38,16 +38,16 @@ def one_step(mesh: dict, rows: int, staged: bool, cp: bool) -> dict:
     model = parallel.tensor_parallel(model, ctx.mesh, rules)
     state = parallel.shard_state(init_state(template, P.sgd()), ctx.mesh, rules)
     before = tree.clone(parallel.gather(state.params))
-    x, y = parallel.split_batch(P.batch(), ctx.dp_rank, ctx.dp_world)
-    step = make_train_step(gpt.make_loss_fn(model, staged=staged), P.sgd(), accum_steps=x.shape[0] // rows,
+    local = parallel.split_batch(batch or P.batch(), ctx.dp_rank, ctx.dp_world)
+    step = make_train_step(gpt.make_loss_fn(model, staged=staged), P.sgd(), accum_steps=local[0].shape[0] // rows,
                            count_targets=P.COUNT, compile=False, donate=False)
-    state, metrics = step(state, (x, y))
+    state, metrics = step(state, local)
     after = parallel.gather(state.params)
     return {"grads": {k: (before[k] - after[k]).tolist() for k in before}, "loss": float(metrics["loss"]),
             "targets": int(metrics["targets"])}
 
 
-def pipeline_step() -> dict:
+def pipeline_step(batch=None) -> dict:
     """Two pipeline stages, 4 microbatches: this rank's stage's gradient, the loss and the count."""
     ctx = parallel.setup({"pp": 2}, timeout_s=300)
     template = P.model()
@@ -56,7 +56,7 @@ def pipeline_step() -> dict:
     state = init_state(pipe.params(params), P.sgd())
     before = tree.clone(state.params)
     step = pipeline.make_train_step(pipe, P.sgd(), microbatches=4, count_targets=P.COUNT, donate=False)
-    state, metrics = step(state, P.batch())
+    state, metrics = step(state, batch or P.batch())
     return {"grads": {k: (before[k] - state.params[k]).tolist() for k in before}, "loss": float(metrics["loss"]),
             "targets": int(metrics["targets"])}
 
@@ -64,6 +64,9 @@ def pipeline_step() -> dict:
 def main(outdir: str) -> None:
     results = {name: one_step(*spec) for name, spec in SCENARIOS.items()}
     results["pp_micro4"] = pipeline_step()
+    # packed rows (x, y, positions): the staged losses carry the document layout to every block
+    results["packed_fsdp_staged_accum2"] = one_step({"dp_shard": 2}, 2, True, False, P.packed_batch())
+    results["packed_pp_micro4"] = pipeline_step(P.packed_batch())
     rank = int(os.environ["RANK"])
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

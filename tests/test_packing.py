@@ -150,3 +150,41 @@ def test_different_documents_per_row_do_not_recompile():
         state, _ = step(state, (torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(pos)))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+def _staged_loss(name, template, remat):
+    """The family's staged loss (each block a stage; `remat` recomputes them)."""
+    if name == "hf":
+        return hf.make_loss_fn(template, remat=remat, staged=True)
+    return (gpt if name == "gpt" else llama).make_loss_fn(template, remat=remat, staged=True)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("name", ["gpt", "llama", "hf"])
+@pytest.mark.parametrize("remat", ["none", "full", "blocks"])
+def test_staged_losses_carry_the_documents(families, name, remat):
+    """The staged loss (per-block stages: what meshes, remat and pipelines run) of a packed batch equals the
+    unstaged one in value and gradient: every block gets the rows' document layout."""
+    template, params, _ = families[name]
+    ex = _examples()
+    rows = best_fit_decreasing(ex.lengths, T, np.arange(len(ex)))
+    batch = tuple(torch.from_numpy(a) for a in assemble(ex, (rows + [[]])[:2], T, pad_id=0))
+    plain = hf.make_loss_fn(template) if name == "hf" else (gpt if name == "gpt" else llama).make_loss_fn(template)
+    staged = _staged_loss(name, template, "full" if remat == "blocks" else remat)
+    if remat == "blocks":  # compile_unit="blocks": one compiled block graph shared by every block, with the layout
+        torch._dynamo.reset()
+        staged = staged.compile_stages({"backend": "aot_eager"})
+    want_loss, want = _grads_of(plain, params, batch)
+    loss, _, got = staged.value_and_grad(params, batch, None)
+    assert float(loss) == pytest.approx(float(want_loss), rel=_tol.rtol(T * 64))
+    _tol.assert_close(got, want, _tol.rtol(2 * T * 64))
+    unmasked = _grads_of(plain, params, batch[:2])[0]
+    assert abs(float(unmasked) - float(want_loss)) > 1e-4  # the layout matters on these rows
+
+
+def _grads_of(loss_fn, params, batch):
+    """(loss, grads) of a plain loss by autograd."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    loss, _ = loss_fn(leaves, batch, None)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return loss.detach(), {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads)}

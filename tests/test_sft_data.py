@@ -251,3 +251,13 @@ def test_a_template_that_renders_the_bos_gives_one_bos(tmp_path):
     assert ex.tokens[0] == tok.eos_id and int((ex.tokens == tok.eos_id).sum()) == 1
     plain = S.render({"prompt": "hello", "completion": " there"}, "prompt_completion", tok, train_on="completion")
     assert plain.tokens[0] != tok.eos_id  # no BOS where no template renders one
+
+
+def test_packing_under_context_parallelism_is_one_line():
+    from functrain.config import ConfigError
+    from functrain.models import lm_data
+
+    config = ConfigDict({"data": {"packing": True}})
+    lm_data.check_packing(config, type("Ctx", (), {"cp_world": 1})())  # no cp axis: fine
+    with pytest.raises(ConfigError, match="context parallelism splits each row"):
+        lm_data.check_packing(config, type("Ctx", (), {"cp_world": 2})())

@@ -86,6 +86,8 @@ def test_sft_killed_after_a_checkpoint_resumes_bit_exactly(tmp_path):
 
 @pytest.mark.numeric
 def test_sft_from_two_ranks_resumes_on_one_process_on_the_same_batches(tmp_path):
+    """Packed rows on 2 FSDP ranks (the hf family's staged loss, a gather per layer, the layout to every
+    layer), resumed on one process (unstaged): the same batches, the same losses to rounding."""
     args = [*_args(_data(tmp_path)), "--config.optim.name=sgd", "--config.optim.lr=0.05",
             "--config.dist_timeout_s=600"]
     two, moved = tmp_path / "two", tmp_path / "moved"

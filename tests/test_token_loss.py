@@ -120,16 +120,23 @@ def test_compiled_one_graph_no_recompiles_as_the_counts_change():
 @pytest.mark.numeric
 def test_two_gloo_ranks_equal_one_process(tmp_path):
     """(batch 1 x accum 4) and (batch 2 x accum 2) per rank on 2 gloo ranks, plain and per-block
-    gathers (FSDP), a context-parallel pair and two pipeline stages (each rank its stage's gradient):
-    the gradient of one process's mean over every target."""
+    gathers (FSDP), a context-parallel pair and two pipeline stages (each rank its stage's gradient),
+    and packed rows under FSDP's per-block gathers and under pipeline stages: the gradient of one
+    process's mean over every target (packed: through the model's own block-causal forward)."""
     run_ranks(os.path.join(REPO, "tests", "_token_loss_worker.py"), [str(tmp_path)], 2)
-    ref_loss, ref_grads = _reference()
+    ref_loss_plain, ref_grads_plain = _reference()
     results = json.loads((tmp_path / "rank0.json").read_text())
-    last = json.loads((tmp_path / "rank1.json").read_text())["pp_micro4"]
-    results["pp_micro4"]["grads"].update(last["grads"])  # the second stage's params
-    assert set(results) == {"dp_accum4", "dp_accum2", "fsdp_staged_accum2", "cp_accum2", "pp_micro4"}
+    other = json.loads((tmp_path / "rank1.json").read_text())
+    for name in ("pp_micro4", "packed_pp_micro4"):
+        results[name]["grads"].update(other[name]["grads"])  # the second stage's params
+    assert set(results) == {"dp_accum4", "dp_accum2", "fsdp_staged_accum2", "cp_accum2", "pp_micro4",
+                            "packed_fsdp_staged_accum2", "packed_pp_micro4"}
+    m = P.model()
+    packed = P.reference_packed(m, dict(m.named_parameters()), *P.packed_batch())
     for name, got in results.items():
+        ref_loss, ref_grads = packed if name.startswith("packed") else (ref_loss_plain, ref_grads_plain)
         grads = {k: torch.tensor(v) for k, v in got["grads"].items()}
         _tol.assert_close(grads, ref_grads, _tol.rtol(N_TERMS), msg=name)
         assert got["loss"] == pytest.approx(float(ref_loss), rel=_tol.rtol(N_TERMS)), name
-        assert got["targets"] == int((P.batch()[1] != -1).sum()), name
+        want_targets = P.packed_batch()[1] if name.startswith("packed") else P.batch()[1]
+        assert got["targets"] == int((want_targets != -1).sum()), name

@@ -71,8 +71,8 @@ def packed(positions: torch.Tensor) -> Packed:
 class LMStages(NamedTuple):
     """A decoder LM's forward (up to the hidden states the head reads) cut into `remat.Stage`s."""
 
-    embed: Stage  # fn(p, idx, key) -> (B, T, C)
-    blocks: list[Stage]  # blocks[i].fn(p, h, key) -> (B, T, C)
+    embed: Stage  # fn(p, idx, key, packed=None) -> (B, T, C)
+    blocks: list[Stage]  # blocks[i].fn(p, h, key, packed=None) -> (B, T, C)
     final: Stage  # fn(p, h, key) -> (B, T, C): the final norm
 
 
@@ -108,8 +108,9 @@ def submodule_stage(model: nn.Module, prefix: str, fn: Callable) -> Stage:
 def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stage]:
     """One stage per block of `model.<container>` (an `nn.ModuleList`), all sharing one computation.
 
-    Block i's stage runs `fn(block_i, own_params, h, key, i)`; its `Stage.shared` runs
-    `fn(block_0, own_params, h, key, index)` with `index` a 0-d tensor, the same function object for
+    Block i's stage runs `fn(block_i, own_params, h, key, i, *side)`; its `Stage.shared` runs
+    `fn(block_0, own_params, h, key, index, *side)` with `index` a 0-d tensor (`side`: the staged loss's
+    side inputs, e.g. packed rows' `Packed`; usually none), the same function object for
     every block, so `remat.staged_loss(...).compile_stages()` compiles one block graph for all of them.
     `fn` must therefore use `index` only through tensor ops (e.g. `rng.fold_in(key, 1 + 2 * index)`),
     and the blocks must have the same parameter names and shapes (checked: else no `shared`).
@@ -117,7 +118,7 @@ def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stag
     Args:
       model: the (meta-device) model.
       container: the attribute holding the blocks (e.g. "blocks", "layers").
-      fn: `fn(module, own, h, key, index) -> h`, `own` the block's params without its prefix.
+      fn: `fn(module, own, h, key, index, *side) -> h`, `own` the block's params without its prefix.
 
     Returns:
       The block stages, in order.
@@ -128,9 +129,9 @@ def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stag
     modules = getattr(model, container)
     first = modules[0] if len(modules) else None
 
-    def shared(own, h, key, index):
+    def shared(own, h, key, index, *side):
         """Any block: block 0's module (they are alike) on `own`, at position `index`."""
-        return fn(first, own, h, key, index)
+        return fn(first, own, h, key, index, *side)
 
     def signature(m: nn.Module):
         """A block's parameter names and shapes."""
@@ -140,7 +141,8 @@ def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stag
     alike = all(signature(m) == first_signature for m in modules)
     stages = []
     for i, module in enumerate(modules):
-        stage = submodule_stage(model, f"{container}.{i}.", lambda m, own, h, key, i=i: fn(m, own, h, key, i))
+        stage = submodule_stage(model, f"{container}.{i}.",
+                                lambda m, own, h, key, *side, i=i: fn(m, own, h, key, i, *side))
         stages.append(Stage(stage.names, stage.fn, shared if alike else None, f"{container}.{i}.", i))
     return stages
 
@@ -303,9 +305,8 @@ def _positions(batch) -> "torch.Tensor | None":
 def unpacked_only(batch, what: str) -> None:
     """Refuses a packed batch (x, y, positions) where `what` cannot carry its document layout (one line)."""
     if len(batch) > 2:
-        raise ValueError(f"packed rows (data.packing=True) train with the model's own forward; {what} runs it in "
-                         "pieces that do not carry the documents' layout: set --config.data.packing=False (padded "
-                         "rows), or train unstaged on one process (remat=none, compile_unit=step, no cp/pp)")
+        raise ValueError(f"packed rows (data.packing=True): {what} has no document mask; set "
+                         "--config.data.packing=False (padded rows), or train without it")
 
 
 def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.Tensor:
@@ -391,10 +392,16 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
 
         return loss_fn
 
+    def side(batch) -> tuple:
+        """What every block gets after its key: packed rows' `Packed` layout, else nothing."""
+        positions = _positions(batch)
+        return () if positions is None else (packed(positions),)
+
     def embed(p, batch, key):
-        """Embeddings of the inputs x of batch = (x, y)."""
-        unpacked_only(batch, "a staged loss (remat, compile_unit=blocks, a mesh, pipeline stages)")
-        return stages.embed.fn(p, mine(batch[0]), key)
+        """Embeddings of the inputs x of batch = (x, y) or, packed, (x, y, positions)."""
+        if split is not None:
+            unpacked_only(batch, "context parallelism")
+        return stages.embed.fn(p, mine(batch[0]), key, *side(batch))
 
     def head_stage(p, h, batch, key):
         """The final norm, then the (chunked) cross-entropy through the head against y."""
@@ -404,7 +411,7 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
 
     head_names = stages.final.names + ((head,) if head not in stages.final.names else ())
     return remat_lib.staged_loss(Stage(stages.embed.names, embed, rows=stages.embed.rows), stages.blocks,
-                                 Stage(head_names, head_stage), policy=remat)
+                                 Stage(head_names, head_stage), policy=remat, side=side)
 
 
 @torch.no_grad()

@@ -168,27 +168,19 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
     return data_lib.HFTokenizer(spec)
 
 
-def check_packing(config, ctx, staged: bool) -> None:
-    """Refuses `data.packing=True` where the loss cannot carry the documents' layout (one line naming the flags).
+def check_packing(config, ctx) -> None:
+    """Refuses `data.packing=True` under context parallelism (one line): its attention has no document mask.
 
     Args:
       config: the run config.
       ctx: the parallel context (cp splits the sequences).
-      staged: whether the family's loss runs in stages (remat, per-block gathers on a mesh, compile_unit=blocks, pp).
 
     Raises:
-      ConfigError: packing with stages or context parallelism.
+      ConfigError: packing with a cp axis.
 
     Example:
-      >>> lm.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
+      >>> lm_data.check_packing(config, ctx)
     """
-    if not config.data.get("packing", False):
-        return
-    if ctx.cp_world > 1:
+    if config.data.get("packing", False) and ctx.cp_world > 1:
         raise validate.ConfigError("data.packing=True: context parallelism splits each row over the cp ranks and its "
                                    "attention has no document mask; set --config.data.packing=False or mesh.cp=1")
-    if staged:
-        raise validate.ConfigError(
-            "data.packing=True: this run's loss is staged (remat, per-layer gathers on a mesh, compile_unit=blocks or "
-            "pipeline stages), whose stages do not carry the documents' layout; set --config.data.packing=False, or "
-            "train unstaged (--config.remat=none --config.compile_unit=step on one process)")

@@ -374,21 +374,22 @@ class _Rank:
             h, embed_vjp = run.vjp(run.embed, (loss_fn.embed.params(p),), mb, key)
         else:
             h, embed_vjp = run.embed(loss_fn.embed.params(p), mb, key), None
-        h, saved = loss_fn.forward_blocks(pipe.blocks, h, key, _own_params(p), grad=grad)
+        side = loss_fn.side_of(mb)  # every rank holds the batch: the blocks' side inputs are made here
+        h, saved = loss_fn.forward_blocks(pipe.blocks, h, key, _own_params(p), grad=grad, side=side)
         if not pipe.last:
             self.wire.send_activation(h, micro, self.sig)
-            return (embed_vjp, saved, None), None, None
+            return (embed_vjp, saved, None, side), None, None
         hp = loss_fn.head.params(p)
         if not grad:
             loss, aux = loss_and_aux(run.head(hp, h, mb, key))
             return None, loss, aux
         loss, head_vjp, aux = run.vjp(run.head, (hp, h), mb, key, has_aux=True)
-        return (embed_vjp, saved, (head_vjp, loss)), loss, aux
+        return (embed_vjp, saved, (head_vjp, loss), side), loss, aux
 
     def backward(self, p: Params, held, key, micro: int, loss_scale, add: Callable) -> None:
         """Runs microbatch `micro` backward from what `forward` kept; `add(stage, grads)` takes each stage's grads."""
         pipe, loss_fn = self.pipe, self.loss_fn
-        embed_vjp, saved, head = held
+        embed_vjp, saved, head, side = held
         if pipe.last:
             head_vjp, loss = head
             g_head, g = head_vjp(cotangent_seed(loss, loss_scale))
@@ -397,7 +398,7 @@ class _Rank:
             shape, dtype = self.wire.shapes[self.sig, "out"]
             g = self.wire.recv(shape, dtype, _device(p), self.wire.next, tag=2 * micro + 1)
         cotangent, g = [g], None
-        g = loss_fn.backward_blocks(pipe.blocks, saved, cotangent, key, _own_params(p), add)
+        g = loss_fn.backward_blocks(pipe.blocks, saved, cotangent, key, _own_params(p), add, side)
         if pipe.first:
             (g_embed,) = embed_vjp(g)
             add(loss_fn.embed, g_embed)

@@ -90,11 +90,12 @@ class Stage:
       fn: a pure function whose first argument is `{name: tensor}` for `names`. Its other
         arguments depend on the stage's role in `staged_loss`:
           embed  `fn(p, batch, key) -> h`
-          block  `fn(p, h, key) -> h` (same shape in and out is not required)
+          block  `fn(p, h, key, *side) -> h` (same shape in and out is not required; `side`: the
+                 staged loss's `side(batch)`, usually nothing)
           head   `fn(p, h, batch, key) -> loss` or `(loss, aux dict)`
         `key` is the step's RNG key (or None); a stage derives its own dropout keys from it.
       shared: for a block, optionally the computation every block shares:
-        `shared(own, h, key, index) -> h` with `own` its params named without `prefix` and `index`
+        `shared(own, h, key, index, *side) -> h` with `own` its params named without `prefix` and `index`
         the block's position as a 0-d int64 tensor; `shared(stage.own(p), h, key, tensor(index))`
         must equal `fn(p, h, key)`. Every block of a model passing the same `shared` object lets
         `compile_stages` compile one block graph for all of them (no block graph per block).
@@ -154,6 +155,8 @@ class StagedLoss:
       embed, blocks, head: the stages (`blocks` a tuple).
       recompute: per block, whether its backward recomputes it (from the policy).
       compiled: whether each stage runs as its own compiled graph (`compile_stages`).
+      side: optional `side(batch) -> tuple`: what every block gets after its key (e.g. packed rows'
+        document layout, `functrain.models.lm.Packed`), computed from the batch on every rank.
 
     Example:
       >>> loss_fn = staged_loss(embed, blocks, head, policy="full")
@@ -161,9 +164,10 @@ class StagedLoss:
       >>> loss, aux, grads = loss_fn.value_and_grad(params, batch, key)
     """
 
-    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, policy: Any, run):
+    def __init__(self, embed: Stage, blocks: Sequence[Stage], head: Stage, policy: Any, run, side=None):
         self.embed, self.blocks, self.head = embed, tuple(blocks), head
         self.policy = policy
+        self.side = side
         self.recompute = tuple(recomputed_blocks(policy, len(self.blocks)))
         self._run = run
 
@@ -178,12 +182,16 @@ class StagedLoss:
         (traced, or compiled stage by stage): what a pipeline rank runs its stages with."""
         return self._run
 
+    def side_of(self, batch) -> tuple:
+        """What every block gets after its key for `batch` (`side`): () without one."""
+        return () if self.side is None else tuple(self.side(batch))
+
     def _compose(self, params: Params, batch, key, gather=lambda p, rows: p) -> tuple[torch.Tensor, dict]:
         """embed, every block, head, each on `gather` of its own params (no recomputation)."""
-        run = self._run
+        run, side = self._run, self.side_of(batch)
         h = run.embed(gather(self.embed.params(params), self.embed.rows), batch, key)
         for block, fn in zip(self.blocks, run.blocks):
-            h = fn(gather(block.params(params), block.rows), h, key)
+            h = fn(gather(block.params(params), block.rows), h, key, *side)
         return run.head(gather(self.head.params(params), self.head.rows), h, batch, key)
 
     def __call__(self, params: Params, batch, key) -> tuple[torch.Tensor, dict]:
@@ -200,7 +208,7 @@ class StagedLoss:
         return _staged_value_and_grad(self, params, batch, key, loss_scale)
 
     def forward_blocks(self, indices: Sequence[int], h: torch.Tensor, key, params_of: Callable, *,
-                       grad: bool = True) -> tuple[torch.Tensor, list]:
+                       grad: bool = True, side: tuple = ()) -> tuple[torch.Tensor, list]:
         """Runs the blocks at `indices` in order from `h`, keeping what their backward needs.
 
         The forward half of the engine, shared by `value_and_grad` and a pipeline rank (which runs
@@ -214,6 +222,7 @@ class StagedLoss:
           params_of: `params_of(stage, after=None)` gives a stage's params to compute with (its
             gather when sharded; `after`: a tensor the gather must wait for).
           grad: False runs the blocks under `torch.no_grad()` and keeps nothing (eval).
+          side: what every block gets after its key (`side_of(batch)`).
 
         Returns:
           `(h, saved)`: the last block's output and, per block, what `backward_blocks` takes.
@@ -227,14 +236,14 @@ class StagedLoss:
             if not grad or self.recompute[i]:  # keep only the input (recomputed in the backward)
                 saved.append(h if grad else None)
                 with torch.no_grad():
-                    h = fn(params_of(block), h, key)
+                    h = fn(params_of(block), h, key, *side)
             else:
-                h, block_vjp = run.vjp(fn, (params_of(block), h), key)
+                h, block_vjp = run.vjp(fn, (params_of(block), h), key, *side)
                 saved.append(block_vjp)
         return h, saved
 
     def backward_blocks(self, indices: Sequence[int], saved: list, cotangent: list, key, params_of: Callable,
-                        add: Callable) -> torch.Tensor:
+                        add: Callable, side: tuple = ()) -> torch.Tensor:
         """Pulls a cotangent back through the blocks at `indices` (as given to `forward_blocks`).
 
         The backward half of the engine: blocks in reverse, a recomputed block run again under its
@@ -251,6 +260,7 @@ class StagedLoss:
           key: the step's RNG key (the forward's, so a recomputed block draws the same dropout masks).
           params_of: as for `forward_blocks`.
           add: `add(stage, grads)` takes each block's gradients (a dict over its names).
+          side: as for `forward_blocks` (a recomputed block runs again with it).
 
         Returns:
           The cotangent of the first block's input.
@@ -264,7 +274,7 @@ class StagedLoss:
             block_vjp, saved[k] = saved[k], None  # free the closure / saved input as soon as the block is done
             if self.recompute[i]:  # block_vjp is the block's saved input: recompute it once g exists
                 h_in = remat_barrier(block_vjp, g) if run.barrier else block_vjp
-                _, block_vjp = run.vjp(run.blocks[i], (params_of(self.blocks[i], after=g), h_in), key)
+                _, block_vjp = run.vjp(run.blocks[i], (params_of(self.blocks[i], after=g), h_in), key, *side)
             g_block, g = block_vjp(g)
             del block_vjp  # (the closure holds the block's gathered parameters)
             add(self.blocks[i], g_block)
@@ -302,10 +312,11 @@ class StagedLoss:
           >>> loss, aux, grads = fast.value_and_grad(params, batch, key)
         """
         run = _Compiled(self.embed, self.blocks, self.head, options)
-        return StagedLoss(self.embed, self.blocks, self.head, self.policy, run)
+        return StagedLoss(self.embed, self.blocks, self.head, self.policy, run, self.side)
 
 
-def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full") -> StagedLoss:
+def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full",
+                side: Callable | None = None) -> StagedLoss:
     """A loss over stages that brings its own gradient routes, recomputing blocks in the backward.
 
     Args:
@@ -314,6 +325,8 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
       head: the last stage, `fn(p, h, batch, key) -> loss` or `(loss, aux)`.
       policy: which blocks to recompute (see `parse_policy`): "none", "full" or an int N (every
         N-th block). Blocks not recomputed keep their activations from the forward.
+      side: optional `side(batch) -> tuple` of what every block gets after its key (not
+        differentiated), e.g. packed rows' document layout: blocks are then `fn(p, h, key, *side)`.
 
     Returns:
       A `StagedLoss`: called, the plain composition `(params, batch, key) -> (loss, aux)`; its
@@ -329,7 +342,7 @@ def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: A
       >>> loss, aux, grads = loss_fn.value_and_grad(params, batch, key, loss_scale=torch.tensor(1024.0))
     """
     blocks = tuple(blocks)
-    return StagedLoss(embed, blocks, head, parse_policy(policy), _Traced(embed, blocks, head))
+    return StagedLoss(embed, blocks, head, parse_policy(policy), _Traced(embed, blocks, head), side)
 
 
 class _Traced:
@@ -409,10 +422,10 @@ class _SharedBlock:
     def __init__(self, compiled: Callable, stage: Stage):
         self.compiled, self.stage, self.index = compiled, stage, torch.tensor(stage.index, dtype=torch.int64)
 
-    def __call__(self, p: Params, h: torch.Tensor, key):
+    def __call__(self, p: Params, h: torch.Tensor, key, *side):
         if self.index.device != h.device:
             self.index = self.index.to(h.device)
-        return self.compiled(self.stage.own(p), h, key, self.index)
+        return self.compiled(self.stage.own(p), h, key, self.index, *side)
 
 
 def _plain_value_and_grad(loss_fn, params, batch, key, loss_scale):
@@ -497,8 +510,8 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
         with torch.no_grad():
             h = run.embed(local(embed), batch, key)
         embed_vjp = None
-    every = range(len(blocks))
-    h, saved = staged.forward_blocks(every, h, key, local)
+    every, side = range(len(blocks)), staged.side_of(batch)
+    h, saved = staged.forward_blocks(every, h, key, local, side=side)
     if layout is not None and run.reshard and not all(recompute):
         h = mark_forward_done(h)  # kept blocks' gathered params: gathered again for their backward
     loss, head_vjp, aux = run.vjp(run.head, (local(head), h), batch, key, has_aux=True)
@@ -509,7 +522,7 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
     del head_vjp  # its closure holds the head's gathered parameters
     add(head, g_head)
     cotangent, g = [g], None
-    g = staged.backward_blocks(every, saved, cotangent, key, local, add)
+    g = staged.backward_blocks(every, saved, cotangent, key, local, add, side)
     if embed_vjp is None:  # sharded: gathered again, once g exists
         _, embed_vjp = run.vjp(run.embed, (local(embed, after=g),), batch, key)
     (g_embed,) = embed_vjp(g)

@@ -279,14 +279,15 @@ def stages(model: GPT) -> GPTStages:
     """
     cfg = model.cfg
 
-    def embed(p, idx, key):
+    def embed(p, idx, key, packed=None):
         """Token ids (B, T) -> embeddings (B, T, C), dropout site 0 (the forward's `_embed`)."""
-        return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key), model.context)
+        positions = None if packed is None else packed.positions
+        return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key), model.context, positions)
 
-    def block(module, own, h, key, i):
+    def block(module, own, h, key, i, packed=None):
         """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""
         key = _dropout_key(cfg, key)
-        return functional.apply(module, own, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
+        return functional.apply(module, own, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), packed)
 
     names = tuple(n for n, _ in model.named_parameters() if n.startswith(("wte.", "wpe.")))
     return GPTStages(

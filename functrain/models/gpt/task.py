@@ -79,7 +79,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     # sharded: staged, so each block is gathered just before it runs; "auto" recomputes the blocks on
     # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
     remat = lm.resolve_remat(config.remat, ctx.mesh)
-    lm_data.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
+    lm_data.check_packing(config, ctx)
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
     sample = config.sample
 

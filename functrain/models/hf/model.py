@@ -428,10 +428,11 @@ def stages(model: nn.Module, share: bool = True) -> LMStages:
     final_view = _view(base, layers, norm, [], side=False, norm=True)
     layer_view = _view(base, layers, norm, [0], side=False, norm=False)  # any layer, as layer 0 of a view
 
-    def shared(own, h, key, index):
+    def shared(own, h, key, index, packed=None):
         """Any decoder layer, when they are alike (the same parameters and attention kind), on `own` (its params
         without its prefix), at position `index`: one compiled graph for all (`compile_unit="blocks"`)."""
-        return run(layer_view, {f"{layers}.0.{nm}": t for nm, t in own.items()}, key, 1 + index, inputs_embeds=h)
+        return run(layer_view, {f"{layers}.0.{nm}": t for nm, t in own.items()}, key, 1 + index, inputs_embeds=h,
+                   **_positions(packed))
 
     def signature(module: nn.Module):
         """A layer's parameter names, shapes and classes, and the attention kind it asks the base's masks for."""
@@ -441,21 +442,28 @@ def stages(model: nn.Module, share: bool = True) -> LMStages:
 
     layer_list = base.get_submodule(layers)
     alike = share and n > 0 and all(signature(m) == signature(layer_list[0]) for m in layer_list)
-    embed = Stage(embed_names, lambda p, idx, key: run(embed_view, under_base(p), key, 0, input_ids=idx))
+    embed = Stage(embed_names, lambda p, idx, key, packed=None: run(embed_view, under_base(p), key, 0, input_ids=idx,
+                                                                    **_positions(packed)))
     blocks = []
     for i in range(n):
         own_prefix = f"{layer_prefix}{i}."
         block_names = tuple(nm for nm in names if nm.startswith(own_prefix))
         view = _view(base, layers, norm, [i], side=False, norm=False)
 
-        def block(p, h, key, view=view, own_prefix=own_prefix, i=i):
-            """Layer i (its own module: its index, its attention kind) on `inputs_embeds=h`."""
+        def block(p, h, key, packed=None, view=view, own_prefix=own_prefix, i=i):
+            """Layer i (its own module: its index, its attention kind) on `inputs_embeds=h` (packed rows: at their
+            `position_ids`, from which transformers builds the documents' masks)."""
             own = {f"{layers}.0.{nm[len(own_prefix):]}": t for nm, t in p.items() if nm.startswith(own_prefix)}
-            return run(view, own, key, 1 + i, inputs_embeds=h)
+            return run(view, own, key, 1 + i, inputs_embeds=h, **_positions(packed))
 
         blocks.append(Stage(block_names, block, shared if alike else None, own_prefix, i))
     final = Stage(norm_names, lambda p, h, key: run(final_view, under_base(p), key, 1 + n, inputs_embeds=h))
     return LMStages(embed, blocks, final)
+
+
+def _positions(packed) -> dict:
+    """The base forward's `position_ids` of packed rows (`models.lm.Packed`), or nothing."""
+    return {} if packed is None else {"position_ids": packed.positions}
 
 
 _PROBE_NUMEL = 1 << 26  # a model of at most this many parameters is probed whole, a larger one on two layers

@@ -90,14 +90,11 @@ def _unstaged(config, ctx, model, why: str):
 
 
 def _loss(config, ctx, model, template):
-    """(the loss, whether it is staged): staged where the run asks for it; a model the family cannot stage, or
-    packed rows (whose document layout the stages do not carry), train unstaged (one line says so) where the run
-    only asked for stages by default (`remat=auto` on a mesh), and are refused in one line naming the flags to
-    change where the run asked for them."""
+    """(the loss, whether it is staged): staged where the run asks for it; a model the family cannot stage trains
+    unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh), and is
+    refused in one line naming the flags to change where the run asked for them."""
     remat, staged = lm.resolve_remat(config.remat, ctx.mesh), lm.wants_stages(config, ctx)
     asked = _asked_stages(config, ctx)
-    if (staged or remat != "none") and config.data.get("packing", False) and not asked:
-        return _unstaged(config, ctx, model, "data.packing=True: packed rows' document layout is not carried by stages")
     try:
         return make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template), \
             staged or remat != "none"
@@ -157,7 +154,6 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                                f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp")
         model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = _loss(config, ctx, model, template)
-        lm_data.check_packing(config, ctx, staged)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
     dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer,

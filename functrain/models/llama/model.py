@@ -292,14 +292,14 @@ def stages(model: Llama) -> LMStages:
     """
     cfg = model.cfg
 
-    def embed(p, idx, key):
-        """Token ids (B, T) -> embeddings (B, T, C)."""
+    def embed(p, idx, key, packed=None):
+        """Token ids (B, T) -> embeddings (B, T, C) (positions enter in the attention)."""
         return model.embed(p["embed_tokens.weight"], idx, _dropout_key(cfg, key))
 
-    def block(module, own, h, key, i):
-        """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i, 2 + 2i."""
+    def block(module, own, h, key, i, packed=None):
+        """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i, 2 + 2i; `packed`: the rows' documents."""
         key = _dropout_key(cfg, key)
-        return functional.apply(module, own, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i))
+        return functional.apply(module, own, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), packed)
 
     return LMStages(
         embed=Stage(("embed_tokens.weight",), embed),

@@ -105,7 +105,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     model = lm.context_model(template, ctx, seq, config.get("cp_attention", "zigzag"))
     model = parallel.tensor_parallel(model, ctx.mesh, rules)
     remat = lm.resolve_remat(config.remat, ctx.mesh)
-    lm_data.check_packing(config, ctx, staged=remat != "none" or lm.wants_stages(config, ctx))
+    lm_data.check_packing(config, ctx)
     loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
     sample = config.sample
     tokenizer_file = getattr(tokenizer, "path", None)
