@@ -84,7 +84,6 @@ def test_sft_killed_after_a_checkpoint_resumes_bit_exactly(tmp_path):
     assert "answer:" in out.stdout and "expected:" in out.stdout
 
 
-@pytest.mark.numeric
 def test_sft_from_two_ranks_resumes_on_one_process_on_the_same_batches(tmp_path):
     """Packed rows on 2 FSDP ranks (the hf family's staged loss, a gather per layer, the layout to every
     layer), resumed on one process (unstaged): the same batches, the same losses to rounding."""
