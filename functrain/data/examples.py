@@ -264,13 +264,12 @@ def load_examples(source: str, cache_dir: str | Path, tokenizer, spec: ExampleSp
 
 def _split(parts: list) -> tuple[ExampleSet, ExampleSet]:
     """(train, val) of every file's examples, in order; an empty split takes the first example of the other."""
-    ex = _concat([_example(s, i) for s, _, _ in parts for i in range(len(s))])
+    examples = [_example(s, i) for s, _, _ in parts for i in range(len(s))]
     val = np.concatenate([v for _, v, _ in parts]) if parts else np.zeros(0, bool)
-    if len(ex) > 1 and (not val.any() or val.all()):
+    if len(examples) > 1 and (not val.any() or val.all()):
         val = val.copy()
         val[0] = not val[0]  # the first example moves across: both splits hold one
-    pick = lambda sel: _concat([_example(ex, i) for i in np.flatnonzero(sel)])  # noqa: E731
-    return pick(~val), pick(val)
+    return (_concat([e for e, v in zip(examples, val) if not v]), _concat([e for e, v in zip(examples, val) if v]))
 
 
 def _example(s: ExampleSet, i: int) -> tuple[np.ndarray, np.ndarray]:

@@ -163,7 +163,7 @@ class SFTData:
         s = self.sampler
         rows = eval_rows(self.val, s.block_size, s.packing)
         n = min(self.eval_batches, math.ceil(len(rows) / s.batch_size))
-        rows = rows[:n * s.batch_size] + [[]] * (n * s.batch_size - min(len(rows), n * s.batch_size))
+        rows = (rows + [[]] * (n * s.batch_size))[:n * s.batch_size]  # the last batch filled with empty rows
         world, rank = self.dp["world"], self.dp["rank"]
         b = s.batch_size // world
         out = []

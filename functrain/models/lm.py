@@ -31,8 +31,7 @@ from functrain.step.staged import Stage
 
 __all__ = [
     "LMStages", "Packed", "context_model", "count_targets", "cross_entropy", "generate", "init_blocks", "lm_hidden",
-    "lm_loss", "make_lm_loss_fn", "packed", "repeated_stages", "resolve_remat", "submodule_stage", "unpacked_only",
-    "wants_stages",
+    "lm_loss", "make_lm_loss_fn", "packed", "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
 ]
 
 
@@ -302,7 +301,7 @@ def _positions(batch) -> "torch.Tensor | None":
     return batch[2] if len(batch) > 2 else None
 
 
-def unpacked_only(batch, what: str) -> None:
+def _unpacked_only(batch, what: str) -> None:
     """Refuses a packed batch (x, y, positions) where `what` cannot carry its document layout (one line)."""
     if len(batch) > 2:
         raise ValueError(f"packed rows (data.packing=True): {what} has no document mask; set "
@@ -385,9 +384,10 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
         def loss_fn(params, batch, key):
             """(lm_loss of batch = (x, y) or, packed, (x, y, positions), {})."""
             x, y = mine(batch[0]), mine(batch[1])
-            positions = unpacked_only(batch, "context parallelism") if split is not None else _positions(batch)
+            if split is not None:
+                _unpacked_only(batch, "context parallelism")
             loss = lm_loss(model, params, x, y, key, head=head, chunk_size=chunk_size, ignore_index=ignore_index,
-                           positions=positions)
+                           positions=_positions(batch))
             return over_sequence(loss, y), {}
 
         return loss_fn
@@ -400,7 +400,7 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
     def embed(p, batch, key):
         """Embeddings of the inputs x of batch = (x, y) or, packed, (x, y, positions)."""
         if split is not None:
-            unpacked_only(batch, "context parallelism")
+            _unpacked_only(batch, "context parallelism")
         return stages.embed.fn(p, mine(batch[0]), key, *side(batch))
 
     def head_stage(p, h, batch, key):

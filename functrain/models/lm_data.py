@@ -38,7 +38,7 @@ def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int |
       prompt/completion, messages or instruction fields) a `functrain.data.SFTData`.
 
     Example:
-      >>> data = lm.load_data(config, ctx, "runs/gpt/data", block_size=128, vocab_size=None)
+      >>> data = lm_data.load_data(config, ctx, "runs/gpt/data", block_size=128, vocab_size=None)
     """
     log = print if ctx.is_main_process else (lambda line: None)
     if supervised_format(config.data) != "text":
@@ -68,7 +68,7 @@ def finish_text(dataset, sample, generate: Callable, device) -> dict:
       {"sample": text}, or {"prompt", "answer", "expected"}.
 
     Example:
-      >>> lm.finish_text(dataset, config.sample, lambda p, n: lm.generate(template, params, p, n, key=key), "cpu")
+      >>> lm_data.finish_text(dataset, config.sample, lambda p, n: lm.generate(template, params, p, n, key=key), "cpu")
     """
     if isinstance(dataset, data_lib.SFTData):
         prompt, expected = dataset.held_out()
@@ -140,7 +140,7 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
       a mixture (one line).
 
     Example:
-      >>> tok = lm.tokenizer_of(config, HFDirectory("SmolLM-135M"), "runs/x/data", fresh_vocab=2048, key="init_from")
+      >>> tok = lm_data.tokenizer_of(config, HFDirectory("SmolLM-135M"), "runs/x/data", fresh_vocab=2048, key="init_from")
     """
     spec = config.data.tokenizer
     if spec == "auto" and hf is not None:

@@ -244,8 +244,11 @@ def _times(scale, w):
 
 def microbatch_counts(count_targets: Callable, batch: PyTree, accum_steps: int) -> torch.Tensor:
     """`count_targets` of each of the `accum_steps` microbatches of `batch`, as a float32 (K,) tensor."""
-    micro = split_microbatches(batch, accum_steps) if accum_steps > 1 else tree_lib.map(lambda x: x[None], batch)
-    counts = [count_targets(tree_lib.map(lambda x: x[i], micro)) for i in range(accum_steps)]
+    if accum_steps == 1:
+        counts = [count_targets(batch)]
+    else:
+        micro = split_microbatches(batch, accum_steps)
+        counts = [count_targets(tree_lib.map(lambda x: x[i], micro)) for i in range(accum_steps)]
     return torch.stack([torch.as_tensor(c).to(torch.float32).reshape(()) for c in counts])
 
 

@@ -74,34 +74,24 @@ def _load(weights, template, name: str, device, where):
     return weights.read(stored, offset, local).to(device=device, dtype=torch.float32)
 
 
-def _asked_stages(config, ctx) -> list[str]:
-    """The flags this run set that ask for a staged loss (not the default `remat=auto` on a mesh)."""
-    return [flag for flag, on in (("--config.remat=none", config.remat not in ("auto", "none")),
-                                  ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
-                                  ("--config.mesh.pp=1", ctx.pp_world > 1)) if on]
-
-
-def _unstaged(config, ctx, model, why: str):
-    """The unstaged loss, with one note line saying why (the whole model is gathered for each step)."""
-    if ctx.is_main_process:
-        print(f"functrain: note: {why}, so it trains unstaged: the whole model is gathered for each step",
-              file=sys.stderr, flush=True)
-    return make_loss_fn(model, chunk_size=config.loss_chunk_size), False
-
-
 def _loss(config, ctx, model, template):
     """(the loss, whether it is staged): staged where the run asks for it; a model the family cannot stage trains
-    unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh), and is
-    refused in one line naming the flags to change where the run asked for them."""
+    unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh), and
+    is refused in one line naming the flags to change where the run asked for them."""
     remat, staged = lm.resolve_remat(config.remat, ctx.mesh), lm.wants_stages(config, ctx)
-    asked = _asked_stages(config, ctx)
     try:
         return make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template), \
             staged or remat != "none"
     except StagingError as exc:
+        asked = [flag for flag, on in (("--config.remat=none", config.remat not in ("auto", "none")),
+                                       ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
+                                       ("--config.mesh.pp=1", ctx.pp_world > 1)) if on]
         if asked:
             raise HFModelError(f"{exc}; this family cannot stage it: train it with {' and '.join(asked)}") from None
-        return _unstaged(config, ctx, model, f"{exc}; this family cannot stage it")
+        if ctx.is_main_process:
+            print(f"functrain: note: {exc}; this family cannot stage it, so it trains unstaged: the whole model is "
+                  "gathered for each step", file=sys.stderr, flush=True)
+        return make_loss_fn(model, chunk_size=config.loss_chunk_size), False
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
@@ -156,8 +146,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         loss_fn, staged = _loss(config, ctx, model, template)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
-    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size, tokenizer=tokenizer,
-                           model_dir=directory.path)
+    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size,
+                                tokenizer=tokenizer, model_dir=directory.path)
     head = head_name(template)
     tokenizer_file = getattr(tokenizer, "path", None)
     if ctx.is_main_process:

@@ -97,8 +97,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
             f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp")
     seq = config.model.block_size
-    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size, tokenizer=tokenizer,
-                           model_dir=hf.path if hf is not None else None)
+    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size,
+                                tokenizer=tokenizer, model_dir=hf.path if hf is not None else None)
     with torch.device("meta"):
         template = llama_lib.Llama(cfg)  # shapes only
     rules = parallel.default_rules(llama_lib.TP_RULES)
