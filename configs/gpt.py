@@ -55,6 +55,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.optim.lr = 3e-3  # high for a GPT, fine for a 0.8M-param byte model with warm-up
     c.optim.min_lr = 3e-4
 
+    # Multiple-choice evaluation every eval_every steps: which of 4 lines follows a context of held-out
+    # code (functrain/eval/next_lines.py); chance 25%. Add HellaSwag: eval.tasks="next_lines,<file.jsonl>".
+    c.eval.tasks = "next_lines"
+
     c.sample = ml_collections.ConfigDict()
     c.sample.prompt = "def "
     c.sample.max_new_tokens = 300
@@ -96,6 +100,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         c.optim.min_lr = 6e-5
         c.optim.warmup_steps = 2000
         c.checkpoint.every = 2000
+        c.eval.tasks = ""  # token files keep no text to make next_lines from: give a HellaSwag jsonl here
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of: default, tiny, gpt2")
     return c

@@ -75,6 +75,11 @@ class Task(NamedTuple):
         `count_targets`). None: each batch weighs the same.
       steps_per_epoch: optional: the steps one epoch over the data takes (supervised examples): a run
         with `epochs > 0` trains `ceil(epochs * steps_per_epoch)` steps. None: the data has no epochs.
+      eval_model: optional `functrain.eval.EvalModel` (logits of token ids in eval mode, tokenizer,
+        block size): the loop scores `eval.tasks` (multiple-choice benchmarks) with it. None: the
+        model cannot be evaluated that way (`eval.tasks` is then refused in one line).
+      validation_text: optional `() -> list of str`: the validation documents' texts, from which the
+        built-in `next_lines` task is made (`functrain.eval.next_lines`). None: no such task.
     """
 
     describe: str
@@ -92,3 +97,5 @@ class Task(NamedTuple):
     data_record: dict | None = None
     count_targets: Callable[[PyTree], torch.Tensor] | None = None
     steps_per_epoch: float | None = None
+    eval_model: Any = None
+    validation_text: Callable[[], list[str]] | None = None

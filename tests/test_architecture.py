@@ -81,7 +81,8 @@ _LAYERS = [
     ("families", ("functrain.models",)),
     ("library", ("functrain.state", "functrain.step", "functrain.functional", "functrain.losses", "functrain.task",
                  "functrain.per_example", "functrain.population", "functrain.optim", "functrain.parallel",
-                 "functrain.checkpoint", "functrain.data", "functrain.interop", "functrain.nn", "functrain.compiler",
+                 "functrain.checkpoint", "functrain.data", "functrain.eval", "functrain.interop", "functrain.nn",
+                 "functrain.compiler",
                  "functrain")),
     ("base", ("functrain.tree", "functrain.rng", "functrain.ops", "functrain.config", "functrain._lazy")),
 ]

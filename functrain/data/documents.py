@@ -41,7 +41,7 @@ from functrain.data.shards import BadLines, is_shard_source, read_texts, shard_f
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, path_hash64, slug
 
 __all__ = ["PACK_BYTES", "digests_memo", "is_val", "read_unit", "shard_units", "source_content", "stdlib_files", "text_source",
-           "text_units", "train_documents"]
+           "text_units", "train_documents", "validation_documents"]
 
 PACK_BYTES = 16 << 20  # text files per unit: about this many bytes (a few units for the stdlib's 31 MB)
 _TEXT_BATCH = 64  # text files handed to the tokenizer at a time
@@ -253,8 +253,32 @@ def train_documents(source: str, *, text_field: str = "text", val_fraction: floa
     Example:
       >>> tok = train_bpe(train_documents("/data/web"), 4096, "bpe.json")
     """
+    return _split_documents(source, False, text_field, val_fraction, cache_dir)
+
+
+def validation_documents(source: str, *, text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
+                         cache_dir: str | os.PathLike | None = None) -> Iterator[str]:
+    """The documents of a source that `tokenize` puts in the validation split, streamed in the source's order.
+
+    Args:
+      source: as `tokenize`'s.
+      text_field: shards: the column / JSON key holding the text.
+      val_fraction: as `tokenize`'s (the same documents are held out).
+      cache_dir: where the files' digests are remembered (None: not remembered).
+
+    Returns:
+      An iterator of strings (e.g. to build `functrain.eval.next_lines` questions that training never saw).
+
+    Example:
+      >>> docs = list(validation_documents("stdlib"))
+    """
+    return _split_documents(source, True, text_field, val_fraction, cache_dir)
+
+
+def _split_documents(source: str, val: bool, text_field: str, val_fraction: float, cache_dir) -> Iterator[str]:
+    """The documents of one split of a source (`val`: validation, else train), streamed."""
     kind, root, _, content = source_content(source, cache_dir, log=lambda line: None)
     for unit in shard_units(content) if kind == "shards" else text_units(content, val_fraction):
         for pieces, to_val, _, _ in read_unit(unit, root, val_fraction=val_fraction, text_field=text_field,
                                               bad_lines=BadLines(1.0), chunk_bytes=4 << 20, raw=False):
-            yield from (t for t, v in zip(pieces, to_val) if not v)
+            yield from (t for t, v in zip(pieces, to_val) if v == val)

@@ -26,11 +26,13 @@ from functrain import parallel
 import functrain.step.staged as remat_lib
 from functrain import rng
 from functrain import config as validate
+from functrain.eval import EvalModel, of_module
 from functrain.losses import chunked_cross_entropy
 from functrain.step.staged import Stage
 
 __all__ = [
-    "LMStages", "Packed", "context_model", "count_targets", "cross_entropy", "generate", "init_blocks", "lm_hidden",
+    "LMStages", "Packed", "context_model", "count_targets", "cross_entropy", "eval_model", "generate", "init_blocks",
+    "lm_hidden",
     "lm_loss", "make_lm_loss_fn", "packed", "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
 ]
 
@@ -490,6 +492,40 @@ def generate(
                 nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
             idx = torch.cat([idx, nxt], dim=1)
     return idx[0] if squeeze else idx
+
+
+def eval_model(template: nn.Module, tokenizer, *, block_size: int, stages: LMStages | None, head: str | None,
+               logits_fn: Callable | None = None) -> EvalModel:
+    """A decoder LM family's `functrain.eval.EvalModel`: its logits in eval mode, on plain or sharded params.
+
+    Args:
+      template: the (meta-device) LM, not its tensor- or context-parallel copy (evaluation reads whole
+        sequences and gathers each stage whole).
+      tokenizer: the data's tokenizer.
+      block_size: the longest input (the trained length).
+      stages: the model's `LMStages`: sharded params are gathered a stage at a time (no rank holds the
+        whole model); None: sharded params are gathered whole (a model whose loss is unstaged).
+      head: the output projection's weight name, with `stages`.
+      logits_fn: `(params, idx) -> (B, T, V)` of plain params (default `apply(template, params, idx,
+        train=False)`; a transformers model's `.logits`).
+
+    Returns:
+      The `EvalModel` (`Task.eval_model`).
+
+    Example:
+      >>> model = lm.eval_model(template, tok, block_size=128, stages=gpt.stages(template), head="wte.weight")
+    """
+    plain = logits_fn or (lambda p, idx: functional.apply(template, p, idx, train=False))
+
+    def logits(params, model_state, idx):
+        """(B, T, V) logits of `idx`; DTensor params gathered a stage at a time (or whole without stages)."""
+        if not any(parallel.is_dtensor(t) for t in params.values()):
+            return plain(params, idx)
+        if stages is None:
+            return plain(parallel.gather(params), idx)
+        return _staged_logits(stages, head, params, idx, parallel.gather)
+
+    return of_module(template, tokenizer, block_size=block_size, logits=logits)
 
 
 def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gather: Callable) -> torch.Tensor:

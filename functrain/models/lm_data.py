@@ -16,7 +16,8 @@ import torch
 from functrain import config as validate
 from functrain import data as data_lib
 
-__all__ = ["chat_template", "check_packing", "finish_text", "load_data", "supervised_format", "tokenizer_of"]
+__all__ = ["chat_template", "check_packing", "finish_text", "load_data", "supervised_format", "tokenizer_of",
+           "validation_text"]
 
 
 def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int | None,
@@ -184,3 +185,36 @@ def check_packing(config, ctx) -> None:
     if config.data.get("packing", False) and ctx.cp_world > 1:
         raise validate.ConfigError("data.packing=True: context parallelism splits each row over the cp ranks and its "
                                    "attention has no document mask; set --config.data.packing=False or mesh.cp=1")
+
+
+def validation_text(config) -> Callable[[], list[str]]:
+    """`() -> texts`: the validation documents of the run's text sources (`Task.validation_text`).
+
+    Args:
+      config: the run config (data.path or data.sources, text_field, val_fraction are read).
+
+    Returns:
+      The function (it reads the files when called): every source's held-out documents, in order.
+
+    Raises:
+      DataError (when called): a source that is token files (train.bin / val.bin, a token cache): their
+        documents' text is not kept; one line.
+
+    Example:
+      >>> docs = lm_data.validation_text(config)()
+    """
+
+    def read() -> list[str]:
+        """The held-out documents of every text source."""
+        out = []
+        for _, path, _ in data_lib.parse_mixture(config.data):
+            here = Path(path).expanduser()
+            if path != "stdlib" and (here.is_dir() and ((here / "val.bin").exists() or (here / "meta.json").exists())):
+                raise data_lib.DataError(f"data.path {path}: token files keep no document text, so the built-in "
+                                         "next_lines task cannot be made from them; evaluate on a multiple-choice file "
+                                         "(--config.eval.tasks=<file.jsonl>) or train on text")
+            out += data_lib.validation_documents(path, text_field=config.data.get("text_field", "text"),
+                                                 val_fraction=config.data.get("val_fraction", 0.015))
+        return out
+
+    return read

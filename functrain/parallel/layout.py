@@ -69,6 +69,11 @@ class Layout:
         """Scalar metrics averaged over the dp ranks."""
         raise NotImplementedError
 
+    def sum_over_dp(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the data-parallel ranks (dp_replicate, dp_shard; not cp, whose ranks share
+        rows): each rank's rows of a split workload, filled in where the others hold zeros, made whole."""
+        raise NotImplementedError
+
     def fold_in_dp(self, key: torch.Tensor) -> torch.Tensor:
         """A key that differs per dp rank (dropout masks must), the same on tp ranks."""
         raise NotImplementedError
@@ -113,6 +118,9 @@ class Local(Layout):
 
     def mean_over_dp(self, metrics):
         return metrics
+
+    def sum_over_dp(self, x):
+        return x
 
     def fold_in_dp(self, key):
         return key

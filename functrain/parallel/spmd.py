@@ -63,7 +63,7 @@ from functrain import tree as tree_lib
 from functrain.parallel import gloo
 from functrain.parallel.collectives import all_gather, reduce_scatter, wait
 from functrain.parallel.layout import Layout
-from functrain.parallel.mesh import CP_AXIS, GRAD_AXES, dp_coordinates
+from functrain.parallel.mesh import CP_AXIS, DP_AXES, GRAD_AXES, dp_coordinates
 
 
 __all__ = ["Spmd", "global_norm", "mesh_of"]
@@ -370,6 +370,11 @@ class Spmd(Layout):
         stacked = torch.stack([v.detach().float().reshape(()) for v in vals])  # (M,)
         mean = self._all_reduce(stacked, self.dp_dims) / _prod(self.mesh.size(d) for d in self.dp_dims)
         return {k: mean[i].to(v.dtype) for i, (k, v) in enumerate(zip(keys, vals))}
+
+    def sum_over_dp(self, x: torch.Tensor) -> torch.Tensor:
+        """`Layout.sum_over_dp`: one all-reduce per data-parallel mesh dim (cp ranks hold the same rows)."""
+        names = self.mesh.mesh_dim_names or ()
+        return self._all_reduce(x, [d for d in self.dp_dims if names[d] in DP_AXES])
 
     def token_weights(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`Layout.token_weights`: the count summed over the dp and cp axes (one all-reduce of a scalar). Every

@@ -33,6 +33,15 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.log_every = 50
     c.eval_every = 500
     c.eval_batches = 8
+    # Multiple-choice evaluation every eval_every steps and at the end (docs/guide.md "Evaluation"):
+    # comma-separated jsonl files (HellaSwag's official format, or {"context", "choices", "label"})
+    # and/or "next_lines" (built from the run's own validation text); logs mc/<name>/acc, acc_norm,
+    # acc_mean_token. "" = none.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.tasks = ""
+    c.eval.limit = 0  # examples per task (0 = all)
+    c.eval.batch_size = 32  # rows (example x choice) per forward on each rank
+    c.eval.truncate = False  # an example longer than the block: False = stop with one line, True = cut its context's head
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's

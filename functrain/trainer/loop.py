@@ -47,7 +47,7 @@ from functrain.compiler import cuda_graphs
 import functrain.step.metric_names as M
 from functrain.optim.base import Transform
 from functrain.task import Task
-from functrain.trainer import memory
+from functrain.trainer import downstream, memory
 from functrain.trainer import metrics as metrics_lib
 from functrain.trainer import tensorboard as tensorboard_lib
 from functrain.trainer import route as route_lib
@@ -160,9 +160,11 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     eval_sets = task.eval_batches()
     eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
     evaluation = Eval(config.eval_every, route.eval_step, eval_sets, writer)
+    choices = downstream.hook(task, config, writer, compile=bool(config.compile), whole=route.whole,
+                              print_fn=print_fn)
     # In this order: a run that stops on skipped updates neither logs nor saves that step.
     builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
-    builtin += [log, evaluation]
+    builtin += [log, evaluation] + ([choices] if choices is not None else [])
     if manager is not None:
         builtin.append(SaveCheckpoints(manager, task.data_record))
     builtin.append(Profiler(config.profile.start, config.profile.stop, workdir, print_fn))
@@ -176,6 +178,8 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     stopped = None
     with PreemptionFlag(print_fn) as preemption, manager or contextlib.nullcontext():
         try:
+            if choices is not None and start == 0 < config.steps:
+                choices.evaluate(0, state)  # the scores before training: the chance level of the tasks
             for step in range(start, config.steps):
                 for h in all_hooks:
                     h.before(step)
@@ -221,6 +225,8 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
             writer.close()
     summary = _summary(workdir, int(state.step), log.last.get(M.LOSS), evaluation.val_loss,
                        trained=start < config.steps)
+    if choices is not None:
+        summary.update(choices.last)
     if stopped:
         summary["preempted"] = True
         return summary

@@ -111,4 +111,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,
         export=export,
+        eval_model=lm.eval_model(template, dataset.tokenizer, block_size=cfg.block_size, stages=gpt_lib.stages(template),
+                                 head=head_name(dict(template.named_parameters()))),
+        validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
     )

@@ -178,7 +178,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         result = lm_data.finish_text(dataset, sample, lambda prompt, n: lm.generate(
             template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
             stages=stages(template) if staged else None, head=head, block_size=seq,
-            logits_fn=lambda p, idx: functional.apply(template, p, input_ids=idx, train=False).logits), ctx.device)
+            logits_fn=_hf_logits(template)), ctx.device)
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
         return result
@@ -203,4 +203,12 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         flops_per_token=6 * n_params + 12 * layers * width * seq,  # weights, and attention over the trained length
         finish=finish,
         export=export,
+        eval_model=lm.eval_model(template, dataset.tokenizer, block_size=seq, stages=stages(template) if staged else None,
+                                 head=head, logits_fn=_hf_logits(template)),
+        validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
     )
+
+
+def _hf_logits(template):
+    """`(params, idx) -> (B, T, V)`: the transformers model's logits in eval mode."""
+    return lambda p, idx: functional.apply(template, p, input_ids=idx, train=False).logits

@@ -157,5 +157,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # the trained length
         finish=finish,
         export=export,
+        eval_model=lm.eval_model(template, dataset.tokenizer, block_size=seq, stages=llama_lib.stages(template),
+                                 head=head_name(cfg)),
+        validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
     )
 

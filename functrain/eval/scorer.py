@@ -1,0 +1,263 @@
+"""Rows of tokens scored in fixed shapes, split over the data-parallel ranks, gathered in order.
+
+A `Scorer` pads every row to the smallest bucket length that holds it and every batch to
+`batch_size` rows, so its forward compiles once per bucket (one graph each, `dynamic=False`) and
+never again, whatever the requests' lengths. The batches go round-robin to the data-parallel ranks
+of the params' layout (`functrain.parallel.layout_of`); a rank with fewer batches runs padding
+batches, so every rank takes the same forwards (a sharded forward's gathers are collectives); the
+results come back as one tensor summed over the ranks (each row written by one rank, zeros
+elsewhere: exact), in the requests' order.
+
+Example:
+    >>> scorer = Scorer(model, batch_size=32)
+    >>> logprob, greedy = scorer.score(params, rows)       # (N,) float64, (N,) bool
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any, Callable, Sequence
+
+import torch
+
+from functrain import compiler
+from functrain import parallel
+from functrain import rng as rng_lib
+from functrain import tree as tree_lib
+from functrain.eval.model import EvalModel
+from functrain.eval.requests import Row
+
+__all__ = ["Scorer", "default_buckets"]
+
+
+def default_buckets(block_size: int, smallest: int = 32) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `block_size`, then `block_size` itself.
+
+    Args:
+      block_size: the longest input.
+      smallest: the shortest bucket.
+
+    Returns:
+      Increasing lengths, the last `block_size`.
+
+    Example:
+      >>> default_buckets(200)
+      (32, 64, 128, 200)
+    """
+    out, n = [], smallest
+    while n < block_size:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (block_size,)
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """`fn` with a code object of its own: the compiler caches (and counts recompiles) per code object."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+class Scorer:
+    """Scores and extends token rows with one model, in fixed shapes (see the module docstring).
+
+    Args:
+      model: the `EvalModel`.
+      batch_size: rows per forward on each rank.
+      buckets: the padded lengths (default `default_buckets(model.block_size)`); the last must hold
+        `model.block_size`.
+      compile: compile the forward of plain (unsharded) params, one graph per bucket; sharded params
+        run eagerly, a stage gathered at a time.
+    """
+
+    def __init__(self, model: EvalModel, *, batch_size: int = 32, buckets: Sequence[int] | None = None,
+                 compile: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: give at least 1 row per forward")
+        self.model, self.batch_size, self.compile = model, int(batch_size), bool(compile)
+        self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(model.block_size)
+        if self.buckets[-1] < model.block_size:
+            raise ValueError(f"buckets {self.buckets} stop below the block size {model.block_size}")
+        self._graphs: dict[tuple[str, int], Callable] = {}
+
+    # -- compiled units -----------------------------------------------------------------------
+
+    def _unit(self, kind: str, length: int, sharded: bool) -> Callable:
+        """The (compiled, for plain params) forward `kind` ("score" or "next") of one bucket length."""
+        fn = _score if kind == "score" else _next_logits
+        if sharded or not self.compile:
+            return lambda *args: fn(self.model.logits, *args)
+        key = (kind, length)
+        if key not in self._graphs:
+            own = _own_code(fn, f"eval_{kind}_{length}")
+            graph = compiler.graph(own)
+            logits = self.model.logits
+            self._graphs[key] = lambda *args: graph(logits, *args)
+        return self._graphs[key]
+
+    def _bucket(self, n: int) -> int:
+        """The smallest bucket holding an input of n tokens."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"an input of {n} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    # -- scoring ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, params, rows: Sequence[Row], model_state=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-likelihood of each row's scored targets, and whether each is the greedy choice.
+
+        Args:
+          params: the model's params (plain tensors, or DTensors: then every rank calls this).
+          rows: the rows (the same list on every rank).
+          model_state: the model's buffers, or None.
+
+        Returns:
+          (logprob (N,) float64 CPU: the sum over the scored targets of log p, computed in float32;
+          greedy (N,) bool CPU: every scored target is the argmax), in `rows`' order, on every rank.
+
+        Example:
+          >>> lp, greedy = Scorer(model).score(params, [Row([5, 6, 7], 2)])
+        """
+        layout = parallel.layout_of(params)
+        device = _device_of(params)
+        sharded = layout.sharded
+        out = torch.zeros(len(rows), 2, dtype=torch.float64)  # (N, [logprob, greedy])
+        plan = self._plan([len(r.tokens) - 1 for r in rows], layout)
+        for length, members in plan:
+            ids, targets, mask = _pack([rows[i] for i in members if i >= 0], length, self.batch_size, device)
+            logprob, greedy = self._unit("score", length, sharded)(params, model_state, ids, targets, mask)
+            live = [j for j, i in enumerate(members) if i >= 0]
+            if live:
+                idx = torch.tensor([members[j] for j in live])
+                out[idx, 0] = logprob[live].double().cpu()
+                out[idx, 1] = greedy[live].double().cpu()
+        out = layout.sum_over_dp(out.to(device)).cpu()
+        return out[:, 0], out[:, 1] > 0.5
+
+    def _plan(self, lengths: list[int], layout) -> list[tuple[int, list[int]]]:
+        """This rank's batches: (bucket length, row indices, -1 for padding), as many on every rank."""
+        order = sorted(range(len(lengths)), key=lambda i: (self._bucket(lengths[i]), i))
+        batches: list[tuple[int, list[int]]] = []
+        for i in order:
+            b = self._bucket(lengths[i])
+            if not batches or batches[-1][0] != b or len(batches[-1][1]) == self.batch_size:
+                batches.append((b, []))
+            batches[-1][1].append(i)
+        world, rank = layout.dp_world, layout.dp_rank
+        per_rank = math.ceil(len(batches) / world) if batches else 0
+        mine = batches[rank::world]
+        smallest = self.buckets[0]
+        mine += [(smallest, [])] * (per_rank - len(mine))  # padding forwards: the ranks stay in step
+        return [(b, members + [-1] * (self.batch_size - len(members))) for b, members in mine]
+
+    # -- generation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def extend(self, params, prompts: Sequence[list[int]], max_new: int, *, stop: Callable[[int, list[int]], bool],
+               key: torch.Tensor | None = None, temperature: float = 0.0, model_state=None) -> list[list[int]]:
+        """Appends up to `max_new` tokens to each prompt, greedily or sampled from `key`.
+
+        Args:
+          params: the params (DTensors: every rank calls this).
+          prompts: token lists (a longer one than `block_size - 1` keeps its last tokens).
+          max_new: the most tokens appended to each.
+          stop: `stop(request index, new tokens) -> bool`: the request is done (its stop string or EOS).
+          key: an `rng` key for sampling (request i, token t drawn from `fold_in(fold_in(key, i), t)`:
+            the same tokens whatever the batching or the ranks); None: greedy.
+          temperature: the softmax temperature when sampling.
+          model_state: the model's buffers, or None.
+
+        Returns:
+          The new tokens of each prompt, in order, on every rank.
+
+        Example:
+          >>> new = scorer.extend(params, [[5, 6]], 10, stop=lambda i, toks: False)
+        """
+        layout = parallel.layout_of(params)
+        device = _device_of(params)
+        out = torch.zeros(len(prompts), max_new + 1, dtype=torch.long)  # (N, [count, tokens...])
+        n_batches = math.ceil(len(prompts) / self.batch_size)
+        mine = list(range(layout.dp_rank, n_batches, layout.dp_world))
+        per_rank = math.ceil(n_batches / layout.dp_world)
+        for slot in range(per_rank):
+            start = mine[slot] * self.batch_size if slot < len(mine) else len(prompts)
+            members = list(range(start, min(start + self.batch_size, len(prompts))))
+            for i, new in zip(members, self._extend_batch(params, model_state, prompts, members, max_new, stop,
+                                                          key, temperature, layout, device)):
+                out[i, 0] = len(new)
+                out[i, 1:1 + len(new)] = torch.tensor(new, dtype=torch.long)
+        out = layout.sum_over_dp(out.to(device)).cpu()
+        return [out[i, 1:1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
+
+    def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, temperature, layout, device):
+        """One batch's generation: a step per token until every rank's rows are done (collective count)."""
+        block = self.model.block_size
+        seqs = [list(prompts[i])[-(block - 1):] if block > 1 else [] for i in members]
+        new: list[list[int]] = [[] for _ in members]
+        active = [True] * len(members)
+        for t in range(max_new):
+            left = layout.sum_over_dp(torch.tensor([float(sum(active))], device=device))
+            if float(left) == 0:
+                break
+            windows = [s[-block:] for s in seqs] or [[0]]
+            length = self._bucket(max(len(w) for w in windows))
+            ids = torch.zeros(self.batch_size, length, dtype=torch.long)
+            last = torch.zeros(self.batch_size, dtype=torch.long)
+            for j, w in enumerate(windows):
+                ids[j, :len(w)] = torch.tensor(w, dtype=torch.long)
+                last[j] = len(w) - 1
+            logits = self._unit("next", length, layout.sharded)(params, model_state, ids.to(device),
+                                                                 last.to(device)).float().cpu()  # (B, V)
+            for j, i in enumerate(members):
+                if not active[j]:
+                    continue
+                tok = _pick(logits[j], key, i, t, temperature)
+                seqs[j].append(tok)
+                new[j].append(tok)
+                active[j] = not stop(i, new[j])
+        return new
+
+
+def _pick(logits: torch.Tensor, key, request: int, t: int, temperature: float) -> int:
+    """The next token of one request: the argmax, or a Gumbel-max draw from (key, request, t)."""
+    if key is None or temperature == 0:
+        return int(logits.argmax())
+    u = rng_lib.uniform(rng_lib.fold_in(rng_lib.fold_in(key, request), t), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
+    return int((logits / temperature - torch.log(-torch.log(u))).argmax())
+
+
+def _score(logits_fn, params, model_state, ids, targets, mask):
+    """(sum of log p(target) over the masked positions (B,), all of them the argmax (B,))."""
+    logits = logits_fn(params, model_state, ids).float()  # (B, T, V)
+    logp = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]  # (B, T)
+    greedy = logits.argmax(-1) == targets  # (B, T)
+    return torch.where(mask, logp, 0.0).sum(-1), (greedy | ~mask).all(-1)
+
+
+def _next_logits(logits_fn, params, model_state, ids, last):
+    """The logits (B, V) at each row's last position `last` (B,)."""
+    logits = logits_fn(params, model_state, ids)  # (B, T, V)
+    return logits[torch.arange(ids.shape[0], device=ids.device), last]
+
+
+def _pack(rows: list, length: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, targets, scored mask), each (batch, length): the rows, right-padded with 0, then padding rows."""
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    targets = torch.zeros(batch, length, dtype=torch.long)
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for j, row in enumerate(rows):
+        n = len(row.tokens) - 1
+        ids[j, :n] = torch.tensor(row.tokens[:-1], dtype=torch.long)
+        targets[j, :n] = torch.tensor(row.tokens[1:], dtype=torch.long)
+        mask[j, n - row.scored:n] = True
+    return ids.to(device), targets.to(device), mask.to(device)
+
+
+def _device_of(params) -> torch.device:
+    """Where the params compute (a DTensor's local device)."""
+    leaf = next(iter(tree_lib.leaves(params)), None)
+    if leaf is None:
+        return torch.device("cpu")
+    return (leaf.to_local() if parallel.is_dtensor(leaf) else leaf).device

@@ -1,0 +1,134 @@
+"""Multiple-choice benchmarks inside the loop (`--config.eval.tasks`): loaded and checked before the
+first step, scored on the live params every `eval_every` steps, at the end, and once before a fresh
+run's first step.
+
+Each name in `eval.tasks` (comma-separated) is a jsonl file (`functrain.eval.choice` formats; its
+stem names it) or `next_lines` (`functrain.eval.next_lines`, from the run's validation text). The
+hook writes `mc/<name>/acc`, `mc/<name>/acc_norm` and `mc/<name>/acc_mean_token`. The examples are
+split over the data-parallel ranks and every rank gets the same counts; evaluation draws no
+randomness and writes nothing into the state, so training is the same with it or without it.
+
+Example:
+    >>> hook = downstream.hook(task, config, writer, compile=True, whole=True, print_fn=print)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from functrain import data as data_lib
+from functrain.eval import Scorer, choice, next_lines
+from functrain.eval.scorer import default_buckets
+from functrain.task import Task
+from functrain.trainer import validate
+from functrain.trainer.hooks import Hook
+
+__all__ = ["MultipleChoice", "hook", "load_tasks"]
+
+NEXT_LINES_SEED = 0  # the built-in task's draw: fixed, whatever the run's seed
+
+
+class MultipleChoice(Hook):
+    """Scores the tasks on the live params and writes `mc/<name>/<metric>` (see the module docstring)."""
+
+    def __init__(self, n: int, tasks: dict, model, scorer: Scorer, writer, truncate: bool):
+        self.every, self.tasks, self.model, self.scorer = n, tasks, model, scorer
+        self.writer, self.truncate = writer, truncate
+        self.last: dict = {}
+
+    def evaluate(self, step: int, state) -> dict:
+        """Every task's scores on `state`'s params, written at `step`."""
+        row = {}
+        for name, examples in self.tasks.items():
+            scores = choice.evaluate(self.model, state.params, examples, scorer=self.scorer,
+                                     model_state=state.model_state, truncate=self.truncate)
+            row.update({f"mc/{name}/{metric}": scores[metric] for metric in choice.METRICS})
+        self.writer.write(step, row)
+        self.last = row
+        return row
+
+    def after(self, info):
+        self.evaluate(info.step, info.state)
+
+
+def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
+    """{name: examples} of `eval.tasks`.
+
+    Args:
+      names: comma-separated jsonl paths and/or "next_lines".
+      task: the run's `Task` (its `eval_model` and `validation_text`).
+      limit: examples per task (0: all).
+
+    Returns:
+      The examples by name (a file's stem; `next_lines`).
+
+    Raises:
+      ConfigError: the family has no `eval_model`, `next_lines` without validation text, or two
+        tasks of one name (one line each).
+      DataError: a malformed file (one line naming file, line and fix).
+
+    Example:
+      >>> load_tasks("next_lines,data/hellaswag_val.jsonl", task, limit=500)
+    """
+    out: dict[str, list] = {}
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name == "next_lines":
+            if task.validation_text is None:
+                raise validate.ConfigError("eval.tasks=next_lines is made from the run's validation text, and this "
+                                           "run's data has none (supervised examples); give multiple-choice files")
+            try:
+                examples = next_lines.build(task.validation_text(), task.eval_model.tokenizer,
+                                            block_size=task.eval_model.block_size, seed=NEXT_LINES_SEED)
+            except ValueError as exc:
+                raise data_lib.DataError(f"eval.tasks=next_lines: {exc}") from None
+            key = "next_lines"
+            examples = examples[:limit] if limit else examples
+        else:
+            key = Path(name).name.removesuffix(".jsonl").removesuffix(".json")
+            examples = choice.load(name, limit=limit)
+        if key in out:
+            raise validate.ConfigError(f"eval.tasks names two tasks called {key!r}; rename one file")
+        out[key] = examples
+    return out
+
+
+def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_fn) -> MultipleChoice | None:
+    """The loop's multiple-choice hook for `config.eval`, its examples loaded and checked; None without tasks.
+
+    Args:
+      task: the run's `Task`.
+      config: the run config (`eval.*`, `eval_every`).
+      writer: where the scores go (the loop's metrics writer).
+      compile: compile the scoring forward (one graph per bucket length).
+      whole: this rank's state is the whole model's tree (`Route.whole`); False on a pipeline rank
+        (`mesh.pp > 1`), which holds only its stages: refused.
+      print_fn: where the line describing the tasks goes.
+
+    Returns:
+      The hook, or None when `eval.tasks` is empty.
+
+    Raises:
+      ConfigError / DataError: as `load_tasks`, a family without `eval_model`, or a pipeline (one line).
+
+    Example:
+      >>> mc = hook(task, config, writer, compile=True, whole=True, print_fn=print)
+    """
+    ev = config.get("eval", {})
+    names = ev.get("tasks", "") if ev else ""
+    if not names:
+        return None
+    if task.eval_model is None:
+        raise validate.ConfigError("eval.tasks: this model family gives no eval_model (Task.eval_model) to score "
+                                   "with; drop --config.eval.tasks")
+    if not whole:
+        raise validate.ConfigError("eval.tasks with mesh.pp > 1: a pipeline rank holds only its stages, and scoring "
+                                   "needs every stage; evaluate the checkpoint on mesh.pp=1 (functrain.eval.harness)")
+    tasks = load_tasks(names, task, limit=ev.limit)
+    model = task.eval_model
+    for examples in tasks.values():  # before the first step: a too-long example stops the run now
+        choice.rows_of(examples, model, truncate=ev.truncate)
+    print_fn("eval: " + ", ".join(f"{k} ({len(v)} examples, {len(v[0].choices)} choices)" for k, v in tasks.items()))
+    scorer = Scorer(model, batch_size=ev.batch_size, compile=compile,
+                    buckets=default_buckets(model.block_size, smallest=max(32, model.block_size // 4)))
+    return MultipleChoice(config.eval_every, tasks, model, scorer, writer, ev.truncate)

@@ -1,0 +1,70 @@
+"""One rank of the sharded evaluation check (launched by test_eval.py on 2 gloo ranks).
+
+Usage: python tests/_eval_worker.py <outdir>
+
+The tiny GPT's params are FSDP-sharded over the ranks (dp_shard=2); 7 multiple-choice examples (28 rows: an
+odd number of batches of 3, so the ranks' shares differ), rolling texts and greedy generations are split over
+the ranks and gathered. The same calls on the plain params in this process alone (before the mesh exists) are
+the reference; both go to <outdir>/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from functrain import data as data_lib
+from functrain import eval as fe
+from functrain import parallel, rng
+from functrain.eval import choice
+from functrain.models import lm
+from functrain.models.gpt import model as gpt_lib
+
+TEXTS = ["def f(x):\n    return x + 1\n" * 3, "import sys\n", "class A:\n    pass\n" * 5]
+GEN = [("def g(", {"until": [")"], "max_gen_toks": 5}), ("x = ", {"until": ["\n"], "max_gen_toks": 7}),
+       ("for i in", {"max_gen_toks": 4})]
+
+
+def _examples() -> list:
+    """7 questions of 4 choices."""
+    ctx = ["def f(x):\n", "import os\n", "class A:\n", "if x:\n", "while True:\n", "try:\n", "with open(p) as f:\n"]
+    return [choice.Example(c, ("    return x\n", "    pass\n", "print(1)\n", "    break\n"), i % 4, f"t:{i}")
+            for i, c in enumerate(ctx)]
+
+
+def _run(model, params) -> dict:
+    """Every call's results on `params`."""
+    examples = _examples()
+    scorer = fe.Scorer(model, batch_size=3)
+    rows = choice.rows_of(examples, model)
+    scores, _ = scorer.score(params, rows)
+    return {"scores": scores.tolist(), "counts": choice.evaluate(model, params, examples, scorer=scorer),
+            "rolling": fe.loglikelihood_rolling(model, params, TEXTS, scorer=scorer),
+            "generated": fe.generate_until(model, params, GEN, scorer=scorer)}
+
+
+def main(outdir: str) -> None:
+    cfg = gpt_lib.GPTConfig(vocab_size=256, block_size=40, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=False)
+    with torch.device("meta"):
+        template = gpt_lib.GPT(cfg)
+    full = {k: v * 4 if v.ndim > 1 else v for k, v in gpt_lib.init_params(template, rng.key(5)).items()}
+    model = lm.eval_model(template, data_lib.ByteTokenizer(), block_size=cfg.block_size,
+                          stages=gpt_lib.stages(template), head="wte.weight")
+    single = _run(model, full)
+    with parallel.setup({"dp_shard": -1}, timeout_s=300) as ctx:
+        sharded = parallel.shard_params(full.items(), ctx.mesh)
+        out = _run(model, sharded)
+        out["sharded"] = all(parallel.is_dtensor(v) for v in sharded.values())
+        out["examples"] = out["counts"]["examples"]
+        out.update({f"single_{k}": v for k, v in single.items()})
+        Path(outdir).mkdir(parents=True, exist_ok=True)
+        (Path(outdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    main(sys.argv[1])
