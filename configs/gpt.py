@@ -8,7 +8,9 @@ Expected result (2 CPU cores, torch 2.13), measured from a fresh clone with the 
 (14 minutes in all, pip included): 40-50 s of cold compilation (~9 s warm: `compile_cache`), then
 0.26-0.31 s/step for 2500 steps; train loss falls from ~5.6 (ln 256, uniform over bytes) to 1.14,
 val loss 1.26 at the end (1.1408 and 1.2554 measured), and the final sample looks like indented Python (`def`, `raise
-ValueError(...)`, `return`).
+ValueError(...)`, `return`). The built-in multiple-choice task (`eval.tasks=auto`: next_lines, 500
+questions from the held-out files, chance 25%) logs `mc/next_lines/acc` 0.25 at step 0 and 0.39
+(`acc_norm` 0.42) at step 2500.
 Metrics land in `runs/gpt/metrics.jsonl`, TensorBoard events in `runs/gpt/tb`.
 
 Variants (`--config=configs/gpt.py:<variant>`):
@@ -55,9 +57,10 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.optim.lr = 3e-3  # high for a GPT, fine for a 0.8M-param byte model with warm-up
     c.optim.min_lr = 3e-4
 
-    # Multiple-choice evaluation every eval_every steps: which of 4 lines follows a context of held-out
-    # code (functrain/eval/next_lines.py); chance 25%. Add HellaSwag: eval.tasks="next_lines,<file.jsonl>".
-    c.eval.tasks = "next_lines"
+    # Multiple-choice evaluation every eval_every steps. "auto": next_lines (which of 4 lines follows a
+    # context of held-out code, functrain/eval/next_lines.py; chance 25%) where the data is text, else
+    # none (said in one line). HellaSwag too: --config.eval.tasks=next_lines,<hellaswag_val.jsonl>
+    c.eval.tasks = "auto"
 
     c.sample = ml_collections.ConfigDict()
     c.sample.prompt = "def "
@@ -100,7 +103,6 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         c.optim.min_lr = 6e-5
         c.optim.warmup_steps = 2000
         c.checkpoint.every = 2000
-        c.eval.tasks = ""  # token files keep no text to make next_lines from: give a HellaSwag jsonl here
     else:
         raise ValueError(f"unknown variant {variant!r}; use one of: default, tiny, gpt2")
     return c

@@ -216,3 +216,62 @@ def test_eval_on_or_off_trains_bit_identically(tmp_path):
         saved = [ckpt.restore(str(tmp_path / run / "checkpoints" / str(step))).result() for run in ("on", "off")]
         a, b = (tree_lib.leaves(x) for x in saved)
         assert len(a) == len(b) > 4 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_users_module_is_scored_in_eval_mode_with_its_model_state():
+    """A module with BatchNorm and dropout: `of_module` scores it as `module.eval()` does, with the running
+    statistics given as model state (not its own buffers), and leaves that state as it was."""
+    from functrain import nn as fnn
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.norm = torch.nn.Embedding(256, 16), torch.nn.BatchNorm1d(16)
+            self.drop, self.out = torch.nn.Dropout(0.5), torch.nn.Linear(16, 256)
+
+        def forward(self, ids):  # (B, T) -> (B, T, 256)
+            h = self.emb(ids).transpose(1, 2)  # (B, C, T)
+            return self.out(self.drop(self.norm(h).transpose(1, 2)))
+
+    torch.manual_seed(0)
+    net = Net()
+    state = {k: v + 0.5 for k, v in fnn.buffers_of(net).items()}  # running statistics unlike the module's own
+    params = dict(net.named_parameters())
+    model = fe.of_module(net, BYTES, block_size=16)
+    before = {k: v.clone() for k, v in state.items()}
+    ours = fe.loglikelihood(model, params, [("abc", "de"), ("x", "yz")], model_state=state)
+    with torch.no_grad():
+        net.load_state_dict({**params, **state}, strict=False)
+        net.eval()
+        logits = net(torch.tensor([list(b"abcd")]))[0].log_softmax(-1)  # (T, V)
+    expected = float(logits[2, ord("d")] + logits[3, ord("e")])
+    assert ours[0][0] == pytest.approx(expected, rel=1e-5)
+    assert all(torch.equal(state[k], before[k]) for k in state)
+
+
+def test_auto_skips_in_one_line_where_an_explicit_task_stops():
+    """eval.tasks=auto (the GPT configs' default) goes on without next_lines where the run cannot make it,
+    saying why in one line; the same task named explicitly stops the run."""
+    from functrain.task import Task
+    from functrain.trainer import defaults, downstream, validate
+
+    config = defaults.trainer_config()
+    task = Task("t", None, (), None, None, None, 0, 0.0, None)  # no eval_model, no validation text
+    lines = []
+    config.eval.tasks = "auto"
+    assert downstream.hook(task, config, None, compile=False, whole=True, print_fn=lines.append) is None
+    assert len(lines) == 1 and "no next_lines task" in lines[0] and "gives no eval_model" in lines[0]
+    config.eval.tasks = "next_lines"
+    with pytest.raises(validate.ConfigError, match="gives no eval_model"):
+        downstream.hook(task, config, None, compile=False, whole=True, print_fn=lines.append)
+    model_task = task._replace(eval_model=UNIGRAM, validation_text=lambda: ["x = 1\n"] * 3)
+    with pytest.raises(data_lib.DataError, match="next_lines needs 2 or more"):
+        downstream.hook(model_task, config, None, compile=False, whole=True, print_fn=lines.append)
+    config.eval.tasks = "auto"
+    assert downstream.hook(model_task, config, None, compile=False, whole=False, print_fn=lines.append) is None
+    assert "mesh.pp > 1" in lines[-1]
+
+
+def test_a_context_of_white_space_only_is_the_empty_context():
+    assert pair_row(BYTES, "\n  \n", "x", prefix_id=10, block_size=8) == Row([10, 32, 32, 10, 120], 4)
+    assert pair_row(BYTES, "  ", "x", prefix_id=10, block_size=8) == Row([10, 32, 32, 120], 3)

@@ -145,3 +145,15 @@ def test_simple_evaluate_local_task_same_as_hflm(gpt_pair, tmp_path):
             for m in (FunctrainLM(model, params, batch_size=4), hflm)]
     assert runs[0]["acc,none"] == runs[1]["acc,none"]
     assert runs[0]["acc_norm,none"] == runs[1]["acc_norm,none"]
+
+
+def test_from_checkpoint_reads_the_params_of_a_saved_state(gpt_pair, tmp_path):
+    from functrain import checkpoint as ckpt
+
+    model, params, _ = gpt_pair
+    ckpt.save(str(tmp_path / "7"), {"params": params, "step": torch.tensor(7)})
+    fresh = {k: torch.zeros_like(v) for k, v in params.items()}
+    restored = FunctrainLM.from_checkpoint(model, tmp_path / "7", fresh, batch_size=4)
+    assert all(torch.equal(restored.params[k], params[k]) for k in params)
+    requests = _instances("loglikelihood", PAIRS[:3])
+    assert restored.loglikelihood(requests) == FunctrainLM(model, params, batch_size=4).loglikelihood(requests)

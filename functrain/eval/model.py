@@ -42,7 +42,7 @@ class EvalModel(NamedTuple):
     eos_id: int | None = None
 
 
-def prefix_of(tokenizer) -> int:
+def _prefix_of(tokenizer) -> int:
     """The id an empty context starts from: the tokenizer's end-of-text, else its first separator id."""
     return separator_ids(tokenizer)[0]
 
@@ -69,7 +69,7 @@ def of_module(module: nn.Module, tokenizer, *, block_size: int, logits: Callable
     """
     eos = getattr(tokenizer, "eos_id", None)
     return EvalModel(logits or (lambda p, ms, ids: _module_logits(module, p, ms, ids)), tokenizer, block_size,
-                     prefix_of(tokenizer) if prefix_id is None else prefix_id, eos)
+                     _prefix_of(tokenizer) if prefix_id is None else prefix_id, eos)
 
 
 def _module_logits(module: nn.Module, params, model_state, ids: torch.Tensor) -> torch.Tensor:

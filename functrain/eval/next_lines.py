@@ -85,8 +85,8 @@ def build(documents: Sequence[str], tokenizer, *, block_size: int, n: int = DEFA
         raise ValueError(f"next_lines needs 2 or more validation documents with lines of {_MIN_LINE}-{_MAX_LINE} "
                          f"characters after their first {_MIN_CONTEXT_LINES}; the data has {len(usable)}")
     draw = random.Random(seed)
-    out = []
-    for i in range(n):
+    out: list[Example] = []
+    while len(out) < n:
         k = draw.choice(usable)
         lines, cands = docs[k]
         at = draw.choice(cands)
@@ -99,5 +99,6 @@ def build(documents: Sequence[str], tokenizer, *, block_size: int, n: int = DEFA
                 options.append(line)
         draw.shuffle(options)
         context = _fit("".join(lines[:at]), options, tokenizer, block_size)
-        out.append(Example(context, tuple(options), options.index(true), f"next_lines:{i}"))
+        if context.strip():  # (white space alone is no context: drawn again)
+            out.append(Example(context, tuple(options), options.index(true), f"next_lines:{len(out)}"))
     return out

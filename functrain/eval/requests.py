@@ -45,20 +45,20 @@ def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> t
     Returns:
       The two id lists; the continuation's are those of `context + continuation` after the context's
       (so a merge across the boundary counts to the continuation), trailing spaces of the context moved
-      into the continuation first.
+      into the continuation first (a context of white space only is then empty).
 
     Example:
       >>> encode_pair(ByteTokenizer(), "a ", "b", 10)
       ([97], [32, 98])
     """
-    if context == "":
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    if context == "":  # (a context of white space only is empty now too: the harness's HFLM asserts there)
         cont = _ids(tokenizer, continuation)
         if cont and cont[0] == prefix_id:  # the continuation starts with the prefix token: that is the context
             return cont[:1], cont[1:]
         return [prefix_id], cont
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = _ids(tokenizer, context + continuation)
     n = len(_ids(tokenizer, context))
     return whole[:n], whole[n:]

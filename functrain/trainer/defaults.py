@@ -36,7 +36,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     # Multiple-choice evaluation every eval_every steps and at the end (docs/guide.md "Evaluation"):
     # comma-separated jsonl files (HellaSwag's official format, or {"context", "choices", "label"})
     # and/or "next_lines" (built from the run's own validation text); logs mc/<name>/acc, acc_norm,
-    # acc_mean_token. "" = none.
+    # acc_mean_token. "" = none; "auto" = next_lines where the run can make it (text data), else none.
     c.eval = ml_collections.ConfigDict()
     c.eval.tasks = ""
     c.eval.limit = 0  # examples per task (0 = all)

@@ -3,7 +3,9 @@ first step, scored on the live params every `eval_every` steps, at the end, and 
 run's first step.
 
 Each name in `eval.tasks` (comma-separated) is a jsonl file (`functrain.eval.choice` formats; its
-stem names it) or `next_lines` (`functrain.eval.next_lines`, from the run's validation text). The
+stem names it) or `next_lines` (`functrain.eval.next_lines`, from the run's validation text);
+`auto` (the GPT configs' default) is `next_lines` where the run can make it and nothing, said in one
+line, where it cannot (token files, too little text, a pipeline, a family without `eval_model`). The
 hook writes `mc/<name>/acc`, `mc/<name>/acc_norm` and `mc/<name>/acc_mean_token`. The examples are
 split over the data-parallel ranks and every rank gets the same counts; evaluation draws no
 randomness and writes nothing into the state, so training is the same with it or without it.
@@ -27,6 +29,7 @@ from functrain.trainer.hooks import Hook
 __all__ = ["MultipleChoice", "hook", "load_tasks"]
 
 NEXT_LINES_SEED = 0  # the built-in task's draw: fixed, whatever the run's seed
+AUTO = "auto"  # eval.tasks: next_lines where the run can make it, else none (said in one line)
 
 
 class MultipleChoice(Hook):
@@ -38,7 +41,19 @@ class MultipleChoice(Hook):
         self.last: dict = {}
 
     def evaluate(self, step: int, state) -> dict:
-        """Every task's scores on `state`'s params, written at `step`."""
+        """Every task's scores on `state`'s params, written to the metrics at `step`.
+
+        Args:
+          step: the step the scores are logged at (0 before training).
+          state: the `TrainState` (its params and model state are read, nothing is written).
+
+        Returns:
+          {"mc/<name>/<metric>": fraction}, the same on every rank.
+
+        Example:
+          >>> hook.evaluate(0, state)["mc/next_lines/acc"]
+          0.254
+        """
         row = {}
         for name, examples in self.tasks.items():
             scores = choice.evaluate(self.model, state.params, examples, scorer=self.scorer,
@@ -93,6 +108,20 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
     return out
 
 
+def _checked_tasks(names: str, task: Task, ev, whole: bool) -> dict[str, list]:
+    """`load_tasks` after the run's own checks, every example checked against the block."""
+    if task.eval_model is None:
+        raise validate.ConfigError("eval.tasks: this model family gives no eval_model (Task.eval_model) to score "
+                                   "with; drop --config.eval.tasks")
+    if not whole:
+        raise validate.ConfigError("eval.tasks with mesh.pp > 1: a pipeline rank holds only its stages, and scoring "
+                                   "needs every stage; evaluate the checkpoint on mesh.pp=1 (functrain.eval.harness)")
+    tasks = load_tasks(names, task, limit=ev.limit)
+    for examples in tasks.values():  # before the first step: a too-long example stops the run now
+        choice.rows_of(examples, task.eval_model, truncate=ev.truncate)
+    return tasks
+
+
 def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_fn) -> MultipleChoice | None:
     """The loop's multiple-choice hook for `config.eval`, its examples loaded and checked; None without tasks.
 
@@ -109,7 +138,8 @@ def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_f
       The hook, or None when `eval.tasks` is empty.
 
     Raises:
-      ConfigError / DataError: as `load_tasks`, a family without `eval_model`, or a pipeline (one line).
+      ConfigError / DataError: as `load_tasks`, a family without `eval_model`, or a pipeline (one line);
+        with `eval.tasks=auto` none: the line is printed and no hook made.
 
     Example:
       >>> mc = hook(task, config, writer, compile=True, whole=True, print_fn=print)
@@ -118,16 +148,15 @@ def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_f
     names = ev.get("tasks", "") if ev else ""
     if not names:
         return None
-    if task.eval_model is None:
-        raise validate.ConfigError("eval.tasks: this model family gives no eval_model (Task.eval_model) to score "
-                                   "with; drop --config.eval.tasks")
-    if not whole:
-        raise validate.ConfigError("eval.tasks with mesh.pp > 1: a pipeline rank holds only its stages, and scoring "
-                                   "needs every stage; evaluate the checkpoint on mesh.pp=1 (functrain.eval.harness)")
-    tasks = load_tasks(names, task, limit=ev.limit)
+    try:
+        tasks = _checked_tasks("next_lines" if names == AUTO else names, task, ev, whole)
+    except (validate.ConfigError, data_lib.DataError) as exc:
+        if names != AUTO:
+            raise
+        print_fn(f"eval.tasks=auto: no next_lines task ({exc}); name multiple-choice files in --config.eval.tasks, "
+                 "or set it to '' to drop this line")
+        return None
     model = task.eval_model
-    for examples in tasks.values():  # before the first step: a too-long example stops the run now
-        choice.rows_of(examples, model, truncate=ev.truncate)
     print_fn("eval: " + ", ".join(f"{k} ({len(v)} examples, {len(v[0].choices)} choices)" for k, v in tasks.items()))
     scorer = Scorer(model, batch_size=ev.batch_size, compile=compile,
                     buckets=default_buckets(model.block_size, smallest=max(32, model.block_size // 4)))
