@@ -85,6 +85,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
         c.optim.warmup_steps = 10
         c.checkpoint.every = 50
         c.sample.max_new_tokens = 100
+        c.eval.compile = False  # a smoke test: the small model scores eagerly in less than its compile takes
     elif variant == "gpt2":
         c.steps = 600_000
         c.batch_size = 480  # x 1024 tokens = ~0.5M tokens per step, as GPT-2

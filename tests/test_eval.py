@@ -205,7 +205,7 @@ def _main(workdir, *extra) -> list[dict]:
 
 @pytest.mark.slow
 def test_eval_on_or_off_trains_bit_identically(tmp_path):
-    on = _main(tmp_path / "on", "--config.eval.tasks=next_lines", "--config.eval.limit=40")
+    on = _main(tmp_path / "on", "--config.eval.tasks=next_lines", "--config.eval.limit=40", "--config.eval.compile=True")
     off = _main(tmp_path / "off", "--config.eval.tasks=")
     losses = [[r["loss"] for r in rows if "loss" in r] for rows in (on, off)]
     assert losses[0] == losses[1] and len(losses[0]) == 12

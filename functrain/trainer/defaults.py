@@ -42,6 +42,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.eval.limit = 0  # examples per task (0 = all)
     c.eval.batch_size = 32  # rows (example x choice) per forward on each rank
     c.eval.truncate = False  # an example longer than the block: False = stop with one line, True = cut its context's head
+    c.eval.compile = True  # with compile=True: the scoring forward compiled, one graph per bucket length
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's

@@ -129,7 +129,8 @@ def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_f
       task: the run's `Task`.
       config: the run config (`eval.*`, `eval_every`).
       writer: where the scores go (the loop's metrics writer).
-      compile: compile the scoring forward (one graph per bucket length).
+      compile: the run compiles (`eval.compile` then says whether the scoring forward is: one graph per
+        bucket length).
       whole: this rank's state is the whole model's tree (`Route.whole`); False on a pipeline rank
         (`mesh.pp > 1`), which holds only its stages: refused.
       print_fn: where the line describing the tasks goes.
@@ -158,6 +159,6 @@ def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_f
         return None
     model = task.eval_model
     print_fn("eval: " + ", ".join(f"{k} ({len(v)} examples, {len(v[0].choices)} choices)" for k, v in tasks.items()))
-    scorer = Scorer(model, batch_size=ev.batch_size, compile=compile,
+    scorer = Scorer(model, batch_size=ev.batch_size, compile=compile and ev.get("compile", True),
                     buckets=default_buckets(model.block_size, smallest=max(32, model.block_size // 4)))
     return MultipleChoice(config.eval_every, tasks, model, scorer, writer, ev.truncate)

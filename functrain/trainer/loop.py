@@ -160,7 +160,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     eval_sets = task.eval_batches()
     eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
     evaluation = Eval(config.eval_every, route.eval_step, eval_sets, writer)
-    choices = downstream.hook(task, config, writer, compile=bool(config.compile), whole=route.whole,
+    choices = downstream.hook(task, config, writer, compile=_compile(config) is not False, whole=route.whole,
                               print_fn=print_fn)
     # In this order: a run that stops on skipped updates neither logs nor saves that step.
     builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []

@@ -56,6 +56,7 @@ LOOP_CHECKS: list[Check] = [
     ("eval.limit", int_at_least(0)),
     ("eval.batch_size", int_at_least(1)),
     ("eval.truncate", boolean()),
+    ("eval.compile", boolean()),
     ("compile", boolean()),
     ("compile_unit", one_of("step", "blocks")),
     ("fullgraph", boolean()),
