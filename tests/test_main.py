@@ -242,27 +242,31 @@ def test_a_config_file_that_cannot_load_is_one_line(tmp_path, config, expected):
 
 
 @pytest.mark.slow
-def test_sigterm_during_the_first_compile_stops_cleanly(tmp_path):
-    """SIGTERM to the whole process group (the compiler's jobs too) while the first step compiles: rc 0, one line,
-    no traceback, no step taken."""
+@pytest.mark.parametrize("phase", ["compile", "eval"])
+def test_sigterm_before_the_first_step_stops_cleanly(tmp_path, phase):
+    """SIGTERM to the whole process group (the compiler's jobs too) while the first step compiles (no evaluation:
+    4 s after the run's description), or as the scores before step 1 start (the default eval.tasks): rc 0, one
+    line, no traceback, no step taken (or, a signal after the compile's last job, step 1 saved)."""
     import signal
     import time
 
     cmd = [sys.executable, "-m", "functrain.main", f"--config={CONFIG}:tiny", f"--workdir={tmp_path / 'run'}",
-           "--config.model.n_layer=1", "--config.steps=2"]
+           "--config.model.n_layer=1", "--config.steps=2"] + (["--config.eval.tasks="] if phase == "compile" else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines = []
-    for line in proc.stdout:  # the run's description comes just before the first step compiles
+    for line in proc.stdout:  # the run's description comes just before the first compile; "eval:" before the scores
         lines.append(line)
-        if line.startswith("functrain: GPT"):
+        if line.startswith("functrain: GPT" if phase == "compile" else "eval:"):
             break
-    time.sleep(4.0)
+    time.sleep(4.0 if phase == "compile" else 0.0)
     os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
     text = "".join(lines) + out
     assert proc.returncode == 0, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert ("stopped (SIGTERM) while the first step compiled: no step taken, nothing to save" in text
-            or "stopped (SIGTERM) at step 1" in text), text[-3000:]  # (a signal after the compile's last job)
+    assert any(s in text for s in ("stopped (SIGTERM) while the first step compiled: no step taken, nothing to save",
+                                   "stopped (SIGTERM) before step 1: no step taken, nothing to save",
+                                   "stopped (SIGTERM) at step 1")), text[-3000:]
+    assert ("step 1/2 | loss" in text) == ("stopped (SIGTERM) at step 1" in text), text[-3000:]

@@ -383,6 +383,32 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == "functrain: interrupted; the same command resumes from the last committed checkpoint\n"
 
 
+_AGREE_WORKER = """
+import os, signal
+import torch.distributed as dist
+from functrain.trainer.preemption import PreemptionFlag
+dist.init_process_group("gloo")
+with PreemptionFlag() as flag:
+    before = flag.agree()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    print("agreed", before, flag.agree(), flag.signalled())
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_agree_on_a_signal_before_the_first_step(tmp_path):
+    """A SIGTERM to one rank during the setup: every rank's `agree()` says so (a blocking all-reduce), so all of
+    them stop before step 1 together."""
+    from _dist_launch import run_ranks
+
+    script = tmp_path / "agree.py"
+    script.write_text(_AGREE_WORKER)
+    outs = run_ranks(str(script), [], 2, timeout=120)
+    assert "agreed False True False" in outs[0], outs[0]
+    assert "agreed False True True" in outs[1], outs[1]
+
+
 def test_a_corrupt_latest_step_names_the_command_that_resumes_from_the_one_before(tmp_path):
     """A corrupt newest checkpoint: one line with the `mv` that lets the same command resume from the step before;
     run as said, the resume takes that step."""

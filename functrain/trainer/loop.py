@@ -98,15 +98,18 @@ def run(
     t_program = time.perf_counter() if t_program is None else t_program
     key, micro = route_lib.microbatching(config, ctx)
     validate.check_batch(config.batch_size, micro, ctx.dp_world, key)  # (the mesh at hand)
-    with workdir_lock.hold(workdir, ctx.is_main_process):  # one run per workdir
-        return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program)
+    print_fn = print_fn if ctx.is_main_process else _silent
+    # One run per workdir; from here on SIGTERM or Ctrl-C is a flag (during the setup too: a signal
+    # then stops the run before its first step, cleanly).
+    with workdir_lock.hold(workdir, ctx.is_main_process), PreemptionFlag(print_fn) as preemption:
+        return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program, preemption)
 
 
 def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: parallel.ParallelContext,
-           hooks: Sequence[Hook], print_fn: Callable[..., None], t_program: float) -> dict[str, Any]:
-    """`run`'s body, once the config is checked and the workdir is this run's."""
+           hooks: Sequence[Hook], print_fn: Callable[..., None], t_program: float,
+           preemption: PreemptionFlag) -> dict[str, Any]:
+    """`run`'s body, once the config is checked, the workdir is this run's and signals are flagged."""
     main = ctx.is_main_process
-    print_fn = print_fn if main else _silent
     device = resolve_device(config, ctx)
     validate.check_cuda_graphs(config, device.type)
     graphs = bool(config.get("cuda_graphs", False))
@@ -176,11 +179,15 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to "
                  "train on)")
     stopped = None
-    with PreemptionFlag(print_fn) as preemption, manager or contextlib.nullcontext():
+    with manager or contextlib.nullcontext():
         try:
             if choices is not None and start == 0 < config.steps:
                 choices.evaluate(0, state)  # the scores before training: the chance level of the tasks
-            for step in range(start, config.steps):
+            if start < config.steps and preemption.agree():  # signalled during the setup or those scores
+                stopped = preemption.reason
+                print_fn(f"stopped ({stopped}) before step {start + 1}: no step taken, nothing to save; "
+                         "the same command starts again")
+            for step in range(start, config.steps if stopped is None else start):
                 for h in all_hooks:
                     h.before(step)
                 batch = batches.get(step) if batches is not None else task.train_batch(step)

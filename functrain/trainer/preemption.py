@@ -73,6 +73,16 @@ class PreemptionFlag:
         self._pending = (work, buf)
         return agreed
 
+    def agree(self) -> bool:
+        """Whether any rank got SIGTERM or Ctrl-C so far (distributed: a blocking all-reduce; every rank
+        calls it at the same point, before the first step)."""
+        if self._group is None:
+            return self._flag
+        self._collect()
+        flag = torch.tensor([int(self._flag)], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
     def _collect(self) -> bool:
         """Waits for the pending all-reduce (started a step ago) and returns its value."""
         if self._pending is None:
