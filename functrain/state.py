@@ -72,6 +72,10 @@ class TrainState(NamedTuple):
       model_state: {dotted buffer name: tensor}: the module's buffers that a forward reads or
         updates (BatchNorm's running statistics and counters; `functrain.nn.model_state`); empty
         for a model without them. Replicated on a mesh (plain tensors, the same on every rank).
+      frozen: {dotted parameter name: tensor}: parameters the loss reads but the step never trains
+        (a LoRA run's base weights, `functrain.nn.lora`): the loss gets `{**frozen, **params}`, no
+        gradient is taken for them, they have no optimizer state and the step returns them as they
+        came (never written, never donated). Sharded like `params` on a mesh; empty otherwise.
     """
 
     params: PyTree
@@ -80,6 +84,7 @@ class TrainState(NamedTuple):
     rng: torch.Tensor
     guard: Guard
     model_state: PyTree = {}
+    frozen: PyTree = {}
 
     def replace(self, **changes) -> "TrainState":
         """A copy with some fields replaced: `state.replace(step=state.step + 1)`."""
@@ -114,6 +119,7 @@ def init_state(
     *,
     copy: bool = True,
     model_state: PyTree = None,
+    frozen: PyTree = None,
 ) -> TrainState:
     """Builds the initial `TrainState` from a model (or a params tree) and an optimizer.
 
@@ -127,6 +133,8 @@ def init_state(
         step never writes into the module (default True).
       model_state: {name: tensor} of buffers, when they are given explicitly (a params tree, or a
         meta template's buffers made elsewhere); default: the module's, or none for a params tree.
+      frozen: {name: tensor} of parameters the loss reads and the step does not train (a LoRA
+        run's base: `functrain.nn.lora`); no optimizer state is made for them. Not copied.
 
     Returns:
       A `TrainState` with `step == 0` on the params' device.
@@ -142,7 +150,12 @@ def init_state(
     else:
         params = model_or_params
     model_state = {} if model_state is None else dict(model_state)
-    on_meta = [n for n, v in (*_named(params), *_named(model_state)) if v.device.type == "meta"]
+    frozen = {} if frozen is None else dict(frozen)
+    both = [n for n in frozen if isinstance(params, dict) and n in params]
+    if both:
+        raise ValueError(f"functrain.init_state: {', '.join(both[:3])} is both trained (params) and frozen; give each "
+                         "parameter to one of them")
+    on_meta = [n for n, v in (*_named(params), *_named(model_state), *_named(frozen)) if v.device.type == "meta"]
     if on_meta:
         listed = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
         raise ValueError(f"functrain.init_state: {len(on_meta)} tensor(s) are on the meta device ({listed}): a meta "
@@ -160,4 +173,5 @@ def init_state(
         rng=rng_lib.key(seed, device=device),
         guard=init_guard(device),
         model_state=model_state,
+        frozen=frozen,
     )

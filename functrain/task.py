@@ -80,6 +80,11 @@ class Task(NamedTuple):
         model cannot be evaluated that way (`eval.tasks` is then refused in one line).
       validation_text: optional `() -> list of str`: the validation documents' texts, from which the
         built-in `next_lines` task is made (`functrain.eval.next_lines`). None: no such task.
+      frozen: optional `name -> bool`: the params of `init_params` the run holds frozen (a LoRA base,
+        `functrain.nn.lora.is_base`): they go to `TrainState.frozen` (read by the loss, never trained,
+        no optimizer state), the checkpoints record them (source, digest) instead of holding them,
+        and `loss_fn`, `finish`, `export` and `eval_model` get the frozen and trained params together.
+        None: every param trains.
     """
 
     describe: str
@@ -99,3 +104,4 @@ class Task(NamedTuple):
     steps_per_epoch: float | None = None
     eval_model: Any = None
     validation_text: Callable[[], list[str]] | None = None
+    frozen: Callable[[str], bool] | None = None

@@ -4,6 +4,7 @@ Public API:
   save / save_async      write a pytree of tensors/DTensors to ``<root>/<step>`` (async: Future)
   restore                read a checkpoint onto a template (any mesh/placements) -> Future
   read_metadata          shapes/dtypes/chunks per array of a checkpoint
+  read_custom_metadata   the JSON a save kept with the checkpoint (``custom_metadata``)
   metadata_tree          the checkpoint's tree of ArraySpec (a restore template)
   Manager                steps, async save, retention, crash-safe commit, validation
   ArraySpec, abstract    abstract leaves for templates
@@ -11,6 +12,7 @@ Public API:
 """
 
 from .errors import CheckpointError, MismatchError
+from .layout import read_custom_metadata
 from .manager import Manager
 from .reader import ArrayInfo, metadata_tree, read_metadata, restore
 from .sharding import ArraySpec, abstract
@@ -25,6 +27,7 @@ __all__ = [
     "MismatchError",
     "abstract",
     "metadata_tree",
+    "read_custom_metadata",
     "read_metadata",
     "restore",
     "save",

@@ -63,6 +63,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -170,6 +171,15 @@ class StagedLoss:
         self.side = side
         self.recompute = tuple(recomputed_blocks(policy, len(self.blocks)))
         self._run = run
+        self.frozen: Params = {}  # params the stages read and nothing differentiates (`with_frozen`)
+
+    def with_frozen(self, frozen: Params) -> "StagedLoss":
+        """This loss with `frozen` params beside the ones it is given (`TrainState.frozen`, a LoRA base):
+        every stage reads `{**frozen, **params}`, gradients come back for `params` alone (a frozen
+        param's gradient is never reduced, and the compiled step drops its computation)."""
+        other = copy.copy(self)
+        other.frozen = frozen
+        return other
 
     @property
     def compiled(self) -> bool:
@@ -189,6 +199,7 @@ class StagedLoss:
     def _compose(self, params: Params, batch, key, gather=lambda p, rows: p) -> tuple[torch.Tensor, dict]:
         """embed, every block, head, each on `gather` of its own params (no recomputation)."""
         run, side = self._run, self.side_of(batch)
+        params = {**self.frozen, **params}
         h = run.embed(gather(self.embed.params(params), self.embed.rows), batch, key)
         for block, fn in zip(self.blocks, run.blocks):
             h = fn(gather(block.params(params), block.rows), h, key, *side)
@@ -471,6 +482,7 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
     tests/test_parallel_dist.py::test_at_most_one_stage_is_gathered_at_a_time).
     """
     embed, blocks, head, recompute, run = staged.embed, staged.blocks, staged.head, staged.recompute, staged._run
+    trained, params = params, {**staged.frozen, **params}  # the stages read both; gradients: `trained` only
 
     # Compiled stage by stage (eager stage loop, sharded): each stage's gather starts while the stage
     # before it computes (`Layout.gather_start`), so at most two stages are gathered at a time. The
@@ -498,8 +510,9 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
         return finish()
 
     def add(stage, g):
-        """Adds a stage's gradients to the total, reduced to the params' placements when sharded."""
-        _add_grads(grads, g if layout is None else layout.reduce_grads(g, stage.params(params), stage.rows))
+        """Adds a stage's gradients of trained params to the total, reduced to their placements when sharded."""
+        g = {n: v for n, v in g.items() if n in trained}
+        _add_grads(grads, g if layout is None else layout.reduce_grads(g, {n: trained[n] for n in g}, stage.rows))
 
     # Forward: keep vjp closures of the embedding and of kept blocks, only the input of the others.
     # Sharded, the embedding is recomputed too: its vjp would hold its gathered parameters (often
@@ -527,5 +540,5 @@ def _staged_value_and_grad(staged: StagedLoss, params, batch, key, loss_scale, l
         _, embed_vjp = run.vjp(run.embed, (local(embed, after=g),), batch, key)
     (g_embed,) = embed_vjp(g)
     add(embed, g_embed)
-    grads = {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in params.items()}
+    grads = {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in trained.items()}
     return loss.detach(), aux, grads

@@ -76,6 +76,7 @@ __all__ = [
     "make_eval_step",
     "update_step",
     "value_and_grad",
+    "with_frozen",
 ]
 
 PyTree = Any
@@ -394,12 +395,13 @@ def make_train_step(
 
         @piece
         def prepare(state: TrainState, batch: PyTree):
-            """The params and batch to compute with (cast before the gather: half the bytes on the
-            wire), and this step's key (per step, per dp rank)."""
+            """The params, frozen params and batch to compute with (cast before the gather: half the
+            bytes on the wire), and this step's key (per step, per dp rank)."""
             params, batch = precision_lib.to_compute(prec, state.params, batch)
+            frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
             if not per_stage:
-                params = lay.gather(params)
-            return params, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
+                params, frozen = lay.gather(params), lay.gather(frozen)
+            return params, frozen, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
 
         @piece
         def whole_finish(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
@@ -433,14 +435,15 @@ def make_train_step(
         finish = grouped_finish if grouped and (per_stage or not lay.sharded) else whole_finish
 
         def train_step(state: TrainState, batch: PyTree):
-            params, batch, key = prepare(state, batch)
+            params, frozen, batch, key = prepare(state, batch)
             loss_scale = state.guard.loss_scale if prec.loss_scaling else None
             model_state = _compute_model_state(state.model_state, lay, prec)
             weights = total = None
             if count_targets is not None:  # counted before the forward, over every microbatch and rank
                 weights, total = lay.token_weights(microbatch_counts(count_targets, batch, accum_steps))
             aux, grads, model_state = _accumulated_value_and_grad(
-                loss_fn, params, batch, key, accum_steps, accum_impl, loss_scale, layout=lay if per_stage else None,
+                with_frozen(loss_fn, frozen), params, batch, key, accum_steps, accum_impl, loss_scale,
+                layout=lay if per_stage else None,
                 model_state=model_state, fullgraph=fullgraph, weights=weights,
             )
             if total is not None:
@@ -474,6 +477,31 @@ def make_train_step(
         return step_in_mode
     steps = _PerLayout(lambda lay: build(lay, run_loss, piece, grouped=mode == "blocks"), whole)
     return checked(lambda state, batch: steps.get(state.params)(state, batch))
+
+
+def with_frozen(loss_fn: LossFn, frozen: PyTree) -> LossFn:
+    """`loss_fn` reading `{**frozen, **params}` (`TrainState.frozen`: a LoRA run's base), or itself when none.
+
+    Args:
+      loss_fn: `(params, batch, key[, model_state]) -> ...` over the whole model's params.
+      frozen: {name: tensor} of the params the step does not train (compute copies, gathered).
+
+    Returns:
+      A loss over the trained params only: the gradient is taken for them alone.
+
+    Example:
+      >>> loss, aux = with_frozen(loss_fn, state.frozen)(state.params, batch, key)
+    """
+    if not frozen:
+        return loss_fn
+    if isinstance(loss_fn, StagedLoss):  # its stages read the frozen params themselves (gathered per stage)
+        return loss_fn.with_frozen(frozen)
+    return functools.partial(_frozen_loss, loss_fn, frozen)
+
+
+def _frozen_loss(loss_fn, frozen, params, *args):
+    """`loss_fn` called on the frozen and the trained params together."""
+    return loss_fn({**frozen, **params}, *args)
 
 
 SYNCS = ("broadcast", "mean")
@@ -562,11 +590,13 @@ def make_eval_step(
             if isinstance(loss_fn, StagedLoss) and has_model_state(model_state):
                 raise ValueError("a staged loss (functrain.step.staged) takes no model state: use a plain loss function "
                                  "for a model with buffers")
+            frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
             with torch.no_grad():
                 if per_stage:  # each stage gathers its own params
-                    loss, aux = loss_fn.apply_sharded(params, batch, None, layout=lay)
+                    loss, aux = with_frozen(loss_fn, frozen).apply_sharded(params, batch, None, layout=lay)
                 else:
-                    loss, aux, _ = call_loss(loss_fn, lay.gather(params), batch, None, model_state)
+                    loss, aux, _ = call_loss(with_frozen(loss_fn, lay.gather(frozen)), lay.gather(params), batch, None,
+                                             model_state)
                 metrics = {M.LOSS: loss, **aux}
                 if count_targets is None:
                     return lay.mean_over_dp(metrics)

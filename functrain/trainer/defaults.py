@@ -43,6 +43,14 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.eval.batch_size = 32  # rows (example x choice) per forward on each rank
     c.eval.truncate = False  # an example longer than the block: False = stop with one line, True = cut its context's head
     c.eval.compile = True  # with compile=True: the scoring forward compiled, one graph per bucket length
+    # LoRA (docs/guide.md "LoRA"): rank > 0 trains low-rank adapters beside the targeted linear layers
+    # while the base stays frozen (not differentiated, no optimizer state, not in the checkpoints).
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0  # 0 = off: every param trains
+    c.lora.alpha = 16.0  # the adapters' scale is alpha / rank (alpha / sqrt(rank) with rslora)
+    c.lora.targets = "all-linear"  # or a regex over the linear layers' names ("q_proj|v_proj")
+    c.lora.dropout = 0.0  # on the adapters' input, drawn from the step's key
+    c.lora.rslora = False
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's

@@ -23,6 +23,7 @@ from functrain import data as data_lib
 from functrain.eval import Scorer, choice, next_lines
 from functrain.eval.scorer import default_buckets
 from functrain.task import Task
+from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import validate
 from functrain.trainer.hooks import Hook
 
@@ -56,7 +57,7 @@ class MultipleChoice(Hook):
         """
         row = {}
         for name, examples in self.tasks.items():
-            scores = choice.evaluate(self.model, state.params, examples, scorer=self.scorer,
+            scores = choice.evaluate(self.model, frozen_lib.merged(state), examples, scorer=self.scorer,
                                      model_state=state.model_state, truncate=self.truncate)
             row.update({f"mc/{name}/{metric}": scores[metric] for metric in choice.METRICS})
         self.writer.write(step, row)

@@ -21,6 +21,7 @@ import torch
 import functrain.step.metric_names as M
 from functrain import tree as tree_lib
 from functrain.state import TrainState
+from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import metrics as metrics_lib
 
 __all__ = ["Eval", "GarbageCollection", "Hook", "Log", "Profiler", "SaveCheckpoints", "SkipWatch", "StepInfo",
@@ -170,14 +171,16 @@ def _weighted_mean(pairs: list) -> float:
 
 class SaveCheckpoints(Hook):
     """Saves every `checkpoint.every` steps (the manager decides), and always at the end, with the
-    record of the data the run trains on (`Task.data_record`)."""
+    record of the data the run trains on (`Task.data_record`); the frozen params (a LoRA base) are
+    left out, their record (`functrain.trainer.frozen.record`) kept instead."""
 
-    def __init__(self, manager, data_record: dict | None):
+    def __init__(self, manager, data_record: dict | None, frozen_record: dict | None = None):
         self.manager = manager
-        self.custom = {"functrain": {"data": data_record}} if data_record else None
+        records = {k: v for k, v in (("data", data_record), (frozen_lib.KEY, frozen_record)) if v}
+        self.custom = {"functrain": records} if records else None
 
     def after(self, info):
-        self.manager.save(info.step, info.state, force=info.final, custom_metadata=self.custom)
+        self.manager.save(info.step, frozen_lib.saved(info.state), force=info.final, custom_metadata=self.custom)
         if info.final:
             self.manager.wait()
 

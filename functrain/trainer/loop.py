@@ -46,8 +46,11 @@ from functrain.compiler import cache as compile_cache
 from functrain.compiler import cuda_graphs
 import functrain.step.metric_names as M
 from functrain.optim.base import Transform
+from functrain import tree as tree_lib
+from functrain.state import TrainState
 from functrain.task import Task
 from functrain.trainer import downstream, memory
+from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import metrics as metrics_lib
 from functrain.trainer import tensorboard as tensorboard_lib
 from functrain.trainer import route as route_lib
@@ -110,6 +113,10 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
            preemption: PreemptionFlag) -> dict[str, Any]:
     """`run`'s body, once the config is checked, the workdir is this run's and signals are flagged."""
     main = ctx.is_main_process
+    if config.get("lora", {}).get("rank", 0) and task.frozen is None:
+        raise validate.ConfigError("lora.rank > 0, but this model's Task holds no params frozen (Task.frozen): its "
+                                   "family does not apply lora.*; wrap your module with functrain.nn.lora and set "
+                                   "Task.frozen=functrain.nn.lora.is_base, or drop --config.lora.rank")
     device = resolve_device(config, ctx)
     validate.check_cuda_graphs(config, device.type)
     graphs = bool(config.get("cuda_graphs", False))
@@ -132,9 +139,13 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     state, route = route_lib.choose(task, optimizer, config, ctx, device, _compile(config),
                                     cuda_graphs.options() if graphs else None)
 
+    counts = _param_counts(state)
     print_fn(f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
              f"precision {config.precision}, mesh {dict(ctx.shape)}"
              + route.banner)
+    if state.frozen:
+        print_fn(f"trains {counts['params_trained']:,} of {counts['params_total']:,} params "
+                 f"({100 * counts['params_trained'] / counts['params_total']:.2f}%); the rest frozen")
     throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps, probe=probe)
     writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
     if main:
@@ -145,13 +156,14 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
 
     manager = make_manager(config, workdir)
     t_start = time.perf_counter()
-    if config.checkpoint.init_from and (manager is None or manager.latest_step() is None):
-        state = init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it
+    if config.checkpoint.init_from and (manager is None or manager.latest_step() is None or state.frozen):
+        state = init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it (a base: not)
+    frozen_record = frozen_lib.record(state.frozen, frozen_lib.source_of(config))
     graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
     if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
         state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
     state = maybe_restore(manager, state, route.train_step, task.train_batch, config, print_fn,
-                           whole=route.whole, data_record=task.data_record)
+                           whole=route.whole, data_record=task.data_record, frozen_record=frozen_record)
     if graphs:
         state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
 
@@ -169,7 +181,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
     builtin += [log, evaluation] + ([choices] if choices is not None else [])
     if manager is not None:
-        builtin.append(SaveCheckpoints(manager, task.data_record))
+        builtin.append(SaveCheckpoints(manager, task.data_record, frozen_record))
     builtin.append(Profiler(config.profile.start, config.profile.stop, workdir, print_fn))
     if config.gc_every > 0:
         builtin.append(GarbageCollection(config.gc_every))
@@ -234,6 +246,8 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
                        trained=start < config.steps)
     if choices is not None:
         summary.update(choices.last)
+    if state.frozen:
+        summary.update(counts)
     if stopped:
         summary["preempted"] = True
         return summary
@@ -246,6 +260,12 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         summary.update(finished)
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _param_counts(state: TrainState) -> dict[str, int]:
+    """{"params_trained", "params_total"}: the state's trained params and those plus its frozen ones."""
+    trained = sum(t.numel() for t in tree_lib.leaves(state.params))
+    return {"params_trained": trained, "params_total": trained + sum(t.numel() for t in tree_lib.leaves(state.frozen))}
 
 
 def _summary(workdir: Path, steps: int, loss, val_loss: float, *, trained: bool) -> dict[str, Any]:

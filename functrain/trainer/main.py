@@ -205,6 +205,14 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
         if task.export is None:
             raise validate.ConfigError(f"model family {config.model.name!r} has no export format")
         params = ckpt_lib.restore(step_dir, {"params": ckpt_lib.metadata_tree(step_dir)["params"]}).result()["params"]
+        if task.frozen is not None:  # a LoRA checkpoint holds the adapters: the base is made again, and checked
+            from functrain.trainer import frozen as frozen_lib
+
+            saved = ckpt_lib.read_custom_metadata(step_dir).get("functrain", {}).get(frozen_lib.KEY)
+            init_from = config.checkpoint.init_from
+            base = frozen_lib.base_for_export(task, config, step_dir, ctx.device, saved,
+                                              loop.checkpoint_path(init_from) if init_from else None)
+            params = {**base, **params}
         path = task.export(params, out)
     print_fn(f"exported {step_dir} to {path}")
     return Path(path)

@@ -13,6 +13,7 @@ from functrain import optim as optim_lib
 from functrain.config import ConfigError
 from functrain.data import record as data_record_lib
 from functrain.state import TrainState
+from functrain.trainer import frozen as frozen_lib
 
 __all__ = ["checkpoint_path", "init_params_from", "make_manager", "maybe_restore"]
 
@@ -57,28 +58,38 @@ def checkpoint_path(path: str, key: str = "checkpoint.init_from") -> str:
 
 
 def init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
-    """`state` with its params read from the checkpoint at `path` (onto their mesh); optimizer fresh."""
+    """`state` with its params read from the checkpoint at `path` (onto their mesh); optimizer fresh. A run
+    with frozen params (a LoRA base) reads those, its adapters start fresh."""
     step_dir = checkpoint_path(path)
+    if state.frozen:
+        frozen = ckpt_lib.restore(step_dir, {"params": ckpt_lib.abstract(state.frozen)}).result()["params"]
+        print_fn(f"frozen base read from checkpoint {step_dir} (the adapters and their optimizer start fresh)")
+        return state.replace(frozen=frozen)
     params = ckpt_lib.restore(step_dir, {"params": ckpt_lib.abstract(state.params)}).result()["params"]
     print_fn(f"params initialized from checkpoint {step_dir} (optimizer state, step and schedule start fresh)")
     return state.replace(params=params)
 
 
 def maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn,
-                   whole: bool = True, data_record: dict | None = None) -> TrainState:
+                   whole: bool = True, data_record: dict | None = None, frozen_record: dict | None = None) -> TrainState:
     """Restores the latest checkpoint, if any, compiling the step while the bytes stream in (`whole`:
     the state is the whole tree, so a checkpoint leaf it lacks is an error; a pipeline stage's is a part).
-    A checkpoint of other data stops the run first (`data.record.check_resume`)."""
+    A checkpoint of other data stops the run first (`data.record.check_resume`), one trained over other
+    frozen params too (`frozen_record`, `functrain.trainer.frozen`); the frozen params are the run's own."""
     latest = manager.latest_step() if manager is not None else None
     if latest is None:
         return state
     try:
-        saved = manager.custom_metadata(latest).get("functrain", {}).get("data")
+        meta = manager.custom_metadata(latest).get("functrain", {})
+        frozen_lib.check(meta.get(frozen_lib.KEY), frozen_record, manager.step_path(latest))
+        saved = meta.get("data")
         allow = bool(config.get("data", {}).get("allow_changed"))
         changed = data_record_lib.check_resume(saved, data_record, latest, allow)
         if changed:
             print_fn(changed)
         return _restore(manager, latest, state, train_step, batch_at, config, print_fn, whole)
+    except frozen_lib.FrozenMismatch:
+        raise  # (an earlier step was trained over the same other base)
     except ckpt_lib.CheckpointError as exc:
         if isinstance(exc, ckpt_lib.MismatchError):
             raise _mismatch(exc, manager, latest) from None
@@ -111,7 +122,8 @@ def _restore(manager, latest: int, state: TrainState, train_step, batch_at, conf
     t0 = time.perf_counter()
     # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
     # fresh state; leaves this code does not know are an error (strict).
-    future = manager.restore(latest, ckpt_lib.abstract(state), defaults=state, strict=whole)
+    held = frozen_lib.saved(state)  # what the checkpoint holds: no frozen params
+    future = manager.restore(latest, ckpt_lib.abstract(held), defaults=held, strict=whole)
     read_done: list[float] = []  # when the bytes were in (the compile below may take longer)
     future.add_done_callback(lambda _: read_done.append(time.perf_counter()))
     configured = optim_lib.get_hyperparams(state)  # read now: the compile below consumes `state`
@@ -123,7 +135,7 @@ def _restore(manager, latest: int, state: TrainState, train_step, batch_at, conf
     elif config.compile:
         # Compile now, on the fresh state (consumed and thrown away), while TensorStore reads.
         train_step(state, batch_at(latest))
-    restored = future.result()
+    restored = future.result().replace(frozen=state.frozen)  # (never written by the step: still whole)
     if config.checkpoint.async_restore and config.compile:
         # result() may return before the callback ran in the reading thread: then they just came in
         how = f"compile overlapped; its bytes were read in {min(read_done, default=time.perf_counter()) - t0:.1f}s"

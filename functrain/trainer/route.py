@@ -25,6 +25,7 @@ from functrain.parallel import pipeline
 from functrain.state import TrainState, init_state
 from functrain.step import make_eval_step, make_train_step
 from functrain.task import Task
+from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import validate
 
 __all__ = ["Route", "choose", "microbatching"]
@@ -83,11 +84,12 @@ def choose(task: Task, optimizer: Transform, config: Any, ctx: parallel.Parallel
     """
     if ctx.pp_world > 1:
         return _pipeline(task, optimizer, config, ctx, device, compile)
-    params = _init_params(task, rng_lib.key(config.seed), device, ctx)
+    params, frozen = frozen_lib.split(task, _init_params(task, rng_lib.key(config.seed), device, ctx))
     model_state = task.init_model_state(device) if task.init_model_state is not None else None
-    # moments mirror the placements; the model state is replicated (plain tensors on every rank)
-    state = init_state(params, optimizer, seed=config.seed, copy=False, model_state=model_state)
-    del params, model_state
+    # moments mirror the placements; the model state is replicated (plain tensors on every rank); the
+    # frozen params (a LoRA base) are sharded like the params, with no optimizer state
+    state = init_state(params, optimizer, seed=config.seed, copy=False, model_state=model_state, frozen=frozen)
+    del params, model_state, frozen
     fullgraph = bool(config.get("fullgraph", True))
     train_step = make_train_step(
         task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=compile, donate=config.donate,
@@ -100,7 +102,7 @@ def choose(task: Task, optimizer: Transform, config: Any, ctx: parallel.Parallel
 
     def finish(state: TrainState) -> tuple[dict, None]:
         """On every rank: a sharded task gathers stage by stage (collectives), never the whole model."""
-        return task.finish(state.params, rng_lib.fold_in(state.rng, state.step)), None
+        return task.finish(frozen_lib.merged(state), rng_lib.fold_in(state.rng, state.step)), None
 
     return state, Route(train_step, eval_step, tree_lib.global_norm, whole=True, banner="", finish=finish)
 
@@ -111,6 +113,9 @@ def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.Paral
     if config.get("cuda_graphs", False):
         raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
                                    "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1")
+    if task.frozen is not None:
+        raise validate.ConfigError("this run holds params frozen (LoRA), and a pipeline's stages carry trained "
+                                   "params only: set --config.mesh.pp=1")
     if task.init_model_state is not None:
         raise validate.ConfigError("this model has model state (buffers such as BatchNorm statistics) and the "
                                    "pipeline's stages carry params only: set --config.mesh.pp=1")

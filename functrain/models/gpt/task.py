@@ -20,7 +20,7 @@ import torch
 from functrain import parallel
 from functrain import config as v
 from functrain.interop.hf import save_hf_directory
-from functrain.models import lm, lm_data
+from functrain.models import lm, lm_data, lm_lora
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.checks import CHECKS
@@ -71,7 +71,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     cfg = gpt_lib.GPTConfig(vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
                             n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
     with torch.device("meta"):
-        template = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
+        base = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
+    template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
     rules = parallel.default_rules(gpt_lib.TP_RULES)
     # the cp copy (positions and attention of this rank's tokens), then the tp copy: `template` without either
     model = lm.context_model(template, ctx, m.block_size, config.get("cp_attention", "zigzag"))
@@ -91,14 +92,18 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             stages=gpt_lib.stages(template), head=head_name(params)), ctx.device)
 
     def export(params, out):
-        """Writes full `params` as a Hugging Face GPT-2 directory `out` (config.json, model.safetensors)."""
+        """Writes `params` as a Hugging Face GPT-2 directory `out` (config.json, model.safetensors)."""
         return save_hf_directory(out, export_hf_gpt2(params, cfg), hf_gpt2_config(cfg))
+
+    def init(key, device, where=None):
+        """The base's fresh params (this rank's block of each with `where`)."""
+        return gpt_lib.init_params(base, key, device=device, where=where)
 
     n_params = gpt_lib.num_params(cfg)
     return Task(
         describe=(f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
                   f"{dataset.describe()}"),
-        init_params=lambda key, device, where=None: gpt_lib.init_params(template, key, device=device, where=where),
+        init_params=lm_lora.with_adapters(init, template, lora_spec),
         shard_rules=rules,
         loss_fn=loss_fn,
         train_batch=dataset.train_batch,
@@ -110,7 +115,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         tokens_per_step=config.batch_size * cfg.block_size,
         flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,
-        export=export,
+        export=lm_lora.exporter(export, template, lora_spec, hf_name=None),  # (HF's GPT-2 fuses q, k, v)
+        frozen=lm_lora.frozen(lora_spec),
         eval_model=lm.eval_model(template, dataset.tokenizer, block_size=cfg.block_size, stages=gpt_lib.stages(template),
                                  head=head_name(dict(template.named_parameters()))),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,

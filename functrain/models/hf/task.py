@@ -33,7 +33,7 @@ from functrain import config as v
 from functrain import data as data_lib
 from functrain import functional, parallel
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
-from functrain.models import lm, lm_data
+from functrain.models import lm, lm_data, lm_lora
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
 from functrain.models.hf.model import (HFModelError, StagingError, build_template, head_name, init_params, load_config,
@@ -135,7 +135,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     if longest and seq > longest:
         raise v.ConfigError(f"model.block_size={seq} exceeds {directory.path / 'config.json'}'s {longest} positions; "
                             "lower --config.model.block_size")
-    template = build_template(hf_config, device=ctx.device)
+    base = build_template(hf_config, device=ctx.device)
+    template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
     try:
         rules = parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None)
         heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
@@ -159,15 +160,19 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     def init(key, device, where=None):
         """Fresh params from `key`, or the directory's (only this rank's block of each with `where`)."""
         if weights is None:
-            return init_params(template, key, device=device, where=where)
-        return {name: _load(weights, template, name, device, where) for name, _ in template.named_parameters()}
+            return init_params(base, key, device=device, where=where)
+        return {name: _load(weights, base, name, device, where) for name, _ in base.named_parameters()}
 
-    def export(params, out):
+    def export_base(params, out):
         """Writes `params` (full or sharded) as a directory transformers loads: config, weights, tokenizer."""
         exported = hf_config.to_dict()
         exported.pop("torch_dtype", None)
         exported.update(dtype="float32", use_cache=True)
         return save_hf_directory(out, params, exported, tokenizer_file=tokenizer_file)
+
+    # LoRA: the merged model, and the adapters as a PEFT directory over the model directory's weights
+    export = lm_lora.exporter(export_base, template, lora_spec, hf_name=str,
+                              base_model=str(directory.path) if weights is not None else "")
 
     def finish(params, key):
         """A text sample from the prompt, or the answer to a held-out prompt (sharded params: gathered a layer at a
@@ -183,14 +188,14 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
         return result
 
-    n_params = sum(p.numel() for p in template.parameters())
+    n_params = sum(p.numel() for p in base.parameters())
     layers = getattr(hf_config, "num_hidden_layers", 0)
     width = getattr(hf_config, "hidden_size", 0)
     origin = "its weights" if weights is not None else "fresh"
     return Task(
         describe=(f"{type(template).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
                   f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), {dataset.describe()}"),
-        init_params=init,
+        init_params=lm_lora.with_adapters(init, template, lora_spec),
         shard_rules=rules,
         loss_fn=loss_fn,
         train_batch=dataset.train_batch,
@@ -203,6 +208,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         flops_per_token=6 * n_params + 12 * layers * width * seq,  # weights, and attention over the trained length
         finish=finish,
         export=export,
+        frozen=lm_lora.frozen(lora_spec),
         eval_model=lm.eval_model(template, dataset.tokenizer, block_size=seq, stages=stages(template) if staged else None,
                                  head=head, logits_fn=_hf_logits(template)),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,

@@ -30,7 +30,7 @@ from functrain import data as data_lib
 from functrain import parallel
 from functrain import config as v
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
-from functrain.models import lm, lm_data
+from functrain.models import lm, lm_data, lm_lora
 from functrain.models.llama import hf as hf_lib
 from functrain.models.llama import model as llama_lib
 from functrain.models.llama.checks import CHECKS
@@ -100,7 +100,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size,
                                 tokenizer=tokenizer, model_dir=hf.path if hf is not None else None)
     with torch.device("meta"):
-        template = llama_lib.Llama(cfg)  # shapes only
+        base = llama_lib.Llama(cfg)  # shapes only
+    template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
     rules = parallel.default_rules(llama_lib.TP_RULES)
     model = lm.context_model(template, ctx, seq, config.get("cp_attention", "zigzag"))
     model = parallel.tensor_parallel(model, ctx.mesh, rules)
@@ -118,15 +119,19 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     def init_params(key, device, where=None):
         """Fresh params from `key`, or the Hugging Face directory's (only this rank's blocks with `where`)."""
         if weights is not None:
-            return hf_lib.load_hf_params(weights, template, device=device, where=where)
-        return llama_lib.init_params(template, key, device=device, where=where)
+            return hf_lib.load_hf_params(weights, base, device=device, where=where)
+        return llama_lib.init_params(base, key, device=device, where=where)
 
-    def export(params, out):
-        """Writes full `params` as a Hugging Face directory `out` (config, weights, tokenizer)."""
+    def export_base(params, out):
+        """Writes `params` as a Hugging Face directory `out` (config, weights, tokenizer)."""
         eos = getattr(tokenizer, "eos_id", None)
         return save_hf_directory(out, hf_lib.export_hf_llama(params, cfg),
                                  hf_lib.hf_llama_config(cfg, bos_token_id=eos, eos_token_id=eos),
                                  tokenizer_file=tokenizer_file)
+
+    # LoRA: the merged model, and the adapters as a PEFT directory (transformers' Llama names)
+    export = lm_lora.exporter(export_base, template, lora_spec, hf_name=hf_lib.hf_name,
+                              base_model=str(hf.path) if hf is not None else "")
 
     def finish(params, key):
         """A text sample from the prompt (sharded params: gathered a stage at a time); the Hugging Face
@@ -144,7 +149,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         describe=(f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
                   f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), "
                   f"{dataset.describe()}"),
-        init_params=init_params,
+        init_params=lm_lora.with_adapters(init_params, template, lora_spec),
         shard_rules=rules,
         loss_fn=loss_fn,
         train_batch=dataset.train_batch,
@@ -157,6 +162,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # the trained length
         finish=finish,
         export=export,
+        frozen=lm_lora.frozen(lora_spec),
         eval_model=lm.eval_model(template, dataset.tokenizer, block_size=seq, stages=llama_lib.stages(template),
                                  head=head_name(cfg)),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,

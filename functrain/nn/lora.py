@@ -1,0 +1,300 @@
+"""LoRA: low-rank adapters beside a module's linear layers, trained while the base stays frozen.
+
+`wrap(module, spec)` returns a copy of the module in which every targeted linear layer (`nn.Linear`,
+or transformers' `Conv1D` as GPT-2 uses) is a `LoraLinear`: the base layer's `weight` and `bias`
+keep their names, and beside them sit `<layer>.lora_A.weight` (r, in) and `<layer>.lora_B.weight`
+(out, r). The layer computes, as PEFT's `lora.Linear` does,
+
+    y = x Wᵀ + b + scaling · dropout(x) Aᵀ Bᵀ,   scaling = alpha / r  (alpha / √r with rslora),
+
+with A drawn kaiming-uniform (a=√5, PEFT's default) and B zero, so a fresh adapter changes nothing.
+The dropout is an `nn.Dropout`: inside a step it draws from the step's key (`functrain.nn.randomness`).
+
+The params of a wrapped module split by name (`split`): the adapters, which the step trains, and
+the base, which a `TrainState` holds apart in `frozen` (never differentiated, no optimizer state,
+never written). `merge` folds trained adapters into the base weights; `peft_tensors` and
+`peft_config` are what PEFT's `adapter_model.safetensors` and `adapter_config.json` hold.
+
+Example:
+    >>> spec = lora.LoraSpec(rank=8, alpha=16, targets="q_proj|v_proj")
+    >>> model = lora.wrap(template, spec)
+    >>> adapters = lora.init_adapters(model, rng.key(0))
+    >>> state = functrain.init_state(adapters, optim.adamw(1e-4), frozen=base_params)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from functrain import rng as rng_lib
+
+__all__ = ["ALL_LINEAR", "LoraLinear", "LoraSpec", "adapter_names", "init_adapters", "is_adapter", "is_base", "merge",
+           "peft_config", "peft_tensors", "split", "targets_of", "wrap"]
+
+ALL_LINEAR = "all-linear"
+"""`LoraSpec.targets`: every linear layer but the output layer (PEFT's "all-linear")."""
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before a module's name in an adapter file."""
+
+_OUTPUT_LAYERS = ("lm_head", "output", "head", "classifier", "score")  # "all-linear" leaves these out
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Which layers get an adapter, and its shape.
+
+    Attributes:
+      rank: r, the adapters' inner dimension.
+      alpha: the scale's numerator: scaling = alpha / r (alpha / √r with `rslora`).
+      targets: a regular expression matched in full against a linear layer's dotted name, its last
+        part or its weight's name ("q_proj|v_proj", r".*attn\\.c_attn", r".*\\.mlp\\..*\\.weight"), or
+        "all-linear": every linear layer but the output layer (`lm_head`, as PEFT's "all-linear").
+      dropout: the dropout on the adapters' input (training only).
+      rslora: rank-stabilized scaling, alpha / √r.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: str = ALL_LINEAR
+    dropout: float = 0.0
+    rslora: bool = False
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.targets != ALL_LINEAR:
+            try:
+                re.compile(self.targets)
+            except re.error as exc:
+                raise ValueError(f"lora.targets {self.targets!r} is not a regular expression ({exc})") from None
+
+    @property
+    def scaling(self) -> float:
+        """The factor of the adapters' output."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+class LoraLinear(nn.Module):
+    """A linear layer (base weight and bias, under the base layer's names) with a LoRA adapter beside it.
+
+    Args:
+      base: the `nn.Linear` (weight (out, in)) or transformers `Conv1D` (weight (in, out)) it replaces;
+        its parameters are taken over, not copied.
+      spec: the adapter's rank, scale and dropout.
+
+    Example:
+      >>> layer = LoraLinear(nn.Linear(64, 64, device="meta"), LoraSpec(rank=4))
+    """
+
+    def __init__(self, base: nn.Module, spec: LoraSpec):
+        super().__init__()
+        self.fan_in_fan_out = not isinstance(base, nn.Linear)  # Conv1D keeps its weight as (in, out)
+        self.weight = base.weight
+        self.bias = base.bias
+        n_in, n_out = self.weight.shape[::-1] if not self.fan_in_fan_out else self.weight.shape
+        device, dtype = self.weight.device, self.weight.dtype
+        self.in_features, self.out_features = int(n_in), int(n_out)
+        self.lora_A = nn.Linear(self.in_features, spec.rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(spec.rank, self.out_features, bias=False, device=device, dtype=dtype)
+        self.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        self.scaling = spec.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The base layer's output plus the adapter's (PEFT's order of operations)."""
+        weight = self.weight.t() if self.fan_in_fan_out else self.weight  # (out, in)
+        y = F.linear(x, weight, self.bias)
+        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """An `nn.Linear`, or transformers' `Conv1D` (recognized by name: transformers is not imported)."""
+    return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
+
+
+def targets_of(module: nn.Module, spec: LoraSpec) -> list[str]:
+    """The dotted names of the linear layers `spec.targets` picks in `module`.
+
+    Args:
+      module: the model (a meta template or a real module).
+      spec: the LoRA spec.
+
+    Returns:
+      The names, in `named_modules()` order.
+
+    Raises:
+      ValueError: no linear layer matches (one line with a few names that could be targets).
+
+    Example:
+      >>> targets_of(template, LoraSpec(targets="q_proj|v_proj"))[:2]
+      ['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.v_proj']
+    """
+    wrapped = set(_layers(module))  # (a wrapped model: its adapters' own Linears are no targets)
+    linear = [n for n, m in module.named_modules() if n and _is_linear(m) and n.rpartition(".")[0] not in wrapped]
+    if spec.targets == ALL_LINEAR:
+        picked = [n for n in linear if n.rsplit(".", 1)[-1] not in _OUTPUT_LAYERS]
+    else:
+        pattern = re.compile(spec.targets)
+        picked = [n for n in linear if any(pattern.fullmatch(x) for x in (n, n.rsplit(".", 1)[-1], n + ".weight"))]
+    if not picked:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        raise ValueError(f"lora.targets {spec.targets!r} matches no linear layer of the model (its layers end in "
+                         f"{', '.join(leaves[:8]) or 'nothing: it has no linear layer'}); give a regex over those names")
+    return picked
+
+
+def wrap(module: nn.Module, spec: LoraSpec) -> nn.Module:
+    """A copy of `module` with a `LoraLinear` in place of every targeted linear layer.
+
+    Args:
+      module: the model, typically the family's meta template (it is not changed).
+      spec: the LoRA spec.
+
+    Returns:
+      The wrapped copy: the base parameters keep their names, the adapters are
+      `<layer>.lora_A.weight` and `<layer>.lora_B.weight`.
+
+    Raises:
+      ValueError: no layer matches `spec.targets`.
+
+    Example:
+      >>> model = wrap(template, LoraSpec(rank=8, targets="all-linear"))
+    """
+    names = targets_of(module, spec)
+    wrapped = copy.deepcopy(module)
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = wrapped.get_submodule(parent_name) if parent_name else wrapped
+        setattr(parent, leaf, LoraLinear(getattr(parent, leaf), spec))
+    return wrapped
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is an adapter's (`...lora_A.weight` / `...lora_B.weight`)."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def is_base(name: str) -> bool:
+    """Whether a parameter name is the base's (not an adapter's): what a LoRA run holds frozen (`Task.frozen`)."""
+    return not is_adapter(name)
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The adapter parameters of a wrapped model, in `named_parameters()` order."""
+    return [n for n, _ in model.named_parameters() if is_adapter(n)]
+
+
+def split(params: Mapping[str, Any]) -> tuple[dict, dict]:
+    """`(adapters, base)`: a wrapped model's params split by name.
+
+    Example:
+      >>> adapters, base = split(params)
+    """
+    adapters = {n: v for n, v in params.items() if is_adapter(n)}
+    return adapters, {n: v for n, v in params.items() if not is_adapter(n)}
+
+
+def init_adapters(model: nn.Module, key: torch.Tensor, device=None, dtype=torch.float32,
+                  where=None) -> dict[str, torch.Tensor]:
+    """Fresh adapters for a wrapped model: A kaiming-uniform (a=√5: U(±1/√in)), B zero.
+
+    Args:
+      model: the wrapped model (`wrap`).
+      key: the rng key they are drawn from (`functrain.rng`); each A from `fold_in(key, its index)`.
+      device: where they live (default: the key's device).
+      dtype: their dtype.
+      where: optional `where(name, shape) -> (offset, local_shape)` (`functrain.parallel.init_sharded`):
+        only this rank's block of each adapter is returned, the same numbers as the whole one's.
+
+    Returns:
+      {name: tensor} of every adapter parameter, in `named_parameters()` order.
+
+    Example:
+      >>> adapters = init_adapters(model, rng.key(0))
+    """
+    out = {}
+    for i, name in enumerate(adapter_names(model)):
+        shape = tuple(model.get_parameter(name).shape)
+        if name.endswith(".lora_A.weight"):  # (r, in)
+            u = rng_lib.uniform(rng_lib.fold_in(key, i), shape, dtype=torch.float32)
+            value = ((u * 2.0 - 1.0) / math.sqrt(shape[1])).to(dtype)
+        else:  # (out, r)
+            value = torch.zeros(shape, dtype=dtype, device=key.device)
+        if where is not None:
+            offset, local = where(name, shape)
+            value = value[tuple(slice(o, o + n) for o, n in zip(offset, local))].clone()
+        out[name] = value if device is None else value.to(device)
+    return out
+
+
+def _layers(model: nn.Module) -> dict[str, LoraLinear]:
+    """{name: layer} of the wrapped model's `LoraLinear`s."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def merge(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base params with every adapter folded in: W + scaling · B A (transposed for `Conv1D`).
+
+    Args:
+      model: the wrapped model (its layers' scaling and weight layout).
+      params: base and adapter params by name (plain tensors).
+
+    Returns:
+      The base params (adapters dropped), each targeted weight replaced by its merged copy, in its
+      dtype; the model without adapters computes with them what the wrapped one computes. DTensors
+      merge as DTensors (no rank gathers a whole weight).
+
+    Example:
+      >>> merged = merge(model, {**state.frozen, **state.params})
+    """
+    out = {n: v for n, v in params.items() if not is_adapter(n)}
+    for name, layer in _layers(model).items():
+        a, b = params[f"{name}.lora_A.weight"], params[f"{name}.lora_B.weight"]
+        delta = (b.float() @ a.float()) * layer.scaling  # (out, in)
+        w = out[f"{name}.weight"]
+        out[f"{name}.weight"] = (w.float() + (delta.t() if layer.fan_in_fan_out else delta)).to(w.dtype)
+    return out
+
+
+def peft_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters under the names of PEFT's `adapter_model.safetensors` (`base_model.model.<layer>.lora_A.weight`)."""
+    return {PEFT_PREFIX + n: v for n, v in adapters.items()}
+
+
+def peft_config(model: nn.Module, spec: LoraSpec, base_model: str = "",
+                hf_name: Callable[[str], str] = str) -> dict[str, Any]:
+    """PEFT's `adapter_config.json` for the wrapped model: the exact layers, as a full-match regex.
+
+    Args:
+      model: the wrapped model.
+      spec: its spec.
+      base_model: `base_model_name_or_path` (the directory of the base weights).
+      hf_name: a parameter's name in the transformers model PEFT loads into (default: the same).
+
+    Returns:
+      The JSON-able config (`peft.LoraConfig` fields).
+
+    Example:
+      >>> json.dump(peft_config(model, spec, "runs/base/hf"), open("adapter_config.json", "w"))
+    """
+    names = [hf_name(f"{n}.weight").removesuffix(".weight") for n in _layers(model)]
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
+        "target_modules": "(" + "|".join(re.escape(n) for n in names) + ")", "bias": "none",
+        "fan_in_fan_out": any(m.fan_in_fan_out for m in _layers(model).values()),
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+    }
