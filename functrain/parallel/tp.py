@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from functrain.nn.lora import LoraLinear
 from functrain.parallel.mesh import TP_AXIS
 from functrain.parallel.sharding import Rule, placements_for
 
@@ -132,6 +133,29 @@ class _RowwiseLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+class _ColwiseLora(LoraLinear):
+    """A LoRA layer over a colwise base: the base on this rank's output features; A replicated, B (a
+    `_ColwiseLinear`, its input's gradient summed over tp) on the same output features."""
+
+    tp_group = None
+
+    def forward(self, x):
+        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
+        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+class _RowwiseLora(LoraLinear):
+    """A LoRA layer over a rowwise base: base and A (a `_RowwiseLinear`: its r outputs summed over tp) on
+    this rank's input features, B replicated; the base's partial outputs summed, the bias added once."""
+
+    tp_group = None
+
+    def forward(self, x):
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)
+        y = y if self.bias is None else y + self.bias
+        return y + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` whose parameters and buffers live on "meta": the template a parallel
     rewrite edits without touching the user's module.
@@ -185,8 +209,8 @@ def tensor_parallel(model: nn.Module, mesh, rules: Sequence[Rule]) -> nn.Module:
         name: placements_for(name, p.shape, mesh, rules)[tp_dim] for name, p in model.named_parameters()
     }
     out = meta_copy(model)
+    handled = _lora_layers(out, placement, tp_mesh)
     linears = {name: m for name, m in out.named_modules() if type(m) is nn.Linear}
-    handled = set()
     for name, m in linears.items():
         prefix = f"{name}." if name else ""
         w = placement.get(prefix + "weight")
@@ -208,3 +232,27 @@ def tensor_parallel(model: nn.Module, mesh, rules: Sequence[Rule]) -> nn.Module:
                 "nn.Linear; only colwise/rowwise Linears are supported"
             )
     return out
+
+
+def _lora_layers(model: nn.Module, placement: dict, tp_mesh) -> set[str]:
+    """Makes each LoRA layer (`functrain.nn.lora`) over a tp-sharded base tensor-parallel in place (its
+    adapters, nn.Linears, follow as any Linear by their own placements); the base names it handled."""
+    handled = set()
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLinear):
+            continue
+        w = placement.get(f"{name}.weight")
+        if isinstance(w, Shard) and m.fan_in_fan_out:
+            raise ValueError(f"tensor_parallel: {name} keeps its weight as (in, out) (transformers' Conv1D); LoRA on "
+                             "tensor-parallel Conv1D layers is not supported: set mesh.tp=1")
+        if w == Shard(0) and (m.bias is None or placement.get(f"{name}.bias") == Shard(0)):
+            m.__class__ = _ColwiseLora
+        elif w == Shard(1) and placement.get(f"{name}.bias", Replicate()) == Replicate():
+            m.__class__ = _RowwiseLora
+        elif isinstance(w, Shard):
+            raise ValueError(f"tensor_parallel: unsupported tp placement {w} of {name}.weight")
+        else:
+            continue
+        m.tp_group = tp_mesh
+        handled.update({f"{name}.weight", f"{name}.bias"})
+    return handled

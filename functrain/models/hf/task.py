@@ -138,13 +138,13 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     base = build_template(hf_config, device=ctx.device)
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
     try:
-        rules = parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None)
+        rules = lm_lora.tp_rules(template, parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None))
         heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
         if ctx.tp_world > 1 and any(h % ctx.tp_world for h in heads if h):
             raise HFModelError(f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
                                f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp")
         model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
-        loss_fn, staged = _loss(config, ctx, model, template)
+        loss_fn, staged = _loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
     dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size,
