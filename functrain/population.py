@@ -5,7 +5,8 @@ For small-model research (sweeps, ensembles, seeds): `torch.func.vmap` maps the 
 every state leaf, so each kernel runs once over K members and the per-step costs (the call, the
 guards, kernel launches) are paid once. What that buys depends on how much of a solo step those
 costs are: little where a solo step is compute-bound (a small model on a CPU), more where it is
-launch-bound (a GPU); docs/results.md. Hyper-parameters are state (`functrain.optim.set_hyperparams`), so members may differ in
+launch-bound (a GPU); docs/results.md. Frozen params (`TrainState.frozen`: a LoRA base) are shared by every
+member, not stacked: K adapter sets train over one copy of the base. Hyper-parameters are state (`functrain.optim.set_hyperparams`), so members may differ in
 learning rate, betas, weight decay... and still share the one graph. Each member computes what
 its solo run computes (tests/test_population.py: 20 steps, 1e-5).
 
@@ -46,12 +47,23 @@ def stack(states: Sequence[TrainState]) -> TrainState:
       states: the members (e.g. `init_state` with different seeds, then `optim.set_hyperparams`).
 
     Returns:
-      The population state.
+      The population state; the frozen params (`TrainState.frozen`, a LoRA base), the same for
+      every member, are shared, not stacked.
 
     Example:
       >>> pop = stack([init_state(model, opt, seed=s) for s in range(8)])
     """
-    return optree.tree_map(lambda *xs: torch.stack(xs), *states)
+    first = states[0]
+    if any(not _same(s.frozen, first.frozen) for s in states[1:]):
+        raise ValueError("population.stack: the members hold different frozen params; a population shares one "
+                         "frozen base (give every member the same TrainState.frozen dict)")
+    stacked = optree.tree_map(lambda *xs: torch.stack(xs), *[s.replace(frozen={}) for s in states])
+    return stacked.replace(frozen=first.frozen)  # shared, not stacked: one base for every member
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Whether two frozen dicts hold the same tensors (the same objects, or equal values)."""
+    return a.keys() == b.keys() and all(a[k] is b[k] or torch.equal(a[k], b[k]) for k in a)
 
 
 def member(state: TrainState, i: int) -> TrainState:
@@ -67,7 +79,7 @@ def member(state: TrainState, i: int) -> TrainState:
     Example:
       >>> solo = member(pop, 3)
     """
-    return optree.tree_map(lambda x: x[i], state)
+    return optree.tree_map(lambda x: x[i], state.replace(frozen={})).replace(frozen=state.frozen)
 
 
 def unstack(state: TrainState) -> list[TrainState]:
@@ -82,7 +94,7 @@ def unstack(state: TrainState) -> list[TrainState]:
     Example:
       >>> members = unstack(pop)
     """
-    k = optree.tree_leaves(state)[0].shape[0]
+    k = state.step.shape[0]
     return [member(state, i) for i in range(k)]
 
 
@@ -121,9 +133,12 @@ def make_population_step(
                                     skip_nonfinite=skip_nonfinite, layout=LOCAL)
 
     def population_step(state: TrainState, batch: PyTree):
-        new, metrics = torch.func.vmap(body, in_dims=(0, batch_axis))(state, batch)
+        # every leaf has the member dim but the frozen params', shared by all members (a LoRA base)
+        dims = TrainState(*([0] * (len(TrainState._fields) - 1)), frozen=None)
+        new, metrics = torch.func.vmap(body, in_dims=(dims, batch_axis), out_dims=(dims, 0))(state, batch)
+        new = new.replace(frozen=state.frozen)  # (never written)
         if donate:
-            new = LOCAL.write_into(state, new)
+            new = LOCAL.write_into(state.replace(frozen={}), new.replace(frozen={})).replace(frozen=state.frozen)
         return new, metrics
 
     population_step = compiler.maybe_compile(population_step, compile, compile_options)  # as make_train_step

@@ -133,3 +133,80 @@ def test_targets_that_match_nothing_are_refused_in_one_line():
     """A regex naming no linear layer: one line listing the layers' names."""
     with pytest.raises(ValueError, match=r"matches no linear layer .*q_proj"):
         lora.wrap(_tiny("qwen2"), lora.LoraSpec(targets="query"))
+
+
+def _gpt_lora(dropout: float, k: int = 4):
+    """A tiny GPT base (drawn from key 0), its q/v-and-MLP adapters: (wrapped template, loss, base, K members)."""
+    from functrain import rng
+    from functrain.models import gpt
+
+    cfg = gpt.GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=False, dropout=0.0)
+    with torch.device("meta"):
+        base_template = gpt.GPT(cfg)
+    model = lora.wrap(base_template, lora.LoraSpec(rank=4, alpha=8, targets="all-linear", dropout=dropout))
+    base = gpt.init_params(base_template, rng.key(0))
+    opt = optim.adamw(1e-2, eps=EPS)
+    lrs = [1e-2, 3e-3, 5e-3, 1e-2][:k]
+    members = []
+    for i, lr in enumerate(lrs):
+        adapters = lora.init_adapters(model, rng.key(100 + i))
+        members.append(optim.set_hyperparams(init_state(adapters, opt, seed=i, frozen=base), lr=lr))
+    return cfg, model, gpt.make_loss_fn(model), opt, base, members
+
+
+def test_a_population_of_adapters_over_one_base_equals_the_solo_runs():
+    """K=4 adapter sets (other seeds and learning rates, adapter dropout from each member's key) trained by one
+    vmapped step over one unstacked base: each member equal to its solo run over 20 steps; two members that
+    differ only in their key draw other dropout masks."""
+    from functrain import population
+
+    cfg, model, loss_fn, opt, base, members = _gpt_lora(dropout=0.1)
+    step = population.make_population_step(loss_fn, opt, compile=False, donate=False)
+    solo = make_train_step(loss_fn, opt, compile=False, donate=False)
+    pop = population.stack(members)
+    assert all(pop.frozen[n] is base[n] for n in base)  # shared: no member dimension
+    assert all(v.shape[0] == 4 for v in pop.params.values())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
+        batch = (x[:, :-1], x[:, 1:])
+        pop, metrics = step(pop, batch)
+        for i, m in enumerate(members):
+            members[i], mm = solo(m, batch)
+            assert torch.allclose(metrics["loss"][i], mm["loss"], rtol=rtol(8 * 32 * 32) * 20, atol=0)
+    for i, m in enumerate(members):
+        assert_close(population.member(pop, i).params, m.params, 1e-5, absolute=True, msg=f"member {i}")
+    assert all(torch.equal(pop.frozen[n], base[n]) for n in base)
+
+    twins = [members[0], members[0].replace(rng=members[3].rng)]  # the same adapters, other keys
+    twin_pop, twin_metrics = step(population.stack(twins), batch)
+    assert twin_metrics["loss"][0] != twin_metrics["loss"][1]  # dropout drawn from each member's key
+
+
+@pytest.mark.slow
+def test_compiled_lora_steps_are_one_graph_with_no_recompiles_and_equal_eager():
+    """The LoRA step (adapter dropout from the key) and the population step over the shared base compile to one
+    graph each and never recompile as the step, the learning rate and the members' numbers move; their losses equal
+    the eager steps'."""
+    from torch._dynamo.utils import counters
+
+    from functrain import population
+
+    cfg, model, loss_fn, opt, base, members = _gpt_lora(dropout=0.1)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        x = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
+        batches.append((x[:, :-1], x[:, 1:]))
+    for make, state in ((make_train_step, members[0]), (population.make_population_step, population.stack(members))):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled, eager = make(loss_fn, opt, compile=True, donate=False), make(loss_fn, opt, compile=False, donate=False)
+        a = b = state
+        for batch in batches:
+            a, ma = compiled(a, batch)
+            b, mb = eager(b, batch)
+            assert torch.allclose(ma["loss"], mb["loss"], rtol=rtol(8 * 32 * 32) * 4, atol=0), make.__name__
+        assert counters["stats"]["unique_graphs"] == 1, (make.__name__, dict(counters["stats"]))
+        assert not counters["recompiles"], make.__name__
+        assert all(torch.equal(a.frozen[n], base[n]) for n in base)
