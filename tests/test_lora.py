@@ -210,3 +210,24 @@ def test_compiled_lora_steps_are_one_graph_with_no_recompiles_and_equal_eager():
         assert counters["stats"]["unique_graphs"] == 1, (make.__name__, dict(counters["stats"]))
         assert not counters["recompiles"], make.__name__
         assert all(torch.equal(a.frozen[n], base[n]) for n in base)
+
+
+def test_a_staged_loss_reads_the_frozen_base_and_differentiates_the_adapters_only():
+    """The GPT loss staged (every block recomputed in the backward) over a frozen base: the loss and the adapters'
+    gradients of the plain loss, no gradient for the base; the per-block update groups hold adapters only."""
+    from functrain import rng
+    from functrain.models import gpt
+    from functrain.step import update_groups, value_and_grad, with_frozen
+
+    cfg, model, plain, opt, base, members = _gpt_lora(dropout=0.0, k=1)
+    staged = gpt.make_loss_fn(model, remat="full")
+    adapters = {n: v + 0.01 * rng.gaussian(rng.key(i), v.shape) for i, (n, v) in enumerate(members[0].params.items())}
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
+    batch = (x[:, :-1], x[:, 1:])
+    want_loss, _, want = value_and_grad(with_frozen(plain, base), adapters, batch, None)
+    got_loss, _, got = value_and_grad(with_frozen(staged, base), adapters, batch, None)
+    assert sorted(got) == sorted(adapters)
+    assert_close(got_loss, want_loss, rtol(4 * 32 * 32))
+    assert_close(got, want, rtol(4 * 32 * 32 * 4))
+    groups, why = update_groups.plan(adapters, staged.blocks, opt)
+    assert not why and {n for g in groups for n in g.names} == set(adapters)

@@ -16,22 +16,18 @@ Example:
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard
 
 from functrain import config as validate
-from functrain.parallel.mesh import TP_AXIS
 from functrain import rng
 from functrain.interop.safetensors import save_safetensors
 from functrain.nn import lora
 
-__all__ = ["ADAPTER_STREAM", "exporter", "frozen", "peft_directory", "save_peft", "spec_of", "tp_rules", "with_adapters",
-           "wrap"]
+__all__ = ["ADAPTER_STREAM", "exporter", "frozen", "peft_directory", "save_peft", "spec_of", "with_adapters", "wrap"]
 
 ADAPTER_STREAM = 0x10AA
 """The adapters are drawn from `fold_in(key, ADAPTER_STREAM)`: the base's draws from `key` stay as without LoRA."""
@@ -77,26 +73,6 @@ def wrap(template: nn.Module, config: Any, ctx) -> tuple[nn.Module, lora.LoraSpe
         return lora.wrap(template, spec), spec
     except ValueError as exc:
         raise validate.ConfigError(f"{exc} (--config.lora.targets)") from None
-
-
-def tp_rules(model: nn.Module, rules: list) -> list:
-    """`rules` with each adapter placed on the tp axis to follow its base layer's plan: over a colwise base,
-    B colwise (this rank's output features) and A replicated; over a rowwise base, A rowwise (this rank's
-    input features) and B replicated (`functrain.parallel.tensor_parallel` then computes each in place).
-
-    Example:
-      >>> rules = tp_rules(template, parallel.default_rules(TP_RULES))
-    """
-    first = []
-    for name in lora.adapter_names(model):
-        layer, which = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]  # ("....q_proj", "lora_A")
-        kind = next((per_axis[TP_AXIS] for pattern, per_axis in rules
-                     if TP_AXIS in per_axis and re.search(pattern, f"{layer}.weight")), "replicate")
-        kind = {Shard(0): "colwise", Shard(1): "rowwise"}.get(kind, kind) if isinstance(kind, Shard) else kind
-        own = {"colwise": {"lora_A": "replicate", "lora_B": "colwise"},
-               "rowwise": {"lora_A": "rowwise", "lora_B": "replicate"}}.get(kind, {})
-        first.append((f"^{re.escape(name)}$", {TP_AXIS: own.get(which, "replicate")}))
-    return first + list(rules)
 
 
 def frozen(spec: lora.LoraSpec | None) -> Callable[[str], bool] | None:

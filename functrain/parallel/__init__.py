@@ -53,7 +53,7 @@ from functrain.parallel.sharding import (
     shard_state,
     tp_rules,
 )
-from functrain.parallel.tp import copy_to_tp, reduce_from_tp, tensor_parallel
+from functrain.parallel.tp import adapter_rules, copy_to_tp, reduce_from_tp, tensor_parallel
 
 __all__ = [
     "LOCAL",
@@ -94,6 +94,7 @@ __all__ = [
     "split_batch",
     "teardown",
     "tensor_parallel",
+    "adapter_rules",
     "tp_rules",
     "world_size",
 ]

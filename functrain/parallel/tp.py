@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import re
 from typing import Sequence
 
 import torch
@@ -35,11 +36,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from functrain.nn.lora import LoraLinear
+from functrain.nn.lora import LoraLinear, adapter_names
 from functrain.parallel.mesh import TP_AXIS
 from functrain.parallel.sharding import Rule, placements_for
 
-__all__ = ["tensor_parallel", "copy_to_tp", "meta_copy", "reduce_from_tp"]
+__all__ = ["adapter_rules", "tensor_parallel", "copy_to_tp", "meta_copy", "reduce_from_tp"]
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -256,3 +257,31 @@ def _lora_layers(model: nn.Module, placement: dict, tp_mesh) -> set[str]:
         m.tp_group = tp_mesh
         handled.update({f"{name}.weight", f"{name}.bias"})
     return handled
+
+
+def adapter_rules(model: nn.Module, rules: Sequence[Rule]) -> list[Rule]:
+    """`rules` with each LoRA adapter of `model` (`functrain.nn.lora`) placed on the tp axis to follow its
+    layer's plan: over a colwise base, B colwise (this rank's output features) and A replicated; over a
+    rowwise base, A rowwise (this rank's input features) and B replicated (`tensor_parallel` then
+    computes each layer in place). Without adapters, `rules` as they are.
+
+    Args:
+      model: the (wrapped) template.
+      rules: the model's rules (e.g. `default_rules(TP_RULES)`).
+
+    Returns:
+      The rules, the adapters' first.
+
+    Example:
+      >>> rules = adapter_rules(template, default_rules(gpt.TP_RULES))
+    """
+    first: list[Rule] = []
+    for name in adapter_names(model):
+        layer, which, _ = name.rsplit(".", 2)  # ("...q_proj", "lora_A", "weight")
+        spec = next((per_axis[TP_AXIS] for pattern, per_axis in rules
+                     if TP_AXIS in per_axis and re.search(pattern, f"{layer}.weight")), "replicate")
+        kind = {Shard(0): "colwise", Shard(1): "rowwise"}.get(spec, spec) if isinstance(spec, Shard) else spec
+        own = {"colwise": {"lora_A": "replicate", "lora_B": "colwise"},
+               "rowwise": {"lora_A": "rowwise", "lora_B": "replicate"}}.get(kind, {})
+        first.append((f"^{re.escape(name)}$", {TP_AXIS: own.get(which, "replicate")}))
+    return first + list(rules)

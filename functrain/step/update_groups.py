@@ -84,7 +84,8 @@ def plan(params: PyTree, blocks: Sequence, optimizer: optim.Transform) -> "tuple
     """The update groups for `params`, or None and the reason the whole-tree update must stay.
 
     Args:
-      params: the params (a flat dict {name: tensor or DTensor}).
+      params: the trained params (a flat dict {name: tensor or DTensor}; a block's names the dict
+        lacks are frozen, `TrainState.frozen`, and not updated).
       blocks: the staged loss's block stages (`functrain.step.staged.Stage`: `names`, `prefix`).
       optimizer: the transform the step applies.
 
@@ -101,18 +102,19 @@ def plan(params: PyTree, blocks: Sequence, optimizer: optim.Transform) -> "tuple
     if len(blocks) < 2:
         return None, "fewer than two blocks"
     lead = blocks[0]
-    as_block0 = lambda b: tuple(lead.prefix + n[len(b.prefix):] for n in b.names)  # noqa: E731
-    want = _signature(params, lead.names, lead.names)
+    trained = lambda b: tuple(n for n in b.names if n in params)  # noqa: E731 (frozen ones: TrainState.frozen)
+    want = _signature(params, trained(lead), trained(lead))
     seen: set = set()
     groups: list[Group] = []
     for b in blocks:
-        if not set(b.names) <= params.keys() or seen & set(b.names):
-            return None, f"block {b.prefix!r} reads a parameter another block reads, or one the params lack"
-        seen |= set(b.names)
-        as_names = as_block0(b)
-        if not all(n.startswith(b.prefix) for n in b.names) or _signature(params, b.names, as_names) != want:
+        names = trained(b)
+        if seen & set(names):
+            return None, f"block {b.prefix!r} reads a parameter another block reads"
+        seen |= set(names)
+        as_names = tuple(lead.prefix + n[len(b.prefix):] for n in names)
+        if not all(n.startswith(b.prefix) for n in names) or _signature(params, names, as_names) != want:
             return None, f"block {b.prefix!r} differs from block {lead.prefix!r} in names, shapes or placements"
-        groups.append(Group(tuple(b.names), as_names, 0))
+        groups.append(Group(names, as_names, 0))
     rest = tuple(n for n in params if n not in seen)
     if rest:
         groups.append(Group(rest, rest, 1))

@@ -73,7 +73,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     with torch.device("meta"):
         base = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
-    rules = lm_lora.tp_rules(template, parallel.default_rules(gpt_lib.TP_RULES))  # (adapters follow their layer)
+    rules = parallel.adapter_rules(template, parallel.default_rules(gpt_lib.TP_RULES))  # (adapters follow their layer)
     # the cp copy (positions and attention of this rank's tokens), then the tp copy: `template` without either
     model = lm.context_model(template, ctx, m.block_size, config.get("cp_attention", "zigzag"))
     model = parallel.tensor_parallel(model, ctx.mesh, rules)

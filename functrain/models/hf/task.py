@@ -138,7 +138,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     base = build_template(hf_config, device=ctx.device)
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
     try:
-        rules = lm_lora.tp_rules(template, parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None))
+        rules = parallel.adapter_rules(template, parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None))
         heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
         if ctx.tp_world > 1 and any(h % ctx.tp_world for h in heads if h):
             raise HFModelError(f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "

@@ -102,7 +102,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     with torch.device("meta"):
         base = llama_lib.Llama(cfg)  # shapes only
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
-    rules = lm_lora.tp_rules(template, parallel.default_rules(llama_lib.TP_RULES))  # (adapters follow their layer)
+    rules = parallel.adapter_rules(template, parallel.default_rules(llama_lib.TP_RULES))  # (adapters follow their layer)
     model = lm.context_model(template, ctx, seq, config.get("cp_attention", "zigzag"))
     model = parallel.tensor_parallel(model, ctx.mesh, rules)
     remat = lm.resolve_remat(config.remat, ctx.mesh)
