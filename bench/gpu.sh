@@ -5,7 +5,7 @@
 # on one nccl rank; these run side by side), the CUDA-graph and no-host-sync tests, the Llama ~1B
 # shape compiled and eager, and one table of tokens/s, MFU, peak memory and compiled vs eager.
 #
-#     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke graphs llama1b table hf step_fp32 optimizer
+#     bash bench/gpu.sh [part ...]      # parts: step_bf16 smoke graphs llama1b table hf step_fp32 optimizer lora
 #                                       (default: step_bf16 smoke graphs llama1b table hf)
 #
 # Each part runs under its own time limit and appends to $OUT/gpu.log (default runs/gpu); a
@@ -127,6 +127,10 @@ for p in $parts; do
     optimizer)
       run optimizer 150 $py bench/optimizer.py --size 100m --device cuda --rounds 30 --profile 5 --json
       report optimizer
+      ;;
+    lora)  # LoRA vs a full fine-tune of a 12 x 1024 GPT (~150M), a population of 4 adapter sets vs 4 solo runs
+      run lora 300 $py bench/lora.py --device cuda --layers 12 --width 1024 --steps 20 --json
+      report lora
       ;;
     *) echo "unknown part $p"; exit 2 ;;
   esac

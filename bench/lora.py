@@ -109,7 +109,8 @@ def main() -> None:
               f"({r['trained']:,} trained, {r['frozen']:,} frozen)")
     full, one, pop = results["full"], results["lora"], results["population"]
     ratios = {"step_time": one["step_ms"] / full["step_ms"], "peak_memory": one["peak_mib"] / full["peak_mib"],
-              "optimizer_bytes": one["opt_bytes"] / full["opt_bytes"], "checkpoint_bytes": one["ckpt_bytes"] / full["ckpt_bytes"],
+              "optimizer_bytes": one["opt_bytes"] / full["opt_bytes"],
+              "checkpoint_bytes": one["ckpt_bytes"] / full["ckpt_bytes"],
               "population_time_vs_4_solo": pop["step_ms"] / (4 * one["step_ms"]),
               "population_memory_vs_4_solo": pop["peak_mib"] / (4 * one["peak_mib"])}
     print("LoRA / full fine-tune: step time {step_time:.2f}x, peak memory {peak_memory:.2f}x, optimizer state "

@@ -16,6 +16,8 @@ The directory holds `config.json`, and optionally `*.safetensors` (loaded unless
 without one whose model has 256 ids trains on bytes; others need `--config.data.tokenizer`). Without
 weights the model is initialized from the run's key as transformers' own init does it.
 At the end the run writes `<workdir>/hf`, a directory `AutoModelForCausalLM.from_pretrained` loads.
+LoRA over the directory's frozen weights: `--config.lora.rank=8 [--config.lora.targets='q_proj|v_proj']`
+(the end writes `<workdir>/hf`, merged, and `<workdir>/hf-peft`, PEFT's adapter directory; docs/guide.md "LoRA").
 Multi-process (FSDP, a gather per decoder layer):
 `torchrun --standalone --nproc_per_node=2 -m functrain.main --config=configs/hf.py --config.model.path=DIR`.
 """

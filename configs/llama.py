@@ -33,6 +33,8 @@ Hugging Face export: with `export_hf=True` (default) the run writes `<workdir>/h
 checkpoint exports with
 `python -m functrain.main --config=configs/llama.py:tiny --export_hf=out/ --export_from=runs/llama-tiny/checkpoints/100`.
 
+LoRA over `init_from`'s frozen weights: `--config.init_from=hf:DIR --config.lora.rank=8` (merged export
+and PEFT directory at the end; docs/guide.md "LoRA").
 Multi-process (FSDP, per-block gather): `torchrun --standalone --nproc_per_node=2 -m functrain.main
 --config=configs/llama.py:tiny`; tensor parallel: add `--config.mesh.tp=2`.
 """

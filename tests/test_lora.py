@@ -4,6 +4,7 @@ steps on tiny transformers models, the base never written, merged and PEFT expor
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -231,3 +232,43 @@ def test_a_staged_loss_reads_the_frozen_base_and_differentiates_the_adapters_onl
     assert_close(got, want, rtol(4 * 32 * 32 * 4))
     groups, why = update_groups.plan(adapters, staged.blocks, opt)
     assert not why and {n for g in groups for n in g.names} == set(adapters)
+
+
+def test_llama_adapters_export_as_a_peft_directory_under_transformers_names(tmp_path):
+    """The llama family's export of a LoRA run: the adapters under transformers' Llama names, which peft loads
+    over the exported base, and the merged directory: both give functrain's logits."""
+    import functrain
+    from functrain import rng
+    from functrain.interop.hf import save_hf_directory
+    from functrain.models import lm_lora
+    from functrain.models.llama import hf as hf_lib
+    from functrain.models.llama import model as llama_lib
+
+    cfg = llama_lib.LlamaConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    with torch.device("meta"):
+        base_template = llama_lib.Llama(cfg)
+    spec = lora.LoraSpec(rank=4, alpha=8, targets="q_proj|v_proj|up_proj")
+    model = lora.wrap(base_template, spec)
+    base = llama_lib.init_params(base_template, rng.key(0))
+    adapters = {n: v + 0.02 * rng.gaussian(rng.key(i), v.shape) for i, (n, v) in
+                enumerate(lora.init_adapters(model, rng.key(1)).items())}  # (B nonzero: a trained adapter)
+
+    def export_base(params, out):
+        return save_hf_directory(out, hf_lib.export_hf_llama(params, cfg), hf_lib.hf_llama_config(cfg))
+
+    export_base(base, tmp_path / "base")
+    export = lm_lora.exporter(export_base, model, spec, hf_name=hf_lib.hf_name, base_model=str(tmp_path / "base"))
+    export({**base, **adapters}, tmp_path / "hf")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = functrain.apply(model, {**base, **adapters}, ids, train=False)
+        plain = functrain.apply(base_template, base, ids, train=False)
+        peft_model = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), str(tmp_path / "hf-peft")).eval()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        tol = rtol(64 * 8)
+        assert (ours - plain).abs().max() > 100 * tol * ours.abs().max()  # the adapters change the logits
+        assert_close(peft_model(input_ids=ids).logits, ours, tol, msg="peft")
+        assert_close(merged(input_ids=ids).logits, ours, tol, msg="merged")
+    config = json.loads((tmp_path / "hf-peft" / "adapter_config.json").read_text())
+    assert r"model\.layers\.0\.self_attn\.q_proj" in config["target_modules"], config

@@ -27,7 +27,8 @@ from functrain import rng
 from functrain.interop.safetensors import save_safetensors
 from functrain.nn import lora
 
-__all__ = ["ADAPTER_STREAM", "exporter", "frozen", "peft_directory", "save_peft", "spec_of", "with_adapters", "wrap"]
+__all__ = ["ADAPTER_STREAM", "exporter", "flops_per_token", "frozen", "peft_directory", "save_peft", "spec_of",
+           "with_adapters", "wrap"]
 
 ADAPTER_STREAM = 0x10AA
 """The adapters are drawn from `fold_in(key, ADAPTER_STREAM)`: the base's draws from `key` stay as without LoRA."""
@@ -73,6 +74,25 @@ def wrap(template: nn.Module, config: Any, ctx) -> tuple[nn.Module, lora.LoraSpe
         return lora.wrap(template, spec), spec
     except ValueError as exc:
         raise validate.ConfigError(f"{exc} (--config.lora.targets)") from None
+
+
+def flops_per_token(flops: float, model: nn.Module, spec: lora.LoraSpec | None) -> float:
+    """The family's training FLOPs per token (6 per weight and token, plus attention) for a LoRA run: the
+    frozen weights' gradients are not computed (4 per weight and token: forward and the input's
+    gradient), the adapters' are (6 per adapter weight). `flops` itself without `spec`.
+
+    Example:
+      >>> flops = flops_per_token(6 * n_params + attention, template, spec)
+    """
+    if spec is None:
+        return flops
+    adapters = set(lora.adapter_names(model))
+    inner = {n.rsplit(".", 1)[0] for n in adapters}  # the adapters' own Linear modules
+    weights = {id(m.weight): m.weight.numel() for n, m in model.named_modules()
+               if n not in inner and hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
+               and (isinstance(m, lora.LoraLinear) or type(m).__name__ in ("Linear", "Conv1D"))}
+    n_adapters = sum(model.get_parameter(n).numel() for n in adapters)
+    return flops - 2 * sum(weights.values()) + 6 * n_adapters
 
 
 def frozen(spec: lora.LoraSpec | None) -> Callable[[str], bool] | None:

@@ -151,8 +151,9 @@ def targets_of(module: nn.Module, spec: LoraSpec) -> list[str]:
         picked = [n for n in linear if any(pattern.fullmatch(x) for x in (n, n.rsplit(".", 1)[-1], n + ".weight"))]
     if not picked:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+        listed = ", ".join(leaves[:8]) or "nothing: it has no linear layer"
         raise ValueError(f"lora.targets {spec.targets!r} matches no linear layer of the model (its layers end in "
-                         f"{', '.join(leaves[:8]) or 'nothing: it has no linear layer'}); give a regex over those names")
+                         f"{listed}); give a regex over those names")
     return picked
 
 

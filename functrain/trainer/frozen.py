@@ -21,7 +21,8 @@ from functrain import rng as rng_lib
 from functrain.state import TrainState
 from functrain.task import Task
 
-__all__ = ["KEY", "FrozenMismatch", "base_for_export", "check", "digest", "merged", "record", "saved", "source_of", "split"]
+__all__ = ["KEY", "FrozenMismatch", "base_for_export", "check", "digest", "merged", "record", "saved", "source_of",
+           "split"]
 
 KEY = "frozen"
 """Where the record goes in a checkpoint's `custom_metadata["functrain"]`."""

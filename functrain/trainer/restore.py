@@ -71,7 +71,8 @@ def init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
 
 
 def maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn,
-                   whole: bool = True, data_record: dict | None = None, frozen_record: dict | None = None) -> TrainState:
+                  whole: bool = True, data_record: dict | None = None,
+                  frozen_record: dict | None = None) -> TrainState:
     """Restores the latest checkpoint, if any, compiling the step while the bytes stream in (`whole`:
     the state is the whole tree, so a checkpoint leaf it lacks is an error; a pipeline stage's is a part).
     A checkpoint of other data stops the run first (`data.record.check_resume`), one trained over other

@@ -73,7 +73,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     with torch.device("meta"):
         base = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
-    rules = parallel.adapter_rules(template, parallel.default_rules(gpt_lib.TP_RULES))  # (adapters follow their layer)
+    rules = parallel.adapter_rules(template, parallel.default_rules(gpt_lib.TP_RULES))  # (adapters: their layer's)
     # the cp copy (positions and attention of this rank's tokens), then the tp copy: `template` without either
     model = lm.context_model(template, ctx, m.block_size, config.get("cp_attention", "zigzag"))
     model = parallel.tensor_parallel(model, ctx.mesh, rules)
@@ -113,7 +113,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         count_targets=lm.count_targets(),
         steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=config.batch_size * cfg.block_size,
-        flops_per_token=gpt_lib.flops_per_token(cfg),
+        flops_per_token=lm_lora.flops_per_token(gpt_lib.flops_per_token(cfg), template, lora_spec),
         finish=finish,
         export=lm_lora.exporter(export, template, lora_spec, hf_name=None),  # (HF's GPT-2 fuses q, k, v)
         frozen=lm_lora.frozen(lora_spec),

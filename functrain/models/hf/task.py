@@ -138,7 +138,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     base = build_template(hf_config, device=ctx.device)
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
     try:
-        rules = parallel.adapter_rules(template, parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None))
+        rules = parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None)
+        rules = parallel.adapter_rules(template, rules)  # (LoRA adapters follow their layer's plan)
         heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
         if ctx.tp_world > 1 and any(h % ctx.tp_world for h in heads if h):
             raise HFModelError(f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
@@ -205,7 +206,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         count_targets=lm.count_targets(),
         steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=config.batch_size * seq,
-        flops_per_token=6 * n_params + 12 * layers * width * seq,  # weights, and attention over the trained length
+        # weights, and attention over the trained length (a LoRA run: no gradient of the frozen weights)
+        flops_per_token=lm_lora.flops_per_token(6 * n_params + 12 * layers * width * seq, template, lora_spec),
         finish=finish,
         export=export,
         frozen=lm_lora.frozen(lora_spec),

@@ -102,7 +102,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     with torch.device("meta"):
         base = llama_lib.Llama(cfg)  # shapes only
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
-    rules = parallel.adapter_rules(template, parallel.default_rules(llama_lib.TP_RULES))  # (adapters follow their layer)
+    rules = parallel.adapter_rules(template, parallel.default_rules(llama_lib.TP_RULES))  # (adapters: their layer's)
     model = lm.context_model(template, ctx, seq, config.get("cp_attention", "zigzag"))
     model = parallel.tensor_parallel(model, ctx.mesh, rules)
     remat = lm.resolve_remat(config.remat, ctx.mesh)
@@ -159,7 +159,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         count_targets=lm.count_targets(),
         steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=config.batch_size * seq,
-        flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # the trained length
+        flops_per_token=lm_lora.flops_per_token(  # (over the trained length)
+            llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)), template, lora_spec),
         finish=finish,
         export=export,
         frozen=lm_lora.frozen(lora_spec),
