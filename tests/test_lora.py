@@ -7,6 +7,7 @@ import copy
 import json
 import math
 
+import optree
 import pytest
 import torch
 
@@ -100,8 +101,10 @@ def test_lora_trains_equal_to_peft(model_type, targets):
     assert_close(state.params, peft_adapters, atol, absolute=True, msg=f"adapters (scale {scale:.3g})")
     assert losses[-1] < losses[0] - 0.05  # it trained
     assert all(torch.equal(state.frozen[k], before[k]) for k in before)  # the base: bitwise unchanged
-    opt_names = {".".join(map(str, p)) for p in __import__("optree").tree_paths(state.opt_state)}
+    opt_names = {".".join(map(str, p)) for p in optree.tree_paths(state.opt_state)}
     assert not any(k in name for name in opt_names for k in before)  # no optimizer state for the base
+    nbytes = lambda tree: sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree))  # noqa: E731
+    assert nbytes(state.opt_state) <= 2 * nbytes(state.params) + 64  # Adam's two moments of the adapters, a count
 
 
 def test_init_adapters_draw_pefts_distribution_and_a_fresh_adapter_changes_nothing():

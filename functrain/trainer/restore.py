@@ -63,7 +63,7 @@ def init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
     step_dir = checkpoint_path(path)
     if state.frozen:
         frozen = ckpt_lib.restore(step_dir, {"params": ckpt_lib.abstract(state.frozen)}).result()["params"]
-        print_fn(f"frozen base read from checkpoint {step_dir} (the adapters and their optimizer start fresh)")
+        print_fn(f"frozen base read from checkpoint {step_dir}")
         return state.replace(frozen=frozen)
     params = ckpt_lib.restore(step_dir, {"params": ckpt_lib.abstract(state.params)}).result()["params"]
     print_fn(f"params initialized from checkpoint {step_dir} (optimizer state, step and schedule start fresh)")
