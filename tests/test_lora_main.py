@@ -176,3 +176,38 @@ def test_a_lora_run_killed_with_sigkill_resumes_bit_exactly(tmp_path, base):
     assert a.keys() == b.keys() and not any(k.startswith("frozen.") and b[k].numel() for k in b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_a_pipeline_trains_adapters_as_one_process_and_moves_between_meshes(tmp_path):
+    """GPT adapters over its fresh base on 2 pipeline stages (4 microbatches, 1F1B; each rank holds its stages'
+    base and adapters): the losses of one process accumulating 4 microbatches; the pipeline's step-5 checkpoint
+    (its base digest pooled over the stages) resumes on one process and ends where one process does."""
+    gpt = ["--config=configs/gpt.py:tiny", "--config.compile=False", "--config.log_every=1", "--config.eval_every=1000",
+           "--config.eval.tasks=", "--config.sample.max_new_tokens=8", "--config.lora.rank=4",
+           "--config.optim.name=sgd", "--config.optim.lr=0.05", "--config.steps=10", "--config.checkpoint.every=5",
+           "--config.dist_timeout_s=600"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+
+    def run(workdir, *extra, nproc=1):
+        launch = [sys.executable, "-m", "functrain.main"] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+            "functrain.main"]
+        out = subprocess.run([*launch, f"--workdir={workdir}", *gpt, *extra], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-6000:]
+        return out
+
+    run(tmp_path / "one", "--config.accum_steps=4")
+    pp = run(tmp_path / "pp", "--config.mesh.pp=2", "--config.mesh.dp_shard=1", "--config.pp.microbatches=4",
+             "--config.stop_at=5", nproc=2)
+    assert "x pp=2" in pp.stdout and "the rest frozen" in pp.stdout
+    resumed = run(tmp_path / "pp", "--config.accum_steps=4")
+    assert "restored checkpoint step 5" in resumed.stdout
+    one = {r["step"]: r for r in _rows(tmp_path / "one") if "loss" in r}
+    two = {r["step"]: r for r in _rows(tmp_path / "pp") if "loss" in r}
+    assert sorted(two) == sorted(one) == list(range(1, 11))
+    rtol = _tol.rtol(16 * 64 * 4 * 64)
+    for i, step in enumerate(sorted(one)):
+        drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
+        for key in ("loss", "grad_norm"):
+            assert abs(two[step][key] - one[step][key]) <= rtol * drift * one[step][key], (step, key)

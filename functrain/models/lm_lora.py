@@ -52,13 +52,13 @@ def wrap(template: nn.Module, config: Any, ctx) -> tuple[nn.Module, lora.LoraSpe
     Args:
       template: the family's meta template.
       config: the run config (`lora.*`).
-      ctx: the parallel context (a pipeline is refused in one line).
+      ctx: the parallel context.
 
     Returns:
       The wrapped template (`functrain.nn.lora.wrap`) and its spec.
 
     Raises:
-      ConfigError: no layer matches `lora.targets`, or a mesh LoRA cannot run on (one line).
+      ConfigError: no layer matches `lora.targets` (one line).
 
     Example:
       >>> template, spec = wrap(template, config, ctx)
@@ -66,10 +66,6 @@ def wrap(template: nn.Module, config: Any, ctx) -> tuple[nn.Module, lora.LoraSpe
     spec = spec_of(config)
     if spec is None:
         return template, None
-    if ctx.pp_world > 1:
-        raise validate.ConfigError("lora.rank > 0 on a pipeline (mesh.pp > 1) is not supported: the stages carry "
-                                   "trained params only; train the adapters with --config.mesh.pp=1 (FSDP shards "
-                                   "the frozen base)")
     try:
         return lora.wrap(template, spec), spec
     except ValueError as exc:

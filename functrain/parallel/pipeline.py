@@ -481,6 +481,7 @@ def make_train_step(
         lay, update = update_for(state.params)
         params, batch = precision_lib.to_compute(prec, state.params, batch)
         params = lay.gather(params)  # this rank's stages, whole on the dp axes (tp slices stay slices)
+        both = _with_frozen(lay, prec, state, params)  # what the stages read (a LoRA base too)
         key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
         cut = split_microbatches(batch, microbatches, "pp.microbatches")  # (M, B/M, ...) each leaf
         micro = [tree_lib.map(lambda x, i=i: x[i], cut) for i in range(microbatches)]
@@ -495,6 +496,8 @@ def make_train_step(
 
         def add(stage, g):
             for n, x in g.items():
+                if n not in params:  # frozen (TrainState.frozen): no gradient kept
+                    continue
                 x = x.float() if wide else x
                 grads[n] = x if n not in grads else grads[n] + x
 
@@ -504,7 +507,7 @@ def make_train_step(
                 i = act.micro
                 with torch.profiler.record_function(f"{_RANGE_ACTION}{act.kind}{i}"):
                     if act.kind == "F":
-                        held[i], loss, aux = stages.forward(params, micro[i], keys[i], i)
+                        held[i], loss, aux = stages.forward(both, micro[i], keys[i], i)
                         if pipe.last:
                             losses.append(loss.detach())
                             auxes.append({k: v.detach() for k, v in (aux or {}).items()})
@@ -512,7 +515,7 @@ def make_train_step(
                         scale = loss_scale  # times the microbatch's weight, when weighted
                         if weights is not None:
                             scale = weights[i] if loss_scale is None else loss_scale * weights[i]
-                        stages.backward(params, held.pop(i), keys[i], i, scale, add)
+                        stages.backward(both, held.pop(i), keys[i], i, scale, add)
             wire.flush()
         mean = wide and weights is None  # weighted: the sum is the mean over every target already
         grads = {n: (grads[n] / microbatches if mean else grads[n]) if n in grads else torch.zeros_like(p)
@@ -525,6 +528,14 @@ def make_train_step(
         return update(state, lay.mean_over_dp(metrics), grads)
 
     return step
+
+
+def _with_frozen(lay: Layout, prec, state: TrainState, params: Params) -> Params:
+    """`params` with this rank's frozen params (`TrainState.frozen`, cast and gathered as they are) beside them."""
+    if not state.frozen:
+        return params
+    frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
+    return {**lay.gather(frozen), **params}
 
 
 def _sum_tied(grads: Params, pipe: Pipeline) -> Params:
@@ -602,7 +613,7 @@ def make_eval_step(
     def evaluate(state: TrainState, batch: PyTree):
         lay = Stages(layout_of(state.params), pipe)
         params, batch = precision_lib.to_compute(prec, state.params, batch)
-        params = lay.gather(params)
+        params = _with_frozen(lay, prec, state, lay.gather(params))
         stages = _Rank(pipe, loss_fn, wire, _signature(batch))
         losses, auxes = [], []
         forwards = wire.ahead([Action("F", i) for i in range(microbatches)], stages.sig, _device(params))

@@ -55,17 +55,37 @@ def saved(state: TrainState) -> TrainState:
 
 
 def digest(params: dict) -> str:
-    """sha256 over every tensor's name, shape, dtype and bytes, in name order (sharded tensors: gathered one at
-    a time, a collective, so every rank calls it and gets the same digest, whatever the mesh)."""
-    h = hashlib.sha256()
+    """sha256 over every tensor's name, shape, dtype and bytes, in name order, whatever the mesh: sharded
+    tensors are gathered one at a time (a collective), and under torch.distributed the ranks pool their
+    tensors' digests (a pipeline rank holds only its stages'), so every rank gets the digest of the whole.
+
+    Example:
+      >>> digest(state.frozen)[:8]
+      '3f2a9c1e'
+    """
+    return _combined(_pooled(params))
+
+
+def _combined(pooled: dict) -> str:
+    """One sha256 over the pooled tensors' digests, in name order."""
+    return hashlib.sha256("".join(f"{n}:{pooled[n][0]};" for n in sorted(pooled)).encode()).hexdigest()
+
+
+def _pooled(params: dict) -> dict[str, tuple[str, int]]:
+    """{name: (the tensor's sha256, its number of elements)} of every rank's `params` (a collective)."""
+    mine = {}
     for name in sorted(params):
         t = params[name]
-        whole = t.full_tensor() if parallel.is_dtensor(t) else t
-        whole = whole.detach().to("cpu").contiguous()
-        h.update(f"{name}{tuple(whole.shape)}{whole.dtype}".encode())
+        whole = (t.full_tensor() if parallel.is_dtensor(t) else t).detach().to("cpu").contiguous()
+        h = hashlib.sha256(f"{name}{tuple(whole.shape)}{whole.dtype}".encode())
         h.update(whole.reshape(-1).view(torch.uint8).numpy().tobytes())
+        mine[name] = (h.hexdigest(), whole.numel())
         del whole
-    return h.hexdigest()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return mine
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return {name: value for part in every for name, value in part.items()}
 
 
 def source_of(config: Any) -> str:
@@ -103,7 +123,8 @@ def record(frozen: dict, source: str) -> dict | None:
     """
     if not frozen:
         return None
-    return {"source": source, "digest": digest(frozen), "params": sum(t.numel() for t in frozen.values())}
+    pooled = _pooled(frozen)
+    return {"source": source, "digest": _combined(pooled), "params": sum(numel for _, numel in pooled.values())}
 
 
 def check(saved_record: dict | None, current: dict | None, where: str) -> None:

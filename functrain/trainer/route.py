@@ -113,9 +113,6 @@ def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.Paral
     if config.get("cuda_graphs", False):
         raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
                                    "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1")
-    if task.frozen is not None:
-        raise validate.ConfigError("this run holds params frozen (LoRA), and a pipeline's stages carry trained "
-                                   "params only: set --config.mesh.pp=1")
     if task.init_model_state is not None:
         raise validate.ConfigError("this model has model state (buffers such as BatchNorm statistics) and the "
                                    "pipeline's stages carry params only: set --config.mesh.pp=1")
@@ -124,9 +121,9 @@ def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.Paral
         pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, key), group=ctx.pp_group)
     except ValueError as exc:
         raise validate.ConfigError(f"{exc} (--config.mesh.pp)") from None
-    params = parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device,
-                                   names=pipe.names)
-    state = init_state(params, optimizer, seed=config.seed, copy=False)
+    params, frozen = frozen_lib.split(task, parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules,
+                                                                  device=device, names=pipe.names))
+    state = init_state(params, optimizer, seed=config.seed, copy=False, frozen=frozen)  # this rank's stages
     staged = bool(compile)  # a pipeline's stages always compile one by one
     train_step = pipeline.make_train_step(
         pipe, optimizer, microbatches=config.pp.microbatches, schedule=config.pp.schedule, compile=staged,
