@@ -19,7 +19,7 @@ from functrain import tree as tree_lib
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-pytestmark = [pytest.mark.numeric, pytest.mark.slow]  # main-job runs, 2 of them under torchrun
+pytestmark = pytest.mark.slow  # main-job runs, some under torchrun (the comparisons also on the second torch: numeric)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LORA = ["--config.lora.rank=8", "--config.lora.alpha=16", "--config.lora.targets=q_proj|v_proj"]
@@ -72,6 +72,7 @@ def _bytes(directory):
     return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
+@pytest.mark.numeric
 def test_two_ranks_fsdp_and_tp_equal_one_process(tmp_path, base):
     """10 SGD steps of q/v adapters: 2 ranks sharding the base (FSDP, a gather per decoder layer) and 2 ranks
     splitting its heads (TP, the adapters following their layers' plan) log the losses and end with the adapters
@@ -178,6 +179,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_bit_exactly(tmp_path, base):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.numeric
 def test_a_pipeline_trains_adapters_as_one_process_and_moves_between_meshes(tmp_path):
     """GPT adapters over its fresh base on 2 pipeline stages (4 microbatches, 1F1B; each rank holds its stages'
     base and adapters): the losses of one process accumulating 4 microbatches; the pipeline's step-5 checkpoint
