@@ -8,16 +8,15 @@ import json
 import math
 
 import optree
+import peft  # (the dev extra: the reference LoRA)
 import pytest
 import torch
+import transformers
 
 from _tol import adam_gain, assert_close, rtol, trajectory_atol
 from functrain import init_state, optim
 from functrain.nn import lora
 from functrain.step import make_train_step
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 STEPS, LR, EPS, WD = 20, 1e-2, 1e-3, 0.01  # eps 1e-3: Adam's gain lr/eps bounded (tests/_tol.py)
 B, T = 4, 16

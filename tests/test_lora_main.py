@@ -9,15 +9,14 @@ import os
 import subprocess
 import sys
 
+import peft  # (the dev extra: the reference LoRA)
 import pytest
 import torch
+import transformers
 
 import _tol
 from functrain import checkpoint as ckpt
 from functrain import tree as tree_lib
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.slow  # main-job runs, some under torchrun (the comparisons also on the second torch: numeric)
 
