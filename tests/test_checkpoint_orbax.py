@@ -150,9 +150,9 @@ def test_orbax_restores_main_job_checkpoint_without_template(tmp_path, nproc):
     for name in want:
         assert_bits_equal(theirs[name], want[name], name)
     # The tree really is the train state: every field with leaves (the GPT has no buffers, so no
-    # model state), the hyper-parameters as float64 0-d leaves.
-    assert {n.split(".")[0] for n in want} == set(state_lib.TrainState._fields) - {"model_state"}
-    assert extra["empty"] == {"model_state": "dict"}, extra["empty"]  # an empty subtree stays one
+    # model state, and trains every param, so no frozen ones), the hyper-parameters as float64 0-d leaves.
+    assert {n.split(".")[0] for n in want} == set(state_lib.TrainState._fields) - {"model_state", "frozen"}
+    assert extra["empty"] == {"model_state": "dict", "frozen": "dict"}, extra["empty"]  # empty subtrees stay
     assert float(ours["opt_state"][0]["hyper"]["clip"]) == 1.0 and "opt_state.1.2.hyper.lr" in theirs
     assert extra["column_sharded"] >= 8  # every block matrix restored with another sharding
     assert int(tree_lib.leaves(ours["step"])[0]) == 10
