@@ -110,9 +110,10 @@ for p in $parts; do
       $py bench/gpu_table.py "$LOGS/step_bf16.log" /tmp/ft_llama1b /tmp/ft_llama1b_eager | tee -a "$log"
       ;;
     hf)
-      # A transformers Qwen2 and GPT-2: functrain's step vs the eager loop and torch.compile, fused AdamW.
+      # transformers' Llama, Qwen2, GPT-2 and functrain's GPT: functrain's step vs torch.compile and the
+      # eager loop, fused AdamW (cold compile, warm first step, steady step: one JSON line per type).
       if $py -c "import transformers" 2>/dev/null; then
-        for t in qwen2 gpt2; do
+        for t in llama qwen2 gpt2 gpt; do
           run "hf_$t" 300 $py bench/hf.py --type "$t" --size small --batch 16 --seq 512 --json
           report "hf_$t"
         done

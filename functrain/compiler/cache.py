@@ -64,7 +64,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["MODES", "setup", "start_isa_probe", "stats", "report"]
+__all__ = ["MODES", "setup", "start_isa_probe", "probe_started", "stats", "report"]
 
 MODES = ("user", "workdir", "off")
 """The named modes of `setup`; anything else must be a path (containing "/" or starting with "~")."""
@@ -138,6 +138,9 @@ def start_isa_probe() -> threading.Thread:
     inductor's file locks; same answer), which costs what not starting it would have cost. Its g++
     runs take a core: time nothing beside it (the loop measures its MFU denominator first).
 
+    A process starts it once: a later call returns the first call's thread (the trainer starts it
+    before building its step, a compiled step at its first call on CPU tensors).
+
     Returns:
       The started thread (join it to wait for the probe, e.g. in a test).
 
@@ -145,9 +148,20 @@ def start_isa_probe() -> threading.Thread:
       >>> compile_cache.setup("user"); compile_cache.start_isa_probe()
       <Thread(functrain-isa-probe, started daemon ...)>
     """
-    thread = threading.Thread(target=_probe_isa, name="functrain-isa-probe", daemon=True)
-    thread.start()
-    return thread
+    with _PROBE_LOCK:
+        if not _PROBE:
+            _PROBE.append(threading.Thread(target=_probe_isa, name="functrain-isa-probe", daemon=True))
+            _PROBE[0].start()
+        return _PROBE[0]
+
+
+_PROBE: list[threading.Thread] = []  # the process's probe, once started
+_PROBE_LOCK = threading.Lock()
+
+
+def probe_started() -> bool:
+    """Whether this process started the vector-ISA probe (`start_isa_probe`)."""
+    return bool(_PROBE)
 
 
 def _torch_default() -> str | None:

@@ -19,7 +19,7 @@ from typing import Any
 import optree
 import torch
 
-from functrain.compiler import graph_breaks, like_draws, mesh_key
+from functrain.compiler import cache, graph_breaks, like_draws, mesh_key
 
 __all__ = ["graph", "maybe_compile", "scan"]
 
@@ -83,9 +83,13 @@ def maybe_compile(fn, compile: bool, options: dict | None):
     code = lowered.__code__.replace(co_name=getattr(fn, "__name__", "step"))
     lowered = types.FunctionType(code, lowered.__globals__, code.co_name, None, lowered.__closure__)
     compiled = graph(lowered, options)
+    first = [(options or {}).get("backend", "inductor") == "inductor"]  # inductor: probe at the first call
 
     @functools.wraps(fn)
     def call(*args):
+        if first[0]:
+            first[0] = False
+            _probe_for_cpu(args)
         lifted, args, views, originals = _lift(args)
         with graph_breaks.explained(lambda: lowered(lifted, *args)):  # a break in user code: one line, the ways on
             out = compiled(lifted, *args)
@@ -104,6 +108,13 @@ def maybe_compile(fn, compile: bool, options: dict | None):
 # Passed as (1,) views of the same storage they are plain tensors to Dynamo; in-place writes still land
 # in the caller's tensors, and what comes back unchanged is the caller's own tensor (the saved
 # restart: docs/results.md). Integer scalars (step, counts) make no restart and stay as they are.
+
+
+def _probe_for_cpu(args: tuple) -> None:
+    """Starts inductor's CPU vector-ISA probe beside Dynamo's trace when `args` hold a CPU tensor (once a process)."""
+    if not cache.probe_started() and any(isinstance(x, torch.Tensor) and x.device.type == "cpu"
+                                         for x in optree.tree_leaves(args, none_is_leaf=False)):
+        cache.start_isa_probe()
 
 
 def _lift(args: tuple) -> tuple[dict, tuple, dict, dict]:

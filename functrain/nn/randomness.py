@@ -143,6 +143,9 @@ class KeyedRandomness(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if name not in _SEEN_NAMES:  # most calls: a few bytecodes for Dynamo to trace, not the whole chain
+            return self._passed(func, name, args, kwargs)
         if func is F.dropout or func is torch.dropout:
             return self._dropout(func, args, kwargs, 0)
         if func is F.scaled_dot_product_attention:
@@ -161,7 +164,11 @@ class KeyedRandomness(TorchFunctionMode):
         drawn = self._draw(func, args, kwargs)
         if drawn is not None:
             return drawn
-        name = getattr(func, "__name__", None)
+        return self._passed(func, name, args, kwargs)
+
+    @staticmethod
+    def _passed(func, name, args, kwargs):
+        """`func` called as it is (a Python-written Tensor method by name: see `_TENSOR_PY_METHODS`)."""
         if name in _TENSOR_PY_METHODS and getattr(torch.Tensor, name) is func:
             return getattr(args[0], name)(*args[1:], **kwargs)
         return func(*args, **kwargs)
@@ -319,6 +326,19 @@ class KeyedRandomness(TorchFunctionMode):
         weights = torch.softmax(scores, dim=-1)  # (..., L, S)
         weights = weights * self._keep(weights.shape, p, weights.dtype) * (1.0 / (1.0 - p))
         return weights @ v  # (..., L, Dv)
+
+
+# The names of every function the mode handles (draws, dropouts, SDPA, embedding, the composites, the
+# unkeyable ones): a call of any other name passes through after one set lookup. A handled function's
+# name may be shared by others (`torch.normal` / `Tensor.normal_` are not the same): those take the
+# full identity checks, as before.
+_SEEN_NAMES = frozenset(f.__name__ for f in (
+    F.dropout, torch.dropout, F.scaled_dot_product_attention, F.dropout1d, F.dropout2d, F.dropout3d,
+    F.alpha_dropout, F.feature_alpha_dropout, F.embedding, F.multi_head_attention_forward, F.gumbel_softmax,
+    torch.rand, torch.randn, torch.rand_like, torch.randn_like, torch.randint, torch.randint_like, torch.bernoulli,
+    torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
+    torch.Tensor.exponential_, F.rrelu, torch.rrelu, F.fractional_max_pool2d, F.fractional_max_pool3d,
+    F.fractional_max_pool2d_with_indices, F.fractional_max_pool3d_with_indices, *_UNKEYABLE))
 
 
 def keyed(key: "torch.Tensor | None"):
