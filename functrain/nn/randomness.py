@@ -125,6 +125,13 @@ def warn_unkeyed() -> None:
     _UNKEYED.clear()
 
 
+def _passed(func, name, args, kwargs):
+    """`func` called as it is (a Python-written Tensor method by name: see `_TENSOR_PY_METHODS`)."""
+    if name in _TENSOR_PY_METHODS and getattr(torch.Tensor, name) is func:
+        return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
 class KeyedRandomness(TorchFunctionMode):
     """The torch function mode behind `keyed`: random draws come from `key` (see the module docstring).
 
@@ -145,7 +152,7 @@ class KeyedRandomness(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
         if name not in _SEEN_NAMES:  # most calls: a few bytecodes for Dynamo to trace, not the whole chain
-            return self._passed(func, name, args, kwargs)
+            return _passed(func, name, args, kwargs)
         if func is F.dropout or func is torch.dropout:
             return self._dropout(func, args, kwargs, 0)
         if func is F.scaled_dot_product_attention:
@@ -164,14 +171,7 @@ class KeyedRandomness(TorchFunctionMode):
         drawn = self._draw(func, args, kwargs)
         if drawn is not None:
             return drawn
-        return self._passed(func, name, args, kwargs)
-
-    @staticmethod
-    def _passed(func, name, args, kwargs):
-        """`func` called as it is (a Python-written Tensor method by name: see `_TENSOR_PY_METHODS`)."""
-        if name in _TENSOR_PY_METHODS and getattr(torch.Tensor, name) is func:
-            return getattr(args[0], name)(*args[1:], **kwargs)
-        return func(*args, **kwargs)
+        return _passed(func, name, args, kwargs)
 
     def _draw(self, func, args, kwargs):
         """A keyed draw for the random factories, `_like`s, in-place fills and rrelu; None for any other call."""
