@@ -1,6 +1,6 @@
 """Benchmark: functrain's compiled step against `torch.compile(model)` with fused AdamW, per model type.
 
-    python bench/hf.py [--type llama,gpt2,qwen2,gpt] [--size small] [--batch 8] [--seq 256] [--steps 20]
+    python bench/hf.py [--type llama,gpt2,qwen2,gpt] [--size small] [--batch 8] [--seq 256] [--rounds 5]
                        [--compile-unit step|blocks] [--host-memory keep|default] [--json]
 
 For each `--type` (a transformers model type read by the hf family from a tiny directory,
@@ -18,10 +18,12 @@ route's process keeps freed memory in the heap (`--host-memory keep`, `functrain
 the main job's default on CPU); without it each step's fresh buffers are fresh pages of the kernel,
 which costs the one-graph step more than the others (docs/results.md).
 
-Each route runs in a process of its own with an empty inductor cache (cold: the first step's
-seconds, then the median of the timed steps after 3 warm-up steps); the two compiled routes then
-run again in a second process on the cache the first one filled (warm: the first step's seconds).
-Printed per type: the routes' rows, the three ratios the targets are stated in, and the compile
+Each compiled route runs in a process of its own with an empty inductor cache (cold: the first
+step's seconds), then again in a second process on the cache the first one filled (warm: the first
+step's seconds). The steady step is timed side by side: one more process builds all three routes
+(each on its warm cache), warms each up with 3 steps, then times them in turn, `--steps` steps per
+route per round for `--rounds` rounds; a route's figure is the median of its rounds, so a machine
+that slows down for a while slows every route alike. Printed per type: the routes' rows, the three ratios the targets are stated in, and the compile
 time of functrain's cold process by phase (`torch._dynamo.utils.compile_times()`, seconds summed
 over graphs). With `--json`, one line per type:
 
@@ -126,7 +128,8 @@ class _Model:
         return net(x) if self.kind == "gpt" else net(input_ids=x).logits
 
 
-def _functrain(model: _Model, data, unit: str) -> list[float]:
+def _functrain(model: _Model, unit: str):
+    """functrain's step on its own state: `run(batch)`."""
     opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(LR, weight_decay=0.0))
     step = ft.make_train_step(model.loss_fn if unit == "step" else model.staged_loss_fn(), opt, compile=unit)
     box = {"state": ft.init_state(model.params, opt)}
@@ -135,10 +138,11 @@ def _functrain(model: _Model, data, unit: str) -> list[float]:
         box["state"], m = step(box["state"], batch)
         float(m["loss"])
 
-    return _timed(run, data, model.device)
+    return run
 
 
-def _torch_loop(model: _Model, data, compiled: bool) -> list[float]:
+def _torch_loop(model: _Model, compiled: bool):
+    """torch's loop (compiled module or eager) on its own module and optimizer: `run(batch)`."""
     net = model.module()
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0, fused=True)
     forward = torch.compile(net) if compiled else net
@@ -152,7 +156,14 @@ def _torch_loop(model: _Model, data, compiled: bool) -> list[float]:
         opt.step()
         loss.item()
 
-    return _timed(run, data, model.device)
+    return run
+
+
+def _route(model: _Model, route: str, unit: str):
+    """The `run(batch)` of one route."""
+    if route == "functrain":
+        return _functrain(model, unit)
+    return _torch_loop(model, compiled=route == "torch.compile")
 
 
 def _phases() -> dict[str, float]:
@@ -163,31 +174,49 @@ def _phases() -> dict[str, float]:
     return {p: round(per.get(p, 0.0), 2) for p in PHASES}
 
 
-def _child(args) -> None:
-    """One route in this process: prints one JSON line (first step, steady tokens/s, compile phases)."""
+def _child_setup(args):
+    """This child's device, model and batches (freed memory kept on CPU with `--host-memory keep`)."""
     device = torch.device(args.device)
     if args.host_memory == "keep" and device.type == "cpu":
         memory.keep_freed_memory()
     model = _Model(args.type, args.size, args.seq, device)
-    n = args.steps + 4 if args.cache == "cold" or args.route == "eager" else 2
-    data = _batches(n, args.batch, args.seq, VOCAB if args.type == "gpt" else model.cfg.vocab_size, device)
-    if args.route == "functrain":
-        times = _functrain(model, data, args.compile_unit)
-    else:
-        times = _torch_loop(model, data, compiled=args.route == "torch.compile")
-    steady = statistics.median(times[4:]) if len(times) > 4 else None
-    print(json.dumps({"first_s": times[0], "tokens_per_s": steady and args.batch * args.seq / steady,
-                      "params": sum(p.numel() for p in model.params.values()), "phases": _phases()}))
+    vocab = VOCAB if args.type == "gpt" else model.cfg.vocab_size
+    return device, model, _batches(3 + args.steps, args.batch, args.seq, vocab, device)
 
 
-def _spawn(args, kind: str, route: str, cache: str, cache_dir: str | None) -> dict:
-    """Runs one route in a child process and returns its JSON line."""
+def _child_first(args) -> None:
+    """One route, cold or warm, in this process: prints one JSON line (first step's seconds, compile phases)."""
+    device, model, data = _child_setup(args)
+    times = _timed(_route(model, args.route, args.compile_unit), data[:2], device)
+    print(json.dumps({"first_s": times[0], "params": sum(p.numel() for p in model.params.values()),
+                      "phases": _phases()}))
+
+
+def _child_steady(args) -> None:
+    """All routes in this process, timed in turn round by round: prints one JSON line of tokens/s per route."""
+    device, model, data = _child_setup(args)
+    runs = {}
+    for route in ROUTES:
+        if route in args.caches:  # each compiled route on the cache its warm process read
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.caches[route]
+        runs[route] = _route(model, route, args.compile_unit)
+        _timed(runs[route], data[:3], device)
+    per_round = {route: [] for route in ROUTES}
+    for _ in range(args.rounds):
+        for route, run in runs.items():
+            per_round[route].append(sum(_timed(run, data[3:], device)) / args.steps)
+    print(json.dumps({route: args.batch * args.seq / statistics.median(t) for route, t in per_round.items()}))
+
+
+def _spawn(args, kind: str, route: str, cache: str, caches: dict[str, str]) -> dict:
+    """Runs one route (or, with route "steady", all of them) in a child process and returns its JSON line."""
     env = dict(os.environ)
-    if cache_dir:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    if route in caches:
+        env["TORCHINDUCTOR_CACHE_DIR"] = caches[route]
     cmd = [sys.executable, os.path.abspath(__file__), "--child", route, "--cache", cache, "--type", kind,
            "--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--device", args.device, "--compile-unit", args.compile_unit, "--host-memory", args.host_memory]
+           "--rounds", str(args.rounds), "--device", args.device, "--compile-unit", args.compile_unit,
+           "--host-memory", args.host_memory, "--caches", json.dumps(caches)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or not lines:
@@ -199,17 +228,21 @@ def _one_type(args, kind: str) -> dict:
     """All routes of one type; returns the figures."""
     rows = {}
     with tempfile.TemporaryDirectory() as ours, tempfile.TemporaryDirectory() as theirs:
-        for route, cache_dir in (("functrain", ours), ("torch.compile", theirs), ("eager", None)):
-            rows[route] = _spawn(args, kind, route, "cold", cache_dir)
-            if cache_dir:
-                warm = _spawn(args, kind, route, "warm", cache_dir)
-                rows[route].update(warm_first_s=warm["first_s"], warm_phases=warm["phases"])
+        caches = {"functrain": ours, "torch.compile": theirs}
+        for route in caches:
+            rows[route] = _spawn(args, kind, route, "cold", caches)
+            warm = _spawn(args, kind, route, "warm", caches)
+            rows[route].update(warm_first_s=warm["first_s"], warm_phases=warm["phases"])
+        rows["eager"] = {}
+        for route, tokens_per_s in _spawn(args, kind, "steady", "warm", caches).items():
+            rows[route]["tokens_per_s"] = tokens_per_s
     ours_row, theirs_row = rows["functrain"], rows["torch.compile"]
     print(f"{kind}: {ours_row['params'] / 1e6:.2f}M params, {args.batch} x {args.seq} tokens, {args.device}, "
           f"torch {torch.__version__}, {os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} threads")
     for route, row in rows.items():
-        warm = f"   warm {row['warm_first_s']:5.1f} s" if "warm_first_s" in row else ""
-        print(f"  {route:14s} cold {row['first_s']:6.1f} s{warm}   {row['tokens_per_s']:10,.0f} tokens/s")
+        warm = f"   warm {row['warm_first_s']:5.1f} s" if "warm_first_s" in row else " " * 16
+        cold = f"cold {row['first_s']:6.1f} s" if "first_s" in row else " " * 13
+        print(f"  {route:14s} {cold}{warm}   {row['tokens_per_s']:10,.0f} tokens/s")
     figures = {"type": kind, "compile_unit": args.compile_unit,
                "cold_vs_compile": round(ours_row["first_s"] / theirs_row["first_s"], 3),
                "warm_first_step_s": round(ours_row["warm_first_s"], 2),
@@ -232,17 +265,21 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps after 3 warm-up steps")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per route per round (after 3 warm-up steps)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the steady timing; each route's median counts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile-unit", default="step", choices=("step", "blocks"), help="functrain's compile unit")
     ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
                     help="keep: every route's process keeps freed memory (the main job's default on CPU)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--child", choices=ROUTES, dest="route", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=ROUTES + ("steady",), dest="route", help=argparse.SUPPRESS)
     ap.add_argument("--cache", choices=("cold", "warm"), default="cold", help=argparse.SUPPRESS)
+    ap.add_argument("--caches", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.route == "steady":
+        return _child_steady(args)
     if args.route:
-        return _child(args)
+        return _child_first(args)
     results = [_one_type(args, kind) for kind in args.type.split(",")]
     if args.json:
         for r in results:

@@ -58,7 +58,17 @@ def graph(fn, options: dict | None = None):
     """
     mesh_key.register()  # (a sharded step's cache keys must not hold a per-process hash)
     like_draws.route()  # (keyed rand_like and friends compiled as eagerly)
-    return torch.compile(fn, **{"fullgraph": True, "dynamic": False, **(options or {})})
+    options = {"fullgraph": True, "dynamic": False, **(options or {})}
+    if options.get("backend", "inductor") == "inductor" and options.get("mode") is None:
+        options["options"] = {**_INDUCTOR, **(options.get("options") or {})}
+    return torch.compile(fn, **options)
+
+
+# Inductor's scheduler tries to fuse each buffer group with up to this many others (torch's default:
+# 64). A whole step holds hundreds of independent optimizer updates, and those tries were about half
+# of its Scheduler.__init__; with 8 the measured steps' kernels are the same ones, found in half the
+# time (docs/results.md, "The compiled step against torch.compile"). A caller's own options win.
+_INDUCTOR = {"max_fusion_buffer_group_pairwise_attempts": 8}
 
 
 def maybe_compile(fn, compile: bool, options: dict | None):
