@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-import functrain as ft
+from functrain import data
 from functrain.models import gpt
 
 BLOCK = 32  # tokens per example
@@ -49,17 +49,17 @@ def tiny_gpt(**overrides) -> gpt.GPT:
 
 def corpus(args):
     """The embedded stdlib corpus, tokenized once into `args.cache_dir`."""
-    return ft.load_dataset("stdlib", args.cache_dir)
+    return data.load_dataset("stdlib", args.cache_dir)
 
 
 def batch(args, ds, step: int):
     """Training batch `step`: (x, y), each (args.batch, BLOCK)."""
-    return ft.get_batch(ds.train, batch_size=args.batch, block_size=BLOCK, seed=0, step=step)
+    return data.get_batch(ds.train, batch_size=args.batch, block_size=BLOCK, seed=0, step=step)
 
 
 def val_batches(ds, num_batches: int = 4) -> list:
     """Fixed held-out batches of 32 examples."""
-    return list(ft.eval_batches(ds.val, batch_size=32, block_size=BLOCK, num_batches=num_batches))
+    return list(data.eval_batches(ds.val, batch_size=32, block_size=BLOCK, num_batches=num_batches))
 
 
 def synthetic_images(n: int, batch_size: int, classes: int = 4, seed: int = 0) -> list:

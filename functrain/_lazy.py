@@ -18,15 +18,12 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
-import importlib.abc
-import importlib.util
 import pkgutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["lazy_exports", "moved_modules"]
+__all__ = ["lazy_exports"]
 
 
 def _static_imports(path: str) -> dict[str, str]:
@@ -43,9 +40,7 @@ def _static_imports(path: str) -> dict[str, str]:
     return table
 
 
-def lazy_exports(package: str, path: str, moved: dict[str, str] | None = None,
-                 deprecated: dict[str, str] | None = None, release: str = ""
-                 ) -> tuple[Callable[[str], object], Callable[[], list], list[str]]:
+def lazy_exports(package: str, path: str) -> tuple[Callable[[str], object], Callable[[], list], list[str]]:
     """The `__getattr__`, `__dir__` and `__all__` of a package whose public names load on first use.
 
     Args:
@@ -68,16 +63,6 @@ def lazy_exports(package: str, path: str, moved: dict[str, str] | None = None,
         return frozenset(m.name for m in pkgutil.iter_modules([str(Path(path).parent)]))
 
     def __getattr__(name: str) -> object:
-        if name not in table and name in (deprecated or {}):
-            module_name, _, attribute = deprecated[name].partition(":")
-            warnings.warn(f"{package}.{name} is no longer a top-level name: use {module_name}.{attribute} "
-                          f"({package}.{name} goes in {release})", FutureWarning, stacklevel=2)
-            try:
-                return getattr(importlib.import_module(module_name), attribute)
-            except AttributeError:  # a submodule not imported yet
-                return importlib.import_module(f"{module_name}.{attribute}")
-        if name not in table and f"{package}.{name}" in (moved or {}):
-            return importlib.import_module(f"{package}.{name}")  # the old name: warns, then the new module
         if name not in table and name in submodules():
             return importlib.import_module(f"{package}.{name}")  # a submodule, reached as an attribute
         if name not in table:
@@ -98,41 +83,3 @@ def lazy_exports(package: str, path: str, moved: dict[str, str] | None = None,
         return sorted(set(table) | set(vars(sys.modules[package])))
 
     return __getattr__, __dir__, list(table)
-
-
-class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds the old names of moved modules; loading one warns and returns the module at its new name."""
-
-    def __init__(self, table: dict[str, str], release: str):
-        self.table, self.release = table, release
-
-    def find_spec(self, fullname, path=None, target=None):
-        """A spec for an old name in the table; None for every other module."""
-        return importlib.util.spec_from_loader(fullname, self) if fullname in self.table else None
-
-    def create_module(self, spec):
-        """The module at its new name (the same object: one module, two names)."""
-        new = self.table[spec.name]
-        warnings.warn(f"{spec.name} moved to {new}: import it from there ({spec.name} goes in {self.release})",
-                      FutureWarning, stacklevel=2)
-        return importlib.import_module(new)
-
-    def exec_module(self, module) -> None:
-        """Nothing to run: the module is already loaded under its new name."""
-
-
-def moved_modules(table: dict[str, str], release: str) -> None:
-    """Keeps the old import paths of moved modules working, each with a FutureWarning naming the new one.
-
-    Args:
-      table: {old module name: new module name}.
-      release: the release that drops the old names (named in the warning).
-
-    Returns:
-      None; `import old` and `from old import x` then give the module at its new name.
-
-    Example:
-      >>> moved_modules({"functrain.remat": "functrain.step.staged"}, "0.2")
-    """
-    if not any(isinstance(f, _Moved) and f.table == table for f in sys.meta_path):
-        sys.meta_path.append(_Moved(dict(table), release))

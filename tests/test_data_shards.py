@@ -381,15 +381,6 @@ def test_a_cache_of_the_older_shard_format_still_reads(tmp_path):
     assert ds.info["kind"] == "shards" and [c[0] for c in ds.info["content"]] == ["s0.jsonl", "s1.jsonl"]
 
 
-def test_the_old_name_tokenize_shards_warns_and_tokenizes(tmp_path):
-    from functrain.data import tokenize_shards
-
-    _corpus(tmp_path / "src", n_shards=2)
-    with pytest.warns(FutureWarning, match="tokenize_shards is now functrain.data.tokenize"):
-        out = tokenize_shards(str(tmp_path / "src"), tmp_path / "cache", workers=1, log=_quiet)
-    assert out == tokenize(str(tmp_path / "src"), tmp_path / "cache", workers=1, log=_quiet)
-
-
 def test_rank_zero_reports_the_records_every_rank_replaced(tmp_path):
     """Two ranks tokenizing one cache (threads standing in for processes): rank 0 prints the replaced record
     of the shard rank 1 tokenized (units go largest first to the least loaded rank: the corpus shard to rank 0,

@@ -48,12 +48,8 @@ def test_the_top_level_names_are_the_documented_ones():
         "checkpoint", "data", "losses", "nn", "optim", "parallel", "rng", "step", "tree", "apply", "TrainState",
         "init_state", "params_of", "apply_gradients", "make_train_step", "make_eval_step", "update_step",
         "value_and_grad", "Task"])
-    from functrain import data, checkpoint as ckpt
-    with pytest.warns(FutureWarning, match=r"functrain.get_batch is no longer a top-level name: use "
-                                           r"functrain.data.get_batch \(functrain.get_batch goes in 0.2\)"):
-        assert functrain.get_batch is data.get_batch
-    with pytest.warns(FutureWarning, match="use functrain.checkpoint.CheckpointError"):
-        assert functrain.CheckpointError is ckpt.CheckpointError
+    with pytest.raises(AttributeError, match="has no attribute 'get_batch'"):
+        functrain.get_batch  # noqa: B018 - a name of the data package, reached as functrain.data.get_batch
     assert functrain.per_example is importlib.import_module("functrain.per_example")  # a submodule stays reachable
 
 
@@ -96,29 +92,13 @@ dist.destroy_process_group()
         proc.stdout
 
 
-def test_a_moved_module_keeps_its_old_name_for_a_release_with_a_warning_naming_the_new_one():
-    code = """
-import warnings
-warnings.simplefilter("always")
-with warnings.catch_warnings(record=True) as caught:
-    import functrain.loop as old
-    from functrain.remat import StagedLoss
+def test_modules_have_one_name_each():
+    """No import hook: a module is imported by its one name (functrain.trainer.loop, not functrain.loop)."""
     import functrain
-    memory = functrain.memory
-import functrain.trainer.loop, functrain.step.staged, functrain.trainer.memory
-print(old is functrain.trainer.loop, StagedLoss is functrain.step.staged.StagedLoss, memory is functrain.trainer.memory)
-for w in caught:
-    print(w.category.__name__, w.filename.endswith("<string>"), str(w.message))
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "True True True"
-    assert lines[1:] == [
-        "FutureWarning True functrain.loop moved to functrain.trainer.loop: import it from there (functrain.loop goes "
-        "in 0.2)",
-        "FutureWarning True functrain.remat moved to functrain.step.staged: import it from there (functrain.remat goes "
-        "in 0.2)",
-        "FutureWarning False functrain.memory moved to functrain.trainer.memory: import it from there "
-        "(functrain.memory goes in 0.2)",
-    ], lines
+
+    assert not any(type(f).__module__.startswith("functrain") for f in sys.meta_path)
+    for old in ("functrain.loop", "functrain.remat", "functrain.memory"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    with pytest.raises(AttributeError):
+        functrain.memory  # noqa: B018

@@ -445,23 +445,3 @@ def test_a_transform_is_init_and_update_with_optional_traits():
     assert optim.adamw(1e-3, fused=True).fused is not None
     clipped = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, fused=True))
     assert clipped.traits.leafwise == "norm" and clipped.fused is not None
-
-
-def test_the_old_six_field_transform_still_builds_with_a_warning():
-    def init(p):
-        return ()
-
-    def update(u, s, p=None):
-        return u, s
-
-    def report_fn(state):
-        return {"lr": torch.ones(())}
-
-    with pytest.warns(FutureWarning, match="optim.Traits"):
-        positional = optim.Transform(init, update, report_fn, True)
-    with pytest.warns(FutureWarning, match="optim.Traits"):
-        named = optim.Transform(init, update, leafwise="norm")
-    assert positional.traits == optim.Traits(report_fn, True)
-    assert named.traits == optim.Traits(leafwise="norm")
-    with pytest.raises(TypeError, match="bogus"):
-        optim.Transform(init, update, bogus=1)

@@ -21,6 +21,7 @@ from torch import nn
 import functrain as ft
 from functrain import checkpoint, optim, population, per_example, rng
 from functrain.compiler import GraphBreakError
+from functrain.state import init_guard
 
 STEPS = 20
 # A loss is a mean over 16 rows of a conv over 27 inputs: reductions of ~500 terms per step, and
@@ -97,7 +98,7 @@ def test_accumulation_updates_the_statistics_once_per_microbatch():
 def test_under_half_precision_the_buffers_keep_their_dtype(precision):
     template = model(0)
     # (a scale that does not overflow at the first step: a skipped step keeps the old statistics)
-    state = ft.init_state(template, optimizer()).replace(guard=ft.init_guard(loss_scale=2.0**8))
+    state = ft.init_state(template, optimizer()).replace(guard=init_guard(loss_scale=2.0**8))
     fp32, _ = _train(ft.make_train_step(loss_fn_for(template), optimizer(), compile=False),
                      ft.init_state(template, optimizer()), batches(3))
     state, _ = _train(ft.make_train_step(loss_fn_for(template), optimizer(), compile=False, precision=precision),

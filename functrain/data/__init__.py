@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from functrain.data.stdlib_sft import builtin_format, builtin_source, stdlib_pairs
     from functrain.data.supervised import (ChatTemplate, chat_template_of, detect_format, first_record,
                                            has_chat_template, render)
-    from functrain.data.token_cache import open_token_cache, tokenize, tokenize_shards
+    from functrain.data.token_cache import open_token_cache, tokenize
     from functrain.data.tokenizer import (END_OF_TEXT, SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer,
                                           VocabTokenizer, train_bpe)
     from functrain.data.tokens import ConcatTokens

@@ -40,7 +40,6 @@ import multiprocessing
 import sys
 import time
 import uuid
-import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -55,7 +54,7 @@ from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, token
 from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, separator_ids
 from functrain.data.tokens import ConcatTokens
 
-__all__ = ["FORMAT", "FORMATS", "POOL_BYTES", "open_token_cache", "tokenize", "tokenize_shards", "tokenizer_id"]
+__all__ = ["FORMAT", "FORMATS", "POOL_BYTES", "open_token_cache", "tokenize", "tokenizer_id"]
 
 FORMAT = "functrain-tokens"
 VERSION = 3  # 3: one format for every source, split per document (before: text caches and shard caches apart)
@@ -181,25 +180,6 @@ def tokenize(
     else:
         _wait_for(lambda: _read_meta(out) is not None, out, rank, poll_s)
     return out
-
-
-def tokenize_shards(source: str, cache_dir: str | os.PathLike, **kwargs) -> Path:
-    """`tokenize` under its old name (it goes in 0.2).
-
-    Args:
-      source: as `tokenize`'s.
-      cache_dir: as `tokenize`'s.
-      **kwargs: as `tokenize`'s.
-
-    Returns:
-      The cache directory.
-
-    Example:
-      >>> out = tokenize_shards("/data/web", "/tmp/cache")  # warns: use tokenize
-    """
-    warnings.warn("functrain.data.tokenize_shards is now functrain.data.tokenize (every source; the old name goes "
-                  "in 0.2)", FutureWarning, stacklevel=2)
-    return tokenize(source, cache_dir, **kwargs)
 
 
 def _content(unit: dict) -> tuple:

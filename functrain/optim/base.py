@@ -85,7 +85,6 @@ class Traits(NamedTuple):
 
 
 _NONE = Traits()
-_OLD_FIELDS = ("report", "leafwise", "scale", "fused")
 
 
 class _Pair(NamedTuple):
@@ -105,9 +104,7 @@ class Transform(_Pair):
 
     __slots__ = ()
 
-    def __new__(cls, init: InitFn, update: UpdateFn, traits: "Traits | None" = None, *old, **old_named):
-        if old or old_named or (traits is not None and not isinstance(traits, Traits)):
-            traits = _old_traits(traits, old, old_named)
+    def __new__(cls, init: InitFn, update: UpdateFn, traits: "Traits | None" = None):
         return super().__new__(cls, init, update, _NONE if traits is None else traits)
 
     @property
@@ -129,22 +126,6 @@ class Transform(_Pair):
     def fused(self) -> Callable[..., Any] | None:
         """`traits.fused`."""
         return self.traits.fused
-
-
-def _old_traits(first, rest: tuple, named: dict) -> Traits:
-    """`Traits` from the fields `Transform` had before 0.1 (report, leafwise, scale, fused), with a warning."""
-    import warnings
-
-    values = dict(zip(_OLD_FIELDS, (first, *rest)))
-    unknown = set(named) - set(_OLD_FIELDS)
-    if unknown or len(values) > len(_OLD_FIELDS) or set(values) & set(named):
-        raise TypeError(f"Transform(init, update, traits) takes a functrain.optim.Traits as its third argument; "
-                        f"got {sorted(unknown) or 'more arguments'}")
-    values.update(named)
-    warnings.warn("Transform(init, update, report, leafwise, scale, fused) is now Transform(init, update, "
-                  "optim.Traits(report=..., leafwise=..., scale=..., fused=...)); the old fields go in 0.2",
-                  FutureWarning, stacklevel=3)
-    return Traits(**values)
 
 
 def is_leafwise(t: Transform) -> bool:
