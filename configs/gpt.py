@@ -21,8 +21,8 @@ Variants (`--config=configs/gpt.py:<variant>`):
 Override anything: `--config.optim.lr=3e-4 --config.steps=2000 --config.model.n_layer=6`.
 Your data: `--config.data.path='/data/web/*.parquet' --config.data.sampling=epochs` (parquet/jsonl
 shards, tokenized in parallel once; mixtures of sources in a config file: docs/guide.md "Data").
-`--config.compile_unit=blocks` halves the cold compile (34-40 s vs 72-78 s back to back on 2 cores)
-for 1.07x slower steps: a wash over 2500 steps, a gain for short runs (README "Compile unit").
+The compile unit stays "step" (one graph) by measurement: `--config.compile_unit=blocks` compiles in
+~40% less time but steps 1-7% slower (docs/results.md), a gain for short runs only (README "Compile units").
 LoRA over a pretrained run: `--config.checkpoint.init_from=runs/gpt --config.lora.rank=8` in a new workdir
 (the base read from that checkpoint and frozen; docs/guide.md "LoRA").
 Multi-process: `torchrun --standalone --nproc_per_node=2 -m functrain.main --config=configs/gpt.py`.

@@ -35,6 +35,8 @@ checkpoint exports with
 
 LoRA over `init_from`'s frozen weights: `--config.init_from=hf:DIR --config.lora.rank=8` (merged export
 and PEFT directory at the end; docs/guide.md "LoRA").
+The compile unit stays "step" (one graph) by measurement: `--config.compile_unit=blocks` compiled the
+decoder families (Qwen2, GPT) in ~40% less time but stepped 1-4% slower (docs/results.md).
 Multi-process (FSDP, per-block gather): `torchrun --standalone --nproc_per_node=2 -m functrain.main
 --config=configs/llama.py:tiny`; tensor parallel: add `--config.mesh.tp=2`.
 """

@@ -112,7 +112,7 @@ def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stag
     Block i's stage runs `fn(block_i, own_params, h, key, i, *side)`; its `Stage.shared` runs
     `fn(block_0, own_params, h, key, index, *side)` with `index` a 0-d tensor (`side`: the staged loss's
     side inputs, e.g. packed rows' `Packed`; usually none), the same function object for
-    every block, so `remat.staged_loss(...).compile_stages()` compiles one block graph for all of them.
+    every block, so `step.staged.staged_loss(...).compile_stages()` compiles one block graph for all of them.
     `fn` must therefore use `index` only through tensor ops (e.g. `rng.fold_in(key, 1 + 2 * index)`),
     and the blocks must have the same parameter names and shapes (checked: else no `shared`).
 
@@ -354,7 +354,7 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
       chunk_size: see `lm_loss`.
       ignore_index: target value to ignore.
       remat: activation checkpointing of the blocks (`functrain.step.staged.parse_policy`): "none", "full"
-        or an int N (every N-th block). Other than "none" the loss is a `remat.staged_loss` whose
+        or an int N (every N-th block). Other than "none" the loss is a `step.staged.staged_loss` whose
         `value_and_grad` the train step uses; loss and gradients are unchanged (to float rounding).
       staged: build the staged loss even with remat "none": on sharded (DTensor) params the train
         step then gathers each block's parameters just before it runs and reduce-scatters its

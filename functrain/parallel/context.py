@@ -542,7 +542,7 @@ def context_parallel(model: nn.Module, split: Split | None) -> nn.Module:
 
     Args:
       model: a model whose position-dependent modules have a `context` attribute (None by default),
-        e.g. `functrain.models.GPT` or `Llama` (a meta template, or a tensor-parallel copy).
+        e.g. `functrain.models.gpt.GPT` or `Llama` (a meta template, or a tensor-parallel copy).
       split: `split_of(mesh)`; None returns `model` itself.
 
     Returns:

@@ -302,7 +302,7 @@ def make_train_step(
         staged=True)`): each stage kind is its own graph, every block running the same one, so
         neither the number of graphs nor the cold compile grows with depth (README "Compile
         unit"); graphs: the step's prepare (cast, key), the embedding, the block (a second one
-        for a recomputed block's no-grad forward), the head (see `remat.staged_loss`'s
+        for a recomputed block's no-grad forward), the head (see `step.staged.staged_loss`'s
         `compile_stages`), and the optimizer update block by block: one graph for every block, one
         for the rest (`functrain.step.update_groups`; one finish graph over every tensor when the
         optimizer is not leafwise). False: eager.

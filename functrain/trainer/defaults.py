@@ -56,7 +56,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     # grows with depth) or "blocks" (a staged model's
     # embedding, block and head each a graph of their own, every block running the same one, and the
     # optimizer update block by block: as many graphs and about the same cold compile at any depth;
-    # README "Compile unit").
+    # README "Compile units").
     c.compile_unit = "step"
     # True: the step is one graph, and a graph break in the model stops with one line naming it.
     # False: torch.compile compiles around graph breaks (several graphs; for modules that print,

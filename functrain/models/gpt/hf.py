@@ -1,4 +1,4 @@
-"""Convert `functrain.models.GPT` parameters to and from Hugging Face GPT-2 (`GPT2LMHeadModel`) names.
+"""Convert `functrain.models.gpt.GPT` parameters to and from Hugging Face GPT-2 (`GPT2LMHeadModel`) names.
 
     functrain                             Hugging Face GPT-2
     wte.weight                            transformer.wte.weight       (also lm_head.weight, tied)

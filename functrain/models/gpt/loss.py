@@ -37,7 +37,7 @@ def gpt_hidden(
     idx: torch.Tensor,
     dropout_key: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Final hidden states (after `ln_f`) of a `functrain.models.GPT`, with `params` functionally.
+    """Final hidden states (after `ln_f`) of a `functrain.models.gpt.GPT`, with `params` functionally.
 
     The same computation as the model's forward (dropout sites and keys included) minus the
     lm_head, so `gpt_hidden(...) @ params["wte.weight"].T` equals `apply(model, params, idx, ...)`.
@@ -75,7 +75,7 @@ def gpt_loss(
     """Next-token cross-entropy of a GPT; with `chunk_size > 0` the (B, T, V) logits never exist.
 
     Args:
-      model: a `functrain.models.GPT` (meta template is fine).
+      model: a `functrain.models.gpt.GPT` (meta template is fine).
       params: its parameters.
       x: int64 input ids (B, T).
       y: int64 targets (B, T); `ignore_index` entries are skipped.
