@@ -23,9 +23,9 @@ step's seconds), then again in a second process on the cache the first one fille
 step's seconds). The steady step is timed side by side: one more process builds all three routes
 (each on its warm cache), warms each up with 3 steps, then times them in turn, `--steps` steps per
 route per round for `--rounds` rounds; a route's figure is the median of its rounds, so a machine
-that slows down for a while slows every route alike. Printed per type: the routes' rows, the three ratios the targets are stated in, and the compile
-time of functrain's cold process by phase (`torch._dynamo.utils.compile_times()`, seconds summed
-over graphs). With `--json`, one line per type:
+that slows down for a while slows every route alike. Printed per type: the routes' rows, the three
+ratios the targets are stated in, and the compile time of functrain's cold process by phase
+(`torch._dynamo.utils.compile_times()`, seconds summed over graphs). With `--json`, one line per type:
 
     {"type": ..., "cold_vs_compile": <functrain cold / torch.compile cold>,
      "warm_first_step_s": <functrain's first step, warm>, "step_vs_compile": <functrain tokens/s /
@@ -187,8 +187,8 @@ def _child_setup(args):
 def _child_first(args) -> None:
     """One route, cold or warm, in this process: prints one JSON line (first step's seconds, compile phases)."""
     device, model, data = _child_setup(args)
-    times = _timed(_route(model, args.route, args.compile_unit), data[:2], device)
-    print(json.dumps({"first_s": times[0], "params": sum(p.numel() for p in model.params.values()),
+    (first_s,) = _timed(_route(model, args.route, args.compile_unit), data[:1], device)
+    print(json.dumps({"first_s": first_s, "params": sum(p.numel() for p in model.params.values()),
                       "phases": _phases()}))
 
 
@@ -213,7 +213,7 @@ def _spawn(args, kind: str, route: str, cache: str, caches: dict[str, str]) -> d
     env = dict(os.environ)
     if route in caches:
         env["TORCHINDUCTOR_CACHE_DIR"] = caches[route]
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", route, "--cache", cache, "--type", kind,
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", route, "--type", kind,
            "--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
            "--rounds", str(args.rounds), "--device", args.device, "--compile-unit", args.compile_unit,
            "--host-memory", args.host_memory, "--caches", json.dumps(caches)]
@@ -273,7 +273,6 @@ def main() -> None:
                     help="keep: every route's process keeps freed memory (the main job's default on CPU)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", choices=ROUTES + ("steady",), dest="route", help=argparse.SUPPRESS)
-    ap.add_argument("--cache", choices=("cold", "warm"), default="cold", help=argparse.SUPPRESS)
     ap.add_argument("--caches", type=json.loads, default={}, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.route == "steady":

@@ -59,7 +59,7 @@ def graph(fn, options: dict | None = None):
     mesh_key.register()  # (a sharded step's cache keys must not hold a per-process hash)
     like_draws.route()  # (keyed rand_like and friends compiled as eagerly)
     options = {"fullgraph": True, "dynamic": False, **(options or {})}
-    if options.get("backend", "inductor") == "inductor" and options.get("mode") is None:
+    if _is_inductor(options) and options.get("mode") is None:
         options["options"] = {**_INDUCTOR, **(options.get("options") or {})}
     return torch.compile(fn, **options)
 
@@ -69,6 +69,11 @@ def graph(fn, options: dict | None = None):
 # of its Scheduler.__init__; with 8 the measured steps' kernels are the same ones, found in half the
 # time (docs/results.md, "The compiled step against torch.compile"). A caller's own options win.
 _INDUCTOR = {"max_fusion_buffer_group_pairwise_attempts": 8}
+
+
+def _is_inductor(options: dict | None) -> bool:
+    """Whether `torch.compile(**options)` compiles with inductor (its default backend)."""
+    return (options or {}).get("backend", "inductor") == "inductor"
 
 
 def maybe_compile(fn, compile: bool, options: dict | None):
@@ -93,7 +98,7 @@ def maybe_compile(fn, compile: bool, options: dict | None):
     code = lowered.__code__.replace(co_name=getattr(fn, "__name__", "step"))
     lowered = types.FunctionType(code, lowered.__globals__, code.co_name, None, lowered.__closure__)
     compiled = graph(lowered, options)
-    first = [(options or {}).get("backend", "inductor") == "inductor"]  # inductor: probe at the first call
+    first = [_is_inductor(options)]  # inductor: probe at the first call
 
     @functools.wraps(fn)
     def call(*args):
