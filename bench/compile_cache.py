@@ -114,8 +114,12 @@ def _variant(variant: str, steps: int, tmp: str, wired: bool) -> list[tuple[str,
     base = common + [f"--config.steps={steps}", "--config.stop_at=2"]
     workdir_mode = ["--config.compile_cache=workdir"] if wired else []
     # Tokenize the data once, uncompiled, so no timed run pays for it.
-    _run(config, os.path.join(root, "prep"), os.path.join(root, "prep-cache"),
-         common + ["--config.compile=False", "--config.steps=1", "--config.sample.max_new_tokens=1"])
+    _run(
+        config,
+        os.path.join(root, "prep"),
+        os.path.join(root, "prep-cache"),
+        common + ["--config.compile=False", "--config.steps=1", "--config.sample.max_new_tokens=1"],
+    )
     cold_dir = os.path.join(root, "cold")
     cache = os.path.join(cold_dir, "compile_cache")
     mega = os.path.join(root, "mega.bin")
@@ -124,12 +128,21 @@ def _variant(variant: str, steps: int, tmp: str, wired: bool) -> list[tuple[str,
     rows.append(("warm", _run(config, os.path.join(root, "warm"), cache, base)))
     moved = os.path.join(root, "elsewhere", "restarted")
     shutil.copytree(cold_dir, moved)
-    restart = common + [f"--config.steps={steps}", "--config.stop_at=3"] + workdir_mode  # resumes from the step-2 checkpoint
+    restart = (
+        common + [f"--config.steps={steps}", "--config.stop_at=3"] + workdir_mode
+    )  # resumes from the step-2 checkpoint
     rows.append(("restart (copy)", _run(config, moved, os.path.join(moved, "compile_cache"), restart)))
-    rows.append(("mega-cache only", _run(config, os.path.join(root, "mega"), os.path.join(root, "mega-cache"), base,
-                                         {"load_mega": mega})))
-    print(f"{variant}: cache dir after the cold run {size:.1f} MiB; mega-cache artifacts "
-          f"{os.path.getsize(mega) / 2**20:.1f} MiB", flush=True)
+    rows.append(
+        (
+            "mega-cache only",
+            _run(config, os.path.join(root, "mega"), os.path.join(root, "mega-cache"), base, {"load_mega": mega}),
+        )
+    )
+    print(
+        f"{variant}: cache dir after the cold run {size:.1f} MiB; mega-cache artifacts "
+        f"{os.path.getsize(mega) / 2**20:.1f} MiB",
+        flush=True,
+    )
     return rows
 
 
@@ -145,16 +158,20 @@ def main() -> None:
             for name, r in _variant(variant, args.steps, tmp, wired):
                 table.append((variant, name, r))
                 print(f"  {variant} {name}: time to first step {r['ttfs']:.1f}s", flush=True)
-    print("| variant | case | time to first step s | vs cold | process wall s | dynamo trace s | "
-          "AOT+inductor s | FX hit/miss | AOT hit/miss |")
+    print(
+        "| variant | case | time to first step s | vs cold | process wall s | dynamo trace s | "
+        "AOT+inductor s | FX hit/miss | AOT hit/miss |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     cold = {}
     for variant, name, r in table:
         cold.setdefault(variant, r["ttfs"])
         s, t = r["stats"], r["times"]
-        print(f"| {variant} | {name} | {r['ttfs']:.1f} | {r['ttfs'] / cold[variant]:.2f}x | {r['wall']:.1f} | "
-              f"{t.get('bytecode_tracing', 0):.1f} | {t.get('OutputGraph.call_user_compiler', 0):.1f} | "
-              f"{s['fxgraph_hit']}/{s['fxgraph_miss']} | {s['aot_hit']}/{s['aot_miss']} |")
+        print(
+            f"| {variant} | {name} | {r['ttfs']:.1f} | {r['ttfs'] / cold[variant]:.2f}x | {r['wall']:.1f} | "
+            f"{t.get('bytecode_tracing', 0):.1f} | {t.get('OutputGraph.call_user_compiler', 0):.1f} | "
+            f"{s['fxgraph_hit']}/{s['fxgraph_miss']} | {s['aot_hit']}/{s['aot_miss']} |"
+        )
     for variant in cold:
         warm = next(r["ttfs"] for v, n, r in table if v == variant and n == "warm")
         print(f"{variant}: cold / warm time to first step = {cold[variant] / warm:.2f}x")

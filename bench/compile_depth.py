@@ -64,11 +64,20 @@ print(json.dumps({"first": times[0], "step": min(times[1:])}))
 def _cold(n_layer: int, n_embd: int, remat: str, mode: str, donate: bool = True) -> dict:
     """First-step and steady step time of a fresh process with empty compile caches."""
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
-                   TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-        out = subprocess.run([sys.executable, "-c", CHILD, str(n_layer), str(n_embd), remat, mode, str(int(donate))], env=env,
-                             capture_output=True, text=True, check=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=cache,
+            TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+            TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(n_layer), str(n_embd), remat, mode, str(int(donate))],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -79,13 +88,19 @@ def main() -> None:
     ap.add_argument("--remat", default="none", help="remat policy of the loss (none, full, N)")
     ap.add_argument("--compile", default="step", choices=["step", "blocks"], help="what one graph covers")
     ap.add_argument("--update", action="store_true", help="also time the optimizer update's compile alone")
-    ap.add_argument("--no-donate", dest="donate", action="store_false",
-                    help="make_train_step(donate=False): the state's buffers not reused")
+    ap.add_argument(
+        "--no-donate",
+        dest="donate",
+        action="store_false",
+        help="make_train_step(donate=False): the state's buffers not reused",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = ap.parse_args()
     depths = [int(x) for x in args.layers.split(",")]
-    print(f"cold compile of the GPT train step, width {args.n_embd}, remat={args.remat}, compile={args.compile}, "
-          f"donate={args.donate}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(
+        f"cold compile of the GPT train step, width {args.n_embd}, remat={args.remat}, compile={args.compile}, "
+        f"donate={args.donate}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
     print(f"{'layers':>6} {'first step s':>13} {'step s':>8} {'compile s':>10}" + (f" {'update s':>9}" * args.update))
     compile_s, update_s = {}, {}
     for n in depths:
@@ -99,8 +114,14 @@ def main() -> None:
         print(row, flush=True)
     ratio = compile_s[depths[-1]] / compile_s[depths[0]]
     print(f"compile time ratio {depths[-1]} / {depths[0]} layers: {ratio:.2f}")
-    out = {"compile_s": compile_s, "ratio": round(ratio, 3), "n_embd": args.n_embd, "remat": args.remat,
-           "compile": args.compile, "donate": args.donate}
+    out = {
+        "compile_s": compile_s,
+        "ratio": round(ratio, 3),
+        "n_embd": args.n_embd,
+        "remat": args.remat,
+        "compile": args.compile,
+        "donate": args.donate,
+    }
     if args.update:
         without = {n: compile_s[n] - update_s[n] for n in depths}
         out.update(update_s=update_s, ratio_without_update=round(without[depths[-1]] / without[depths[0]], 3))

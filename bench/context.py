@@ -56,9 +56,12 @@ def _args():
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--kernel", default="zigzag", help="the cp attention: zigzag (no mask) or mask")
     p.add_argument("--seq", type=int, default=0, help="measure at this length only (no search)")
-    p.add_argument("--exact-heap", action="store_true",
-                   help="CPU: blocks of 64 KiB or more mapped and handed back one by one, so the resident set "
-                        "follows live memory (bench/_mem.exact)")
+    p.add_argument(
+        "--exact-heap",
+        action="store_true",
+        help="CPU: blocks of 64 KiB or more mapped and handed back one by one, so the resident set "
+        "follows live memory (bench/_mem.exact)",
+    )
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -86,23 +89,33 @@ def measure(ctx, args, seq: int) -> dict:
     """One step's peak memory (max over ranks), step time and tokens/s at sequence length `seq`."""
     if args.family == "gpt":
         fam = gpt
-        cfg = gpt.GPTConfig(vocab_size=256, block_size=seq, n_layer=args.n_layer, n_head=args.n_head,
-                            n_embd=args.n_embd, bias=False)
+        cfg = gpt.GPTConfig(
+            vocab_size=256, block_size=seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, bias=False
+        )
         with torch.device("meta"):
             template = gpt.GPT(cfg)
     else:  # rotary positions (no position table), grouped-query attention
         fam = llama
-        cfg = llama.LlamaConfig(vocab_size=256, block_size=seq, n_layer=args.n_layer, n_head=args.n_head,
-                                n_kv_head=args.n_kv_head, n_embd=args.n_embd)
+        cfg = llama.LlamaConfig(
+            vocab_size=256,
+            block_size=seq,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_kv_head=args.n_kv_head,
+            n_embd=args.n_embd,
+        )
         with torch.device("meta"):
             template = llama.Llama(cfg)
     rules = parallel.default_rules(fam.TP_RULES)
     model = parallel.context.context_parallel(template, parallel.context.split_of(ctx.mesh, args.kernel))
     loss_fn = fam.make_loss_fn(model, remat="full", staged=True)
     opt = optim.adamw(1e-3)
-    params = parallel.init_sharded(lambda key, device, where=None: fam.init_params(template, key, device=device,
-                                                                                    where=where),
-                                   rng.key(0), ctx.mesh, rules)
+    params = parallel.init_sharded(
+        lambda key, device, where=None: fam.init_params(template, key, device=device, where=where),
+        rng.key(0),
+        ctx.mesh,
+        rules,
+    )
     state = parallel.shard_state(init_state(params, opt), ctx.mesh, rules)
     step = make_train_step(loss_fn, opt, compile=False)
     g = torch.Generator().manual_seed(0)
@@ -116,8 +129,12 @@ def measure(ctx, args, seq: int) -> dict:
     elapsed = time.perf_counter() - t0
     peak = _max_over_ranks(read())
     elapsed = _max_over_ranks(elapsed)
-    return {"seq": seq, "peak_mib": round(peak, 1), "step_s": round(elapsed, 3),
-            "tokens_per_s": round(ctx.dp_world * seq / elapsed, 1)}
+    return {
+        "seq": seq,
+        "peak_mib": round(peak, 1),
+        "step_s": round(elapsed, 3),
+        "tokens_per_s": round(ctx.dp_world * seq / elapsed, 1),
+    }
 
 
 def longest(ctx, args, cp: int) -> dict:
@@ -153,12 +170,22 @@ def main():
         row = {"cp": cp, **measure(ctx, args, args.seq)} if args.seq else longest(ctx, args, cp)
         rows.append(row)
         if ctx.is_main_process:
-            print(f"cp={cp}: {'sequence' if args.seq else 'longest sequence'} {row['seq']} tokens, peak {row.get('peak_mib')} MiB/rank, "
-                  f"{row.get('step_s')} s/step, {row.get('tokens_per_s')} tokens/s", flush=True)
+            print(
+                f"cp={cp}: {'sequence' if args.seq else 'longest sequence'} {row['seq']} tokens, "
+                f"peak {row.get('peak_mib')} MiB/rank, "
+                f"{row.get('step_s')} s/step, {row.get('tokens_per_s')} tokens/s",
+                flush=True,
+            )
     base = rows[0]["seq"] or 1
-    out = {"cap_mib": args.cap_mib, "world": world, "family": args.family, "n_layer": args.n_layer,
-           "n_embd": args.n_embd,
-           "rows": rows, "ratios": {f"cp{r['cp']}": round(r["seq"] / base, 3) for r in rows}}
+    out = {
+        "cap_mib": args.cap_mib,
+        "world": world,
+        "family": args.family,
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "rows": rows,
+        "ratios": {f"cp{r['cp']}": round(r["seq"] / base, 3) for r in rows},
+    }
     if parallel.is_main_process():
         print("longest sequence vs cp=1: " + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items()))
         if args.json:

@@ -45,15 +45,19 @@ sys.path.insert(0, str(REPO))
 
 from functrain.data import Sampler, load_dataset, train_bpe  # noqa: E402
 
-_WORDS = ("def return class import self if else for while in not and or None True False raise "
-          "the of and to in is was for on that with by as at from").split()
+_WORDS = (
+    "def return class import self if else for while in not and or None True False raise "
+    "the of and to in is was for on that with by as at from"
+).split()
 
 
 def _corpus(root: Path, mb: int, shards: int) -> int:
     """Writes ~mb MB of jsonl in `shards` files; returns its bytes."""
     rnd = random.Random(0)
-    lines = [json.dumps({"text": " ".join(rnd.choice(_WORDS) for _ in range(rnd.randint(20, 400)))}) + "\n"
-             for _ in range(2000)]
+    lines = [
+        json.dumps({"text": " ".join(rnd.choice(_WORDS) for _ in range(rnd.randint(20, 400)))}) + "\n"
+        for _ in range(2000)
+    ]
     block = "".join(lines).encode()
     per = mb * 1_000_000 // shards
     for i in range(shards):
@@ -77,8 +81,13 @@ def _tokenize(src: Path, cache: Path, workers: int, tokenizer_file: str) -> floa
     """Seconds a fresh process takes to tokenize src from scratch with `workers` single-threaded workers
     (TOKENIZERS_PARALLELISM=false: one worker is one core, as the library's worker processes run)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _TIMED, str(src), str(cache), str(workers), tokenizer_file],
-                         capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _TIMED, str(src), str(cache), str(workers), tokenizer_file],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return float(out.stdout.split()[-1])
 
 
@@ -95,8 +104,13 @@ print(rss_now, int(hwm[0].split()[1]))  # VmHWM: this program's peak (ru_maxrss 
 
 def _memory(src: Path, cache: Path) -> tuple[float, float]:
     """(RSS before tokenizing, peak RSS) of a fresh process tokenizing src on one worker, in MB."""
-    out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(src), str(cache)], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)), check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, str(src), str(cache)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        check=True,
+    )
     before, peak = map(int, out.stdout.split())
     return before / 1024, peak / 1024
 
@@ -131,9 +145,18 @@ def _gpt2_step_ms(rows: int) -> float:
 
 def _loop(steps: int, workdir: Path) -> tuple[float, float]:
     """(median data_wait_ms, median step ms) of the default job's steady-state log rows."""
-    cmd = [sys.executable, "-m", "functrain.main", "--config=configs/gpt.py", f"--workdir={workdir}",
-           f"--config.steps={steps}", "--config.log_every=10", f"--config.eval_every={steps}",
-           "--config.sample.max_new_tokens=0", "--config.checkpoint.every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "functrain.main",
+        "--config=configs/gpt.py",
+        f"--workdir={workdir}",
+        f"--config.steps={steps}",
+        "--config.log_every=10",
+        f"--config.eval_every={steps}",
+        "--config.sample.max_new_tokens=0",
+        "--config.checkpoint.every=0",
+    ]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     rows = [r for r in rows if "data_wait_ms" in r][1:]
@@ -163,14 +186,23 @@ def main() -> None:
             tokenizer_file = str(tmp / "bpe.json")
         one = _tokenize(tmp / "src", tmp / "c1", 1, tokenizer_file)
         two = _tokenize(tmp / "src", tmp / "c2", 2, tokenizer_file)
-        result.update(corpus_mb=size / 1e6, tokenizer=f"bpe{args.bpe}" if args.bpe else "bytes",
-                      tokenize_mb_s_1=size / 1e6 / one, tokenize_mb_s_2=size / 1e6 / two, tokenize_speedup=one / two)
-        print(f"tokenize {size / 1e6:.0f} MB ({result['tokenizer']}): 1 worker {size / 1e6 / one:.1f} MB/s, "
-              f"2 workers {size / 1e6 / two:.1f} MB/s: {one / two:.2f}x")
+        result.update(
+            corpus_mb=size / 1e6,
+            tokenizer=f"bpe{args.bpe}" if args.bpe else "bytes",
+            tokenize_mb_s_1=size / 1e6 / one,
+            tokenize_mb_s_2=size / 1e6 / two,
+            tokenize_speedup=one / two,
+        )
+        print(
+            f"tokenize {size / 1e6:.0f} MB ({result['tokenizer']}): 1 worker {size / 1e6 / one:.1f} MB/s, "
+            f"2 workers {size / 1e6 / two:.1f} MB/s: {one / two:.2f}x"
+        )
         before, peak = _memory(tmp / "src", tmp / "c3")
         result.update(rss_before_mb=before, rss_peak_mb=peak, corpus_over_growth=size / 1e6 / max(peak - before, 1e-9))
-        print(f"memory: RSS {before:.0f} MB before tokenizing, peak {peak:.0f} MB: +{peak - before:.0f} MB for a "
-              f"{size / 1e6:.0f} MB corpus ({result['corpus_over_growth']:.0f}x the growth)")
+        print(
+            f"memory: RSS {before:.0f} MB before tokenizing, peak {peak:.0f} MB: +{peak - before:.0f} MB for a "
+            f"{size / 1e6:.0f} MB corpus ({result['corpus_over_growth']:.0f}x the growth)"
+        )
         stdlib = load_dataset("stdlib", tmp / "stdlib")
         default = Sampler([("stdlib", stdlib.train, 1.0)], batch_size=32, block_size=128, seed=0)
         result["batch_ms_default"] = _batch_ms(default)
@@ -178,23 +210,38 @@ def main() -> None:
         big[::4096] = 1
         big.flush()
         for sampling in ("windows", "epochs"):
-            s = Sampler([("owt", np.memmap(tmp / "big.bin", dtype=np.uint16, mode="r"), 1.0)], batch_size=480,
-                        block_size=1024, seed=0, sampling=sampling)
+            s = Sampler(
+                [("owt", np.memmap(tmp / "big.bin", dtype=np.uint16, mode="r"), 1.0)],
+                batch_size=480,
+                block_size=1024,
+                seed=0,
+                sampling=sampling,
+            )
             result[f"batch_ms_gpt2_{sampling}"] = _batch_ms(s, 5)
-        line = (f"batch: default (32 x 128) {result['batch_ms_default']:.2f} ms; gpt2 (480 x 1024) windows "
-                f"{result['batch_ms_gpt2_windows']:.1f} ms, epochs {result['batch_ms_gpt2_epochs']:.1f} ms")
+        line = (
+            f"batch: default (32 x 128) {result['batch_ms_default']:.2f} ms; gpt2 (480 x 1024) windows "
+            f"{result['batch_ms_gpt2_windows']:.1f} ms, epochs {result['batch_ms_gpt2_epochs']:.1f} ms"
+        )
         if args.gpt2_rows:
             result["step_ms_gpt2_cpu_scaled"] = _gpt2_step_ms(args.gpt2_rows)
-            line += (f"; gpt2 step (CPU, scaled from {args.gpt2_rows} rows) {result['step_ms_gpt2_cpu_scaled']:.0f} ms: "
-                     f"batch {100 * result['batch_ms_gpt2_epochs'] / result['step_ms_gpt2_cpu_scaled']:.3f}% of it")
+            line += (
+                f"; gpt2 step (CPU, scaled from {args.gpt2_rows} rows) {result['step_ms_gpt2_cpu_scaled']:.0f} ms: "
+                f"batch {100 * result['batch_ms_gpt2_epochs'] / result['step_ms_gpt2_cpu_scaled']:.3f}% of it"
+            )
         print(line)
         if args.loop_steps:
             wait, step = _loop(args.loop_steps, tmp / "run")
-            result.update(loop_data_wait_ms=wait, loop_step_ms=step, loop_visible_share=wait / step,
-                          batch_share_default=result["batch_ms_default"] / step)
-            print(f"loop (default job, {args.loop_steps} steps): step {step:.1f} ms, a batch takes "
-                  f"{result['batch_ms_default']:.2f} ms ({100 * result['batch_ms_default'] / step:.1f}%), the loop waits "
-                  f"{wait:.3f} ms for it ({100 * wait / step:.2f}% of the step)")
+            result.update(
+                loop_data_wait_ms=wait,
+                loop_step_ms=step,
+                loop_visible_share=wait / step,
+                batch_share_default=result["batch_ms_default"] / step,
+            )
+            print(
+                f"loop (default job, {args.loop_steps} steps): step {step:.1f} ms, a batch takes "
+                f"{result['batch_ms_default']:.2f} ms ({100 * result['batch_ms_default'] / step:.1f}%), the loop waits "
+                f"{wait:.3f} ms for it ({100 * wait / step:.2f}% of the step)"
+            )
     if args.json:
         print(json.dumps(result))
 

@@ -55,10 +55,12 @@ def _hflm(directory, tokenizer_path, batch: int):
     from lm_eval.models.huggingface import HFLM
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), eos_token=data_lib.END_OF_TEXT,
-                                  pad_token=data_lib.END_OF_TEXT)
-    return HFLM(pretrained=str(directory), tokenizer=tok, max_length=BLOCK, batch_size=batch, device="cpu",
-                dtype="float32")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_path), eos_token=data_lib.END_OF_TEXT, pad_token=data_lib.END_OF_TEXT
+    )
+    return HFLM(
+        pretrained=str(directory), tokenizer=tok, max_length=BLOCK, batch_size=batch, device="cpu", dtype="float32"
+    )
 
 
 def main() -> None:
@@ -73,8 +75,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         docs = list(data_lib.validation_documents("stdlib"))
         tok = data_lib.train_bpe(docs[:20], 257, f"{tmp}/bytes.json")
-        cfg = gpt_lib.GPTConfig(vocab_size=tok.vocab_size, block_size=BLOCK, n_layer=4, n_head=4, n_embd=128,
-                                dropout=0.0, bias=False)
+        cfg = gpt_lib.GPTConfig(
+            vocab_size=tok.vocab_size, block_size=BLOCK, n_layer=4, n_head=4, n_embd=128, dropout=0.0, bias=False
+        )
         with torch.device("meta"):
             template = gpt_lib.GPT(cfg)
         params = gpt_lib.init_params(template, rng.key(0))
@@ -88,11 +91,12 @@ def main() -> None:
 
         for name, compile_ in (("functrain_compiled", True), ("functrain_eager", False)):
             scorer = fe.Scorer(model, batch_size=args.batch, compile=compile_)
-            dt = _timed(lambda: fe.loglikelihood(model, params, pairs, scorer=scorer), args.repeats)
+            dt = _timed(lambda scorer=scorer: fe.loglikelihood(model, params, pairs, scorer=scorer), args.repeats)
             out[name] = {"s": dt, "scored_per_s": scored / dt, "input_per_s": real / dt}
 
-        directory = save_hf_directory(f"{tmp}/hf", export_hf_gpt2(params, cfg), hf_gpt2_config(cfg),
-                                      tokenizer_file=tok.path)
+        directory = save_hf_directory(
+            f"{tmp}/hf", export_hf_gpt2(params, cfg), hf_gpt2_config(cfg), tokenizer_file=tok.path
+        )
         hflm = _hflm(directory, tok.path, args.batch)
         instances = [Instance("loglikelihood", {}, pr, i) for i, pr in enumerate(pairs)]
         dt = _timed(lambda: hflm.loglikelihood(instances, disable_tqdm=True), args.repeats)
@@ -107,16 +111,20 @@ def main() -> None:
         out["train_forward"] = {"s": dt, "input_per_s": n_batches * args.batch * BLOCK / dt}
 
     c, h, t = out["functrain_compiled"], out["hflm"], out["train_forward"]
-    print(f"{len(rows)} rows ({args.examples} next_lines examples x 4), {scored:,} scored tokens, {real:,} input tokens; "
-          f"batch {args.batch}, block {BLOCK}, {torch.get_num_threads()} threads")
+    print(
+        f"{len(rows)} rows ({args.examples} next_lines examples x 4), {scored:,} scored tokens, {real:,} input tokens; "
+        f"batch {args.batch}, block {BLOCK}, {torch.get_num_threads()} threads"
+    )
     print(f"{'engine':<22}{'seconds':>10}{'scored tok/s':>16}{'input tok/s':>16}")
     for name in ("functrain_compiled", "functrain_eager", "hflm", "train_forward"):
         r = out[name]
         print(f"{name:<22}{r['s']:>10.3f}{r.get('scored_per_s', float('nan')):>16,.0f}{r['input_per_s']:>16,.0f}")
     out["compiled_over_hflm"] = c["scored_per_s"] / h["scored_per_s"]
     out["compiled_over_train_forward"] = c["input_per_s"] / t["input_per_s"]
-    print(f"functrain compiled / HFLM: {out['compiled_over_hflm']:.2f}x scored tokens/s; compiled eval input tokens/s / "
-          f"training forward tokens/s: {out['compiled_over_train_forward']:.2f}")
+    print(
+        f"functrain compiled / HFLM: {out['compiled_over_hflm']:.2f}x scored tokens/s; compiled eval input tokens/s / "
+        f"training forward tokens/s: {out['compiled_over_train_forward']:.2f}"
+    )
     if args.json:
         print(json.dumps(out))
 

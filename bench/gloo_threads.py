@@ -57,8 +57,11 @@ def main() -> None:
             full = _wait(funcol.all_gather_single(local, 0, (mesh, 0)))  # (cols, rows / tp)
             _wait(funcol.all_reduce(full[:4].sum(0), "sum", (mesh, 1)))
         _wait(first)
-    print(f"rank {dist.get_rank()}: threads {sorted(threads)} iterations {args.iterations} "
-          f"seconds {time.perf_counter() - t0:.1f}", flush=True)
+    print(
+        f"rank {dist.get_rank()}: threads {sorted(threads)} iterations {args.iterations} "
+        f"seconds {time.perf_counter() - t0:.1f}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

@@ -56,14 +56,23 @@ from functrain import optim, rng  # noqa: E402
 from functrain.trainer import memory  # noqa: E402
 
 SIZES = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4),
+    "tiny": dict(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4
+    ),
 }
 LR, CLIP, VOCAB = 1e-3, 1.0, 256
 ROUTES = ("functrain", "torch.compile", "eager")
-PHASES = ("bytecode_tracing", "OutputGraph.call_user_compiler", "GraphLowering.run", "Scheduler.__init__",
-          "Scheduler.codegen", "async_compile.wait")
+PHASES = (
+    "bytecode_tracing",
+    "OutputGraph.call_user_compiler",
+    "GraphLowering.run",
+    "Scheduler.__init__",
+    "Scheduler.codegen",
+    "async_compile.wait",
+)
 
 
 def _batches(n, batch, seq, vocab, device):
@@ -94,9 +103,16 @@ class _Model:
         self.kind, self.device = kind, device
         if kind == "gpt":
             from functrain.models import gpt
+
             s = SIZES[size]
-            self.cfg = gpt.GPTConfig(vocab_size=VOCAB, block_size=max(256, seq), n_layer=s["num_hidden_layers"],
-                                     n_head=s["num_attention_heads"], n_embd=s["hidden_size"], dropout=0.0)
+            self.cfg = gpt.GPTConfig(
+                vocab_size=VOCAB,
+                block_size=max(256, seq),
+                n_layer=s["num_hidden_layers"],
+                n_head=s["num_attention_heads"],
+                n_embd=s["hidden_size"],
+                dropout=0.0,
+            )
             with torch.device("meta"):
                 self.template = gpt.GPT(self.cfg)
             self.params = gpt.init_params(self.template, rng.key(0), device=device)
@@ -105,6 +121,7 @@ class _Model:
         else:
             from functrain.models import hf
             from functrain.models.hf.tiny import write_tiny
+
             with tempfile.TemporaryDirectory() as tmp:
                 self.cfg = hf.load_config(write_tiny(tmp, kind, max_position_embeddings=max(256, seq), **SIZES[size]))
             self.template = hf.build_template(self.cfg, device=device)
@@ -116,9 +133,11 @@ class _Model:
         """torch's module with the same params."""
         if self.kind == "gpt":
             from functrain.models import gpt
+
             net = gpt.GPT(self.cfg).to(self.device)
         else:
             import transformers
+
             net = transformers.AutoModelForCausalLM.from_config(self.cfg, attn_implementation="sdpa").to(self.device)
         net.load_state_dict(self.params, strict=False)
         return net.train()
@@ -169,6 +188,7 @@ def _route(model: _Model, route: str, unit: str):
 def _phases() -> dict[str, float]:
     """Seconds per compile phase of this process, summed over its graphs."""
     from torch._dynamo.utils import compile_times
+
     names, values = compile_times(repr="csv")
     per = {n: sum(float(x) for x in str(v).split(",") if x.strip()) for n, v in zip(names, values)}
     return {p: round(per.get(p, 0.0), 2) for p in PHASES}
@@ -188,8 +208,9 @@ def _child_first(args) -> None:
     """One route, cold or warm, in this process: prints one JSON line (first step's seconds, compile phases)."""
     device, model, data = _child_setup(args)
     (first_s,) = _timed(_route(model, args.route, args.compile_unit), data[:1], device)
-    print(json.dumps({"first_s": first_s, "params": sum(p.numel() for p in model.params.values()),
-                      "phases": _phases()}))
+    print(
+        json.dumps({"first_s": first_s, "params": sum(p.numel() for p in model.params.values()), "phases": _phases()})
+    )
 
 
 def _child_steady(args) -> None:
@@ -213,10 +234,32 @@ def _spawn(args, kind: str, route: str, cache: str, caches: dict[str, str]) -> d
     env = dict(os.environ)
     if route in caches:
         env["TORCHINDUCTOR_CACHE_DIR"] = caches[route]
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", route, "--type", kind,
-           "--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--rounds", str(args.rounds), "--device", args.device, "--compile-unit", args.compile_unit,
-           "--host-memory", args.host_memory, "--caches", json.dumps(caches)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        route,
+        "--type",
+        kind,
+        "--size",
+        args.size,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--rounds",
+        str(args.rounds),
+        "--device",
+        args.device,
+        "--compile-unit",
+        args.compile_unit,
+        "--host-memory",
+        args.host_memory,
+        "--caches",
+        json.dumps(caches),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or not lines:
@@ -237,26 +280,41 @@ def _one_type(args, kind: str) -> dict:
         for route, tokens_per_s in _spawn(args, kind, "steady", "warm", caches).items():
             rows[route]["tokens_per_s"] = tokens_per_s
     ours_row, theirs_row = rows["functrain"], rows["torch.compile"]
-    print(f"{kind}: {ours_row['params'] / 1e6:.2f}M params, {args.batch} x {args.seq} tokens, {args.device}, "
-          f"torch {torch.__version__}, {os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} threads")
+    print(
+        f"{kind}: {ours_row['params'] / 1e6:.2f}M params, {args.batch} x {args.seq} tokens, {args.device}, "
+        f"torch {torch.__version__}, {os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} threads"
+    )
     for route, row in rows.items():
         warm = f"   warm {row['warm_first_s']:5.1f} s" if "warm_first_s" in row else " " * 16
         cold = f"cold {row['first_s']:6.1f} s" if "first_s" in row else " " * 13
         print(f"  {route:14s} {cold}{warm}   {row['tokens_per_s']:10,.0f} tokens/s")
-    figures = {"type": kind, "compile_unit": args.compile_unit,
-               "cold_vs_compile": round(ours_row["first_s"] / theirs_row["first_s"], 3),
-               "warm_first_step_s": round(ours_row["warm_first_s"], 2),
-               "step_vs_compile": round(ours_row["tokens_per_s"] / theirs_row["tokens_per_s"], 3)}
-    print(f"  cold compile {figures['cold_vs_compile']:.2f}x torch.compile's (target <= 1.0); warm first step "
-          f"{figures['warm_first_step_s']:.1f} s (target <= 5); step {figures['step_vs_compile']:.2f}x "
-          f"torch.compile's (target >= 1.05), {ours_row['tokens_per_s'] / rows['eager']['tokens_per_s']:.2f}x eager's")
+    figures = {
+        "type": kind,
+        "compile_unit": args.compile_unit,
+        "cold_vs_compile": round(ours_row["first_s"] / theirs_row["first_s"], 3),
+        "warm_first_step_s": round(ours_row["warm_first_s"], 2),
+        "step_vs_compile": round(ours_row["tokens_per_s"] / theirs_row["tokens_per_s"], 3),
+    }
+    print(
+        f"  cold compile {figures['cold_vs_compile']:.2f}x torch.compile's (target <= 1.0); warm first step "
+        f"{figures['warm_first_step_s']:.1f} s (target <= 5); step {figures['step_vs_compile']:.2f}x "
+        f"torch.compile's (target >= 1.05), {ours_row['tokens_per_s'] / rows['eager']['tokens_per_s']:.2f}x eager's"
+    )
     for route in ("functrain", "torch.compile"):
         for cache, key in (("cold", "phases"), ("warm", "warm_phases")):
-            print(f"  {route} {cache}, compile phases (s): " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in rows[route][key].items()))
-    return {**figures, "size": args.size, "params": ours_row["params"], "device": args.device,
-            "torch": torch.__version__, "vs_eager": round(ours_row["tokens_per_s"] / rows["eager"]["tokens_per_s"], 3),
-            **{route: row for route, row in rows.items()}}
+            print(
+                f"  {route} {cache}, compile phases (s): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in rows[route][key].items())
+            )
+    return {
+        **figures,
+        "size": args.size,
+        "params": ours_row["params"],
+        "device": args.device,
+        "torch": torch.__version__,
+        "vs_eager": round(ours_row["tokens_per_s"] / rows["eager"]["tokens_per_s"], 3),
+        **{route: row for route, row in rows.items()},
+    }
 
 
 def main() -> None:
@@ -269,8 +327,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the steady timing; each route's median counts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile-unit", default="step", choices=("step", "blocks"), help="functrain's compile unit")
-    ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
-                    help="keep: every route's process keeps freed memory (the main job's default on CPU)")
+    ap.add_argument(
+        "--host-memory",
+        default="keep",
+        choices=("keep", "default"),
+        help="keep: every route's process keeps freed memory (the main job's default on CPU)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", choices=ROUTES + ("steady",), dest="route", help=argparse.SUPPRESS)
     ap.add_argument("--caches", type=json.loads, default={}, help=argparse.SUPPRESS)

@@ -52,8 +52,10 @@ def _measure(variant: str, args) -> dict:
     else:
         model = lora.wrap(base_template, lora.LoraSpec(rank=8, alpha=16, targets="all-linear"))
         loss_fn = gpt.make_loss_fn(model)
-        members = [init_state(lora.init_adapters(model, rng.key(k), device=device), opt, seed=k, frozen=base)
-                   for k in range(4 if variant == "population" else 1)]
+        members = [
+            init_state(lora.init_adapters(model, rng.key(k), device=device), opt, seed=k, frozen=base)
+            for k in range(4 if variant == "population" else 1)
+        ]
         if variant == "population":
             state, step = population.stack(members), population.make_population_step(loss_fn, opt)
         else:
@@ -78,11 +80,19 @@ def _measure(variant: str, args) -> dict:
         state, m = step(state, batch)
         float(m["loss"].sum())  # (waits for the step)
         times.append(time.perf_counter() - t0)
-    peak = ((torch.cuda.max_memory_allocated() - state_bytes) / 2**20 if device.type == "cuda"
-            else _mem.status_mib("VmHWM") - before)
-    return {"step_ms": statistics.median(times) * 1e3, "peak_mib": state_bytes / 2**20 + peak, "opt_bytes": opt_bytes,
-            "ckpt_bytes": ckpt_bytes, "trained": sum(t.numel() for t in tree.leaves(state.params)),
-            "frozen": sum(t.numel() for t in tree.leaves(state.frozen))}
+    peak = (
+        (torch.cuda.max_memory_allocated() - state_bytes) / 2**20
+        if device.type == "cuda"
+        else _mem.status_mib("VmHWM") - before
+    )
+    return {
+        "step_ms": statistics.median(times) * 1e3,
+        "peak_mib": state_bytes / 2**20 + peak,
+        "opt_bytes": opt_bytes,
+        "ckpt_bytes": ckpt_bytes,
+        "trained": sum(t.numel() for t in tree.leaves(state.params)),
+        "frozen": sum(t.numel() for t in tree.leaves(state.frozen)),
+    }
 
 
 def main() -> None:
@@ -99,24 +109,40 @@ def main() -> None:
         return
     results = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, f"--variant={variant}", f"--layers={args.layers}", f"--width={args.width}",
-               f"--steps={args.steps}", f"--device={args.device}"]
+        cmd = [
+            sys.executable,
+            __file__,
+            f"--variant={variant}",
+            f"--layers={args.layers}",
+            f"--width={args.width}",
+            f"--steps={args.steps}",
+            f"--device={args.device}",
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         r = results[variant]
-        print(f"{variant:>10}: {r['step_ms']:8.1f} ms/step, peak {r['peak_mib']:7.1f} MiB, optimizer state "
-              f"{r['opt_bytes'] / 2**20:7.2f} MiB, checkpoint {r['ckpt_bytes'] / 2**20:7.2f} MiB "
-              f"({r['trained']:,} trained, {r['frozen']:,} frozen)")
+        print(
+            f"{variant:>10}: {r['step_ms']:8.1f} ms/step, peak {r['peak_mib']:7.1f} MiB, optimizer state "
+            f"{r['opt_bytes'] / 2**20:7.2f} MiB, checkpoint {r['ckpt_bytes'] / 2**20:7.2f} MiB "
+            f"({r['trained']:,} trained, {r['frozen']:,} frozen)"
+        )
     full, one, pop = results["full"], results["lora"], results["population"]
-    ratios = {"step_time": one["step_ms"] / full["step_ms"], "peak_memory": one["peak_mib"] / full["peak_mib"],
-              "optimizer_bytes": one["opt_bytes"] / full["opt_bytes"],
-              "checkpoint_bytes": one["ckpt_bytes"] / full["ckpt_bytes"],
-              "population_time_vs_4_solo": pop["step_ms"] / (4 * one["step_ms"]),
-              "population_memory_vs_4_solo": pop["peak_mib"] / (4 * one["peak_mib"])}
-    print("LoRA / full fine-tune: step time {step_time:.2f}x, peak memory {peak_memory:.2f}x, optimizer state "
-          "{optimizer_bytes:.3f}x, checkpoint {checkpoint_bytes:.3f}x".format(**ratios))
-    print("population of 4 / 4 solo LoRA runs: time {population_time_vs_4_solo:.2f}x, peak memory "
-          "{population_memory_vs_4_solo:.2f}x".format(**ratios))
+    ratios = {
+        "step_time": one["step_ms"] / full["step_ms"],
+        "peak_memory": one["peak_mib"] / full["peak_mib"],
+        "optimizer_bytes": one["opt_bytes"] / full["opt_bytes"],
+        "checkpoint_bytes": one["ckpt_bytes"] / full["ckpt_bytes"],
+        "population_time_vs_4_solo": pop["step_ms"] / (4 * one["step_ms"]),
+        "population_memory_vs_4_solo": pop["peak_mib"] / (4 * one["peak_mib"]),
+    }
+    print(
+        "LoRA / full fine-tune: step time {step_time:.2f}x, peak memory {peak_memory:.2f}x, optimizer state "
+        "{optimizer_bytes:.3f}x, checkpoint {checkpoint_bytes:.3f}x".format(**ratios)
+    )
+    print(
+        "population of 4 / 4 solo LoRA runs: time {population_time_vs_4_solo:.2f}x, peak memory "
+        "{population_memory_vs_4_solo:.2f}x".format(**ratios)
+    )
     if args.json:
         print(json.dumps({"device": args.device, "results": results, "ratios": ratios}))
 

@@ -62,10 +62,12 @@ def child(args) -> dict:
     targets = torch.randint(0, args.v, (args.n,), generator=g)  # (N,)
 
     if args.chunk == 0:
+
         def loss_fn(h, w):
             """Plain: full (N, V) logits."""
             return F.cross_entropy((h @ w.t()).float(), targets)
     else:
+
         def loss_fn(h, w):
             """Chunked: no (N, V) array."""
             return chunked_cross_entropy(h, w, targets, chunk_size=args.chunk)
@@ -82,9 +84,16 @@ def child(args) -> dict:
     (gh, gw), loss = fn(hidden, weight)
     dt = time.perf_counter() - t
     peak = _hwm_mib() if warm else _peak_mib()
-    return {"mode": "plain" if args.chunk == 0 else "chunked", "chunk": args.chunk, "base_mib": base, "warm": warm,
-            "extra_mib": peak - base, "seconds": dt, "loss": float(loss),
-            "grad_norm": float(gh.float().norm() + gw.float().norm())}
+    return {
+        "mode": "plain" if args.chunk == 0 else "chunked",
+        "chunk": args.chunk,
+        "base_mib": base,
+        "warm": warm,
+        "extra_mib": peak - base,
+        "seconds": dt,
+        "loss": float(loss),
+        "grad_norm": float(gh.float().norm() + gw.float().norm()),
+    }
 
 
 def main() -> None:
@@ -106,22 +115,40 @@ def main() -> None:
 
     rows = []
     for chunk in [0] + [int(c) for c in args.chunks.split(",") if c]:
-        cmd = [sys.executable, os.path.abspath(__file__), "--n", str(args.n), "--c", str(args.c),
-               "--v", str(args.v), "--dtype", args.dtype, "--threads", str(args.threads), "--chunk", str(chunk)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--n",
+            str(args.n),
+            "--c",
+            str(args.c),
+            "--v",
+            str(args.v),
+            "--dtype",
+            args.dtype,
+            "--threads",
+            str(args.threads),
+            "--chunk",
+            str(chunk),
+        ]
         if args.compile:
             cmd.append("--compile")
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
 
     logits_mib = args.n * args.v * 4 / 2**20
-    print(f"N={args.n} C={args.c} V={args.v} {args.dtype} compile={args.compile} "
-          f"(window: {'second call, high-water mark reset' if rows[0]['warm'] else 'first call, ru_maxrss'}); "
-          f"one float32 (N, V) logits array = {logits_mib:,.0f} MiB")
+    print(
+        f"N={args.n} C={args.c} V={args.v} {args.dtype} compile={args.compile} "
+        f"(window: {'second call, high-water mark reset' if rows[0]['warm'] else 'first call, ru_maxrss'}); "
+        f"one float32 (N, V) logits array = {logits_mib:,.0f} MiB"
+    )
     print(f"{'mode':8s} {'chunk':>6s} {'extra peak MiB':>15s} {'vs plain':>9s} {'seconds':>8s} {'loss':>10s}")
     plain = rows[0]["extra_mib"]
     for r in rows:
-        print(f"{r['mode']:8s} {r['chunk']:6d} {r['extra_mib']:15,.0f} {r['extra_mib'] / plain:9.2f} "
-              f"{r['seconds']:8.2f} {r['loss']:10.6f}")
+        print(
+            f"{r['mode']:8s} {r['chunk']:6d} {r['extra_mib']:15,.0f} {r['extra_mib'] / plain:9.2f} "
+            f"{r['seconds']:8.2f} {r['loss']:10.6f}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,13 +34,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from functrain.trainer import metrics
 from functrain.models import gpt  # noqa: E402
+from functrain.trainer import metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import step as step_bench  # noqa: E402  (the sizes of bench/step.py)
-
 
 POOL_BYTES = 256 << 20  # the cold floor's input copies: above any last-level cache of a CPU like this one
 
@@ -86,13 +85,21 @@ def matmul_rows(cfg: gpt.GPTConfig, tokens: int, reps: int) -> list[dict]:
     """Each linear's three training matmuls at the step's shapes, timed: [{name, flops, hot, cold}]."""
     rows = []
     for name, k, n, count in _linears(cfg):
-        pool = _pool(lambda: (torch.randn(tokens, k), torch.randn(n, k) * 0.02, torch.randn(tokens, n)))
-        for part, fn in (("forward X W^T", lambda x, w, dy: F.linear(x, w)),
-                         ("grad input dY W", lambda x, w, dy: dy @ w),
-                         ("grad weight dY^T X", lambda x, w, dy: dy.t() @ x)):
+        pool = _pool(lambda k=k, n=n: (torch.randn(tokens, k), torch.randn(n, k) * 0.02, torch.randn(tokens, n)))
+        for part, fn in (
+            ("forward X W^T", lambda x, w, dy: F.linear(x, w)),
+            ("grad input dY W", lambda x, w, dy: dy @ w),
+            ("grad weight dY^T X", lambda x, w, dy: dy.t() @ x),
+        ):
             hot, cold = _timed(fn, reps, pool)
-            rows.append({"name": f"{name}: {part} ({tokens}x{k}x{n}) x{count}",
-                         "flops": 2.0 * tokens * k * n * count, "hot": hot * count, "cold": cold * count})
+            rows.append(
+                {
+                    "name": f"{name}: {part} ({tokens}x{k}x{n}) x{count}",
+                    "flops": 2.0 * tokens * k * n * count,
+                    "hot": hot * count,
+                    "cold": cold * count,
+                }
+            )
     return rows
 
 
@@ -108,8 +115,12 @@ def attention_row(cfg: gpt.GPTConfig, batch: int, reps: int) -> dict:
 
     flops = 12.0 * cfg.n_layer * cfg.n_embd * cfg.block_size * batch * cfg.block_size  # 12 L C T per token
     hot, cold = _timed(fwd_bwd, reps, pool)
-    return {"name": f"attention fwd+bwd {tuple(shape)} x{cfg.n_layer}", "flops": flops,
-            "hot": hot * cfg.n_layer, "cold": cold * cfg.n_layer}
+    return {
+        "name": f"attention fwd+bwd {tuple(shape)} x{cfg.n_layer}",
+        "flops": flops,
+        "hot": hot * cfg.n_layer,
+        "cold": cold * cfg.n_layer,
+    }
 
 
 def main():
@@ -130,21 +141,29 @@ def main():
     peak_after = metrics.measure_peak_flops(cpu)
     rate = max(peak_before, peak_after)  # the machine's rate; a lower one was load from elsewhere
     step_flops = gpt.flops_per_token(cfg) * tokens
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size}: {tokens} tokens per step, "
-          f"{step_flops / 1e9:.2f} GFLOP of model FLOPs; 2048^2 float32 matmul {peak_before / 1e9:.1f} GFLOP/s "
-          f"before, {peak_after / 1e9:.1f} after\n")
-    print("| kernel (M x K x N) x per step | hot ms per step | cold ms | hot GFLOP/s | cold GFLOP/s |\n"
-          "|---|---|---|---|---|")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.size}: {tokens} tokens per step, "
+        f"{step_flops / 1e9:.2f} GFLOP of model FLOPs; 2048^2 float32 matmul {peak_before / 1e9:.1f} GFLOP/s "
+        f"before, {peak_after / 1e9:.1f} after\n"
+    )
+    print(
+        "| kernel (M x K x N) x per step | hot ms per step | cold ms | hot GFLOP/s | cold GFLOP/s |\n"
+        "|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['name']} | {1e3 * r['hot']:.2f} | {1e3 * r['cold']:.2f} | {r['flops'] / r['hot'] / 1e9:.1f} | "
-              f"{r['flops'] / r['cold'] / 1e9:.1f} |")
+        print(
+            f"| {r['name']} | {1e3 * r['hot']:.2f} | {1e3 * r['cold']:.2f} | {r['flops'] / r['hot'] / 1e9:.1f} | "
+            f"{r['flops'] / r['cold'] / 1e9:.1f} |"
+        )
     out = {"size": args.size, "tokens": tokens, "peak_gflops": rate / 1e9, "model_gflop": step_flops / 1e9}
     for mode in ("hot", "cold"):
         seconds = sum(r[mode] for r in rows)
         out[f"{mode}_kernel_ms"], out[f"{mode}_floor_mfu"] = 1e3 * seconds, step_flops / seconds / rate
-    print(f"\nmatmuls + attention alone, per step: {out['hot_kernel_ms']:.1f} ms hot, {out['cold_kernel_ms']:.1f} ms "
-          f"cold; floor_mfu {out['hot_floor_mfu']:.1%} hot, {out['cold_floor_mfu']:.1%} cold (against "
-          f"{rate / 1e9:.1f} GFLOP/s; no step on these kernels reaches a higher MFU)")
+    print(
+        f"\nmatmuls + attention alone, per step: {out['hot_kernel_ms']:.1f} ms hot, {out['cold_kernel_ms']:.1f} ms "
+        f"cold; floor_mfu {out['hot_floor_mfu']:.1%} hot, {out['cold_floor_mfu']:.1%} cold (against "
+        f"{rate / 1e9:.1f} GFLOP/s; no step on these kernels reaches a higher MFU)"
+    )
     if args.json:
         print(json.dumps(out))
 

@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from functrain import init_state, optim, rng  # noqa: E402
-from functrain.trainer import memory
 from functrain import step as step_lib  # noqa: E402
 from functrain.models import gpt  # noqa: E402
+from functrain.trainer import memory
 
 SIZES = {  # the GPTs of bench/step.py
     "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
@@ -75,14 +75,16 @@ class Functrain:
         self.name = "functrain" if compile else "functrain_eager" if fused else "functrain_eager_chain"
         opt = optim.chain(
             optim.clip_by_global_norm(CLIP),
-            optim.adamw(optim.warmup_cosine(LR, WARMUP, DECAY, end_value=MIN_LR), *BETAS, EPS, WD, mask=_decay_mask,
-                        fused=fused),
+            optim.adamw(
+                optim.warmup_cosine(LR, WARMUP, DECAY, end_value=MIN_LR), *BETAS, EPS, WD, mask=_decay_mask, fused=fused
+            ),
         )
         self.state = init_state({k: v.clone() for k, v in params.items()}, opt)
         self.grads = grads
         opts = json.loads(os.environ.get("FT_OPTS", "{}"))
-        self.update = step_lib.update_step(opt, donate=True, compile=compile,
-                                           compile_options={"options": opts} if opts and compile else None)
+        self.update = step_lib.update_step(
+            opt, donate=True, compile=compile, compile_options={"options": opts} if opts and compile else None
+        )
         self.loss = torch.zeros((), device=next(iter(params.values())).device)
 
     def run(self):
@@ -111,8 +113,10 @@ class TorchFused:
         self.params = [torch.nn.Parameter(v.clone()) for v in params.values()]
         for p, g in zip(self.params, grads.values()):
             p.grad = g.clone()
-        groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": WD},
-                  {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in self.params if p.ndim >= 2], "weight_decay": WD},
+            {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0},
+        ]
         self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
         self.clip = clip
 
@@ -144,12 +148,21 @@ def main():
     ap.add_argument("--per-round", type=int, default=2, help="updates per variant and round")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (every timed region ends in a sync)")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also profile N functrain updates and print the top kernels by device (or CPU) time")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N functrain updates and print the top kernels by device (or CPU) time",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
-                    help="keep: freed memory stays in the process for both variants (functrain.trainer.memory), as "
-                         "the main program does; default: glibc's policy")
+    ap.add_argument(
+        "--host-memory",
+        default="keep",
+        choices=("keep", "default"),
+        help="keep: freed memory stays in the process for both variants (functrain.trainer.memory), as "
+        "the main program does; default: glibc's policy",
+    )
     args = ap.parse_args()
     if args.host_memory == "keep":
         memory.keep_freed_memory()
@@ -157,12 +170,20 @@ def main():
         torch.set_num_threads(args.threads)
     params, grads = _params_and_grads(args.size, torch.device(args.device))
     n = sum(v.numel() for v in params.values())
-    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads; "
-          f"{args.size}: {n / 1e6:.1f}M params "
-          f"in {len(params)} tensors", flush=True)
-    runners = [Functrain(params, grads), TorchFused(params, grads, clip=False), TorchFused(params, grads, clip=True),
-               ReadGrads(grads), Functrain(params, grads, compile=False, fused=True),
-               Functrain(params, grads, compile=False)]
+    print(
+        f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads; "
+        f"{args.size}: {n / 1e6:.1f}M params "
+        f"in {len(params)} tensors",
+        flush=True,
+    )
+    runners = [
+        Functrain(params, grads),
+        TorchFused(params, grads, clip=False),
+        TorchFused(params, grads, clip=True),
+        ReadGrads(grads),
+        Functrain(params, grads, compile=False, fused=True),
+        Functrain(params, grads, compile=False),
+    ]
     for r in runners:
         t = time.perf_counter()
         float(r.run().detach().float().sum())
@@ -190,18 +211,35 @@ def main():
     # than an unclipped update, whoever fuses what. The floor of the ratio is (fused AdamW + that read) /
     # fused AdamW, measured here in the same rounds.
     floor = statistics.median((f + g) / f for f, g in zip(per_update["torch_fused"], per_update["read_grads"]))
-    print(f"\nfunctrain / torch fused AdamW: {r_fused:.2f}x (vs clip_grad_norm_ + fused AdamW: {r_clip:.2f}x); "
-          f"floor for a clipped update (fused AdamW + one read of the gradients): {floor:.2f}x")
+    print(
+        f"\nfunctrain / torch fused AdamW: {r_fused:.2f}x (vs clip_grad_norm_ + fused AdamW: {r_clip:.2f}x); "
+        f"floor for a clipped update (fused AdamW + one read of the gradients): {floor:.2f}x"
+    )
     e_fused, e_clip = ratio("functrain_eager", "torch_fused"), ratio("functrain_eager", "torch_clip_fused")
     c_clip = ratio("functrain_eager_chain", "torch_clip_fused")
-    print(f"functrain eager (adamw fused=True) / torch fused AdamW: {e_fused:.2f}x (vs clip_grad_norm_ + fused "
-          f"AdamW, the same math: {e_clip:.2f}x); the eager chain of foreach transforms: {c_clip:.2f}x the latter")
+    print(
+        f"functrain eager (adamw fused=True) / torch fused AdamW: {e_fused:.2f}x (vs clip_grad_norm_ + fused "
+        f"AdamW, the same math: {e_clip:.2f}x); the eager chain of foreach transforms: {c_clip:.2f}x the latter"
+    )
     if args.profile:
         profile(runners[0], args.profile, torch.device(args.device))
     if args.json:
-        print(json.dumps({"size": args.size, "device": args.device, "params": n, "median_ms": ms, "ratio": r_fused,
-                          "ratio_vs_clip_fused": r_clip, "clipped_floor": floor, "eager_ratio": e_fused,
-                          "eager_ratio_vs_clip_fused": e_clip, "eager_chain_ratio_vs_clip_fused": c_clip}))
+        print(
+            json.dumps(
+                {
+                    "size": args.size,
+                    "device": args.device,
+                    "params": n,
+                    "median_ms": ms,
+                    "ratio": r_fused,
+                    "ratio_vs_clip_fused": r_clip,
+                    "clipped_floor": floor,
+                    "eager_ratio": e_fused,
+                    "eager_ratio_vs_clip_fused": e_clip,
+                    "eager_chain_ratio_vs_clip_fused": c_clip,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

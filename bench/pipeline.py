@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _mem import keep_freed, reset_peak, status_mib, trim  # noqa: E402
 
 from functrain import init_state, optim, rng  # noqa: E402
-from functrain.parallel import pipeline  # noqa: E402
 from functrain.models import gpt  # noqa: E402
+from functrain.parallel import pipeline  # noqa: E402
 from functrain.parallel import schedule as schedules  # noqa: E402
 
 
@@ -72,8 +72,12 @@ def _args():
     p.add_argument("--steps", type=int, default=4, help="timed steps per schedule (after 2 warm-up steps)")
     p.add_argument("--schedules", default="gpipe,1f1b,eager-1f1b")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each rank to a core of its own")
-    p.add_argument("--give-back", dest="keep", action="store_false",
-                   help="let malloc hand freed memory back to the OS between steps (page faults in every step)")
+    p.add_argument(
+        "--give-back",
+        dest="keep",
+        action="store_false",
+        help="let malloc hand freed memory back to the OS between steps (page faults in every step)",
+    )
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -160,9 +164,16 @@ def _measure(name, pipe, params, batch, args, m):
     walls, actions = _schedule_seconds(prof, m)
     per = args.steps * m  # microbatches timed
     spent = {k: sum(sum(a[k]) for a in actions) for k in ("F", "B")}  # compute seconds by kind
-    return {"step_s": seconds, "busy_s": [sum(a["F"]) + sum(a["B"]) for a in actions], "span_s": walls,
-            "actions_s": actions, "peak_mib": peak, "held_mib": held,
-            "forward_s": spent["F"] / per, "backward_s": spent["B"] / per}
+    return {
+        "step_s": seconds,
+        "busy_s": [sum(a["F"]) + sum(a["B"]) for a in actions],
+        "span_s": walls,
+        "actions_s": actions,
+        "peak_mib": peak,
+        "held_mib": held,
+        "forward_s": spent["F"] / per,
+        "backward_s": spent["B"] / per,
+    }
 
 
 def _bubbles(every: list) -> tuple[list, list]:
@@ -182,8 +193,9 @@ def _replayed(name: str, n: int, m: int, every: list) -> list:
     transfers are free (`parallel.schedule.simulate`): the measured bubble less the pipeline's own share."""
     out = []
     for s in range(len(every[0]["actions_s"])):
-        idle = schedules.simulate(name, n, m, [r["actions_s"][s]["F"] for r in every],
-                                  [r["actions_s"][s]["B"] for r in every])
+        idle = schedules.simulate(
+            name, n, m, [r["actions_s"][s]["F"] for r in every], [r["actions_s"][s]["B"] for r in every]
+        )
         out.append(sum(idle) / n)
     return out
 
@@ -198,18 +210,35 @@ def main():
         keep_freed()  # freed activations reused, not page-faulted in again every step
     m = args.microbatches or 4 * n
     layers = args.n_layer or 8 * n  # stages far heavier than the embedding and the head
-    cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.n_head,
-                        n_embd=args.n_embd, dropout=0.0, bias=False)
+    cfg = gpt.GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq,
+        n_layer=layers,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
+        bias=False,
+    )
     template = gpt.GPT(cfg, key=rng.key(0))
     params = dict(template.named_parameters())
     pipe = pipeline.place(gpt.make_loss_fn(template, staged=True), params)
     g = torch.Generator().manual_seed(0)
     rows = m * args.micro_rows
-    batch = (torch.randint(0, args.vocab, (rows, args.seq), generator=g),
-             torch.randint(0, args.vocab, (rows, args.seq), generator=g))
+    batch = (
+        torch.randint(0, args.vocab, (rows, args.seq), generator=g),
+        torch.randint(0, args.vocab, (rows, args.seq), generator=g),
+    )
     theory = schedules.bubble_fraction(n, m)
-    out = {"ranks": n, "microbatches": m, "layers": layers, "seq": args.seq, "n_embd": args.n_embd,
-           "micro_rows": args.micro_rows, "theoretical_bubble": theory, "schedules": {}}
+    out = {
+        "ranks": n,
+        "microbatches": m,
+        "layers": layers,
+        "seq": args.seq,
+        "n_embd": args.n_embd,
+        "micro_rows": args.micro_rows,
+        "theoretical_bubble": theory,
+        "schedules": {},
+    }
     for name in args.schedules.split(","):
         mine = _measure(name, pipe, params, batch, args, m)
         every = [None] * n
@@ -220,49 +249,77 @@ def main():
         own = (sum(steps) - sum(replayed)) / len(steps)  # transfers, waits and Python between actions
         # what the schedule leaves idle for these stages' measured costs (the formula assumes equal stages)
         expected = schedules.simulate(name, n, m, [r["forward_s"] for r in every], [r["backward_s"] for r in every])
-        row = {"step_s": max(r["step_s"] for r in every), "bubble": sum(bubbles) / n, "bubble_per_rank": bubbles,
-               "bubble_median_step": median, "bubble_per_step": steps,
-               "expected_bubble": sum(expected) / n, "expected_bubble_per_rank": expected,
-               "replayed_bubble": sum(replayed) / len(replayed), "replayed_bubble_per_step": replayed,
-               "pipeline_share": own,
-               "forward_s_per_rank": [r["forward_s"] for r in every],
-               "backward_s_per_rank": [r["backward_s"] for r in every],
-               "peak_mib_per_rank": [r["peak_mib"] for r in every],
-               "activations_mib_per_rank": [r["held_mib"] for r in every],
-               "held_per_rank": [schedules.held(schedules.schedule(name, n, m, r)) for r in range(n)]}
+        row = {
+            "step_s": max(r["step_s"] for r in every),
+            "bubble": sum(bubbles) / n,
+            "bubble_per_rank": bubbles,
+            "bubble_median_step": median,
+            "bubble_per_step": steps,
+            "expected_bubble": sum(expected) / n,
+            "expected_bubble_per_rank": expected,
+            "replayed_bubble": sum(replayed) / len(replayed),
+            "replayed_bubble_per_step": replayed,
+            "pipeline_share": own,
+            "forward_s_per_rank": [r["forward_s"] for r in every],
+            "backward_s_per_rank": [r["backward_s"] for r in every],
+            "peak_mib_per_rank": [r["peak_mib"] for r in every],
+            "activations_mib_per_rank": [r["held_mib"] for r in every],
+            "held_per_rank": [schedules.held(schedules.schedule(name, n, m, r)) for r in range(n)],
+        }
         out["schedules"][name] = row
         if rank == 0:
-            print(f"{name}: {row['step_s']:.3f} s/step, bubble {row['bubble']:.3f} (median step {median:.3f}; "
-                  f"theory {theory:.3f}, for these "
-                  f"stages' costs {row['expected_bubble']:.3f}, for these microbatches' costs "
-                  f"{row['replayed_bubble']:.3f} + the pipeline's own {own:+.3f}; per rank "
-                  + ", ".join(f"{b:.3f}" for b in bubbles) + " vs " + ", ".join(f"{b:.3f}" for b in expected)
-                  + "), peak MiB per rank "
-                  + ", ".join(f"{p:.1f}" for p in row["peak_mib_per_rank"]) + ", activations held MiB per rank "
-                  + ", ".join(f"{p:.1f}" for p in row["activations_mib_per_rank"]), flush=True)
+            print(
+                f"{name}: {row['step_s']:.3f} s/step, bubble {row['bubble']:.3f} (median step {median:.3f}; "
+                f"theory {theory:.3f}, for these "
+                f"stages' costs {row['expected_bubble']:.3f}, for these microbatches' costs "
+                f"{row['replayed_bubble']:.3f} + the pipeline's own {own:+.3f}; per rank "
+                + ", ".join(f"{b:.3f}" for b in bubbles)
+                + " vs "
+                + ", ".join(f"{b:.3f}" for b in expected)
+                + "), peak MiB per rank "
+                + ", ".join(f"{p:.1f}" for p in row["peak_mib_per_rank"])
+                + ", activations held MiB per rank "
+                + ", ".join(f"{p:.1f}" for p in row["activations_mib_per_rank"]),
+                flush=True,
+            )
     s = out["schedules"]
     if "gpipe" in s and "1f1b" in s:
         gp, fb = s["gpipe"], s["1f1b"]
         out["peak_ratio_1f1b_over_gpipe"] = [a / b for a, b in zip(fb["peak_mib_per_rank"], gp["peak_mib_per_rank"])]
         out["activations_ratio_1f1b_over_gpipe"] = [
-            a / b for a, b in zip(fb["activations_mib_per_rank"], gp["activations_mib_per_rank"])]
+            a / b for a, b in zip(fb["activations_mib_per_rank"], gp["activations_mib_per_rank"])
+        ]
         # the target: 1F1B's activations <= N / M of GPipe's, give or take one microbatch's (GPipe's / M)
         out["activations_target_met"] = all(
-            a <= (n / m) * b + b / m for a, b in zip(fb["activations_mib_per_rank"], gp["activations_mib_per_rank"]))
+            a <= (n / m) * b + b / m for a, b in zip(fb["activations_mib_per_rank"], gp["activations_mib_per_rank"])
+        )
         if rank == 0:
-            print("1F1B / GPipe per rank: peak " + ", ".join(f"{x:.2f}" for x in out["peak_ratio_1f1b_over_gpipe"])
-                  + ", activations held " + ", ".join(f"{x:.2f}" for x in out["activations_ratio_1f1b_over_gpipe"])
-                  + f" (N / M = {n / m:.2f}, + 1 / M = {1 / m:.2f} for one microbatch: "
-                  + ("met" if out["activations_target_met"] else "missed") + "; microbatches held by 1F1B "
-                  + ", ".join(str(h) for h in fb["held_per_rank"]) + f" of {m})", flush=True)
+            print(
+                "1F1B / GPipe per rank: peak "
+                + ", ".join(f"{x:.2f}" for x in out["peak_ratio_1f1b_over_gpipe"])
+                + ", activations held "
+                + ", ".join(f"{x:.2f}" for x in out["activations_ratio_1f1b_over_gpipe"])
+                + f" (N / M = {n / m:.2f}, + 1 / M = {1 / m:.2f} for one microbatch: "
+                + ("met" if out["activations_target_met"] else "missed")
+                + "; microbatches held by 1F1B "
+                + ", ".join(str(h) for h in fb["held_per_rank"])
+                + f" of {m})",
+                flush=True,
+            )
     if "gpipe" in s and "eager-1f1b" in s:  # one microbatch more than 1F1B on every rank but the last
         gp, ea = s["gpipe"], s["eager-1f1b"]
         out["activations_ratio_eager_1f1b_over_gpipe"] = [
-            a / b for a, b in zip(ea["activations_mib_per_rank"], gp["activations_mib_per_rank"])]
+            a / b for a, b in zip(ea["activations_mib_per_rank"], gp["activations_mib_per_rank"])
+        ]
         if rank == 0:
-            print("eager 1F1B / GPipe per rank: activations held "
-                  + ", ".join(f"{x:.2f}" for x in out["activations_ratio_eager_1f1b_over_gpipe"])
-                  + " (microbatches held " + ", ".join(str(h) for h in ea["held_per_rank"]) + f" of {m})", flush=True)
+            print(
+                "eager 1F1B / GPipe per rank: activations held "
+                + ", ".join(f"{x:.2f}" for x in out["activations_ratio_eager_1f1b_over_gpipe"])
+                + " (microbatches held "
+                + ", ".join(str(h) for h in ea["held_per_rank"])
+                + f" of {m})",
+                flush=True,
+            )
     if rank == 0 and args.json:
         print(json.dumps(out))
     dist.destroy_process_group()

@@ -19,8 +19,8 @@ import time
 import torch
 
 from functrain import init_state, make_train_step, optim, population, rng, tree
-from functrain.trainer import metrics
 from functrain.models import gpt
+from functrain.trainer import metrics
 
 
 def main() -> None:
@@ -35,10 +35,14 @@ def main() -> None:
     with torch.device("meta"):
         template = gpt.GPT(cfg)
     loss_fn = gpt.make_loss_fn(template)
-    opt = optim.chain(optim.clip_by_global_norm(1.0),
-                      optim.adamw(optim.warmup_cosine(1e-2, 10, 150, end_value=1e-3), b2=0.95, weight_decay=0.1))
-    members = [optim.set_hyperparams(init_state(gpt.init_params(template, rng.key(k)), opt, seed=k), lr=1e-2 * 0.7 ** k)
-               for k in range(args.k)]
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.adamw(optim.warmup_cosine(1e-2, 10, 150, end_value=1e-3), b2=0.95, weight_decay=0.1),
+    )
+    members = [
+        optim.set_hyperparams(init_state(gpt.init_params(template, rng.key(k)), opt, seed=k), lr=1e-2 * 0.7**k)
+        for k in range(args.k)
+    ]
     x = torch.randint(0, cfg.vocab_size, (16, cfg.block_size + 1), generator=torch.Generator().manual_seed(0))
     batch = (x[:, :-1], x[:, 1:])
 
@@ -67,20 +71,34 @@ def main() -> None:
         pop_ms.append(times["pop"])
         solo_ms.append(times["solo"])
         ratios.append(times["solo"] / times["pop"])
-        print(f"round {r}: population {times['pop']:.1f} ms/step, {args.k} solo steps {times['solo']:.1f} ms: "
-              f"{ratios[-1]:.2f}x")
+        print(
+            f"round {r}: population {times['pop']:.1f} ms/step, {args.k} solo steps {times['solo']:.1f} ms: "
+            f"{ratios[-1]:.2f}x"
+        )
     ratio = statistics.median(ratios)
     # The most any batching can give: K steps' FLOPs at the machine's dense matmul rate (the best
     # any kernel here reaches) vs the K solo steps as measured.
     peak = metrics.measure_peak_flops(torch.device("cpu"))
     floor_ms = args.k * gpt.flops_per_token(cfg) * x[:, :-1].numel() / peak * 1e3
     bound = statistics.median(solo_ms) / floor_ms
-    print(f"compute floor: {args.k} steps' FLOPs at the {peak / 1e9:.0f} GFLOP/s matmul rate take {floor_ms:.1f} ms: "
-          f"no step over K members can beat {bound:.2f}x here")
+    print(
+        f"compute floor: {args.k} steps' FLOPs at the {peak / 1e9:.0f} GFLOP/s matmul rate take {floor_ms:.1f} ms: "
+        f"no step over K members can beat {bound:.2f}x here"
+    )
     print(f"K={args.k}: population throughput / sequential solo steps: {ratio:.2f}x (target >= 3)")
     if args.json:
-        print(json.dumps({"k": args.k, "population_ms": statistics.median(pop_ms), "solo_ms": statistics.median(solo_ms),
-                          "ratio": ratio, "flop_bound_ratio": bound, "compile_s": {"population": compile_pop, "solo": compile_solo}}))
+        print(
+            json.dumps(
+                {
+                    "k": args.k,
+                    "population_ms": statistics.median(pop_ms),
+                    "solo_ms": statistics.median(solo_ms),
+                    "ratio": ratio,
+                    "flop_bound_ratio": bound,
+                    "compile_s": {"population": compile_pop, "solo": compile_solo},
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -32,12 +32,19 @@ def _child(args) -> dict:
     import torch
 
     from functrain import init_state, make_train_step, optim, rng
-    from functrain.models import gpt
     from functrain.functional import apply
+    from functrain.models import gpt
 
     device = torch.device(args.device)
-    cfg = gpt.GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.n_layer, n_head=args.n_head,
-                        n_embd=args.n_embd, dropout=0.0, bias=False)
+    cfg = gpt.GPTConfig(
+        vocab_size=256,
+        block_size=args.block,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
+        bias=False,
+    )
     with torch.device("meta"):
         model = gpt.GPT(cfg)
     params = gpt.init_params(model, rng.key(0), device=device)
@@ -78,14 +85,23 @@ def _child(args) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
-    return {"precision": args.precision, "s_per_step": dt, "warmup_s": first, "peak_mib": peak,
-            "loss": loss, "skipped": int(state.guard.skipped)}
+    return {
+        "precision": args.precision,
+        "s_per_step": dt,
+        "warmup_s": first,
+        "peak_mib": peak,
+        "loss": loss,
+        "skipped": int(state.guard.skipped),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--precisions", default="fp32,bf16,fp16",
-                    help="comma-separated; a ':noskip' suffix builds the step without the non-finite skip")
+    ap.add_argument(
+        "--precisions",
+        default="fp32,bf16,fp16",
+        help="comma-separated; a ':noskip' suffix builds the step without the non-finite skip",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
@@ -103,19 +119,42 @@ def main() -> None:
         return
     rows = []
     for p in args.precisions.split(","):
-        cmd = [sys.executable, __file__, "--child", "--precision", p, "--device", args.device,
-               "--n-layer", str(args.n_layer), "--n-head", str(args.n_head), "--n-embd", str(args.n_embd),
-               "--block", str(args.block), "--batch", str(args.batch), "--warmup", str(args.warmup),
-               "--steps", str(args.steps)] + (["--eager"] if args.eager else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--precision",
+            p,
+            "--device",
+            args.device,
+            "--n-layer",
+            str(args.n_layer),
+            "--n-head",
+            str(args.n_head),
+            "--n-embd",
+            str(args.n_embd),
+            "--block",
+            str(args.block),
+            "--batch",
+            str(args.batch),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
+        ] + (["--eager"] if args.eager else [])
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     ref = rows[0]
-    print(f"{'precision':<12} {'s/step':>8} {'vs ' + ref['precision']:>8} {'peak MiB':>9} {'vs':>6} "
-          f"{'loss':>7} {'skipped':>7} {'compile+warmup s':>16}")
+    print(
+        f"{'precision':<12} {'s/step':>8} {'vs ' + ref['precision']:>8} {'peak MiB':>9} {'vs':>6} "
+        f"{'loss':>7} {'skipped':>7} {'compile+warmup s':>16}"
+    )
     for r in rows:
-        print(f"{r['precision']:<12} {r['s_per_step']:>8.3f} {r['s_per_step'] / ref['s_per_step']:>7.2f}x "
-              f"{r['peak_mib']:>9.0f} {r['peak_mib'] / max(ref['peak_mib'], 1e-9):>5.2f}x {r['loss']:>7.5f} "
-              f"{r['skipped']:>7d} {r['warmup_s']:>16.1f}")
+        print(
+            f"{r['precision']:<12} {r['s_per_step']:>8.3f} {r['s_per_step'] / ref['s_per_step']:>7.2f}x "
+            f"{r['peak_mib']:>9.0f} {r['peak_mib'] / max(ref['peak_mib'], 1e-9):>5.2f}x {r['loss']:>7.5f} "
+            f"{r['skipped']:>7d} {r['warmup_s']:>16.1f}"
+        )
 
 
 if __name__ == "__main__":

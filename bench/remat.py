@@ -45,8 +45,15 @@ N_BATCHES = 4  # a small pool of batches, cycled
 
 def _cfg(args) -> gpt.GPTConfig:
     """The benchmarked GPT."""
-    return gpt.GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.n_layer,
-                         n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=False)
+    return gpt.GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.block,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
+        bias=False,
+    )
 
 
 def _batches(cfg: gpt.GPTConfig, batch: int, device) -> list:
@@ -111,8 +118,16 @@ def child(args) -> dict:
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         peak = status_mib("VmHWM")
-    return {"policy": args.policy, "method": method, "base_mb": base, "growth_mb": peak - base,
-            "seconds": seconds, "cpu_seconds": cpu_seconds, "first_s": first_s, "loss": loss}
+    return {
+        "policy": args.policy,
+        "method": method,
+        "base_mb": base,
+        "growth_mb": peak - base,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "first_s": first_s,
+        "loss": loss,
+    }
 
 
 def main() -> None:
@@ -142,10 +157,13 @@ def main() -> None:
     policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     cfg = _cfg(args)
     mode = "eager" if args.eager else "compiled"
-    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads; {mode} step; "
-          f"GPT n_layer {cfg.n_layer}, n_embd {cfg.n_embd}, n_head {cfg.n_head}, block {cfg.block_size}, "
-          f"batch {args.batch}, vocab {cfg.vocab_size}, {gpt.num_params(cfg) / 1e6:.1f}M params; "
-          f"{args.steps} timed steps", flush=True)
+    print(
+        f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads; {mode} step; "
+        f"GPT n_layer {cfg.n_layer}, n_embd {cfg.n_embd}, n_head {cfg.n_head}, block {cfg.block_size}, "
+        f"batch {args.batch}, vocab {cfg.vocab_size}, {gpt.num_params(cfg) / 1e6:.1f}M params; "
+        f"{args.steps} timed steps",
+        flush=True,
+    )
     rows = []
     for policy in policies:
         cmd = [sys.executable, os.path.abspath(__file__), "--policy", policy]
@@ -158,17 +176,23 @@ def main() -> None:
             raise SystemExit(f"child for policy {policy} failed:\n{proc.stderr[-3000:]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         r = rows[-1]
-        print(f"  done {policy}: {r['growth_mb']:.0f} MB, {r['seconds']:.2f} s/step "
-              f"(first step {r['first_s']:.1f} s)", flush=True)
+        print(
+            f"  done {policy}: {r['growth_mb']:.0f} MB, {r['seconds']:.2f} s/step (first step {r['first_s']:.1f} s)",
+            flush=True,
+        )
 
     print(f"memory: {rows[0]['method']}; resident state {rows[0]['base_mb']:.0f} MB")
     ref = next((r for r in rows if r["policy"] == "none"), rows[0])
-    print(f"{'policy':8s} {'peak growth MB':>15s} {'vs none':>8s} {'s/step':>8s} {'vs none':>8s} "
-          f"{'cpu s/step':>11s} {'vs none':>8s} {'loss':>10s}")
+    print(
+        f"{'policy':8s} {'peak growth MB':>15s} {'vs none':>8s} {'s/step':>8s} {'vs none':>8s} "
+        f"{'cpu s/step':>11s} {'vs none':>8s} {'loss':>10s}"
+    )
     for r in rows:
-        print(f"{r['policy']:8s} {r['growth_mb']:15,.0f} {r['growth_mb'] / ref['growth_mb']:8.2f} "
-              f"{r['seconds']:8.2f} {r['seconds'] / ref['seconds']:8.2f} "
-              f"{r['cpu_seconds']:11.2f} {r['cpu_seconds'] / ref['cpu_seconds']:8.2f} {r['loss']:10.6f}")
+        print(
+            f"{r['policy']:8s} {r['growth_mb']:15,.0f} {r['growth_mb'] / ref['growth_mb']:8.2f} "
+            f"{r['seconds']:8.2f} {r['seconds'] / ref['seconds']:8.2f} "
+            f"{r['cpu_seconds']:11.2f} {r['cpu_seconds'] / ref['cpu_seconds']:8.2f} {r['loss']:10.6f}"
+        )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,17 @@ from functrain.models.hf.tiny import write_tiny
 def _measure(packing: bool, args, cache: str, model_dir: str) -> dict:
     """One layout's steps per epoch, fill, step time and target tokens per second."""
     cfg = ConfigDict({"path": "stdlib:messages", "packing": packing, "val_fraction": 0.02})
-    data = sft_data(cfg, cache_dir=cache, tokenizer=ByteTokenizer(), template=chat_template_of(None),
-                    batch_size=args.batch, block_size=args.block, seed=0, eval_batches=1, log=lambda line: None)
+    data = sft_data(
+        cfg,
+        cache_dir=cache,
+        tokenizer=ByteTokenizer(),
+        template=chat_template_of(None),
+        batch_size=args.batch,
+        block_size=args.block,
+        seed=0,
+        eval_batches=1,
+        log=lambda line: None,
+    )
     template = hf.build_template(hf.load_config(model_dir))
     opt = optim.adamw(1e-3)
     state = init_state(hf.init_params(template, rng.key(0)), opt)
@@ -45,8 +54,14 @@ def _measure(packing: bool, args, cache: str, model_dir: str) -> dict:
         targets += float(m["targets"])
     dt = time.perf_counter() - t0
     fill_targets, fill_tokens = data.efficiency()
-    return {"steps_per_epoch": data.steps_per_epoch, "fill_tokens": fill_tokens, "fill_targets": fill_targets,
-            "step_s": dt / args.steps, "targets_per_s": targets / dt, "loss": float(m["loss"])}
+    return {
+        "steps_per_epoch": data.steps_per_epoch,
+        "fill_tokens": fill_tokens,
+        "fill_targets": fill_targets,
+        "step_s": dt / args.steps,
+        "targets_per_s": targets / dt,
+        "loss": float(m["loss"]),
+    }
 
 
 def main() -> None:
@@ -62,12 +77,18 @@ def main() -> None:
         rows = {name: _measure(name == "packed", args, f"{tmp}/data", model_dir) for name in ("padded", "packed")}
     print(f"{'layout':8} {'steps/epoch':>11} {'tokens':>7} {'targets':>8} {'step s':>8} {'targets/s':>10}")
     for name, r in rows.items():
-        print(f"{name:8} {r['steps_per_epoch']:11.1f} {100 * r['fill_tokens']:6.0f}% {100 * r['fill_targets']:7.0f}% "
-              f"{r['step_s']:8.4f} {r['targets_per_s']:10,.0f}")
-    ratio = {"steps_per_epoch": rows["padded"]["steps_per_epoch"] / rows["packed"]["steps_per_epoch"],
-             "targets_per_s": rows["packed"]["targets_per_s"] / rows["padded"]["targets_per_s"]}
-    print(f"packed / padded: {ratio['steps_per_epoch']:.2f}x fewer steps per epoch, "
-          f"{ratio['targets_per_s']:.2f}x target tokens per second")
+        print(
+            f"{name:8} {r['steps_per_epoch']:11.1f} {100 * r['fill_tokens']:6.0f}% {100 * r['fill_targets']:7.0f}% "
+            f"{r['step_s']:8.4f} {r['targets_per_s']:10,.0f}"
+        )
+    ratio = {
+        "steps_per_epoch": rows["padded"]["steps_per_epoch"] / rows["packed"]["steps_per_epoch"],
+        "targets_per_s": rows["packed"]["targets_per_s"] / rows["padded"]["targets_per_s"],
+    }
+    print(
+        f"packed / padded: {ratio['steps_per_epoch']:.2f}x fewer steps per epoch, "
+        f"{ratio['targets_per_s']:.2f}x target tokens per second"
+    )
     if args.json:
         print(json.dumps({"rows": rows, "ratio": ratio, "args": vars(args), "torch": torch.__version__}))
 

@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _mem import reset_peak, trim  # noqa: E402
-from functrain import apply, compiler, init_state, make_train_step, optim, parallel, rng  # noqa: E402
+
+from functrain import apply, init_state, make_train_step, optim, parallel, rng  # noqa: E402
 from functrain.compiler import cache as compile_cache  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 from functrain.parallel import spmd  # noqa: E402
@@ -84,11 +85,23 @@ class Functrain:
     """functrain's sharded step (compiled or eager): per-block gathers (a staged loss) by default,
     the whole model gathered before the forward with `whole=True` (the route before issue 12)."""
 
-    def __init__(self, model, ctx, lr, clip, compile, compile_options=None, remat="full", whole=False,
-                 reduce_scatter="auto", layout_options=None):
+    def __init__(
+        self,
+        model,
+        ctx,
+        lr,
+        clip,
+        compile,
+        compile_options=None,
+        remat="full",
+        whole=False,
+        reduce_scatter="auto",
+        layout_options=None,
+    ):
         self.mesh, self.options = ctx.mesh, dict(reduce_scatter=reduce_scatter, **(layout_options or {}))
         opt = optim.chain(optim.clip_by_global_norm(clip), optim.adamw(lr, weight_decay=0.1))
         if whole:
+
             def loss_fn(params, batch, key):
                 x, y = batch
                 return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y)
@@ -100,8 +113,10 @@ class Functrain:
 
     def state_bytes(self):
         """Bytes of this rank's params and optimizer state (local shards)."""
-        return sum(x.to_local().nbytes if hasattr(x, "to_local") else x.nbytes
-                   for x in optree.tree_leaves((self.state.params, self.state.opt_state)))
+        return sum(
+            x.to_local().nbytes if hasattr(x, "to_local") else x.nbytes
+            for x in optree.tree_leaves((self.state.params, self.state.opt_state))
+        )
 
     def step(self, batch):
         parallel.configure(self.mesh, **self.options)  # this method's layout (each set of options: its own graph)
@@ -126,8 +141,12 @@ class FSDP2:
     def state_bytes(self):
         """Bytes of this rank's params and optimizer state (local shards)."""
         params = sum(p.to_local().nbytes for p in self.model.parameters())
-        opt = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
-                  for st in self.opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        opt = sum(
+            t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+            for st in self.opt.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        )
         return params + opt
 
     def step(self, batch):
@@ -151,8 +170,7 @@ def _live_growth_mib(m, batch, top=0) -> tuple[float, str]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         float(m.step(batch))
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -222,29 +240,61 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method per round")
     ap.add_argument("--eager", action="store_true", help="also time functrain's sharded step uncompiled")
-    ap.add_argument("--bucket-numel", type=int, default=None,
-                    help="functrain's largest collective bucket in elements (default: one bucket)")
-    ap.add_argument("--reorder", action="store_true",
-                    help="inductor option reorder_for_compute_comm_overlap (try with --bucket-numel)")
-    ap.add_argument("--remat", default="full",
-                    help="functrain's remat policy: 'full' regathers every block for its backward (reshard "
-                         "after forward), 'none' keeps blocks gathered until their backward")
-    ap.add_argument("--whole", action="store_true",
-                    help="also time the whole-model gather route (functrain-whole, before per-block gathers)")
-    ap.add_argument("--compile-unit", choices=("step", "blocks"), default="step",
-                    help="functrain's compile unit: one graph per step, or per stage kind with the "
-                         "update group by group (README 'Compile unit')")
-    ap.add_argument("--reduce-scatter", default="auto",
-                    help="functrain's gradient route (parallel.configure's reduce_scatter: " + ", ".join(spmd.ROUTES) + "); a "
-                         "comma list times each route after the first as functrain-<route>, interleaved in one run")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="print each method's N costliest ops of one step (inductor kernels named)")
-    ap.add_argument("--gloo-threads", type=int, default=1,
-                    help="worker threads per gloo group (parallel.setup; torch's 2 can corrupt the heap)")
+    ap.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=None,
+        help="functrain's largest collective bucket in elements (default: one bucket)",
+    )
+    ap.add_argument(
+        "--reorder",
+        action="store_true",
+        help="inductor option reorder_for_compute_comm_overlap (try with --bucket-numel)",
+    )
+    ap.add_argument(
+        "--remat",
+        default="full",
+        help="functrain's remat policy: 'full' regathers every block for its backward (reshard "
+        "after forward), 'none' keeps blocks gathered until their backward",
+    )
+    ap.add_argument(
+        "--whole",
+        action="store_true",
+        help="also time the whole-model gather route (functrain-whole, before per-block gathers)",
+    )
+    ap.add_argument(
+        "--compile-unit",
+        choices=("step", "blocks"),
+        default="step",
+        help="functrain's compile unit: one graph per step, or per stage kind with the "
+        "update group by group (README 'Compile unit')",
+    )
+    ap.add_argument(
+        "--reduce-scatter",
+        default="auto",
+        help="functrain's gradient route (parallel.configure's reduce_scatter: " + ", ".join(spmd.ROUTES) + "); a "
+        "comma list times each route after the first as functrain-<route>, interleaved in one run",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print each method's N costliest ops of one step (inductor kernels named)",
+    )
+    ap.add_argument(
+        "--gloo-threads",
+        type=int,
+        default=1,
+        help="worker threads per gloo group (parallel.setup; torch's 2 can corrupt the heap)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    ap.add_argument("--warm-cache", action="store_true",
-                    help="let functrain's step load from the user's compile cache (default: compile_cache 'off', a "
-                         "fresh directory: warm-up s is a cold compile and the gathered params are modelled)")
+    ap.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="let functrain's step load from the user's compile cache (default: compile_cache 'off', a "
+        "fresh directory: warm-up s is a cold compile and the gathered params are modelled)",
+    )
     args = ap.parse_args()
 
     # sharded steps' cache keys are stable since compiler.mesh_key: a second run would hit
@@ -259,29 +309,69 @@ def main():
             ap.error(f"--reduce-scatter: unknown route {route!r}; use one of {', '.join(spmd.ROUTES)}")
     layout = {"bucket_numel": args.bucket_numel} if args.bucket_numel else None
     ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1}, gloo_threads=args.gloo_threads)
-    cfg = gpt.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=True)
+    cfg = gpt.GPTConfig(
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=0.0,
+        bias=True,
+    )
     lr, clip = 3e-4, 1.0
     batches = _batches(cfg, args.warmup + args.rounds * args.steps, args.batch_size, ctx)
 
     rss0 = _rss_kib("VmRSS")
     options = {"options": {"reorder_for_compute_comm_overlap": True}} if args.reorder else None
     unit = True if args.compile_unit == "step" else "blocks"
-    methods = {"functrain": Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
-                                      compile_options=options, remat=args.remat, reduce_scatter=routes[0],
-                                      layout_options=layout)}
+    methods = {
+        "functrain": Functrain(
+            gpt.GPT(cfg, key=rng.key(0)),
+            ctx,
+            lr,
+            clip,
+            compile=unit,
+            compile_options=options,
+            remat=args.remat,
+            reduce_scatter=routes[0],
+            layout_options=layout,
+        )
+    }
     for route in routes[1:]:
-        methods[f"functrain-{route}"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=unit,
-                                                  compile_options=options, remat=args.remat, reduce_scatter=route,
-                                                  layout_options=layout)
+        methods[f"functrain-{route}"] = Functrain(
+            gpt.GPT(cfg, key=rng.key(0)),
+            ctx,
+            lr,
+            clip,
+            compile=unit,
+            compile_options=options,
+            remat=args.remat,
+            reduce_scatter=route,
+            layout_options=layout,
+        )
     if args.whole:
-        methods["functrain-whole"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=True,
-                                               compile_options=options, whole=True, reduce_scatter=routes[0],
-                                               layout_options=layout)
+        methods["functrain-whole"] = Functrain(
+            gpt.GPT(cfg, key=rng.key(0)),
+            ctx,
+            lr,
+            clip,
+            compile=True,
+            compile_options=options,
+            whole=True,
+            reduce_scatter=routes[0],
+            layout_options=layout,
+        )
     if args.eager:
-        methods["functrain-eager"] = Functrain(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip, compile=False,
-                                               remat=args.remat, reduce_scatter=routes[0],
-                                               layout_options=layout)
+        methods["functrain-eager"] = Functrain(
+            gpt.GPT(cfg, key=rng.key(0)),
+            ctx,
+            lr,
+            clip,
+            compile=False,
+            remat=args.remat,
+            reduce_scatter=routes[0],
+            layout_options=layout,
+        )
     methods["fsdp2"] = FSDP2(gpt.GPT(cfg, key=rng.key(0)), ctx, lr, clip)
     setup_mib = (_rss_kib("VmRSS") - rss0) / 1024
 
@@ -302,7 +392,7 @@ def main():
     hwm = {k: 0.0 for k in methods}
     can_peak = _reset_peak()
     for r in range(args.rounds):
-        chunk = batches[args.warmup + r * args.steps: args.warmup + (r + 1) * args.steps]
+        chunk = batches[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]
         for name, m in methods.items():
             parallel.barrier()
             _reset_peak()
@@ -334,66 +424,108 @@ def main():
     # training memory per rank: its params + optimizer state + the step's peak growth; max over ranks
     train_mib = {}
     for name, m in methods.items():
-        t = torch.tensor([m.state_bytes() / 2**20 + peak[name], peak[name], hwm[name],
-                          m.state_bytes() / 2**20 + live[name]], dtype=torch.float64)
+        t = torch.tensor(
+            [m.state_bytes() / 2**20 + peak[name], peak[name], hwm[name], m.state_bytes() / 2**20 + live[name]],
+            dtype=torch.float64,
+        )
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         train_mib[name] = t.tolist()
     expected = _expected_mib(cfg, args.batch_size // ctx.dp_world, ctx.dp_world, args.remat)
     if ctx.is_main_process:
-        print(f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_head={cfg.n_head} block={cfg.block_size} "
-              f"vocab={cfg.vocab_size} params={gpt.num_params(cfg) / 1e6:.2f}M, global batch {args.batch_size}, "
-              f"{ctx.world_size} ranks FSDP (dp_shard={ctx.dp_world}), torch {torch.__version__}, "
-              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, functrain remat={args.remat}")
-        print(f"state set-up RSS (all methods, rank 0): {setup_mib:.0f} MiB; process RSS before any: {rss0 / 1024:.0f} MiB")
-        print(f"{'method':<16} {'warm-up s':>10} {'median s/step':>14} {'steps/s':>9} {'peak growth MiB':>16} "
-              f"{'train peak MiB':>15} {'live peak MiB':>14} {'process HWM MiB':>16}  losses first/last")
+        print(
+            f"GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_head={cfg.n_head} block={cfg.block_size} "
+            f"vocab={cfg.vocab_size} params={gpt.num_params(cfg) / 1e6:.2f}M, global batch {args.batch_size}, "
+            f"{ctx.world_size} ranks FSDP (dp_shard={ctx.dp_world}), torch {torch.__version__}, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, functrain remat={args.remat}"
+        )
+        print(
+            f"state set-up RSS (all methods, rank 0): {setup_mib:.0f} MiB; "
+            f"process RSS before any: {rss0 / 1024:.0f} MiB"
+        )
+        print(
+            f"{'method':<16} {'warm-up s':>10} {'median s/step':>14} {'steps/s':>9} {'peak growth MiB':>16} "
+            f"{'train peak MiB':>15} {'live peak MiB':>14} {'process HWM MiB':>16}  losses first/last"
+        )
         for name in methods:
             total, growth, high, live_total = train_mib[name]
             pk = f"{growth:.1f}" if can_peak else "n/a"
-            print(f"{name:<16} {warm_s[name]:>10.1f} {med[name]:>14.4f} {1 / med[name]:>9.2f} {pk:>16} "
-                  f"{total:>15.1f} {live_total:>14.1f} {high:>16.0f}  {losses[name][0]:.4f} / {losses[name][-1]:.4f}")
-        print("(train peak = this rank's params + optimizer state + the step's peak RSS growth, max over ranks; "
-              "live peak = the same with the step's peak of live tensor bytes (profiler) instead of RSS, "
-              "which glibc's retained heap inflates; process HWM includes every method's state, all live in one "
-              "process)")
-        print("expected functrain train peak from first principles: " +
-              ", ".join(f"{k} {v:.1f}" for k, v in expected.items()) + " MiB")
+            print(
+                f"{name:<16} {warm_s[name]:>10.1f} {med[name]:>14.4f} {1 / med[name]:>9.2f} {pk:>16} "
+                f"{total:>15.1f} {live_total:>14.1f} {high:>16.0f}  {losses[name][0]:.4f} / {losses[name][-1]:.4f}"
+            )
+        print(
+            "(train peak = this rank's params + optimizer state + the step's peak RSS growth, max over ranks; "
+            "live peak = the same with the step's peak of live tensor bytes (profiler) instead of RSS, "
+            "which glibc's retained heap inflates; process HWM includes every method's state, all live in one "
+            "process)"
+        )
+        print(
+            "expected functrain train peak from first principles: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in expected.items())
+            + " MiB"
+        )
         block_mib = _block_numel(cfg) * 4 / 2**20
         if gathered.models:  # the step's graph: the one with the most all-gathers
             model, added = max(gathered.models, key=lambda g: g[0]["gathers"])
             alive_blocks = model["peak_bytes"] / 2**20 / block_mib
-            print(f"gathered params alive at most (model of the compiled graph's buffers, rank 0): "
-                  f"{model['peak_bytes'] / 2**20:.1f} MiB = {alive_blocks:.2f} blocks' params "
-                  f"({model['alive_at_peak']} of {model['gathers']} all-gathers; {added} added by the reshard pass)")
+            print(
+                f"gathered params alive at most (model of the compiled graph's buffers, rank 0): "
+                f"{model['peak_bytes'] / 2**20:.1f} MiB = {alive_blocks:.2f} blocks' params "
+                f"({model['alive_at_peak']} of {model['gathers']} all-gathers; {added} added by the reshard pass)"
+            )
         else:
             alive_blocks = None
-            print("gathered params alive: not modelled (no graph compiled in this process: inductor's cache "
-                  "served it under --warm-cache, or the step is eager)")
+            print(
+                "gathered params alive: not modelled (no graph compiled in this process: inductor's cache "
+                "served it under --warm-cache, or the step is eager)"
+            )
         speed = med["fsdp2"] / med["functrain"]
         peak_ratio = train_mib["functrain"][0] / train_mib["fsdp2"][0]
-        print(f"steps/s ratio functrain / fsdp2: {speed:.3f}; train peak ratio functrain / fsdp2: {peak_ratio:.3f} "
-              f"(RSS), {train_mib['functrain'][3] / train_mib['fsdp2'][3]:.3f} (live tensor bytes)")
+        print(
+            f"steps/s ratio functrain / fsdp2: {speed:.3f}; train peak ratio functrain / fsdp2: {peak_ratio:.3f} "
+            f"(RSS), {train_mib['functrain'][3] / train_mib['fsdp2'][3]:.3f} (live tensor bytes)"
+        )
         for other in methods:
             if other not in ("functrain", "fsdp2"):
-                print(f"steps/s ratio {other} / fsdp2: {med['fsdp2'] / med[other]:.3f}; train peak ratio "
-                      f"{other} / fsdp2: {train_mib[other][0] / train_mib['fsdp2'][0]:.3f}")
+                print(
+                    f"steps/s ratio {other} / fsdp2: {med['fsdp2'] / med[other]:.3f}; train peak ratio "
+                    f"{other} / fsdp2: {train_mib[other][0] / train_mib['fsdp2'][0]:.3f}"
+                )
         if args.json:
             import json
 
-            print(json.dumps({
-                "speed_ratio": round(speed, 4), "peak_ratio": round(peak_ratio, 4),
-                "growth_ratio": round(train_mib["functrain"][1] / max(train_mib["fsdp2"][1], 1e-9), 4),
-                "live_peak_ratio": round(train_mib["functrain"][3] / train_mib["fsdp2"][3], 4),
-                "functrain_live_peak_mib": train_mib["functrain"][3], "fsdp2_live_peak_mib": train_mib["fsdp2"][3],
-                "gathered_blocks_alive": None if alive_blocks is None else round(alive_blocks, 3),
-                "functrain_s_per_step": med["functrain"], "fsdp2_s_per_step": med["fsdp2"],
-                "functrain_train_peak_mib": train_mib["functrain"][0], "fsdp2_train_peak_mib": train_mib["fsdp2"][0],
-                "expected_train_peak_mib": expected["total"], "warmup_s": warm_s["functrain"],
-                "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "ranks": ctx.world_size, "remat": args.remat,
-                "reduce_scatter": args.reduce_scatter, "gloo_threads": args.gloo_threads,
-                "routes": {r: {"speed_ratio": round(med["fsdp2"] / med[f"functrain-{r}"], 4),
-                               "live_peak_mib": train_mib[f"functrain-{r}"][3]} for r in routes[1:]},
-            }))
+            print(
+                json.dumps(
+                    {
+                        "speed_ratio": round(speed, 4),
+                        "peak_ratio": round(peak_ratio, 4),
+                        "growth_ratio": round(train_mib["functrain"][1] / max(train_mib["fsdp2"][1], 1e-9), 4),
+                        "live_peak_ratio": round(train_mib["functrain"][3] / train_mib["fsdp2"][3], 4),
+                        "functrain_live_peak_mib": train_mib["functrain"][3],
+                        "fsdp2_live_peak_mib": train_mib["fsdp2"][3],
+                        "gathered_blocks_alive": None if alive_blocks is None else round(alive_blocks, 3),
+                        "functrain_s_per_step": med["functrain"],
+                        "fsdp2_s_per_step": med["fsdp2"],
+                        "functrain_train_peak_mib": train_mib["functrain"][0],
+                        "fsdp2_train_peak_mib": train_mib["fsdp2"][0],
+                        "expected_train_peak_mib": expected["total"],
+                        "warmup_s": warm_s["functrain"],
+                        "n_layer": cfg.n_layer,
+                        "n_embd": cfg.n_embd,
+                        "ranks": ctx.world_size,
+                        "remat": args.remat,
+                        "reduce_scatter": args.reduce_scatter,
+                        "gloo_threads": args.gloo_threads,
+                        "routes": {
+                            r: {
+                                "speed_ratio": round(med["fsdp2"] / med[f"functrain-{r}"], 4),
+                                "live_peak_mib": train_mib[f"functrain-{r}"][3],
+                            }
+                            for r in routes[1:]
+                        },
+                    }
+                )
+            )
     parallel.teardown()
 
 

@@ -62,13 +62,12 @@ import time
 import torch
 
 from functrain import init_state, make_train_step, optim, rng, value_and_grad
-from functrain.trainer import memory
-from functrain.trainer import metrics
-from functrain.step import precision as precision_lib
 from functrain import step as step_lib
+from functrain.compiler import cuda_graphs
 from functrain.models import gpt
 from functrain.models.gpt import make_loss_fn
-from functrain.compiler import cuda_graphs
+from functrain.step import precision as precision_lib
+from functrain.trainer import memory, metrics
 
 SIZES = {
     # The `tiny` variant of configs/gpt.py.
@@ -90,9 +89,14 @@ def _config_size(variant: str) -> dict:
     spec.loader.exec_module(mod)
     c = mod.get_config(variant)
     m = c.model
-    return dict(vocab_size=m.vocab_size or 256,  # 0 = the data's: bytes for the default run
-                block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                batch=c.batch_size // c.accum_steps)
+    return dict(
+        vocab_size=m.vocab_size or 256,  # 0 = the data's: bytes for the default run
+        block_size=m.block_size,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        batch=c.batch_size // c.accum_steps,
+    )
 
 
 LR, WARMUP, DECAY, MIN_LR, WD, BETAS, CLIP = 3e-4, 10, 10_000, 3e-5, 0.1, (0.9, 0.95), 1.0
@@ -134,8 +138,7 @@ class Functrain:
     def __init__(self, cfg, device):
         with torch.device("meta"):
             template = gpt.GPT(cfg)
-        opt = optim.chain(optim.clip_by_global_norm(CLIP),
-                          optim.adamw(_schedule(), *BETAS, 1e-8, WD))
+        opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(_schedule(), *BETAS, 1e-8, WD))
         params = gpt.init_params(template, rng.key(0), device=device)
         self.state = init_state(params, opt, seed=0, copy=False)
         self.loss_fn, self.opt = make_loss_fn(template), opt
@@ -182,8 +185,7 @@ class FunctrainEager(Functrain):
     def __init__(self, cfg, device):
         with torch.device("meta"):
             template = gpt.GPT(cfg)
-        opt = optim.chain(optim.clip_by_global_norm(CLIP),
-                          optim.adamw(_schedule(), *BETAS, 1e-8, WD, fused=True))
+        opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(_schedule(), *BETAS, 1e-8, WD, fused=True))
         params = gpt.init_params(template, rng.key(0), device=device)
         self.state = init_state(params, opt, seed=0, copy=False)
         self.loss_fn, self.opt = make_loss_fn(template), opt
@@ -225,8 +227,7 @@ class TorchLoop:
             kind = f"foreach (fused not supported on {device.type}: {str(exc).splitlines()[0][:80]})"
             self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD, foreach=True)
         sched = _schedule()
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda k: float(sched(torch.tensor(k))) / LR)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: float(sched(torch.tensor(k))) / LR)
         dtype = precision_lib.get(PRECISION).compute_dtype
         self.autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
         self.note = f"eager, AdamW {kind}" + (f", autocast {dtype}" if dtype != torch.float32 else "")
@@ -272,8 +273,9 @@ class FunctrainGraphs(Functrain):
 
     def __init__(self, cfg, device):
         super().__init__(cfg, device)
-        self.step_fn = make_train_step(self.loss_fn, self.opt, donate=True, precision=PRECISION,
-                                       compile_options=cuda_graphs.options())
+        self.step_fn = make_train_step(
+            self.loss_fn, self.opt, donate=True, precision=PRECISION, compile_options=cuda_graphs.options()
+        )
         self.state = cuda_graphs.prepare(self.state)
         self.note = f"compiled as CUDA graphs (reduce-overhead), donate=True, precision {PRECISION}"
 
@@ -411,8 +413,12 @@ def memory_child(variant, size, steps, device):
             float(r.step(data[i % N_BATCHES]))
         _sync(device)
         peak = torch.cuda.max_memory_allocated(device)
-        out.update(method="cuda max_memory_allocated", base_mb=base / 2**20, growth_mb=(peak - base) / 2**20,
-                   peak_mb=peak / 2**20)
+        out.update(
+            method="cuda max_memory_allocated",
+            base_mb=base / 2**20,
+            growth_mb=(peak - base) / 2**20,
+            peak_mb=peak / 2**20,
+        )
     else:
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -431,9 +437,24 @@ def memory_child(variant, size, steps, device):
 def measure_memory(size, steps, device, threads=0, host_memory="keep"):
     res = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, os.path.abspath(__file__), "--_memory-child", variant,
-               "--sizes", size, "--steps", str(steps), "--device", str(device), "--threads", str(threads),
-               "--host-memory", host_memory, "--precision", PRECISION]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--_memory-child",
+            variant,
+            "--sizes",
+            size,
+            "--steps",
+            str(steps),
+            "--device",
+            str(device),
+            "--threads",
+            str(threads),
+            "--host-memory",
+            host_memory,
+            "--precision",
+            PRECISION,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"memory child {variant}/{size} failed:\n{proc.stderr[-3000:]}")
@@ -446,10 +467,17 @@ def measure_memory(size, steps, device, threads=0, host_memory="keep"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="tiny,100m",
-                    help=f"comma-separated, from {sorted(SIZES)} or configs/gpt.py's {list(CONFIG_SIZES)}")
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
-                    help="bf16: functrain's precision='bf16' (fp32 masters) vs torch's autocast to bf16")
+    ap.add_argument(
+        "--sizes",
+        default="tiny,100m",
+        help=f"comma-separated, from {sorted(SIZES)} or configs/gpt.py's {list(CONFIG_SIZES)}",
+    )
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="bf16: functrain's precision='bf16' (fp32 masters) vs torch's autocast to bf16",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant and size")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved blocks the timed steps are split in")
@@ -458,14 +486,22 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory children")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-part breakdown")
-    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                    help="also time the step replayed as CUDA graphs (functrain_graphs; default: on CUDA)")
+    ap.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the step replayed as CUDA graphs (functrain_graphs; default: on CUDA)",
+    )
     ap.add_argument("--no-eager", action="store_true", help="skip the eager functrain column (functrain_eager)")
     ap.add_argument("--breakdown-rounds", type=int, default=6, help="alternating rounds of the breakdown")
     ap.add_argument("--_memory-child", dest="memory_child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--host-memory", default="keep", choices=("keep", "default"),
-                    help="keep: freed memory stays in the process for both variants (functrain.trainer.memory), as "
-                         "the main program does; default: glibc's policy")
+    ap.add_argument(
+        "--host-memory",
+        default="keep",
+        choices=("keep", "default"),
+        help="keep: freed memory stays in the process for both variants (functrain.trainer.memory), as "
+        "the main program does; default: glibc's policy",
+    )
     args = ap.parse_args()
     global PRECISION
     PRECISION = args.precision
@@ -486,16 +522,24 @@ def main():
     dtype = precision_lib.get(PRECISION).compute_dtype
     published = metrics.peak_flops(device)  # bf16 dense, from the vendor's data sheet (None on a CPU)
     matmul = metrics.measure_peak_flops(device, dtype)  # this process's large-matmul rate, in `dtype`
-    print(f"torch {torch.__version__}, device {device} ({dev_name}), {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs; precision {PRECISION}; {args.steps} timed steps per variant in {args.rounds} "
-          f"interleaved rounds; host memory {args.host_memory} (both variants)")
-    print(f"peak FLOP/s: measured {dtype} matmul {matmul / 1e12:.1f} TFLOP/s; published bf16 dense "
-          + (f"{published / 1e12:.0f} TFLOP/s" if published else "unknown (CPU)"), flush=True)
+    print(
+        f"torch {torch.__version__}, device {device} ({dev_name}), {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs; precision {PRECISION}; {args.steps} timed steps per variant in {args.rounds} "
+        f"interleaved rounds; host memory {args.host_memory} (both variants)"
+    )
+    print(
+        f"peak FLOP/s: measured {dtype} matmul {matmul / 1e12:.1f} TFLOP/s; published bf16 dense "
+        + (f"{published / 1e12:.0f} TFLOP/s" if published else "unknown (CPU)"),
+        flush=True,
+    )
     rows = []
     for size in sizes:
         cfg, batch = _cfg(size)
-        print(f"\n[{size}] GPT {gpt.num_params(cfg) / 1e6:.2f}M params (n_layer {cfg.n_layer}, "
-              f"n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, block {cfg.block_size}), batch {batch}", flush=True)
+        print(
+            f"\n[{size}] GPT {gpt.num_params(cfg) / 1e6:.2f}M params (n_layer {cfg.n_layer}, "
+            f"n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, block {cfg.block_size}), batch {batch}",
+            flush=True,
+        )
         eager = not args.no_eager
         graphs = device.type == "cuda" if args.cuda_graphs is None else args.cuda_graphs
         sp = speed(size, args.steps, args.rounds, device, eager, graphs)
@@ -503,19 +547,28 @@ def main():
             print(f"  {name:15s} {note}; first-step loss {sp['first_loss'][name]:.6f}")
         mem = None if args.no_memory else measure_memory(size, args.mem_steps, device, args.threads, args.host_memory)
         if mem:
-            print(f"  memory: {mem['functrain']['method']}; resident state "
-                  f"functrain {mem['functrain']['base_mb']:.0f} MB, torch {mem['torch']['base_mb']:.0f} MB; "
-                  f"peak functrain {mem['functrain']['peak_mb']:.0f} MB, torch {mem['torch']['peak_mb']:.0f} MB")
+            print(
+                f"  memory: {mem['functrain']['method']}; resident state "
+                f"functrain {mem['functrain']['base_mb']:.0f} MB, torch {mem['torch']['base_mb']:.0f} MB; "
+                f"peak functrain {mem['functrain']['peak_mb']:.0f} MB, torch {mem['torch']['peak_mb']:.0f} MB"
+            )
         if not args.no_breakdown:
             bd = breakdown(size, args.breakdown_rounds, device, eager)
             f, t = bd["functrain"], bd["torch"]
             e = bd.get("functrain_eager")
-            print(f"\n  [{size}] where a step's time goes (median ms over {args.breakdown_rounds} rounds)\n"
-                  "  | part | functrain ms | torch ms | time functrain / torch |"
-                  + (" functrain eager ms | time eager / torch |" if e else "")
-                  + "\n  |---|---|---|---|" + ("---|---|" if e else ""))
-            for k, label in (("fwdbwd", "forward + backward"), ("update", "optimizer update (clip, AdamW, ...)"),
-                             ("other", "everything else"), ("step", "whole step")):
+            print(
+                f"\n  [{size}] where a step's time goes (median ms over {args.breakdown_rounds} rounds)\n"
+                "  | part | functrain ms | torch ms | time functrain / torch |"
+                + (" functrain eager ms | time eager / torch |" if e else "")
+                + "\n  |---|---|---|---|"
+                + ("---|---|" if e else "")
+            )
+            for k, label in (
+                ("fwdbwd", "forward + backward"),
+                ("update", "optimizer update (clip, AdamW, ...)"),
+                ("other", "everything else"),
+                ("step", "whole step"),
+            ):
                 ratio = f"{f[k] / t[k]:.2f}x" if k != "other" and t[k] > 0 else "-"
                 row = f"  | {label} | {f[k]:.1f} | {t[k]:.1f} | {ratio} |"
                 if e:
@@ -529,40 +582,66 @@ def main():
         if published:
             sp["mfu_published"] = {n: v * fpt / published for n, v in sp["tokens_per_s"].items()}
         rows.append((size, sp, mem))
-        print(f"  [{size}] steps/s functrain {sp['steps_per_s']['functrain']:.3f} torch {sp['steps_per_s']['torch']:.3f} "
-              f"(ratio {sp['ratio']:.2f}x); tokens/s {sp['tokens_per_s']['functrain']:,.0f} vs "
-              f"{sp['tokens_per_s']['torch']:,.0f}; MFU of the measured matmul {sp['mfu_matmul']['functrain']:.1%} vs "
-              f"{sp['mfu_matmul']['torch']:.1%}", flush=True)
+        print(
+            f"  [{size}] steps/s functrain {sp['steps_per_s']['functrain']:.3f} torch {sp['steps_per_s']['torch']:.3f} "
+            f"(ratio {sp['ratio']:.2f}x); tokens/s {sp['tokens_per_s']['functrain']:,.0f} vs "
+            f"{sp['tokens_per_s']['torch']:,.0f}; MFU of the measured matmul {sp['mfu_matmul']['functrain']:.1%} vs "
+            f"{sp['mfu_matmul']['torch']:.1%}",
+            flush=True,
+        )
         if graphs:
-            print(f"  [{size}] CUDA graphs: functrain_graphs {sp['steps_per_s']['functrain_graphs']:.3f} steps/s, "
-                  f"{sp['tokens_per_s']['functrain_graphs']:,.0f} tokens/s, MFU of the measured matmul "
-                  f"{sp['mfu_matmul']['functrain_graphs']:.1%}; the torch loop's time / its time: "
-                  f"{sp['graphs_ratio']:.2f}x", flush=True)
+            print(
+                f"  [{size}] CUDA graphs: functrain_graphs {sp['steps_per_s']['functrain_graphs']:.3f} steps/s, "
+                f"{sp['tokens_per_s']['functrain_graphs']:,.0f} tokens/s, MFU of the measured matmul "
+                f"{sp['mfu_matmul']['functrain_graphs']:.1%}; the torch loop's time / its time: "
+                f"{sp['graphs_ratio']:.2f}x",
+                flush=True,
+            )
         if eager:
-            print(f"  [{size}] eager: functrain_eager {sp['steps_per_s']['functrain_eager']:.3f} steps/s; its step "
-                  f"time / the torch loop's: {sp['eager_time_ratio']:.2f}x", flush=True)
+            print(
+                f"  [{size}] eager: functrain_eager {sp['steps_per_s']['functrain_eager']:.3f} steps/s; its step "
+                f"time / the torch loop's: {sp['eager_time_ratio']:.2f}x",
+                flush=True,
+            )
 
-    print("\n| size | params | functrain steps/s | torch steps/s | ratio (functrain/torch) | "
-          "first step functrain (compile) | first step torch | peak growth/step functrain | peak growth/step torch |")
+    print(
+        "\n| size | params | functrain steps/s | torch steps/s | ratio (functrain/torch) | "
+        "first step functrain (compile) | first step torch | peak growth/step functrain | peak growth/step torch |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for size, sp, mem in rows:
         f, t = sp["steps_per_s"]["functrain"], sp["steps_per_s"]["torch"]
         mf = f"{mem['functrain']['growth_mb']:+.0f} MB" if mem else "-"
         mt = f"{mem['torch']['growth_mb']:+.0f} MB" if mem else "-"
-        print(f"| {size} | {sp['params'] / 1e6:.2f}M | {f:.3f} | {t:.3f} | {sp['ratio']:.2f}x | "
-              f"{sp['first_s']['functrain']:.1f} s | {sp['first_s']['torch']:.2f} s | {mf} | {mt} |")
-    print(f"\n| size | tokens/s functrain | tokens/s torch | MFU functrain | MFU torch | "
-          f"(MFU against the measured {dtype} matmul; in brackets against the published bf16 peak) |\n"
-          "|---|---|---|---|---|---|")
+        print(
+            f"| {size} | {sp['params'] / 1e6:.2f}M | {f:.3f} | {t:.3f} | {sp['ratio']:.2f}x | "
+            f"{sp['first_s']['functrain']:.1f} s | {sp['first_s']['torch']:.2f} s | {mf} | {mt} |"
+        )
+    print(
+        f"\n| size | tokens/s functrain | tokens/s torch | MFU functrain | MFU torch | "
+        f"(MFU against the measured {dtype} matmul; in brackets against the published bf16 peak) |\n"
+        "|---|---|---|---|---|---|"
+    )
     for size, sp, _ in rows:
         pub = sp.get("mfu_published")
         cell = {n: f"{sp['mfu_matmul'][n]:.1%}" + (f" ({pub[n]:.1%})" if pub else "") for n in sp["mfu_matmul"]}
-        print(f"| {size} | {sp['tokens_per_s']['functrain']:,.0f} | {sp['tokens_per_s']['torch']:,.0f} | "
-              f"{cell['functrain']} | {cell['torch']} | |")
+        print(
+            f"| {size} | {sp['tokens_per_s']['functrain']:,.0f} | {sp['tokens_per_s']['torch']:,.0f} | "
+            f"{cell['functrain']} | {cell['torch']} | |"
+        )
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "device": dev_name, "precision": PRECISION,
-                          "matmul_flops": matmul, "published_flops": published,
-                          "sizes": {size: dict(sp, memory=mem) for size, sp, mem in rows}}))
+        print(
+            json.dumps(
+                {
+                    "torch": torch.__version__,
+                    "device": dev_name,
+                    "precision": PRECISION,
+                    "matmul_flops": matmul,
+                    "published_flops": published,
+                    "sizes": {size: dict(sp, memory=mem) for size, sp, mem in rows},
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

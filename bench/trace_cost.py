@@ -83,8 +83,9 @@ def main() -> None:
     layer_ratio = best["layer"] / best["rearrange"]
     print(f"apply / functional_call: {apply_ratio:.2f}; Rearrange layers / rearrange calls: {layer_ratio:.2f}")
     if args.json:
-        print(json.dumps({"layers": args.layers, "trace_s": best, "apply_ratio": apply_ratio,
-                          "layer_ratio": layer_ratio}))
+        print(
+            json.dumps({"layers": args.layers, "trace_s": best, "apply_ratio": apply_ratio, "layer_ratio": layer_ratio})
+        )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ trains a byte-level BPE of `model.vocab_size` ids (2048 when 0) on the training 
 Hugging Face export: with `export_hf=True` (default) the run writes `<workdir>/hf` at the end
 (config.json, model.safetensors, tokenizer.json) for `transformers.AutoModelForCausalLM`; any
 checkpoint exports with
-`python -m functrain.main --config=configs/llama.py:tiny --export_hf=out/ --export_from=runs/llama-tiny/checkpoints/100`.
+`python -m functrain.main --config=configs/llama.py:tiny --export_hf=out/
+--export_from=runs/llama-tiny/checkpoints/100`.
 
 LoRA over `init_from`'s frozen weights: `--config.init_from=hf:DIR --config.lora.rank=8` (merged export
 and PEFT directory at the end; docs/guide.md "LoRA").

@@ -26,8 +26,10 @@ def parse(**own):
     p.add_argument("--steps", type=int, default=own.pop("steps", 40))
     p.add_argument("--batch", type=int, default=own.pop("batch", 16))
     p.add_argument("--compile", action="store_true", help="torch.compile the recipe's steps")
-    p.add_argument("--cache-dir", default=os.environ.get(
-        "FUNCTRAIN_CACHE_DIR", os.path.join(tempfile.gettempdir(), "functrain-data")))
+    p.add_argument(
+        "--cache-dir",
+        default=os.environ.get("FUNCTRAIN_CACHE_DIR", os.path.join(tempfile.gettempdir(), "functrain-data")),
+    )
     p.add_argument("--threads", type=int, default=1, help="a tiny model runs fastest on one thread")
     for name, default in own.items():
         flag = "--" + name.replace("_", "-")

@@ -23,8 +23,14 @@ from functrain import optim
 
 args = common.parse(steps=20, batch=32)
 torch.manual_seed(0)
-net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),  # (B, 16, 8, 8)
-                    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))  # (B, 4)
+net = nn.Sequential(
+    nn.Conv2d(3, 16, 3, padding=1, bias=False),
+    nn.BatchNorm2d(16),
+    nn.ReLU(),  # (B, 16, 8, 8)
+    nn.AdaptiveAvgPool2d(1),
+    nn.Flatten(),
+    nn.Linear(16, 4),
+)  # (B, 4)
 ref, data = copy.deepcopy(net), common.synthetic_images(args.steps + 1, args.batch)  # the torch loop trains ref
 
 
@@ -53,5 +59,7 @@ assert int(state.model_state["1.num_batches_tracked"]) == args.steps and not net
 ref.eval()
 val, want = evaluate(state, data[-1]), F.cross_entropy(ref(data[-1][0]), data[-1][1])
 assert abs(float(val["loss"]) - float(want)) <= tol * float(want), (float(val["loss"]), float(want))
-print(f"batchnorm: OK {args.steps} steps equal to the torch loop, loss {float(metrics['loss']):.3f}, "
-      f"eval loss {float(val['loss']):.3f}, eval acc {float(val['acc']):.3f}")
+print(
+    f"batchnorm: OK {args.steps} steps equal to the torch loop, loss {float(metrics['loss']):.3f}, "
+    f"eval loss {float(val['loss']):.3f}, eval acc {float(val['acc']):.3f}"
+)

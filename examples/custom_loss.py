@@ -43,5 +43,6 @@ ref = F.cross_entropy(ft.apply(model, state.params, x).flatten(0, 1), y.flatten(
 assert torch.allclose(loss_fn(state.params, (x, y), None, z_coef=0.0)[0], ref, rtol=1e-5)
 first, last = history[0], history[-1]
 assert {"nll", "z_loss", "acc", "grad_norm", "lr"} <= last.keys() and last["nll"] < first["nll"] - 1.0
-print(f"custom_loss: OK nll {first['nll']:.3f} -> {last['nll']:.3f}, z_loss {last['z_loss']:.2f}, "
-      f"acc {last['acc']:.3f}")
+print(
+    f"custom_loss: OK nll {first['nll']:.3f} -> {last['nll']:.3f}, z_loss {last['z_loss']:.2f}, acc {last['acc']:.3f}"
+)

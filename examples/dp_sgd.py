@@ -45,9 +45,13 @@ for i in range(args.steps):
     state, m = step(state, common.batch(args, ds, i), clip, noise, opt)
     losses.append(float(m["loss"]))
     if i % 10 == 0 or i == args.steps - 1:
-        print(f"step {i + 1:3d} | loss {losses[-1]:.4f} | clipped {float(m['clipped']):.0%} "
-              f"| max example norm {float(m['max_example_norm']):.2f} | grad norm {float(m['grad_norm']):.3f}")
+        print(
+            f"step {i + 1:3d} | loss {losses[-1]:.4f} | clipped {float(m['clipped']):.0%} "
+            f"| max example norm {float(m['max_example_norm']):.2f} | grad norm {float(m['grad_norm']):.3f}"
+        )
 assert int(state.step) == args.steps and int(state.guard.skipped) == 0 and float(m["clipped"]) > 0
 assert sum(losses[-5:]) / 5 < losses[0] - 0.5 and all(torch.isfinite(p).all() for p in tree.leaves(state.params))
-print(f"dp_sgd: OK {args.steps} steps, loss {losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f} (clip {args.clip}, "
-      f"noise {args.noise}); no-noise step equals make_train_step (max diff {diff:.1e})")
+print(
+    f"dp_sgd: OK {args.steps} steps, loss {losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f} (clip {args.clip}, "
+    f"noise {args.noise}); no-noise step equals make_train_step (max diff {diff:.1e})"
+)

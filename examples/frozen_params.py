@@ -30,21 +30,29 @@ def is_frozen(name):  # the lower layers; fine-tune the rest (not wte: it is als
 frozen = {k: v for k, v in params.items() if is_frozen(k)}
 trainable = {k: v for k, v in params.items() if not is_frozen(k)}
 adamw = optim.adamw(optim.warmup_cosine(3e-3, 5, args.steps), weight_decay=0.1)
-mask_opt = optim.chain(optim.masked(adamw, lambda p: {k: not is_frozen(k) for k in p}),
-                       optim.masked(optim.scale(0.0), lambda p: {k: is_frozen(k) for k in p}))
-runs = {"split": (lambda t, batch, key: loss_fn({**t, **frozen}, batch, key), adamw, trainable),
-        "mask": (loss_fn, mask_opt, params)}
+mask_opt = optim.chain(
+    optim.masked(adamw, lambda p: {k: not is_frozen(k) for k in p}),
+    optim.masked(optim.scale(0.0), lambda p: {k: is_frozen(k) for k in p}),
+)
+runs = {
+    "split": (lambda t, batch, key: loss_fn({**t, **frozen}, batch, key), adamw, trainable),
+    "mask": (loss_fn, mask_opt, params),
+}
 final = {}
 for name, (fn, opt, start) in runs.items():
     state, step = ft.init_state(start, opt, seed=0), ft.make_train_step(fn, opt, compile=args.compile)
     for i in range(args.steps):
         state, metrics = step(state, common.batch(args, ds, i))
     final[name] = {**frozen, **state.params} if name == "split" else state.params
-    print(f"{name:5s}: loss {float(metrics['loss']):.3f}, {len(state.params)} params in the state, "
-          f"{tree.size(state.opt_state):,} optimizer-state numbers")
+    print(
+        f"{name:5s}: loss {float(metrics['loss']):.3f}, {len(state.params)} params in the state, "
+        f"{tree.size(state.opt_state):,} optimizer-state numbers"
+    )
     assert all(torch.equal(final[name][k], p) == is_frozen(k) for k, p in params.items()), name
     assert tree.size(state.opt_state) < tree.size(params) * 2  # no Adam moments for frozen leaves
 diff = max(float((final["split"][k] - final["mask"][k]).abs().max()) for k in trainable)
 assert diff < 1e-5, diff
-print(f"frozen_params: OK {len(frozen)} frozen leaves bit-identical after {args.steps} steps (split and mask), "
-      f"{len(trainable)} trained; split vs mask max diff {diff:.1e}")
+print(
+    f"frozen_params: OK {len(frozen)} frozen leaves bit-identical after {args.steps} steps (split and mask), "
+    f"{len(trainable)} trained; split vs mask max diff {diff:.1e}"
+)

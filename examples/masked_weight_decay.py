@@ -21,9 +21,12 @@ args = common.parse(steps=30)
 model, ds = common.tiny_gpt(), common.corpus(args)
 params, lr, wd = gpt.init_params(model, rng.key(0)), 1e-2, 0.1
 decay_mask = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731
-optimizers = [optim.adamw(lr, weight_decay=wd, mask=decay_mask),
-              optim.chain(optim.scale_by_adam(), optim.masked(optim.add_decayed_weights(wd), decay_mask),
-                          optim.scale_by_learning_rate(lr))]
+optimizers = [
+    optim.adamw(lr, weight_decay=wd, mask=decay_mask),
+    optim.chain(
+        optim.scale_by_adam(), optim.masked(optim.add_decayed_weights(wd), decay_mask), optim.scale_by_learning_rate(lr)
+    ),
+]
 zero_grad_loss = lambda p, batch, key: (sum(v.sum() for v in p.values()) * 0.0, {})  # noqa: E731
 
 
@@ -44,5 +47,7 @@ for i in range(args.steps):
     losses.append(float(metrics["loss"]))
 decayed = sum(p.ndim >= 2 for p in params.values())
 assert losses[-1] < losses[0] - 1.0, losses
-print(f"masked_weight_decay: OK {decayed} decayed, {len(params) - decayed} masked, both styles agree; "
-      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+print(
+    f"masked_weight_decay: OK {decayed} decayed, {len(params) - decayed} masked, both styles agree; "
+    f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+)

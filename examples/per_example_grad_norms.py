@@ -28,7 +28,7 @@ def grads_and_norms(params, batch):
 
 fn = torch.compile(grads_and_norms, fullgraph=True) if args.compile else grads_and_norms
 grads, norms = fn(params, (x, y))
-loop = [ft.value_and_grad(loss_fn, params, (x[i:i + 1], y[i:i + 1]), None)[2] for i in range(len(x))]
+loop = [ft.value_and_grad(loss_fn, params, (x[i : i + 1], y[i : i + 1]), None)[2] for i in range(len(x))]
 loop_norms = torch.stack([tree.global_norm(g) for g in loop])
 assert torch.allclose(norms, loop_norms, rtol=1e-4, atol=1e-6), (norms, loop_norms)
 batch_grads = ft.value_and_grad(loss_fn, params, (x, y), None)[2]
@@ -36,6 +36,8 @@ assert all(torch.allclose(g.mean(0), batch_grads[k], rtol=1e-4, atol=1e-6) for k
 clipped_sum, _ = per_example.clipped_sum(grads, args.clip)
 assert float(tree.global_norm(clipped_sum)) <= len(x) * args.clip * (1 + 1e-5)
 print("per-example grad norms:", " ".join(f"{v:.3f}" for v in norms.tolist()))
-print(f"per_example_grad_norms: OK {len(x)} examples, norms {float(norms.min()):.3f}..{float(norms.max()):.3f} "
-      f"(loop max diff {float((norms - loop_norms).abs().max()):.1e}), "
-      f"clipped-mean norm {float(tree.global_norm(clipped_sum)) / len(x):.3f}")
+print(
+    f"per_example_grad_norms: OK {len(x)} examples, norms {float(norms.min()):.3f}..{float(norms.max()):.3f} "
+    f"(loop max diff {float((norms - loop_norms).abs().max()):.1e}), "
+    f"clipped-mean norm {float(tree.global_norm(clipped_sum)) / len(x):.3f}"
+)

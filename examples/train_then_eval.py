@@ -24,8 +24,9 @@ def loss_fn(params, batch, key):  # key is None in the eval step: no dropout
     return gpt.cross_entropy(logits, y), {"acc": (logits.argmax(-1) == y).float().mean()}
 
 
-opt = optim.chain(optim.clip_by_global_norm(1.0),
-                  optim.adamw(optim.warmup_cosine(3e-3, 5, args.steps), weight_decay=0.1))
+opt = optim.chain(
+    optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(3e-3, 5, args.steps), weight_decay=0.1)
+)
 train_step = ft.make_train_step(loss_fn, opt, compile=args.compile)
 eval_step, val = ft.make_eval_step(loss_fn, compile=args.compile), common.val_batches(ds)
 
@@ -41,9 +42,13 @@ for i in range(1, args.steps + 1):
     state, metrics = train_step(state, common.batch(args, ds, i))  # the old state is donated
     if i % args.eval_every == 0 or i == args.steps:
         history.append(evaluate(state))
-        print(f"step {i:3d} | train loss {float(metrics['loss']):.3f} | val loss {history[-1]['loss']:.3f} "
-              f"| val acc {history[-1]['acc']:.3f}")
+        print(
+            f"step {i:3d} | train loss {float(metrics['loss']):.3f} | val loss {history[-1]['loss']:.3f} "
+            f"| val acc {history[-1]['acc']:.3f}"
+        )
 assert int(state.step) == args.steps and history[-1]["loss"] < history[0]["loss"] - 1.0, history
 assert evaluate(state) == history[-1], "eval is not deterministic / changed the state"
-print(f"train_then_eval: OK {len(history) - 1} evals, val loss {history[0]['loss']:.3f} -> "
-      f"{history[-1]['loss']:.3f}, val acc {history[-1]['acc']:.3f}")
+print(
+    f"train_then_eval: OK {len(history) - 1} evals, val loss {history[0]['loss']:.3f} -> "
+    f"{history[-1]['loss']:.3f}, val acc {history[-1]['acc']:.3f}"
+)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
     from functrain import checkpoint, data, losses, nn, optim, parallel, rng, step, tree
     from functrain.functional import apply
     from functrain.state import TrainState, init_state, params_of
-    from functrain.step import apply_gradients, make_train_step, make_eval_step, update_step, value_and_grad
+    from functrain.step import apply_gradients, make_eval_step, make_train_step, update_step, value_and_grad
     from functrain.task import Task
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

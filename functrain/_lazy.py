@@ -20,8 +20,8 @@ import functools
 import importlib
 import pkgutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 __all__ = ["lazy_exports"]
 
@@ -59,7 +59,9 @@ def lazy_exports(package: str, path: str) -> tuple[Callable[[str], object], Call
 
     @functools.cache
     def submodules() -> frozenset:
-        """The package's own modules and subpackages (listed once, from its directory)."""
+        """The package's own modules and subpackages (listed once, from its directory); a module has none."""
+        if Path(path).name != "__init__.py":
+            return frozenset()
         return frozenset(m.name for m in pkgutil.iter_modules([str(Path(path).parent)]))
 
     def __getattr__(name: str) -> object:

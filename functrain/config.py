@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "ConfigError",
@@ -237,7 +238,8 @@ def check_batch(batch_size: int, accum_steps: int, dp_world: int, what: str = "a
     if batch_size % (dp_world * accum_steps):
         raise ConfigError(
             f"batch_size={batch_size} must divide by data-parallel ranks ({dp_world}) x {what} "
-            f"({accum_steps}); change batch_size, {what} or the mesh (--config.batch_size)")
+            f"({accum_steps}); change batch_size, {what} or the mesh (--config.batch_size)"
+        )
 
 
 def check_pipeline(pp: int, accum_steps: int, n_layer: int) -> None:
@@ -252,11 +254,15 @@ def check_pipeline(pp: int, accum_steps: int, n_layer: int) -> None:
       >>> check_pipeline(2, 1, 12)   # 12 blocks over 2 stages: fine
     """
     if pp > 1 and accum_steps != 1:
-        raise ConfigError(f"accum_steps={accum_steps} with mesh.pp={pp}: a pipeline accumulates over its "
-                          "microbatches; set --config.pp.microbatches instead and accum_steps=1")
+        raise ConfigError(
+            f"accum_steps={accum_steps} with mesh.pp={pp}: a pipeline accumulates over its "
+            "microbatches; set --config.pp.microbatches instead and accum_steps=1"
+        )
     if pp > 1 and 0 < n_layer < pp:
-        raise ConfigError(f"mesh.pp={pp} pipeline stages over model.n_layer={n_layer} blocks: each stage needs "
-                          "a block; lower --config.mesh.pp or raise --config.model.n_layer")
+        raise ConfigError(
+            f"mesh.pp={pp} pipeline stages over model.n_layer={n_layer} blocks: each stage needs "
+            "a block; lower --config.mesh.pp or raise --config.model.n_layer"
+        )
 
 
 def check_context(block_size: int, cp: int) -> None:
@@ -272,7 +278,8 @@ def check_context(block_size: int, cp: int) -> None:
     if cp > 1 and block_size % (2 * cp):
         raise ConfigError(
             f"model.block_size={block_size} must divide by 2 x mesh.cp = {2 * cp} (each context-parallel rank "
-            "holds two chunks of every sequence); change --config.model.block_size or --config.mesh.cp")
+            "holds two chunks of every sequence); change --config.model.block_size or --config.mesh.cp"
+        )
 
 
 def _get(cfg: Any, name: str, default: int) -> int:
@@ -378,4 +385,5 @@ def check_attention_fits(block_size: int, heads: int, rows: int, cp: int = 1, me
             f"model.block_size={block_size}: one attention layer's scores alone take {need / 2**30:.1f} GiB "
             f"({rows} rows x {heads} heads x {block_size // max(cp, 1)} x {block_size} floats) where this host has "
             f"{memory / 2**30:.1f} GiB; lower --config.model.block_size or --config.batch_size, or raise "
-            "--config.accum_steps")
+            "--config.accum_steps"
+        )

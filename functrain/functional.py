@@ -47,13 +47,14 @@ def tied_names(model: nn.Module) -> tuple[tuple[str, ...], ...]:
       (('wte.weight', 'lm_head.weight'),)
     """
     names: dict[int, list[str]] = {}
-    for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                   model.named_buffers(remove_duplicate=False)):
+    for name, t in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
         names.setdefault(id(t), []).append(name)
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
 
 
-def apply(model: nn.Module, params: Any, *args, model_state: Any = None, train: "bool | None" = None, **kwargs):
+def apply(model: nn.Module, params: Any, *args, model_state: Any = None, train: bool | None = None, **kwargs):
     """Calls `model(*args, **kwargs)` with `params` in place of its parameters (functional_call).
 
     Args:
@@ -107,10 +108,12 @@ def apply(model: nn.Module, params: Any, *args, model_state: Any = None, train: 
         mode_lib.restore(changed)
     written = [n for n, b, version in watched if b._version != version]
     if written:
-        raise ValueError(f"functrain.apply: the forward wrote into buffer(s) {', '.join(written[:3])} of the template, "
-                         "which the model state does not carry (non-persistent buffers); pass them in the model state "
-                         "(init_state(..., model_state=functrain.nn.buffers_of(module, persistent=False))) so the "
-                         "step updates them purely")
+        raise ValueError(
+            f"functrain.apply: the forward wrote into buffer(s) {', '.join(written[:3])} of the template, "
+            "which the model state does not carry (non-persistent buffers); pass them in the model state "
+            "(init_state(..., model_state=functrain.nn.buffers_of(module, persistent=False))) so the "
+            "step updates them purely"
+        )
     return out if state is None else (out, state)
 
 

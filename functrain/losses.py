@@ -132,7 +132,8 @@ def chunked_cross_entropy(
     """Mean cross-entropy of `hidden @ weight.T` against `targets`, without materializing the logits.
 
     Equal (to float32 rounding) to `F.cross_entropy((hidden @ weight.T).float(), targets,
-    ignore_index=ignore_index)` in value and in gradients (except that all ignored gives 0, not NaN) for `hidden` and `weight`, but only
+    ignore_index=ignore_index)` in value and in gradients (except that all ignored gives 0, not NaN) for `hidden` and
+    `weight`, but only
     `chunk_size` rows of logits exist at any time, in the forward and in the backward.
 
     Args:

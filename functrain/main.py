@@ -5,16 +5,14 @@ keeps the command short. Its names load on first use, so a process that imports 
 `__main__` (a spawned worker: the tokenizing pool's) loads neither torch nor absl.
 """
 
-__all__ = ["check_config", "export_hf", "main", "run", "train"]
+from typing import TYPE_CHECKING
 
+from functrain._lazy import lazy_exports
 
-def __getattr__(name: str):
-    if name in __all__:
-        from functrain.trainer import main as trainer_main
+if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
+    from functrain.trainer.main import check_config, export_hf, main, run, train
 
-        return getattr(trainer_main, name)
-    raise AttributeError(f"module 'functrain.main' has no attribute {name!r}")
-
+__getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)
 
 if __name__ == "__main__":
     from functrain.trainer.main import run

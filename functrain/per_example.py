@@ -17,7 +17,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -31,8 +32,9 @@ __all__ = ["grads", "norms", "clipped_sum", "privatize"]
 PyTree = Any
 
 
-def grads(loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | None = None, *,
-          model_state: PyTree = None):
+def grads(
+    loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | None = None, *, model_state: PyTree = None
+):
     """The gradient of each example's loss, stacked on a leading batch dim.
 
     Args:
@@ -52,9 +54,11 @@ def grads(loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | 
       >>> g, losses, _ = per_example.grads(loss_fn, params, (x, y))   # g["wte.weight"]: (B, V, C)
     """
     if model_state is not None and optree.tree_leaves(model_state):
-        raise ValueError("per-example gradients run every example as a batch of one, where a model's batch "
-                         f"statistics ({next(iter(model_state))!r}, ...) mean nothing: use a model without "
-                         "BatchNorm (GroupNorm or LayerNorm normalize per example)")
+        raise ValueError(
+            "per-example gradients run every example as a batch of one, where a model's batch "
+            f"statistics ({next(iter(model_state))!r}, ...) mean nothing: use a model without "
+            "BatchNorm (GroupNorm or LayerNorm normalize per example)"
+        )
     b = optree.tree_leaves(batch)[0].shape[0]
 
     def one(p, example, k):
@@ -63,8 +67,7 @@ def grads(loss_fn: Callable, params: PyTree, batch: PyTree, key: torch.Tensor | 
         return loss, aux
 
     keys = None if key is None else rng.split(key, b)  # (B, 2)
-    per = torch.func.vmap(torch.func.grad_and_value(one, has_aux=True),
-                          in_dims=(None, 0, None if key is None else 0))
+    per = torch.func.vmap(torch.func.grad_and_value(one, has_aux=True), in_dims=(None, 0, None if key is None else 0))
     with sdpa_kernel(SDPBackend.MATH):
         g, (losses, aux) = per(params, batch, keys)
     return g, losses, aux
@@ -86,7 +89,7 @@ def norms(grads: PyTree) -> torch.Tensor:
     return torch.stack(squares).sum(0).sqrt()
 
 
-def clipped_sum(grads: PyTree, max_norm: "float | torch.Tensor"):
+def clipped_sum(grads: PyTree, max_norm: float | torch.Tensor):
     """The sum over examples of each gradient scaled to norm <= `max_norm`.
 
     Args:
@@ -105,8 +108,7 @@ def clipped_sum(grads: PyTree, max_norm: "float | torch.Tensor"):
     return summed, n
 
 
-def privatize(grads: PyTree, max_norm: "float | torch.Tensor", noise_multiplier: "float | torch.Tensor",
-              key: torch.Tensor):
+def privatize(grads: PyTree, max_norm: float | torch.Tensor, noise_multiplier: float | torch.Tensor, key: torch.Tensor):
     """DP-SGD's gradient: clip each example to `max_norm`, sum, add N(0, (noise_multiplier *
     max_norm)^2) noise, divide by the batch size (Abadi et al., 2016).
 
@@ -128,6 +130,7 @@ def privatize(grads: PyTree, max_norm: "float | torch.Tensor", noise_multiplier:
     leaves, spec = tree_lib.flatten(summed)
     keys = rng.split(key, len(leaves))  # (L, 2): one noise stream per leaf
     b = n.shape[0]
-    noisy = [(s + noise_multiplier * max_norm * rng.gaussian(keys[i], s.shape, s.dtype)) / b
-             for i, s in enumerate(leaves)]
+    noisy = [
+        (s + noise_multiplier * max_norm * rng.gaussian(keys[i], s.shape, s.dtype)) / b for i, s in enumerate(leaves)
+    ]
     return spec.unflatten(noisy), n

@@ -24,15 +24,16 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
 
 from functrain import compiler
-from functrain.ops import foreach
 from functrain import step as step_lib
 from functrain.nn.model_state import check_loss
+from functrain.ops import foreach
 from functrain.parallel.layout import LOCAL
 from functrain.state import TrainState
 
@@ -56,8 +57,10 @@ def stack(states: Sequence[TrainState]) -> TrainState:
     """
     first = states[0]
     if any(not _same(s.frozen, first.frozen) for s in states[1:]):
-        raise ValueError("population.stack: the members hold different frozen params; a population shares one "
-                         "frozen base (give every member the same TrainState.frozen dict)")
+        raise ValueError(
+            "population.stack: the members hold different frozen params; a population shares one "
+            "frozen base (give every member the same TrainState.frozen dict)"
+        )
     stacked = optree.tree_map(lambda *xs: torch.stack(xs), *[s.replace(frozen={}) for s in states])
     return stacked.replace(frozen=first.frozen)  # shared, not stacked: one base for every member
 
@@ -130,8 +133,15 @@ def make_population_step(
       >>> pop, metrics = step(pop, batch)
     """
     # The eager body for unsharded params, resolved now (not inside the trace: that would recompile).
-    body = step_lib.make_train_step(loss_fn, optimizer, compile=False, donate=False, precision=precision,
-                                    skip_nonfinite=skip_nonfinite, layout=LOCAL)
+    body = step_lib.make_train_step(
+        loss_fn,
+        optimizer,
+        compile=False,
+        donate=False,
+        precision=precision,
+        skip_nonfinite=skip_nonfinite,
+        layout=LOCAL,
+    )
 
     def population_step(state: TrainState, batch: PyTree):
         # every leaf has the member dim but the frozen params', shared by all members (a LoRA base)

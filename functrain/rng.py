@@ -309,8 +309,7 @@ def normal(
     local_shape = shape if local_shape is None else [int(s) for s in local_shape]
     offset = [0] * len(shape) if offset is None else [int(o) for o in offset]
     if len(shape) <= 1:  # one row
-        row = normal(key, [1, *shape], offset=[0, *offset], local_shape=[1, *local_shape], dtype=dtype,
-                     device=device)
+        row = normal(key, [1, *shape], offset=[0, *offset], local_shape=[1, *local_shape], dtype=dtype, device=device)
         return row.reshape(local_shape)
     width = math.prod(shape[1:])
     out = torch.empty([local_shape[0], width], dtype=torch.float32)  # (rows, row numel)

@@ -86,7 +86,7 @@ class TrainState(NamedTuple):
     model_state: PyTree = {}
     frozen: PyTree = {}
 
-    def replace(self, **changes) -> "TrainState":
+    def replace(self, **changes) -> TrainState:
         """A copy with some fields replaced: `state.replace(step=state.step + 1)`."""
         return self._replace(**changes)
 
@@ -153,14 +153,18 @@ def init_state(
     frozen = {} if frozen is None else dict(frozen)
     both = [n for n in frozen if isinstance(params, dict) and n in params]
     if both:
-        raise ValueError(f"functrain.init_state: {', '.join(both[:3])} is both trained (params) and frozen; give each "
-                         "parameter to one of them")
+        raise ValueError(
+            f"functrain.init_state: {', '.join(both[:3])} is both trained (params) and frozen; give each "
+            "parameter to one of them"
+        )
     on_meta = [n for n, v in (*_named(params), *_named(model_state), *_named(frozen)) if v.device.type == "meta"]
     if on_meta:
         listed = ", ".join(on_meta[:3]) + (", ..." if len(on_meta) > 3 else "")
-        raise ValueError(f"functrain.init_state: {len(on_meta)} tensor(s) are on the meta device ({listed}): a meta "
-                         "template has no numbers; pass real params (a "
-                         "family's init_params, or the module built on a real device) and keep the template for apply")
+        raise ValueError(
+            f"functrain.init_state: {len(on_meta)} tensor(s) are on the meta device ({listed}): a meta "
+            "template has no numbers; pass real params (a "
+            "family's init_params, or the module built on a real device) and keep the template for apply"
+        )
     if copy:
         params = tree_lib.map(lambda v: v.detach().clone(), params)
         model_state = tree_lib.map(lambda v: v.detach().clone(), model_state)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import builtins
 import sys
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -71,7 +72,8 @@ _KEY_ORDERS: dict = {}  # a dict's keys -> `_key_order`'s answer (a run has a ha
 
 @torch.compiler.assume_constant_result
 def _key_order(keys: tuple) -> tuple | None:
-    """(the keys sorted, each key's place among them) when all are str, else None (Dynamo runs it on the constant keys)."""
+    """(the keys sorted, each key's place among them) when all are str, else None (Dynamo runs it on the constant
+    keys)."""
     got = _KEY_ORDERS.get(keys)
     if got is None:
         got = ()  # (not all str: optree orders mixed keys its own way)
@@ -119,7 +121,8 @@ def _expand(x) -> tuple:
 
 
 def _gather_leaves(x, out: list, stop=None) -> bool:
-    """Appends `x`'s leaves to `out` (and whole each subtree `stop` accepts); False at a node `_expand` does not know."""
+    """Appends `x`'s leaves to `out` (and whole each subtree `stop` accepts); False at a node `_expand` does not
+    know."""
     todo = [x]
     while todo:
         x = todo.pop()
@@ -187,8 +190,8 @@ def _rebuild(x, leaves: list, at: int, stop=None):
         if x is _BUILD:
             x = todo.pop()
             n = len(x)
-            items = built[len(built) - n:]
-            del built[len(built) - n:]
+            items = built[len(built) - n :]
+            del built[len(built) - n :]
             built.append(_node_like(x, items))
             continue
         if isinstance(x, torch.Tensor) or (stop is not None and stop(x)):
@@ -204,7 +207,7 @@ def _rebuild(x, leaves: list, at: int, stop=None):
         elif kind == _OTHER:  # (a template comes from a walk that succeeded)
             raise TypeError(f"not a plain tree node: {type(x).__name__}")
         elif kind == _FLAT:
-            built.append(_node_like(x, leaves[at:at + len(children)]))
+            built.append(_node_like(x, leaves[at : at + len(children)]))
             at += len(children)
         else:
             todo.append(x)
@@ -393,7 +396,7 @@ def clone(tree: PyTree) -> PyTree:
     return map(lambda x: x.clone(), tree)
 
 
-def incremental_update(new: PyTree, old: PyTree, step_size: "float | torch.Tensor") -> PyTree:
+def incremental_update(new: PyTree, old: PyTree, step_size: float | torch.Tensor) -> PyTree:
     """`old + step_size * (new - old)` leafwise (optax's name): a moving average of weights.
 
     One fused `_foreach_lerp` over all leaves (per tensor under `foreach.per_tensor()`); pure: new
@@ -457,8 +460,10 @@ def global_norm(tree: PyTree, *, fused: bool = False) -> torch.Tensor:
             return norm_of(xs, fused=fused)
     dtensor = sys.modules.get("torch.distributed.tensor")  # (none can exist unless it was imported)
     if dtensor is not None and isinstance(xs[0], dtensor.DTensor):
-        raise TypeError("tree.global_norm of DTensors is the mesh-wide norm that functrain.parallel "
-                        "registers: import functrain.parallel first")
+        raise TypeError(
+            "tree.global_norm of DTensors is the mesh-wide norm that functrain.parallel "
+            "registers: import functrain.parallel first"
+        )
     return torch.stack(squared_norms(xs, fused=fused)).sum().sqrt().to(torch.float32)
 
 

@@ -50,7 +50,7 @@ def batches(n: int, size: int = 16, seed: int = 1, shift_second_half: float = 1.
     out = []
     for _ in range(n):
         x = torch.randn(size, 3, 6, 6, generator=g)
-        x[size // 2:] += shift_second_half
+        x[size // 2 :] += shift_second_half
         out.append((x, torch.randint(0, 4, (size,), generator=g)))
     return out
 

@@ -20,13 +20,13 @@ import traceback
 import torch
 import torch.distributed as dist
 
+# the sharded-training worker's 20-step clipped SGD, tree difference and step loop
+from _dist_parallel_worker import STEPS, max_diff, run, sgd
+
 from functrain import checkpoint as ckpt
 from functrain import init_state, make_train_step, parallel, rng
 from functrain.models import gpt, llama
 from functrain.parallel.dispatch import layout_of
-
-# the sharded-training worker's 20-step clipped SGD, tree difference and step loop
-from _dist_parallel_worker import STEPS, max_diff, run, sgd
 
 SEQ, BATCH, VOCAB = 16, 8, 64
 COLLECTIVE_TIMEOUT_S = 300
@@ -37,8 +37,9 @@ def family(name: str):
     if name == "gpt":
         cfg = gpt.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32, bias=False)
         return gpt.GPT(cfg, key=rng.key(0)), gpt.TP_RULES, gpt.make_loss_fn
-    cfg = llama.LlamaConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                            intermediate_size=64)
+    cfg = llama.LlamaConfig(
+        vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64
+    )
     with torch.device("meta"):
         template = llama.Llama(cfg)
     return template, llama.TP_RULES, llama.make_loss_fn
@@ -75,15 +76,26 @@ def setup_model(ctx, name, remat, staged, kernel="zigzag"):
     return template, rules, make_loss(template), make_loss(model, remat=remat, staged=staged)
 
 
-def compare(ctx, name="gpt", *, remat="none", staged=True, steps=STEPS, precision=None, ignored=False,
-            compile=False, kernel="zigzag"):
+def compare(
+    ctx,
+    name="gpt",
+    *,
+    remat="none",
+    staged=True,
+    steps=STEPS,
+    precision=None,
+    ignored=False,
+    compile=False,
+    kernel="zigzag",
+):
     """The cp run vs one process: max differences of metrics, params and optimizer state."""
     template, rules, single_loss, cp_loss = setup_model(ctx, name, remat, staged, kernel)
     data = batches(steps, ignored)
     opt = sgd()
     params = init_params(template, name)
-    ref, ref_hist = run(make_train_step(single_loss, opt, compile=False, precision=precision),
-                        init_state(params, opt), data)
+    ref, ref_hist = run(
+        make_train_step(single_loss, opt, compile=False, precision=precision), init_state(params, opt), data
+    )
     counters = None
     options = None
     if compile:
@@ -136,8 +148,12 @@ def s_checkpoint(ctx):
     data = batches(STEPS)
     opt = sgd()
     params = init_params(template, "gpt")
-    state, _ = run(make_train_step(cp_loss, opt, compile=False), parallel.shard_state(init_state(params, opt), ctx.mesh,
-                                                                                      rules), data[:10], ctx)
+    state, _ = run(
+        make_train_step(cp_loss, opt, compile=False),
+        parallel.shard_state(init_state(params, opt), ctx.mesh, rules),
+        data[:10],
+        ctx,
+    )
     root = os.path.join(OUTDIR, f"ckpt_{dist.get_world_size()}")
     ckpt.save(os.path.join(root, "cp"), state)
     saved = parallel.gather(state)
@@ -151,8 +167,9 @@ def s_checkpoint(ctx):
     fsdp_step = make_train_step(single_loss, opt, compile=False)
     onto_fsdp, _ = run(fsdp_step, onto_fsdp, data[10:15], fsdp)
     ckpt.save(os.path.join(root, "fsdp"), onto_fsdp)
-    back = ckpt.restore(os.path.join(root, "fsdp"), parallel.shard_state(init_state(params, opt), ctx.mesh,
-                                                                           rules)).result()
+    back = ckpt.restore(
+        os.path.join(root, "fsdp"), parallel.shard_state(init_state(params, opt), ctx.mesh, rules)
+    ).result()
     out["fsdp_to_cp"] = max_diff(parallel.gather(back), parallel.gather(onto_fsdp))
     out["cp_placement"] = [repr(p) for p in back.params["wte.weight"].placements]
     # and the cp run goes on from what it restored as one process would
@@ -181,15 +198,21 @@ SUITES = {
         ("gpt_ignored", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, ignored=True)),
         ("gpt_bf16", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, precision="bf16", steps=10)),
         ("llama", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, "llama")),
-        ("llama_remat_bf16", {"dp_shard": 1, "cp": 2},
-         lambda ctx: compare(ctx, "llama", remat="full", precision="bf16", steps=10)),
+        (
+            "llama_remat_bf16",
+            {"dp_shard": 1, "cp": 2},
+            lambda ctx: compare(ctx, "llama", remat="full", precision="bf16", steps=10),
+        ),
         ("gpt_mask", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, kernel="mask")),
         ("llama_stream", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, "llama", remat="full", kernel="stream")),
         ("gpt_compiled", {"dp_shard": 1, "cp": 2}, lambda ctx: compare(ctx, remat="full", steps=4, compile=True)),
         # the two compile units, each with one kernel: the step with the gathered keys, the blocks
         # with the streamed ones (a collective per key chunk inside the block graph)
-        ("gpt_blocks_stream", {"dp_shard": 1, "cp": 2},
-         lambda ctx: compare(ctx, remat="full", steps=4, compile="blocks", kernel="stream")),
+        (
+            "gpt_blocks_stream",
+            {"dp_shard": 1, "cp": 2},
+            lambda ctx: compare(ctx, remat="full", steps=4, compile="blocks", kernel="stream"),
+        ),
         ("checkpoint", {"dp_shard": 1, "cp": 2}, s_checkpoint),
         ("bad_length", {"dp_shard": 1, "cp": 2}, s_bad_length),
     ],

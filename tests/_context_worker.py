@@ -27,8 +27,12 @@ EPS32 = torch.finfo(torch.float32).eps
 def _full(b, h, hkv, t, d, seed=0):
     """The full sequence's q (B, H, T, D), k and v (B, Hkv, T, D) and the output weights (B, H, T, D)."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, t, d, generator=g), torch.randn(b, hkv, t, d, generator=g),
-            torch.randn(b, hkv, t, d, generator=g), torch.randn(b, h, t, d, generator=g))
+    return (
+        torch.randn(b, h, t, d, generator=g),
+        torch.randn(b, hkv, t, d, generator=g),
+        torch.randn(b, hkv, t, d, generator=g),
+        torch.randn(b, h, t, d, generator=g),
+    )
 
 
 def _reference(q, k, v, w):
@@ -87,7 +91,7 @@ def rows_scenario(rows, compiled, group, world, rank):
     pos = context.positions(t, world, rank)
     full = table.clone().requires_grad_()
     (full[:t] * w).sum().backward()  # the reference: every position's row, weighted
-    part = table[rank * c:(rank + 1) * c]  # (<= c, 3): torch.chunk's block, as a Shard(0) DTensor holds it
+    part = table[rank * c : (rank + 1) * c]  # (<= c, 3): torch.chunk's block, as a Shard(0) DTensor holds it
 
     def loss(part):
         out = context.position_rows(part, rows, t, group, world, rank)  # (T / world, 3)
@@ -99,11 +103,11 @@ def rows_scenario(rows, compiled, group, world, rank):
     grad, (_, out) = grad_fn(part)
     assert part.shape[0] < rows, part.shape  # the part, not the whole table
     assert torch.equal(out, table[pos]), (out, table[pos])
-    assert torch.equal(grad, full.grad[rank * c:(rank + 1) * c]), (grad, full.grad)
+    assert torch.equal(grad, full.grad[rank * c : (rank + 1) * c]), (grad, full.grad)
 
 
 def _run(fn, *args) -> str:
-    """"ok", or the scenario's failure (reported per scenario; the test names it)."""
+    """ "ok", or the scenario's failure (reported per scenario; the test names it)."""
     try:
         fn(*args)
         return "ok"
@@ -118,11 +122,17 @@ def main():
     group = torch.distributed.group.WORLD
     results = {}
     for name, h, hkv, compiled, kernel in (
-            ("mha", 4, 4, False, "mask"), ("gqa", 4, 2, False, "mask"), ("gqa_func", 4, 2, "func", "mask"),
-            ("gqa_compiled", 4, 2, "compiled", "mask"), ("zigzag_mha", 4, 4, False, "zigzag"),
-            ("zigzag_gqa_func", 4, 2, "func", "zigzag"), ("zigzag_gqa_compiled", 4, 2, "compiled", "zigzag"),
-            ("stream_mha", 4, 4, False, "stream"), ("stream_gqa_func", 4, 2, "func", "stream"),
-            ("stream_gqa_compiled", 4, 2, "compiled", "stream")):
+        ("mha", 4, 4, False, "mask"),
+        ("gqa", 4, 2, False, "mask"),
+        ("gqa_func", 4, 2, "func", "mask"),
+        ("gqa_compiled", 4, 2, "compiled", "mask"),
+        ("zigzag_mha", 4, 4, False, "zigzag"),
+        ("zigzag_gqa_func", 4, 2, "func", "zigzag"),
+        ("zigzag_gqa_compiled", 4, 2, "compiled", "zigzag"),
+        ("stream_mha", 4, 4, False, "stream"),
+        ("stream_gqa_func", 4, 2, "func", "stream"),
+        ("stream_gqa_compiled", 4, 2, "compiled", "stream"),
+    ):
         results[name] = _run(scenario, h, hkv, compiled, group, world, rank, kernel)
     for name, rows, compiled in (("rows", 4 * world, False), ("rows_uneven_compiled", 4 * world + 3, True)):
         results[name] = _run(rows_scenario, rows, compiled, group, world, rank)

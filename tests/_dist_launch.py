@@ -25,14 +25,18 @@ def _env(extra: dict) -> dict:
     """This process's env plus the workers' settings (one OpenMP thread, faulthandler on, the repo and
     tests/ importable) and `extra`."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",
-               PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",
+        PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]),
+    )
     env.update(extra)
     return env
 
 
-def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0,
-              env: dict | None = None, grace: float = 60.0) -> list[str]:
+def run_ranks(
+    script: str, args: list[str], nprocs: int, timeout: float = 600.0, env: dict | None = None, grace: float = 60.0
+) -> list[str]:
     """Runs `python script *args` as `nprocs` ranks (RANK/WORLD_SIZE/... set, plus `env`); raises if
     any fails, else returns each rank's output (stdout and stderr).
 
@@ -47,12 +51,23 @@ def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0,
     procs, logs = [], []
     with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
         for r in range(nprocs):
-            rank_env = _env({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nprocs),
-                             "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                             "MASTER_PORT": str(port), **(env or {})})
+            rank_env = _env(
+                {
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "WORLD_SIZE": str(nprocs),
+                    "LOCAL_WORLD_SIZE": str(nprocs),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    **(env or {}),
+                }
+            )
             logs.append(open(os.path.join(tmp, f"rank{r}.log"), "w+"))
-            procs.append(subprocess.Popen([sys.executable, script, *args], env=rank_env, cwd=REPO,
-                                          stdout=logs[-1], stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, script, *args], env=rank_env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT
+                )
+            )
         deadline = time.monotonic() + timeout
         timed_out, stopped = False, False
         failed_at = None  # when a rank first exited with an error
@@ -98,10 +113,14 @@ def run_ranks(script: str, args: list[str], nprocs: int, timeout: float = 600.0,
 
 def run_single(script: str, args: list[str], timeout: float = 600.0) -> None:
     """Runs `python script *args` as one process WITHOUT torchrun's env vars; raises if it fails."""
-    env = {k: v for k, v in _env({}).items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    p = subprocess.run([sys.executable, script, *args], env=env, cwd=REPO, capture_output=True,
-                       text=True, timeout=timeout)
+    env = {
+        k: v
+        for k, v in _env({}).items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    p = subprocess.run(
+        [sys.executable, script, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     if p.returncode != 0:
         raise RuntimeError(f"{script} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
 

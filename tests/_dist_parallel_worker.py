@@ -44,7 +44,9 @@ def loss_fn_for(model):
 
     def loss_fn(params, batch, key):
         x, y = batch
-        return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y), {"tokens": torch.tensor(float(x.numel()))}
+        return gpt.cross_entropy(apply(model, params, x, dropout_key=key), y), {
+            "tokens": torch.tensor(float(x.numel()))
+        }
 
     return loss_fn
 
@@ -52,14 +54,17 @@ def loss_fn_for(model):
 def global_batches(n: int, batch_size: int = 8, seed: int = 0):
     """`n` global batches (x, y) of random token ids, shape (batch_size, 16)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 64, (batch_size, 16), generator=g), torch.randint(0, 64, (batch_size, 16), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, 64, (batch_size, 16), generator=g), torch.randint(0, 64, (batch_size, 16), generator=g))
+        for _ in range(n)
+    ]
 
 
 def adamw():
     """Clipping + AdamW with a warm-up/cosine schedule (the usual GPT optimizer)."""
-    return optim.chain(optim.clip_by_global_norm(1.0),
-                       optim.adamw(optim.warmup_cosine(1e-2, 3, STEPS), weight_decay=0.1))
+    return optim.chain(
+        optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-2, 3, STEPS), weight_decay=0.1)
+    )
 
 
 SGD_LR, SGD_MOMENTUM = 0.05, 0.9
@@ -69,8 +74,10 @@ def sgd():
     """Clipping + SGD with momentum and a schedule: the trajectories' optimizer. Its update moves with
     the gradient, so sharded and single runs stay within rounding (tests/_tol.py); Adam would turn the
     rounding noise of near-zero gradients into full-size steps in either run."""
-    return optim.chain(optim.clip_by_global_norm(1.0),
-                       optim.sgd(optim.warmup_cosine(SGD_LR, 3, STEPS, end_value=SGD_LR / 10), momentum=SGD_MOMENTUM))
+    return optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.sgd(optim.warmup_cosine(SGD_LR, 3, STEPS, end_value=SGD_LR / 10), momentum=SGD_MOMENTUM),
+    )
 
 
 def max_diff(a, b) -> float:
@@ -92,8 +99,21 @@ def run(step_fn, state, batches, ctx=None):
     return state, hist
 
 
-def compare(ctx, *, bias=False, make_opt=sgd, steps=STEPS, accum=1, compile=False, donate=True,
-            compile_options=None, rules=None, precision=None, batches=None, make_loss=None):
+def compare(
+    ctx,
+    *,
+    bias=False,
+    make_opt=sgd,
+    steps=STEPS,
+    accum=1,
+    compile=False,
+    donate=True,
+    compile_options=None,
+    rules=None,
+    precision=None,
+    batches=None,
+    make_loss=None,
+):
     """Sharded run vs the plain single-process run: max differences of metrics, params, opt state."""
     model = tiny_gpt(bias)
     make_loss = make_loss or loss_fn_for
@@ -103,15 +123,25 @@ def compare(ctx, *, bias=False, make_opt=sgd, steps=STEPS, accum=1, compile=Fals
     ref_step = make_train_step(make_loss(model), opt, accum_steps=accum, compile=False, precision=precision)
     ref, ref_hist = run(ref_step, init_state(model, opt), batches)
     tp_model = parallel.tensor_parallel(model, ctx.mesh, rules)
-    step = make_train_step(make_loss(tp_model), opt, accum_steps=accum, compile=compile, donate=donate,
-                           compile_options=compile_options, precision=precision)
+    step = make_train_step(
+        make_loss(tp_model),
+        opt,
+        accum_steps=accum,
+        compile=compile,
+        donate=donate,
+        compile_options=compile_options,
+        precision=precision,
+    )
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     state, hist = run(step, state, batches, ctx)
     full = parallel.gather(state)
     return {
         "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_hist, hist)),
-        "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-30)
-                         for a, b in zip(ref_hist, hist) if a["grad_norm"] == a["grad_norm"]),  # relative
+        "grad_norm": max(
+            abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-30)
+            for a, b in zip(ref_hist, hist)
+            if a["grad_norm"] == a["grad_norm"]
+        ),  # relative
         "metric_keys_equal": sorted(ref_hist[0]) == sorted(hist[0]),
         "params": max_diff(full.params, ref.params),
         "opt_state": max_diff(full.opt_state, ref.opt_state),
@@ -191,16 +221,18 @@ def s_stages(ctx, remat="full", precision=None, steps=STEPS):
     model = tiny_gpt()
     rules = parallel.default_rules(gpt.TP_RULES)
     opt = sgd()
-    step = make_train_step(staged_loss_for(remat)(parallel.tensor_parallel(model, ctx.mesh, rules)), opt,
-                           compile=False, donate=False)
+    step = make_train_step(
+        staged_loss_for(remat)(parallel.tensor_parallel(model, ctx.mesh, rules)), opt, compile=False, donate=False
+    )
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     out["gathers"] = _gathered_numels(ctx, step, state, global_batches(1)[0])
     out["model_numel"] = sum(p.numel() for p in model.parameters())
     sizes = dict(model.named_parameters())
     st = gpt.stages(model)
     head = st.final.names + ("wte.weight",)
-    out["stage_numels"] = [sum(sizes[n].numel() for n in names)
-                           for names in [st.embed.names, *(b.names for b in st.blocks), head]]
+    out["stage_numels"] = [
+        sum(sizes[n].numel() for n in names) for names in [st.embed.names, *(b.names for b in st.blocks), head]
+    ]
     return out
 
 
@@ -213,8 +245,9 @@ def s_gathered_live(ctx, remat="full"):
     model = gpt.GPT(cfg, key=rng.key(0))
     rules = parallel.default_rules(gpt.TP_RULES)
     opt = sgd()
-    step = make_train_step(staged_loss_for(remat)(parallel.tensor_parallel(model, ctx.mesh, rules)), opt,
-                           compile=False, donate=False)
+    step = make_train_step(
+        staged_loss_for(remat)(parallel.tensor_parallel(model, ctx.mesh, rules)), opt, compile=False, donate=False
+    )
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
     lay = parallel.layout_of(state.params)
     live, trace, real = {}, [], type(lay).gather
@@ -238,9 +271,13 @@ def s_gathered_live(ctx, remat="full"):
         type(lay).gather = real
     sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
     st = gpt.stages(model)
-    return {"trace": trace, "embed": sum(sizes[n] for n in st.embed.names),
-            "block": max(sum(sizes[n] for n in b.names) for b in st.blocks),
-            "head": sizes["wte.weight"] + sum(sizes[n] for n in st.final.names), "model": sum(sizes.values())}
+    return {
+        "trace": trace,
+        "embed": sum(sizes[n] for n in st.embed.names),
+        "block": max(sum(sizes[n] for n in b.names) for b in st.blocks),
+        "head": sizes["wte.weight"] + sum(sizes[n] for n in st.final.names),
+        "model": sum(sizes.values()),
+    }
 
 
 def s_init(ctx):
@@ -267,8 +304,9 @@ def s_init(ctx):
         "placements": {n: [repr(p) for p in v.placements] for n, v in sharded.items()},
         "drawn_numel": sum(math.prod(local) for _, _, local in drawn),
         "model_numel": sum(v.numel() for v in whole.values()),
-        "largest_fraction": max(math.prod(local) / math.prod(shape) for _, shape, local in drawn
-                                if math.prod(shape) >= 32 * 32),
+        "largest_fraction": max(
+            math.prod(local) / math.prod(shape) for _, shape, local in drawn if math.prod(shape) >= 32 * 32
+        ),
     }
 
 
@@ -320,11 +358,18 @@ def s_sample(ctx):
         same_bytes = a == b and back.keys() == full.keys() and all(torch.equal(back[n], full[n]) for n in full)
     st = gpt.stages(model)
     return {
-        "equal": bool(torch.equal(got, want)), "tokens": got.tolist(), "gathers": gathered, "refused": refused,
-        "stage_max": max(sum(full[n].numel() for n in names)
-                         for names in [st.embed.names, *(b.names for b in st.blocks), st.final.names]),
-        "model_numel": sum(t.numel() for t in full.values()), "export_gathers": seen,
-        "largest_tensor": max(t.numel() for t in full.values()), "same_bytes": same_bytes,
+        "equal": bool(torch.equal(got, want)),
+        "tokens": got.tolist(),
+        "gathers": gathered,
+        "refused": refused,
+        "stage_max": max(
+            sum(full[n].numel() for n in names)
+            for names in [st.embed.names, *(b.names for b in st.blocks), st.final.names]
+        ),
+        "model_numel": sum(t.numel() for t in full.values()),
+        "export_gathers": seen,
+        "largest_tensor": max(t.numel() for t in full.values()),
+        "same_bytes": same_bytes,
     }
 
 
@@ -384,7 +429,11 @@ def s_tp_is_local(ctx):
 def s_uneven(ctx):
     """A 7-row parameter: shard -> gather round trip, and 5 steps equal to the plain run."""
     g = torch.Generator().manual_seed(1)
-    params = {"w": torch.randn(7, 3, generator=g), "b": torch.randn(7, generator=g), "v": torch.randn(5, 7, generator=g)}
+    params = {
+        "w": torch.randn(7, 3, generator=g),
+        "b": torch.randn(7, generator=g),
+        "v": torch.randn(5, 7, generator=g),
+    }
 
     def loss_fn(p, batch, key):
         x, y = batch
@@ -409,7 +458,8 @@ def s_uneven(ctx):
 
 
 def s_reduce_routes(ctx):
-    """Gradients reduce-scattered by every route of `parallel.configure(mesh, reduce_scatter=)` (the backend's reduce-scatter,
+    """Gradients reduce-scattered by every route of `parallel.configure(mesh, reduce_scatter=)` (the backend's
+    reduce-scatter,
     all-to-all + a local sum, an all-reduce with this rank's row copied out, "auto"), against the
     mean of every rank's gradients computed here."""
     from functrain.parallel import spmd
@@ -452,12 +502,17 @@ def s_eval_and_keys(ctx):
     b = global_batches(1)[0]
     ref = make_eval_step(loss_fn_for(model), compile=False)(plain, b)
     got = make_eval_step(loss_fn_for(parallel.tensor_parallel(model, ctx.mesh, rules)), compile=False)(
-        state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world))
+        state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world)
+    )
     key = parallel.layout_of(state.params).fold_in_dp(rng.fold_in(plain.rng, 3))
     keys = [None] * ctx.world_size
     dist.all_gather_object(keys, key.tolist())
-    return {"eval_loss": abs(float(ref["loss"]) - float(got["loss"])), "keys": keys,
-            "dp_ranks": [ctx.dp_rank], "tp_rank": ctx.tp_rank}
+    return {
+        "eval_loss": abs(float(ref["loss"]) - float(got["loss"])),
+        "keys": keys,
+        "dp_ranks": [ctx.dp_rank],
+        "tp_rank": ctx.tp_rank,
+    }
 
 
 class _PassLog(logging.Handler):
@@ -482,8 +537,9 @@ class _PassLog(logging.Handler):
         super().close()
 
 
-def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True, precision=None, accum=1, steps=6,
-               vs_sharded_eager=True):
+def s_compiled(
+    ctx, backend, make_loss=loss_fn_for, compile=True, precision=None, accum=1, steps=6, vs_sharded_eager=True
+):
     """Compiled sharded step: one graph (compile="blocks": one per stage kind), no recompile over
     `steps` steps, equal to 1 process (eager, same precision and accumulation) and, when asked, to
     the eager sharded step."""
@@ -504,8 +560,12 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True, precision=None
     ref, ref_hist = run(make_train_step(make_loss(model), opt, compile=False, **kw), init_state(model, opt), batches)
     eager, eager_hist = ref, ref_hist
     if vs_sharded_eager:
-        eager, eager_hist = run(make_train_step(make_loss(tp_model), opt, compile=False, **kw),
-                                parallel.shard_state(init_state(model, opt), ctx.mesh, rules), batches, ctx)
+        eager, eager_hist = run(
+            make_train_step(make_loss(tp_model), opt, compile=False, **kw),
+            parallel.shard_state(init_state(model, opt), ctx.mesh, rules),
+            batches,
+            ctx,
+        )
         eager = parallel.gather(eager)
     step = make_train_step(make_loss(tp_model), opt, compile=compile, compile_options={"backend": backend}, **kw)
     state = parallel.shard_state(init_state(model, opt), ctx.mesh, rules)
@@ -525,7 +585,8 @@ def s_compiled(ctx, backend, make_loss=loss_fn_for, compile=True, precision=None
     full, full_eager = parallel.gather(state), eager
     return {
         "unique_graphs": counters["stats"]["unique_graphs"],
-        "recomputed": passes.counts["recomputed"], "regathered": passes.counts["regathered"],
+        "recomputed": passes.counts["recomputed"],
+        "regathered": passes.counts["regathered"],
         "metric_types": sorted({type(v).__name__ for v in m.values()}),
         "param_dtypes": sorted({str(p.dtype) for p in full.params.values()}),
         "skipped": sum(h.get("skipped", 0.0) for h in hist),
@@ -586,16 +647,31 @@ UNITS = {"step": (True, loss_fn_for), "blocks": ("blocks", staged_loss_for("full
 # 5 is the fewest that can: bf16 and fp16 each need both units, and fp32 an accumulated cell.
 # The full product is tests/test_route_matrix.py's on one process; `pytest -m exhaustive` runs it
 # sharded too (20 cells: ~13 min of CI beside another worker).
-PAIRWISE = [("step", "bf16", 1, "fsdp"), ("step", "fp16", 2, "tp"), ("step", "fp32", 2, "fsdp"),
-            ("blocks", "bf16", 2, "tp"), ("blocks", "fp16", 1, "fsdp")]
+PAIRWISE = [
+    ("step", "bf16", 1, "fsdp"),
+    ("step", "fp16", 2, "tp"),
+    ("step", "fp32", 2, "fsdp"),
+    ("blocks", "bf16", 2, "tp"),
+    ("blocks", "fp16", 1, "fsdp"),
+]
 
 
 def matrix_cells(full: bool = False):
     """(name, unit, precision, accum, mesh) of the sharded routes beyond fp32 without accumulation
     (those are the compiled2 scenarios): `PAIRWISE`, or every one when `full`. The matrix2 suite runs
     each against the single-process eager step (Dynamo + AOTAutograd; 3 steps)."""
-    cells = ([(u, p, a, m) for u in UNITS for p in ("fp32", "bf16", "fp16") for a in (1, 2) for m in MESHES
-              if (p, a) != ("fp32", 1)] if full else PAIRWISE)
+    cells = (
+        [
+            (u, p, a, m)
+            for u in UNITS
+            for p in ("fp32", "bf16", "fp16")
+            for a in (1, 2)
+            for m in MESHES
+            if (p, a) != ("fp32", 1)
+        ]
+        if full
+        else PAIRWISE
+    )
     return [(f"matrix_{u}_{p}_accum{a}_{m}", u, p, a, m) for u, p, a, m in cells]
 
 
@@ -615,10 +691,24 @@ def _route_matrix(full: bool):
     out = []
     for name, unit, prec, accum, mesh in matrix_cells(full):
         compile, make_loss = UNITS[unit]
-        out.append((name, MESHES[mesh], functools.partial(
-            s_compiled, backend="aot_eager", make_loss=make_loss, compile=compile, precision=prec, accum=accum,
-            steps=3, vs_sharded_eager=False)))
+        out.append(
+            (
+                name,
+                MESHES[mesh],
+                functools.partial(
+                    s_compiled,
+                    backend="aot_eager",
+                    make_loss=make_loss,
+                    compile=compile,
+                    precision=prec,
+                    accum=accum,
+                    steps=3,
+                    vs_sharded_eager=False,
+                ),
+            )
+        )
     return out
+
 
 def suites(full: bool) -> dict:
     """The scenarios of every suite (`full`: the exhaustive variants)."""
@@ -632,9 +722,18 @@ def suites(full: bool) -> dict:
             ("adamw_tp", {"dp_shard": 1, "tp": 2}, s_adamw_step),
             # traced by dynamo (the "eager" backend: no inductor cost): AdamW's 0-d hyper-parameter
             # tensors in foreach ops on DTensors once failed there ("could not guard on zuf0")
-            ("adamw_traced_fsdp", {"dp_shard": 2}, lambda ctx: compare(
-                ctx, make_opt=adamw, steps=1, compile=True, compile_options={"backend": "eager"},
-                make_loss=staged_loss_for("full"))),
+            (
+                "adamw_traced_fsdp",
+                {"dp_shard": 2},
+                lambda ctx: compare(
+                    ctx,
+                    make_opt=adamw,
+                    steps=1,
+                    compile=True,
+                    compile_options={"backend": "eager"},
+                    make_loss=staged_loss_for("full"),
+                ),
+            ),
             ("fsdp_bias", {"dp_shard": 2}, s_bias),
             ("tp_bias", {"dp_shard": 1, "tp": 2}, s_bias),
             ("tp_is_local", {"dp_shard": 1, "tp": 2}, s_tp_is_local),
@@ -664,19 +763,34 @@ def suites(full: bool) -> dict:
             # trace are the same under aot_eager, and inductor lowers those in compiled_kept_fsdp
             ("compiled_fsdp", {"dp_shard": 2}, lambda ctx: s_compiled(ctx, slow_backend)),
             ("compiled_tp", {"dp_shard": 1, "tp": 2}, lambda ctx: s_compiled(ctx, "aot_eager")),
-            ("compiled_stages_fsdp", {"dp_shard": 2},
-             lambda ctx: s_compiled(ctx, slow_backend, make_loss=staged_loss_for("full"))),
+            (
+                "compiled_stages_fsdp",
+                {"dp_shard": 2},
+                lambda ctx: s_compiled(ctx, slow_backend, make_loss=staged_loss_for("full")),
+            ),
             # kept blocks under inductor: the post-grad passes (functrain.compiler.recompute's cheap activations
             # recomputed after the forward, compiler.regather's second gathers) rewrite this step's graph;
             # the one inductor compile of a sharded step in CI
-            ("compiled_kept_fsdp", {"dp_shard": 2},
-             lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("none"))),
-            ("blocks_fsdp", {"dp_shard": 2},
-             lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
-            ("blocks_kept_fsdp", {"dp_shard": 2},
-             lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("none"), compile="blocks")),
-            ("blocks_tp", {"dp_shard": 1, "tp": 2},
-             lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks")),
+            (
+                "compiled_kept_fsdp",
+                {"dp_shard": 2},
+                lambda ctx: s_compiled(ctx, "inductor", make_loss=staged_loss_for("none")),
+            ),
+            (
+                "blocks_fsdp",
+                {"dp_shard": 2},
+                lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks"),
+            ),
+            (
+                "blocks_kept_fsdp",
+                {"dp_shard": 2},
+                lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("none"), compile="blocks"),
+            ),
+            (
+                "blocks_tp",
+                {"dp_shard": 1, "tp": 2},
+                lambda ctx: s_compiled(ctx, "aot_eager", make_loss=staged_loss_for("full"), compile="blocks"),
+            ),
         ],
         "matrix2": _route_matrix(full),  # (a launch of its own: ~3.5 min of CI beside another worker, 20 cells ~13)
         "eager4": [
@@ -691,10 +805,21 @@ def suites(full: bool) -> dict:
             ("stages_hsdp", {"dp_replicate": 2, "dp_shard": 2}, s_stages),
             ("sample_fsdp_tp", {"dp_shard": 2, "tp": 2}, s_sample),
             # the compiled units on the 2-D meshes (Dynamo + AOTAutograd, against one process)
-            *[(f"compiled_{unit}_{mesh}", MESHES_2D[mesh], functools.partial(
-                s_compiled, backend="aot_eager", make_loss=UNITS[unit][1], compile=UNITS[unit][0], steps=3,
-                vs_sharded_eager=False))
-              for unit, mesh in two_dim_cells(full)],
+            *[
+                (
+                    f"compiled_{unit}_{mesh}",
+                    MESHES_2D[mesh],
+                    functools.partial(
+                        s_compiled,
+                        backend="aot_eager",
+                        make_loss=UNITS[unit][1],
+                        compile=UNITS[unit][0],
+                        steps=3,
+                        vs_sharded_eager=False,
+                    ),
+                )
+                for unit, mesh in two_dim_cells(full)
+            ],
         ],
         "single": [("single", None, s_single)],
     }
@@ -718,8 +843,11 @@ def _group_threads(mesh) -> dict:
 def _group_timeouts(mesh) -> dict:
     """{axis: collective timeout in seconds} of the mesh's groups of more than one rank."""
     groups = {name: mesh.get_group(i) for i, name in enumerate(mesh.mesh_dim_names)}
-    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for name, g in groups.items() if g.size() > 1}
+    return {
+        name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for name, g in groups.items()
+        if g.size() > 1
+    }
 
 
 def main(outdir: str, suite: str, only: list[str]) -> None:

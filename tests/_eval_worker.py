@@ -25,15 +25,20 @@ from functrain.models import lm
 from functrain.models.gpt import model as gpt_lib
 
 TEXTS = ["def f(x):\n    return x + 1\n" * 3, "import sys\n", "class A:\n    pass\n" * 5]
-GEN = [("def g(", {"until": [")"], "max_gen_toks": 5}), ("x = ", {"until": ["\n"], "max_gen_toks": 7}),
-       ("for i in", {"max_gen_toks": 4})]
+GEN = [
+    ("def g(", {"until": [")"], "max_gen_toks": 5}),
+    ("x = ", {"until": ["\n"], "max_gen_toks": 7}),
+    ("for i in", {"max_gen_toks": 4}),
+]
 
 
 def _examples() -> list:
     """7 questions of 4 choices."""
     ctx = ["def f(x):\n", "import os\n", "class A:\n", "if x:\n", "while True:\n", "try:\n", "with open(p) as f:\n"]
-    return [choice.Example(c, ("    return x\n", "    pass\n", "print(1)\n", "    break\n"), i % 4, f"t:{i}")
-            for i, c in enumerate(ctx)]
+    return [
+        choice.Example(c, ("    return x\n", "    pass\n", "print(1)\n", "    break\n"), i % 4, f"t:{i}")
+        for i, c in enumerate(ctx)
+    ]
 
 
 def _run(model, params) -> dict:
@@ -42,9 +47,12 @@ def _run(model, params) -> dict:
     scorer = fe.Scorer(model, batch_size=3)
     rows = choice.rows_of(examples, model)
     scores, _ = scorer.score(params, rows)
-    return {"scores": scores.tolist(), "counts": choice.evaluate(model, params, examples, scorer=scorer),
-            "rolling": fe.loglikelihood_rolling(model, params, TEXTS, scorer=scorer),
-            "generated": fe.generate_until(model, params, GEN, scorer=scorer)}
+    return {
+        "scores": scores.tolist(),
+        "counts": choice.evaluate(model, params, examples, scorer=scorer),
+        "rolling": fe.loglikelihood_rolling(model, params, TEXTS, scorer=scorer),
+        "generated": fe.generate_until(model, params, GEN, scorer=scorer),
+    }
 
 
 def main(outdir: str) -> None:
@@ -52,8 +60,13 @@ def main(outdir: str) -> None:
     with torch.device("meta"):
         template = gpt_lib.GPT(cfg)
     full = {k: v * 4 if v.ndim > 1 else v for k, v in gpt_lib.init_params(template, rng.key(5)).items()}
-    model = lm.eval_model(template, data_lib.ByteTokenizer(), block_size=cfg.block_size,
-                          stages=gpt_lib.stages(template), head="wte.weight")
+    model = lm.eval_model(
+        template,
+        data_lib.ByteTokenizer(),
+        block_size=cfg.block_size,
+        stages=gpt_lib.stages(template),
+        head="wte.weight",
+    )
     single = _run(model, full)
     with parallel.setup({"dp_shard": -1}, timeout_s=300) as ctx:
         sharded = parallel.shard_params(full.items(), ctx.mesh)

@@ -24,8 +24,15 @@ from functrain.models import hf
 from functrain.models.hf.tiny import write_tiny
 
 STEPS, B, T, V = 2, 2, 16, 64
-SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64, head_dim=8)
+SHAPE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    head_dim=8,
+)
 TOL = rtol(B * T * V * 32) * STEPS
 
 

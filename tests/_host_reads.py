@@ -55,6 +55,7 @@ def counting(reads: Reads):
         def counted(self, *args, **kwargs):
             reads.record(name, self)
             return method(self, *args, **kwargs)
+
         return counted
 
     try:

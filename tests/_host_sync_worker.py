@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 
 import torch
-
 from _host_reads import Reads, counting
+
 from functrain import optim, parallel
 from functrain.trainer import loop, preemption
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 import gpt as gpt_config  # noqa: E402
+
 from functrain.models.gpt import task as gpt_task  # noqa: E402
 
 
@@ -70,7 +71,9 @@ def count_reads(workdir: Path, compile: bool, then=None, cuda_quiet=False):
         task = gpt_task.build(c, ctx, workdir / "run")
         opt = optim.config.from_config(c.optim, c.steps)
         with counting(reads):
-            loop.run(task, opt, c, workdir / "run", ctx, hooks=[StepLabel(reads, cuda_quiet, busy)], print_fn=lambda *a: None)
+            loop.run(
+                task, opt, c, workdir / "run", ctx, hooks=[StepLabel(reads, cuda_quiet, busy)], print_fn=lambda *a: None
+            )
         if then is not None:
             then()
     return {int(k): v for k, v in reads.counts.items()}, {int(k): v for k, v in reads.where.items()}

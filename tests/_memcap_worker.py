@@ -56,11 +56,16 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (cap, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     out = {"rank": ctx.rank, "world": ctx.dp_world, "params": gpt.num_params(CFG)}
     try:
-        params = parallel.init_sharded(lambda k, d, where: gpt.init_params(template, k, device=d, where=where),
-                                       rng.key(0), ctx.mesh)
+        params = parallel.init_sharded(
+            lambda k, d, where: gpt.init_params(template, k, device=d, where=where), rng.key(0), ctx.mesh
+        )
         state = init_state(params, opt)
-        out["local_state_mb"] = sum(t.to_local().numel() * 4 for t in tree.leaves((state.params, state.opt_state))
-                                    if hasattr(t, "to_local")) / 1e6
+        out["local_state_mb"] = (
+            sum(
+                t.to_local().numel() * 4 for t in tree.leaves((state.params, state.opt_state)) if hasattr(t, "to_local")
+            )
+            / 1e6
+        )
         losses, base = [], cap - cap_mib * 2**20
         out["data_mb"] = [(_vm_data_bytes() - base) / 1e6]
         for _ in range(2):

@@ -26,8 +26,13 @@ STEPS = 10
 def run(ctx, sync: str, compiled: bool) -> dict:
     template = model(0)
     state = parallel.shard_state(ft.init_state(template, optimizer()), ctx.mesh)
-    step = ft.make_train_step(loss_fn_for(template), optimizer(), compile=compiled, model_state_sync=sync,
-                              compile_options={"backend": "aot_eager"} if compiled else None)
+    step = ft.make_train_step(
+        loss_fn_for(template),
+        optimizer(),
+        compile=compiled,
+        model_state_sync=sync,
+        compile_options={"backend": "aot_eager"} if compiled else None,
+    )
     losses = []
     for b in batches(STEPS):
         state, m = step(state, parallel.split_batch(b, ctx.dp_rank, ctx.dp_world))
@@ -37,8 +42,11 @@ def run(ctx, sync: str, compiled: bool) -> dict:
 
 def main(outdir: str) -> None:
     ctx = parallel.setup({"dp_shard": -1})
-    results = {f"{sync}-{'compiled' if compiled else 'eager'}": run(ctx, sync, compiled)
-               for sync in ("broadcast", "mean") for compiled in (False, True)}
+    results = {
+        f"{sync}-{'compiled' if compiled else 'eager'}": run(ctx, sync, compiled)
+        for sync in ("broadcast", "mean")
+        for compiled in (False, True)
+    }
     with open(os.path.join(outdir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f)
     parallel.teardown()

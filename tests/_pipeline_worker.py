@@ -21,15 +21,14 @@ import traceback
 import optree
 import torch
 import torch.distributed as dist
+from _dist_parallel_worker import STEPS, max_diff, run, sgd
 from torch.profiler import ProfilerActivity, profile
 
 from functrain import checkpoint as ckpt
 from functrain import init_state, make_eval_step, make_train_step, parallel, rng
-from functrain.parallel import pipeline
 from functrain.models import gpt, llama
+from functrain.parallel import pipeline
 from functrain.parallel import schedule as schedules
-
-from _dist_parallel_worker import STEPS, max_diff, run, sgd
 
 SEQ, BATCH, VOCAB = 16, 8, 64
 COLLECTIVE_TIMEOUT_S = 300
@@ -42,8 +41,9 @@ def family(name: str, layers: int, with_rules: bool = False):
         template = gpt.GPT(cfg, key=rng.key(0))
         out = template, dict(template.named_parameters()), gpt.make_loss_fn, gpt.TP_RULES
     else:
-        cfg = llama.LlamaConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=4, n_kv_head=2, n_embd=32,
-                                intermediate_size=64)
+        cfg = llama.LlamaConfig(
+            vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64
+        )
         with torch.device("meta"):
             template = llama.Llama(cfg)
         out = template, llama.init_params(template, rng.key(0)), llama.make_loss_fn, llama.TP_RULES
@@ -53,8 +53,10 @@ def family(name: str, layers: int, with_rules: bool = False):
 def batches(n: int, poison_at: int | None = None):
     """`n` batches (x, y) of random ids; `poison_at`: that batch's first target is -7 (a NaN loss)."""
     g = torch.Generator().manual_seed(0)
-    out = [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
-           for _ in range(n)]
+    out = [
+        (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+        for _ in range(n)
+    ]
     if poison_at is not None:
         out[poison_at][1][0, 0] = -7
     return out
@@ -74,6 +76,7 @@ def poisoned(make_loss):
             return loss * torch.where((y == -7).any(), float("nan"), 1.0)
 
         from functrain.step.staged import Stage, staged_loss
+
         return staged_loss(staged.embed, staged.blocks, Stage(head.names, head_fn), policy=staged.policy)
 
     return make
@@ -98,8 +101,11 @@ def differences(ref, ref_hist, state, hist, pipe) -> dict:
     return {
         "loss": max(abs(a["loss"] - b["loss"]) for a, b in finite),
         "loss_scale": max(abs(a["loss"]) for a, _ in finite),
-        "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) / abs(a["grad_norm"])
-                         for a, b in zip(ref_hist, hist) if a["grad_norm"] == a["grad_norm"]),
+        "grad_norm": max(
+            abs(a["grad_norm"] - b["grad_norm"]) / abs(a["grad_norm"])
+            for a, b in zip(ref_hist, hist)
+            if a["grad_norm"] == a["grad_norm"]
+        ),
         "params": max_diff(state.params, pipe.params(ref.params)),
         "opt_state": opt_diff(state, ref, names),
         "opt_leaves": [len(mine(state.opt_state, names)), len(mine(ref.opt_state, names))],
@@ -117,8 +123,14 @@ def differences(ref, ref_hist, state, hist, pipe) -> dict:
 def opt_diff(state, ref, names, empty: float = 0.0) -> float:
     """Largest difference of the optimizer state of `names` (and of no param) between two states (`empty`
     when there is none)."""
-    return max(((x.double() - y.double()).abs().max().item() for x, y in
-                zip(mine(state.opt_state, names), mine(ref.opt_state, names)) if x.numel()), default=empty)
+    return max(
+        (
+            (x.double() - y.double()).abs().max().item()
+            for x, y in zip(mine(state.opt_state, names), mine(ref.opt_state, names))
+            if x.numel()
+        ),
+        default=empty,
+    )
 
 
 @contextlib.contextmanager
@@ -130,6 +142,7 @@ def counting_receives():
         def wrapped(*args, **kwargs):
             receives[-1][k] += 1
             return fn(*args, **kwargs)
+
         return wrapped
 
     dist.recv, dist.irecv = counting(recv, 0), counting(irecv, 1)
@@ -139,8 +152,20 @@ def counting_receives():
         dist.recv, dist.irecv = recv, irecv
 
 
-def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, remat="none", steps=STEPS,
-            precision=None, compile=False, poison_at=None):
+def compare(
+    ctx_rank,
+    world,
+    name="gpt",
+    *,
+    micro=4,
+    sched="1f1b",
+    layers=2,
+    remat="none",
+    steps=STEPS,
+    precision=None,
+    compile=False,
+    poison_at=None,
+):
     """The pipeline run vs one process with accum_steps=micro: max differences of metrics, params, opt state."""
     template, params, make_loss = family(name, layers)
     if poison_at is not None:
@@ -149,8 +174,11 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
     data = batches(steps, poison_at)
     opt = sgd()
     ref_loss = make_loss(template, remat=remat, staged=True)
-    ref, ref_hist = run(make_train_step(ref_loss, opt, accum_steps=micro, compile=False, precision=precision),
-                        init_state(params, opt), data)
+    ref, ref_hist = run(
+        make_train_step(ref_loss, opt, accum_steps=micro, compile=False, precision=precision),
+        init_state(params, opt),
+        data,
+    )
     pipe = pipeline.place(make_loss(template, remat=remat, staged=True), params)
     counters = None
     options = None
@@ -161,8 +189,9 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
         torch._dynamo.reset()
         counters.clear()
         options = {"backend": "aot_eager"}
-    step = pipeline.make_train_step(pipe, opt, microbatches=micro, schedule=sched, precision=precision,
-                                    compile=compile, compile_options=options)
+    step = pipeline.make_train_step(
+        pipe, opt, microbatches=micro, schedule=sched, precision=precision, compile=compile, compile_options=options
+    )
     state = init_state(pipe.params(params), opt)
     hist = []
     try:
@@ -186,9 +215,13 @@ def compare(ctx_rank, world, name="gpt", *, micro=4, sched="1f1b", layers=2, rem
         live += {"F": 1, "B": -1}[kind[0]]
         peak = max(peak, live)
     out = differences(ref, ref_hist, state, hist, pipe)
-    out.update(held=peak, expected_held=schedules.held(schedules.schedule(sched, world, micro, ctx_rank)),
-               order=seen, receives=receives,
-               expected_receives=micro * ((not pipe.first) + (not pipe.last)))
+    out.update(
+        held=peak,
+        expected_held=schedules.held(schedules.schedule(sched, world, micro, ctx_rank)),
+        order=seen,
+        receives=receives,
+        expected_receives=micro * ((not pipe.first) + (not pipe.last)),
+    )
     if counters is not None:
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
     return out
@@ -202,8 +235,9 @@ def actions_run(prof) -> list:
 MESH_STEPS = 10  # pipelines on a mesh: 4 and 8 ranks on the CI's 2 cores (pp=2 and pp=4 alone run STEPS)
 
 
-def compare_mesh(ctx_rank, world, mesh_cfg, name="gpt", *, micro=4, layers=2, remat="none", steps=MESH_STEPS,
-                 precision=None):
+def compare_mesh(
+    ctx_rank, world, mesh_cfg, name="gpt", *, micro=4, layers=2, remat="none", steps=MESH_STEPS, precision=None
+):
     """Pipeline stages on a mesh (FSDP / TP inside each stage) vs one process with accum_steps=micro."""
     ctx = parallel.setup(mesh_cfg, timeout_s=COLLECTIVE_TIMEOUT_S)
     template, params, make_loss, tp_rules = family(name, layers, with_rules=True)
@@ -211,8 +245,13 @@ def compare_mesh(ctx_rank, world, mesh_cfg, name="gpt", *, micro=4, layers=2, re
     rules = parallel.default_rules(tp_rules)
     data = batches(steps)
     opt = sgd()
-    ref, ref_hist = run(make_train_step(make_loss(template, remat=remat, staged=True), opt, accum_steps=micro,
-                                        compile=False, precision=precision), init_state(params, opt), data)
+    ref, ref_hist = run(
+        make_train_step(
+            make_loss(template, remat=remat, staged=True), opt, accum_steps=micro, compile=False, precision=precision
+        ),
+        init_state(params, opt),
+        data,
+    )
     model = parallel.tensor_parallel(template, ctx.mesh, rules)
     pipe = pipeline.place(make_loss(model, remat=remat, staged=True), params, group=ctx.pp_group)
     step = pipeline.make_train_step(pipe, opt, microbatches=micro, precision=precision)
@@ -220,11 +259,16 @@ def compare_mesh(ctx_rank, world, mesh_cfg, name="gpt", *, micro=4, layers=2, re
     state, hist = run(step, state, data, ctx)
     full = parallel.gather(state)
     out = differences(ref, ref_hist, full, hist, pipe)
-    out.update(held=0, expected_held=0, pp=[ctx.pp_rank, ctx.pp_world], dp=[ctx.dp_rank, ctx.dp_world],
-               tp=[ctx.tp_rank, ctx.tp_world],
-               local_numel=sum(v.to_local().numel() for v in state.params.values()),
-               stage_numel=sum(v.numel() for v in state.params.values()),
-               model_numel=sum(v.numel() for v in params.values()))
+    out.update(
+        held=0,
+        expected_held=0,
+        pp=[ctx.pp_rank, ctx.pp_world],
+        dp=[ctx.dp_rank, ctx.dp_world],
+        tp=[ctx.tp_rank, ctx.tp_world],
+        local_numel=sum(v.to_local().numel() for v in state.params.values()),
+        stage_numel=sum(v.numel() for v in state.params.values()),
+        model_numel=sum(v.numel() for v in params.values()),
+    )
     return out
 
 
@@ -267,8 +311,9 @@ def s_checkpoint(ctx_rank, world, mesh_cfg=None):
     out["pp_to_whole_opt"] = opt_diff(plain, saved, names, empty=-1.0)
     out["whole_step"] = int(plain.step)
     # (over 4 FSDP ranks a rank's 2 rows are one microbatch: the mean over the same 8 rows)
-    whole_step = make_train_step(make_loss(template, staged=True), opt, accum_steps=1 if mesh_cfg else micro,
-                                 compile=False)
+    whole_step = make_train_step(
+        make_loss(template, staged=True), opt, accum_steps=1 if mesh_cfg else micro, compile=False
+    )
     restored, _ = run(whole_step, restored, data[10:15], fsdp)
     ckpt.save(os.path.join(root, "whole"), restored)
     back = ckpt.restore(os.path.join(root, "whole"), stage_template()).result()
@@ -295,8 +340,12 @@ def s_eval(ctx_rank, world):
         for _ in range(2):
             receives.append([0, 0])
             got = evaluate(state, b)
-    return {"eval_loss": abs(float(ref["loss"]) - float(got["loss"])), "keys": sorted(got),
-            "receives": receives, "expected_receives": 0 if pipe.first else 2}
+    return {
+        "eval_loss": abs(float(ref["loss"]) - float(got["loss"])),
+        "keys": sorted(got),
+        "receives": receives,
+        "expected_receives": 0 if pipe.first else 2,
+    }
 
 
 def s_too_many_stages(ctx_rank, world):
@@ -332,8 +381,7 @@ SUITES = {
         ("checkpoint_mesh", lambda r, w: s_checkpoint(r, w, {"pp": 2, "dp_shard": 2})),
         ("gpt_pp_fsdp", lambda r, w: compare_mesh(r, w, {"pp": 2, "dp_shard": 2})),
         ("gpt_pp_tp", lambda r, w: compare_mesh(r, w, {"pp": 2, "dp_shard": 1, "tp": 2}, remat="full")),
-        ("llama_pp_fsdp_bf16", lambda r, w: compare_mesh(r, w, {"pp": 2, "dp_shard": 2}, "llama",
-                                                         precision="bf16")),
+        ("llama_pp_fsdp_bf16", lambda r, w: compare_mesh(r, w, {"pp": 2, "dp_shard": 2}, "llama", precision="bf16")),
         ("llama_pp_tp", lambda r, w: compare_mesh(r, w, {"pp": 2, "dp_shard": 1, "tp": 2}, "llama", micro=2)),
         ("gpt_1f1b", lambda r, w: compare(r, w, micro=8, layers=4)),
         ("gpt_gpipe", lambda r, w: compare(r, w, sched="gpipe", micro=4, layers=4)),

@@ -64,7 +64,7 @@ def packed_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         at = 0
         while at < T:
             n = min(int(torch.randint(2, 8, (1,), generator=g)), T - at)
-            pos[r, at:at + n] = torch.arange(n)
+            pos[r, at : at + n] = torch.arange(n)
             at += n
     y = torch.where(pos >= 2, y, torch.full_like(y, -1))
     return x, y, pos

@@ -11,9 +11,9 @@ import json
 import os
 import sys
 
+import _token_loss as P
 import torch
 
-import _token_loss as P
 from functrain import init_state, make_train_step, parallel, tree
 from functrain.models import gpt
 from functrain.parallel import pipeline
@@ -39,12 +39,21 @@ def one_step(mesh: dict, rows: int, staged: bool, cp: bool, batch=None) -> dict:
     state = parallel.shard_state(init_state(template, P.sgd()), ctx.mesh, rules)
     before = tree.clone(parallel.gather(state.params))
     local = parallel.split_batch(batch or P.batch(), ctx.dp_rank, ctx.dp_world)
-    step = make_train_step(gpt.make_loss_fn(model, staged=staged), P.sgd(), accum_steps=local[0].shape[0] // rows,
-                           count_targets=P.COUNT, compile=False, donate=False)
+    step = make_train_step(
+        gpt.make_loss_fn(model, staged=staged),
+        P.sgd(),
+        accum_steps=local[0].shape[0] // rows,
+        count_targets=P.COUNT,
+        compile=False,
+        donate=False,
+    )
     state, metrics = step(state, local)
     after = parallel.gather(state.params)
-    return {"grads": {k: (before[k] - after[k]).tolist() for k in before}, "loss": float(metrics["loss"]),
-            "targets": int(metrics["targets"])}
+    return {
+        "grads": {k: (before[k] - after[k]).tolist() for k in before},
+        "loss": float(metrics["loss"]),
+        "targets": int(metrics["targets"]),
+    }
 
 
 def pipeline_step(batch=None) -> dict:
@@ -57,8 +66,11 @@ def pipeline_step(batch=None) -> dict:
     before = tree.clone(state.params)
     step = pipeline.make_train_step(pipe, P.sgd(), microbatches=4, count_targets=P.COUNT, donate=False)
     state, metrics = step(state, batch or P.batch())
-    return {"grads": {k: (before[k] - state.params[k]).tolist() for k in before}, "loss": float(metrics["loss"]),
-            "targets": int(metrics["targets"])}
+    return {
+        "grads": {k: (before[k] - state.params[k]).tolist() for k in before},
+        "loss": float(metrics["loss"]),
+        "targets": int(metrics["targets"]),
+    }
 
 
 def main(outdir: str) -> None:

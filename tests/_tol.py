@@ -81,8 +81,10 @@ def assert_close(actual, expected, tol: float, *, absolute: bool = False, msg: s
     """
     a, b = _leaves(actual), _leaves(expected)
     assert [n for n, _ in a] == [n for n, _ in b], f"{msg}: structures differ"
-    pairs = [(name, torch.as_tensor(x).detach().double(), torch.as_tensor(y).detach().double())
-             for (name, x), (_, y) in zip(a, b)]
+    pairs = [
+        (name, torch.as_tensor(x).detach().double(), torch.as_tensor(y).detach().double())
+        for (name, x), (_, y) in zip(a, b)
+    ]
     scale = 1.0 if absolute else max([y.abs().max().item() for _, _, y in pairs if y.numel()] + [1e-30])
     for name, x, y in pairs:
         assert x.shape == y.shape, f"{msg} {name}: shape {tuple(x.shape)} != {tuple(y.shape)}"

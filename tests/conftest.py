@@ -26,11 +26,17 @@ def pytest_collection_modifyitems(config, items):
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
-def _tiny_gpt(*, n_layer=1, dropout=0.0, bias=False, vocab_size=64, block_size=16, n_embd=32,
-              n_head=2, seed=0):
+def _tiny_gpt(*, n_layer=1, dropout=0.0, bias=False, vocab_size=64, block_size=16, n_embd=32, n_head=2, seed=0):
     """A real (CPU) GPT whose initial weights are a pure function of `seed`."""
-    cfg = gpt.GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
-                        n_head=n_head, n_embd=n_embd, dropout=dropout, bias=bias)
+    cfg = gpt.GPTConfig(
+        vocab_size=vocab_size,
+        block_size=block_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        dropout=dropout,
+        bias=bias,
+    )
     return gpt.GPT(cfg, key=rng.key(seed))
 
 

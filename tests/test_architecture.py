@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import re
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from functrain import init_state, make_train_step, optim, step as step_lib, task as task_lib
+from functrain import init_state, make_train_step, optim
+from functrain import step as step_lib
+from functrain import task as task_lib
 
 PKG = Path(__file__).resolve().parent.parent / "functrain"
 
@@ -38,8 +40,13 @@ def _imports(path: Path) -> set[str]:
                 base = ".".join(parts + ([base] if base else []))
             out.add(base)
             out.update(f"{base}.{a.name}" for a in node.names)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             out.add(node.args[0].value)
     return out
 
@@ -51,23 +58,31 @@ def _modules():
 
 
 def test_only_main_imports_a_model_family_outside_models():
-    offenders = [name for name, path in _modules()
-                 if not name.startswith("functrain.models") and name not in ("functrain.main", "functrain.trainer.main")
-                 and any(i.startswith("functrain.models.") or i == "functrain.models" for i in _imports(path))]
+    offenders = [
+        name
+        for name, path in _modules()
+        if not name.startswith("functrain.models")
+        and name not in ("functrain.main", "functrain.trainer.main")
+        and any(i.startswith("functrain.models.") or i == "functrain.models" for i in _imports(path))
+    ]
     assert offenders == []
 
 
 def test_only_parallel_and_storage_know_dtensor():
     """DTensor logic lives in parallel/; the storage formats (checkpoints, safetensors) read and
     write shards as they are laid out; the compile cache's key for a DeviceMesh is the compiler's."""
-    offenders = [name for name, path in _modules()
-                 if not name.startswith(("functrain.parallel", "functrain.checkpoint", "functrain.interop"))
-                 and name != "functrain.compiler.mesh_key"
-                 and any(i.startswith("torch.distributed") for i in _imports(path))]
+    offenders = [
+        name
+        for name, path in _modules()
+        if not name.startswith(("functrain.parallel", "functrain.checkpoint", "functrain.interop"))
+        and name != "functrain.compiler.mesh_key"
+        and any(i.startswith("torch.distributed") for i in _imports(path))
+    ]
     assert offenders == []
     code = ast.parse((PKG / "step" / "steps.py").read_text())
     names = {n.id for n in ast.walk(code) if isinstance(n, ast.Name)} | {
-        n.attr for n in ast.walk(code) if isinstance(n, ast.Attribute)}
+        n.attr for n in ast.walk(code) if isinstance(n, ast.Attribute)
+    }
     assert not names & {"DTensor", "Spmd", "spmd", "_is_dtensor", "is_dtensor"}  # one body, via the Layout
     assert not any(i.startswith("functrain.parallel") for i in _imports(PKG / "tree.py"))
 
@@ -79,19 +94,42 @@ _PRIVATE_COMPILER = re.compile(r"torch\._(dynamo|inductor|functorch|higher_order
 _LAYERS = [
     ("trainer", ("functrain.trainer", "functrain.main")),
     ("families", ("functrain.models",)),
-    ("library", ("functrain.state", "functrain.step", "functrain.functional", "functrain.losses", "functrain.task",
-                 "functrain.per_example", "functrain.population", "functrain.optim", "functrain.parallel",
-                 "functrain.checkpoint", "functrain.data", "functrain.eval", "functrain.interop", "functrain.nn",
-                 "functrain.compiler",
-                 "functrain")),
+    (
+        "library",
+        (
+            "functrain.state",
+            "functrain.step",
+            "functrain.functional",
+            "functrain.losses",
+            "functrain.task",
+            "functrain.per_example",
+            "functrain.population",
+            "functrain.optim",
+            "functrain.parallel",
+            "functrain.checkpoint",
+            "functrain.data",
+            "functrain.eval",
+            "functrain.interop",
+            "functrain.nn",
+            "functrain.compiler",
+            "functrain",
+        ),
+    ),
     ("base", ("functrain.tree", "functrain.rng", "functrain.ops", "functrain.config", "functrain._lazy")),
 ]
 
 
 def _layer(name: str) -> int:
     """The index in _LAYERS of the most specific prefix that names `name` (0: the top)."""
-    best = max(((len(p), i) for i, (_, prefixes) in enumerate(_LAYERS) for p in prefixes
-                if name == p or name.startswith(p + ".")), default=None)
+    best = max(
+        (
+            (len(p), i)
+            for i, (_, prefixes) in enumerate(_LAYERS)
+            for p in prefixes
+            if name == p or name.startswith(p + ".")
+        ),
+        default=None,
+    )
     assert best is not None, f"{name} is in no layer of docs/layers.md"
     return best[1]
 
@@ -124,10 +162,13 @@ def test_no_torch_patch_and_no_attribute_hung_on_a_function():
     """Nothing assigns into torch's modules (a process-wide change), and no `type: ignore[attr-defined]`
     marks an attribute set on a function or a foreign object."""
     patch = re.compile(r"^\s*torch(\.\w+)+\s*=[^=]|setattr\(\s*torch\b|c10d\.\w+\s*=[^=]")
-    offenders = [f"{name}:{i}" for name, path in _modules()
-                 for i, line in enumerate(path.read_text().splitlines(), 1)
-                 if (patch.search(line) and ".config." not in line)  # (compiler settings are settings)
-                 or "type: ignore[attr-defined]" in line]
+    offenders = [
+        f"{name}:{i}"
+        for name, path in _modules()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if (patch.search(line) and ".config." not in line)  # (compiler settings are settings)
+        or "type: ignore[attr-defined]" in line
+    ]
     assert offenders == []
 
 
@@ -155,7 +196,7 @@ def test_no_import_circle_counting_local_and_importlib_imports():
         state[n] = "open"
         for t in sorted(edges[n]):
             if state.get(t) == "open":
-                raise AssertionError("import circle: " + " -> ".join(trail[trail.index(t):] + [t]))
+                raise AssertionError("import circle: " + " -> ".join(trail[trail.index(t) :] + [t]))
             if t not in state:
                 visit(t, trail + [t])
         state[n] = "done"
@@ -178,18 +219,25 @@ def test_no_private_name_crosses_modules():
                 if node.level:
                     base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
                 own_package = base.rsplit(".", 1)[-1].startswith("_")  # e.g. checkpoint._dist, functrain._lazy
-                crossings += [f"{path.relative_to(PKG.parent)}:{node.lineno} {base}.{a.name}" for a in node.names
-                              if a.name.startswith("_") and not a.name.startswith("__") and not own_package
-                              and not (base == pkg and PKG.parent.joinpath(*base.split("."), f"{a.name}.py").exists())]
+                crossings += [
+                    f"{path.relative_to(PKG.parent)}:{node.lineno} {base}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                    and not a.name.startswith("__")
+                    and not own_package
+                    and not (base == pkg and PKG.parent.joinpath(*base.split("."), f"{a.name}.py").exists())
+                ]
     assert not crossings, crossings
 
 
 def test_no_import_cycles():
     """Each module imports in a fresh interpreter on its own (a cycle fails on one of them)."""
-    code = ("import importlib, sys, json\nbad = []\nfor m in json.loads(sys.argv[1]):\n"
-            "    try:\n        importlib.import_module(m)\n    except Exception as e:\n        bad.append((m, repr(e)))\n"
-            "    for k in [k for k in sys.modules if k.startswith('functrain')]:\n        del sys.modules[k]\n"
-            "print(json.dumps(bad))")
+    code = (
+        "import importlib, sys, json\nbad = []\nfor m in json.loads(sys.argv[1]):\n"
+        "    try:\n        importlib.import_module(m)\n    except Exception as e:\n        bad.append((m, repr(e)))\n"
+        "    for k in [k for k in sys.modules if k.startswith('functrain')]:\n        del sys.modules[k]\n"
+        "print(json.dumps(bad))"
+    )
     names = [n for n, _ in _modules() if not n.endswith("__main__")]
     out = subprocess.run([sys.executable, "-c", code, json.dumps(names)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -209,8 +257,12 @@ def test_a_pipeline_rank_runs_the_staged_engine_not_a_copy_of_it():
     tree = ast.parse((PKG / "parallel" / "pipeline.py").read_text())
     running = [n for n in tree.body if getattr(n, "name", "") in ("_Rank", "make_train_step", "make_eval_step")]
     assert len(running) == 3
-    calls = {n.func.attr for r in running for n in ast.walk(r) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute)}
+    calls = {
+        n.func.attr
+        for r in running
+        for n in ast.walk(r)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
     assert {"forward_blocks", "backward_blocks"} <= calls
     for node in (n for r in running for n in ast.walk(r)):
         if isinstance(node, ast.For):
@@ -231,7 +283,7 @@ def test_the_step_tells_a_staged_loss_by_its_type():
     loss, _, grads = step_lib.value_and_grad(plain, {"w": torch.ones(2)}, None, None)
     assert torch.equal(grads["w"], 2 * torch.ones(2))
     embed = remat.Stage(("w",), lambda p, batch, key: p["w"])
-    head = remat.Stage((), lambda p, h, batch, key: (h ** 2).sum())
+    head = remat.Stage((), lambda p, h, batch, key: (h**2).sum())
     staged = remat.staged_loss(embed, [], head, policy="none")
     assert isinstance(staged, remat.StagedLoss)
     loss2, _, grads2 = step_lib.value_and_grad(staged, {"w": torch.ones(2)}, None, None)
@@ -264,8 +316,12 @@ def test_the_learning_rate_is_what_the_optimizer_reports():
 
     opt = my_scaled_sgd(0.5)
     # `init` has no "lr" yet: fill it so the state keeps one structure from step to step.
-    state = init_state({"w": torch.ones(2)}, optim.Transform(lambda p: {"count": torch.zeros((), dtype=torch.int64),
-                                                                         "lr": torch.zeros(())}, opt.update, opt.traits))
+    state = init_state(
+        {"w": torch.ones(2)},
+        optim.Transform(
+            lambda p: {"count": torch.zeros((), dtype=torch.int64), "lr": torch.zeros(())}, opt.update, opt.traits
+        ),
+    )
     step = make_train_step(lambda p, b, k: (p["w"] ** 2).sum(), opt, compile=False)
     lrs = []
     for _ in range(3):
@@ -293,15 +349,24 @@ def test_hooks_run_on_their_steps_and_at_the_end(tmp_path):
     c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 7, False, 100, 100, False
     c.sample.max_new_tokens = 2
     seen = []
-    hooks = [loop.every(3, lambda info: seen.append(("every3", info.step, info.final))),
-             loop.every(5, lambda info: seen.append(("every5", info.step, info.final)), at_end=False)]
+    hooks = [
+        loop.every(3, lambda info: seen.append(("every3", info.step, info.final))),
+        loop.every(5, lambda info: seen.append(("every5", info.step, info.final)), at_end=False),
+    ]
     from functrain.models.gpt import task as gpt_task  # a test may import a model family
 
     with parallel.setup(c.mesh) as ctx:
         t = gpt_task.build(c, ctx, tmp_path / "run")
         assert isinstance(t, task_lib.Task)
-        loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, hooks=hooks,
-                 print_fn=lambda *a: None)
+        loop.run(
+            t,
+            optim.config.from_config(c.optim, c.steps),
+            c,
+            tmp_path / "run",
+            ctx,
+            hooks=hooks,
+            print_fn=lambda *a: None,
+        )
     assert seen == [("every3", 3, False), ("every5", 5, False), ("every3", 6, False), ("every3", 7, True)]
 
 
@@ -311,8 +376,8 @@ def test_gc_is_off_during_training_and_collects_every_n_steps_on_schedule(tmp_pa
     import gc
 
     from functrain import parallel
-    from functrain.trainer import loop
     from functrain.models.gpt import task as gpt_task
+    from functrain.trainer import loop
 
     c = _tiny_config(tmp_path)
     c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard, c.gc_every = 9, False, 100, 100, False, 3
@@ -325,8 +390,15 @@ def test_gc_is_off_during_training_and_collects_every_n_steps_on_schedule(tmp_pa
     assert gc.isenabled()
     with parallel.setup(c.mesh) as ctx:
         t = gpt_task.build(c, ctx, tmp_path / "run")
-        loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx,
-                 hooks=[loop.every(1, record, at_end=False)], print_fn=lambda *a: None)
+        loop.run(
+            t,
+            optim.config.from_config(c.optim, c.steps),
+            c,
+            tmp_path / "run",
+            ctx,
+            hooks=[loop.every(1, record, at_end=False)],
+            print_fn=lambda *a: None,
+        )
     assert gc.isenabled()
     assert [s for s, _, _ in seen] == list(range(1, 10))
     assert not any(enabled for _, enabled, _ in seen)
@@ -342,10 +414,9 @@ def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, m
     background g++ runs: measured beside them on 2 cores, the peak came out low and a run printed an
     MFU of 107.7%. The run is stopped where the probe would start (nothing is compiled)."""
     from functrain import parallel
-    from functrain.trainer import loop
-    from functrain.trainer import metrics
     from functrain.compiler import cache as compile_cache
     from functrain.models.gpt import task as gpt_task
+    from functrain.trainer import loop, metrics
 
     class Stop(Exception):
         pass
@@ -364,8 +435,7 @@ def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, m
     with parallel.setup(c.mesh) as ctx:
         t = gpt_task.build(c, ctx, tmp_path / "run")
         with pytest.raises(Stop):
-            loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx,
-                     print_fn=lambda *a: None)
+            loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, print_fn=lambda *a: None)
     assert calls == ["peak", "probe"]
 
 
@@ -388,10 +458,8 @@ def test_the_config_is_checked_once(tmp_path, monkeypatch):
     """`main.check_config` checks every key; a family's `build` and `loop.run` take that config and
     do not run the key checks again."""
     from functrain import parallel
-    from functrain.trainer import loop
-    from functrain.trainer import main
-    from functrain.trainer import validate
     from functrain.models.gpt import task as gpt_task  # a test may import a model family
+    from functrain.trainer import loop, main, validate
 
     c = _tiny_config(tmp_path)
     c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 2, False, 100, 100, False
@@ -405,7 +473,6 @@ def test_the_config_is_checked_once(tmp_path, monkeypatch):
         t = gpt_task.build(c, ctx, tmp_path / "run")
         loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, print_fn=lambda *a: None)
     assert len(calls) == 1
-
 
 
 def test_an_mfu_measured_on_a_busy_machine_never_passes_100_percent():
@@ -432,13 +499,18 @@ def test_an_mfu_measured_on_a_busy_machine_never_passes_100_percent():
             h.wait()
     n = 1024
     a = torch.randn(n, n)
-    tp = metrics.Throughput(tokens_per_step=1, flops_per_token=2 * n**3, peak_flops=busy / 4, total_steps=100,
-                            probe=lambda: metrics.measure_peak_flops("cpu", seconds=0.1))
+    tp = metrics.Throughput(
+        tokens_per_step=1,
+        flops_per_token=2 * n**3,
+        peak_flops=busy / 4,
+        total_steps=100,
+        probe=lambda: metrics.measure_peak_flops("cpu", seconds=0.1),
+    )
     tp.start(0)
     reports = []
     for window in range(3):
-        for i in range(5):
-            a @ a  # one "step": 2 n^3 FLOPs
+        for _ in range(5):
+            _ = a @ a  # one "step": 2 n^3 FLOPs
         reports.append(tp.report(5 * (window + 1)))
     assert all(0 < r["mfu"] <= 1.0 for r in reports), reports
     assert tp.peak_flops >= busy  # the probes after the load replaced the low reading

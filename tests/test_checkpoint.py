@@ -13,10 +13,10 @@ import time
 import optree
 import pytest
 import torch
+from _ckpt_util import PYTHON, REPO, assert_bits_equal, full_state
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from _ckpt_util import PYTHON, REPO, assert_bits_equal, full_state
 from functrain import checkpoint as ckpt
 from functrain.checkpoint import layout, writer
 from functrain.checkpoint.sharding import chunk_shape, shard_box, writer_ranks
@@ -140,10 +140,17 @@ def test_no_jax_at_runtime():
                 assert not any(m.split(".")[0] in ("jax", "orbax") for m in mods), (name, mods)
     # Nothing functrain's checkpoint path imports brings jax or orbax in (checked in a fresh interpreter:
     # other tests in this process, the optax comparisons among them, load jax themselves).
-    probe = ("import sys, functrain.checkpoint as c; from functrain.checkpoint import manager, reader, writer; "
-             "print([m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'orbax.checkpoint'))])")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=REPO))
+    probe = (
+        "import sys, functrain.checkpoint as c; from functrain.checkpoint import manager, reader, writer; "
+        "print([m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'orbax.checkpoint'))])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -169,7 +176,7 @@ def test_shard_box_matches_torch(mesh_shape, global_shape):
             boxes.append(box)
         chunks = chunk_shape(global_shape, boxes)
         for box in boxes:  # every box is a union of whole chunks: no chunk has two writers
-            for d, (o, s, c, n) in enumerate(zip(box.offset, box.shape, chunks, global_shape)):
+            for o, s, c, n in zip(box.offset, box.shape, chunks, global_shape):
                 assert box.empty or (o % c == 0 and ((o + s) % c == 0 or o + s == n)), (placements, box, chunks)
         owners = writer_ranks(dict(enumerate(boxes)))
         assert sorted(owners.values()) == sorted(set(owners.values()))  # one writer per distinct box
@@ -261,8 +268,14 @@ def test_a_process_that_exits_right_after_a_restore_exits_cleanly(tmp_path):
     runs with this many leaves."""
     ckpt.save(str(tmp_path / "1"), {f"w{i}": torch.full((3,), float(i)) for i in range(1500)})
     for _ in range(3):
-        out = subprocess.run([PYTHON, "-c", _RESTORE_AND_EXIT, str(tmp_path / "1")], cwd=REPO, timeout=300,
-                             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = subprocess.run(
+            [PYTHON, "-c", _RESTORE_AND_EXIT, str(tmp_path / "1")],
+            cwd=REPO,
+            timeout=300,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
         assert out.returncode == 0, out.stderr[-2000:]
 
 

@@ -10,9 +10,9 @@ import os
 import optree
 import pytest
 import torch
-
-from _ckpt_util import REPO, assert_bits_equal, full_state, load_dump, leaves_by_name, orbax_missing, run_orbax
+from _ckpt_util import REPO, assert_bits_equal, full_state, leaves_by_name, load_dump, orbax_missing, run_orbax
 from _dist_launch import read_results, run_ranks
+
 from functrain import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow  # gloo ranks in subprocesses

@@ -8,12 +8,14 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _ckpt_util import assert_bits_equal, full_state, leaves_by_name, load_dump, orbax_missing, run_orbax
 
-from _ckpt_util import assert_bits_equal, full_state, load_dump, leaves_by_name, orbax_missing, run_orbax
 from functrain import checkpoint as ckpt
 
-pytestmark = [pytest.mark.skipif(orbax_missing() is not None, reason=str(orbax_missing())),
-              pytest.mark.slow]  # slow: stock orbax (jax) in its own process
+pytestmark = [
+    pytest.mark.skipif(orbax_missing() is not None, reason=str(orbax_missing())),
+    pytest.mark.slow,
+]  # slow: stock orbax (jax) in its own process
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +108,23 @@ def _main_job_checkpoint(workdir, nproc: int) -> str:
 
     launch = [sys.executable, "-m", "functrain.main"]
     if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  "-m", "functrain.main"]
-    args = ["--config=configs/gpt.py:tiny", "--config.steps=10", "--config.checkpoint.every=5",
-            "--config.compile=False", "--config.sample.max_new_tokens=4", f"--workdir={workdir}"]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "functrain.main",
+        ]
+    args = [
+        "--config=configs/gpt.py:tiny",
+        "--config.steps=10",
+        "--config.checkpoint.every=5",
+        "--config.compile=False",
+        "--config.sample.max_new_tokens=4",
+        f"--workdir={workdir}",
+    ]
     if nproc > 1:
         args.append(f"--config.mesh.dp_shard={nproc}")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
@@ -121,8 +136,13 @@ def _main_job_checkpoint(workdir, nproc: int) -> str:
 def test_orbax_restores_empty_subtrees_without_template(tmp_path):
     """Empty containers and Nones (a stateless transform's `()`, an empty dict) survive a template-free
     restore by stock orbax (recorded in _METADATA as orbax does)."""
-    tree = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "clip": (), "opt": [torch.ones(2), ()],
-            "extra": {}, "nothing": None}
+    tree = {
+        "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "clip": (),
+        "opt": [torch.ones(2), ()],
+        "extra": {},
+        "nothing": None,
+    }
     ckpt.save(str(tmp_path / "ck" / "1"), tree)
     run_orbax(["--standard", str(tmp_path / "ck" / "1" / "default"), str(tmp_path / "theirs")])
     with open(str(tmp_path / "theirs") + ".empty.json") as f:

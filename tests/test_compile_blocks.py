@@ -8,6 +8,7 @@ fast; one runs inductor for real.
 
 from __future__ import annotations
 
+import _tol
 import pytest
 import torch
 import torch._dynamo
@@ -16,8 +17,6 @@ from torch._dynamo.utils import counters
 from functrain import init_state, make_eval_step, make_train_step, optim
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 from functrain.step.staged import Stage, staged_loss
-
-import _tol
 
 LR, MOMENTUM = 0.05, 0.9
 
@@ -38,8 +37,11 @@ def _run(tiny_gpt, batches, n_layer, policy, compile, options=None, steps=3, wra
     for b in batches(model.cfg, steps, batch_size=4):
         state, m = step(state, b)
         hist.append({k: float(v) for k, v in m.items()})
-    stats = {"graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
-             "breaks": sum(counters["graph_break"].values())}
+    stats = {
+        "graphs": counters["stats"]["unique_graphs"],
+        "recompiles": sum(counters["recompiles"].values()),
+        "breaks": sum(counters["graph_break"].values()),
+    }
     return state, hist, stats, model
 
 
@@ -98,11 +100,20 @@ def test_blocks_eval_step_uses_the_stage_graphs(tiny_gpt, batches):
 
 def _toy_stages(shared: bool, policy="full"):
     """A 3-block toy staged loss; its blocks share one function only when `shared`."""
+
     def block_fn(own, h, key, index):
         return h + torch.tanh(h @ own["w"])
 
-    blocks = [Stage((f"b{i}.w",), lambda p, h, key, i=i: block_fn({"w": p[f"b{i}.w"]}, h, key, i),
-                    block_fn if shared else None, f"b{i}.", i) for i in range(3)]
+    blocks = [
+        Stage(
+            (f"b{i}.w",),
+            lambda p, h, key, i=i: block_fn({"w": p[f"b{i}.w"]}, h, key, i),
+            block_fn if shared else None,
+            f"b{i}.",
+            i,
+        )
+        for i in range(3)
+    ]
     embed = Stage(("e",), lambda p, batch, key: batch @ p["e"])
     head = Stage((), lambda p, h, batch, key: h.square().mean())
     return staged_loss(embed, blocks, head, policy=policy)
@@ -131,7 +142,8 @@ def test_blocks_needs_a_staged_loss_and_unrolled_accumulation(tiny_gpt):
     with pytest.raises(ValueError, match="has no stages.*staged=True"):
         make_train_step(make_gpt_loss_fn(model), _opt(), compile="blocks")
     with pytest.raises(ValueError, match="accum_impl='unroll'"):
-        make_train_step(make_gpt_loss_fn(model, staged=True), _opt(), compile="blocks", accum_steps=2,
-                        accum_impl="scan")
+        make_train_step(
+            make_gpt_loss_fn(model, staged=True), _opt(), compile="blocks", accum_steps=2, accum_impl="scan"
+        )
     with pytest.raises(ValueError, match="compile must be"):
         make_train_step(make_gpt_loss_fn(model), _opt(), compile="block")

@@ -70,12 +70,26 @@ print(json.dumps({"dir": str(cache), "stats": compile_cache.stats(), "losses": l
 def _compile_in_subprocess(mode: str, workdir: Path, *args: str, extra_env: dict | None = None) -> dict:
     """Runs the worker in a fresh Python process (`extra_env` added to its environment); returns
     what it printed."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
-                        "TORCHINDUCTOR_FORCE_DISABLE_CACHES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "TORCHINDUCTOR_CACHE_DIR",
+            "TORCHINDUCTOR_FX_GRAPH_CACHE",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE",
+            "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
+        )
+    }
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(extra_env or {}))
-    out = subprocess.run([sys.executable, "-c", _WORKER, mode, str(workdir), *args], env=env, cwd=str(workdir),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _WORKER, mode, str(workdir), *args],
+        env=env,
+        cwd=str(workdir),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -185,8 +199,10 @@ def test_directories(env, tmp_path):
 def test_user_mode_is_the_per_user_directory_after_torch_wrote_its_default(tmp_path):
     """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's /tmp default when the user left
     it unset; "user" is still $XDG_CACHE_HOME/functrain/inductor then, and a user's value still wins."""
-    code = ("import os, sys, torch._dynamo; from functrain.compiler import cache as compile_cache; "
-            "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR')); print(compile_cache.setup('user'))")
+    code = (
+        "import os, sys, torch._dynamo; from functrain.compiler import cache as compile_cache; "
+        "print(os.environ.get('TORCHINDUCTOR_CACHE_DIR')); print(compile_cache.setup('user'))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.update(PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tmp_path / "xdg"))
     for user_dir, want in ((None, tmp_path / "xdg" / "functrain" / "inductor"), (tmp_path / "mine", tmp_path / "mine")):
@@ -200,13 +216,13 @@ def test_user_mode_is_the_per_user_directory_after_torch_wrote_its_default(tmp_p
 
 def test_directories_are_keyed_by_the_cpu_isa(tmp_path):
     """Kernels compiled for one vector ISA are never served under another (torch's key omits it)."""
-    code = ("import sys; from functrain.compiler import cache as compile_cache; "
-            "print(compile_cache.setup(sys.argv[1]))")
+    code = "import sys; from functrain.compiler import cache as compile_cache; print(compile_cache.setup(sys.argv[1]))"
     dirs = {}
     for cap in ("avx2", "default"):
         env = dict(os.environ, PYTHONPATH=str(REPO), ATEN_CPU_CAPABILITY=cap)
-        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         dirs[cap] = out.stdout.strip().splitlines()[-1]
     assert dirs == {"avx2": str(tmp_path / "c" / "avx2"), "default": str(tmp_path / "c" / "default")}
@@ -228,8 +244,9 @@ print(json.dumps({"before": before, "alive": thread.is_alive(),
 """
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.update(PYTHONPATH=str(REPO))
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "c")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["before"] == 0 and not got["alive"]

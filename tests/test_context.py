@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from _dist_launch import REPO, read_results, run_ranks
+
 from functrain.parallel import context
 
 pytestmark = pytest.mark.slow  # gloo ranks in subprocesses
@@ -34,7 +34,9 @@ def test_zigzag_split_pairs_an_early_and_a_late_chunk_and_covers_the_sequence():
 def test_shard_then_gather_is_the_identity_on_one_rank_and_attention_is_full_causal():
     import _context_worker as worker
 
-    assert torch.equal(context.gather_sequence(torch.arange(6.0).view(1, 1, 6, 1), None, 1), torch.arange(6.0).view(1, 1, 6, 1))
+    assert torch.equal(
+        context.gather_sequence(torch.arange(6.0).view(1, 1, 6, 1), None, 1), torch.arange(6.0).view(1, 1, 6, 1)
+    )
     worker.scenario(4, 2, False, None, 1, 0)  # raises on a mismatch
     worker.scenario(4, 2, False, None, 1, 0, kernel="zigzag")
 
@@ -45,7 +47,17 @@ def test_context_parallel_attention_equals_full_attention(tmp_path, nprocs):
     for rank in range(nprocs):
         res = read_results(os.path.join(tmp_path, f"rank{rank}.json"))
         bad = {k: v for k, v in res.items() if v != "ok"}
-        assert not bad and set(res) == {"mha", "gqa", "gqa_func", "gqa_compiled", "zigzag_mha",
-                                    "zigzag_gqa_func", "zigzag_gqa_compiled", "stream_mha", "stream_gqa_func",
-                                    "stream_gqa_compiled", "rows", "rows_uneven_compiled"}, f"rank {rank}:\n" + "\n".join(
-            f"{k}: {v}" for k, v in bad.items())
+        assert not bad and set(res) == {
+            "mha",
+            "gqa",
+            "gqa_func",
+            "gqa_compiled",
+            "zigzag_mha",
+            "zigzag_gqa_func",
+            "zigzag_gqa_compiled",
+            "stream_mha",
+            "stream_gqa_func",
+            "stream_gqa_compiled",
+            "rows",
+            "rows_uneven_compiled",
+        }, f"rank {rank}:\n" + "\n".join(f"{k}: {v}" for k, v in bad.items())

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 
+import _tol
 import pytest
 import torch
-
-import _tol
 from _dist_launch import REPO, run_suite, scenario_results
 
 pytestmark = pytest.mark.slow  # gloo ranks in subprocesses
@@ -53,16 +52,19 @@ def _assert_matches(res, steps, dtype=torch.float32):
     assert res["opt_state"] <= params_tol, res
 
 
-@pytest.mark.parametrize("name, steps, dtype", [
-    ("gpt", 20, torch.float32),  # plain loss (the whole model gathered)
-    ("gpt_remat", 20, torch.float32),  # staged, every block recomputed
-    ("gpt_ignored", 20, torch.float32),  # the ranks count different numbers of targets
-    ("gpt_bf16", 10, torch.bfloat16),
-    ("llama", 20, torch.float32),  # GQA: the kv heads gathered, rotary at global positions
-    ("llama_remat_bf16", 10, torch.bfloat16),
-    ("gpt_mask", 20, torch.float32),  # the other kernels: one masked attention,
-    ("llama_stream", 20, torch.float32),  # keys and values fetched a chunk at a time
-])
+@pytest.mark.parametrize(
+    "name, steps, dtype",
+    [
+        ("gpt", 20, torch.float32),  # plain loss (the whole model gathered)
+        ("gpt_remat", 20, torch.float32),  # staged, every block recomputed
+        ("gpt_ignored", 20, torch.float32),  # the ranks count different numbers of targets
+        ("gpt_bf16", 10, torch.bfloat16),
+        ("llama", 20, torch.float32),  # GQA: the kv heads gathered, rotary at global positions
+        ("llama_remat_bf16", 10, torch.bfloat16),
+        ("gpt_mask", 20, torch.float32),  # the other kernels: one masked attention,
+        ("llama_stream", 20, torch.float32),  # keys and values fetched a chunk at a time
+    ],
+)
 def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
     for res in scenario_results(cp2, name):
         _assert_matches(res, steps, dtype)
@@ -73,12 +75,18 @@ def test_two_cp_ranks_match_one_process(cp2, name, steps, dtype):
 
 
 @pytest.mark.numeric
-@pytest.mark.parametrize("name, shards", [
-    ("gpt_cp4", 4), ("llama_cp4", 4), ("gpt_cp4_stream", 4),
-    ("gpt_fsdp_cp", 4),  # dp_shard=2 x cp=2
-    ("gpt_hsdp_cp", 2),  # dp_replicate=2 x cp=2 (remat)
-    ("gpt_cp_tp", None), ("llama_cp_tp", None),  # cp=2 x tp=2
-])
+@pytest.mark.parametrize(
+    "name, shards",
+    [
+        ("gpt_cp4", 4),
+        ("llama_cp4", 4),
+        ("gpt_cp4_stream", 4),
+        ("gpt_fsdp_cp", 4),  # dp_shard=2 x cp=2
+        ("gpt_hsdp_cp", 2),  # dp_replicate=2 x cp=2 (remat)
+        ("gpt_cp_tp", None),
+        ("llama_cp_tp", None),  # cp=2 x tp=2
+    ],
+)
 def test_four_ranks_match_one_process(cp4, name, shards):
     for res in scenario_results(cp4, name):
         _assert_matches(res, 20)

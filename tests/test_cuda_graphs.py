@@ -13,17 +13,31 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs"),
-              pytest.mark.slow]  # slow: a main-job run
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs"),
+    pytest.mark.slow,
+]  # slow: a main-job run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--config=configs/gpt.py:tiny", "--config.device=cuda", "--config.steps=12", "--config.log_every=1",
-        "--config.eval_every=12", "--config.sample.max_new_tokens=0", "--config.checkpoint.every=6"]
+ARGS = [
+    "--config=configs/gpt.py:tiny",
+    "--config.device=cuda",
+    "--config.steps=12",
+    "--config.log_every=1",
+    "--config.eval_every=12",
+    "--config.sample.max_new_tokens=0",
+    "--config.checkpoint.every=6",
+]
 
 
 def _run(workdir, *extra):
-    out = subprocess.run([sys.executable, "-m", "functrain.main", f"--workdir={workdir}", *ARGS, *extra],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "functrain.main", f"--workdir={workdir}", *ARGS, *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

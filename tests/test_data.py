@@ -13,13 +13,14 @@ import torch
 from functrain.data import (
     SEPARATOR,
     ByteTokenizer,
+    ConcatTokens,
     DataError,
     eval_batches,
     get_batch,
     load_dataset,
     stdlib_files,
+    token_cache,
 )
-from functrain.data import ConcatTokens, token_cache
 from functrain.data.documents import PACK_BYTES, is_val, text_units
 
 
@@ -155,8 +156,9 @@ def test_text_cache_retokenizes_the_pack_of_a_changed_file(tmp_path, monkeypatch
     assert "CHANGED" in ds2.decode(ds2.train[:]) + ds2.decode(ds2.val[:])
     after = _cache_files(out)
     changed = {f for f in before if before[f] != after.get(f)}
-    assert changed and {f[len("done/"):-len(".json")] for f in changed if f.startswith("done/")} == {
-        next(u["key"] for u in text_units(ds2.info["content"], 0.015) if u["rel"] == "d0/f000.txt")}
+    assert changed and {f[len("done/") : -len(".json")] for f in changed if f.startswith("done/")} == {
+        next(u["key"] for u in text_units(ds2.info["content"], 0.015) if u["rel"] == "d0/f000.txt")
+    }
     fresh = load_dataset(str(root), tmp_path / "fresh", log=lambda line: None)
     assert np.array_equal(fresh.train[:], ds2.train[:]) and np.array_equal(fresh.val[:], ds2.val[:])
 
@@ -185,8 +187,7 @@ def test_bin_source_with_meta(tmp_path):
     np.array(rng.integers(0, 65, 500), dtype=np.uint16).tofile(tmp_path / "val.bin")
     chars = [chr(ord("A") + i) for i in range(65)]
     with open(tmp_path / "meta.pkl", "wb") as f:  # nanoGPT shakespeare_char style
-        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)),
-                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
     ds = load_dataset(str(tmp_path), tmp_path / "unused")
     assert ds.vocab_size == 65 and len(ds.train) == 5000 and isinstance(ds.train, np.memmap)
     assert ds.decode(ds.encode("HELLO")) == "HELLO"
@@ -273,7 +274,11 @@ def test_bpe_is_deterministic_round_trips_and_keeps_val_unseen(tmp_path):
     assert a.decode(a.encode(text)) == text  # byte-level: any text round-trips
     assert a.eos_id == 0 and a.decode([a.eos_id]) == END_OF_TEXT
     ds = load_dataset(str(root), tmp_path / "c1", val_fraction=0.3, tokenizer=a)
-    assert ds.train.dtype == np.uint16 and ds.vocab_size == a.vocab_size and ds.info["tokenizer"] == f"tokenizers:{a.sha256}"
+    assert (
+        ds.train.dtype == np.uint16
+        and ds.vocab_size == a.vocab_size
+        and ds.info["tokenizer"] == f"tokenizers:{a.sha256}"
+    )
     assert ds.decode(ds.train[:50]) == a.decode(a.encode(ds.decode(ds.train[:50])))
     # the BPE saw only the train split: training on those files alone gives the same merges
     train_files = [p for p in sorted(root.rglob("*.txt")) if p.relative_to(root).as_posix() not in ds.info["val_files"]]
@@ -321,10 +326,17 @@ def test_a_script_that_loads_data_at_import_time_needs_no_main_guard(tmp_path):
 
     root = _text_dir(tmp_path / "corpus", n=6)
     script = tmp_path / "script.py"
-    script.write_text("from functrain.data import load_dataset\n"
-                      f"ds = load_dataset({str(root)!r}, {str(tmp_path / 'cache')!r}, log=lambda line: None)\n"
-                      "print(len(ds.train) > 0)\n")
+    script.write_text(
+        "from functrain.data import load_dataset\n"
+        f"ds = load_dataset({str(root)!r}, {str(tmp_path / 'cache')!r}, log=lambda line: None)\n"
+        "print(len(ds.train) > 0)\n"
+    )
     repo = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=str(repo)),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=dict(os.environ, PYTHONPATH=str(repo)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

@@ -9,11 +9,10 @@ import random
 import subprocess
 import sys
 
+import _tol
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-import _tol
 
 pytestmark = pytest.mark.slow  # main-job runs, under torchrun too
 
@@ -35,7 +34,7 @@ def mixture_config(tmp_path_factory):
         (root / "web" / f"w{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(400, i)))
     pq.write_table(pa.table({"body": _docs(40, 9)}), root / "code.parquet")
     path = root / "mix_config.py"
-    path.write_text(f'''
+    path.write_text(f"""
 from configs.gpt import get_config as base
 
 
@@ -47,7 +46,7 @@ def get_config():
     c.data.sampling = "epochs"
     c.data.val_fraction = 0.2  # small sources: a validation set of several windows each
     return c
-''')
+""")
     # the web shards say "text": a mixture reads one field, so rename it there
     for i in range(3):
         p = root / "web" / f"w{i}.jsonl"
@@ -55,20 +54,41 @@ def get_config():
     return path
 
 
-ARGS = ["--config.compile=False", "--config.log_every=5", "--config.eval_every=10", "--config.eval_batches=1",
-        "--config.sample.max_new_tokens=8", "--config.steps=20", "--config.checkpoint.every=10",
-        "--config.optim.name=sgd", "--config.optim.lr=0.05"]
+ARGS = [
+    "--config.compile=False",
+    "--config.log_every=5",
+    "--config.eval_every=10",
+    "--config.eval_batches=1",
+    "--config.sample.max_new_tokens=8",
+    "--config.steps=20",
+    "--config.checkpoint.every=10",
+    "--config.optim.name=sgd",
+    "--config.optim.lr=0.05",
+]
 
 
 def _run(config, workdir, *extra, nproc=1):
     launch = [sys.executable, "-m", "functrain.main"]
     if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  "-m", "functrain.main"]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "functrain.main",
+        ]
         extra = ("--config.mesh.dp_shard=2", "--config.dist_timeout_s=600", *extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([*launch, f"--config={config}", f"--workdir={workdir}", *ARGS, *extra], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [*launch, f"--config={config}", f"--workdir={workdir}", *ARGS, *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if out.returncode != 0:
         pytest.fail(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-8000:]}", pytrace=False)
     return out
@@ -132,8 +152,17 @@ def test_every_rank_count_reads_the_same_global_batches_from_the_shards(mixture_
     config = module.get_config()
 
     def data(rank, world):
-        return lm_data(config.data, cache_dir=str(tmp_path / "cache"), batch_size=16, block_size=64, seed=0,
-                       eval_batches=1, dp_rank=rank, dp_world=world, log=lambda line: None)
+        return lm_data(
+            config.data,
+            cache_dir=str(tmp_path / "cache"),
+            batch_size=16,
+            block_size=64,
+            seed=0,
+            eval_batches=1,
+            dp_rank=rank,
+            dp_world=world,
+            log=lambda line: None,
+        )
 
     one = data(0, 1)
     for world in (2, 4):

@@ -16,8 +16,8 @@ import pytest
 
 from functrain import checkpoint as ckpt
 from functrain.data import digests, load_dataset, open_token_cache, tokenize
-from functrain.data.record import changes, check_resume, source_record
 from functrain.data.errors import DataError
+from functrain.data.record import changes, check_resume, source_record
 
 REPO = Path(__file__).resolve().parents[1]
 _WORDS = "def return class import self if else for while in not and or None True".split()
@@ -40,7 +40,7 @@ def _edit_in_place(path: Path) -> None:
     st = path.stat()
     data = bytearray(path.read_bytes())
     i = data.index(b"return")
-    data[i:i + 6] = b"RETURN"
+    data[i : i + 6] = b"RETURN"
     path.write_bytes(bytes(data))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
@@ -83,10 +83,11 @@ def test_shard_cache_is_keyed_by_content(tmp_path):
     assert any("1 of 3 shards" in line for line in lines), lines  # only the edited shard again
     train, val, info = open_token_cache(out)
     fresh_train, fresh_val, _ = open_token_cache(
-        tokenize(str(src), tmp_path / "fresh", val_fraction=0.1, workers=1, log=_quiet))
-    assert np.array_equal(train[0:len(train)], fresh_train[0:len(fresh_train)])
-    assert np.array_equal(val[0:len(val)], fresh_val[0:len(fresh_val)])
-    assert not np.array_equal(train[0:len(train)], before_train[0:len(before_train)])
+        tokenize(str(src), tmp_path / "fresh", val_fraction=0.1, workers=1, log=_quiet)
+    )
+    assert np.array_equal(train[0 : len(train)], fresh_train[0 : len(fresh_train)])
+    assert np.array_equal(val[0 : len(val)], fresh_val[0 : len(fresh_val)])
+    assert not np.array_equal(train[0 : len(train)], before_train[0 : len(before_train)])
     assert [c[2] for c in info["content"]] == [digests.file_digest(src / f"w{i}.jsonl") for i in range(3)]
 
 
@@ -97,8 +98,9 @@ def test_text_cache_is_keyed_by_content(tmp_path):
         (root / f"f{i}.py").write_text("\n".join(_docs(30, i)))
     first = load_dataset(str(root), tmp_path / "cache")
     old = np.array(first.train)
-    target = next(f for f in sorted(root.iterdir()) if b"return" in f.read_bytes() and
-                  f.name not in first.info["val_files"])
+    target = next(
+        f for f in sorted(root.iterdir()) if b"return" in f.read_bytes() and f.name not in first.info["val_files"]
+    )
     _edit_in_place(target)
     again = load_dataset(str(root), tmp_path / "cache")
     fresh = load_dataset(str(root), tmp_path / "fresh")
@@ -113,8 +115,10 @@ def test_changes_name_what_differs():
     assert changes(None, {"sources": {"d": a}}) == [] and changes({}, {"sources": {"d": a}}) == []
     b = source_record("shards", "tokenizers:ff", [["a.jsonl", 10, "3" * 64], ["c.jsonl", 5, "4" * 64]])
     (line,) = changes({"sources": {"d": a}}, {"sources": {"d": b}})
-    assert line == ("source 'd': tokenizer bytes -> tokenizers:ff; 1 file removed (b.jsonl); 1 file added (c.jsonl); "
-                    "1 changed (a.jsonl: same size, other bytes)")
+    assert line == (
+        "source 'd': tokenizer bytes -> tokenizers:ff; 1 file removed (b.jsonl); 1 file added (c.jsonl); "
+        "1 changed (a.jsonl: same size, other bytes)"
+    )
     assert changes({"sources": {"d": a}}, {"sources": {"e": a}}) == ["source 'd' is gone", "source 'e' is new"]
     with pytest.raises(DataError, match=r"allow_changed=True"):
         check_resume({"sources": {"d": a}}, {"sources": {"d": b}}, 10, allow=False)
@@ -122,16 +126,37 @@ def test_changes_name_what_differs():
     assert check_resume({"sources": {"d": a}}, {"sources": {"d": a}}, 10, allow=False) is None
 
 
-ARGS = ["--config=configs/gpt.py:tiny", "--config.compile=False", "--config.log_every=5", "--config.eval_every=1000",
-        "--config.eval_batches=1", "--config.sample.max_new_tokens=0", "--config.checkpoint.every=10",
-        "--config.data.val_fraction=0.2"]
+ARGS = [
+    "--config=configs/gpt.py:tiny",
+    "--config.compile=False",
+    "--config.log_every=5",
+    "--config.eval_every=1000",
+    "--config.eval_batches=1",
+    "--config.sample.max_new_tokens=0",
+    "--config.checkpoint.every=10",
+    "--config.data.val_fraction=0.2",
+]
 
 
 def _main(workdir, data, steps, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "functrain.main", *ARGS, f"--workdir={workdir}",
-                           f"--config.data.path={data}", f"--config.steps={steps}", *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functrain.main",
+            *ARGS,
+            f"--workdir={workdir}",
+            f"--config.data.path={data}",
+            f"--config.steps={steps}",
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.mark.slow
@@ -152,9 +177,13 @@ def test_a_resume_on_changed_data_stops_in_one_line_unless_allowed(tmp_path):
     assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("functrain: error:")]
     assert len(errors) == 1, refused.stderr
-    for part in ("since checkpoint step 10", "1 file removed (w2.jsonl)", "w0.jsonl: same size, other bytes",
-                 f"w1.jsonl: {size1:,} -> {(src / 'w1.jsonl').stat().st_size:,} bytes",
-                 "--config.data.allow_changed=True"):
+    for part in (
+        "since checkpoint step 10",
+        "1 file removed (w2.jsonl)",
+        "w0.jsonl: same size, other bytes",
+        f"w1.jsonl: {size1:,} -> {(src / 'w1.jsonl').stat().st_size:,} bytes",
+        "--config.data.allow_changed=True",
+    ):
         assert part in errors[0], errors[0]
     assert ckpt.Manager(str(run / "checkpoints")).all_steps() == [10]  # nothing lost
 
@@ -163,5 +192,7 @@ def test_a_resume_on_changed_data_stops_in_one_line_unless_allowed(tmp_path):
     assert "the data changed since checkpoint step 10 (source 'data': 1 file removed (w2.jsonl)" in allowed.stdout
     assert "restored checkpoint step 10" in allowed.stdout
     now = ckpt.Manager(str(run / "checkpoints")).custom_metadata(20)["functrain"]["data"]
-    assert now["sources"]["data"]["files"] == [[f"w{i}.jsonl", (src / f"w{i}.jsonl").stat().st_size,
-                                                digests.file_digest(src / f"w{i}.jsonl")] for i in range(2)]
+    assert now["sources"]["data"]["files"] == [
+        [f"w{i}.jsonl", (src / f"w{i}.jsonl").stat().st_size, digests.file_digest(src / f"w{i}.jsonl")]
+        for i in range(2)
+    ]

@@ -36,7 +36,7 @@ def test_epochs_use_every_window_exactly_once_per_epoch_in_a_fresh_order():
     assert W == 25
     rows = torch.cat([_global(sampler, s)[0] for s in range(math.ceil(3 * W / B))])  # 3 epochs and a bit
     starts = (rows[:, 0] // 1).tolist()  # token ids equal positions: a row's first id is its start
-    epochs = [starts[e * W:(e + 1) * W] for e in range(3)]
+    epochs = [starts[e * W : (e + 1) * W] for e in range(3)]
     for e in epochs:
         assert sorted(e) == [w * T for w in range(W)]  # each window once
     assert epochs[0] != epochs[1] != epochs[2]  # a new order each epoch
@@ -68,8 +68,7 @@ def test_mixture_rows_match_the_weights_on_every_prefix(weights):
 def _mixture(sampling, seed=0):
     web = np.full(4000, 1, np.uint16)  # every token of a source is its id: a row names its source
     code = np.full(3000, 2, np.uint16)
-    return Sampler([("web", web, 0.7), ("code", code, 0.3)], batch_size=8, block_size=16, seed=seed,
-                   sampling=sampling)
+    return Sampler([("web", web, 0.7), ("code", code, 0.3)], batch_size=8, block_size=16, seed=seed, sampling=sampling)
 
 
 @pytest.mark.parametrize("sampling", ["windows", "epochs"])
@@ -86,8 +85,7 @@ def test_mixture_batches_realize_the_weights(sampling):
         assert position == {}
 
 
-@pytest.mark.parametrize("sampling,mixed", [("windows", False), ("epochs", False), ("windows", True),
-                                            ("epochs", True)])
+@pytest.mark.parametrize("sampling,mixed", [("windows", False), ("epochs", False), ("windows", True), ("epochs", True)])
 def test_global_batches_are_the_same_on_1_2_and_4_ranks(sampling, mixed):
     tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint16)
     sources = [("a", tokens, 0.6), ("b", tokens[::-1].copy(), 0.4)] if mixed else [("a", tokens, 1.0)]

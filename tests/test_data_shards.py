@@ -65,7 +65,7 @@ def _cache_dir(cache):
 
 def _documents(tokens) -> list[str]:
     """Byte tokens split back into documents (newline-separated)."""
-    raw = np.asarray(tokens[0:len(tokens)]).astype(np.uint8).tobytes().decode("utf-8") + "\n"
+    raw = np.asarray(tokens[0 : len(tokens)]).astype(np.uint8).tobytes().decode("utf-8") + "\n"
     return raw[:-1].split("\n")
 
 
@@ -79,9 +79,9 @@ def test_shards_tokenize_to_every_document_once_split_between_train_and_val(tmp_
     assert ds.info["documents"] == len(docs) and ds.info["units"] == 4
     # a glob of the same files, and the cache directory itself, read the same tokens
     again = load_dataset(str(tmp_path / "src" / "part*"), tmp_path / "cache2", val_fraction=0.1, log=_quiet)
-    assert np.array_equal(again.train[0:len(again.train)], ds.train[0:len(ds.train)])
+    assert np.array_equal(again.train[0 : len(again.train)], ds.train[0 : len(ds.train)])
     direct = load_dataset(ds.info["cache_dir"], tmp_path / "unused")
-    assert np.array_equal(direct.val[0:len(direct.val)], ds.val[0:len(ds.val)])
+    assert np.array_equal(direct.val[0 : len(direct.val)], ds.val[0 : len(ds.val)])
 
 
 def test_parallel_and_multi_rank_tokenizing_write_the_same_cache_as_one_process(tmp_path):
@@ -89,11 +89,20 @@ def test_parallel_and_multi_rank_tokenizing_write_the_same_cache_as_one_process(
     one = tokenize(str(tmp_path / "src"), tmp_path / "one", workers=1, log=_quiet)
     two = tokenize(str(tmp_path / "src"), tmp_path / "two", workers=2, log=_quiet)
     # two ranks sharing the work, each its own process with 1 worker
-    code = ("import sys; from functrain.data import tokenize; "
-            "tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2)")
+    code = (
+        "import sys; from functrain.data import tokenize; "
+        "tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2)"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "ranks"), str(r)],
-                              env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "ranks"), str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     shares = [int(log.split("rank ")[1].split(" of 2: ")[1].split(" of ")[0]) for log in logs]
@@ -111,8 +120,11 @@ def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_
     for i in range(12):
         _jsonl(src / f"s{i:02d}.jsonl", _docs(3000, i))
     code = "import sys; from functrain.data import tokenize; tokenize(sys.argv[1], sys.argv[2], workers=1)"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "cache")],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(src), str(tmp_path / "cache")],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not list((tmp_path / "cache").glob("*/done/*.json")):
         time.sleep(0.01)
@@ -129,16 +141,16 @@ def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_
     fresh = tokenize(str(src), tmp_path / "fresh", workers=1, log=_quiet)
     a, b = open_token_cache(out), open_token_cache(fresh)
     for i in (0, 1):
-        assert np.array_equal(a[i][0:len(a[i])], b[i][0:len(b[i])])
+        assert np.array_equal(a[i][0 : len(a[i])], b[i][0 : len(b[i])])
 
 
 def test_tokenizing_with_a_bpe_uses_its_end_of_text_and_refuses_another_tokenizers_cache(tmp_path):
     docs = _corpus(tmp_path / "src", n_shards=3)
     tok = train_bpe(docs, 300, tmp_path / "bpe.json")
     ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", tokenizer=tok, val_fraction=0.1, log=_quiet)
-    ids = np.asarray(ds.train[0:len(ds.train)]).astype(np.int64)
+    ids = np.asarray(ds.train[0 : len(ds.train)]).astype(np.int64)
     assert ids[-1] != tok.eos_id and (ids == tok.eos_id).sum() > 100  # between documents, none after the last
-    first = ids[:int(np.flatnonzero(ids == tok.eos_id)[0])]
+    first = ids[: int(np.flatnonzero(ids == tok.eos_id)[0])]
     assert tok.decode(first) in docs
     other = train_bpe(docs, 280, tmp_path / "bpe2.json")
     with pytest.raises(DataError) as err:
@@ -232,8 +244,13 @@ def test_tokenizing_memory_is_flat_in_corpus_size(tmp_path):
                 f.write(block)
     corpus = sum(p.stat().st_size for p in src.iterdir())
     assert corpus >= 10 * budget
-    out = subprocess.run([sys.executable, "-c", _PEAK, str(src), str(tmp_path / "cache"), str(256 << 10)],
-                         env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(src), str(tmp_path / "cache"), str(256 << 10)],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     before_kb, peak_kb = map(int, out.stdout.split())
     assert (peak_kb - before_kb) * 1024 < budget, (before_kb, peak_kb, corpus)
@@ -244,10 +261,13 @@ def test_tokenizing_memory_is_flat_in_corpus_size(tmp_path):
 def test_a_spawned_tokenizing_worker_imports_no_torch():
     # what a spawned worker of `python -m functrain.main` imports: the main module again (as __mp_main__)
     # and the token cache, whose functions it runs
-    code = ("import runpy, sys; runpy.run_module('functrain.main', run_name='__mp_main__'); "
-            "import functrain.data.token_cache; assert 'torch' not in sys.modules, 'torch imported'")
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                         capture_output=True, text=True)
+    code = (
+        "import runpy, sys; runpy.run_module('functrain.main', run_name='__mp_main__'); "
+        "import functrain.data.token_cache; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -300,9 +320,15 @@ def _bad_text_files(root):
     root.mkdir(parents=True, exist_ok=True)
     good = _docs(40, 11)
     (root / "surrogate.jsonl").write_text(
-        json.dumps({"text": good[0]}) + "\n" + '{"text": "lone \\ud800 surrogate"}\n' + json.dumps({"text": good[1]}) + "\n")
+        json.dumps({"text": good[0]})
+        + "\n"
+        + '{"text": "lone \\ud800 surrogate"}\n'
+        + json.dumps({"text": good[1]})
+        + "\n"
+    )
     (root / "bytes.jsonl").write_bytes(
-        (json.dumps({"text": good[2]}) + "\n").encode() + b'{"text": "not utf-8 \xff\xfe here"}\n')
+        (json.dumps({"text": good[2]}) + "\n").encode() + b'{"text": "not utf-8 \xff\xfe here"}\n'
+    )
     raw = pa.array([good[3].encode(), b"bad \xc3\x28 utf-8", good[4].encode()], type=pa.binary())
     unchecked = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # pyarrow would refuse to build it
     pq.write_table(pa.table({"text": unchecked}), root / "utf8.parquet")
@@ -310,10 +336,14 @@ def _bad_text_files(root):
     pq.write_table(pa.table({"text": _docs(4000, 12)}), corrupt, row_group_size=500, compression="snappy")
     data = bytearray(corrupt.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 2000] = bytes(2000)  # a data page zeroed; the footer intact
+    data[mid : mid + 2000] = bytes(2000)  # a data page zeroed; the footer intact
     corrupt.write_bytes(bytes(data))
-    return {"surrogate": root / "surrogate.jsonl", "bytes": root / "bytes.jsonl", "utf8": root / "utf8.parquet",
-            "corrupt": corrupt}
+    return {
+        "surrogate": root / "surrogate.jsonl",
+        "bytes": root / "bytes.jsonl",
+        "utf8": root / "utf8.parquet",
+        "corrupt": corrupt,
+    }
 
 
 @pytest.mark.parametrize("where", ["file", "directory"])
@@ -327,7 +357,7 @@ def test_bad_text_is_replaced_and_counted_and_a_corrupt_file_is_one_line(tmp_pat
             os.replace(files[case], src / files[case].name)
         logs = []
         ds = load_dataset(str(src), tmp_path / f"cache-{case}", val_fraction=0.0, workers=workers, log=logs.append)
-        text = np.asarray(ds.train[0:len(ds.train)]).astype(np.uint8).tobytes().decode("utf-8")
+        text = np.asarray(ds.train[0 : len(ds.train)]).astype(np.uint8).tobytes().decode("utf-8")
         assert "\ufffd" in text, case
         line = [x for x in logs if "by U+FFFD in 1 records" in x]
         assert line and (".jsonl:2" in line[0] or "row 1" in line[0]), (case, logs)
@@ -346,12 +376,22 @@ def test_a_corrupt_file_is_one_line_on_two_ranks(tmp_path):
     src = tmp_path / "src"
     _corpus(src, n_shards=3, docs=20)
     os.replace(files["corrupt"], src / "corrupt.parquet")
-    code = ("import sys; from functrain.data import tokenize, DataError\n"
-            "try:\n    tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2, poll_s=0.05)\n"
-            "except DataError as e:\n    print('ERROR', e)\n    raise SystemExit(2)\n")
+    code = (
+        "import sys; from functrain.data import tokenize, DataError\n"
+        "try:\n    tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2, poll_s=0.05)\n"
+        "except DataError as e:\n    print('ERROR', e)\n    raise SystemExit(2)\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "ranks"), str(r)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(src), str(tmp_path / "ranks"), str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outs
     for out in outs:
@@ -369,13 +409,38 @@ def test_a_cache_of_the_older_shard_format_still_reads(tmp_path):
         val = docs["val"] if i == 0 else []
         for split, items in (("train", split_docs), ("val", val)):
             (out / split).mkdir(parents=True, exist_ok=True)
-            np.frombuffer(b"".join(d + b"\n" for d in items), np.uint8).astype(np.uint16).tofile(out / split / f"{key}.bin")
-        shards.append({"rel": f"s{i}.jsonl", "size": 10, "sha256": "0" * 64, "key": key,
-                       "tokens": {"train": len(split_docs[0]) + 1, "val": sum(len(d) + 1 for d in val)}})
-    (out / "meta.json").write_text(json.dumps({
-        "format": "functrain-token-shards", "version": 2, "source": "s", "text_field": "text", "val_fraction": 0.1,
-        "tokenizer": "bytes", "tokenizer_name": "bytes", "tokenizer_file": None, "vocab_size": 256, "dtype": "uint16",
-        "tokens": {"train": 15, "val": 6}, "documents": 3, "bad_lines": 0, "shards": shards}))
+            np.frombuffer(b"".join(d + b"\n" for d in items), np.uint8).astype(np.uint16).tofile(
+                out / split / f"{key}.bin"
+            )
+        shards.append(
+            {
+                "rel": f"s{i}.jsonl",
+                "size": 10,
+                "sha256": "0" * 64,
+                "key": key,
+                "tokens": {"train": len(split_docs[0]) + 1, "val": sum(len(d) + 1 for d in val)},
+            }
+        )
+    (out / "meta.json").write_text(
+        json.dumps(
+            {
+                "format": "functrain-token-shards",
+                "version": 2,
+                "source": "s",
+                "text_field": "text",
+                "val_fraction": 0.1,
+                "tokenizer": "bytes",
+                "tokenizer_name": "bytes",
+                "tokenizer_file": None,
+                "vocab_size": 256,
+                "dtype": "uint16",
+                "tokens": {"train": 15, "val": 6},
+                "documents": 3,
+                "bad_lines": 0,
+                "shards": shards,
+            }
+        )
+    )
     ds = load_dataset(str(out), tmp_path / "unused")
     assert bytes(np.asarray(ds.train[:], np.uint8)) == b"alpha doc\nbeta\n" and ds.decode(ds.val[:]) == "gamma\n"
     assert ds.info["kind"] == "shards" and [c[0] for c in ds.info["content"]] == ["s0.jsonl", "s1.jsonl"]
@@ -398,8 +463,16 @@ def test_rank_zero_reports_the_records_every_rank_replaced(tmp_path):
 
     def run(rank):
         try:
-            tokenize(str(src), tmp_path / "cache", val_fraction=0.0, workers=1, rank=rank, world=2,
-                     log=logs[rank].append, poll_s=0.05)
+            tokenize(
+                str(src),
+                tmp_path / "cache",
+                val_fraction=0.0,
+                workers=1,
+                rank=rank,
+                world=2,
+                log=logs[rank].append,
+                poll_s=0.05,
+            )
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from _dist_launch import run_ranks
 
 pytestmark = pytest.mark.slow  # torchrun launches

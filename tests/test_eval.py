@@ -15,9 +15,9 @@ import pytest
 import torch
 from _tol import rtol
 
+from functrain import checkpoint as ckpt
 from functrain import data as data_lib
 from functrain import eval as fe
-from functrain import checkpoint as ckpt
 from functrain import rng
 from functrain import tree as tree_lib
 from functrain.eval import choice, next_lines
@@ -37,15 +37,27 @@ UNIGRAM = fe.EvalModel(lambda p, ms, ids: _W.expand(*ids.shape, 256), BYTES, blo
 HELLASWAG = [  # by hand, (log p; per character of the ending; per token = per byte of " " + ending):
     # b -9.369 -9.369 -4.685 | aaaa -18.424 -4.606 -3.685 | b*10 -60.53 -6.053 -5.503 | eb -13.054 -6.527 -4.351
     # acc picks 0 (right), acc_norm 1, acc_mean_token 1
-    {"ind": 0, "activity_label": "Baking cookies", "ctx_a": "A woman [title] mixes flour.", "ctx_b": "she",
-     "endings": ["b", "aaaa", "bbbbbbbbbb", "eb"], "label": 0},
+    {
+        "ind": 0,
+        "activity_label": "Baking cookies",
+        "ctx_a": "A woman [title] mixes flour.",
+        "ctx_b": "she",
+        "endings": ["b", "aaaa", "bbbbbbbbbb", "eb"],
+        "label": 0,
+    },
     # ab -13.054 -6.527 -4.351 | a -7.369 -7.369 -3.685 | bbbb -26.42 -6.606 -5.285 | bb -15.054 -7.527 -5.018
     # acc picks 1, acc_norm 0 (right), acc_mean_token 1
     {"ind": 1, "ctx": "A man  plays [header] the piano.", "endings": ["ab", "a", "bbbb", "bb"], "label": "0"},
     # x -9.369 -9.369 -4.685 | yy -15.054 -7.527 -5.018 | aeiouaeiou -40.53 -4.053 -3.685 | ba -13.054 -6.527 -4.351
     # acc picks 0, acc_norm 2 (right), acc_mean_token 2 (right)
-    {"ind": 2, "activity_label": "Surfing", "ctx_a": "Waves roll in.", "ctx_b": "a surfer",
-     "endings": ["x", "yy", "aeiouaeiou", "ba"], "label": 2},
+    {
+        "ind": 2,
+        "activity_label": "Surfing",
+        "ctx_a": "Waves roll in.",
+        "ctx_b": "a surfer",
+        "endings": ["x", "yy", "aeiouaeiou", "ba"],
+        "label": 2,
+    },
 ]
 
 
@@ -63,27 +75,36 @@ def test_hellaswag_fixture_scored_three_ways_by_hand(tmp_path):
     assert examples[0].delimiter == " " and examples[1].label == 0
     scores = choice.evaluate(UNIGRAM, {}, examples, scorer=fe.Scorer(UNIGRAM, batch_size=5))
     assert scores == {"acc": 1 / 3, "acc_norm": 2 / 3, "acc_mean_token": 1 / 3, "examples": 3}
-    log_z = math.log(6 * math.e ** 2 + 250)
-    (lp, _), = fe.loglikelihood(UNIGRAM, {}, [(examples[0].context, " aaaa")])
+    log_z = math.log(6 * math.e**2 + 250)
+    ((lp, _),) = fe.loglikelihood(UNIGRAM, {}, [(examples[0].context, " aaaa")])
     assert lp == pytest.approx(2 * 5 - 5 * log_z, rel=1e-6)  # the hand formula itself
 
 
 def test_plain_format_scores_choices_as_written(tmp_path):
-    path = _jsonl(tmp_path / "plain.jsonl", [{"context": "Q", "choices": ["b", "a"], "label": 1}, "",
-                                             {"context": "Q", "choices": [" a", "bb"], "label": 0}])
+    path = _jsonl(
+        tmp_path / "plain.jsonl",
+        [
+            {"context": "Q", "choices": ["b", "a"], "label": 1},
+            "",
+            {"context": "Q", "choices": [" a", "bb"], "label": 0},
+        ],
+    )
     examples = choice.load(path)
     assert [e.delimiter for e in examples] == ["", ""] and len(examples) == 2
     assert choice.evaluate(UNIGRAM, {}, examples, scorer=fe.Scorer(UNIGRAM))["acc"] == 1.0
     assert len(choice.load(path, limit=1)) == 1
 
 
-@pytest.mark.parametrize("line, says", [
-    ('{"context": "Q", "choices": ["a", "b"], "label": 1', "not valid JSON"),
-    ('{"context": "Q", "choices": ["a", "b"], "label": 2}', "out of range for 2 choices"),
-    ('{"context": "Q", "choices": ["a", "b"], "label": "x"}', "not an integer"),
-    ('{"context": "Q", "label": 0}', "missing or malformed field"),
-    ('["Q", "a"]', "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ('{"context": "Q", "choices": ["a", "b"], "label": 1', "not valid JSON"),
+        ('{"context": "Q", "choices": ["a", "b"], "label": 2}', "out of range for 2 choices"),
+        ('{"context": "Q", "choices": ["a", "b"], "label": "x"}', "not an integer"),
+        ('{"context": "Q", "label": 0}', "missing or malformed field"),
+        ('["Q", "a"]', "not a JSON object"),
+    ],
+)
 def test_a_bad_line_is_one_error_naming_file_line_and_fix(tmp_path, line, says):
     path = _jsonl(tmp_path / "bad.jsonl", [{"context": "Q", "choices": ["a", "b"], "label": 0}, line])
     with pytest.raises(data_lib.DataError) as err:
@@ -94,7 +115,9 @@ def test_a_bad_line_is_one_error_naming_file_line_and_fix(tmp_path, line, says):
 
 def test_an_example_longer_than_the_block_is_refused_or_truncated(tmp_path):
     examples = choice.load(_jsonl(tmp_path / "long.jsonl", [{"context": "x" * 100, "choices": ["a", "b"], "label": 0}]))
-    with pytest.raises(data_lib.DataError, match=r"long.jsonl:1: the example is 100 tokens, longer than the block of 64"):
+    with pytest.raises(
+        data_lib.DataError, match=r"long.jsonl:1: the example is 100 tokens, longer than the block of 64"
+    ):
         choice.rows_of(examples, UNIGRAM)
     rows = choice.rows_of(examples, UNIGRAM, truncate=True)
     assert [len(r.tokens) for r in rows] == [65, 65] and rows[0].tokens[-1] == ord("a")
@@ -143,8 +166,9 @@ def _tiny_gpt_model(block=32):
 
 def test_sampled_generation_is_keyed_per_request_whatever_the_batch():
     model, params = _tiny_gpt_model()
-    requests = [(f"def f{i}(", {"until": [")"], "max_gen_toks": 6, "do_sample": True, "temperature": 1.0})
-                for i in range(5)]
+    requests = [
+        (f"def f{i}(", {"until": [")"], "max_gen_toks": 6, "do_sample": True, "temperature": 1.0}) for i in range(5)
+    ]
     key = rng.key(7)
     one = fe.generate_until(model, params, requests, key=key, scorer=fe.Scorer(model, batch_size=1))
     many = fe.generate_until(model, params, requests, key=key, scorer=fe.Scorer(model, batch_size=4))
@@ -170,7 +194,7 @@ def test_compiled_scoring_one_graph_per_bucket_no_recompiles_equal_to_eager():
     assert graphs == 2 and counters["stats"]["unique_graphs"] == 2  # one per bucket, then none
     assert not counters["recompiles"] and len(again) == len(requests)
     tol = rtol(256 * 32)
-    for (a, ga), (b, gb) in zip(eager, first):
+    for (a, _), (b, _) in zip(eager, first):
         assert a == pytest.approx(b, rel=tol, abs=tol)
     assert [g for _, g in eager] == [g for _, g in first]
 
@@ -187,8 +211,9 @@ def test_two_gloo_ranks_sharded_count_equal_one_process(tmp_path):
     assert ranks[0] == ranks[1]
     assert ranks[0]["sharded"] and ranks[0]["examples"] == 7
     for name in ("scores", "rolling"):
-        assert torch.allclose(torch.tensor(ranks[0][name]), torch.tensor(ranks[0]["single_" + name]), rtol=1e-5,
-                              atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(ranks[0][name]), torch.tensor(ranks[0]["single_" + name]), rtol=1e-5, atol=1e-4
+        )
     assert ranks[0]["counts"] == ranks[0]["single_counts"]
     assert ranks[0]["generated"] == ranks[0]["single_generated"]
 
@@ -196,16 +221,36 @@ def test_two_gloo_ranks_sharded_count_equal_one_process(tmp_path):
 def _main(workdir, *extra) -> list[dict]:
     """A tiny main-job run's metrics.jsonl rows."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "functrain.main", "--config=configs/gpt.py:tiny", "--config.steps=12",
-                    "--config.log_every=1", "--config.eval_every=6", "--config.checkpoint.every=6", "--config.eval_batches=1",
-                    "--config.tensorboard=False", f"--workdir={workdir}", *extra], check=True, cwd=REPO, env=env,
-                   capture_output=True, text=True, timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functrain.main",
+            "--config=configs/gpt.py:tiny",
+            "--config.steps=12",
+            "--config.log_every=1",
+            "--config.eval_every=6",
+            "--config.checkpoint.every=6",
+            "--config.eval_batches=1",
+            "--config.tensorboard=False",
+            f"--workdir={workdir}",
+            *extra,
+        ],
+        check=True,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
 def test_eval_on_or_off_trains_bit_identically(tmp_path):
-    on = _main(tmp_path / "on", "--config.eval.tasks=next_lines", "--config.eval.limit=40", "--config.eval.compile=True")
+    on = _main(
+        tmp_path / "on", "--config.eval.tasks=next_lines", "--config.eval.limit=40", "--config.eval.compile=True"
+    )
     off = _main(tmp_path / "off", "--config.eval.tasks=")
     losses = [[r["loss"] for r in rows if "loss" in r] for rows in (on, off)]
     assert losses[0] == losses[1] and len(losses[0]) == 12

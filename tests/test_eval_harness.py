@@ -25,14 +25,20 @@ lm_eval = pytest.importorskip("lm_eval")
 from functrain.eval.harness import FunctrainLM  # noqa: E402  (it imports lm_eval)
 
 BLOCK = 32
-TEXTS = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n    y: int = 0\n",
-         "for i in range(10):\n    print(i, i * i)\n", "import os\nprint(os.getcwd())\n"] * 20
-PAIRS = [("def add(a, b):", "\n    return a + b"),
-         ("def add(a, b):\n    return ", "a + b"),  # trailing spaces in the context: moved to the continuation
-         ("class Point:\n   ", " x: int = 0"),
-         ("", "import os"),  # empty context: the prefix token
-         ("for i in range(10):\n" * 6, "    print(i)"),  # longer than the block: the context's head is cut
-         ("x", " = 1\n")]
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    x: int = 0\n    y: int = 0\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "import os\nprint(os.getcwd())\n",
+] * 20
+PAIRS = [
+    ("def add(a, b):", "\n    return a + b"),
+    ("def add(a, b):\n    return ", "a + b"),  # trailing spaces in the context: moved to the continuation
+    ("class Point:\n   ", " x: int = 0"),
+    ("", "import os"),  # empty context: the prefix token
+    ("for i in range(10):\n" * 6, "    print(i)"),  # longer than the block: the context's head is cut
+    ("x", " = 1\n"),
+]
 ROLLING = ["import os\nprint(os.getcwd())\n", "def add(a, b):\n    return a + b\n" * 4]  # one and several windows
 
 
@@ -49,10 +55,18 @@ def _hflm(directory, tokenizer):
     from lm_eval.models.huggingface import HFLM
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer.path), eos_token=data_lib.END_OF_TEXT,
-                                  pad_token=data_lib.END_OF_TEXT)
-    return HFLM(pretrained=str(directory), tokenizer=tok, max_length=BLOCK, batch_size=4, device="cpu",
-                dtype="float32", logits_cache=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer.path), eos_token=data_lib.END_OF_TEXT, pad_token=data_lib.END_OF_TEXT
+    )
+    return HFLM(
+        pretrained=str(directory),
+        tokenizer=tok,
+        max_length=BLOCK,
+        batch_size=4,
+        device="cpu",
+        dtype="float32",
+        logits_cache=False,
+    )
 
 
 def _sharpen(params: dict, scale: float) -> dict:
@@ -63,13 +77,15 @@ def _sharpen(params: dict, scale: float) -> dict:
 @pytest.fixture(scope="module")
 def gpt_pair(tokenizer, tmp_path_factory):
     """(functrain's GPT as an EvalModel, its params, HFLM on its Hugging Face export)."""
-    cfg = gpt_lib.GPTConfig(vocab_size=tokenizer.vocab_size, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32,
-                            dropout=0.0, bias=True)
+    cfg = gpt_lib.GPTConfig(
+        vocab_size=tokenizer.vocab_size, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True
+    )
     with torch.device("meta"):
         template = gpt_lib.GPT(cfg)
     params = _sharpen(gpt_lib.init_params(template, rng.key(0)), 6.0)
-    out = save_hf_directory(tmp_path_factory.mktemp("gpt"), export_hf_gpt2(params, cfg), hf_gpt2_config(cfg),
-                            tokenizer_file=tokenizer.path)
+    out = save_hf_directory(
+        tmp_path_factory.mktemp("gpt"), export_hf_gpt2(params, cfg), hf_gpt2_config(cfg), tokenizer_file=tokenizer.path
+    )
     model = lm.eval_model(template, tokenizer, block_size=BLOCK, stages=gpt_lib.stages(template), head="wte.weight")
     return model, params, _hflm(out, tokenizer)
 
@@ -81,9 +97,20 @@ def hf_pair(tokenizer, tmp_path_factory):
     from functrain.models.hf.task import _hf_logits
     from functrain.models.hf.tiny import write_tiny
 
-    directory = write_tiny(tmp_path_factory.mktemp("qwen2"), "qwen2", vocab_size=tokenizer.vocab_size, hidden_size=32,
-                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                           max_position_embeddings=64, bos_token_id=None, eos_token_id=0, pad_token_id=0)
+    directory = write_tiny(
+        tmp_path_factory.mktemp("qwen2"),
+        "qwen2",
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     template = hf.build_template(hf.load_config(directory))
     params = _sharpen(hf.init_params(template, rng.key(1)), 4.0)
     config = json.loads((directory / "config.json").read_text())
@@ -107,17 +134,24 @@ def test_loglikelihood_and_rolling_equal_hflm(pair, request):
     ours = fe.loglikelihood(model, params, PAIRS, scorer=fe.Scorer(model, batch_size=4))
     theirs = hflm.loglikelihood(_instances("loglikelihood", PAIRS))
     assert [g for _, g in ours] == [g for _, g in theirs]
-    assert torch.allclose(torch.tensor([lp for lp, _ in ours]), torch.tensor([lp for lp, _ in theirs]), atol=1e-4, rtol=0)
+    assert torch.allclose(
+        torch.tensor([lp for lp, _ in ours]), torch.tensor([lp for lp, _ in theirs]), atol=1e-4, rtol=0
+    )
     assert len({round(lp, 3) for lp, _ in ours}) == len(PAIRS)  # distinct numbers: the comparison can fail
     rolled = fe.loglikelihood_rolling(model, params, ROLLING)
     theirs_rolled = hflm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(t,) for t in ROLLING]))
-    assert torch.allclose(torch.tensor(rolled, dtype=torch.float64), torch.tensor(theirs_rolled, dtype=torch.float64), atol=1e-4, rtol=0)
+    assert torch.allclose(
+        torch.tensor(rolled, dtype=torch.float64), torch.tensor(theirs_rolled, dtype=torch.float64), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.numeric
 def test_generate_until_greedy_equals_hflm(gpt_pair):
     model, params, hflm = gpt_pair
-    requests = [("def add(a, b):\n", {"until": ["\n"], "max_gen_toks": 8}), ("class", {"until": [":"], "max_gen_toks": 6})]
+    requests = [
+        ("def add(a, b):\n", {"until": ["\n"], "max_gen_toks": 8}),
+        ("class", {"until": [":"], "max_gen_toks": 6}),
+    ]
     ours = fe.generate_until(model, params, requests)
     theirs = hflm.generate_until(_instances("generate_until", requests))
     assert ours == theirs
@@ -125,13 +159,17 @@ def test_generate_until_greedy_equals_hflm(gpt_pair):
 
 def _local_task(tmp_path) -> str:
     """A 6-question multiple-choice task (a jsonl file and its yaml) lm-eval reads from a directory."""
-    rows = [{"q": TEXTS[i % 4].split("\n")[0], "choices": [" a + b", " return", " x: int", " print(i)"], "gold": i % 4}
-            for i in range(6)]
+    rows = [
+        {"q": TEXTS[i % 4].split("\n")[0], "choices": [" a + b", " return", " x: int", " print(i)"], "gold": i % 4}
+        for i in range(6)
+    ]
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "local_mc.yaml").write_text(
-        "task: local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + str(tmp_path / "mc.jsonl")
+        "task: local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+        + str(tmp_path / "mc.jsonl")
         + "\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\n"
-        "doc_to_target: gold\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+        "doc_to_target: gold\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
     return str(tmp_path)
 
 
@@ -141,8 +179,10 @@ def test_simple_evaluate_local_task_same_as_hflm(gpt_pair, tmp_path):
 
     model, params, hflm = gpt_pair
     manager = TaskManager(include_path=_local_task(tmp_path))
-    runs = [lm_eval.simple_evaluate(model=m, tasks=["local_mc"], task_manager=manager)["results"]["local_mc"]
-            for m in (FunctrainLM(model, params, batch_size=4), hflm)]
+    runs = [
+        lm_eval.simple_evaluate(model=m, tasks=["local_mc"], task_manager=manager)["results"]["local_mc"]
+        for m in (FunctrainLM(model, params, batch_size=4), hflm)
+    ]
     assert runs[0]["acc,none"] == runs[1]["acc,none"]
     assert runs[0]["acc_norm,none"] == runs[1]["acc_norm,none"]
 

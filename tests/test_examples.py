@@ -39,8 +39,14 @@ def cache_dir(tmp_path_factory):
 def _run(name, *args, cache_dir, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1", FUNCTRAIN_CACHE_DIR=str(cache_dir))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, f"examples/{name}.py", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, f"examples/{name}.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _check(proc, name):
@@ -50,8 +56,19 @@ def _check(proc, name):
 
 
 def test_all_examples_listed():
-    assert set(RECIPES) == {"custom_loss", "ema", "per_example_grad_norms", "masked_weight_decay",
-                            "frozen_params", "train_then_eval", "dp_sgd", "population", "lr_sweep", "batchnorm", "hf_model"}
+    assert set(RECIPES) == {
+        "custom_loss",
+        "ema",
+        "per_example_grad_norms",
+        "masked_weight_decay",
+        "frozen_params",
+        "train_then_eval",
+        "dp_sgd",
+        "population",
+        "lr_sweep",
+        "batchnorm",
+        "hf_model",
+    }
     readme = (REPO / "examples" / "README.md").read_text()
     for name in RECIPES:
         assert f"`{name}.py`" in readme, name
@@ -65,8 +82,15 @@ def code_lines(source: str) -> int:
         docstring = i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
         if docstring or isinstance(node, (ast.Import, ast.ImportFrom)):
             skip.update(range(node.lineno, node.end_lineno + 1))
-    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-              tokenize.ENCODING, tokenize.ENDMARKER}
+    layout = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENCODING,
+        tokenize.ENDMARKER,
+    }
     lines = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type not in layout:
@@ -75,7 +99,10 @@ def code_lines(source: str) -> int:
 
 
 def test_code_lines_counts_code_only():
-    src = '"""Doc\nstring."""\n\nimport os\nfrom a import (b,\n    c)\n# note\nx = (1,\n     2)  # two lines\ns = """a\nb"""\n'
+    src = (
+        '"""Doc\nstring."""\n\nimport os\nfrom a import (b,\n    c)\n# note\n'
+        'x = (1,\n     2)  # two lines\ns = """a\nb"""\n'
+    )
     assert code_lines(src) == 4
     assert code_lines(src + "def f():\n    return 1\n") == 6
 
@@ -109,8 +136,10 @@ def test_dp_sgd_compiles(cache_dir):
     runs = [_run("dp_sgd", *flags, cache_dir=cache_dir, timeout=900) for flags in ([], ["--compile"])]
     for proc in runs:
         _check(proc, "dp_sgd")
-    first = [float(next(line for line in p.stdout.splitlines() if line.startswith("step")).split("|")[1].split()[1])
-             for p in runs]
+    first = [
+        float(next(line for line in p.stdout.splitlines() if line.startswith("step")).split("|")[1].split()[1])
+        for p in runs
+    ]
     n = 8 * 32 * 256  # batch x block x vocab: the loss's reduction
     assert abs(first[0] - first[1]) <= 1e-4 + rtol(n) * abs(first[0]), first  # printed to 4 decimals
 

@@ -57,7 +57,9 @@ def test_a_tied_parameter_may_come_under_any_of_its_names(model, batch):
 def test_two_tensors_under_tied_names_is_one_clear_error(model, batch):
     x, _ = batch
     params = {**_params(model), "lm_head.weight": torch.zeros_like(model.lm_head.weight)}
-    with pytest.raises(ValueError, match=r"tied parameters \['wte.weight', 'lm_head.weight'\] were given different tensors"):
+    with pytest.raises(
+        ValueError, match=r"tied parameters \['wte.weight', 'lm_head.weight'\] were given different tensors"
+    ):
         functional.apply(model, params, x)
 
 
@@ -72,8 +74,9 @@ def test_compiled_apply_is_one_graph_and_never_walks_the_parameters(model, batch
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     named = torch.nn.Module.named_parameters
-    monkeypatch.setattr(torch.nn.Module, "named_parameters",
-                        torch.compiler.disable(lambda self, *a, **k: named(self, *a, **k)))
+    monkeypatch.setattr(
+        torch.nn.Module, "named_parameters", torch.compiler.disable(lambda self, *a, **k: named(self, *a, **k))
+    )
     f = torch.compile(lambda p, x: functional.apply(model, p, x), backend=counter, fullgraph=True)
     assert torch.equal(f(p1, x), want1)
     assert torch.equal(f(p2, x), want2)

@@ -63,9 +63,7 @@ def test_meta_template_has_same_parameters(model):
         template = GPT(CFG)
     assert all(p.is_meta for p in template.parameters())
     assert template.lm_head.weight is template.wte.weight
-    assert [(n, p.shape) for n, p in template.named_parameters()] == [
-        (n, p.shape) for n, p in model.named_parameters()
-    ]
+    assert [(n, p.shape) for n, p in template.named_parameters()] == [(n, p.shape) for n, p in model.named_parameters()]
 
 
 def test_init_params_is_a_pure_function_of_the_key(model):

@@ -16,12 +16,11 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _tol import assert_close, rtol
 
 import functrain as ft
 from functrain import data as data_lib
-from functrain import optim, parallel, rng
+from functrain import parallel, rng
 from functrain.models import hf
 from functrain.models.hf.tiny import write_tiny
 
@@ -32,8 +31,15 @@ import _hf_sweep as sweep  # noqa: E402  (it imports transformers)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, B, T, V = 20, 4, 16, 64
 ARCHS = ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "qwen3", "olmo2", "opt"]
-SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=32, head_dim=8)
+SHAPE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    head_dim=8,
+)
 NO_DROPOUT = {  # the torch loop's masks are torch's own (and OPT's layers are as wide as its embedding)
     "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "opt": dict(dropout=0.0, attention_dropout=0.0, layerdrop=0.0, ffn_dim=64, word_embed_proj_dim=32),
@@ -121,8 +127,9 @@ def test_compiled_a_graph_per_stage_equals_the_torch_loop(tmp_path):
 def test_init_is_a_function_of_the_key_and_where_gives_each_rank_its_block(tmp_path):
     template = hf.build_template(hf.load_config(_dir(tmp_path, "llama")))
     a, b, c = (hf.init_params(template, rng.key(s)) for s in (0, 0, 1))
-    assert all(torch.equal(a[n], b[n]) for n in a) and not torch.equal(a["model.embed_tokens.weight"],
-                                                                    c["model.embed_tokens.weight"])
+    assert all(torch.equal(a[n], b[n]) for n in a) and not torch.equal(
+        a["model.embed_tokens.weight"], c["model.embed_tokens.weight"]
+    )
     norm = a["model.layers.0.input_layernorm.weight"]
     assert torch.equal(norm, torch.ones_like(norm))  # transformers' own init of an RMSNorm
 
@@ -131,7 +138,7 @@ def test_init_is_a_function_of_the_key_and_where_gives_each_rank_its_block(tmp_p
         return [rows] + [0] * (len(shape) - 1), [shape[0] - rows] + list(shape[1:])
 
     half = hf.init_params(template, rng.key(0), where=where)
-    assert all(torch.equal(half[n], a[n][-(-a[n].shape[0] // 2):]) for n in a)
+    assert all(torch.equal(half[n], a[n][-(-a[n].shape[0] // 2) :]) for n in a)
 
 
 def test_encoder_decoders_and_mixtures_of_experts_are_refused_in_one_line(tmp_path):
@@ -154,8 +161,11 @@ def test_what_the_stages_cannot_express_is_refused_in_one_line_and_trains_unstag
         hf.make_loss_fn(template, remat="full")
     params = hf.init_params(template, rng.key(0))
     data = _batches(3)
-    assert_close(torch.tensor(_functrain(template, params, data, compile=False)),
-                 torch.tensor(_torch_loop(gemma2, params, data)), TOL)
+    assert_close(
+        torch.tensor(_functrain(template, params, data, compile=False)),
+        torch.tensor(_torch_loop(gemma2, params, data)),
+        TOL,
+    )
     opt = _dir(tmp_path, "opt", **{**NO_DROPOUT["opt"], "word_embed_proj_dim": 16})  # projections around the layers
     with pytest.raises(hf.HFModelError, match="holds project_out, project_in beside its embeddings"):
         hf.stages(hf.build_template(hf.load_config(opt)))
@@ -206,9 +216,12 @@ def test_weights_read_from_a_directory_export_back_bit_for_bit_and_load_in_trans
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=x).logits,
-                                   ft.apply(hf.build_template(hf.load_config(source)), params, input_ids=x,
-                                            train=False).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded(input_ids=x).logits,
+            ft.apply(hf.build_template(hf.load_config(source)), params, input_ids=x, train=False).logits,
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_a_mesh_axis_or_plan_the_family_cannot_split_is_one_line(tmp_path):
@@ -227,17 +240,33 @@ def test_a_mesh_axis_or_plan_the_family_cannot_split_is_one_line(tmp_path):
 
 def _main(tmp_path, directory, workdir, *flags):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, workdir), *flags],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, workdir), *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return [(r["step"], r["loss"]) for r in map(json.loads, open(workdir / "metrics.jsonl")) if "loss" in r]
 
 
 def _flags(tmp_path, directory, workdir):
-    return ["--config=configs/hf.py", f"--config.model.path={directory}", "--config.compile=False",
-            "--config.model.block_size=16", f"--config.data.path={_text(tmp_path)}", "--config.batch_size=4",
-            "--config.log_every=1", "--config.eval_every=100", "--config.eval_batches=1",
-            "--config.sample.max_new_tokens=4", "--config.tensorboard=False", f"--workdir={workdir}"]
+    return [
+        "--config=configs/hf.py",
+        f"--config.model.path={directory}",
+        "--config.compile=False",
+        "--config.model.block_size=16",
+        f"--config.data.path={_text(tmp_path)}",
+        "--config.batch_size=4",
+        "--config.log_every=1",
+        "--config.eval_every=100",
+        "--config.eval_batches=1",
+        "--config.sample.max_new_tokens=4",
+        "--config.tensorboard=False",
+        f"--workdir={workdir}",
+    ]
 
 
 @pytest.mark.slow
@@ -251,12 +280,20 @@ def test_a_killed_main_job_resumes_bit_exactly_and_its_exports_compute_its_logit
     steps = ["--config.steps=30", "--config.checkpoint.every=10"]
     whole = _main(tmp_path, directory, tmp_path / "whole", *steps)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.Popen([sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, tmp_path / "cut"),
-                             *steps], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, tmp_path / "cut"), *steps],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics, deadline = tmp_path / "cut" / "metrics.jsonl", time.time() + 300
     while time.time() < deadline and proc.poll() is None:  # killed once a checkpoint is behind it
-        if metrics.exists() and (tmp_path / "cut" / "checkpoints" / "10").exists() and \
-                sum(1 for _ in open(metrics)) >= 12:
+        if (
+            metrics.exists()
+            and (tmp_path / "cut" / "checkpoints" / "10").exists()
+            and sum(1 for _ in open(metrics)) >= 12
+        ):
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
@@ -274,14 +311,27 @@ def test_a_killed_main_job_resumes_bit_exactly_and_its_exports_compute_its_logit
     def logits_equal(exported, params):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
         with torch.no_grad():
-            torch.testing.assert_close(loaded(input_ids=x).logits,
-                                       ft.apply(template, params, input_ids=x, train=False).logits, rtol=0, atol=0)
+            torch.testing.assert_close(
+                loaded(input_ids=x).logits, ft.apply(template, params, input_ids=x, train=False).logits, rtol=0, atol=0
+            )
 
     logits_equal(tmp_path / "whole" / "hf", params)  # the export at the end of the run
-    out = subprocess.run([sys.executable, "-m", "functrain.main", *_flags(tmp_path, directory, tmp_path / "whole"),
-                          *steps, f"--export_hf={tmp_path / 'at20'}",
-                          f"--export_from={tmp_path / 'whole' / 'checkpoints' / '20'}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functrain.main",
+            *_flags(tmp_path, directory, tmp_path / "whole"),
+            *steps,
+            f"--export_hf={tmp_path / 'at20'}",
+            f"--export_from={tmp_path / 'whole' / 'checkpoints' / '20'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-3000:]
     logits_equal(tmp_path / "at20", ckpt.restore(str(tmp_path / "whole" / "checkpoints" / "20")).result()["params"])
 
@@ -300,13 +350,38 @@ def test_two_ranks_match_one_process(tmp_path, mesh):
     micro = {"pp": (["--config.accum_steps=4"], ["--config.pp.microbatches=4"])}.get(mesh, ([], []))
     one = _main(tmp_path, directory, tmp_path / "one", *sgd, *micro[0])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "functrain.main", "--config=configs/hf.py", f"--config.model.path={directory}",
-                          "--config.compile=False", "--config.model.block_size=16", f"--config.data.path={_text(tmp_path)}",
-                          "--config.batch_size=4", "--config.log_every=1", "--config.eval_every=100",
-                          "--config.eval_batches=1", "--config.sample.max_new_tokens=4", "--config.tensorboard=False",
-                          f"--config.mesh.{mesh}=2", "--config.dist_timeout_s=600", f"--workdir={tmp_path / 'two'}",
-                          *sgd, *micro[1]], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "functrain.main",
+            "--config=configs/hf.py",
+            f"--config.model.path={directory}",
+            "--config.compile=False",
+            "--config.model.block_size=16",
+            f"--config.data.path={_text(tmp_path)}",
+            "--config.batch_size=4",
+            "--config.log_every=1",
+            "--config.eval_every=100",
+            "--config.eval_batches=1",
+            "--config.sample.max_new_tokens=4",
+            "--config.tensorboard=False",
+            f"--config.mesh.{mesh}=2",
+            "--config.dist_timeout_s=600",
+            f"--workdir={tmp_path / 'two'}",
+            *sgd,
+            *micro[1],
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-6000:]
     two = [(r["step"], r["loss"]) for r in map(json.loads, open(tmp_path / "two" / "metrics.jsonl")) if "loss" in r]
     assert [s for s, _ in two] == list(range(1, 9))
@@ -319,12 +394,21 @@ def test_two_ranks_match_one_process(tmp_path, mesh):
 
 def test_a_missing_or_wrong_model_path_is_one_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
-    for flags, want in (([], "functrain: error: model.path='' is out of range: a transformers model directory"),
-                        ([f"--config.model.path={tmp_path / 'nope'}"],
-                         f"functrain: error: model.path: {tmp_path / 'nope' / 'config.json'}: no such file")):
-        out = subprocess.run([sys.executable, "-m", "functrain.main", "--config=configs/hf.py",
-                              f"--workdir={tmp_path / 'run'}", *flags], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=300)
+    for flags, want in (
+        ([], "functrain: error: model.path='' is out of range: a transformers model directory"),
+        (
+            [f"--config.model.path={tmp_path / 'nope'}"],
+            f"functrain: error: model.path: {tmp_path / 'nope' / 'config.json'}: no such file",
+        ),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "functrain.main", "--config=configs/hf.py", f"--workdir={tmp_path / 'run'}", *flags],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(want), out.stderr[-2000:]
 
@@ -338,7 +422,9 @@ def test_a_model_the_family_cannot_stage_samples_and_exports_on_one_process(tmp_
     with pytest.raises(hf.HFModelError):  # (what the stages cannot express)
         hf.make_loss_fn(hf.build_template(hf.load_config(directory)), remat="full")
     with parallel.setup(None) as ctx:
-        t = task.build(_config(tmp_path, directory, export_hf=True, **{"sample.max_new_tokens": 3}), ctx, tmp_path / "run")
+        t = task.build(
+            _config(tmp_path, directory, export_hf=True, **{"sample.max_new_tokens": 3}), ctx, tmp_path / "run"
+        )
         params = t.init_params(rng.key(0), torch.device("cpu"))
         out = t.finish(params, rng.key(1))
     assert isinstance(out["sample"], str) and (tmp_path / "run" / "hf" / "config.json").is_file()
@@ -357,8 +443,13 @@ def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_
 
     loss_fn, staged = task._loss(_config(tmp_path, directory, remat="auto"), Mesh, template, template)
     assert not staged and "its stages composed differ" in capsys.readouterr().err
-    with pytest.raises(validate.ConfigError, match="its stages composed differ from the base model's forward by .*; "
-                                                   "this family cannot stage it: train it with --config.remat=none$"):
+    with pytest.raises(
+        validate.ConfigError,
+        match="its stages composed differ from the base model's forward by .*; "
+        "this family cannot stage it: train it with --config.remat=none$",
+    ):
         task._loss(_config(tmp_path, directory, remat="full"), Mesh, template, template)
-    with pytest.raises(validate.ConfigError, match="train it with --config.compile_unit=step$"):  # the flag this run set
+    with pytest.raises(
+        validate.ConfigError, match="train it with --config.compile_unit=step$"
+    ):  # the flag this run set
         task._loss(_config(tmp_path, directory, remat="auto", compile_unit="blocks"), Mesh, template, template)

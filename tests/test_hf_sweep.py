@@ -38,24 +38,55 @@ TYPES = {
     "mamba": ({}, "trains"),  # no attention; built for real
     "dbrx": ({}, "refused"),  # a mixture of experts (ffn_config)
     # the rest, in the whole suite
-    "llama": ({}, "trains"), "qwen2": ({}, "trains"), "mistral": ({}, "trains"), "gemma": ({}, "trains"),
-    "phi3": ({}, "trains"), "qwen3": ({}, "trains"), "olmo2": ({}, "trains"), "opt": ({}, "trains"),
-    "falcon": ({"drop": ("head_dim",)}, "trains"), "gpt_neox": ({}, "trains"), "stablelm": ({}, "trains"),
-    "starcoder2": ({}, "trains"), "cohere": ({}, STAGE_REFUSED), "granite": ({}, STAGE_REFUSED),
-    "mpt": ({}, "trains"), "persimmon": ({}, "trains"), "olmo3": ({}, "trains"), "nemotron": ({}, "trains"),
-    "glm": ({}, "trains"), "glm4": ({}, "trains"), "helium": ({}, "trains"), "exaone4": ({}, "trains"),
-    "gemma3_text": ({}, "trains"), "vaultgemma": ({}, STAGE_REFUSED),
+    "llama": ({}, "trains"),
+    "qwen2": ({}, "trains"),
+    "mistral": ({}, "trains"),
+    "gemma": ({}, "trains"),
+    "phi3": ({}, "trains"),
+    "qwen3": ({}, "trains"),
+    "olmo2": ({}, "trains"),
+    "opt": ({}, "trains"),
+    "falcon": ({"drop": ("head_dim",)}, "trains"),
+    "gpt_neox": ({}, "trains"),
+    "stablelm": ({}, "trains"),
+    "starcoder2": ({}, "trains"),
+    "cohere": ({}, STAGE_REFUSED),
+    "granite": ({}, STAGE_REFUSED),
+    "mpt": ({}, "trains"),
+    "persimmon": ({}, "trains"),
+    "olmo3": ({}, "trains"),
+    "nemotron": ({}, "trains"),
+    "glm": ({}, "trains"),
+    "glm4": ({}, "trains"),
+    "helium": ({}, "trains"),
+    "exaone4": ({}, "trains"),
+    "gemma3_text": ({}, "trains"),
+    "vaultgemma": ({}, STAGE_REFUSED),
     "gpt_neo": ({"attention_types": [[["global", "local"], 1]], "num_layers": 2, "drop": ("head_dim",)}, "trains"),
-    "bitnet": ({}, "trains"), "ernie4_5": ({}, "trains"), "seed_oss": ({}, "trains"),
-    "hunyuan_v1_dense": ({}, "trains"), "arcee": ({}, "trains"), "ministral": ({}, "trains"), "cwm": ({}, "trains"),
-    "rwkv": ({}, "trains"), "lfm2": ({}, "trains"), "recurrent_gemma": ({}, STAGE_REFUSED),
-    "falcon_h1": ({}, "trains"), "codegen": ({"rotary_dim": 4}, STAGE_REFUSED), "phi": ({}, STAGE_REFUSED),
-    "ctrl": ({}, STAGE_REFUSED), "nanochat": ({}, STAGE_REFUSED), "falcon_mamba": ({}, "trains"),
+    "bitnet": ({}, "trains"),
+    "ernie4_5": ({}, "trains"),
+    "seed_oss": ({}, "trains"),
+    "hunyuan_v1_dense": ({}, "trains"),
+    "arcee": ({}, "trains"),
+    "ministral": ({}, "trains"),
+    "cwm": ({}, "trains"),
+    "rwkv": ({}, "trains"),
+    "lfm2": ({}, "trains"),
+    "recurrent_gemma": ({}, STAGE_REFUSED),
+    "falcon_h1": ({}, "trains"),
+    "codegen": ({"rotary_dim": 4}, STAGE_REFUSED),
+    "phi": ({}, STAGE_REFUSED),
+    "ctrl": ({}, STAGE_REFUSED),
+    "nanochat": ({}, STAGE_REFUSED),
+    "falcon_mamba": ({}, "trains"),
     "mamba2": ({"num_heads": 8, "head_dim": 8, "n_groups": 1, "expand": 2}, "trains"),
-    "gemma3n_text": ({"num_kv_shared_layers": 0}, STAGE_REFUSED), "gemma2": ({}, STAGE_REFUSED),
+    "gemma3n_text": ({"num_kv_shared_layers": 0}, STAGE_REFUSED),
+    "gemma2": ({}, STAGE_REFUSED),
     "cohere2": ({}, STAGE_REFUSED),
     "zamba2": ({"layers_block_type": ["mamba", "hybrid"], "mamba_headdim": 8, "n_mamba_heads": 8}, STAGE_REFUSED),
-    "mixtral": ({}, "refused"), "jamba": ({}, "refused"), "qwen3_next": ({}, "refused"),
+    "mixtral": ({}, "refused"),
+    "jamba": ({}, "refused"),
+    "qwen3_next": ({}, "refused"),
 }
 FAST = list(TYPES)[:13]
 
@@ -102,8 +133,11 @@ def test_layers_that_differ_from_the_shared_function_keep_their_own(tmp_path, mo
 
 def test_gpt2s_residual_projections_are_depth_scaled(tmp_path):
     """GPT-2's c_proj weights at std 0.02 / sqrt(2 n_layer), as transformers' own init (not 0.02)."""
-    template = hf.build_template(hf.load_config(sweep.write(tmp_path / "gpt2", "gpt2", num_hidden_layers=8,
-                                                            hidden_size=64, intermediate_size=256)))
+    template = hf.build_template(
+        hf.load_config(
+            sweep.write(tmp_path / "gpt2", "gpt2", num_hidden_layers=8, hidden_size=64, intermediate_size=256)
+        )
+    )
     params = hf.init_params(template, rng.key(0))
     std = float(torch.cat([params[f"transformer.h.{i}.mlp.c_proj.weight"].flatten() for i in range(8)]).std())
     assert abs(std - 0.02 / 4.0) < 0.0005, std

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from _dist_launch import REPO, read_results, run_ranks
 
 pytestmark = pytest.mark.slow  # gloo ranks in subprocesses

@@ -7,12 +7,12 @@ import textwrap
 
 import pytest
 import torch
-
 from _dist_launch import run_ranks
+
 from functrain import apply, rng
 from functrain.interop import SafetensorsError, load_safetensors, safetensors_metadata, save_safetensors
-from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config, import_hf_gpt2
 from functrain.models import gpt
+from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config, import_hf_gpt2
 
 pytestmark = pytest.mark.numeric
 
@@ -50,7 +50,7 @@ def test_round_trip_all_dtypes_bit_exact(tmp_path):
     path = save_safetensors(params, tmp_path / "m.safetensors", metadata={"step": "10", "format": "pt"})
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     assert header["wte.weight"]["dtype"] == "BF16" and header["wte.weight"]["shape"] == [5, 3]
     assert header["count"]["dtype"] == "I64" and header["count"]["shape"] == []
     _assert_same(load_safetensors(path), params)
@@ -180,7 +180,7 @@ def test_hf_gpt2_export_import_round_trip_exact(bias):
     assert sd["transformer.h.0.mlp.c_fc.weight"].shape == (32, 128)
     assert sd["transformer.h.0.mlp.c_proj.weight"].shape == (128, 32)
     c = cfg.n_embd  # c_attn is [q | k | v] along its output (second) axis, transposed
-    assert torch.equal(sd["transformer.h.1.attn.c_attn.weight"][:, c:2 * c], params["blocks.1.attn.k.weight"].t())
+    assert torch.equal(sd["transformer.h.1.attn.c_attn.weight"][:, c : 2 * c], params["blocks.1.attn.k.weight"].t())
     if not bias:
         assert all(not torch.count_nonzero(v) for k, v in sd.items() if k.endswith(".bias"))
     back = import_hf_gpt2(sd, cfg)

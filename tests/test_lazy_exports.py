@@ -12,8 +12,14 @@ import sys
 
 import pytest
 
-PACKAGES = ["functrain", "functrain.optim", "functrain.models.gpt", "functrain.models.llama", "functrain.step",
-            "functrain.trainer"]
+PACKAGES = [
+    "functrain",
+    "functrain.optim",
+    "functrain.models.gpt",
+    "functrain.models.llama",
+    "functrain.step",
+    "functrain.trainer",
+]
 
 
 def _run_static_imports(package) -> dict:
@@ -35,7 +41,7 @@ def test_every_public_name_resolves_to_the_object_its_static_import_names(name):
         assert getattr(package, attr) is want[attr], attr
     assert set(package.__all__) <= set(dir(package))
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        getattr(package, "no_such_name")
+        _ = package.no_such_name
 
 
 def test_the_top_level_names_are_the_documented_ones():
@@ -44,19 +50,40 @@ def test_the_top_level_names_are_the_documented_ones():
 
     assert functrain.TrainState is state.TrainState and functrain.make_train_step is step.make_train_step
     assert functrain.optim is optim and optim.adamw is importlib.import_module("functrain.optim.aliases").adamw
-    assert sorted(functrain.__all__) == sorted([  # what a user composes (docs/layers.md)
-        "checkpoint", "data", "losses", "nn", "optim", "parallel", "rng", "step", "tree", "apply", "TrainState",
-        "init_state", "params_of", "apply_gradients", "make_train_step", "make_eval_step", "update_step",
-        "value_and_grad", "Task"])
+    assert sorted(functrain.__all__) == sorted(
+        [  # what a user composes (docs/layers.md)
+            "checkpoint",
+            "data",
+            "losses",
+            "nn",
+            "optim",
+            "parallel",
+            "rng",
+            "step",
+            "tree",
+            "apply",
+            "TrainState",
+            "init_state",
+            "params_of",
+            "apply_gradients",
+            "make_train_step",
+            "make_eval_step",
+            "update_step",
+            "value_and_grad",
+            "Task",
+        ]
+    )
     with pytest.raises(AttributeError, match="has no attribute 'get_batch'"):
         functrain.get_batch  # noqa: B018 - a name of the data package, reached as functrain.data.get_batch
     assert functrain.per_example is importlib.import_module("functrain.per_example")  # a submodule stays reachable
 
 
 def test_importing_the_packages_and_the_config_checks_loads_no_torch():
-    code = ("import sys, functrain, functrain.optim.checks, functrain.models.gpt.checks, "
-            "functrain.models.llama.checks, functrain.trainer.defaults, functrain.config\n"
-            "print(sorted(m for m in ('torch', 'numpy', 'tensorstore') if m in sys.modules))")
+    code = (
+        "import sys, functrain, functrain.optim.checks, functrain.models.gpt.checks, "
+        "functrain.models.llama.checks, functrain.trainer.defaults, functrain.config\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'tensorstore') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
@@ -88,8 +115,9 @@ dist.destroy_process_group()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["error:", "import_functrain.parallel_first", "Tensor", "torch.float32", "True"], \
+    assert proc.stdout.split() == ["error:", "import_functrain.parallel_first", "Tensor", "torch.float32", "True"], (
         proc.stdout
+    )
 
 
 def test_modules_have_one_name_each():

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import _tol
 import pytest
 import torch
 
 from functrain import rng
 from functrain.models import llama
-
-import _tol
 
 pytestmark = pytest.mark.numeric
 
@@ -90,7 +89,7 @@ def test_any_block_of_the_init_is_drawn_alone():
 
     blocks = llama.init_params(template, rng.key(3), where=where)
     for name, t in whole.items():
-        assert torch.equal(blocks[name], t[t.shape[0] // 2:]), name
+        assert torch.equal(blocks[name], t[t.shape[0] // 2 :]), name
     init = {n: float(t.std()) for n, t in whole.items() if t.ndim == 2}
     assert init["layers.0.self_attn.o_proj.weight"] < init["layers.0.self_attn.q_proj.weight"]  # depth-scaled
     assert all(torch.equal(t, torch.ones_like(t)) for n, t in whole.items() if n.endswith("norm.weight"))

@@ -8,9 +8,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import _tol
+import pytest
 
 pytestmark = [pytest.mark.numeric, pytest.mark.slow]  # slow: gloo ranks in subprocesses
 
@@ -22,20 +21,44 @@ def _run(workdir, data, *extra, nproc=2):
     """The tiny Llama job (eager, SGD) on `nproc` processes; returns its logged rows."""
     launch = [sys.executable, "-m", "functrain.main"]
     if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  "-m", "functrain.main"]
-    args = ["--config=configs/llama.py:tiny", "--config.compile=False", f"--config.data.path={data}",
-            f"--config.data.cache_dir={data.parent / 'cache'}", f"--config.steps={STEPS}", "--config.log_every=1",
-            f"--config.eval_every={STEPS}", "--config.eval_batches=1", "--config.checkpoint.enabled=False", "--config.export_hf=False",
-            "--config.sample.max_new_tokens=4", "--config.optim.name=sgd", "--config.optim.lr=0.05",
-            "--config.model.vocab_size=300", "--config.model.n_embd=64", "--config.model.block_size=64"]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "functrain.main",
+        ]
+    args = [
+        "--config=configs/llama.py:tiny",
+        "--config.compile=False",
+        f"--config.data.path={data}",
+        f"--config.data.cache_dir={data.parent / 'cache'}",
+        f"--config.steps={STEPS}",
+        "--config.log_every=1",
+        f"--config.eval_every={STEPS}",
+        "--config.eval_batches=1",
+        "--config.checkpoint.enabled=False",
+        "--config.export_hf=False",
+        "--config.sample.max_new_tokens=4",
+        "--config.optim.name=sgd",
+        "--config.optim.lr=0.05",
+        "--config.model.vocab_size=300",
+        "--config.model.n_embd=64",
+        "--config.model.block_size=64",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([*launch, f"--workdir={workdir}", *args, *extra], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [*launch, f"--workdir={workdir}", *args, *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     if out.returncode != 0:  # pytest.fail prints it whole (an assert's message is cut to a few lines)
-        pytest.fail(f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr (every rank's) ---\n"
-                    f"{out.stderr[-12000:]}", pytrace=False)
-    return [json.loads(l) for l in open(workdir / "metrics.jsonl") if "loss" in json.loads(l)]
+        pytest.fail(
+            f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr (every rank's) ---\n"
+            f"{out.stderr[-12000:]}",
+            pytrace=False,
+        )
+    return [json.loads(ln) for ln in open(workdir / "metrics.jsonl") if "loss" in json.loads(ln)]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +77,9 @@ def single(corpus, tmp_path_factory):
     return _run(tmp_path_factory.mktemp("one"), corpus, nproc=1)
 
 
-@pytest.mark.parametrize("mesh", [["--config.mesh.dp_shard=2"], ["--config.mesh.tp=2", "--config.mesh.dp_shard=1"]],
-                         ids=["fsdp", "tp"])
+@pytest.mark.parametrize(
+    "mesh", [["--config.mesh.dp_shard=2"], ["--config.mesh.tp=2", "--config.mesh.dp_shard=1"]], ids=["fsdp", "tp"]
+)
 def test_two_ranks_train_as_one_process(corpus, single, tmp_path, mesh):
     two = _run(tmp_path / "two", corpus, *mesh)
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))  # logged once, by rank 0
@@ -81,9 +105,16 @@ def test_hf_weights_load_onto_two_ranks(corpus, tmp_path):
     from functrain.models.llama import task as llama_task
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   rms_norm_eps=1e-5)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     hf = tmp_path / "hf"
     model.save_pretrained(str(hf))

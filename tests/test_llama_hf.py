@@ -27,9 +27,18 @@ ATOL = 1e-5  # the issue's bound on logits; measured: 0 (the same float32 ops in
 def _hf_model(tmp_path, *, tied=False, kv=2, shard=None, vocab=300, name="hf", **extra):
     """A random LlamaForCausalLM saved with save_pretrained (optionally sharded); returns (dir, model)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=64,
-                                   tie_word_embeddings=tied, rms_norm_eps=1e-5, **extra)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-5,
+        **extra,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # make the norms non-trivial so a missed weight shows
         for n, p in model.named_parameters():
@@ -64,8 +73,17 @@ def test_hf_checkpoint_loads_and_computes_transformers_logits(tmp_path, tied, kv
 
 
 def test_our_export_loads_in_transformers_with_the_same_logits(tmp_path):
-    cfg = llama.LlamaConfig(vocab_size=120, block_size=40, n_layer=2, n_head=6, n_kv_head=2, n_embd=48,
-                            intermediate_size=72, rope_theta=500000.0, attention_bias=True)
+    cfg = llama.LlamaConfig(
+        vocab_size=120,
+        block_size=40,
+        n_layer=2,
+        n_head=6,
+        n_kv_head=2,
+        n_embd=48,
+        intermediate_size=72,
+        rope_theta=500000.0,
+        attention_bias=True,
+    )
     with torch.device("meta"):
         template = llama.Llama(cfg)
     params = llama.init_params(template, rng.key(5))
@@ -95,7 +113,7 @@ def test_sharded_checkpoint_reads_blocks_without_the_whole_tensor(tmp_path):
         return [half] + [0] * (len(shape) - 1), [shape[0] - half, *shape[1:]]
 
     blocks = llama.load_hf_params(weights, template, where=where)
-    assert all(torch.equal(blocks[n], params[n][params[n].shape[0] // 2:]) for n in params)
+    assert all(torch.equal(blocks[n], params[n][params[n].shape[0] // 2 :]) for n in params)
 
 
 def test_bad_directories_name_the_file(tmp_path):
@@ -111,10 +129,14 @@ def test_bad_directories_name_the_file(tmp_path):
     (single / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(HFError, match="model.safetensors: model.layers.0.mlp.gate_proj.weight has shape"):
         _ours(single)
-    (single / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    (single / "config.json").write_text(
+        json.dumps({**config, "model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    )
     with pytest.raises(HFError, match="config.json: architecture \\['MistralForCausalLM'\\] is not supported"):
         _ours(single)
-    (single / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}))
+    (single / "config.json").write_text(
+        json.dumps({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}})
+    )
     with pytest.raises(HFError, match="config.json: rope scaling 'llama3' is not implemented"):
         _ours(single)
     (single / "config.json").unlink()
@@ -164,15 +186,18 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path):
 
 
 def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_front(tmp_path):
-    """data.tokenizer=auto, no tokenizer.json: a 256-id model gets bytes; any other is refused before a BPE is trained."""
-    from functrain.trainer import validate
+    """data.tokenizer=auto, no tokenizer.json: a 256-id model gets bytes; any other is refused before a BPE is
+    trained."""
     from functrain.models.llama import task
+    from functrain.trainer import validate
 
     byte_dir, _ = _hf_model(tmp_path, vocab=256, name="bytes")
     with parallel.setup(None) as ctx:
         t = task.build(_config(tmp_path, byte_dir), ctx, tmp_path / "run_bytes")
         x, _ = t.train_batch(0)
-    assert int(x.max()) < 256 and json.loads((tmp_path / "run_bytes" / "model.json").read_text())["tokenizer"] == "bytes"
+    assert (
+        int(x.max()) < 256 and json.loads((tmp_path / "run_bytes" / "model.json").read_text())["tokenizer"] == "bytes"
+    )
     assert not list((tmp_path / "run_bytes" / "data").glob("**/tokenizer*.json"))  # no BPE was trained
 
     other_dir, _ = _hf_model(tmp_path, vocab=300, name="bpe")
@@ -180,7 +205,9 @@ def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_f
         task.build(_config(tmp_path, other_dir), ctx, tmp_path / "run_bpe")
     assert str(info.value) == (
         f"init_from: {other_dir} has no tokenizer.json and its model has 300 ids; give the model's tokenizer "
-        "(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size (--config.data.tokenizer=bpe:300)")
+        "(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size "
+        "(--config.data.tokenizer=bpe:300)"
+    )
     assert not (tmp_path / "run_bpe" / "data").exists()  # refused before any data was prepared
 
 
@@ -191,12 +218,28 @@ def test_train_from_hf_export_at_the_end_and_from_a_checkpoint(tmp_path):
     directory, theirs = _hf_model(tmp_path, vocab=320)
     tok = data_lib.train_bpe([p.read_text() for p in data_lib.stdlib_files()[:20]], 300, directory / "tokenizer.json")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    common = ["--config=configs/llama.py:tiny", f"--config.init_from=hf:{directory}", "--config.compile=False",
-              "--config.model.block_size=32", f"--config.data.path={_text(tmp_path)}", "--config.steps=6", "--config.checkpoint.every=3",
-              "--config.log_every=1", "--config.eval_every=6", "--config.eval_batches=1",
-              "--config.sample.max_new_tokens=4", f"--workdir={tmp_path / 'run'}"]
-    out = subprocess.run([sys.executable, "-m", "functrain.main", *common], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)
+    common = [
+        "--config=configs/llama.py:tiny",
+        f"--config.init_from=hf:{directory}",
+        "--config.compile=False",
+        "--config.model.block_size=32",
+        f"--config.data.path={_text(tmp_path)}",
+        "--config.steps=6",
+        "--config.checkpoint.every=3",
+        "--config.log_every=1",
+        "--config.eval_every=6",
+        "--config.eval_batches=1",
+        "--config.sample.max_new_tokens=4",
+        f"--workdir={tmp_path / 'run'}",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "functrain.main", *common],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"from hf:{directory}" in out.stdout and f"vocab 320 ({tok.name})" in out.stdout
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -223,15 +266,28 @@ def test_train_from_hf_export_at_the_end_and_from_a_checkpoint(tmp_path):
             template = llama.Llama(cfg)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
         with torch.no_grad():
-            torch.testing.assert_close(model(x).logits, torch.func.functional_call(template, params, (x,)),
-                                       rtol=0, atol=ATOL)
+            torch.testing.assert_close(
+                model(x).logits, torch.func.functional_call(template, params, (x,)), rtol=0, atol=ATOL
+            )
 
     check(exported, 6)
     # the flags of a 2-rank run, exported by one process: the mesh only counts under torchrun
-    out = subprocess.run([sys.executable, "-m", "functrain.main", *common, f"--export_hf={tmp_path / 'at3'}",
-                          f"--export_from={tmp_path / 'run' / 'checkpoints' / '3'}", "--config.mesh.dp_shard=2"],
-                         cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functrain.main",
+            *common,
+            f"--export_hf={tmp_path / 'at3'}",
+            f"--export_from={tmp_path / 'run' / 'checkpoints' / '3'}",
+            "--config.mesh.dp_shard=2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0 and "exported" in out.stdout, out.stderr[-3000:]
     check(tmp_path / "at3", 3)
 
@@ -240,10 +296,22 @@ def test_bad_hf_directory_is_one_error_line(tmp_path):
     directory, _ = _hf_model(tmp_path)
     (directory / "model.safetensors").unlink()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-m", "functrain.main", "--config=configs/llama.py:tiny",
-                          f"--config.init_from=hf:{directory}", "--config.model.block_size=32",
-                          f"--workdir={tmp_path / 'run'}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functrain.main",
+            "--config=configs/llama.py:tiny",
+            f"--config.init_from=hf:{directory}",
+            "--config.model.block_size=32",
+            f"--workdir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("functrain: error: init_from: ") and str(directory) in lines[0]

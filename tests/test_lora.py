@@ -12,8 +12,8 @@ import peft  # (the dev extra: the reference LoRA)
 import pytest
 import torch
 import transformers
-
 from _tol import adam_gain, assert_close, rtol, trajectory_atol
+
 from functrain import init_state, optim
 from functrain.nn import lora
 from functrain.step import make_train_step
@@ -81,8 +81,10 @@ def _functrain_run(base, spec, adapters, batches, compile=False):
     return losses, state, before
 
 
-@pytest.mark.parametrize("model_type,targets", [("qwen2", ["q_proj", "v_proj"]), ("qwen2", "all-linear"),
-                                                ("gpt2", ["c_attn"]), ("gpt2", "all-linear")])
+@pytest.mark.parametrize(
+    "model_type,targets",
+    [("qwen2", ["q_proj", "v_proj"]), ("qwen2", "all-linear"), ("gpt2", ["c_attn"]), ("gpt2", "all-linear")],
+)
 def test_lora_trains_equal_to_peft(model_type, targets):
     """20 AdamW steps, r=8 alpha=16: the same losses and adapter weights as PEFT trained by torch.optim.AdamW;
     the frozen base bitwise as it was; its optimizer state holds the adapters only."""
@@ -204,7 +206,10 @@ def test_compiled_lora_steps_are_one_graph_with_no_recompiles_and_equal_eager():
     for make, state in ((make_train_step, members[0]), (population.make_population_step, population.stack(members))):
         torch._dynamo.reset()
         counters.clear()
-        compiled, eager = make(loss_fn, opt, compile=True, donate=False), make(loss_fn, opt, compile=False, donate=False)
+        compiled, eager = (
+            make(loss_fn, opt, compile=True, donate=False),
+            make(loss_fn, opt, compile=False, donate=False),
+        )
         a = b = state
         for batch in batches:
             a, ma = compiled(a, batch)
@@ -252,8 +257,10 @@ def test_llama_adapters_export_as_a_peft_directory_under_transformers_names(tmp_
     spec = lora.LoraSpec(rank=4, alpha=8, targets="q_proj|v_proj|up_proj")
     model = lora.wrap(base_template, spec)
     base = llama_lib.init_params(base_template, rng.key(0))
-    adapters = {n: v + 0.02 * rng.gaussian(rng.key(i), v.shape) for i, (n, v) in
-                enumerate(lora.init_adapters(model, rng.key(1)).items())}  # (B nonzero: a trained adapter)
+    adapters = {
+        n: v + 0.02 * rng.gaussian(rng.key(i), v.shape)
+        for i, (n, v) in enumerate(lora.init_adapters(model, rng.key(1)).items())
+    }  # (B nonzero: a trained adapter)
 
     def export_base(params, out):
         return save_hf_directory(out, hf_lib.export_hf_llama(params, cfg), hf_lib.hf_llama_config(cfg))
@@ -266,7 +273,8 @@ def test_llama_adapters_export_as_a_peft_directory_under_transformers_names(tmp_
         ours = functrain.apply(model, {**base, **adapters}, ids, train=False)
         plain = functrain.apply(base_template, base, ids, train=False)
         peft_model = peft.PeftModel.from_pretrained(
-            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), str(tmp_path / "hf-peft")).eval()
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"), str(tmp_path / "hf-peft")
+        ).eval()
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
         tol = rtol(64 * 8)
         assert (ours - plain).abs().max() > 100 * tol * ours.abs().max()  # the adapters change the logits

@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 
+import _tol
 import peft  # (the dev extra: the reference LoRA)
 import pytest
 import torch
 import transformers
 
-import _tol
 from functrain import checkpoint as ckpt
 from functrain import tree as tree_lib
 
@@ -44,17 +44,36 @@ def _run(workdir, base_dir, *extra, nproc=1, check=True):
     """The main job on the hf family over `base_dir` (under torchrun when nproc > 1)."""
     launch = [sys.executable, "-m", "functrain.main"]
     if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  "-m", "functrain.main"]
-    args = ["--config=configs/hf.py", f"--config.model.path={base_dir}", f"--workdir={workdir}",
-            "--config.compile=False", "--config.batch_size=8", "--config.model.block_size=64", "--config.log_every=1",
-            "--config.eval_every=1000", "--config.eval_batches=1", "--config.sample.max_new_tokens=8",
-            "--config.dist_timeout_s=600", *extra]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "functrain.main",
+        ]
+    args = [
+        "--config=configs/hf.py",
+        f"--config.model.path={base_dir}",
+        f"--workdir={workdir}",
+        "--config.compile=False",
+        "--config.batch_size=8",
+        "--config.model.block_size=64",
+        "--config.log_every=1",
+        "--config.eval_every=1000",
+        "--config.eval_batches=1",
+        "--config.sample.max_new_tokens=8",
+        "--config.dist_timeout_s=600",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     out = subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if check and out.returncode != 0:
-        pytest.fail(f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n{out.stderr[-8000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr ---\n{out.stderr[-8000:]}",
+            pytrace=False,
+        )
     return out
 
 
@@ -121,8 +140,9 @@ def test_exports_checkpoints_and_the_base_record(tmp_path, base):
         ours = functrain.apply(wrapped, {**base_params, **adapters}, input_ids=ids, train=False).logits
         plain = model(input_ids=ids).logits
         assert (ours - plain).abs().max() > 1e-4  # the adapters trained
-        peft_model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base),
-                                                    str(work / "hf-peft")).eval()
+        peft_model = peft.PeftModel.from_pretrained(
+            transformers.AutoModelForCausalLM.from_pretrained(base), str(work / "hf-peft")
+        ).eval()
         merged = transformers.AutoModelForCausalLM.from_pretrained(work / "hf").eval()
         tol = _tol.rtol(128 * 8)
         _tol.assert_close(peft_model(input_ids=ids).logits, ours, tol, msg="peft")
@@ -133,8 +153,9 @@ def test_exports_checkpoints_and_the_base_record(tmp_path, base):
     export = tmp_path / "export"
     _run(work, base, *LORA, f"--export_hf={export}")
     assert (work / "hf" / "model.safetensors").read_bytes() == (export / "model.safetensors").read_bytes()
-    assert (work / "hf-peft" / "adapter_model.safetensors").read_bytes() == \
-        (tmp_path / "export-peft" / "adapter_model.safetensors").read_bytes()
+    assert (work / "hf-peft" / "adapter_model.safetensors").read_bytes() == (
+        tmp_path / "export-peft" / "adapter_model.safetensors"
+    ).read_bytes()
 
     full = tmp_path / "full"
     _run(full, base, "--config.steps=2")
@@ -144,8 +165,11 @@ def test_exports_checkpoints_and_the_base_record(tmp_path, base):
     other = _base(tmp_path / "other", seed=1)  # the same shapes, other weights
     refused = _run(work, other, "--config.steps=8", *LORA, check=False)
     assert refused.returncode != 0
-    assert refused.stderr.strip().splitlines()[-1].startswith(
-        f"functrain: error: {step} trained its adapters over another base (model {base}"), refused.stderr[-2000:]
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"functrain: error: {step} trained its adapters over another base (model {base}")
+    ), refused.stderr[-2000:]
 
 
 def test_a_lora_run_killed_with_sigkill_resumes_bit_exactly(tmp_path, base):
@@ -154,11 +178,28 @@ def test_a_lora_run_killed_with_sigkill_resumes_bit_exactly(tmp_path, base):
     args = ["--config.steps=8", "--config.checkpoint.every=4", *LORA, "--config.lora.dropout=0.1"]
     _run(tmp_path / "straight", base, *args)
     _run(tmp_path / "killed", base, *args, "--config.stop_at=4")  # (a checkpoint, then the process ends)
-    cmd = [sys.executable, "-m", "functrain.main", "--config=configs/hf.py", f"--config.model.path={base}",
-           f"--workdir={tmp_path / 'killed'}", "--config.compile=False", "--config.batch_size=8",
-           "--config.model.block_size=64", "--config.log_every=1", "--config.eval_every=1000", *args]
-    p = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "functrain.main",
+        "--config=configs/hf.py",
+        f"--config.model.path={base}",
+        f"--workdir={tmp_path / 'killed'}",
+        "--config.compile=False",
+        "--config.batch_size=8",
+        "--config.model.block_size=64",
+        "--config.log_every=1",
+        "--config.eval_every=1000",
+        *args,
+    ]
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         for line in p.stdout:  # resumed from step 4: killed at step 6, before the next save (step 8)
             if line.startswith("step 6/"):
@@ -183,24 +224,56 @@ def test_a_pipeline_trains_adapters_as_one_process_and_moves_between_meshes(tmp_
     """GPT adapters over its fresh base on 2 pipeline stages (4 microbatches, 1F1B; each rank holds its stages'
     base and adapters): the losses of one process accumulating 4 microbatches; the pipeline's step-5 checkpoint
     (its base digest pooled over the stages) resumes on one process and ends where one process does."""
-    gpt = ["--config=configs/gpt.py:tiny", "--config.compile=False", "--config.log_every=1", "--config.eval_every=1000",
-           "--config.eval.tasks=", "--config.sample.max_new_tokens=8", "--config.lora.rank=4",
-           "--config.optim.name=sgd", "--config.optim.lr=0.05", "--config.steps=10", "--config.checkpoint.every=5",
-           "--config.dist_timeout_s=600"]
+    gpt = [
+        "--config=configs/gpt.py:tiny",
+        "--config.compile=False",
+        "--config.log_every=1",
+        "--config.eval_every=1000",
+        "--config.eval.tasks=",
+        "--config.sample.max_new_tokens=8",
+        "--config.lora.rank=4",
+        "--config.optim.name=sgd",
+        "--config.optim.lr=0.05",
+        "--config.steps=10",
+        "--config.checkpoint.every=5",
+        "--config.dist_timeout_s=600",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
 
     def run(workdir, *extra, nproc=1):
-        launch = [sys.executable, "-m", "functrain.main"] if nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "functrain.main"]
-        out = subprocess.run([*launch, f"--workdir={workdir}", *gpt, *extra], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=900)
+        launch = (
+            [sys.executable, "-m", "functrain.main"]
+            if nproc == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={nproc}",
+                "-m",
+                "functrain.main",
+            ]
+        )
+        out = subprocess.run(
+            [*launch, f"--workdir={workdir}", *gpt, *extra],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert out.returncode == 0, out.stderr[-6000:]
         return out
 
     run(tmp_path / "one", "--config.accum_steps=4")
-    pp = run(tmp_path / "pp", "--config.mesh.pp=2", "--config.mesh.dp_shard=1", "--config.pp.microbatches=4",
-             "--config.stop_at=5", nproc=2)
+    pp = run(
+        tmp_path / "pp",
+        "--config.mesh.pp=2",
+        "--config.mesh.dp_shard=1",
+        "--config.pp.microbatches=4",
+        "--config.stop_at=5",
+        nproc=2,
+    )
     assert "x pp=2" in pp.stdout and "the rest frozen" in pp.stdout
     resumed = run(tmp_path / "pp", "--config.accum_steps=4")
     assert "restored checkpoint step 5" in resumed.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _tol
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,13 +11,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from functrain import apply, make_train_step, optim, rng
 from functrain import tree as tree_lib
 from functrain.losses import chunked_cross_entropy
+from functrain.models import gpt, lm
 from functrain.models.gpt import gpt_hidden, gpt_loss
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
-from functrain.models import gpt, lm
 from functrain.state import init_state
 from functrain.step import value_and_grad
-
-import _tol
 
 pytestmark = pytest.mark.numeric
 

@@ -8,20 +8,23 @@ import os
 import subprocess
 import sys
 
+import _tol
 import pytest
 import torch
 
 from functrain import checkpoint as ckpt
 from functrain import tree as tree_lib
 
-import _tol
-
 pytestmark = [pytest.mark.numeric, pytest.mark.slow]  # slow: main-job runs under torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
-    "--config=configs/gpt.py:tiny", "--config.compile=False", "--config.log_every=5",
-    "--config.eval_every=10", "--config.eval_batches=1", "--config.sample.max_new_tokens=16",
+    "--config=configs/gpt.py:tiny",
+    "--config.compile=False",
+    "--config.log_every=5",
+    "--config.eval_every=10",
+    "--config.eval_batches=1",
+    "--config.sample.max_new_tokens=16",
 ]
 
 
@@ -29,19 +32,30 @@ def _run(workdir, *extra, nproc=2):
     """Runs the main job (under torchrun when nproc > 1); returns the CompletedProcess."""
     launch = [sys.executable, "-m", "functrain.main"]
     if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  "-m", "functrain.main"]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "functrain.main",
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run([*launch, f"--workdir={workdir}", *TINY, *extra], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [*launch, f"--workdir={workdir}", *TINY, *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     if out.returncode != 0:  # pytest.fail prints it whole (a tuple in an assert's message is cut short)
-        pytest.fail(f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr (every rank's) ---\n"
-                    f"{out.stderr[-12000:]}", pytrace=False)
+        pytest.fail(
+            f"exit {out.returncode}\n--- stdout ---\n{out.stdout[-3000:]}\n--- stderr (every rank's) ---\n"
+            f"{out.stderr[-12000:]}",
+            pytrace=False,
+        )
     return out
 
 
 def _rows(workdir):
-    return [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+    return [json.loads(ln) for ln in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
 def test_torchrun_fsdp_matches_single_process_and_logs_once(tmp_path):
@@ -67,8 +81,12 @@ def test_torchrun_fsdp_matches_single_process_and_logs_once(tmp_path):
 
 def test_two_rank_resume_is_bit_exact(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    args = ["--config.steps=20", "--config.checkpoint.every=10", "--config.mesh.dp_shard=2",
-            "--config.model.dropout=0.1"]
+    args = [
+        "--config.steps=20",
+        "--config.checkpoint.every=10",
+        "--config.mesh.dp_shard=2",
+        "--config.model.dropout=0.1",
+    ]
     _run(straight, *args)
     _run(resumed, *args, "--config.stop_at=10")
     out = _run(resumed, *args)
@@ -86,8 +104,13 @@ def test_two_rank_resume_is_bit_exact(tmp_path):
 def test_torchrun_context_parallel_matches_single_process_and_resumes_on_one(tmp_path):
     # the main job with each sequence split over 2 ranks (--config.mesh.cp=2): the same losses as one
     # process; its step-10 checkpoint resumes on one process (another mesh) and ends where one process does
-    sgd = ["--config.steps=20", "--config.log_every=1", "--config.optim.name=sgd", "--config.optim.lr=0.05",
-           "--config.checkpoint.every=10"]
+    sgd = [
+        "--config.steps=20",
+        "--config.log_every=1",
+        "--config.optim.name=sgd",
+        "--config.optim.lr=0.05",
+        "--config.checkpoint.every=10",
+    ]
     cp = ["--config.mesh.cp=2", "--config.mesh.dp_shard=1", "--config.dist_timeout_s=600"]
     _run(tmp_path / "one", *sgd, nproc=1)
     out = _run(tmp_path / "cp", *sgd, *cp, "--config.stop_at=10")
@@ -114,8 +137,13 @@ def test_torchrun_pipeline_matches_single_process_and_moves_between_meshes(tmp_p
     # the main job cut into 2 pipeline stages (--config.mesh.pp=2, 4 microbatches, 1F1B): the same losses
     # as one process accumulating 4 microbatches; its step-10 checkpoint resumes on one process to step 15,
     # whose checkpoint resumes on the pipeline again to step 20
-    sgd = ["--config.steps=20", "--config.log_every=1", "--config.optim.name=sgd", "--config.optim.lr=0.05",
-           "--config.checkpoint.every=5"]
+    sgd = [
+        "--config.steps=20",
+        "--config.log_every=1",
+        "--config.optim.name=sgd",
+        "--config.optim.lr=0.05",
+        "--config.checkpoint.every=5",
+    ]
     pp = ["--config.mesh.pp=2", "--config.mesh.dp_shard=1", "--config.pp.microbatches=4", "--config.dist_timeout_s=600"]
     _run(tmp_path / "one", *sgd, "--config.accum_steps=4", nproc=1)
     out = _run(tmp_path / "pp", *sgd, *pp, "--config.stop_at=10")
@@ -142,9 +170,22 @@ def test_torchrun_pipeline_matches_single_process_and_moves_between_meshes(tmp_p
 
 def test_a_block_size_the_cp_ranks_cannot_split_is_one_line(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WORLD_SIZE="2", RANK="0")
-    out = subprocess.run([sys.executable, "-m", "functrain.main", f"--workdir={tmp_path}", *TINY,
-                          "--config.mesh.cp=2", "--config.model.block_size=62"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functrain.main",
+            f"--workdir={tmp_path}",
+            *TINY,
+            "--config.mesh.cp=2",
+            "--config.model.block_size=62",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = out.stderr.strip().splitlines()
     assert out.returncode != 0 and len(lines) == 1, out.stderr
     assert "model.block_size=62" in lines[0] and "--config.mesh.cp" in lines[0], lines
@@ -155,6 +196,12 @@ def test_torchrun_brings_a_run_back_after_a_worker_is_killed_bit_exactly():
     checkpoint: the new attempt builds its groups afresh (under a store prefix of its own: the
     elastic_attempt_store workaround), restores step 30 and logs the uninterrupted run's losses, bit
     for bit. One drill here; `bash bench/elastic.sh 10` runs ten in a row."""
-    proc = subprocess.run(["bash", "bench/elastic.sh", "1"], cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, PYTHON=sys.executable))
+    proc = subprocess.run(
+        ["bash", "bench/elastic.sh", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
     assert proc.returncode == 0 and "elastic: 1/1 restarted bit-exactly" in proc.stdout, proc.stdout + proc.stderr

@@ -1,4 +1,5 @@
-"""The tiny main-job run writes TensorBoard events, a profiler trace, run info and peak memory; the plot CLI renders them."""
+"""The tiny main-job run writes TensorBoard events, a profiler trace, run info and peak memory; the plot CLI renders
+them."""
 
 from __future__ import annotations
 
@@ -19,17 +20,33 @@ def test_tiny_run_writes_tensorboard_and_plot(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
     work = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "functrain.main", "--config=configs/gpt.py:tiny", f"--workdir={work}",
-         "--config.compile=False", "--config.steps=12", "--config.log_every=4", "--config.eval_every=6",
-         "--config.eval_batches=1", "--config.sample.max_new_tokens=4", "--config.checkpoint.enabled=False",
-         "--config.profile.start=2", "--config.profile.stop=4"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "functrain.main",
+            "--config=configs/gpt.py:tiny",
+            f"--workdir={work}",
+            "--config.compile=False",
+            "--config.steps=12",
+            "--config.log_every=4",
+            "--config.eval_every=6",
+            "--config.eval_batches=1",
+            "--config.sample.max_new_tokens=4",
+            "--config.checkpoint.enabled=False",
+            "--config.profile.start=2",
+            "--config.profile.stop=4",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert os.path.getsize(work / "profile" / "trace_steps_2_4.json") > 1000
     run = json.loads((work / "run.json").read_text())
     assert "git_revision" in run and json.loads((work / "config.json").read_text())["steps"] == 12
-    rows = [json.loads(l) for l in open(work / "metrics.jsonl")]
+    rows = [json.loads(ln) for ln in open(work / "metrics.jsonl")]
     assert all(r["peak_mem_mb"] > 10 for r in rows if "loss" in r)
     events = [f for f in os.listdir(work / "tb") if f.startswith("events.out.tfevents.")]
     assert len(events) == 1 and os.path.getsize(work / "tb" / events[0]) > 100
@@ -41,8 +58,12 @@ def test_tiny_run_writes_tensorboard_and_plot(tmp_path):
     assert [e.step for e in acc.Scalars("val_loss")] == [6, 12]
 
     plot = subprocess.run(
-        [sys.executable, "-m", "functrain.trainer.plot", str(work)], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "functrain.trainer.plot", str(work)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert plot.returncode == 0, plot.stderr
     png = work / "curves.png"

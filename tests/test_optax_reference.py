@@ -86,15 +86,21 @@ def test_masked_with_one_leaf_of_a_clashing_name_selected():
         _assert_updates_close(ours, theirs, atol=STEPS * 4 * EPS32 * 10)
 
 
-@pytest.mark.parametrize("mask, decayed", [
-    ({"nested": False, "w": True}, {"w": True, "a": False, "b": False}),
-    ({"nested": True, "w": False}, {"w": False, "a": True, "b": True}),
-    ({"nested": {"a": True, "b": False}, "w": True}, {"w": True, "a": True, "b": False}),
-], ids=["off", "on", "full"])
+@pytest.mark.parametrize(
+    "mask, decayed",
+    [
+        ({"nested": False, "w": True}, {"w": True, "a": False, "b": False}),
+        ({"nested": True, "w": False}, {"w": False, "a": True, "b": True}),
+        ({"nested": {"a": True, "b": False}, "w": True}, {"w": True, "a": True, "b": False}),
+    ],
+    ids=["off", "on", "full"],
+)
 def test_a_prefix_mask_selects_whole_subtrees_as_optax_does(mask, decayed):
     rng = np.random.default_rng(3)
-    params = {"w": rng.standard_normal((4, 3)).astype(np.float32),
-              "nested": {"a": rng.standard_normal(3).astype(np.float32), "b": rng.standard_normal(2).astype(np.float32)}}
+    params = {
+        "w": rng.standard_normal((4, 3)).astype(np.float32),
+        "nested": {"a": rng.standard_normal(3).astype(np.float32), "b": rng.standard_normal(2).astype(np.float32)},
+    }
     grads = _grads(params, seed=4)
     lr, wd = 1e-2, 0.5
     ours = _run_ours(optim.adamw(lr, 0.9, 0.999, 1e-8, wd, mask=mask), params, grads)
@@ -135,7 +141,9 @@ def test_the_configs_warmup_starts_above_zero_as_nanogpt_does():
     steps, warmup = 50, 4
     lrs, c = _config_lrs(steps, warmup, "cosine")
     assert c.warmup_from_zero is False  # the default
-    assert lrs[:warmup + 1] == pytest.approx([6e-4 * (t + 1) / (warmup + 1) for t in range(warmup)] + [6e-4], rel=EPS32)
+    assert lrs[: warmup + 1] == pytest.approx(
+        [6e-4 * (t + 1) / (warmup + 1) for t in range(warmup)] + [6e-4], rel=EPS32
+    )
     assert lrs[0] > 0
 
     def nanogpt(it):  # nanoGPT train.py's get_lr (lr_decay_iters = steps)
@@ -154,7 +162,7 @@ def test_the_configs_warmup_starts_above_zero_as_nanogpt_does():
 def test_the_old_warmup_from_zero_is_still_reachable():
     steps, warmup = 50, 4
     lrs, c = _config_lrs(steps, warmup, "cosine", from_zero=True)
-    assert lrs[:warmup + 1] == pytest.approx([6e-4 * t / warmup for t in range(warmup + 1)], rel=EPS32, abs=0)
+    assert lrs[: warmup + 1] == pytest.approx([6e-4 * t / warmup for t in range(warmup + 1)], rel=EPS32, abs=0)
     assert lrs[0] == 0.0
     theirs = optax.warmup_cosine_decay_schedule(0.0, c.lr, warmup, steps, c.min_lr)
     assert lrs == pytest.approx([float(theirs(t)) for t in range(steps + 3)], rel=8 * EPS32)
@@ -164,7 +172,9 @@ def test_the_old_warmup_from_zero_is_still_reachable():
 def test_every_config_schedule_warms_up_from_the_same_first_rate(schedule):
     warmup = 4
     lrs, c = _config_lrs(50, warmup, schedule)
-    assert lrs[:warmup + 1] == pytest.approx([c.lr * (t + 1) / (warmup + 1) for t in range(warmup)] + [c.lr], rel=EPS32)
+    assert lrs[: warmup + 1] == pytest.approx(
+        [c.lr * (t + 1) / (warmup + 1) for t in range(warmup)] + [c.lr], rel=EPS32
+    )
     lrs0, _ = _config_lrs(50, warmup, schedule, from_zero=True)
     assert lrs0[0] == 0.0 and lrs0[warmup] == pytest.approx(c.lr, rel=EPS32)
 

@@ -47,7 +47,7 @@ def _run_pair(model, data, opt, make_torch_opt, schedule, peak_lr, clip=None, lo
     topt = make_torch_opt(ref)
     sched = torch.optim.lr_scheduler.LambdaLR(topt, lambda k: float(schedule(torch.tensor(k))) / peak_lr)
     ours, theirs, gnorms = [], [], []
-    for k, (x, y) in enumerate(data):
+    for x, y in data:
         loss, _, grads = value_and_grad(loss_fn(model), state.params, (x, y), None)
         state, m = apply_gradients(state, grads, opt, aux={"loss": loss})
         ours.append(float(m["loss"]))
@@ -115,12 +115,10 @@ def test_sgd_matches_torch(tiny_gpt, batches, gpt_loss_fn, momentum, nesterov, w
     model = tiny_gpt(n_layer=1, bias=True)
     lr = 0.1
     schedule = optim.linear_warmup(lr, warmup_steps=4)
-    opt = optim.sgd(schedule, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                    mask=_decay_mask)
+    opt = optim.sgd(schedule, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, mask=_decay_mask)
 
     def torch_opt(ref):
-        return torch.optim.SGD(_torch_groups(ref, weight_decay, True), lr=lr, momentum=momentum,
-                               nesterov=nesterov)
+        return torch.optim.SGD(_torch_groups(ref, weight_decay, True), lr=lr, momentum=momentum, nesterov=nesterov)
 
     ours, theirs, _, params, ref = _run_pair(
         model, batches(model.cfg, STEPS), opt, torch_opt, schedule, lr, loss_fn=gpt_loss_fn
@@ -325,26 +323,28 @@ def test_sgd_nesterov_without_momentum_is_a_clear_error():
 
 def test_a_known_norm_reaches_the_first_transform_only():
     """`call_update(..., norm=)`: a leading clip uses the caller's norm instead of taking it again;
-    later transforms (whose input is no longer the chain's input) and transforms without the
-    keyword never see it."""
+    later transforms (whose input is no longer the chain's input) and transforms that do not declare
+    `Traits(takes_norm=True)` never see it, whatever their signature (declared, not sniffed)."""
     grads = {k: v * 0.2 for k, v in _grads().items()}
     seen = []
 
-    def spy(name, takes_norm):
-        if takes_norm:
-            def update(updates, state, params=None, norm=None):
-                seen.append((name, norm))
-                return updates, state
-        else:
-            def update(updates, state, params=None):
-                seen.append((name, "no keyword"))
-                return updates, state
-        return optim.Transform(lambda p: (), update)
+    def spy(name, declared):
+        def update(updates, state, params=None, norm=None):
+            seen.append((name, norm))
+            return updates, state
+
+        return optim.Transform(lambda p: (), update, optim.Traits(takes_norm=declared))
 
     fake = torch.tensor(1e6)  # a wrong norm on purpose: the clip must believe the caller
     opt = optim.chain(spy("first", True), spy("second", True), spy("third", False))
+    assert opt.traits.takes_norm  # a chain takes the norm when its first transform does
     optim.call_update(opt, grads, opt.init(grads), grads, norm=fake)
-    assert seen == [("first", fake), ("second", None), ("third", "no keyword")]
+    assert seen == [("first", fake), ("second", None), ("third", None)]
+    seen.clear()
+    undeclared = optim.chain(spy("undeclared", False), spy("second", True))
+    assert not undeclared.traits.takes_norm
+    optim.call_update(undeclared, grads, undeclared.init(grads), grads, norm=fake)
+    assert seen == [("undeclared", None), ("second", None)]
 
     clip = optim.clip_by_global_norm(1.0)
     told, _ = optim.call_update(clip, grads, clip.init(grads), norm=fake)  # scaled by 1 / 1e6
@@ -357,16 +357,21 @@ def test_a_known_norm_reaches_the_first_transform_only():
 # ---------------------------------------------------------------------------------------------
 # Hyper-parameters as state.
 
+
 def _build(h):
     """Clipped AdamW on a warm-up cosine schedule, from a dict of hyper-parameters."""
     sched = optim.warmup_cosine(h["lr"], h["warmup_steps"], h["decay_steps"], end_value=h["min_lr"])
-    adamw = optim.adamw(sched, h["b1"], h["b2"], h["eps"], h["weight_decay"], mask=lambda p: {k: v.ndim > 1 for k, v in p.items()})
+    adamw = optim.adamw(
+        sched, h["b1"], h["b2"], h["eps"], h["weight_decay"], mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}
+    )
     return optim.chain(optim.clip_by_global_norm(h["clip"]), adamw)
 
 
 def test_set_hyperparams_equals_building_with_those_values():
     params, grads = _params(), _grads()
-    a = dict(clip=1.0, lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=20, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1)
+    a = dict(
+        clip=1.0, lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_steps=20, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1
+    )
     b = dict(clip=0.5, lr=3e-2, min_lr=2e-3, warmup_steps=1, decay_steps=9, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.0)
     opt, ref = _build(a), _build(b)
     fresh = opt.init(params)
@@ -382,7 +387,10 @@ def test_set_hyperparams_equals_building_with_those_values():
         optim.set_hyperparams(state, momentum=0.9)
     sgd = optim.sgd(0.1, momentum=0.9, weight_decay=1e-4)
     assert optim.get_hyperparams(optim.set_hyperparams(sgd.init(params), momentum=0.5)) == {
-        "weight_decay": 1e-4, "momentum": 0.5, "lr": 0.1}
+        "weight_decay": 1e-4,
+        "momentum": 0.5,
+        "lr": 0.1,
+    }
 
 
 def test_hyperparams_are_float64_state_tensors_and_match_torch_adamw():
@@ -402,7 +410,9 @@ def test_hyperparams_are_float64_state_tensors_and_match_torch_adamw():
     hyper = [t for s in state if hasattr(s, "hyper") for t in s.hyper.values()]
     assert hyper and all(t.dtype == torch.float64 and t.shape == () for t in hyper)
     for k in params:  # one step of elementwise float32 math each: a few ulps
-        torch.testing.assert_close(ours[k], torch_params[k].detach(), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7)
+        torch.testing.assert_close(
+            ours[k], torch_params[k].detach(), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-7
+        )
 
 
 @pytest.mark.slow
@@ -411,18 +421,19 @@ def test_gpu_scalar_route_reads_no_scalar_on_the_host_and_computes_the_same_upda
     Scalar overload compiles to `.item()`: a device-to-host sync per call. Off the CPU, functrain's
     foreach ops pass it as broadcast views instead; `foreach.device_scalars()` forces that route
     here. Its compiled update has no `.item()` and equals the eager update of the usual route."""
+    from _tol import assert_close, rtol
     from torch._inductor.utils import run_and_get_code
 
-    from functrain.ops import foreach
     from functrain import step as step_lib
-
-    from _tol import assert_close, rtol
+    from functrain.ops import foreach
 
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
     grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-    opt = optim.chain(optim.clip_by_global_norm(1.0),
-                      optim.adamw(optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1, mask=_decay_mask))
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0),
+        optim.adamw(optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1, mask=_decay_mask),
+    )
     aux = {"loss": torch.tensor(1.0)}
     eager = step_lib.update_step(opt, donate=False, compile=False)
     compiled = step_lib.update_step(opt, donate=False)

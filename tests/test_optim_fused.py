@@ -18,8 +18,11 @@ EPS32 = torch.finfo(torch.float32).eps
 
 def _params(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(48, 32, generator=g), "b": torch.randn(32, generator=g),
-            "h.w": torch.randn(16, 48, generator=g)}
+    return {
+        "w": torch.randn(48, 32, generator=g),
+        "b": torch.randn(32, generator=g),
+        "h.w": torch.randn(16, 48, generator=g),
+    }
 
 
 def _mask(params):
@@ -77,8 +80,10 @@ def test_fused_route_equals_torch_fused_adamw_after_clip_grad_norm():
     state = init_state(tree.clone(params), _opt(True))
     update = update_step(_opt(True), compile=False)
     theirs = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
-    groups = [{"params": [p for p in theirs.values() if p.ndim >= 2], "weight_decay": WD},
-              {"params": [p for p in theirs.values() if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in theirs.values() if p.ndim >= 2], "weight_decay": WD},
+        {"params": [p for p in theirs.values() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     topt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
     sched = optim.warmup_cosine(LR, 3, 20, init_value=LR / 4)
     for i, g in enumerate(_grads(params, seed=3)):

@@ -19,7 +19,7 @@ from _tol import assert_close, rtol
 from torch import nn
 
 import functrain as ft
-from functrain import checkpoint, optim, population, per_example, rng
+from functrain import checkpoint, optim, per_example, population, rng
 from functrain.compiler import GraphBreakError
 from functrain.state import init_guard
 
@@ -87,8 +87,9 @@ def test_accumulation_updates_the_statistics_once_per_microbatch():
         opt.step()
         want.append(total)
     state = ft.init_state(template, optimizer())
-    state, losses = _train(ft.make_train_step(loss_fn_for(template), optimizer(), accum_steps=2, compile=False),
-                           state, data)
+    state, losses = _train(
+        ft.make_train_step(loss_fn_for(template), optimizer(), accum_steps=2, compile=False), state, data
+    )
     assert_close(torch.tensor(losses), torch.tensor(want), TOL)
     assert_close(state.model_state["bn.running_mean"], net.bn.running_mean, TOL)
     assert int(state.model_state["bn.num_batches_tracked"]) == 6
@@ -99,10 +100,14 @@ def test_under_half_precision_the_buffers_keep_their_dtype(precision):
     template = model(0)
     # (a scale that does not overflow at the first step: a skipped step keeps the old statistics)
     state = ft.init_state(template, optimizer()).replace(guard=init_guard(loss_scale=2.0**8))
-    fp32, _ = _train(ft.make_train_step(loss_fn_for(template), optimizer(), compile=False),
-                     ft.init_state(template, optimizer()), batches(3))
-    state, _ = _train(ft.make_train_step(loss_fn_for(template), optimizer(), compile=False, precision=precision),
-                      state, batches(3))
+    fp32, _ = _train(
+        ft.make_train_step(loss_fn_for(template), optimizer(), compile=False),
+        ft.init_state(template, optimizer()),
+        batches(3),
+    )
+    state, _ = _train(
+        ft.make_train_step(loss_fn_for(template), optimizer(), compile=False, precision=precision), state, batches(3)
+    )
     assert state.model_state["bn.running_mean"].dtype == torch.float32
     assert state.model_state["bn.num_batches_tracked"].dtype == torch.int64
     assert int(state.model_state["bn.num_batches_tracked"]) == 3 and int(state.guard.skipped) == 0
@@ -148,7 +153,9 @@ def test_a_state_with_buffers_needs_a_loss_that_takes_them():
     def loss_fn(params, batch, key):
         return F.cross_entropy(ft.apply(template, params, batch[0]), batch[1])
 
-    with pytest.raises(TypeError, match="takes \\(params, batch, key\\): write loss_fn\\(params, batch, key, model_state\\)"):
+    with pytest.raises(
+        TypeError, match="takes \\(params, batch, key\\): write loss_fn\\(params, batch, key, model_state\\)"
+    ):
         ft.make_train_step(loss_fn, optimizer(), compile=False)(state, batches(1)[0])
 
 
@@ -169,8 +176,9 @@ def test_a_population_trains_each_members_statistics():
     for b in data:
         pop, _ = step(pop, b)
     for s in range(2):  # each member as its own run
-        solo, _ = _train(ft.make_train_step(loss_fn_for(template), opt, compile=False),
-                         ft.init_state(model(s), opt, seed=s), data)
+        solo, _ = _train(
+            ft.make_train_step(loss_fn_for(template), opt, compile=False), ft.init_state(model(s), opt, seed=s), data
+        )
         got = population.member(pop, s).model_state
         assert_close(got["bn.running_mean"], solo.model_state["bn.running_mean"], TOL)
         assert int(got["bn.num_batches_tracked"]) == 3
@@ -327,8 +335,10 @@ class _Breaks(nn.Module):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,reason", [("print", "builtin operator"), ("logging", "logging.Logger"),
-                                         ("branch", "Data-dependent branching")])
+@pytest.mark.parametrize(
+    "kind,reason",
+    [("print", "builtin operator"), ("logging", "logging.Logger"), ("branch", "Data-dependent branching")],
+)
 def test_a_graph_break_stops_with_one_line_and_fullgraph_false_trains_without_recompiles(kind, reason):
     torch.manual_seed(0)
     net = _Breaks(kind)
@@ -375,8 +385,11 @@ def test_a_meta_template_whose_ties_to_meta_broke_is_refused():
     params = ft.params_of(real)  # one tensor for the tied pair, under its first name
     assert list(params) == ["emb.weight"]
     broken = _Tied().to("meta")  # `.to("meta")` unties head.weight from emb.weight
-    with pytest.raises(ValueError, match=r"meta device .*parameter head\.weight \[16, 8\] \(tied to emb\.weight\?.*"
-                                         r"torch\.device\('meta'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"meta device .*parameter head\.weight \[16, 8\] \(tied to emb\.weight\?.*"
+        r"torch\.device\('meta'\)",
+    ):
         ft.apply(broken, params, torch.zeros(1, 3, dtype=torch.long))
     with torch.device("meta"):
         good = _Tied()  # ties kept
@@ -402,8 +415,18 @@ def test_a_buffer_left_on_meta_is_refused():
 
 def _gpt2(layers=1):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=layers, n_head=2, resid_pdrop=0.1,
-                                  embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=layers,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
 
@@ -470,8 +493,7 @@ def test_two_data_parallel_ranks_keep_the_statistics_each_sync_promises(tmp_path
 
     from _dist_launch import run_ranks
 
-    run_ranks(os.path.join(os.path.dirname(__file__), "_model_state_worker.py"), [str(tmp_path)], nprocs=2,
-              timeout=600)
+    run_ranks(os.path.join(os.path.dirname(__file__), "_model_state_worker.py"), [str(tmp_path)], nprocs=2, timeout=600)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     steps = len(ranks[0]["broadcast-eager"]["losses"])
     wanted = {sync: torch_loop(model(0), batches(steps), shards=2, sync=sync) for sync in ("broadcast", "mean")}
@@ -510,7 +532,6 @@ def _bn_task(template):
 
 def _loop_run(tmp_path, workdir, stop_at=0):
     from configs import gpt as gpt_config
-
     from functrain import parallel
     from functrain.trainer import loop
 
@@ -559,8 +580,11 @@ def test_a_recurrent_module_names_the_way_that_works(cell):
     opt = optim.sgd(0.1)
     x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
     aot = {"backend": "aot_eager"}
-    with pytest.raises(GraphBreakError, match=r"torch.compile does not trace nn.RNN, nn.GRU or nn.LSTM .*build the step "
-                                              r"with fullgraph=False \(--config.fullgraph=False\)"):
+    with pytest.raises(
+        GraphBreakError,
+        match=r"torch.compile does not trace nn.RNN, nn.GRU or nn.LSTM .*build the step "
+        r"with fullgraph=False \(--config.fullgraph=False\)",
+    ):
         ft.make_train_step(loss_fn, opt, compile_options=aot)(ft.init_state(rnn, opt), x)
     _, eager = ft.make_train_step(loss_fn, opt, compile=False)(ft.init_state(rnn, opt), x)
     _, pieces = ft.make_train_step(loss_fn, opt, compile_options=aot, fullgraph=False)(ft.init_state(rnn, opt), x)
@@ -577,11 +601,17 @@ def test_a_meta_refusal_keeps_its_line_in_the_compiled_step_and_init_state_refus
 
     opt = optim.sgd(0.1)
     step = ft.make_train_step(loss_fn, opt, compile_options={"backend": "aot_eager"})
-    with pytest.raises(ValueError, match=r"functrain.apply: the template would compute with 2 tensor\(s\) on the meta "
-                                         r"device .*parameter 1.weight \[2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"functrain.apply: the template would compute with 2 tensor\(s\) on the meta "
+        r"device .*parameter 1.weight \[2, 4\]",
+    ):
         step(ft.init_state(params, opt), torch.randn(2, 4))
-    with pytest.raises(ValueError, match=r"functrain.init_state: 4 tensor\(s\) are on the meta device \(0.bias, "
-                                         r"0.weight, 1.bias, ...\): a meta template has no numbers"):
+    with pytest.raises(
+        ValueError,
+        match=r"functrain.init_state: 4 tensor\(s\) are on the meta device \(0.bias, "
+        r"0.weight, 1.bias, ...\): a meta template has no numbers",
+    ):
         ft.init_state(net, opt)
 
 
@@ -613,7 +643,8 @@ def test_a_forward_writing_a_buffer_the_state_does_not_carry_is_refused_until_th
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match=r"functrain.apply: the forward wrote into buffer\(s\) calls of the template"):
         ft.make_train_step(lambda p, b, k: loss_fn(p, b, k), opt, compile=compile, compile_options=options)(
-            ft.init_state(net, opt), x)
+            ft.init_state(net, opt), x
+        )
     net.calls.zero_()  # (the refused call had counted once into the template)
     state = ft.init_state(net, opt, model_state=ft.nn.buffers_of(net, persistent=False))
     step = ft.make_train_step(loss_fn, opt, compile=compile, compile_options=options)

@@ -4,16 +4,16 @@ control); best-fit-decreasing fills rows; different documents per row do not rec
 
 from __future__ import annotations
 
+import _tol
 import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import _tol
 from functrain import apply, init_state, make_train_step, optim, rng
 from functrain.data.examples import ExampleSet
 from functrain.data.packing import assemble, best_fit_decreasing
-from functrain.models import gpt, hf, lm, llama
+from functrain.models import gpt, hf, llama, lm
 
 T, V = 24, 64
 LENGTHS = (9, 4, 7, 3)  # four documents' (input, target) pairs: 23 of a 24-token row, one pad
@@ -30,10 +30,12 @@ def _examples(seed: int = 0, lengths=LENGTHS) -> ExampleSet:
 
 def _families():
     """name -> (template, params, logits_fn(params, x, positions or None))."""
-    g_model = gpt.GPT(gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=32, bias=False),
-                      key=rng.key(0))
-    l_cfg = llama.LlamaConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                              intermediate_size=64)
+    g_model = gpt.GPT(
+        gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=32, bias=False), key=rng.key(0)
+    )
+    l_cfg = llama.LlamaConfig(
+        vocab_size=V, block_size=T, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64
+    )
     with torch.device("meta"):
         l_model = llama.Llama(l_cfg)
     h_model = hf.build_template(hf.load_config(_hf_dir()))
@@ -59,11 +61,19 @@ def _hf_dir():
     """A tiny Qwen2 directory (vocabulary V), made once."""
     if "d" not in _DIR:
         import tempfile
+
         from functrain.models.hf.tiny import write_tiny
 
-        _DIR["d"] = write_tiny(tempfile.mkdtemp(prefix="qwen2"), "qwen2", vocab_size=V, hidden_size=32,
-                               intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=T)
+        _DIR["d"] = write_tiny(
+            tempfile.mkdtemp(prefix="qwen2"),
+            "qwen2",
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=T,
+        )
     return _DIR["d"]
 
 
@@ -81,7 +91,7 @@ def _alone_and_packed(fn, params, ex, masked=True):
     for i in range(len(ex)):
         xi, _ = ex.pair(i)
         alone.append(fn(params, torch.from_numpy(xi)[None], None)[0])  # (n, V)
-        parts.append(packed[at:at + len(xi)])
+        parts.append(packed[at : at + len(xi)])
         at += len(xi)
     return alone, parts
 
@@ -134,14 +144,16 @@ def test_best_fit_decreasing_fills_rows():
 
 @pytest.mark.slow
 def test_different_documents_per_row_do_not_recompile():
-    model = gpt.GPT(gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=32, bias=False),
-                    key=rng.key(0))
+    model = gpt.GPT(
+        gpt.GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=32, bias=False), key=rng.key(0)
+    )
     opt = optim.sgd(0.1)
     state = init_state(model, opt)
     torch._dynamo.reset()
     counters.clear()
-    step = make_train_step(gpt.make_loss_fn(model), opt, count_targets=lm.count_targets(),
-                           compile_options={"backend": "aot_eager"})
+    step = make_train_step(
+        gpt.make_loss_fn(model), opt, count_targets=lm.count_targets(), compile_options={"backend": "aot_eager"}
+    )
     g = np.random.default_rng(1)
     for i in range(20):
         ex = _examples(seed=i, lengths=tuple(int(n) for n in g.integers(2, 8, g.integers(2, 5))))

@@ -157,5 +157,6 @@ def test_a_meshs_layout_options_are_set_by_configure_and_reused():
 
     out = subprocess.run([sys.executable, "-c", _CONFIGURE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("reduce_scatter='ring': use one of 'auto', 'reduce_scatter', 'all_to_all', "
-                                  "'all_reduce'")
+    assert out.stdout.strip() == (
+        "reduce_scatter='ring': use one of 'auto', 'reduce_scatter', 'all_to_all', 'all_reduce'"
+    )

@@ -18,11 +18,9 @@ from __future__ import annotations
 import math
 import os
 
-import pytest
-
-import torch
-
 import _tol
+import pytest
+import torch
 from _dist_launch import REPO, run_suite, scenario_results
 from _dist_parallel_worker import COLLECTIVE_TIMEOUT_S, matrix_cells, two_dim_cells
 
@@ -76,11 +74,14 @@ def _assert_matches_single_process(res, steps=20):
     assert res["opt_state"] <= params_tol, res
 
 
-@pytest.mark.parametrize("name, placement", [
-    ("fsdp", ["Shard(dim=0)"]),  # 20 steps, dp_shard=2
-    ("tp", ["Shard(dim=0)"]),  # 20 steps, tp=2 (q.weight colwise)
-    ("ddp", ["Replicate()"]),  # 20 steps, dp_replicate=2
-])
+@pytest.mark.parametrize(
+    "name, placement",
+    [
+        ("fsdp", ["Shard(dim=0)"]),  # 20 steps, dp_shard=2
+        ("tp", ["Shard(dim=0)"]),  # 20 steps, tp=2 (q.weight colwise)
+        ("ddp", ["Replicate()"]),  # 20 steps, dp_replicate=2
+    ],
+)
 def test_twenty_steps_match_single_process(eager2, name, placement):
     for res in scenario_results(eager2, name):
         _assert_matches_single_process(res)
@@ -207,10 +208,18 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
 # compile="blocks" graphs: prepare, embedding and block without grad (the sharded forward) and with
 # grad (recomputed in backward), head; kept blocks: no no-grad block graph; + the optimizer update
 # group by group (functrain.step.update_groups): one graph for every block, one for the rest.
-@pytest.mark.parametrize("name, graphs", [("compiled_fsdp", 1), ("compiled_tp", 1), ("compiled_stages_fsdp", 1),
-                                          ("compiled_kept_fsdp", 1),
-                                          ("blocks_fsdp", 6 + 2), ("blocks_kept_fsdp", 5 + 2),
-                                          ("blocks_tp", 6 + 2)])
+@pytest.mark.parametrize(
+    "name, graphs",
+    [
+        ("compiled_fsdp", 1),
+        ("compiled_tp", 1),
+        ("compiled_stages_fsdp", 1),
+        ("compiled_kept_fsdp", 1),
+        ("blocks_fsdp", 6 + 2),
+        ("blocks_kept_fsdp", 5 + 2),
+        ("blocks_tp", 6 + 2),
+    ],
+)
 def test_compiled_sharded_step_one_graph_no_recompiles(compiled2, name, graphs):
     _assert_compiled(compiled2, name, graphs)
 
@@ -238,7 +247,10 @@ def _assert_compiled(suite, name, graphs):
 def test_route_matrix_holds_every_pair_of_the_full_product():
     """The 5 sharded cells plus compiled2's fp32 cells without accumulation: every value pair."""
     compiled2 = [(u, "fp32", 1, m) for u in ("step", "blocks") for m in ("fsdp", "tp")]
-    pairs = lambda cells: {(i, j, c[i], c[j]) for c in cells for i in range(4) for j in range(i + 1, 4)}
+
+    def pairs(cells):
+        return {(i, j, c[i], c[j]) for c in cells for i in range(4) for j in range(i + 1, 4)}
+
     full = [c[1:] for c in matrix_cells(full=True)] + compiled2
     assert len(full) == 24 and len(matrix_cells(full=False)) == 5
     assert pairs([c[1:] for c in matrix_cells(full=False)] + compiled2) == pairs(full)
@@ -251,10 +263,10 @@ def test_every_compiled_sharded_route_equals_one_process(matrix2, name, unit, pr
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("name, unit, precision, accum, mesh", matrix_cells(full=True),
-                         ids=[c[0] for c in matrix_cells(full=True)])
-def test_the_full_product_of_sharded_routes_equals_one_process(matrix2_exhaustive, name, unit, precision, accum,
-                                                               mesh):
+@pytest.mark.parametrize(
+    "name, unit, precision, accum, mesh", matrix_cells(full=True), ids=[c[0] for c in matrix_cells(full=True)]
+)
+def test_the_full_product_of_sharded_routes_equals_one_process(matrix2_exhaustive, name, unit, precision, accum, mesh):
     _assert_route(matrix2_exhaustive, name, unit, precision)
 
 
@@ -268,8 +280,7 @@ def _assert_route(matrix2, name, unit, precision):
         assert res["vs_single_opt_state"] <= params_tol, res
 
 
-@pytest.mark.parametrize("name, remat", [("stages_fsdp", "full"), ("stages_kept_fsdp", "none"),
-                                         ("stages_tp", "full")])
+@pytest.mark.parametrize("name, remat", [("stages_fsdp", "full"), ("stages_kept_fsdp", "none"), ("stages_tp", "full")])
 def test_per_block_gathers_match_single_process(eager2, name, remat):
     """A staged loss on sharded params: each stage gathers its own params (embedding, every block,
     the head), with remat every block is gathered again for its backward; 20 steps equal one process."""
@@ -285,7 +296,7 @@ def test_per_block_gathers_match_single_process(eager2, name, remat):
         assert len(res["gathers"]) == len(stages) + 1 + (n_blocks if remat == "full" else 0), res["gathers"]
         assert max(res["gathers"]) <= max(stages) < res["model_numel"], (res["gathers"], stages)
         if remat == "full":  # the backward's gathers: the blocks', last block first, then the embedding's
-            assert res["gathers"][len(stages):] == stages[1:-1][::-1] + stages[:1]
+            assert res["gathers"][len(stages) :] == stages[1:-1][::-1] + stages[:1]
 
 
 def test_per_block_gathers_bf16(eager2):
@@ -303,12 +314,15 @@ def test_per_block_gathers_on_two_dim_meshes(eager4, name):
         assert res["gathers"] and max(res["gathers"]) < res["model_numel"], res["gathers"]
 
 
-@pytest.mark.parametrize("suite, name, fraction", [
-    ("eager2", "init_fsdp", 0.5),
-    ("eager2", "init_tp", 1.0),  # pure tp: the embeddings and LayerNorms are replicated by design
-    ("eager4", "init_fsdp_tp", 0.5),  # embeddings: FSDP only (replicated on tp)
-    ("eager4", "init_hsdp", 0.5),  # dp_replicate holds copies of the dp_shard halves
-])
+@pytest.mark.parametrize(
+    "suite, name, fraction",
+    [
+        ("eager2", "init_fsdp", 0.5),
+        ("eager2", "init_tp", 1.0),  # pure tp: the embeddings and LayerNorms are replicated by design
+        ("eager4", "init_fsdp_tp", 0.5),  # embeddings: FSDP only (replicated on tp)
+        ("eager4", "init_hsdp", 0.5),  # dp_replicate holds copies of the dp_shard halves
+    ],
+)
 def test_sharded_init_equals_single_process_init_bit_for_bit(request, suite, name, fraction):
     """Each rank draws only its own block of every parameter (never a whole matrix), and the
     gathered blocks are exactly the single-process init."""
@@ -330,8 +344,9 @@ def test_at_most_one_stage_is_gathered_at_a_time(eager2):
         assert max(kept["trace"]) >= 4 * res["block"], kept  # every block gathered at once
 
 
-@pytest.mark.parametrize("suite, name", [("eager2", "sample_fsdp"), ("eager2", "sample_tp"),
-                                         ("eager4", "sample_fsdp_tp")])
+@pytest.mark.parametrize(
+    "suite, name", [("eager2", "sample_fsdp"), ("eager2", "sample_tp"), ("eager4", "sample_fsdp_tp")]
+)
 def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager4, suite, name):
     """Task.finish runs on sharded params: generate gathers one stage at a time and gets the full
     params' tokens; the HF export streams one tensor at a time, byte-identical to the full export."""
@@ -345,9 +360,15 @@ def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager
     assert ranks[0]["same_bytes"] is True
 
 
-@pytest.mark.parametrize("suite, name, dp", [
-    ("eager2", "reduce_fsdp", 2), ("eager4", "reduce_fsdp4", 4), ("eager4", "reduce_hsdp", 4),
-    ("eager4", "reduce_fsdp_tp", 2)])
+@pytest.mark.parametrize(
+    "suite, name, dp",
+    [
+        ("eager2", "reduce_fsdp", 2),
+        ("eager4", "reduce_fsdp4", 4),
+        ("eager4", "reduce_hsdp", 4),
+        ("eager4", "reduce_fsdp_tp", 2),
+    ],
+)
 def test_every_reduce_scatter_route_equals_the_backends_reduce_scatter(request, suite, name, dp):
     # parallel.configure(mesh, reduce_scatter=...): "all_to_all" sends rows to their owners and sums there (opt-in);
     # "all_reduce" is what gloo's reduce-scatter runs inside (an all-reduce of a copy of the bucket,

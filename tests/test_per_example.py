@@ -38,9 +38,9 @@ def test_grads_equal_a_loop_of_single_example_gradients(setup):
         grads, losses, aux = per_example.grads(loss_fn, params, (x, y), key)
         keys = [None] * B if key is None else rng.split(key, B)
         for i in range(B):
-            loss, aux_i, g = ft.value_and_grad(loss_fn, params, (x[i:i + 1], y[i:i + 1]), keys[i])
+            loss, aux_i, g = ft.value_and_grad(loss_fn, params, (x[i : i + 1], y[i : i + 1]), keys[i])
             tol = rtol(T * V)
-            assert_close(tree.map(lambda t: t[i], grads), g, tol, msg=f"example {i}")
+            assert_close(tree.map(lambda t, i=i: t[i], grads), g, tol, msg=f"example {i}")
             assert_close(losses[i], loss, tol)
             assert_close(aux["first"][i], aux_i["first"], tol)
         assert set(grads) == set(params) and all(grads[k].shape == (B, *params[k].shape) for k in params)
@@ -50,7 +50,7 @@ def test_norms_and_clipped_sum(setup):
     params, loss_fn, batch = setup
     grads, _, _ = per_example.grads(loss_fn, params, batch)
     norms = per_example.norms(grads)
-    want = torch.stack([tree.global_norm(tree.map(lambda t: t[i], grads)) for i in range(B)])
+    want = torch.stack([tree.global_norm(tree.map(lambda t, i=i: t[i], grads)) for i in range(B)])
     assert_close(norms, want, rtol(tree.size(params)))
     assert norms.shape == (B,) and norms.dtype == torch.float32
     unclipped, _ = per_example.clipped_sum(grads, 1e9)  # no example reaches the bound: the plain sum

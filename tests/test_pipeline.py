@@ -12,14 +12,14 @@ import itertools
 import os
 import random
 
+import _tol
 import pytest
 import torch
-
-import _tol
 from _dist_launch import REPO, run_suite, scenario_results
 from _pipeline_worker import MESH_STEPS
-from functrain.trainer import validate
+
 from functrain.parallel import schedule as S
+from functrain.trainer import validate
 
 WORKER = os.path.join(REPO, "tests", "_pipeline_worker.py")
 # The worker's problem: batch 8 x 16 tokens through matmuls up to 2 x 32 wide (the MLPs); losses ~4;
@@ -111,17 +111,24 @@ def _best_cut(weights, n, first, last):
     k, best = len(weights), None
     for cuts in itertools.combinations(range(1, k), n - 1):
         bounds = [0, *cuts, k]
-        loads = [sum(weights[bounds[g]:bounds[g + 1]]) for g in range(n)]
+        loads = [sum(weights[bounds[g] : bounds[g + 1]]) for g in range(n)]
         loads[0] += first
         loads[-1] += last
         best = max(loads) if best is None else min(best, max(loads))
     return best
 
 
-@pytest.mark.parametrize("weights, n, first, last", [
-    ([1, 1, 1, 1], 2, 0, 0), ([1, 1, 1, 1], 2, 2, 0), ([5, 1, 1, 1, 1, 1], 3, 0, 3),
-    ([3, 1, 4, 1, 5, 9, 2, 6], 4, 2, 7), ([2] * 12, 4, 6, 6), ([7], 1, 1, 1),
-])
+@pytest.mark.parametrize(
+    "weights, n, first, last",
+    [
+        ([1, 1, 1, 1], 2, 0, 0),
+        ([1, 1, 1, 1], 2, 2, 0),
+        ([5, 1, 1, 1, 1, 1], 3, 0, 3),
+        ([3, 1, 4, 1, 5, 9, 2, 6], 4, 2, 7),
+        ([2] * 12, 4, 6, 6),
+        ([7], 1, 1, 1),
+    ],
+)
 def test_partition_is_contiguous_covers_every_block_and_is_optimal(weights, n, first, last):
     parts = S.partition(weights, n, first=first, last=last)
     assert [i for p in parts for i in p] == list(range(len(weights))) and all(len(p) for p in parts)
@@ -183,19 +190,22 @@ def _assert_matches(results, steps, dtype=torch.float32):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, steps, dtype", [
-    ("gpt_1f1b", 20, torch.float32),  # 4 microbatches
-    ("gpt_gpipe", 20, torch.float32),
-    ("gpt_eager_1f1b", 20, torch.float32),  # rank 0 holds 3 microbatches of 4, rank 1 one
-    ("gpt_one_micro", 20, torch.float32),
-    ("gpt_eight_micro", 5, torch.float32),  # 3 blocks over 2 ranks
-    ("gpt_remat", 20, torch.float32),  # every block recomputed in its backward
-    ("gpt_bf16", 20, torch.bfloat16),
-    ("gpt_bf16_one_micro", 20, torch.bfloat16),
-    ("gpt_fp16", 20, torch.float16),  # the loss scale seeds the last stage, grads unscaled after
-    ("llama", 20, torch.float32),  # untied head, grouped-query attention
-    ("llama_bf16_remat", 20, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "name, steps, dtype",
+    [
+        ("gpt_1f1b", 20, torch.float32),  # 4 microbatches
+        ("gpt_gpipe", 20, torch.float32),
+        ("gpt_eager_1f1b", 20, torch.float32),  # rank 0 holds 3 microbatches of 4, rank 1 one
+        ("gpt_one_micro", 20, torch.float32),
+        ("gpt_eight_micro", 5, torch.float32),  # 3 blocks over 2 ranks
+        ("gpt_remat", 20, torch.float32),  # every block recomputed in its backward
+        ("gpt_bf16", 20, torch.bfloat16),
+        ("gpt_bf16_one_micro", 20, torch.bfloat16),
+        ("gpt_fp16", 20, torch.float16),  # the loss scale seeds the last stage, grads unscaled after
+        ("llama", 20, torch.float32),  # untied head, grouped-query attention
+        ("llama_bf16_remat", 20, torch.bfloat16),
+    ],
+)
 def test_two_pipeline_ranks_match_one_process(pp2, name, steps, dtype):
     results = scenario_results(pp2, name)
     _assert_matches(results, steps, dtype)
@@ -208,11 +218,18 @@ def test_two_pipeline_ranks_match_one_process(pp2, name, steps, dtype):
 
 @pytest.mark.slow
 @pytest.mark.numeric
-@pytest.mark.parametrize("name, dtype", [
-    ("gpt_1f1b", torch.float32), ("gpt_gpipe", torch.float32), ("gpt_eager_1f1b", torch.float32),
-    ("llama", torch.float32),
-    ("gpt_one_micro", torch.float32), ("llama_bf16", torch.bfloat16), ("gpt_bf16_remat", torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("gpt_1f1b", torch.float32),
+        ("gpt_gpipe", torch.float32),
+        ("gpt_eager_1f1b", torch.float32),
+        ("llama", torch.float32),
+        ("gpt_one_micro", torch.float32),
+        ("llama_bf16", torch.bfloat16),
+        ("gpt_bf16_remat", torch.bfloat16),
+    ],
+)
 def test_four_pipeline_ranks_match_one_process(pp4, name, dtype):
     results = scenario_results(pp4, name)
     _assert_matches(results, 20, dtype)
@@ -220,10 +237,15 @@ def test_four_pipeline_ranks_match_one_process(pp4, name, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, mesh", [
-    ("gpt_pp_fsdp", "pp=2 x dp_shard=2"), ("gpt_pp_tp", "pp=2 x tp=2, remat"),
-    ("llama_pp_fsdp_bf16", "pp=2 x dp_shard=2, bf16"), ("llama_pp_tp", "pp=2 x tp=2"),
-])
+@pytest.mark.parametrize(
+    "name, mesh",
+    [
+        ("gpt_pp_fsdp", "pp=2 x dp_shard=2"),
+        ("gpt_pp_tp", "pp=2 x tp=2, remat"),
+        ("llama_pp_fsdp_bf16", "pp=2 x dp_shard=2, bf16"),
+        ("llama_pp_tp", "pp=2 x tp=2"),
+    ],
+)
 def test_pipeline_stages_on_a_mesh_match_one_process(pp4, name, mesh):
     results = scenario_results(pp4, name)
     _assert_matches(results, MESH_STEPS, torch.bfloat16 if "bf16" in name else torch.float32)
@@ -238,7 +260,8 @@ def test_pipeline_stages_with_fsdp_and_tp_together_match_one_process(tmp_path_fa
     results = scenario_results(_suite(tmp_path_factory, "pp8", 8), "gpt_pp_fsdp_tp")
     _assert_matches(results, MESH_STEPS)
     assert sorted((r["pp"][0], r["dp"][0], r["tp"][0]) for r in results) == [
-        (p, d, t) for p in range(2) for d in range(2) for t in range(2)], results
+        (p, d, t) for p in range(2) for d in range(2) for t in range(2)
+    ], results
     for res in results:
         assert res["local_numel"] < res["stage_numel"] / 3, res  # tp x FSDP: about a quarter of the stage
 
@@ -255,6 +278,7 @@ def test_pipeline_checkpoints_are_one_tree_that_moves_between_meshes(pp2, pp4):
 @pytest.mark.slow
 def test_stock_orbax_reads_a_pipeline_checkpoint(pp2, tmp_path):
     from _ckpt_util import assert_bits_equal, load_dump, orbax_missing, run_orbax
+
     from functrain import checkpoint as ckpt
 
     if orbax_missing():

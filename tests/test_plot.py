@@ -21,8 +21,14 @@ def _write_metrics(workdir, grad_norm=True):
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / "metrics.jsonl", "w") as f:
         for s in range(10, 210, 10):
-            row = {"step": s, "time": 1.7e9 + s, "loss": 5.5 * math.exp(-s / 60) + 1.4, "lr": 3e-3 * min(1, s / 50),
-                   "tokens_per_s": 4000.0 + s, "eta": "1m02s"}
+            row = {
+                "step": s,
+                "time": 1.7e9 + s,
+                "loss": 5.5 * math.exp(-s / 60) + 1.4,
+                "lr": 3e-3 * min(1, s / 50),
+                "tokens_per_s": 4000.0 + s,
+                "eta": "1m02s",
+            }
             if grad_norm:
                 row["grad_norm"] = 1 / (1 + s / 50)
             f.write(json.dumps(row) + "\n")
@@ -72,16 +78,26 @@ def test_command_line(tmp_path):
     pytest.importorskip("matplotlib")
     _write_metrics(tmp_path / "run")
     out = tmp_path / "c.png"
-    r = subprocess.run([sys.executable, "-m", "functrain.trainer.plot", str(tmp_path / "run"), "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "functrain.trainer.plot", str(tmp_path / "run"), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(out)
     _check_png(out)
 
 
 def test_command_line_errors_exit_2_with_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "functrain.trainer.plot", str(tmp_path / "nope")],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "functrain.trainer.plot", str(tmp_path / "nope")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert r.stderr.startswith("functrain.trainer.plot: error: no such run directory")
     assert plot.main([str(tmp_path)]) == 2  # a directory without metrics.jsonl

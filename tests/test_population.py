@@ -25,8 +25,10 @@ def _setup(k=4, dropout=0.0, n_layer=2):
         template = gpt.GPT(cfg)
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-2, 2, 20), weight_decay=0.1))
     lrs = [1e-2, 3e-3, 5e-3, 2e-2][:k]
-    members = [optim.set_hyperparams(init_state(gpt.init_params(template, rng.key(s)), opt, seed=s), lr=lr)
-               for s, lr in enumerate(lrs)]
+    members = [
+        optim.set_hyperparams(init_state(gpt.init_params(template, rng.key(s)), opt, seed=s), lr=lr)
+        for s, lr in enumerate(lrs)
+    ]
     return cfg, gpt.make_loss_fn(template), opt, members
 
 
@@ -40,8 +42,11 @@ def _batches(cfg, n, seed=0):
 
 
 def _max_diff(pop, members):
-    return max(float((a - b).abs().max()) for k, m in enumerate(members)
-               for a, b in zip(optree.tree_leaves(population.member(pop, k).params), optree.tree_leaves(m.params)))
+    return max(
+        float((a - b).abs().max())
+        for k, m in enumerate(members)
+        for a, b in zip(optree.tree_leaves(population.member(pop, k).params), optree.tree_leaves(m.params))
+    )
 
 
 @pytest.mark.numeric
@@ -92,14 +97,23 @@ def test_compiled_population_is_one_graph_and_matches_eager():
         pe, me = eager(pe, batch)
         torch.testing.assert_close(mc["loss"], me["loss"], rtol=1e-5, atol=0)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert not counters["recompiles"] and not counters["graph_break"], (dict(counters["recompiles"]), dict(counters["graph_break"]))
+    assert not counters["recompiles"] and not counters["graph_break"], (
+        dict(counters["recompiles"]),
+        dict(counters["graph_break"]),
+    )
     assert _max_diff(pc, population.unstack(pe)) <= 1e-5
 
 
 @pytest.mark.numeric
 def test_population_example_prints_its_difference():
-    out = subprocess.run([sys.executable, "examples/population.py", "--steps", "20"], cwd=REPO, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=REPO))
+    out = subprocess.run(
+        [sys.executable, "examples/population.py", "--steps", "20"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=REPO),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("max |population - solo| = ") and float(last.split("= ")[1]) <= 1e-5, last

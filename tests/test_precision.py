@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import _tol
 import pytest
 import torch
 
 from functrain import init_state, make_train_step, optim, tree
-from functrain.step import precision
 from functrain.state import init_guard
-
-import _tol
+from functrain.step import precision
 
 pytestmark = pytest.mark.numeric
 
@@ -163,7 +162,9 @@ def test_bf16_composes_with_remat_and_the_chunked_loss(tiny_gpt, batches):
     data = batches(model.cfg, 3)
     opt = optim.sgd(0.1, momentum=0.9)  # trajectories comparable to rounding (tests/_tol.py)
     plain, s_plain, _ = _run(model, make_gpt_loss_fn(model, chunk_size=32), data, "bf16", opt=opt, steps=3)
-    remat, s_remat, _ = _run(model, make_gpt_loss_fn(model, chunk_size=32, remat="full"), data, "bf16", opt=opt, steps=3)
+    remat, s_remat, _ = _run(
+        model, make_gpt_loss_fn(model, chunk_size=32, remat="full"), data, "bf16", opt=opt, steps=3
+    )
     # Both routes compute in bf16: the reduction-order noise is bf16's (the sums themselves are fp32).
     n = 8 * model.cfg.block_size * 4 * model.cfg.n_embd
     _tol.assert_close(torch.tensor(remat), torch.tensor(plain), _tol.rtol(n, torch.bfloat16) * 3, msg="losses")

@@ -9,8 +9,8 @@ bench/sharded.py --remat none, numbers in README "Sharded training".
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from functrain.compiler.regather import mark_forward_done
 from functrain.compiler.recompute import RecomputePass, recompute_cheap
+from functrain.compiler.regather import mark_forward_done
 
 MARK = torch.ops.functrain.forward_done.default
 
@@ -36,8 +36,12 @@ def _step(x, w1, w2, gy):
 
 def _inputs():
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(32, 128, generator=g), torch.randn(128, 256, generator=g), torch.randn(256, 4, generator=g),
-            torch.randn(32, 4, generator=g))
+    return (
+        torch.randn(32, 128, generator=g),
+        torch.randn(128, 256, generator=g),
+        torch.randn(256, 4, generator=g),
+        torch.randn(32, 4, generator=g),
+    )
 
 
 def _by_target(gm, op):

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import re
 
+import _tol
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
 from functrain import init_state, make_train_step, optim, rng, tree
+from functrain.models import gpt
 from functrain.models.gpt import gpt_hidden
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
-from functrain.models import gpt
-from functrain.step.staged import Stage, parse_policy, staged_loss
 from functrain.step import value_and_grad
-
-import _tol
+from functrain.step.staged import Stage, parse_policy, staged_loss
 
 pytestmark = pytest.mark.numeric
 
@@ -120,8 +119,9 @@ def _toy(n_blocks=4, calls=None):
         return Stage((f"w{i}",), fn)
 
     embed = Stage(("emb",), lambda p, batch, key: batch[0] @ p["emb"])  # (6, 8)
-    head = Stage(("emb",), lambda p, h, batch, key: (((h @ p["emb"].T - batch[1]) ** 2).mean(),
-                                                     {"h_norm": h.detach().norm()}))
+    head = Stage(
+        ("emb",), lambda p, h, batch, key: (((h @ p["emb"].T - batch[1]) ** 2).mean(), {"h_norm": h.detach().norm()})
+    )
     return embed, [block_stage(i) for i in range(n_blocks)], head, params, batch
 
 
@@ -165,8 +165,9 @@ def test_train_step_with_accumulation_equals_non_remat(tiny_gpt, batches):
     state0 = init_state(model, _opt(), seed=0)
     runs = {}
     for remat in ("none", "full", 2):
-        step = make_train_step(make_gpt_loss_fn(model, chunk_size=8, remat=remat), _opt(), accum_steps=2,
-                               compile=False, donate=False)
+        step = make_train_step(
+            make_gpt_loss_fn(model, chunk_size=8, remat=remat), _opt(), accum_steps=2, compile=False, donate=False
+        )
         state, losses = state0, []
         for b in data:
             state, m = step(state, b)

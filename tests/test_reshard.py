@@ -101,9 +101,9 @@ def test_pass_is_cacheable_and_the_step_installs_it():
     """Inductor caches a graph only when every custom pass has a uuid; make_train_step adds the
     passes (recompute, regather, then the attention seeds') to the compiled step's options, after
     any pass of the caller's."""
+    from functrain.compiler import InTurn, with_step_passes
     from functrain.compiler.recompute import RecomputePass
     from functrain.compiler.sdpa_seeds import SdpaSeedPass
-    from functrain.compiler import InTurn, with_step_passes
 
     p = RegatherPass()
     assert p.uuid() and p.uuid() == RegatherPass().uuid()
@@ -128,8 +128,8 @@ def test_a_mode_becomes_its_options_and_the_passes_run_under_it(mode):
     """torch.compile takes a mode or options: the step turns a mode into the inductor options it
     stands for (so the post-grad passes can be added), and torch.compile's inductor config is then
     the mode's, plus the passes."""
+    from functrain.compiler import with_step_passes
     from functrain.compiler.sdpa_seeds import SdpaSeedPass
-    from functrain.compiler import InTurn, with_step_passes
 
     opts = with_step_passes({"mode": mode, "fullgraph": True})
     assert "mode" not in opts and opts["fullgraph"] is True
@@ -160,8 +160,12 @@ def test_in_turn_runs_the_passes_in_order_as_one_pass():
             return self.name
 
     both = InTurn([Note("a"), Note("b")])
-    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", fullgraph=True,
-                       options={"post_grad_custom_post_pass": both, "fx_graph_cache": False})
+    fn = torch.compile(
+        lambda x: (x.sin() * 2).sum(),
+        backend="inductor",
+        fullgraph=True,
+        options={"post_grad_custom_post_pass": both, "fx_graph_cache": False},
+    )
     x = torch.randn(8)
     assert torch.allclose(fn(x), (x.sin() * 2).sum())
     assert [name for name, _ in calls] == ["a", "b"] and calls[0][1] > 0

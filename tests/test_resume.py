@@ -44,7 +44,11 @@ def _main(workdir, *extra, check=True, base=TINY):
     """Runs the main job to completion; returns the CompletedProcess."""
     out = subprocess.run(
         [PYTHON, "-m", "functrain.main", f"--workdir={workdir}", *base, *extra],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if check:
         assert out.returncode == 0, out.stderr[-3000:]
@@ -109,8 +113,12 @@ def test_kill_9_during_async_save_keeps_previous_step_and_resumes(tmp_path):
     work = tmp_path / "run"
     args = [f"--workdir={work}", *TINY, "--config.steps=15", "--config.checkpoint.every=5"]
     p = subprocess.Popen(
-        [PYTHON, "-c", _STUCK_SECOND_SAVE, *args], cwd=REPO, env=_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [PYTHON, "-c", _STUCK_SECOND_SAVE, *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         deadline = time.time() + 300
@@ -134,10 +142,23 @@ def test_kill_9_during_async_save_keeps_previous_step_and_resumes(tmp_path):
 def test_sigterm_or_ctrl_c_saves_the_step_and_exits_cleanly(tmp_path, sig):
     work = tmp_path / "run"
     p = subprocess.Popen(
-        [PYTHON, "-m", "functrain.main", f"--workdir={work}", *TINY, "--config.steps=100000",
-         "--config.checkpoint.every=0"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as at a terminal (a background job ignores it)
+        [
+            PYTHON,
+            "-m",
+            "functrain.main",
+            f"--workdir={work}",
+            *TINY,
+            "--config.steps=100000",
+            "--config.checkpoint.every=0",
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(
+            signal.SIGINT, signal.SIG_DFL
+        ),  # as at a terminal (a background job ignores it)
     )
     for line in p.stdout:
         if line.startswith("step") and "loss" in line:
@@ -147,7 +168,7 @@ def test_sigterm_or_ctrl_c_saves_the_step_and_exits_cleanly(tmp_path, sig):
     assert p.returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
     if sig == signal.SIGINT:
         assert "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again stops at once)" in stdout
-    stopped = [l for l in stdout.splitlines() if l.startswith(f"stopped ({sig.name}) at step ")]
+    stopped = [ln for ln in stdout.splitlines() if ln.startswith(f"stopped ({sig.name}) at step ")]
     assert len(stopped) == 1, stdout[-2000:]
     step = int(stopped[0].split("at step ")[1].split(";")[0])
     assert os.listdir(work / "checkpoints") == [str(step)]
@@ -159,19 +180,25 @@ def test_restore_onto_another_model_is_one_clear_error(tmp_path):
     _main(work, "--config.steps=2", "--config.checkpoint.every=2")
     out = _main(work, "--config.steps=4", "--config.model.n_embd=32", check=False)
     assert out.returncode == 2
-    lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
     assert lines[-1].startswith("functrain: error: checkpoint ")
     assert "shape" in lines[-1] and "Traceback" not in out.stderr
     assert "init_from" not in lines[-1]  # the params changed: starting from them cannot help
     # Only the optimizer changed: the line says how to keep the params under the new one.
     out = _main(work, "--config.steps=4", "--config.optim.name=sgd", check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    line = [l for l in out.stderr.strip().splitlines() if l.strip()][-1]
+    line = [ln for ln in out.stderr.strip().splitlines() if ln.strip()][-1]
     assert line.startswith(f"functrain: error: checkpoint {work / 'checkpoints' / '2'}: leaf 'opt_state."), line
-    assert line.endswith("; to keep its params under this optimizer, start a new --workdir with "
-                         f"--config.checkpoint.init_from={work / 'checkpoints' / '2'}"), line
-    fresh = _main(tmp_path / "fresh", "--config.steps=4", "--config.optim.name=sgd",
-                  f"--config.checkpoint.init_from={work / 'checkpoints' / '2'}")
+    assert line.endswith(
+        "; to keep its params under this optimizer, start a new --workdir with "
+        f"--config.checkpoint.init_from={work / 'checkpoints' / '2'}"
+    ), line
+    fresh = _main(
+        tmp_path / "fresh",
+        "--config.steps=4",
+        "--config.optim.name=sgd",
+        f"--config.checkpoint.init_from={work / 'checkpoints' / '2'}",
+    )
     assert "params initialized from checkpoint" in fresh.stdout  # the advice works
 
 
@@ -195,7 +222,11 @@ def test_compiled_runs_are_reproducible_and_survive_kill_9(tmp_path):
     _main(straight, *args, base=COMPILED)
     p = subprocess.Popen(
         [PYTHON, "-m", "functrain.main", f"--workdir={killed}", *COMPILED, *args],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         for line in p.stdout:  # step 13's console line: step 12's metrics row is on disk by then
@@ -213,12 +244,12 @@ def test_compiled_runs_are_reproducible_and_survive_kill_9(tmp_path):
     restored = re.findall(r"restored checkpoint step (\d+)", out.stdout)
     assert restored in (["10"], ["5"]), out.stdout[-2000:]
     resumed = int(restored[0])
-    want = {s: (l, g) for s, l, g in _rows(straight)}
+    want = {s: (loss, g) for s, loss, g in _rows(straight)}
     assert sorted(want) == list(range(1, 21))
     rows = _rows(killed)
     assert [s for s, _, _ in rows] == list(range(1, last + 1)) + list(range(resumed + 1, 21))
-    for s, l, g in rows:  # exact floats: the rows before the kill and the replayed ones alike
-        assert (l, g) == want[s], (s, l, g, want[s])
+    for s, loss, g in rows:  # exact floats: the rows before the kill and the replayed ones alike
+        assert (loss, g) == want[s], (s, loss, g, want[s])
 
 
 def _without_guard(step_dir):
@@ -240,9 +271,11 @@ def test_checkpoint_from_an_older_version_resumes_and_names_what_it_lacked(tmp_p
     _main(old, *args, "--config.stop_at=4")
     _without_guard(old / "checkpoints" / "4")
     out = _main(old, *args)
-    line = [l for l in out.stdout.splitlines() if "written by an older version" in l]
-    assert line == ["checkpoint step 4 has no guard.skipped, guard.consecutive, guard.loss_scale, "
-                    "guard.good_steps (written by an older version): taken from the fresh state"]
+    line = [ln for ln in out.stdout.splitlines() if "written by an older version" in ln]
+    assert line == [
+        "checkpoint step 4 has no guard.skipped, guard.consecutive, guard.loss_scale, "
+        "guard.good_steps (written by an older version): taken from the fresh state"
+    ]
     assert _losses(old) == _losses(straight)  # no skip had happened: the fresh guard is the same state
 
 
@@ -250,9 +283,22 @@ def test_init_from_loads_params_only_onto_another_mesh(tmp_path):
     """`checkpoint.init_from` starts a 2-rank FSDP run from a 1-process run's params, fresh optimizer."""
     src, dst = tmp_path / "src", tmp_path / "dst"
     _main(src, "--config.steps=6", "--config.checkpoint.every=6")
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "functrain.main",
-           f"--workdir={dst}", *TINY, "--config.steps=1", "--config.checkpoint.every=1", "--config.mesh.dp_shard=2",
-           "--config.optim.lr=0", f"--config.checkpoint.init_from={src}"]  # lr 0: the params pass unchanged
+    cmd = [
+        PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "functrain.main",
+        f"--workdir={dst}",
+        *TINY,
+        "--config.steps=1",
+        "--config.checkpoint.every=1",
+        "--config.mesh.dp_shard=2",
+        "--config.optim.lr=0",
+        f"--config.checkpoint.init_from={src}",
+    ]  # lr 0: the params pass unchanged
     out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"params initialized from checkpoint {src}/checkpoints/6" in out.stdout
@@ -261,9 +307,12 @@ def test_init_from_loads_params_only_onto_another_mesh(tmp_path):
         assert torch.equal(b["params"][name], p), name
     assert int(b["step"]) == 1 and int(b["opt_state"][1][2]["count"]) == 1  # a fresh optimizer, one update
     assert not torch.equal(b["opt_state"][1][0]["mu"]["wte.weight"], a["opt_state"][1][0]["mu"]["wte.weight"])
-    bad = _main(tmp_path / "bad", "--config.steps=1", f"--config.checkpoint.init_from={tmp_path / 'nowhere'}", check=False)
+    bad = _main(
+        tmp_path / "bad", "--config.steps=1", f"--config.checkpoint.init_from={tmp_path / 'nowhere'}", check=False
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
-        "functrain: error: checkpoint.init_from=")
+        "functrain: error: checkpoint.init_from="
+    )
     assert not (tmp_path / "bad").exists()  # stopped before the data and the workdir were made
 
 
@@ -282,8 +331,9 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
         mgr.save(3, saved)
         mgr.wait()
         fresh = init_state({k: torch.zeros_like(v) for k, v in params.items()}, optim.adamw(1e-3), seed=2)
-        config = ml_collections.ConfigDict({"compile": True, "checkpoint": {
-            "async_restore": True, "resume_hyperparams": "config"}})
+        config = ml_collections.ConfigDict(
+            {"compile": True, "checkpoint": {"async_restore": True, "resume_hyperparams": "config"}}
+        )
         compiles = []
 
         def slow_compile(state, batch):  # stands in for the first call of a compiled step
@@ -294,8 +344,11 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
         restored = restore.maybe_restore(mgr, fresh, slow_compile, lambda step: step, config, lines.append)
     assert compiles == [3]
     assert torch.equal(restored.params["w"], params["w"]) and int(restored.step) == int(saved.step)
-    match = re.fullmatch(r"restored checkpoint step 3 in ([\d.]+)s \(compile overlapped; its bytes were read in "
-                         r"([\d.]+)s\)", lines[0])
+    match = re.fullmatch(
+        r"restored checkpoint step 3 in ([\d.]+)s \(compile overlapped; its bytes were read in "
+        r"([\d.]+)s\)",
+        lines[0],
+    )
     assert match, lines
     total, read = map(float, match.groups())
     assert total >= 1.0 and read <= total
@@ -306,9 +359,7 @@ def test_init_from_is_checked_first_unless_the_run_resumes(tmp_path):
     its own workdir never reads it (its source may be gone by then)."""
     import ml_collections
 
-    from functrain.trainer import loop
-    from functrain.trainer import main
-    from functrain.trainer import validate
+    from functrain.trainer import loop, main, validate
 
     config = ml_collections.ConfigDict({"checkpoint": {"init_from": str(tmp_path / "gone")}})
     with pytest.raises(validate.ConfigError, match="^checkpoint.init_from=.*gone.*no committed checkpoint there"):
@@ -325,8 +376,10 @@ def test_init_from_is_checked_first_unless_the_run_resumes(tmp_path):
 
 def _strict_json(path):
     """A JSON file parsed strictly (NaN / Infinity are not JSON)."""
+
     def refuse(constant):
         raise ValueError(f"{path}: {constant} is not JSON")
+
     return json.loads(open(path).read(), parse_constant=refuse)
 
 
@@ -347,8 +400,7 @@ def test_rerunning_a_finished_run_trains_nothing_and_keeps_its_summary(tmp_path)
 def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, capsys):
     """The flag's handler: the first SIGINT asks for a clean stop, the second raises
     KeyboardInterrupt, which `functrain.main` turns into one line and exit status 130."""
-    from functrain.trainer import preemption
-    from functrain.trainer import main
+    from functrain.trainer import main, preemption
 
     lines = []
     # Python's own Ctrl-C handler to start from, whatever this process inherited: a process started
@@ -380,7 +432,10 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit) as exit_:
         main.main([])
     assert exit_.value.code == 130
-    assert capsys.readouterr().err == "functrain: interrupted; the same command resumes from the last committed checkpoint\n"
+    assert (
+        capsys.readouterr().err
+        == "functrain: interrupted; the same command resumes from the last committed checkpoint\n"
+    )
 
 
 _AGREE_WORKER = """
@@ -418,8 +473,9 @@ def test_a_corrupt_latest_step_names_the_command_that_resumes_from_the_one_befor
     from functrain.trainer import restore
 
     params = {"w": torch.arange(6.0).reshape(2, 3)}
-    config = ml_collections.ConfigDict({"compile": False, "checkpoint": {"async_restore": False,
-                                                                           "resume_hyperparams": "config"}})
+    config = ml_collections.ConfigDict(
+        {"compile": False, "checkpoint": {"async_restore": False, "resume_hyperparams": "config"}}
+    )
     root = tmp_path / "checkpoints"
     with ckpt.Manager(str(root), every=1, keep=3) as mgr:
         for step in (2, 4):
@@ -431,7 +487,10 @@ def test_a_corrupt_latest_step_names_the_command_that_resumes_from_the_one_befor
         with pytest.raises(ckpt.CheckpointError) as info:
             restore.maybe_restore(mgr, fresh, None, lambda s: s, config, print)
     line = str(info.value)
-    assert "\n" not in line and f"to resume from step 2, move this one aside (mv {root / '4'} {root / '4'}.corrupt)" in line
+    assert (
+        "\n" not in line
+        and f"to resume from step 2, move this one aside (mv {root / '4'} {root / '4'}.corrupt)" in line
+    )
     os.rename(root / "4", root / "4.corrupt")
     with ckpt.Manager(str(root), every=1, keep=3) as mgr:
         restored = restore.maybe_restore(mgr, fresh, None, lambda s: s, config, lambda _: None)

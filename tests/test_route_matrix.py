@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 
+import _tol
 import pytest
 import torch
 import torch._dynamo
@@ -21,8 +22,6 @@ from torch._dynamo.utils import counters
 
 from functrain import init_state, make_train_step, optim
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
-
-import _tol
 
 pytestmark = pytest.mark.numeric
 
@@ -38,8 +37,14 @@ def _opt():
 def _run(model, data, *, compile, precision, accum):
     """Per-step metrics and the final state of `STEPS` steps."""
     loss_fn = make_gpt_loss_fn(model, remat="none", staged=True)
-    step = make_train_step(loss_fn, _opt(), compile=compile, precision=precision, accum_steps=accum,
-                           compile_options={"backend": "aot_eager"} if compile else None)
+    step = make_train_step(
+        loss_fn,
+        _opt(),
+        compile=compile,
+        precision=precision,
+        accum_steps=accum,
+        compile_options={"backend": "aot_eager"} if compile else None,
+    )
     state, hist = init_state(model, _opt(), seed=0), []
     for b in data:
         state, m = step(state, b)
@@ -50,10 +55,19 @@ def _run(model, data, *, compile, precision, accum):
 UNITS, PRECISIONS, ACCUMS = ("step", "blocks"), ("fp32", "bf16", "fp16"), (1, 2)
 # Every value pair of the three axes in 6 cells (the fewest: unit x precision alone has 6 pairs);
 # the full product (12 cells) under `pytest -m exhaustive`.
-PAIRWISE = [("step", "fp32", 1), ("step", "bf16", 2), ("step", "fp16", 1),
-            ("blocks", "fp32", 2), ("blocks", "bf16", 1), ("blocks", "fp16", 2)]
-CELLS = PAIRWISE + [pytest.param(*c, marks=pytest.mark.exhaustive)
-                    for c in itertools.product(UNITS, PRECISIONS, ACCUMS) if c not in PAIRWISE]
+PAIRWISE = [
+    ("step", "fp32", 1),
+    ("step", "bf16", 2),
+    ("step", "fp16", 1),
+    ("blocks", "fp32", 2),
+    ("blocks", "bf16", 1),
+    ("blocks", "fp16", 2),
+]
+CELLS = PAIRWISE + [
+    pytest.param(*c, marks=pytest.mark.exhaustive)
+    for c in itertools.product(UNITS, PRECISIONS, ACCUMS)
+    if c not in PAIRWISE
+]
 
 
 def test_the_cells_hold_every_value_pair():
@@ -62,8 +76,9 @@ def test_the_cells_hold_every_value_pair():
         assert not missing, (i, j, missing)
 
 
-@pytest.mark.parametrize("unit,precision,accum", CELLS,
-                         ids=[f"{u}-{p}-accum{a}" for u, p, a in (getattr(c, "values", c) for c in CELLS)])
+@pytest.mark.parametrize(
+    "unit,precision,accum", CELLS, ids=[f"{u}-{p}-accum{a}" for u, p, a in (getattr(c, "values", c) for c in CELLS)]
+)
 def test_compiled_route_equals_eager(tiny_gpt, batches, unit, precision, accum):
     model = tiny_gpt(n_layer=2, n_embd=32, block_size=16)
     data = batches(model.cfg, STEPS, batch_size=4)
@@ -72,8 +87,10 @@ def test_compiled_route_equals_eager(tiny_gpt, batches, unit, precision, accum):
     counters.clear()
     got, g_state = _run(model, data, compile=unit, precision=precision, accum=accum)
     assert counters["stats"]["unique_graphs"] == GRAPHS[unit], dict(counters["stats"])
-    assert not counters["recompiles"] and not counters["graph_break"], (dict(counters["recompiles"]),
-                                                                         dict(counters["graph_break"]))
+    assert not counters["recompiles"] and not counters["graph_break"], (
+        dict(counters["recompiles"]),
+        dict(counters["graph_break"]),
+    )
     n = 4 * model.cfg.block_size * 4 * model.cfg.n_embd  # tokens x the widest matmul
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     # fp32: reduction-order noise; bf16/fp16: one rounding of each op's output in the compute dtype

@@ -22,11 +22,13 @@ BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
 def _step(dropout, return_seed=False):
     """Attention forward and backward (as the one-graph step traces them), then a fresh 0-d int64
     value: the AdamW count of a step whose state is not donated."""
+
     def f(q, k, v, g, count):
         out, lse, seed, offset = FWD(q, k, v, None, True, dropout, True)  # (B, H, T, D), (B, H, 32), (), ()
         dq, dk, dv, _ = BWD(g, q, k, v, None, out, lse, seed, offset, dropout, [True, True, True, False], True)
         new_count = torch.where(dq.sum() > 0, count + 1, count)  # () int64
         return (out, dq, dk, dv, new_count) + ((seed,) if return_seed else ())
+
     return f
 
 
@@ -40,8 +42,9 @@ def _trace(f):
 
 def _outputs(gm, index):
     """The forward attention's getitem nodes with this output index."""
-    return [n for n in gm.graph.nodes
-            if n.target is operator.getitem and n.args[0].target is FWD and n.args[1] == index]
+    return [
+        n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0].target is FWD and n.args[1] == index
+    ]
 
 
 def test_fake_propagation_puts_the_seed_on_cuda_while_the_kernel_makes_it_on_cpu():

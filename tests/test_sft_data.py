@@ -11,21 +11,27 @@ import pytest
 import torch
 from ml_collections import ConfigDict
 
-from functrain.data import sft, supervised as S
+from functrain.data import sft
+from functrain.data import supervised as S
 from functrain.data.errors import DataError
 from functrain.data.examples import ExampleSpec, load_examples
 from functrain.data.tokenizer import ByteTokenizer, train_bpe
 
 BYTES = ByteTokenizer()
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"},
-        {"role": "assistant", "content": "done"}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo"},
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": "done"},
+]
 # Qwen2's template (transformers' tokenizer_config.json of Qwen2-0.5B-Instruct), one of the common ChatML ones
 QWEN2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def _learned(ex) -> str:
@@ -50,12 +56,17 @@ def test_alpaca_and_text_golden():
     assert ex.tokens.tolist() == list(b"abc\n") and ex.targets.tolist() == [False, True, True, True]
 
 
-@pytest.mark.parametrize("train_on, learned", [
-    ("assistant", "yo<|im_end|>\ndone<|im_end|>\n"),
-    ("last", "done<|im_end|>\n"),
-])
+@pytest.mark.parametrize(
+    "train_on, learned",
+    [
+        ("assistant", "yo<|im_end|>\ndone<|im_end|>\n"),
+        ("last", "done<|im_end|>\n"),
+    ],
+)
 def test_messages_learn_exactly_the_assistant_turns(train_on, learned):
-    ex = S.render({"messages": CHAT}, "messages", BYTES, train_on=train_on, template=S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE))
+    ex = S.render(
+        {"messages": CHAT}, "messages", BYTES, train_on=train_on, template=S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE)
+    )
     assert BYTES.decode(ex.tokens) == S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE).render(CHAT)
     assert _learned(ex) == learned
 
@@ -64,15 +75,19 @@ def test_the_chat_template_renders_as_transformers_does(tmp_path):
     """Our Jinja rendering of a model's template against transformers' `apply_chat_template`, and the
     assistant spans decoded from a real BPE tokenizer's targets."""
     transformers = pytest.importorskip("transformers")
-    tok = train_bpe(["<|im_start|>user\nhello there<|im_end|>\n" * 50, "def f(x): return x\n" * 50], 320,
-                    tmp_path / "tokenizer.json")
+    tok = train_bpe(
+        ["<|im_start|>user\nhello there<|im_end|>\n" * 50, "def f(x): return x\n" * 50],
+        320,
+        tmp_path / "tokenizer.json",
+    )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     fast.chat_template = QWEN2_TEMPLATE
     ours = S.ChatTemplate(QWEN2_TEMPLATE)
     for msgs in (CHAT, CHAT[1:], CHAT[1:3]):
         for gen in (False, True):
             assert ours.render(msgs, add_generation_prompt=gen) == fast.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=gen)
+                msgs, tokenize=False, add_generation_prompt=gen
+            )
     ex = S.render({"messages": CHAT[1:]}, "messages", tok, train_on="assistant", template=ours)
     assert tok.decode(ex.tokens[ex.targets]) == "yo<|im_end|>\ndone<|im_end|>\n"
     assert tok.decode(ex.tokens).startswith("<|im_start|>system\nYou are a helpful assistant.")
@@ -83,8 +98,16 @@ def test_the_eos_is_learned_when_pad_is_eos(tmp_path):
     tok = train_bpe(["2+2=4 and 3+3=6\n"] * 20, 300, tmp_path / "tok.json")
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "completion": str(2 * i)}) + "\n" for i in range(8)))
-    data = sft.sft_data(ConfigDict({"path": str(path), "val_fraction": 0.2}), cache_dir=str(tmp_path / "c"),
-                        tokenizer=tok, template=None, batch_size=2, block_size=16, seed=0, eval_batches=1)
+    data = sft.sft_data(
+        ConfigDict({"path": str(path), "val_fraction": 0.2}),
+        cache_dir=str(tmp_path / "c"),
+        tokenizer=tok,
+        template=None,
+        batch_size=2,
+        block_size=16,
+        seed=0,
+        eval_batches=1,
+    )
     assert data.sampler.pad_id == tok.eos_id
     x, y = data.train_batch(0)
     for row in range(2):
@@ -95,7 +118,9 @@ def test_the_eos_is_learned_when_pad_is_eos(tmp_path):
 
 
 def test_an_inconsistent_template_is_one_line():
-    rewrites = S.ChatTemplate("{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m['content'] }}{% endfor %}")
+    rewrites = S.ChatTemplate(
+        "{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m['content'] }}{% endfor %}"
+    )
     with pytest.raises(S.TemplateError, match="renders the first 1 message\\(s\\) differently"):
         S.render({"messages": CHAT[1:3]}, "messages", BYTES, train_on="assistant", template=rewrites, where="a.jsonl:3")
 
@@ -108,8 +133,15 @@ def _write(tmp_path, records, name="d.jsonl"):
 
 
 def _spec(**kw):
-    base = dict(fmt="auto", train_on="auto", fields=(), template=S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE),
-                block_size=16, too_long="drop", val_fraction=0.2)
+    base = dict(
+        fmt="auto",
+        train_on="auto",
+        fields=(),
+        template=S.ChatTemplate(S.DEFAULT_CHAT_TEMPLATE),
+        block_size=16,
+        too_long="drop",
+        val_fraction=0.2,
+    )
     return ExampleSpec(**{**base, **kw})
 
 
@@ -134,13 +166,21 @@ def test_fields_map_and_a_record_in_no_format(tmp_path):
     src = _write(tmp_path, [{"question": "q", "answer": "a"}] * 4)
     with pytest.raises(DataError, match="in no supervised format"):
         load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
-    train, val, info = load_examples(src, tmp_path / "c", BYTES,
-                                     _spec(fields=(("completion", "answer"), ("prompt", "question"))),
-                                     log=lambda line: None)
+    train, val, info = load_examples(
+        src,
+        tmp_path / "c",
+        BYTES,
+        _spec(fields=(("completion", "answer"), ("prompt", "question"))),
+        log=lambda line: None,
+    )
     assert info["fmt"] == "prompt_completion" and len(train) + len(val) == 4
     with pytest.raises(DataError, match="train_on='assistant' does not apply"):
-        load_examples(src, tmp_path / "c", BYTES, _spec(train_on="assistant", fields=(("completion", "answer"),
-                                                                                       ("prompt", "question"))))
+        load_examples(
+            src,
+            tmp_path / "c",
+            BYTES,
+            _spec(train_on="assistant", fields=(("completion", "answer"), ("prompt", "question"))),
+        )
 
 
 def test_parquet_and_jsonl_give_the_same_examples(tmp_path):
@@ -154,9 +194,13 @@ def test_parquet_and_jsonl_give_the_same_examples(tmp_path):
     _write(tmp_path / "js", records, "d.jsonl")
     a = load_examples(str(tmp_path / "pq"), tmp_path / "c", BYTES, _spec(), log=lambda line: None)
     b = load_examples(str(tmp_path / "js"), tmp_path / "c", BYTES, _spec(), log=lambda line: None)
+
     def examples(train, val):  # the split hashes the file name, so compare the examples of both splits
-        return sorted((s.tokens[s.offsets[i]:s.offsets[i + 1]].tobytes(), s.targets[s.offsets[i]:s.offsets[i + 1]].tobytes())
-                      for s in (train, val) for i in range(len(s)))
+        return sorted(
+            (s.tokens[s.offsets[i] : s.offsets[i + 1]].tobytes(), s.targets[s.offsets[i] : s.offsets[i + 1]].tobytes())
+            for s in (train, val)
+            for i in range(len(s))
+        )
 
     assert examples(*a[:2]) == examples(*b[:2]) and len(examples(*a[:2])) == 20
 
@@ -167,6 +211,7 @@ def test_the_cache_is_reused_and_keyed_by_content(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(S, "render", lambda *a, **k: calls.append(1))
     import functrain.data.examples as E
+
     monkeypatch.setattr(E, "render", lambda *a, **k: calls.append(1))
     load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
     assert not calls  # read back, not rendered again
@@ -179,8 +224,17 @@ def test_the_cache_is_reused_and_keyed_by_content(tmp_path, monkeypatch):
 def _sft(tmp_path, packing, n=40, batch_size=8):
     src = _write(tmp_path, [{"prompt": f"q{i}:", "completion": "z" * (i % 9 + 1)} for i in range(n)])
     cfg = ConfigDict({"path": src, "packing": packing, "val_fraction": 0.1})
-    return sft.sft_data(cfg, cache_dir=str(tmp_path / "c"), tokenizer=BYTES, template=None, batch_size=batch_size,
-                        block_size=32, seed=3, eval_batches=8, log=lambda line: None)
+    return sft.sft_data(
+        cfg,
+        cache_dir=str(tmp_path / "c"),
+        tokenizer=BYTES,
+        template=None,
+        batch_size=batch_size,
+        block_size=32,
+        seed=3,
+        eval_batches=8,
+        log=lambda line: None,
+    )
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -222,12 +276,21 @@ def test_the_validation_batches_cover_every_validation_example(tmp_path):
 def test_the_data_record_names_the_files_and_changes_with_them(tmp_path):
     data = _sft(tmp_path, False)
     before = data.record()
-    (rel, size, sha), = before["sources"]["data"]["files"]
+    ((rel, size, sha),) = before["sources"]["data"]["files"]
     assert rel == "d.jsonl" and size > 0 and len(sha) == 64
     assert before["sources"]["data"]["kind"].startswith("examples:prompt_completion:completion")
     src = _write(tmp_path, [{"prompt": "other", "completion": "z"}] * 40)
-    again = sft.sft_data(ConfigDict({"path": src}), cache_dir=str(tmp_path / "c"), tokenizer=BYTES, template=None,
-                         batch_size=8, block_size=32, seed=3, eval_batches=1, log=lambda line: None)
+    again = sft.sft_data(
+        ConfigDict({"path": src}),
+        cache_dir=str(tmp_path / "c"),
+        tokenizer=BYTES,
+        template=None,
+        batch_size=8,
+        block_size=32,
+        seed=3,
+        eval_batches=1,
+        log=lambda line: None,
+    )
     assert again.record() != before  # a resume on it stops in one line (trainer.restore)
 
 

@@ -10,9 +10,8 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import _tol
+import pytest
 
 pytestmark = pytest.mark.slow  # main-job runs
 
@@ -22,18 +21,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _data(tmp_path) -> str:
     """A jsonl of 96 conversations of different lengths (so the steps' target counts differ)."""
     path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"count to {i % 9 + 1}"},
-                          {"role": "assistant", "content": " ".join(str(k) for k in range(1, i % 9 + 2))}]}
-            for i in range(96)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"count to {i % 9 + 1}"},
+                {"role": "assistant", "content": " ".join(str(k) for k in range(1, i % 9 + 2))},
+            ]
+        }
+        for i in range(96)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
 def _args(data):
-    return ["--config=configs/sft.py", f"--config.data.path={data}", "--config.epochs=0", "--config.steps=12",
-            "--config.batch_size=8", "--config.model.block_size=96", "--config.compile=False", "--config.log_every=1",
-            "--config.eval_every=6", "--config.eval_batches=1", "--config.checkpoint.every=4",
-            "--config.sample.max_new_tokens=8", "--config.export_hf=False", "--config.data.packing=True"]
+    return [
+        "--config=configs/sft.py",
+        f"--config.data.path={data}",
+        "--config.epochs=0",
+        "--config.steps=12",
+        "--config.batch_size=8",
+        "--config.model.block_size=96",
+        "--config.compile=False",
+        "--config.log_every=1",
+        "--config.eval_every=6",
+        "--config.eval_batches=1",
+        "--config.checkpoint.every=4",
+        "--config.sample.max_new_tokens=8",
+        "--config.export_hf=False",
+        "--config.data.packing=True",
+    ]
 
 
 def _env(threads="2"):
@@ -45,10 +62,23 @@ def _env(threads="2"):
 def _main(workdir, *args, nproc=1, check=True):
     launch = [sys.executable, "-m", "functrain.main"]
     if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                  "-m", "functrain.main"]
-    out = subprocess.run([*launch, f"--workdir={workdir}", *args], cwd=REPO, env=_env("1" if nproc > 1 else "2"),
-                         capture_output=True, text=True, timeout=900)
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "functrain.main",
+        ]
+    out = subprocess.run(
+        [*launch, f"--workdir={workdir}", *args],
+        cwd=REPO,
+        env=_env("1" if nproc > 1 else "2"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if check and out.returncode != 0:
         pytest.fail(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}", pytrace=False)
     return out
@@ -64,8 +94,14 @@ def test_sft_killed_after_a_checkpoint_resumes_bit_exactly(tmp_path):
     args = _args(_data(tmp_path))
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     _main(straight, *args)
-    p = subprocess.Popen([sys.executable, "-m", "functrain.main", f"--workdir={killed}", *args], cwd=REPO,
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "functrain.main", f"--workdir={killed}", *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         for line in p.stdout:
             if line.startswith("step  10/12") or line.startswith("step 10/12"):
@@ -87,8 +123,7 @@ def test_sft_killed_after_a_checkpoint_resumes_bit_exactly(tmp_path):
 def test_sft_from_two_ranks_resumes_on_one_process_on_the_same_batches(tmp_path):
     """Packed rows on 2 FSDP ranks (the hf family's staged loss, a gather per layer, the layout to every
     layer), resumed on one process (unstaged): the same batches, the same losses to rounding."""
-    args = [*_args(_data(tmp_path)), "--config.optim.name=sgd", "--config.optim.lr=0.05",
-            "--config.dist_timeout_s=600"]
+    args = [*_args(_data(tmp_path)), "--config.optim.name=sgd", "--config.optim.lr=0.05", "--config.dist_timeout_s=600"]
     two, moved = tmp_path / "two", tmp_path / "moved"
     _main(two, *args, "--config.mesh.dp_shard=2", nproc=2)
     _main(moved, *args, "--config.mesh.dp_shard=2", "--config.stop_at=8", nproc=2)
@@ -111,7 +146,7 @@ def test_the_readme_sft_command_runs_in_a_fresh_clone(tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", REPO, str(clone)], check=True, timeout=120)
     # the clone's own venv would install every package again: the command runs with this venv's python
-    cmd = cmd.replace(".venv/bin/pip install -e \".[hf]\" && ", "").replace(".venv/bin/python", sys.executable)
+    cmd = cmd.replace('.venv/bin/pip install -e ".[hf]" && ', "").replace(".venv/bin/python", sys.executable)
     env = dict(_env(), PYTHONPATH=str(clone))
     out = subprocess.run(cmd, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -6,12 +6,12 @@ microbatch of the step) equal functrain's token-weighted step within float32 tol
 
 from __future__ import annotations
 
+import _tol
 import numpy as np
 import pytest
 import torch
 
-import _tol
-from functrain import apply, init_state, make_train_step, optim, rng
+from functrain import init_state, make_train_step, optim, rng
 from functrain.data.examples import IGNORE, ExampleSet
 from functrain.data.packing import assemble
 from functrain.models import gpt, hf, lm
@@ -63,10 +63,25 @@ class _Rows(torch.utils.data.Dataset):
 def _trainer(model, ids, labels, tmp_path):
     """Trainer with plain SGD at a constant rate, no clipping, no decay, rows in order; returns (losses, model)."""
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM,
-        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=0.0, optim="sgd", train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0, disable_tqdm=True)
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        optim="sgd",
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Rows(ids, labels))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -80,7 +95,7 @@ def _functrain(loss_fn, params, x, y):
     step = make_train_step(loss_fn, opt, accum_steps=ACCUM, count_targets=lm.count_targets(), compile=False)
     losses, rows = [], MICRO * ACCUM
     for s in range(STEPS):
-        state, m = step(state, (x[s * rows:(s + 1) * rows], y[s * rows:(s + 1) * rows]))
+        state, m = step(state, (x[s * rows : (s + 1) * rows], y[s * rows : (s + 1) * rows]))
         losses.append(float(m["loss"]))
     return losses, state.params
 
@@ -89,8 +104,16 @@ def _tiny_qwen2(tmp_path):
     """(the hf family's template, its init, the transformers model with the same weights)."""
     from functrain.models.hf.tiny import write_tiny
 
-    d = write_tiny(tmp_path / "qwen2", "qwen2", vocab_size=V, hidden_size=32, intermediate_size=64,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T + 1)
+    d = write_tiny(
+        tmp_path / "qwen2",
+        "qwen2",
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T + 1,
+    )
     config = hf.load_config(d)
     template = hf.build_template(config)
     params = hf.init_params(template, rng.key(0))
@@ -124,8 +147,9 @@ class _GPTForTrainer(torch.nn.Module):
     def forward(self, input_ids, labels, attention_mask=None, num_items_in_batch=None, **kwargs):
         logits = self.model(input_ids)[:, :-1]  # (B, T, V): the next-token logits of positions 0..T-1
         target = labels[:, 1:]
-        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100,
-                                                  reduction="sum")
+        total = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), target.flatten(), ignore_index=-100, reduction="sum"
+        )
         n = num_items_in_batch if num_items_in_batch is not None else (target != -100).sum()
         return {"loss": total / n}
 

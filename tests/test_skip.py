@@ -63,8 +63,10 @@ def test_nan_batch_skips_the_update_and_leaves_the_state_bit_identical(compile, 
     # into a CPU buffer on CUDA (functrain/step/update.py `guard_after`)
     assert all(v.dtype.is_floating_point for v in m.values())
     assert not torch.isfinite(m["loss"])
-    for a, b in zip(tree.leaves((state.params, state.opt_state, state.rng)),
-                    tree.leaves((before.params, before.opt_state, before.rng))):
+    for a, b in zip(
+        tree.leaves((state.params, state.opt_state, state.rng)),
+        tree.leaves((before.params, before.opt_state, before.rng)),
+    ):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert int(state.step) == int(before.step) + 1  # the data moves on
 
@@ -104,8 +106,8 @@ def _poisoned_run(tmp_path, config, bad_steps, print_fn):
     """Runs the tiny GPT job through the model-free loop with a Task whose loss is NaN on the
     batches of `bad_steps` (0-based): its batches carry a flag tensor, so the loss stays pure."""
     from functrain import parallel
-    from functrain.trainer import loop
     from functrain.models.gpt import task as gpt_task
+    from functrain.trainer import loop
 
     with parallel.setup(config.mesh) as ctx:
         task = gpt_task.build(config, ctx, tmp_path / "run")
@@ -142,7 +144,7 @@ def test_one_bad_batch_is_skipped_and_the_run_finishes(tmp_path):
     torch.set_num_threads(1)
     summary = _poisoned_run(tmp_path, _tiny_config(tmp_path, 10), {5}, print_fn=lambda *a: None)
     assert summary["steps"] == 10 and summary["loss"] == summary["loss"]  # finite at the end
-    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     totals = {r["step"]: r["skipped_total"] for r in rows if "skipped_total" in r}
     assert totals[5] == 0 and totals[6] == 1 and totals[10] == 1
     assert all("consecutive_skips" not in r for r in rows)
@@ -182,4 +184,6 @@ def test_apply_gradients_is_the_steps_update():
     assert float(m["grad_norm"]) == float(ref_m["grad_norm"]) and float(m["skipped"]) == 0
     nan_grads = tree.map(lambda g: g * float("nan"), grads)
     same, m = apply_gradients(state, nan_grads, opt)
-    assert float(m["skipped"]) == 1 and all(torch.equal(a, b) for a, b in zip(tree.leaves(same.params), tree.leaves(state.params)))
+    assert float(m["skipped"]) == 1 and all(
+        torch.equal(a, b) for a, b in zip(tree.leaves(same.params), tree.leaves(state.params))
+    )

@@ -3,17 +3,24 @@ determinism, donation, evaluation and errors."""
 
 from __future__ import annotations
 
-
+import _tol
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from functrain import TrainState, init_state, make_eval_step, make_train_step, optim, tree
-from functrain import apply_gradients, update_step, value_and_grad
+from functrain import (
+    TrainState,
+    apply_gradients,
+    init_state,
+    make_eval_step,
+    make_train_step,
+    optim,
+    tree,
+    update_step,
+    value_and_grad,
+)
 from functrain.models import gpt
-
-import _tol
 
 pytestmark = pytest.mark.numeric
 
@@ -65,9 +72,7 @@ def _assert_trees_equal(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accum_steps", [1, 2], ids=["no_accum", "accum2_unroll"])
-def test_compiled_step_matches_eager_with_one_graph_and_no_recompiles(
-    tiny_gpt, batches, gpt_loss_fn, accum_steps
-):
+def test_compiled_step_matches_eager_with_one_graph_and_no_recompiles(tiny_gpt, batches, gpt_loss_fn, accum_steps):
     # dropout=0: with dropout the cold compile costs ~3x more CPU (see the opt-in test below).
     model = tiny_gpt(n_layer=1)
     loss_fn = gpt_loss_fn(model)
@@ -99,7 +104,9 @@ def test_compiled_step_matches_eager_with_one_graph_and_no_recompiles(
 
     # the last step's rate follows the schedule with its new peak (the floor and warm-up unchanged)
     want = optim.warmup_cosine(0.02, 3, 10, end_value=LR / 10, init_value=LR / 10)(torch.tensor(9))
-    assert float(c_m["lr"]) == pytest.approx(float(want), rel=1e-6) and float(e_m["lr"]) == pytest.approx(float(want), rel=1e-6)
+    assert float(c_m["lr"]) == pytest.approx(float(want), rel=1e-6) and float(e_m["lr"]) == pytest.approx(
+        float(want), rel=1e-6
+    )
     # The compile contract: one graph for the whole step, built once, never rebuilt.
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])
@@ -119,7 +126,11 @@ def test_compiled_adamw_update_matches_eager_and_has_no_atomic_adds():
     from torch._inductor.utils import run_and_get_code
 
     g = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(64, 48, generator=g), "b": torch.randn(48, generator=g), "e": torch.randn(33, 8, generator=g)}
+    params = {
+        "w": torch.randn(64, 48, generator=g),
+        "b": torch.randn(48, generator=g),
+        "e": torch.randn(33, 8, generator=g),
+    }
     grads = [{k: torch.randn(v.shape, generator=g) * 0.1 for k, v in params.items()} for _ in range(6)]
     grads[3] = {k: v * float("nan") for k, v in grads[3].items()}  # one skipped update
     opt = _opt()
@@ -245,8 +256,13 @@ def test_accumulation_equals_full_batch(tiny_gpt, batches, gpt_loss_fn, accum_st
     _, full, _ = _one_step(model, loss_fn, batch, _sgd_opt())
     _, acc, _ = _one_step(model, loss_fn, batch, _sgd_opt(), accum_steps=accum_steps)
     _tol.assert_close(acc.opt_state, full.opt_state, tol, msg="opt_state")
-    _tol.assert_close(acc.params, full.params, _tol.trajectory_atol(steps=1, gain=LR, grad_scale=1.0, n=_n(model, 8)),
-                      absolute=True, msg="params")
+    _tol.assert_close(
+        acc.params,
+        full.params,
+        _tol.trajectory_atol(steps=1, gain=LR, grad_scale=1.0, n=_n(model, 8)),
+        absolute=True,
+        msg="params",
+    )
 
 
 def _assert_close_trees(a, b, atol):
@@ -263,8 +279,13 @@ def test_scan_accumulation_equals_unroll(tiny_gpt, batches, gpt_loss_fn):
     _, scan, m_scan = _one_step(model, loss_fn, batch, _sgd_opt(), accum_steps=4, accum_impl="scan")
     tol = _tol.rtol(_n(model, 8))
     _tol.assert_close(scan.opt_state, unroll.opt_state, tol, msg="momentum = accumulated grads")
-    _tol.assert_close(scan.params, unroll.params, _tol.trajectory_atol(steps=1, gain=LR, grad_scale=1.0, n=_n(model, 8)),
-                      absolute=True, msg="params")
+    _tol.assert_close(
+        scan.params,
+        unroll.params,
+        _tol.trajectory_atol(steps=1, gain=LR, grad_scale=1.0, n=_n(model, 8)),
+        absolute=True,
+        msg="params",
+    )
     for k in m_unroll:
         _tol.assert_close(m_scan[k], m_unroll[k], tol, msg=k)
 
@@ -427,7 +448,9 @@ def test_value_and_grad_compiles_on_its_own_with_and_without_a_key():
     params, batch = {"w": torch.linspace(-1, 1, 5)}, torch.arange(5.0)
     for key in (torch.zeros(2, dtype=torch.int64), None):
         want = value_and_grad(loss_fn, params, batch, key)
-        got = torch.compile(lambda p, b: value_and_grad(loss_fn, p, b, key), backend="aot_eager",
-                            fullgraph=True)(params, batch)
+        compiled = torch.compile(
+            lambda p, b, key=key: value_and_grad(loss_fn, p, b, key), backend="aot_eager", fullgraph=True
+        )
+        got = compiled(params, batch)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1]["first"], want[1]["first"])
         assert torch.equal(got[2]["w"], want[2]["w"])

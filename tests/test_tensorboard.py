@@ -17,8 +17,17 @@ def _write_run(logdir):
     """Writes five steps of mixed metrics; returns the event file."""
     with TensorBoardWriter(logdir) as w:
         for i in range(1, 6):
-            w.write(10 * i, {"loss": 5.0 / i, "lr": torch.tensor(1e-3 * i), "tokens_per_s": np.float32(1000 * i),
-                             "eta": "3m", "steps_done": i, "val": None})
+            w.write(
+                10 * i,
+                {
+                    "loss": 5.0 / i,
+                    "lr": torch.tensor(1e-3 * i),
+                    "tokens_per_s": np.float32(1000 * i),
+                    "eta": "3m",
+                    "steps_done": i,
+                    "val": None,
+                },
+            )
         w.write(60, {"eta": "0s"})  # nothing numeric: no event
     (path,) = logdir.glob("events.out.tfevents.*")
     return path

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 
+import _token_loss as P
+import _tol
 import pytest
 import torch
+from _dist_launch import REPO, run_ranks
 from torch._dynamo.utils import counters
 
-import _tol
-import _token_loss as P
-from _dist_launch import REPO, run_ranks
 from functrain import init_state, make_eval_step, make_train_step, tree
 from functrain.models import gpt
 
@@ -71,8 +71,9 @@ def test_a_microbatch_of_prompts_only_adds_nothing_and_no_nan():
     state = init_state(m, P.sgd())
 
     def step(accum):
-        return make_train_step(gpt.make_loss_fn(m), P.sgd(), accum_steps=accum, count_targets=P.COUNT,
-                               compile=False, donate=False)
+        return make_train_step(
+            gpt.make_loss_fn(m), P.sgd(), accum_steps=accum, count_targets=P.COUNT, compile=False, donate=False
+        )
 
     new_all, with_empty = step(4)(state, (x, y))
     keep = torch.tensor([0, 1, 4, 5, 6, 7])
@@ -100,8 +101,9 @@ def test_compiled_one_graph_no_recompiles_as_the_counts_change():
     state = init_state(m, P.sgd())
     torch._dynamo.reset()
     counters.clear()
-    step = make_train_step(gpt.make_loss_fn(m), P.sgd(), accum_steps=2, count_targets=P.COUNT,
-                           compile_options={"backend": "aot_eager"})
+    step = make_train_step(
+        gpt.make_loss_fn(m), P.sgd(), accum_steps=2, count_targets=P.COUNT, compile_options={"backend": "aot_eager"}
+    )
     eager = make_train_step(gpt.make_loss_fn(m), P.sgd(), accum_steps=2, count_targets=P.COUNT, compile=False)
     e_state = tree.clone(state)
     seen = set()
@@ -129,8 +131,15 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     other = json.loads((tmp_path / "rank1.json").read_text())
     for name in ("pp_micro4", "packed_pp_micro4"):
         results[name]["grads"].update(other[name]["grads"])  # the second stage's params
-    assert set(results) == {"dp_accum4", "dp_accum2", "fsdp_staged_accum2", "cp_accum2", "pp_micro4",
-                            "packed_fsdp_staged_accum2", "packed_pp_micro4"}
+    assert set(results) == {
+        "dp_accum4",
+        "dp_accum2",
+        "fsdp_staged_accum2",
+        "cp_accum2",
+        "pp_micro4",
+        "packed_fsdp_staged_accum2",
+        "packed_pp_micro4",
+    }
     m = P.model()
     packed = P.reference_packed(m, dict(m.named_parameters()), *P.packed_batch())
     for name, got in results.items():

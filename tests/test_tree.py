@@ -116,8 +116,9 @@ class _Pair(NamedTuple):
     nu: Any
 
 
-@pytest.mark.parametrize("case", ["nested", "namedtuple", "none", "leaf", "empty", "ordered_dict", "int_keys",
-                                  "ordered_dict_inside"])
+@pytest.mark.parametrize(
+    "case", ["nested", "namedtuple", "none", "leaf", "empty", "ordered_dict", "int_keys", "ordered_dict_inside"]
+)
 def test_flatten_agrees_with_optree_and_falls_back_to_it(case):
     """tree.flatten walks plain nodes itself (cheap under Dynamo) and must give optree's leaves, order
     and structure; other node types go to optree whole."""
@@ -207,8 +208,10 @@ def test_walks_cost_dynamo_few_bytecodes_per_leaf_of_a_param_dict(monkeypatch):
         return steps[-1]
 
     more_leaves = 3 * (64 - 4)  # three param dicts of 64 tensors instead of 4
-    for fn, per_leaf in [(lambda t: (tree.leaves(t), tree.flatten(t)[0]), 0),
-                         (lambda t: tree.flatten(t)[1].unflatten(tree.leaves(t)), 12)]:
+    for fn, per_leaf in [
+        (lambda t: (tree.leaves(t), tree.flatten(t)[0]), 0),
+        (lambda t: tree.flatten(t)[1].unflatten(tree.leaves(t)), 12),
+    ]:
         small, large = traced_bytecodes(fn, 4), traced_bytecodes(fn, 64)
         assert small > 0
         assert large - small <= per_leaf * more_leaves + 30, (small, large)

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import re
 
+import _tol
 import optree
 import pytest
 import torch
 
 from functrain import init_state, optim
-from functrain.step import update_groups
-from functrain.step import precision as precision_lib
 from functrain.models.gpt import make_loss_fn
 from functrain.optim.transforms import ScaleByAdamState
 from functrain.parallel import LOCAL
+from functrain.step import precision as precision_lib
+from functrain.step import update_groups
 from functrain.step.update import apply_gradients, to_master
-
-import _tol
 
 N_LAYER = 3
 NO_NORMS = lambda p: {k: p[k].ndim >= 2 for k in p}  # noqa: E731  # decay matrices only
@@ -31,8 +30,10 @@ NO_NORMS = lambda p: {k: p[k].ndim >= 2 for k in p}  # noqa: E731  # decay matri
 def _adamw(clip: float | None = None):
     """AdamW with a masked decay and a masked momentum on the MLPs (two kinds of mask), optionally clipped."""
     mlp = lambda p: {k: bool(re.search(r"blocks\.\d+\.mlp\.", k)) for k in p}  # noqa: E731
-    parts = [optim.masked(optim.trace(0.5), mlp),
-             optim.adamw(optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1, mask=NO_NORMS)]
+    parts = [
+        optim.masked(optim.trace(0.5), mlp),
+        optim.adamw(optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1, mask=NO_NORMS),
+    ]
     return optim.chain(*([optim.clip_by_global_norm(clip)] if clip else []), *parts)
 
 
@@ -51,8 +52,9 @@ def _clone(tree):
 
 
 def _finish(opt, groups, *, donate=True, prec="fp32"):
-    return update_groups.make_finish(opt, groups, LOCAL, donate=donate, guarded=True,
-                                     prec=precision_lib.get(prec), piece=lambda f: f)
+    return update_groups.make_finish(
+        opt, groups, LOCAL, donate=donate, guarded=True, prec=precision_lib.get(prec), piece=lambda f: f
+    )
 
 
 def _exactly_equal(a, b, msg):
@@ -154,8 +156,9 @@ def test_leafwise_declarations_compose():
 def _optree_nodes(state, names):
     """The reference split: optree's flatten with the full "dict of parameter names" predicate."""
     known = set(names)
-    return optree.tree_flatten(state, is_leaf=lambda x: isinstance(x, dict) and all(k in known for k in x),
-                               none_is_leaf=True)
+    return optree.tree_flatten(
+        state, is_leaf=lambda x: isinstance(x, dict) and all(k in known for k in x), none_is_leaf=True
+    )
 
 
 @pytest.mark.parametrize("odd", [False, True])
@@ -164,10 +167,15 @@ def test_split_walks_the_state_as_optree_does(odd):
     # nodes in optree's order and rebuilds the state; a dict whose first key is a parameter name but
     # not all its keys ("odd") makes the split fall back to the full predicate, as it must
     names = ["b.w", "a.w"]
-    t = lambda: torch.randn(2)
+
+    def t():
+        return torch.randn(2)
+
     inner = {"b.w": t(), "a.w": t()}
-    state = (ScaleByAdamState(count=torch.zeros((), dtype=torch.int32), mu=dict(inner), nu=dict(inner)),
-             [None, {"lr": torch.tensor(0.1)}, (t(), {})])
+    state = (
+        ScaleByAdamState(count=torch.zeros((), dtype=torch.int32), mu=dict(inner), nu=dict(inner)),
+        [None, {"lr": torch.tensor(0.1)}, (t(), {})],
+    )
     if odd:
         state = (*state, {"b.w": t(), "count": t()})
     split = update_groups._Split(state, names)

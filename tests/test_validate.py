@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from functrain import optim
-from functrain.trainer import validate
 from functrain.models.gpt import task as gpt_task
+from functrain.trainer import validate
 
-_spec = importlib.util.spec_from_file_location("gpt_config", Path(__file__).resolve().parent.parent / "configs" / "gpt.py")
+_spec = importlib.util.spec_from_file_location(
+    "gpt_config", Path(__file__).resolve().parent.parent / "configs" / "gpt.py"
+)
 gpt_config = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpt_config)
 
@@ -69,7 +71,9 @@ def test_each_key_is_checked_once():
 
 
 def _llama_config():
-    spec = importlib.util.spec_from_file_location("llama_config", Path(__file__).resolve().parent.parent / "configs" / "llama.py")
+    spec = importlib.util.spec_from_file_location(
+        "llama_config", Path(__file__).resolve().parent.parent / "configs" / "llama.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config("tiny").to_dict()
@@ -84,27 +88,51 @@ def _first_error(config, checks):
     return None
 
 
-@pytest.mark.parametrize("changes, expected", [
-    ({"n_embd": 64, "n_head": 3}, "model.n_embd=64, model.n_head=3: n_head must divide n_embd (each head gets "
-                                  "n_embd / n_head channels); change either (--config.model.n_embd / --config.model.n_head)"),
-    ({"n_embd": 64, "n_head": 4}, None),
-    ({"n_head": 0}, "model.n_head=0 is out of range: an integer >= 1 (--config.model.n_head)"),  # before the relation
-])
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (
+            {"n_embd": 64, "n_head": 3},
+            "model.n_embd=64, model.n_head=3: n_head must divide n_embd (each head gets "
+            "n_embd / n_head channels); change either (--config.model.n_embd / --config.model.n_head)",
+        ),
+        ({"n_embd": 64, "n_head": 4}, None),
+        (
+            {"n_head": 0},
+            "model.n_head=0 is out of range: an integer >= 1 (--config.model.n_head)",
+        ),  # before the relation
+    ],
+)
 def test_gpt_relations_name_every_key_in_one_line(changes, expected):
     config = gpt_config.get_config("tiny").to_dict()
     config["model"].update(changes)
     assert _first_error(config, gpt_task.CHECKS) == expected
 
 
-@pytest.mark.parametrize("changes, init_from, expected", [
-    ({"n_head": 4, "n_kv_head": 3}, "", "init_from='', model.n_head=4, model.n_kv_head=3: n_kv_head must divide n_head"),
-    ({"n_head": 4, "n_kv_head": 3}, "hf:/models/x", None),  # the shape comes from the HF config.json
-    ({"n_embd": 120, "n_head": 8, "n_kv_head": 8, "head_dim": 0}, "",
-     "init_from='', model.n_embd=120, model.n_head=8, model.head_dim=0: each head needs an even number of channels"),
-    ({"n_embd": 100, "n_head": 8, "n_kv_head": 8, "head_dim": 0}, "", "init_from='', model.n_embd=100, model.n_head=8"),
-    ({"n_embd": 100, "n_head": 8, "n_kv_head": 8, "head_dim": 6}, "", None),
-    ({"n_embd": 128, "n_head": 4, "n_kv_head": 0}, "", "model.n_kv_head=0 is out of range"),
-])
+@pytest.mark.parametrize(
+    "changes, init_from, expected",
+    [
+        (
+            {"n_head": 4, "n_kv_head": 3},
+            "",
+            "init_from='', model.n_head=4, model.n_kv_head=3: n_kv_head must divide n_head",
+        ),
+        ({"n_head": 4, "n_kv_head": 3}, "hf:/models/x", None),  # the shape comes from the HF config.json
+        (
+            {"n_embd": 120, "n_head": 8, "n_kv_head": 8, "head_dim": 0},
+            "",
+            "init_from='', model.n_embd=120, model.n_head=8, model.head_dim=0: "
+            "each head needs an even number of channels",
+        ),
+        (
+            {"n_embd": 100, "n_head": 8, "n_kv_head": 8, "head_dim": 0},
+            "",
+            "init_from='', model.n_embd=100, model.n_head=8",
+        ),
+        ({"n_embd": 100, "n_head": 8, "n_kv_head": 8, "head_dim": 6}, "", None),
+        ({"n_embd": 128, "n_head": 4, "n_kv_head": 0}, "", "model.n_kv_head=0 is out of range"),
+    ],
+)
 def test_llama_relations_hold_unless_the_shape_comes_from_hugging_face(changes, init_from, expected):
     from functrain.models.llama import checks as llama_checks
 
@@ -119,14 +147,19 @@ def test_llama_relations_hold_unless_the_shape_comes_from_hugging_face(changes, 
         assert "\n" not in error
 
 
-@pytest.mark.parametrize("batch, accum, dp, ok", [(16, 2, 4, True), (16, 4, 2, True), (15, 1, 2, False),
-                                                  (16, 3, 1, False), (8, 1, 16, False)])
+@pytest.mark.parametrize(
+    "batch, accum, dp, ok",
+    [(16, 2, 4, True), (16, 4, 2, True), (15, 1, 2, False), (16, 3, 1, False), (8, 1, 16, False)],
+)
 def test_check_batch_splits_into_ranks_and_micro_batches(batch, accum, dp, ok):
     if ok:
         validate.check_batch(batch, accum, dp)
     else:
-        with pytest.raises(validate.ConfigError, match=rf"^batch_size={batch} must divide by data-parallel "
-                                                       rf"ranks \({dp}\) x accum_steps \({accum}\);"):
+        with pytest.raises(
+            validate.ConfigError,
+            match=rf"^batch_size={batch} must divide by data-parallel "
+            rf"ranks \({dp}\) x accum_steps \({accum}\);",
+        ):
             validate.check_batch(batch, accum, dp)
 
 
@@ -138,8 +171,11 @@ def test_a_block_size_whose_attention_cannot_fit_is_refused_before_any_work():
     c = gpt_config.get_config()
     c.model.block_size = 100_000
     c.device = "cpu"
-    with pytest.raises(validate.ConfigError, match=r"model.block_size=100000: one attention layer's scores alone take "
-                                                   r"4768.4 GiB \(32 rows x 4 heads x 100000 x 100000 floats\)"):
+    with pytest.raises(
+        validate.ConfigError,
+        match=r"model.block_size=100000: one attention layer's scores alone take "
+        r"4768.4 GiB \(32 rows x 4 heads x 100000 x 100000 floats\)",
+    ):
         main.check_config(c)
     config_lib.check_attention_fits(1024, 12, 8, memory=2**30)  # 384 MiB of scores in 1 GiB: fine
     with pytest.raises(validate.ConfigError, match="raise --config.accum_steps"):

@@ -11,7 +11,17 @@ the file; README.md lists name, version and license type.
 import importlib.metadata as md
 from pathlib import Path
 
-DEPENDENCIES = ["torch", "optree", "einops", "tensorstore", "absl-py", "ml-collections", "numpy", "safetensors", "tokenizers"]
+DEPENDENCIES = [
+    "torch",
+    "optree",
+    "einops",
+    "tensorstore",
+    "absl-py",
+    "ml-collections",
+    "numpy",
+    "safetensors",
+    "tokenizers",
+]
 HERE = Path(__file__).resolve().parent
 
 
@@ -49,8 +59,10 @@ def _no_license_file(dist: md.Distribution) -> str:
     if "Apache" not in kind:
         raise SystemExit(f"{dist.metadata['Name']} ships no license file and is {kind!r}: add its text by hand")
     apache = read_license(md.distribution("safetensors"), license_files(md.distribution("safetensors"))[0])
-    return (f"{'=' * 78}\n{dist.metadata['Name']} {dist.version}: no license file in the wheel; its metadata names "
-            f"{kind} (Apache License 2.0), whose text follows\n{'=' * 78}\n{apache.rstrip()}\n")
+    return (
+        f"{'=' * 78}\n{dist.metadata['Name']} {dist.version}: no license file in the wheel; its metadata names "
+        f"{kind} (Apache License 2.0), whose text follows\n{'=' * 78}\n{apache.rstrip()}\n"
+    )
 
 
 def main() -> None:

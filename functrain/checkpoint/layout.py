@@ -31,9 +31,7 @@ CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_MARKER = "commit_success.txt"
 TREE_METADATA = "_METADATA"
 PROCESS_PREFIX = "ocdbt.process_"
-STANDARD_HANDLER = (
-    "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
-)
+STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 
 # orbax's KeyType enum (orbax/checkpoint/_src/tree/utils.py): SEQUENCE = 1, DICT = 2.
 KEY_SEQUENCE = 1
@@ -238,7 +236,9 @@ def fsync_dir(path: str) -> None:
 
 def write_commit_files(path: str, final_path: str, init_ns: int, custom_metadata: dict | None = None) -> None:
     """Writes ``_CHECKPOINT_METADATA`` and the commit marker into the directory ``path``."""
-    write_json(os.path.join(path, CHECKPOINT_METADATA), checkpoint_metadata_json(init_ns, time.time_ns(), custom_metadata))
+    write_json(
+        os.path.join(path, CHECKPOINT_METADATA), checkpoint_metadata_json(init_ns, time.time_ns(), custom_metadata)
+    )
     write_text(os.path.join(path, COMMIT_MARKER), f"Checkpoint commit was successful to {final_path}")
 
 
@@ -271,8 +271,9 @@ def read_custom_metadata(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {CHECKPOINT_METADATA} is unreadable ({e}); restore an earlier "
-                              "step") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {CHECKPOINT_METADATA} is unreadable ({e}); restore an earlier step"
+        ) from None
     return custom if isinstance(custom, dict) else {}
 
 

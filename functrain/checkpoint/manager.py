@@ -149,7 +149,10 @@ class Manager:
         with self._lock:
             self._pending_step = step
         self._writer.save(
-            self.step_path(step), state, compression=self.compression, on_commit=lambda: self._committed(step),
+            self.step_path(step),
+            state,
+            compression=self.compression,
+            on_commit=lambda: self._committed(step),
             custom_metadata=custom_metadata,
         )
         return True
@@ -216,8 +219,9 @@ class Manager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointError(f"checkpoint directory {self.directory}: no committed checkpoint to restore")
-        return reader.restore(self.step_path(step), template, device=device, allow_cast=allow_cast,
-                              defaults=defaults, strict=strict)
+        return reader.restore(
+            self.step_path(step), template, device=device, allow_cast=allow_cast, defaults=defaults, strict=strict
+        )
 
     def metadata(self, step: int | None = None) -> dict[str, reader.ArrayInfo]:
         """Shapes/dtypes/chunks of checkpoint ``step`` (default: the latest); see ``read_metadata``."""

@@ -238,7 +238,10 @@ def _missing_error(path: str, meta: layout.TreeMetadata, missing: list[layout.Le
     close = difflib.get_close_matches(first, names, n=1)
     details = [f"{len(missing) - 1} more template leaves missing"] if len(missing) > 1 else []
     details.append(f"the checkpoint has {len(names)} leaves" + (f", closest: {close[0]!r}" if close else ""))
-    return MismatchError(f"checkpoint {path}: leaf {first!r} is missing ({'; '.join(details)}); {_FIX_TEMPLATE}", [k.name for k in missing])
+    return MismatchError(
+        f"checkpoint {path}: leaf {first!r} is missing ({'; '.join(details)}); {_FIX_TEMPLATE}",
+        [k.name for k in missing],
+    )
 
 
 def _check_no_extra(path: str, meta: layout.TreeMetadata, keys: list[layout.LeafKey]) -> None:
@@ -250,7 +253,9 @@ def _check_no_extra(path: str, meta: layout.TreeMetadata, keys: list[layout.Leaf
         raise MismatchError(
             f"checkpoint {path}: leaf {extra[0]!r}{more} is in the checkpoint but not in this program's state "
             "(a state field or optimizer state this code does not have); restore it with the code and config "
-            "that wrote it, or start a fresh workdir", extra)
+            "that wrote it, or start a fresh workdir",
+            extra,
+        )
 
 
 def _fill_missing(path, meta, keys, treespec, missing: list[int], defaults) -> dict[int, Any]:
@@ -395,13 +400,17 @@ def restore(
         if tuple(store.shape) != t.shape:
             raise MismatchError(
                 f"checkpoint {path}: leaf {key.name!r} has shape {tuple(store.shape)} but the template "
-                f"expects {t.shape}; {_FIX_TEMPLATE}", [key.name])
+                f"expects {t.shape}; {_FIX_TEMPLATE}",
+                [key.name],
+            )
         dtype = _stored_dtype(store)
         if dtype != t.dtype:
             raise MismatchError(
                 f"checkpoint {path}: leaf {key.name!r} has dtype {str(dtype).removeprefix('torch.')} but the "
                 f"template expects {str(t.dtype).removeprefix('torch.')}; make the template match or pass "
-                "allow_cast=True", [key.name])
+                "allow_cast=True",
+                [key.name],
+            )
     reads = [
         None if store is None or t.box is None or t.box.empty else store[t.box.index()].read()
         for t, store in zip(targets, stores)

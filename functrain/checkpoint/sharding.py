@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import optree
 import torch

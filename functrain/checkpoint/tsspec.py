@@ -112,9 +112,25 @@ def cast_spec(spec: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 # dtypes
 
 _SUPPORTED = [
-    "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
 ]
 TORCH_DTYPES = {name: getattr(torch, name) for name in _SUPPORTED if hasattr(torch, name)}
 # dtypes numpy has natively; the others (bfloat16, float8) go through a same-width integer view.

@@ -20,7 +20,8 @@ import json
 import os
 import shutil
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorstore as ts
 import torch
@@ -141,8 +142,9 @@ def _write_process_db(leaves: list[_Leaf], tmp: str, me: int, compression: str |
         w.result()
 
 
-def _merge_and_commit(entries: list[tuple[layout.LeafKey, str]], tmp: str, path: str, init_ns: int,
-                      custom_metadata: dict | None = None) -> None:
+def _merge_and_commit(
+    entries: list[tuple[layout.LeafKey, str]], tmp: str, path: str, init_ns: int, custom_metadata: dict | None = None
+) -> None:
     """Rank 0: merges the per-process databases, writes metadata and marker, renames tmp -> path."""
     ctx = tsspec.new_context()
     item = layout.item_dir(tmp)
@@ -201,13 +203,18 @@ def _agree(group, leaves: list[_Leaf], entries: list) -> tuple[list[_Leaf], list
         for d in descs:
             if d[0].name not in owner or d[4] < owner[d[0].name][4]:
                 owner[d[0].name] = d
-    kept = [leaf if leaf.first == owner[leaf.key.name][4] else dataclasses.replace(leaf, box=None, data=None)
-            for leaf in leaves]
+    kept = [
+        leaf if leaf.first == owner[leaf.key.name][4] else dataclasses.replace(leaf, box=None, data=None)
+        for leaf in leaves
+    ]
     if _dist.rank() != 0:
         return kept, entries
     have = {leaf.key.name for leaf in kept}
-    kept += [_Leaf(k, shape, dtype, chunks, None, None, first) for k, shape, dtype, chunks, first in owner.values()
-             if k.name not in have]
+    kept += [
+        _Leaf(k, shape, dtype, chunks, None, None, first)
+        for k, shape, dtype, chunks, first in owner.values()
+        if k.name not in have
+    ]
     union, seen = [], set()
     for _, rank_entries in every:
         for key, value_type in rank_entries:
@@ -360,8 +367,9 @@ def _default_writer() -> AsyncWriter:
     return _DEFAULT_WRITER
 
 
-def save_async(path: str, state: Any, *, compression: str | None = "zstd",
-               custom_metadata: dict | None = None) -> concurrent.futures.Future:
+def save_async(
+    path: str, state: Any, *, compression: str | None = "zstd", custom_metadata: dict | None = None
+) -> concurrent.futures.Future:
     """Saves ``state`` to the checkpoint directory ``path`` in the background.
 
     Blocks only for the previous save (if still running) and the host snapshot of the local shards.

@@ -5,7 +5,8 @@
 `with_step_passes` (the one-graph step's inductor passes), `scan` (torch's scan higher-order op, for
 gradient accumulation). The rest: the compile cache (`cache`), the marks a staged loss places in a
 graph (`marks`) and the graph passes that read them (`recompute`, `regather`), the efficient-attention
-seed pass (`sdpa_seeds`), CUDA graphs for the train step (`cuda_graphs`), whether plain autograd may run (`transforms`), and the table of torch workarounds with a self-test each
+seed pass (`sdpa_seeds`), CUDA graphs for the train step (`cuda_graphs`), whether plain autograd may run
+(`transforms`), and the table of torch workarounds with a self-test each
 (`workarounds`; docs/compiler.md), and the one-line account of a graph break in user code
 (`graph_breaks`). Nothing outside this package imports `torch._dynamo`,
 `torch._inductor`, `torch._functorch` or `torch._higher_order_ops` (tests/test_architecture.py).

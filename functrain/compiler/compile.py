@@ -95,7 +95,7 @@ def maybe_compile(fn, compile: bool, options: dict | None):
         return _replace_at(out, lifted, back)
 
     # a code object of its own per `fn`: Dynamo caches (and counts recompiles) per code object
-    code = lowered.__code__.replace(co_name=getattr(fn, "__name__", "step"))
+    code = lowered.__code__.replace(co_name=_name_of(fn))
     lowered = types.FunctionType(code, lowered.__globals__, code.co_name, None, lowered.__closure__)
     compiled = graph(lowered, options)
     first = [_is_inductor(options)]  # inductor: probe at the first call
@@ -125,10 +125,16 @@ def maybe_compile(fn, compile: bool, options: dict | None):
 # restart: docs/results.md). Integer scalars (step, counts) make no restart and stay as they are.
 
 
+def _name_of(fn) -> str:
+    """`fn`'s name (a partial's function's), for Dynamo's code object and logs."""
+    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step")
+
+
 def _probe_for_cpu(args: tuple) -> None:
     """Starts inductor's CPU vector-ISA probe beside Dynamo's trace when `args` hold a CPU tensor (once a process)."""
-    if not cache.probe_started() and any(isinstance(x, torch.Tensor) and x.device.type == "cpu"
-                                         for x in optree.tree_leaves(args, none_is_leaf=False)):
+    if not cache.probe_started() and any(
+        isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in optree.tree_leaves(args, none_is_leaf=False)
+    ):
         cache.start_isa_probe()
 
 
@@ -137,8 +143,13 @@ def _lift(args: tuple) -> tuple[dict, tuple, dict, dict]:
     paths, leaves, _ = optree.tree_flatten_with_path(args)
     trie, views, originals, index = {}, {}, {}, {}
     for path, x in zip(paths, leaves):
-        if not (type(x) is torch.Tensor and x.dtype is torch.float64 and x.ndim == 0 and x.is_cpu
-                and _plain_path(args, path)):
+        if not (
+            type(x) is torch.Tensor
+            and x.dtype is torch.float64
+            and x.ndim == 0
+            and x.is_cpu
+            and _plain_path(args, path)
+        ):
             continue
         i = index.get(id(x))
         if i is None:  # one view per tensor: two views of one storage would be two aliased inputs
@@ -164,8 +175,11 @@ def _child(node, key) -> tuple[bool, Any]:
     """(True, node[key]) for a dict, list, tuple or NamedTuple `node` that has `key`; else (False, None)."""
     if type(node) is dict:
         return (True, node[key]) if key in node else (False, None)
-    if (type(node) in (list, tuple) or (isinstance(node, tuple) and hasattr(node, "_fields"))) \
-            and type(key) is int and 0 <= key < len(node):
+    if (
+        (type(node) in (list, tuple) or (isinstance(node, tuple) and hasattr(node, "_fields")))
+        and type(key) is int
+        and 0 <= key < len(node)
+    ):
         return True, node[key]
     return False, None
 

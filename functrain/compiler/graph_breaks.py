@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch._dynamo.exc as dynamo_exc
@@ -25,7 +25,8 @@ import torch._dynamo.exc as dynamo_exc
 __all__ = ["GraphBreakError", "explained", "describe"]
 
 _SKIP = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
 
 
 class GraphBreakError(RuntimeError):
@@ -60,16 +61,20 @@ def describe(exc: BaseException) -> str:
     """
     reason = getattr(exc, "gb_type", None) or str(exc).split("\n", 1)[0]
     if "RNN, GRU, or LSTM" in reason:
-        return (f"the step cannot compile as one graph: torch.compile does not trace nn.RNN, nn.GRU or nn.LSTM "
-                f"(at {_where(exc)}); build the step with fullgraph=False (--config.fullgraph=False): the recurrent "
-                "module then runs between compiled graphs, with the same numbers")
-    return (f"the step cannot compile as one graph: {reason}, at {_where(exc)}; change the module there "
-            "(no print, logging or branch on a tensor's value inside the forward), or build the step with "
-            "fullgraph=False (--config.fullgraph=False) to compile around the break (several graphs)")
+        return (
+            f"the step cannot compile as one graph: torch.compile does not trace nn.RNN, nn.GRU or nn.LSTM "
+            f"(at {_where(exc)}); build the step with fullgraph=False (--config.fullgraph=False): the recurrent "
+            "module then runs between compiled graphs, with the same numbers"
+        )
+    return (
+        f"the step cannot compile as one graph: {reason}, at {_where(exc)}; change the module there "
+        "(no print, logging or branch on a tensor's value inside the forward), or build the step with "
+        "fullgraph=False (--config.fullgraph=False) to compile around the break (several graphs)"
+    )
 
 
 @contextlib.contextmanager
-def explained(rerun: "Callable[[], object] | None" = None) -> Iterator[None]:
+def explained(rerun: Callable[[], object] | None = None) -> Iterator[None]:
     """Re-raises a Dynamo graph-break error inside the block as a one-line `GraphBreakError`.
 
     Args:

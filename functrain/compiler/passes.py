@@ -58,7 +58,8 @@ def with_step_passes(options: dict | None) -> dict:
     """
     options = dict(options or {})
     if options.get("backend", "inductor") != "inductor" or (
-            options.get("mode") is not None and options.get("options") is not None):
+        options.get("mode") is not None and options.get("options") is not None
+    ):
         return options
     mode = options.pop("mode", None)
     if mode is not None:  # ("default" stands for no options)

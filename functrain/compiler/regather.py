@@ -55,21 +55,37 @@ def _ops(*names: str) -> frozenset:
         try:
             out.add(getattr(getattr(torch.ops.aten, op), overload))
         except AttributeError:
-            raise RuntimeError(f"functrain.compiler.regather: torch {torch.__version__} has no aten.{name}; "
-                               "the pass's op tables need updating for this release") from None
+            raise RuntimeError(
+                f"functrain.compiler.regather: torch {torch.__version__} has no aten.{name}; "
+                "the pass's op tables need updating for this release"
+            ) from None
     return frozenset(out)
 
 
-REARRANGE = _ops("view.default", "reshape.default", "_unsafe_view.default", "slice.Tensor", "clone.default",
-                 "permute.default", "t.default", "transpose.int", "expand.default", "select.int",
-                 "squeeze.dim", "unsqueeze.default", "alias.default", "as_strided.default")
+REARRANGE = _ops(
+    "view.default",
+    "reshape.default",
+    "_unsafe_view.default",
+    "slice.Tensor",
+    "clone.default",
+    "permute.default",
+    "t.default",
+    "transpose.int",
+    "expand.default",
+    "select.int",
+    "squeeze.dim",
+    "unsqueeze.default",
+    "alias.default",
+    "as_strided.default",
+)
 """The aten ops that take one tensor and rearrange its values, with no arithmetic: what turns a
 gathered flat buffer into parameters (and what `functrain.compiler.recompute` may copy freely)."""
 # what builds an all-gather's input from the local shards (the parameters): recomputed, not held.
 # (A post-grad graph casts with prims.convert_element_type, which is not here: under bf16 the second
 # gather reads the forward's cast shard, which stays alive until then, as it always has.)
-_FLATTEN = REARRANGE | _ops("cat.default", "constant_pad_nd.default", "_to_copy.default",
-                            "new_zeros.default", "zeros.default", "full.default")
+_FLATTEN = REARRANGE | _ops(
+    "cat.default", "constant_pad_nd.default", "_to_copy.default", "new_zeros.default", "zeros.default", "full.default"
+)
 
 
 class RegatherPass(CustomGraphPass):
@@ -87,9 +103,16 @@ class RegatherPass(CustomGraphPass):
         if _log.isEnabledFor(logging.INFO):
             m = gathered_in_flight(graph)
             if m["gathers"]:
-                _log.info("regathered %d; gathered params alive at most %.1f MiB (%d of %d all-gathers, "
-                          "the largest %.1f MiB)", added, m["peak_bytes"] / 2**20, m["alive_at_peak"],
-                          m["gathers"], m["largest_bytes"] / 2**20, extra={"gathered": m, "regathered": added})
+                _log.info(
+                    "regathered %d; gathered params alive at most %.1f MiB (%d of %d all-gathers, "
+                    "the largest %.1f MiB)",
+                    added,
+                    m["peak_bytes"] / 2**20,
+                    m["alive_at_peak"],
+                    m["gathers"],
+                    m["largest_bytes"] / 2**20,
+                    extra={"gathered": m, "regathered": added},
+                )
 
     def uuid(self):
         return get_hash_for_files((__file__,))
@@ -151,7 +174,7 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
             new[wait] = graph.call_function(wait_op, (again,))
             new[wait].meta["val"] = wait.meta["val"]
             for n in sorted(need - {wait}, key=pos.__getitem__):
-                new[n] = graph.node_copy(n, lambda a: new.get(a, a))
+                new[n] = graph.node_copy(n, lambda a, new=new: new.get(a, a))
         for u in late:
             for a in set(u.all_input_nodes) & need:
                 u.replace_input_with(a, new[a])
@@ -205,8 +228,12 @@ def gathered_in_flight(graph: torch.fx.Graph) -> dict:
         count += sign
         if live > peak:
             peak, at_peak = live, count
-    return {"peak_bytes": peak, "gathers": len(spans), "largest_bytes": max((b for *_, b in spans), default=0),
-            "alive_at_peak": at_peak}
+    return {
+        "peak_bytes": peak,
+        "gathers": len(spans),
+        "largest_bytes": max((b for *_, b in spans), default=0),
+        "alive_at_peak": at_peak,
+    }
 
 
 def _collectives() -> tuple:

@@ -91,8 +91,9 @@ def unlink_unused_sdpa_seeds(graph: torch.fx.Graph) -> int:
                 continue  # (no planned device to put the new one on)
             for reader in readers:
                 with graph.inserting_before(reader):
-                    fresh = graph.call_function(torch.ops.aten.empty.memory_format, ([],),
-                                                {"dtype": torch.int64, "device": val.device})
+                    fresh = graph.call_function(
+                        torch.ops.aten.empty.memory_format, ([],), {"dtype": torch.int64, "device": val.device}
+                    )
                 fresh.meta["val"] = _empty_like(val)
                 reader.replace_input_with(out, fresh)
                 changed.add(reader)

@@ -15,7 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -48,8 +49,10 @@ class Workaround(NamedTuple):
 
 def _fail(name: str, what: str) -> None:
     """Raises PremiseChanged for workaround `name`."""
-    raise PremiseChanged(f"torch workaround {name!r} (functrain/compiler/workarounds.py): {what} on torch "
-                         f"{torch.__version__}; revisit it")
+    raise PremiseChanged(
+        f"torch workaround {name!r} (functrain/compiler/workarounds.py): {what} on torch "
+        f"{torch.__version__}; revisit it"
+    )
 
 
 def _check_float64_lift() -> None:
@@ -144,54 +147,79 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "float64_scalars_lifted",
         "a 0-d float64 CPU input (an optimizer hyper-parameter) makes Dynamo restart its whole analysis "
         "(`_tensorify_python_scalars`): a second trace and AOT pass of the step; passed as (1,) views",
-        "reproduced by tests/test_step.py (one trace, not two)", "2.13, 2.14",
-        "functrain/compiler/compile.py (`_lift`)", _check_float64_lift),
+        "reproduced by tests/test_step.py (one trace, not two)",
+        "2.13, 2.14",
+        "functrain/compiler/compile.py (`_lift`)",
+        _check_float64_lift,
+    ),
     Workaround(
         "foreach_lerp_tensor_weight",
         "compiled `_foreach_lerp.Scalar` with a 0-d tensor weight: 2.14's decomposition branches on the "
         "unbacked weight (GuardOnDataDependentSymNode); compiled, lerp is written out as x + w (y - x)",
-        "reproduced by configs/gpt.py:tiny on 2.14.1", "2.14 (on 2.13 the written-out form gives the same bits)",
-        "functrain/ops/foreach.py (`lerp`)", _check_lerp_written_out),
+        "reproduced by configs/gpt.py:tiny on 2.14.1",
+        "2.14 (on 2.13 the written-out form gives the same bits)",
+        "functrain/ops/foreach.py (`lerp`)",
+        _check_lerp_written_out,
+    ),
     Workaround(
         "sdpa_efficient_seeds",
         "CUDA efficient attention makes its philox seed/offset on the CPU while inductor plans CUDA buffers; "
         "a reused buffer handed Triton a CPU pointer (fp32, donate=False); a post-grad pass gives the "
-        "dropout-free backward fresh ones", "tests/test_sdpa_seeds.py", "2.11 (CUDA), 2.13, 2.14 (fake propagation)",
-        "functrain/compiler/sdpa_seeds.py", _check_sdpa_seeds),
+        "dropout-free backward fresh ones",
+        "tests/test_sdpa_seeds.py",
+        "2.11 (CUDA), 2.13, 2.14 (fake propagation)",
+        "functrain/compiler/sdpa_seeds.py",
+        _check_sdpa_seeds,
+    ),
     Workaround(
         "mesh_hash_in_cache_key",
         "a DeviceMesh pickles its per-process salted hash into inductor's and AOTAutograd's cache keys, so "
         "every sharded run compiled cold; a copyreg reducer leaves it out",
-        "tests/test_compile_cache.py (hits across two PYTHONHASHSEEDs)", "2.13, 2.14",
-        "functrain/compiler/mesh_key.py", _check_mesh_hash),
+        "tests/test_compile_cache.py (hits across two PYTHONHASHSEEDs)",
+        "2.13, 2.14",
+        "functrain/compiler/mesh_key.py",
+        _check_mesh_hash,
+    ),
     Workaround(
         "staged_remat_route",
         "`torch.utils.checkpoint` cannot run under `torch.func.grad` (no saved tensor hooks), and a custom "
         "autograd.Function's backward is dropped under torch.func + torch.compile; activation checkpointing "
         "is spelled out as per-stage vjps behind an opaque barrier op",
-        "pytorch#193279", "2.13, 2.14", "functrain/step/staged.py, functrain/compiler/marks.py",
-        _check_checkpoint_under_func),
+        "pytorch#193279",
+        "2.13, 2.14",
+        "functrain/step/staged.py, functrain/compiler/marks.py",
+        _check_checkpoint_under_func,
+    ),
     Workaround(
         "gloo_one_thread",
         "two collectives of one gloo group in flight on torch's two worker threads corrupt the heap "
         "(malloc aborts, segfaults, hangs); functrain's groups come from a backend of its own "
         "(torch's backend registry) that builds them with one thread",
-        "bench/gloo_threads.py", "2.13, 2.14", "functrain/parallel/gloo.py",
-        _check_gloo_threads),
+        "bench/gloo_threads.py",
+        "2.13, 2.14",
+        "functrain/parallel/gloo.py",
+        _check_gloo_threads,
+    ),
     Workaround(
         "elastic_attempt_store",
         "torchrun keeps one store for every restart attempt and env:// hands it over unprefixed, so a "
         "restarted attempt's groups read the killed attempt's keys (gloo: connectFullMesh refused by a dead "
         "rank's port); the default group gets a store prefixed with the attempt",
-        "bench/elastic.sh (kill -9 of a worker under --max-restarts=1)", "2.13, 2.14",
-        "functrain/parallel/mesh.py (`attempt_store`)", _check_agent_store_unprefixed),
+        "bench/elastic.sh (kill -9 of a worker under --max-restarts=1)",
+        "2.13, 2.14",
+        "functrain/parallel/mesh.py (`attempt_store`)",
+        _check_agent_store_unprefixed,
+    ),
     Workaround(
         "like_draws_routed",
         "Dynamo hands a torch function mode only the functions of its overridable set, which lacks "
         "`rand_like`, `randn_like` and `randint_like` (eager torch hands them over): a compiled step drew "
         "them from torch's generator where the eager one drew from the key; they are added to that set",
-        "tests/test_keyed_randomness.py (compiled noise = eager)", "2.13, 2.14",
-        "functrain/compiler/like_draws.py", _check_like_draws),
+        "tests/test_keyed_randomness.py (compiled noise = eager)",
+        "2.13, 2.14",
+        "functrain/compiler/like_draws.py",
+        _check_like_draws,
+    ),
 )
 """The table (docs/compiler.md shows it)."""
 

@@ -23,11 +23,24 @@ if TYPE_CHECKING:
     from functrain.data.sft import ExampleSampler, SFTData, sft_data
     from functrain.data.shards import is_shard_source, shard_files
     from functrain.data.stdlib_sft import builtin_format, builtin_source, stdlib_pairs
-    from functrain.data.supervised import (ChatTemplate, chat_template_of, detect_format, first_record,
-                                           has_chat_template, render)
+    from functrain.data.supervised import (
+        ChatTemplate,
+        chat_template_of,
+        detect_format,
+        first_record,
+        has_chat_template,
+        render,
+    )
     from functrain.data.token_cache import open_token_cache, tokenize
-    from functrain.data.tokenizer import (END_OF_TEXT, SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer,
-                                          VocabTokenizer, train_bpe)
+    from functrain.data.tokenizer import (
+        END_OF_TEXT,
+        SEPARATOR,
+        ByteTokenizer,
+        HFTokenizer,
+        IdTokenizer,
+        VocabTokenizer,
+        train_bpe,
+    )
     from functrain.data.tokens import ConcatTokens
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

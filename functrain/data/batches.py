@@ -25,8 +25,7 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1
 _U64 = (1 << 64) - 1
 
 
-def window_starts(n_tokens: int, batch_size: int, block_size: int, stream: int, seed: int,
-                  step: int) -> np.ndarray:
+def window_starts(n_tokens: int, batch_size: int, block_size: int, stream: int, seed: int, step: int) -> np.ndarray:
     """Start offsets of the global batch's windows, a pure function of the arguments."""
     if n_tokens < block_size + 1:
         raise DataError(
@@ -42,12 +41,10 @@ def window_rows(tokens, starts, block_size, rank, world, device):
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"need 0 <= rank < world, got rank={rank}, world={world}")
     if len(starts) % world:
-        raise ValueError(
-            f"batch_size {len(starts)} must be divisible by the data-parallel world size {world}"
-        )
+        raise ValueError(f"batch_size {len(starts)} must be divisible by the data-parallel world size {world}")
     b = len(starts) // world
-    local = starts[rank * b:(rank + 1) * b]
-    windows = np.stack([np.asarray(tokens[s:s + block_size + 1]) for s in local])  # (B_local, T+1)
+    local = starts[rank * b : (rank + 1) * b]
+    windows = np.stack([np.asarray(tokens[s : s + block_size + 1]) for s in local])  # (B_local, T+1)
     return inputs_targets(windows.astype(np.int64), device)
 
 

@@ -13,7 +13,8 @@ Sources, as `load_dataset(source, cache_dir)` reads them:
   `meta.json` says `"dtype"`), with the vocabulary from `meta.json` / `meta.pkl` (`vocab_size`, and
   optionally `itos`/`stoi`) or else from the `vocab_size` argument. Read with `np.memmap`.
 
-Text is tokenized to bytes (vocabulary 256, one token per byte of the file, or of a record's UTF-8) and documents are separated
+Text is tokenized to bytes (vocabulary 256, one token per byte of the file, or of a record's UTF-8) and documents are
+separated
 by one newline byte (`SEPARATOR`), which keeps decoded samples printable. With a `tokenizer` (an
 `HFTokenizer`: a model's `tokenizer.json`, or the byte-level BPE `train_tokenizer` trains on the
 train split) text is tokenized with it instead, documents separated by its end-of-text token, ids
@@ -39,8 +40,9 @@ import json
 import os
 import pickle
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +55,7 @@ from functrain.data.token_files import DEFAULT_VAL_FRACTION, slug
 from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
 
 __all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
+
 
 @dataclasses.dataclass
 class Dataset:
@@ -165,8 +168,18 @@ def load_dataset(
     elif source != "stdlib" and ((path.is_file() and path.suffix == ".bin") or (path / "train.bin").exists()):
         ds = _load_bin(path.parent if path.is_file() else path, source, vocab_size, cache_dir)
     else:
-        out = tokenize(source, cache_dir, tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction,
-                       max_bad_line_fraction=max_bad_line_fraction, workers=workers, rank=rank, world=world, log=log)
+        out = tokenize(
+            source,
+            cache_dir,
+            tokenizer=tokenizer,
+            text_field=text_field,
+            val_fraction=val_fraction,
+            max_bad_line_fraction=max_bad_line_fraction,
+            workers=workers,
+            rank=rank,
+            world=world,
+            log=log,
+        )
         ds = _load_token_cache(out, source, tokenizer)
     if block_size is not None:
         for split in ("train", "val"):
@@ -179,8 +192,14 @@ def load_dataset(
     return ds
 
 
-def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, *,
-                    val_fraction: float = DEFAULT_VAL_FRACTION, text_field: str = "text") -> HFTokenizer:
+def train_tokenizer(
+    source: str,
+    cache_dir: str | os.PathLike,
+    vocab_size: int,
+    *,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    text_field: str = "text",
+) -> HFTokenizer:
     """The byte-level BPE of `source`'s training split (trained once, then read from `cache_dir`).
 
     Only the files (or bytes) of the train split are read, so the validation text stays unseen.
@@ -205,15 +224,23 @@ def train_tokenizer(source: str, cache_dir: str | os.PathLike, vocab_size: int, 
       >>> ds = load_dataset("stdlib", "runs/llama/data", tokenizer=tok)
     """
     kind, root, name, content = source_content(source, cache_dir, log=lambda line: None)
-    fingerprint = hashlib.sha256(json.dumps({
-        "bpe": vocab_size, "val_fraction": val_fraction, "python": sys.version if source == "stdlib" else None,
-        "files": content, **({"text_field": text_field, "split": "per document"} if kind == "shards" else {}),
-    }).encode()).hexdigest()
+    fingerprint = hashlib.sha256(
+        json.dumps(
+            {
+                "bpe": vocab_size,
+                "val_fraction": val_fraction,
+                "python": sys.version if source == "stdlib" else None,
+                "files": content,
+                **({"text_field": text_field, "split": "per document"} if kind == "shards" else {}),
+            }
+        ).encode()
+    ).hexdigest()
     path = Path(cache_dir) / f"{name}-bpe{vocab_size}-{fingerprint[:16]}.json"
     if path.exists():
         return HFTokenizer(path)
-    return train_bpe(train_documents(source, text_field=text_field, val_fraction=val_fraction, cache_dir=cache_dir),
-                     vocab_size, path)
+    return train_bpe(
+        train_documents(source, text_field=text_field, val_fraction=val_fraction, cache_dir=cache_dir), vocab_size, path
+    )
 
 
 def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dataset:
@@ -230,7 +257,7 @@ def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dat
     if vocab is None:
         raise DataError(
             f"data.path {source!r}: no vocab_size in meta.json/meta.pkl; set --config.model.vocab_size "
-            f"or add a meta.json with {{\"vocab_size\": N}}"
+            f'or add a meta.json with {{"vocab_size": N}}'
         )
     dtype = np.dtype(meta.get("dtype", "uint16"))
     for split in ("train", "val"):
@@ -238,7 +265,7 @@ def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dat
         if size % dtype.itemsize:
             raise DataError(
                 f"data.path {source!r}: {split}.bin has {size} bytes, not a whole number of "
-                f"{dtype} tokens; set \"dtype\" in meta.json"
+                f'{dtype} tokens; set "dtype" in meta.json'
             )
     if meta.get("tokenizer") == "bytes" or ("itos" not in meta and int(vocab) <= 256):
         tokenizer = ByteTokenizer()
@@ -249,10 +276,15 @@ def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dat
     bins = [path / f"{s}.bin" for s in ("train", "val")]
     stats = [p.stat() for p in bins]
     memo = digests_memo(cache_dir, slug(path.name), path)
-    info = {"source": source, "kind": "bin", "dtype": str(dtype), "vocab_size": int(vocab), "tokenizer": tokenizer.name,
-            "content": [[p.name, st.st_size, d] for p, st, d in zip(bins, stats, file_digests(bins, memo, stats))]}
-    return Dataset(_memmap(path / "train.bin", dtype), _memmap(path / "val.bin", dtype),
-                   int(vocab), tokenizer, info)
+    info = {
+        "source": source,
+        "kind": "bin",
+        "dtype": str(dtype),
+        "vocab_size": int(vocab),
+        "tokenizer": tokenizer.name,
+        "content": [[p.name, st.st_size, d] for p, st, d in zip(bins, stats, file_digests(bins, memo, stats))],
+    }
+    return Dataset(_memmap(path / "train.bin", dtype), _memmap(path / "val.bin", dtype), int(vocab), tokenizer, info)
 
 
 def _memmap(path: Path, dtype) -> np.ndarray:
@@ -275,9 +307,11 @@ def _load_token_cache(out: Path, source: str, tokenizer: Any) -> Dataset:
     """A token cache directory as a Dataset; `tokenizer`, when given, must be the one that wrote it."""
     train, val, info = open_token_cache(out)
     if tokenizer is not None and tokenizer_id(tokenizer) != info["tokenizer"]:
-        raise DataError(f"{out}: its tokens were written by {info['tokenizer_name']} ({info['tokenizer']}), this run "
-                        f"tokenizes with {tokenizer.name} ({tokenizer_id(tokenizer)}); point data.path at the source "
-                        "itself (it is tokenized again) or use the tokenizer that wrote it")
+        raise DataError(
+            f"{out}: its tokens were written by {info['tokenizer_name']} ({info['tokenizer']}), this run "
+            f"tokenizes with {tokenizer.name} ({tokenizer_id(tokenizer)}); point data.path at the source "
+            "itself (it is tokenized again) or use the tokenizer that wrote it"
+        )
     if tokenizer is None:
         if info["tokenizer"] == "bytes":
             tokenizer = ByteTokenizer()
@@ -285,8 +319,14 @@ def _load_token_cache(out: Path, source: str, tokenizer: Any) -> Dataset:
             tokenizer = HFTokenizer(info["tokenizer_file"])
         else:
             tokenizer = IdTokenizer(info["vocab_size"])
-    meta = {k: info[k] for k in ("kind", "source", "text_field", "tokenizer", "dtype", "tokens", "documents",
-                                 "bad_lines", "content")}
-    return Dataset(train, val, tokenizer.vocab_size, tokenizer,
-                   dict(meta, units=len(info["units"]), cache_dir=str(out), requested=source,
-                        val_files=info.get("val_files", [])))
+    meta = {
+        k: info[k]
+        for k in ("kind", "source", "text_field", "tokenizer", "dtype", "tokens", "documents", "bad_lines", "content")
+    }
+    return Dataset(
+        train,
+        val,
+        tokenizer.vocab_size,
+        tokenizer,
+        dict(meta, units=len(info["units"]), cache_dir=str(out), requested=source, val_files=info.get("val_files", [])),
+    )

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from functrain.data.token_files import atomic_write
 
@@ -47,8 +47,11 @@ def _identity(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
-def file_digests(paths: Iterable[str | os.PathLike], memo: str | os.PathLike | None = None,
-                 stats: Iterable[os.stat_result] | None = None) -> list[str]:
+def file_digests(
+    paths: Iterable[str | os.PathLike],
+    memo: str | os.PathLike | None = None,
+    stats: Iterable[os.stat_result] | None = None,
+) -> list[str]:
     """The sha256 of each file, hashing only those whose identity changed since the memo was written.
 
     Args:

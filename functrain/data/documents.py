@@ -30,8 +30,8 @@ import hashlib
 import os
 import sys
 import sysconfig
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -40,8 +40,19 @@ from functrain.data.errors import SOURCE_HINT, DataError
 from functrain.data.shards import BadLines, is_shard_source, read_texts, shard_files, skipped_files
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, path_hash64, slug
 
-__all__ = ["PACK_BYTES", "digests_memo", "is_val", "read_unit", "shard_units", "source_content", "stdlib_files", "text_source",
-           "text_units", "train_documents", "validation_documents"]
+__all__ = [
+    "PACK_BYTES",
+    "digests_memo",
+    "is_val",
+    "read_unit",
+    "shard_units",
+    "source_content",
+    "stdlib_files",
+    "text_source",
+    "text_units",
+    "train_documents",
+    "validation_documents",
+]
 
 PACK_BYTES = 16 << 20  # text files per unit: about this many bytes (a few units for the stdlib's 31 MB)
 _TEXT_BATCH = 64  # text files handed to the tokenizer at a time
@@ -98,8 +109,9 @@ def _looks_binary(path: Path) -> bool:
         return b"\0" in f.read(8192)
 
 
-def source_content(source: str, cache_dir: str | os.PathLike | None,
-                   log: Callable[[str], None] = print) -> tuple[str, Path, str, list[list]]:
+def source_content(
+    source: str, cache_dir: str | os.PathLike | None, log: Callable[[str], None] = print
+) -> tuple[str, Path, str, list[list]]:
     """(kind "text" or "shards", root, cache name, [relative path, size, sha256] per file) of a source.
 
     Args:
@@ -125,15 +137,22 @@ def source_content(source: str, cache_dir: str | os.PathLike | None,
         if skipped:  # once, at the start: what the directory holds besides shards is left out
             names = ", ".join(p.relative_to(root).as_posix() for p in skipped[:8])
             more = f" and {len(skipped) - 8} more" if len(skipped) > 8 else ""
-            log(f"data.path {source}: skipping {len(skipped)} file(s) that are not shards ({names}{more}); shards end "
-                "in .parquet, .jsonl, .jsonl.gz, .json.gz or .ndjson")
+            log(
+                f"data.path {source}: skipping {len(skipped)} file(s) that are not shards ({names}{more}); shards end "
+                "in .parquet, .jsonl, .jsonl.gz, .json.gz or .ndjson"
+            )
     else:
         kind, (files, root, name) = "text", text_source(source)
     stats = [p.stat() for p in files]  # one stat per file: its size is the one its digest is known by
     if kind == "text" and sum(st.st_size for st in stats) == 0:
         raise DataError(f"data.path {source!r} holds no text ({len(files)} files, 0 bytes); {SOURCE_HINT}")
     digests = file_digests(files, memo=None if cache_dir is None else digests_memo(cache_dir, name, root), stats=stats)
-    return kind, root, name, [[p.relative_to(root).as_posix(), st.st_size, d] for p, st, d in zip(files, stats, digests)]
+    return (
+        kind,
+        root,
+        name,
+        [[p.relative_to(root).as_posix(), st.st_size, d] for p, st, d in zip(files, stats, digests)],
+    )
 
 
 def digests_memo(cache_dir: str | os.PathLike, name: str, root: Path) -> Path:
@@ -148,8 +167,10 @@ def _key(rel: str) -> str:
 
 def shard_units(content: list[list]) -> list[dict]:
     """One unit per parquet/jsonl shard, from its [relative path, size, sha256]."""
-    return [{"rel": rel, "key": _key(rel), "kind": "shard", "files": [[rel, size, sha]], "size": size}
-            for rel, size, sha in content]
+    return [
+        {"rel": rel, "key": _key(rel), "kind": "shard", "files": [[rel, size, sha]], "size": size}
+        for rel, size, sha in content
+    ]
 
 
 def text_units(content: list[list], val_fraction: float) -> list[dict]:
@@ -157,8 +178,16 @@ def text_units(content: list[list], val_fraction: float) -> list[dict]:
     files ("val"); one file is cut by position ("cut")."""
     if len(content) == 1:
         rel, size, _ = content[0]
-        return [{"rel": rel, "key": _key(rel), "kind": "text", "files": [list(content[0])], "size": size,
-                 "cut": size - max(1, int(size * val_fraction))}]
+        return [
+            {
+                "rel": rel,
+                "key": _key(rel),
+                "kind": "text",
+                "files": [list(content[0])],
+                "size": size,
+                "cut": size - max(1, int(size * val_fraction)),
+            }
+        ]
     val = {rel for rel, _, _ in content if is_val(rel, val_fraction)}
     if not val or len(val) == len(content):
         val ^= {content[0][0]}  # the first file moves across: both splits hold one
@@ -166,14 +195,23 @@ def text_units(content: list[list], val_fraction: float) -> list[dict]:
     for i, (rel, size, sha) in enumerate(content):
         pack.append([rel, size, sha])
         if i == len(content) - 1 or path_hash64("pack:" + rel) / 2.0**64 < size / PACK_BYTES:
-            units.append({"rel": pack[0][0], "key": _key(pack[0][0]), "kind": "text", "files": pack,
-                          "size": sum(f[1] for f in pack), "val": [f[0] for f in pack if f[0] in val]})
+            units.append(
+                {
+                    "rel": pack[0][0],
+                    "key": _key(pack[0][0]),
+                    "kind": "text",
+                    "files": pack,
+                    "size": sum(f[1] for f in pack),
+                    "val": [f[0] for f in pack if f[0] in val],
+                }
+            )
             pack = []
     return units
 
 
-def read_unit(unit: dict, root: Path, *, val_fraction: float, text_field: str, bad_lines: BadLines,
-              chunk_bytes: int, raw: bool) -> Iterator[tuple[list, np.ndarray, np.ndarray, int]]:
+def read_unit(
+    unit: dict, root: Path, *, val_fraction: float, text_field: str, bad_lines: BadLines, chunk_bytes: int, raw: bool
+) -> Iterator[tuple[list, np.ndarray, np.ndarray, int]]:
     """A unit's documents in order, as (pieces, to_val, ends, bytes read) groups of about `chunk_bytes`.
 
     Args:
@@ -196,10 +234,12 @@ def read_unit(unit: dict, root: Path, *, val_fraction: float, text_field: str, b
     """
     if unit["kind"] == "shard":
         index = 0
-        for texts, nbytes in read_texts(root / unit["rel"], text_field=text_field, bad_lines=bad_lines,
-                                        chunk_bytes=chunk_bytes):
-            to_val = np.fromiter((is_val(f"{unit['rel']}:{index + i}", val_fraction) for i in range(len(texts))),
-                                 bool, len(texts))
+        for texts, nbytes in read_texts(
+            root / unit["rel"], text_field=text_field, bad_lines=bad_lines, chunk_bytes=chunk_bytes
+        ):
+            to_val = np.fromiter(
+                (is_val(f"{unit['rel']}:{index + i}", val_fraction) for i in range(len(texts))), bool, len(texts)
+            )
             index += len(texts)
             yield texts, to_val, np.ones(len(texts), bool), nbytes
         return
@@ -207,7 +247,12 @@ def read_unit(unit: dict, root: Path, *, val_fraction: float, text_field: str, b
         (rel, size, _), cut = unit["files"][0], unit["cut"]
         for start, stop, val in ((0, cut, False), (cut, size, True)):
             for piece, end in _pieces(root / rel, start, stop, chunk_bytes if raw else None):
-                yield [piece if raw else piece.decode("utf-8", errors="replace")], np.array([val]), np.array([end]), len(piece)
+                yield (
+                    [piece if raw else piece.decode("utf-8", errors="replace")],
+                    np.array([val]),
+                    np.array([end]),
+                    len(piece),
+                )
         return
     group, to_val, ends, nbytes, val_files = [], [], [], 0, set(unit["val"])
     for rel, size, _ in unit["files"]:
@@ -237,8 +282,13 @@ def _pieces(path: Path, start: int, stop: int, chunk: int | None) -> Iterator[tu
                 return
 
 
-def train_documents(source: str, *, text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
-                    cache_dir: str | os.PathLike | None = None) -> Iterator[str]:
+def train_documents(
+    source: str,
+    *,
+    text_field: str = "text",
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    cache_dir: str | os.PathLike | None = None,
+) -> Iterator[str]:
     """The documents of a source that `tokenize` puts in the train split, streamed.
 
     Args:
@@ -256,8 +306,13 @@ def train_documents(source: str, *, text_field: str = "text", val_fraction: floa
     return _split_documents(source, False, text_field, val_fraction, cache_dir)
 
 
-def validation_documents(source: str, *, text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
-                         cache_dir: str | os.PathLike | None = None) -> Iterator[str]:
+def validation_documents(
+    source: str,
+    *,
+    text_field: str = "text",
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    cache_dir: str | os.PathLike | None = None,
+) -> Iterator[str]:
     """The documents of a source that `tokenize` puts in the validation split, streamed in the source's order.
 
     Args:
@@ -279,6 +334,13 @@ def _split_documents(source: str, val: bool, text_field: str, val_fraction: floa
     """The documents of one split of a source (`val`: validation, else train), streamed."""
     kind, root, _, content = source_content(source, cache_dir, log=lambda line: None)
     for unit in shard_units(content) if kind == "shards" else text_units(content, val_fraction):
-        for pieces, to_val, _, _ in read_unit(unit, root, val_fraction=val_fraction, text_field=text_field,
-                                              bad_lines=BadLines(1.0), chunk_bytes=4 << 20, raw=False):
+        for pieces, to_val, _, _ in read_unit(
+            unit,
+            root,
+            val_fraction=val_fraction,
+            text_field=text_field,
+            bad_lines=BadLines(1.0),
+            chunk_bytes=4 << 20,
+            raw=False,
+        ):
             yield from (t for t, v in zip(pieces, to_val) if v == val)

@@ -2,8 +2,10 @@
 
 __all__ = ["DataError", "SOURCE_HINT"]
 
-SOURCE_HINT = ("point --config.data.path at a text file, a directory of text files, parquet/jsonl shards, "
-               "a directory with train.bin/val.bin, or 'stdlib'")
+SOURCE_HINT = (
+    "point --config.data.path at a text file, a directory of text files, parquet/jsonl shards, "
+    "a directory with train.bin/val.bin, or 'stdlib'"
+)
 """The fix named by a data error about the source itself."""
 
 

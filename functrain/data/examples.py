@@ -24,8 +24,9 @@ import hashlib
 import io
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -70,11 +71,20 @@ class ExampleSpec:
 
     def key(self, content: list, tokenizer: str) -> str:
         """The cache key of this spec over `content` ([rel, size, sha256] per file) with `tokenizer`."""
-        what = {"content": content, "tokenizer": tokenizer, "fmt": self.fmt, "train_on": self.train_on,
-                "fields": sorted(self.fields), "block_size": self.block_size, "too_long": self.too_long,
-                "val_fraction": self.val_fraction,
-                "template": None if self.template is None else [self.template.source, sorted(self.template.special.items())],
-                "version": _VERSION}
+        what = {
+            "content": content,
+            "tokenizer": tokenizer,
+            "fmt": self.fmt,
+            "train_on": self.train_on,
+            "fields": sorted(self.fields),
+            "block_size": self.block_size,
+            "too_long": self.too_long,
+            "val_fraction": self.val_fraction,
+            "template": None
+            if self.template is None
+            else [self.template.source, sorted(self.template.special.items())],
+            "version": _VERSION,
+        }
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -123,10 +133,17 @@ def _concat(parts: list[tuple[np.ndarray, np.ndarray]]) -> ExampleSet:
 
 def _save(path: Path, ex: ExampleSet, val: np.ndarray, counts: dict) -> None:
     """One file's examples (and which go to validation) in one npz, atomically."""
+
     def write(f):
         buf = io.BytesIO()
-        np.savez(buf, tokens=ex.tokens, targets=ex.targets, offsets=ex.offsets, val=val,
-                 counts=np.array([counts["dropped"], counts["truncated"], counts["no_target"]], np.int64))
+        np.savez(
+            buf,
+            tokens=ex.tokens,
+            targets=ex.targets,
+            offsets=ex.offsets,
+            val=val,
+            counts=np.array([counts["dropped"], counts["truncated"], counts["no_target"]], np.int64),
+        )
         f.write(buf.getvalue())
 
     atomic_write(path, write)
@@ -136,8 +153,11 @@ def _load(path: Path) -> tuple[ExampleSet, np.ndarray, dict]:
     """What `_save` wrote."""
     with np.load(path) as z:
         c = z["counts"]
-        return (ExampleSet(z["tokens"], z["targets"], z["offsets"]), z["val"],
-                {"dropped": int(c[0]), "truncated": int(c[1]), "no_target": int(c[2])})
+        return (
+            ExampleSet(z["tokens"], z["targets"], z["offsets"]),
+            z["val"],
+            {"dropped": int(c[0]), "truncated": int(c[1]), "no_target": int(c[2])},
+        )
 
 
 def _fit(tokens: np.ndarray, targets: np.ndarray, spec: ExampleSpec, counts: dict):
@@ -146,7 +166,7 @@ def _fit(tokens: np.ndarray, targets: np.ndarray, spec: ExampleSpec, counts: dic
         if spec.too_long == "drop":
             counts["dropped"] += 1
             return None
-        tokens, targets = tokens[:spec.block_size + 1], targets[:spec.block_size + 1]
+        tokens, targets = tokens[: spec.block_size + 1], targets[: spec.block_size + 1]
         counts["truncated"] += 1
     if not targets[1:].any():
         counts["no_target"] += 1
@@ -190,8 +210,14 @@ def _build(source: str, out: Path, content: list, spec: ExampleSpec, tokenizer, 
             _save(path, *_render_file(by_file.get(rel, []), fmt, train_on, spec, tokenizer, spec.val_fraction))
         if time.perf_counter() - t0 > 5:
             log(f"examples: {n + 1}/{len(content)} files rendered")
-    meta = {"format": _FORMAT, "version": _VERSION, "source": source, "fmt": fmt, "train_on": train_on,
-            "files": [[rel, f"{slug(rel)}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}.npz"] for rel, _, _ in content]}
+    meta = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "source": source,
+        "fmt": fmt,
+        "train_on": train_on,
+        "files": [[rel, f"{slug(rel)}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}.npz"] for rel, _, _ in content],
+    }
     atomic_write(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
@@ -204,8 +230,15 @@ def _wait(out: Path, poll_s: float = 0.2) -> None:
         time.sleep(poll_s)
 
 
-def load_examples(source: str, cache_dir: str | Path, tokenizer, spec: ExampleSpec, *, rank: int = 0,
-                  log: Callable[[str], None] = print) -> tuple[ExampleSet, ExampleSet, dict[str, Any]]:
+def load_examples(
+    source: str,
+    cache_dir: str | Path,
+    tokenizer,
+    spec: ExampleSpec,
+    *,
+    rank: int = 0,
+    log: Callable[[str], None] = print,
+) -> tuple[ExampleSet, ExampleSet, dict[str, Any]]:
     """A source's train and validation examples, rendered and tokenized once (cached by content).
 
     Args:
@@ -230,8 +263,10 @@ def load_examples(source: str, cache_dir: str | Path, tokenizer, spec: ExampleSp
         raise DataError(f"data.too_long={spec.too_long!r}: use one of {', '.join(TOO_LONG)}")
     kind, _, name, content = source_content(source, cache_dir, log=log)
     if kind != "shards":
-        raise DataError(f"data.path {source!r}: supervised examples are jsonl/parquet records (one JSON object per "
-                        "line); for plain text use --config.data.format=text")
+        raise DataError(
+            f"data.path {source!r}: supervised examples are jsonl/parquet records (one JSON object per "
+            "line); for plain text use --config.data.format=text"
+        )
     fmt = _first_format(source, spec)
     train_on = resolve_train_on(spec.train_on, fmt)
     out = Path(cache_dir) / f"examples-{name}-{spec.key(content, tokenizer_id(tokenizer))}"
@@ -240,8 +275,9 @@ def load_examples(source: str, cache_dir: str | Path, tokenizer, spec: ExampleSp
             try:
                 _build(source, out, content, spec, tokenizer, fmt, train_on, log)
             except DataError as exc:
+                message = str(exc).encode()
                 out.mkdir(parents=True, exist_ok=True)
-                atomic_write(out / "error.txt", lambda f: f.write(str(exc).encode()))
+                atomic_write(out / "error.txt", lambda f: f.write(message))
                 raise
         else:
             _wait(out)
@@ -251,10 +287,16 @@ def load_examples(source: str, cache_dir: str | Path, tokenizer, spec: ExampleSp
     counts = {k: sum(p[2][k] for p in parts) for k in ("dropped", "truncated", "no_target")}
     info = {"fmt": fmt, "train_on": train_on, "content": content, "examples": (len(train), len(val)), **counts}
     if len(train) == 0:
-        raise DataError(f"data.path {source!r}: no example has a target token to learn ({counts['no_target']} without "
-                        f"one, {counts['dropped']} too long for block_size {spec.block_size}); check data.train_on, "
-                        "data.fields and data.too_long")
-    left = [f"{counts['dropped']} longer than block_size + 1 = {spec.block_size + 1} tokens dropped"] if counts["dropped"] else []
+        raise DataError(
+            f"data.path {source!r}: no example has a target token to learn ({counts['no_target']} without "
+            f"one, {counts['dropped']} too long for block_size {spec.block_size}); check data.train_on, "
+            "data.fields and data.too_long"
+        )
+    left = (
+        [f"{counts['dropped']} longer than block_size + 1 = {spec.block_size + 1} tokens dropped"]
+        if counts["dropped"]
+        else []
+    )
     left += [f"{counts['truncated']} truncated to block_size + 1"] if counts["truncated"] else []
     left += [f"{counts['no_target']} with no target left out"] if counts["no_target"] else []
     if left:

@@ -81,7 +81,7 @@ def assemble(examples: ExampleSet, rows: list[list[int]], block_size: int, pad_i
         for i in row:
             xi, yi = examples.pair(i)
             n = len(xi)
-            x[j, at:at + n], y[j, at:at + n], pos[j, at:at + n] = xi, yi, np.arange(n)
+            x[j, at : at + n], y[j, at : at + n], pos[j, at : at + n] = xi, yi, np.arange(n)
             at += n
         pos[j, at:] = np.arange(block_size - at)  # the padding: a document of its own
     return x, y, pos

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,8 +52,10 @@ def parse_mixture(data: Any) -> list[tuple[str, str, float]]:
     if not sources and not mixture:
         return [("data", data.path, 1.0)]
     if set(sources) != set(mixture):
-        raise DataError(f"data.sources names {sorted(sources)} but data.mixture weighs {sorted(mixture)}; give every "
-                        "source one weight")
+        raise DataError(
+            f"data.sources names {sorted(sources)} but data.mixture weighs {sorted(mixture)}; give every "
+            "source one weight"
+        )
     for name, w in mixture.items():
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w > 0 and math.isfinite(w)):
             raise DataError(f"data.mixture[{name!r}]={w!r}: weights must be positive numbers")
@@ -94,7 +97,7 @@ class LMData:
         """
         return self.sampler.batch(step, **self.dp)
 
-    def eval_sets(self) -> "list | dict[str, list]":
+    def eval_sets(self) -> list | dict[str, list]:
         """This rank's rows of the fixed validation batches: a list, or {source: list} for a mixture.
 
         Returns:
@@ -103,9 +106,18 @@ class LMData:
         Example:
           >>> sets = data.eval_sets()
         """
-        sets = {name: list(eval_windows(ds.val, batch_size=self.sampler.batch_size, block_size=self.sampler.block_size,
-                                        num_batches=self.eval_batches, **self.dp))
-                for name, ds in self.datasets.items()}
+        sets = {
+            name: list(
+                eval_windows(
+                    ds.val,
+                    batch_size=self.sampler.batch_size,
+                    block_size=self.sampler.block_size,
+                    num_batches=self.eval_batches,
+                    **self.dp,
+                )
+            )
+            for name, ds in self.datasets.items()
+        }
         return next(iter(sets.values())) if len(sets) == 1 else sets
 
     def position(self, step: int) -> dict[str, float]:
@@ -141,8 +153,11 @@ class LMData:
         sources = {}
         for name, ds in self.datasets.items():
             sha = getattr(ds.tokenizer, "sha256", None)
-            sources[name] = source_record(ds.info.get("kind", "text"), f"tokenizers:{sha}" if sha else ds.tokenizer.name,
-                                          ds.info.get("content", []))
+            sources[name] = source_record(
+                ds.info.get("kind", "text"),
+                f"tokenizers:{sha}" if sha else ds.tokenizer.name,
+                ds.info.get("content", []),
+            )
         return {"sources": sources}
 
     def describe(self) -> str:
@@ -155,10 +170,23 @@ class LMData:
         return f"mixture {parts}, {n:,} train tokens{how}"
 
 
-def lm_data(data: Any, *, cache_dir: str, batch_size: int, block_size: int, seed: int, eval_batches: int,
-            dp_rank: int = 0, dp_world: int = 1, device: torch.device | str | None = None, rank: int = 0,
-            world: int = 1, vocab_size: int | None = None, tokenizer: Any = None,
-            log: Callable[[str], None] = print) -> LMData:
+def lm_data(
+    data: Any,
+    *,
+    cache_dir: str,
+    batch_size: int,
+    block_size: int,
+    seed: int,
+    eval_batches: int,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    device: torch.device | str | None = None,
+    rank: int = 0,
+    world: int = 1,
+    vocab_size: int | None = None,
+    tokenizer: Any = None,
+    log: Callable[[str], None] = print,
+) -> LMData:
     """Loads the sources `data` names and builds their training sampler.
 
     Args:
@@ -190,16 +218,38 @@ def lm_data(data: Any, *, cache_dir: str, batch_size: int, block_size: int, seed
     datasets = {}
     for name, path, _ in sources:
         datasets[name] = load_dataset(
-            path, cache_dir, vocab_size=vocab_size, block_size=block_size, val_fraction=data.get("val_fraction", DEFAULT_VAL_FRACTION),
-            tokenizer=tokenizer, text_field=data.get("text_field", "text"),
-            max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0), workers=data.get("tokenize_workers", 0),
-            rank=rank, world=world, log=log)
+            path,
+            cache_dir,
+            vocab_size=vocab_size,
+            block_size=block_size,
+            val_fraction=data.get("val_fraction", DEFAULT_VAL_FRACTION),
+            tokenizer=tokenizer,
+            text_field=data.get("text_field", "text"),
+            max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0),
+            workers=data.get("tokenize_workers", 0),
+            rank=rank,
+            world=world,
+            log=log,
+        )
     first = next(iter(datasets.values()))
     names = {getattr(ds.tokenizer, "name", "?") for ds in datasets.values()}
     if len(names) > 1:
-        raise DataError(f"data.sources are tokenized differently ({', '.join(sorted(names))}); one run needs one "
-                        "tokenizer: tokenize them alike")
-    sampler = Sampler([(name, datasets[name].train, w) for name, _, w in sources], batch_size=batch_size,
-                      block_size=block_size, seed=seed, sampling=data.get("sampling", "windows"))
-    return LMData(datasets, sampler, first.tokenizer, max(ds.vocab_size for ds in datasets.values()), eval_batches,
-                  {"rank": dp_rank, "world": dp_world, "device": device})
+        raise DataError(
+            f"data.sources are tokenized differently ({', '.join(sorted(names))}); one run needs one "
+            "tokenizer: tokenize them alike"
+        )
+    sampler = Sampler(
+        [(name, datasets[name].train, w) for name, _, w in sources],
+        batch_size=batch_size,
+        block_size=block_size,
+        seed=seed,
+        sampling=data.get("sampling", "windows"),
+    )
+    return LMData(
+        datasets,
+        sampler,
+        first.tokenizer,
+        max(ds.vocab_size for ds in datasets.values()),
+        eval_batches,
+        {"rank": dp_rank, "world": dp_world, "device": device},
+    )

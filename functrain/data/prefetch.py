@@ -20,7 +20,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -46,8 +47,9 @@ class Prefetcher:
       >>> x, y = batches.get(0)
     """
 
-    def __init__(self, batch_at: Callable[[int], Any], start: int, *, depth: int = 2,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self, batch_at: Callable[[int], Any], start: int, *, depth: int = 2, device: torch.device | str | None = None
+    ):
         self.batch_at, self.depth = batch_at, max(1, depth)
         self.device = torch.device(device) if device is not None else None
         cuda = self.device is not None and self.device.type == "cuda"
@@ -60,8 +62,9 @@ class Prefetcher:
         self._next = step
         self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(step, self._queue, self._stop),
-                                        name="functrain-prefetch", daemon=True)
+        self._thread = threading.Thread(
+            target=self._work, args=(step, self._queue, self._stop), name="functrain-prefetch", daemon=True
+        )
         self._thread.start()
 
     def _work(self, step: int, q: queue.Queue, stop: threading.Event) -> None:
@@ -128,7 +131,7 @@ class Prefetcher:
         self._stop.set()
         self._thread.join()
 
-    def __enter__(self) -> "Prefetcher":
+    def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -54,18 +54,27 @@ def _source_changes(old: dict, new: dict) -> list[str]:
     after = {f[0]: f for f in new.get("files", [])}
     removed = [r for r in before if r not in after]
     added = [r for r in after if r not in before]
-    changed = [r for r in before if r in after and before[r][1:] != after[r][1:]
-               and not (before[r][1] == after[r][1] and None in (before[r][2], after[r][2]))]
+    changed = [
+        r
+        for r in before
+        if r in after
+        and before[r][1:] != after[r][1:]
+        and not (before[r][1] == after[r][1] and None in (before[r][2], after[r][2]))
+    ]
     if removed:
         out.append(f"{len(removed)} file{'s' * (len(removed) > 1)} removed ({_names(removed)})")
     if added:
         out.append(f"{len(added)} file{'s' * (len(added) > 1)} added ({_names(added)})")
     if changed:
+
         def what(r):
             a, b = before[r][1], after[r][1]
             return f"{r}: {a:,} -> {b:,} bytes" if a != b else f"{r}: same size, other bytes"
-        out.append(f"{len(changed)} changed ({', '.join(what(r) for r in changed[:_NAMED])}"
-                   f"{f' and {len(changed) - _NAMED} more' if len(changed) > _NAMED else ''})")
+
+        out.append(
+            f"{len(changed)} changed ({', '.join(what(r) for r in changed[:_NAMED])}"
+            f"{f' and {len(changed) - _NAMED} more' if len(changed) > _NAMED else ''})"
+        )
     if not (removed or added or changed) and list(before) != list(after):
         out.append("the files are in another order")
     return out
@@ -127,7 +136,9 @@ def check_resume(old: dict | None, new: dict | None, step: int, allow: bool) -> 
         return None
     what = "; ".join(diff)
     if not allow:
-        raise DataError(f"the data changed since checkpoint step {step} ({what}), so every batch after step {step} "
-                        "would differ from the run's; put the data back, or pass --config.data.allow_changed=True to "
-                        "go on with the data as it is now")
+        raise DataError(
+            f"the data changed since checkpoint step {step} ({what}), so every batch after step {step} "
+            "would differ from the run's; put the data back, or pass --config.data.allow_changed=True to "
+            "go on with the data as it is now"
+        )
     return f"the data changed since checkpoint step {step} ({what}); going on with it (data.allow_changed)"

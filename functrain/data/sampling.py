@@ -160,8 +160,15 @@ class Sampler:
       >>> x, y = sampler.batch(7)
     """
 
-    def __init__(self, sources: Sequence[tuple[str, object, float]], *, batch_size: int, block_size: int,
-                 seed: int, sampling: str = "windows"):
+    def __init__(
+        self,
+        sources: Sequence[tuple[str, object, float]],
+        *,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        sampling: str = "windows",
+    ):
         if sampling not in SAMPLINGS:
             raise DataError(f"data.sampling={sampling!r}: use one of {', '.join(SAMPLINGS)}")
         if not sources:
@@ -170,8 +177,10 @@ class Sampler:
             if not (isinstance(weight, (int, float)) and weight > 0 and math.isfinite(weight)):
                 raise DataError(f"data.mixture[{name!r}]={weight!r}: weights must be positive numbers")
             if len(tokens) < block_size + 1:
-                raise DataError(f"data source {name!r} has {len(tokens)} train tokens, fewer than block_size + 1 = "
-                                f"{block_size + 1}; use more data or a smaller block_size")
+                raise DataError(
+                    f"data source {name!r} has {len(tokens)} train tokens, fewer than block_size + 1 = "
+                    f"{block_size + 1}; use more data or a smaller block_size"
+                )
         self.names = [s[0] for s in sources]
         self.tokens = [s[1] for s in sources]
         self.weights = [float(s[2]) for s in sources]
@@ -192,8 +201,9 @@ class Sampler:
         keys = _mix(np.uint64(stream_hash(_WINDOW_STREAM, self.seed, k)) ^ index.astype(np.uint64))
         return (keys % np.uint64(n - T)).astype(np.int64)
 
-    def batch(self, step: int, rank: int = 0, world: int = 1,
-              device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, rank: int = 0, world: int = 1, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of step `step`'s global batch.
 
         Args:
@@ -210,12 +220,12 @@ class Sampler:
         """
         step = int(step)
         if len(self.tokens) == 1 and self.sampling == "windows":  # today's random windows, bit for bit
-            starts = window_starts(len(self.tokens[0]), self.batch_size, self.block_size, TRAIN_STREAM,
-                                    self.seed, step)
+            starts = window_starts(len(self.tokens[0]), self.batch_size, self.block_size, TRAIN_STREAM, self.seed, step)
             return window_rows(self.tokens[0], starts, self.block_size, rank, world, device)
         if world < 1 or not 0 <= rank < world or self.batch_size % world:
-            raise ValueError(f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, "
-                             f"world={world}")
+            raise ValueError(
+                f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, world={world}"
+            )
         b = self.batch_size // world
         rows = step * self.batch_size + rank * b + np.arange(b, dtype=np.int64)
         source, index = self.rows(rows)
@@ -223,7 +233,7 @@ class Sampler:
         for k in np.unique(source):
             sel = np.flatnonzero(source == k)
             for row, s in zip(sel, self._starts(int(k), index[sel])):
-                windows[row] = self.tokens[k][s:s + self.block_size + 1]
+                windows[row] = self.tokens[k][s : s + self.block_size + 1]
         return inputs_targets(windows, device)
 
     def rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

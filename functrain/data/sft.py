@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,8 +65,9 @@ class ExampleSampler:
       >>> x, y, pos = s.batch(3, rank=0, world=2)       # (4, 512) each
     """
 
-    def __init__(self, examples: ExampleSet, *, batch_size: int, block_size: int, seed: int, packing: bool,
-                 pad_id: int):
+    def __init__(
+        self, examples: ExampleSet, *, batch_size: int, block_size: int, seed: int, packing: bool, pad_id: int
+    ):
         self.examples, self.batch_size, self.block_size = examples, batch_size, block_size
         self.seed, self.packing, self.pad_id = int(seed), packing, pad_id
         self._memo: dict[int, list] = {}  # the last epochs' rows
@@ -99,8 +101,9 @@ class ExampleSampler:
     def batch(self, step: int, rank: int = 0, world: int = 1, device=None) -> tuple:
         """This rank's rows of step `step`'s batch: (x, y) or, packed, (x, y, positions), each (B / world, T)."""
         if world < 1 or not 0 <= rank < world or self.batch_size % world:
-            raise ValueError(f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, "
-                             f"world={world}")
+            raise ValueError(
+                f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, world={world}"
+            )
         b = self.batch_size // world
         rows = []
         for g in int(step) * self.batch_size + rank * b + np.arange(b):
@@ -163,12 +166,12 @@ class SFTData:
         s = self.sampler
         rows = eval_rows(self.val, s.block_size, s.packing)
         n = min(self.eval_batches, math.ceil(len(rows) / s.batch_size))
-        rows = (rows + [[]] * (n * s.batch_size))[:n * s.batch_size]  # the last batch filled with empty rows
+        rows = (rows + [[]] * (n * s.batch_size))[: n * s.batch_size]  # the last batch filled with empty rows
         world, rank = self.dp["world"], self.dp["rank"]
         b = s.batch_size // world
         out = []
         for k in range(n):
-            mine = rows[k * s.batch_size + rank * b:k * s.batch_size + (rank + 1) * b]
+            mine = rows[k * s.batch_size + rank * b : k * s.batch_size + (rank + 1) * b]
             out.append(_tensors(assemble(self.val, mine, s.block_size, s.pad_id), s.packing, self.dp["device"]))
         return out
 
@@ -215,21 +218,42 @@ class SFTData:
     def record(self) -> dict:
         """What the run trains on (`LMData.record`'s form: checkpoints carry it, a resume compares it)."""
         sha = getattr(self.tokenizer, "sha256", None)
-        return {"sources": {"data": source_record(f"examples:{self.info['fmt']}:{self.info['train_on']}",
-                                                  f"tokenizers:{sha}" if sha else self.tokenizer.name,
-                                                  self.info["content"])}}
+        return {
+            "sources": {
+                "data": source_record(
+                    f"examples:{self.info['fmt']}:{self.info['train_on']}",
+                    f"tokenizers:{sha}" if sha else self.tokenizer.name,
+                    self.info["content"],
+                )
+            }
+        }
 
     def describe(self) -> str:
         """E.g. '1,204 examples (messages, learning assistant), packed 3.1 per row, 150 steps per epoch'."""
         n_train, _ = self.info["examples"]
         how = f"packed {n_train / self.sampler.rows_per_epoch:.1f} per row" if self.sampler.packing else "padded"
-        return (f"{n_train:,} examples ({self.info['fmt']}, learning {self.info['train_on']}), {how}, "
-                f"{self.steps_per_epoch:.1f} steps per epoch")
+        return (
+            f"{n_train:,} examples ({self.info['fmt']}, learning {self.info['train_on']}), {how}, "
+            f"{self.steps_per_epoch:.1f} steps per epoch"
+        )
 
 
-def sft_data(data: Any, *, cache_dir: str, tokenizer, template: ChatTemplate | None, batch_size: int,
-             block_size: int, seed: int, eval_batches: int, dp_rank: int = 0, dp_world: int = 1, device=None,
-             rank: int = 0, log: Callable[[str], None] = print) -> SFTData:
+def sft_data(
+    data: Any,
+    *,
+    cache_dir: str,
+    tokenizer,
+    template: ChatTemplate | None,
+    batch_size: int,
+    block_size: int,
+    seed: int,
+    eval_batches: int,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    device=None,
+    rank: int = 0,
+    log: Callable[[str], None] = print,
+) -> SFTData:
     """Loads `data.path`'s supervised examples and builds their sampler.
 
     Args:
@@ -258,20 +282,42 @@ def sft_data(data: Any, *, cache_dir: str, tokenizer, template: ChatTemplate | N
     """
     if data.get("sources"):
         raise DataError("supervised examples come from one source (data.path); data.sources mixes text sources")
-    spec = ExampleSpec(fmt=builtin_format(str(data.path)) or data.get("format", "auto"), train_on=data.get("train_on", "auto"),
-                       fields=tuple(sorted(dict(data.get("fields") or {}).items())), template=template,
-                       block_size=block_size, too_long=data.get("too_long", "drop"),
-                       val_fraction=data.get("val_fraction", 0.05),
-                       max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0))
+    spec = ExampleSpec(
+        fmt=builtin_format(str(data.path)) or data.get("format", "auto"),
+        train_on=data.get("train_on", "auto"),
+        fields=tuple(sorted(dict(data.get("fields") or {}).items())),
+        template=template,
+        block_size=block_size,
+        too_long=data.get("too_long", "drop"),
+        val_fraction=data.get("val_fraction", 0.05),
+        max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0),
+    )
     source = builtin_source(str(data.path), cache_dir)  # "stdlib:messages": the stdlib's functions
     train, val, info = load_examples(source, cache_dir, tokenizer, spec, rank=rank, log=log)
     pad = separator_ids(tokenizer)[-1]
-    sampler = ExampleSampler(train, batch_size=batch_size, block_size=block_size, seed=seed,
-                             packing=bool(data.get("packing", False)), pad_id=pad)
-    out = SFTData(train, val, sampler, tokenizer, int(getattr(tokenizer, "vocab_size", 256)), eval_batches,
-                  {"rank": dp_rank, "world": dp_world, "device": device}, info, template)
+    sampler = ExampleSampler(
+        train,
+        batch_size=batch_size,
+        block_size=block_size,
+        seed=seed,
+        packing=bool(data.get("packing", False)),
+        pad_id=pad,
+    )
+    out = SFTData(
+        train,
+        val,
+        sampler,
+        tokenizer,
+        int(getattr(tokenizer, "vocab_size", 256)),
+        eval_batches,
+        {"rank": dp_rank, "world": dp_world, "device": device},
+        info,
+        template,
+    )
     targets, real = out.efficiency()
-    log(f"examples: {info['examples'][0]:,} train, {info['examples'][1]:,} val; rows {100 * real:.0f}% tokens, "
+    log(
+        f"examples: {info['examples'][0]:,} train, {info['examples'][1]:,} val; rows {100 * real:.0f}% tokens, "
         f"{100 * targets:.0f}% targets ({'packed' if sampler.packing else 'padded'}), "
-        f"{out.steps_per_epoch:.1f} steps per epoch")
+        f"{out.steps_per_epoch:.1f} steps per epoch"
+    )
     return out

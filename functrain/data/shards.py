@@ -62,8 +62,12 @@ def is_shard_source(source: str) -> bool:
     path = Path(source).expanduser()
     if path.is_file():
         return shard_kind(path) is not None
-    return path.is_dir() and not (path / "train.bin").exists() and not (path / "meta.json").exists() and any(
-        shard_kind(p) for p in _walk(path))
+    return (
+        path.is_dir()
+        and not (path / "train.bin").exists()
+        and not (path / "meta.json").exists()
+        and any(shard_kind(p) for p in _walk(path))
+    )
 
 
 def _walk(root: Path) -> Iterator[Path]:
@@ -98,8 +102,9 @@ def shard_files(source: str) -> tuple[list[Path], Path]:
     else:
         path = Path(source).expanduser()
         if not path.exists():
-            raise DataError(f"data.path {source!r} does not exist; point it at parquet/jsonl shards, a directory "
-                            "of them or a glob")
+            raise DataError(
+                f"data.path {source!r} does not exist; point it at parquet/jsonl shards, a directory of them or a glob"
+            )
         if path.is_file():
             files, root = [path], path.parent
         else:
@@ -108,8 +113,10 @@ def shard_files(source: str) -> tuple[list[Path], Path]:
                 raise DataError(f"data.path {source!r} holds no .parquet/.jsonl/.jsonl.gz file")
     for p in files:
         if shard_kind(p) is None:
-            raise DataError(f"{p}: not a parquet or jsonl shard (names end in {', '.join(SHARD_SUFFIXES)}); "
-                            "remove it from data.path or rename it")
+            raise DataError(
+                f"{p}: not a parquet or jsonl shard (names end in {', '.join(SHARD_SUFFIXES)}); "
+                "remove it from data.path or rename it"
+            )
     return files, root
 
 
@@ -152,11 +159,13 @@ class BadLines:
             raise DataError(
                 f"{path}: {self.count} of {self.lines} lines are not JSON objects (first at {self.first}); fix or "
                 f"remove them, or skip them with --config.data.max_bad_line_fraction "
-                f"(now {self.max_fraction:g}, this shard needs {self.count / self.lines:.3g})")
+                f"(now {self.max_fraction:g}, this shard needs {self.count / self.lines:.3g})"
+            )
 
 
-def read_texts(path: Path, *, text_field: str, bad_lines: BadLines,
-               chunk_bytes: int = _CHUNK_BYTES) -> Iterator[tuple[list[str], int]]:
+def read_texts(
+    path: Path, *, text_field: str, bad_lines: BadLines, chunk_bytes: int = _CHUNK_BYTES
+) -> Iterator[tuple[list[str], int]]:
     """The texts of one shard, in order, as (texts, bytes read) groups of about `chunk_bytes`.
 
     Args:
@@ -218,12 +227,12 @@ def _read_parquet(path: Path, field: str, chunk_bytes: int, bad_lines: BadLines)
     try:
         f = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid and OSError subclasses
-        raise DataError(f"{path}: not a readable parquet file ({str(exc).splitlines()[0]}); remove or "
-                        "replace it") from None
+        raise DataError(
+            f"{path}: not a readable parquet file ({str(exc).splitlines()[0]}); remove or replace it"
+        ) from None
     names = f.schema_arrow.names
     if field not in names:
-        raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names[:12])}); set "
-                        "--config.data.text_field")
+        raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names[:12])}); set --config.data.text_field")
     size = path.stat().st_size
     rows = max(1, f.metadata.num_rows)
     batch_rows = 1024
@@ -236,8 +245,10 @@ def _read_parquet(path: Path, field: str, chunk_bytes: int, bad_lines: BadLines)
         try:
             batch = next(batches, None)
         except Exception as exc:  # noqa: BLE001 - pyarrow's ArrowInvalid / OSError: a corrupt page
-            raise DataError(f"{path}: rows after {row} cannot be read ({str(exc).splitlines()[0]}): the file is "
-                            "corrupt; replace it or remove it from data.path") from None
+            raise DataError(
+                f"{path}: rows after {row} cannot be read ({str(exc).splitlines()[0]}): the file is "
+                "corrupt; replace it or remove it from data.path"
+            ) from None
         if batch is None:
             break
         column = _text_column(batch.column(0), path, field)
@@ -266,8 +277,9 @@ def _text_column(column, path: Path, field: str):
         return column
     if str(getattr(column.type, "value_type", "")) in _TEXT_TYPES and hasattr(column, "dictionary_decode"):
         return column.dictionary_decode()
-    raise DataError(f"{path}: column {field!r} holds {column.type}, not text; set --config.data.text_field "
-                    "to a string column")
+    raise DataError(
+        f"{path}: column {field!r} holds {column.type}, not text; set --config.data.text_field to a string column"
+    )
 
 
 def skipped_files(source: str) -> list[Path]:
@@ -317,14 +329,18 @@ def _read_jsonl(path: Path, field: str, bad_lines: BadLines, chunk_bytes: int):
                     bad_lines.bad(f"{path}:{number}")
                     continue
                 if field not in record:
-                    raise DataError(f"{path}:{number}: no field {field!r} (fields: {', '.join(list(record)[:12])}); "
-                                    "set --config.data.text_field")
+                    raise DataError(
+                        f"{path}:{number}: no field {field!r} (fields: {', '.join(list(record)[:12])}); "
+                        "set --config.data.text_field"
+                    )
                 text = record[field]
                 if text is None:
                     continue
                 if not isinstance(text, str):
-                    raise DataError(f"{path}:{number}: field {field!r} is a {type(text).__name__}, not text; set "
-                                    "--config.data.text_field to a string field")
+                    raise DataError(
+                        f"{path}:{number}: field {field!r} is a {type(text).__name__}, not text; set "
+                        "--config.data.text_field to a string field"
+                    )
                 if _ESCAPED_SURROGATE.search(line) and _SURROGATE.search(text):  # "\ud800" alone: not Unicode
                     bad_lines.replace(f"{path}:{number}")
                     text = _SURROGATE.sub("\ufffd", text)

@@ -75,8 +75,11 @@ def stdlib_pairs(root: str | Path | None = None) -> list[dict]:
     for path in stdlib_files(root):
         rel = path.relative_to(root).with_suffix("").as_posix()
         parts = rel.split("/")
-        if "test" in parts or parts[0] in ("idlelib", "lib2to3", "turtledemo") or any(x.startswith("_") for x in parts
-                                                                                     if x != "__init__"):
+        if (
+            "test" in parts
+            or parts[0] in ("idlelib", "lib2to3", "turtledemo")
+            or any(x.startswith("_") for x in parts if x != "__init__")
+        ):
             continue
         module = rel.removesuffix("/__init__").replace("/", ".")
         try:
@@ -88,8 +91,14 @@ def stdlib_pairs(root: str | Path | None = None) -> list[dict]:
             summary = _summary(doc) if doc else None
             args = ast.unparse(node.args)
             if summary and len(args) <= MAX_SIGNATURE:
-                out.append({"module": module, "name": name, "signature": f"{name.rpartition('.')[2]}({args})",
-                            "summary": summary})
+                out.append(
+                    {
+                        "module": module,
+                        "name": name,
+                        "signature": f"{name.rpartition('.')[2]}({args})",
+                        "summary": summary,
+                    }
+                )
     return out
 
 
@@ -98,9 +107,13 @@ def _record(pair: dict, fmt: str) -> dict:
     if fmt == "messages":
         owner = pair["name"].rpartition(".")[0]
         qualified = ".".join(x for x in (pair["module"], owner) if x)
-        return {"messages": [{"role": "user", "content": f"What does {qualified}.{pair['signature']} do?"},
-                             {"role": "assistant", "content": pair["summary"]}]}
-    return {"prompt": f"def {pair['signature']}:\n    \"\"\"", "completion": pair["summary"] + '"""'}
+        return {
+            "messages": [
+                {"role": "user", "content": f"What does {qualified}.{pair['signature']} do?"},
+                {"role": "assistant", "content": pair["summary"]},
+            ]
+        }
+    return {"prompt": f'def {pair["signature"]}:\n    """', "completion": pair["summary"] + '"""'}
 
 
 def builtin_source(path: str, cache_dir: str | Path) -> str:
@@ -127,8 +140,10 @@ def builtin_source(path: str, cache_dir: str | Path) -> str:
     if not out.exists():
         pairs = stdlib_pairs()
         if not pairs:
-            raise DataError(f"data.path={path!r}: this Python's standard library has no documented function to learn "
-                            "from; point data.path at your own jsonl")
+            raise DataError(
+                f"data.path={path!r}: this Python's standard library has no documented function to learn "
+                "from; point data.path at your own jsonl"
+            )
         out.parent.mkdir(parents=True, exist_ok=True)
         text = "".join(json.dumps(_record(p, fmt)) + "\n" for p in pairs)
         atomic_write(out, lambda f: f.write(text.encode()))

@@ -35,8 +35,8 @@ import datetime
 import functools
 import gzip
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -44,9 +44,22 @@ from functrain.data.errors import DataError
 from functrain.data.shards import BadLines, shard_files, shard_kind
 from functrain.data.tokenizer import separator_ids
 
-__all__ = ["ALPACA_PROMPT", "DEFAULT_CHAT_TEMPLATE", "FORMATS", "TRAIN_ON", "ChatTemplate", "Example",
-           "TemplateError", "chat_template_of", "detect_format", "first_record", "has_chat_template", "read_records",
-           "render", "resolve_train_on"]
+__all__ = [
+    "ALPACA_PROMPT",
+    "DEFAULT_CHAT_TEMPLATE",
+    "FORMATS",
+    "TRAIN_ON",
+    "ChatTemplate",
+    "Example",
+    "TemplateError",
+    "chat_template_of",
+    "detect_format",
+    "first_record",
+    "has_chat_template",
+    "read_records",
+    "render",
+    "resolve_train_on",
+]
 
 FORMATS = ("prompt_completion", "messages", "alpaca", "text")
 """The supervised formats (`data.format`; "auto" finds one from a record's fields)."""
@@ -60,8 +73,12 @@ _FIELDS = {
     "alpaca": ("instruction", "output"),
     "text": ("text",),
 }
-_ALLOWED = {"prompt_completion": ("completion", "all"), "alpaca": ("completion", "all"),
-            "messages": ("assistant", "last", "all"), "text": ("all",)}
+_ALLOWED = {
+    "prompt_completion": ("completion", "all"),
+    "alpaca": ("completion", "all"),
+    "messages": ("assistant", "last", "all"),
+    "text": ("all",),
+}
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -71,8 +88,10 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 """The chat template of a model directory that has none: ChatML (`<|im_start|>role\\n...<|im_end|>\\n`)."""
 
-ALPACA_PROMPT = ("Below is an instruction that describes a task{context}. Write a response that appropriately "
-                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task{context}. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n"
+)
 """The alpaca format's prompt (`{input}` is `### Input:\\n<input>\\n\\n` when the record has one)."""
 
 
@@ -114,9 +133,11 @@ def detect_format(record: Mapping, fields: Mapping[str, str]) -> str:
     for fmt in ("messages", "prompt_completion", "alpaca", "text"):
         if all(fields.get(f, f) in have for f in _FIELDS[fmt]):
             return fmt
-    raise DataError(f"a record with fields {sorted(have)[:12]} is in no supervised format (prompt/completion, "
-                    "messages, instruction/input/output, text); set --config.data.format and map the names with "
-                    "--config.data.fields (e.g. {'prompt': 'question', 'completion': 'answer'})")
+    raise DataError(
+        f"a record with fields {sorted(have)[:12]} is in no supervised format (prompt/completion, "
+        "messages, instruction/input/output, text); set --config.data.format and map the names with "
+        "--config.data.fields (e.g. {'prompt': 'question', 'completion': 'answer'})"
+    )
 
 
 def resolve_train_on(train_on: str, fmt: str) -> str:
@@ -128,8 +149,9 @@ def resolve_train_on(train_on: str, fmt: str) -> str:
     if train_on == "auto":
         return _ALLOWED[fmt][0]
     if train_on not in _ALLOWED[fmt]:
-        raise DataError(f"data.train_on={train_on!r} does not apply to the {fmt} format; use one of "
-                        f"{', '.join(_ALLOWED[fmt])}")
+        raise DataError(
+            f"data.train_on={train_on!r} does not apply to the {fmt} format; use one of {', '.join(_ALLOWED[fmt])}"
+        )
     return train_on
 
 
@@ -161,8 +183,7 @@ class ChatTemplate:
         Returns:
           The rendered text.
         """
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
 
 def _raise(message: str):
@@ -236,8 +257,9 @@ def _field(record: Mapping, fields: Mapping[str, str], name: str, where: str, de
     key = fields.get(name, name)
     value = record.get(key, default)
     if value is None and default is None:
-        raise DataError(f"{where}: no field {key!r} (fields: {', '.join(list(record)[:12])}); map it with "
-                        "--config.data.fields")
+        raise DataError(
+            f"{where}: no field {key!r} (fields: {', '.join(list(record)[:12])}); map it with --config.data.fields"
+        )
     return value
 
 
@@ -250,8 +272,9 @@ def _text(value, where: str, key: str) -> str:
 
 def _message_pieces(messages, template: ChatTemplate, train_on: str, where: str) -> list[tuple[str, bool]]:
     """(text, learned) pieces of a conversation, from rendering it one message at a time."""
-    if not isinstance(messages, list) or not all(isinstance(m, Mapping) and "role" in m and "content" in m
-                                                 for m in messages):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, Mapping) and "role" in m and "content" in m for m in messages
+    ):
         raise DataError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -265,25 +288,29 @@ def _message_pieces(messages, template: ChatTemplate, train_on: str, where: str)
                 f"{where}: the chat template renders the first {done_n} message(s) differently inside the first {n}, "
                 "so the turns' spans are unknown (e.g. a template that rewrites earlier turns); use a template that "
                 "renders each prefix as the start of the next (--config.data.chat_template), or "
-                "--config.data.train_on=all")
-        pieces.append((text[len(done):], target))
+                "--config.data.train_on=all"
+            )
+        pieces.append((text[len(done) :], target))
         done, done_n = text, n
 
     try:
         for i, m in enumerate(messages):
             if m["role"] == "assistant":  # its header is prompt, its content and end of turn are learned
                 extend(template.render(messages[:i], add_generation_prompt=True), train_on == "all", i)
-            extend(template.render(messages[:i + 1]), train_on == "all" or i in learned, i + 1)
+            extend(template.render(messages[: i + 1]), train_on == "all" or i in learned, i + 1)
     except TemplateError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template's own error, named with the example
-        raise TemplateError(f"{where}: the chat template failed ({type(exc).__name__}: {exc}); fix the record or "
-                            "the template (--config.data.chat_template)") from None
+        raise TemplateError(
+            f"{where}: the chat template failed ({type(exc).__name__}: {exc}); fix the record or "
+            "the template (--config.data.chat_template)"
+        ) from None
     return pieces
 
 
-def _pieces(record: Mapping, fmt: str, fields: Mapping[str, str], template: ChatTemplate | None, train_on: str,
-            where: str) -> list[tuple[str, bool]]:
+def _pieces(
+    record: Mapping, fmt: str, fields: Mapping[str, str], template: ChatTemplate | None, train_on: str, where: str
+) -> list[tuple[str, bool]]:
     """The (text, learned) pieces of one example (the end-of-text ids are the caller's)."""
     completion = train_on in ("completion", "all")
     if fmt == "messages":
@@ -297,13 +324,24 @@ def _pieces(record: Mapping, fmt: str, fields: Mapping[str, str], template: Chat
         instruction = _text(_field(record, fields, "instruction", where), where, "instruction")
         extra = _text(_field(record, fields, "input", where, ""), where, "input")
         answer = _text(_field(record, fields, "output", where), where, "output")
-        prompt = ALPACA_PROMPT.format(context=", paired with an input that provides further context" if extra else "",
-                                      instruction=instruction, input=f"### Input:\n{extra}\n\n" if extra else "")
+        prompt = ALPACA_PROMPT.format(
+            context=", paired with an input that provides further context" if extra else "",
+            instruction=instruction,
+            input=f"### Input:\n{extra}\n\n" if extra else "",
+        )
     return [(prompt, train_on == "all"), (answer, completion)]
 
 
-def render(record: Mapping, fmt: str, tokenizer, *, train_on: str, fields: Mapping[str, str] | None = None,
-           template: ChatTemplate | None = None, where: str = "example") -> Example:
+def render(
+    record: Mapping,
+    fmt: str,
+    tokenizer,
+    *,
+    train_on: str,
+    fields: Mapping[str, str] | None = None,
+    template: ChatTemplate | None = None,
+    where: str = "example",
+) -> Example:
     """One example's tokens and target mask.
 
     Args:
@@ -417,4 +455,3 @@ def _parquet_records(path: Path, batch_size: int = 4096) -> Iterator[dict]:
             yield from batch.to_pylist()
     except Exception as exc:  # noqa: BLE001 - pyarrow's own errors, named with the file
         raise DataError(f"{path}: cannot be read as parquet ({exc}); replace the file") from None
-

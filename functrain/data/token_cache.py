@@ -35,15 +35,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import multiprocessing
+import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -140,11 +141,19 @@ def tokenize(
     tokenizer = tokenizer or ByteTokenizer()
     tok = tokenizer_id(tokenizer)
     kind, root, name, content = source_content(source, cache_dir, log)
-    fingerprint = hashlib.sha256(json.dumps({
-        "format": FORMAT, "version": VERSION, "val_fraction": val_fraction, "tokenizer": tok,
-        "source": source if source == "stdlib" else str(Path(os.path.expanduser(source)).resolve()),
-        **({"text_field": text_field} if kind == "shards" else {}), **({"python": sys.version} if source == "stdlib" else {}),
-    }).encode()).hexdigest()
+    fingerprint = hashlib.sha256(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "val_fraction": val_fraction,
+                "tokenizer": tok,
+                "source": source if source == "stdlib" else str(Path(os.path.expanduser(source)).resolve()),
+                **({"text_field": text_field} if kind == "shards" else {}),
+                **({"python": sys.version} if source == "stdlib" else {}),
+            }
+        ).encode()
+    ).hexdigest()
     out = Path(cache_dir) / f"{name}-{fingerprint[:16]}"
     units = shard_units(content) if kind == "shards" else text_units(content, val_fraction)
     info = _read_meta(out)
@@ -154,21 +163,33 @@ def tokenize(
         for sub in ("train", "val", "done", "errors"):
             (out / sub).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DataError(f"data cache {cache_dir}: cannot be created ({exc.strerror or exc}); pass a writable "
-                        "--workdir or --config.data.cache_dir") from None
+        raise DataError(
+            f"data cache {cache_dir}: cannot be created ({exc.strerror or exc}); pass a writable "
+            "--workdir or --config.data.cache_dir"
+        ) from None
     (out / "errors" / f"{rank}.txt").unlink(missing_ok=True)
     owner = _deal([u["size"] for u in units], world)
     done = [_marker(out, u, tok) is not None for u in units]
     mine = [u for u, r, d in zip(units, owner, done) if r == rank and not d]
-    job = {"out": str(out), "root": str(root), "tokenizer": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
-           "tok": tok, "text_field": text_field, "val_fraction": val_fraction,
-           "max_bad": max_bad_line_fraction, "run": uuid.uuid4().hex[:8], "chunk_bytes": chunk_bytes,
-           "units": "shards" if kind == "shards" else "packs of files"}
+    job = {
+        "out": str(out),
+        "root": str(root),
+        "tokenizer": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
+        "tok": tok,
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+        "max_bad": max_bad_line_fraction,
+        "run": uuid.uuid4().hex[:8],
+        "chunk_bytes": chunk_bytes,
+        "units": "shards" if kind == "shards" else "packs of files",
+    }
     label = source if len(source) <= 60 else "..." + source[-57:]
     if mine:
         how = f"rank {rank} of {world}: " if world > 1 else ""
-        log(f"tokenizing {label}: {how}{len(mine)} of {len(units)} {job['units']}, "
-            f"{sum(u['size'] for u in mine) / 1e6:.1f} MB of files on disk ({sum(done)} done earlier)")
+        log(
+            f"tokenizing {label}: {how}{len(mine)} of {len(units)} {job['units']}, "
+            f"{sum(u['size'] for u in mine) / 1e6:.1f} MB of files on disk ({sum(done)} done earlier)"
+        )
         try:
             _run_share(mine, job, workers or _default_workers(sum(u["size"] for u in mine)), log, label)
         except DataError as exc:
@@ -203,8 +224,10 @@ def _marker(out: Path, unit: dict, tok: str) -> dict | None:
         if _content(m) != _content(unit):
             return None
         if m["tokenizer"] != tok:
-            raise DataError(f"{out}: {unit['rel']} was tokenized by {m['tokenizer']}, this run uses {tok}; "
-                            "delete that cache directory or use another --config.data.cache_dir")
+            raise DataError(
+                f"{out}: {unit['rel']} was tokenized by {m['tokenizer']}, this run uses {tok}; "
+                "delete that cache directory or use another --config.data.cache_dir"
+            )
         size = np.dtype(m["dtype"]).itemsize
         for split in ("train", "val"):
             if (out / split / f"{unit['key']}.bin").stat().st_size != size * m["tokens"][split]:
@@ -240,9 +263,11 @@ def _run_share(mine, job, workers, log, label) -> None:
             for future in finished:
                 progress.unit_done(future.result())  # a worker's DataError is raised here, as it was
     except BrokenProcessPool:
-        raise DataError("a tokenizing worker process died (out of memory, killed, or the script tokenizes at import "
-                        "time: start it under `if __name__ == '__main__':` or set data.tokenize_workers=1); see its "
-                        "error above") from None
+        raise DataError(
+            "a tokenizing worker process died (out of memory, killed, or the script tokenizes at import "
+            "time: start it under `if __name__ == '__main__':` or set data.tokenize_workers=1); see its "
+            "error above"
+        ) from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         _remove_temporaries(Path(job["out"]), job["run"])
@@ -281,9 +306,11 @@ class _Progress:
             self.last = now
             rate = self.done_bytes / max(now - self.t0, 1e-9)
             eta = (self.total - self.done_bytes) / rate if rate > 0 else math.inf
-            self.log(f"tokenizing {self.label}: {self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB of files on disk "
-                     f"({100 * self.done_bytes / max(self.total, 1):.0f}%), {rate / 1e6:.1f} MB/s, ETA {eta:.0f}s, "
-                     f"{self.done_units}/{self.units} {self.noun}")
+            self.log(
+                f"tokenizing {self.label}: {self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB of files on disk "
+                f"({100 * self.done_bytes / max(self.total, 1):.0f}%), {rate / 1e6:.1f} MB/s, ETA {eta:.0f}s, "
+                f"{self.done_units}/{self.units} {self.noun}"
+            )
 
     def unit_done(self, marker: dict) -> None:
         """Counts a finished unit."""
@@ -292,8 +319,10 @@ class _Progress:
     def end(self) -> None:
         """The closing line: throughput."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        self.log(f"tokenized {self.label}: {self.total / 1e6:.1f} MB of files on disk in {dt:.1f}s "
-                 f"({self.total / 1e6 / dt:.1f} MB/s), {self.units} {self.noun}")
+        self.log(
+            f"tokenized {self.label}: {self.total / 1e6:.1f} MB of files on disk in {dt:.1f}s "
+            f"({self.total / 1e6 / dt:.1f} MB/s), {self.units} {self.noun}"
+        )
 
 
 def _report_bad(markers: list[dict], log) -> None:
@@ -301,13 +330,17 @@ def _report_bad(markers: list[dict], log) -> None:
     skipped = [m for m in markers if m["bad_lines"]]
     if skipped:
         n = sum(m["bad_lines"] for m in skipped)
-        log(f"skipped {n} jsonl lines that are not JSON objects (first at {skipped[0]['first_bad_line']}; "
-            "data.max_bad_line_fraction allows them)")
+        log(
+            f"skipped {n} jsonl lines that are not JSON objects (first at {skipped[0]['first_bad_line']}; "
+            "data.max_bad_line_fraction allows them)"
+        )
     replaced = [m for m in markers if m.get("replaced")]
     if replaced:
         n = sum(m["replaced"] for m in replaced)
-        log(f"replaced the text that is not valid UTF-8 (bytes that are not UTF-8, lone surrogates) by U+FFFD "
-            f"in {n} records (first at {replaced[0]['first_replaced']}); the records are kept")
+        log(
+            f"replaced the text that is not valid UTF-8 (bytes that are not UTF-8, lone surrogates) by U+FFFD "
+            f"in {n} records (first at {replaced[0]['first_replaced']}); the records are kept"
+        )
 
 
 _TOKENIZERS: dict = {}
@@ -335,8 +368,8 @@ def _encode(tokenizer, pieces: list, ends: np.ndarray, sep: list[int], dtype) ->
     out = np.empty(int(lengths.sum()), dtype)
     pos = 0
     for x, n, end in zip(ids, lengths, ends):
-        out[pos:pos + len(x)] = x
-        out[pos + len(x):pos + n] = sep if end else []
+        out[pos : pos + len(x)] = x
+        out[pos + len(x) : pos + n] = sep if end else []
         pos += n
     return out, lengths
 
@@ -359,8 +392,14 @@ def tokenize_unit(args, report: Callable[[int], None]) -> dict:
     try:
         with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
             for pieces, to_val, ends, nbytes in read_unit(
-                    unit, root, val_fraction=job["val_fraction"], text_field=job["text_field"], bad_lines=bad,
-                    chunk_bytes=job["chunk_bytes"], raw=isinstance(tokenizer, ByteTokenizer)):
+                unit,
+                root,
+                val_fraction=job["val_fraction"],
+                text_field=job["text_field"],
+                bad_lines=bad,
+                chunk_bytes=job["chunk_bytes"],
+                raw=isinstance(tokenizer, ByteTokenizer),
+            ):
                 docs += int(ends.sum())
                 for split, f, pick in (("train", ftrain, ~to_val), ("val", fval, to_val)):
                     chosen = np.flatnonzero(pick)
@@ -373,21 +412,35 @@ def tokenize_unit(args, report: Callable[[int], None]) -> dict:
                     counts[split] += len(ids)
                 report(nbytes)
         if docs == 0:
-            raise DataError(f"{where}: an empty shard (no documents with text in field {job['text_field']!r}); "
-                            "remove it from data.path")
+            raise DataError(
+                f"{where}: an empty shard (no documents with text in field {job['text_field']!r}); "
+                "remove it from data.path"
+            )
         for split in ("train", "val"):
             os.replace(tmp[split], out / split / f"{key}.bin")
     except (DataError, OSError):
         raise
     except Exception as exc:  # noqa: BLE001 - any other failure: one line naming the unit, never a traceback
-        raise DataError(f"{where}: tokenizing failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                        "fix or remove this file") from None
+        raise DataError(
+            f"{where}: tokenizing failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "fix or remove this file"
+        ) from None
     finally:
         for t in tmp.values():
             t.unlink(missing_ok=True)
-    marker = dict(unit, tokenizer=job["tok"], dtype=dtype.name, tokens=counts, documents=docs,
-                  first_tokens={s: first[s][0] for s in first}, bad_lines=bad.count, first_bad_line=bad.first,
-                  seconds=round(time.perf_counter() - t0, 3), replaced=bad.replaced, first_replaced=bad.first_replaced)
+    marker = dict(
+        unit,
+        tokenizer=job["tok"],
+        dtype=dtype.name,
+        tokens=counts,
+        documents=docs,
+        first_tokens={s: first[s][0] for s in first},
+        bad_lines=bad.count,
+        first_bad_line=bad.first,
+        seconds=round(time.perf_counter() - t0, 3),
+        replaced=bad.replaced,
+        first_replaced=bad.first_replaced,
+    )
     _atomic_json(out / "done" / f"{key}.json", marker)
     return marker
 
@@ -437,39 +490,53 @@ def _finish(out, units, content, kind, tok, tokenizer, text_field, val_fraction,
         if not sum(m["tokens"][empty] for m in markers):
             _move_first_document(out, markers, full, empty, source, val_fraction, log)
     info = {
-        "format": FORMAT, "version": VERSION, "kind": kind, "source": source, "text_field": text_field,
-        "val_fraction": val_fraction, "tokenizer": tok, "tokenizer_name": tokenizer.name,
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": kind,
+        "source": source,
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+        "tokenizer": tok,
+        "tokenizer_name": tokenizer.name,
         "tokenizer_file": str(getattr(tokenizer, "path", "")) or None,
-        "vocab_size": tokenizer.vocab_size, "dtype": markers[0]["dtype"], "separator": separator_ids(tokenizer),
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": markers[0]["dtype"],
+        "separator": separator_ids(tokenizer),
         "tokens": {s: sum(m["tokens"][s] for m in markers) for s in ("train", "val")},
         "documents": sum(m["documents"] for m in markers),
         "bad_lines": sum(m["bad_lines"] for m in markers),
         "units": [{k: m[k] for k in ("rel", "key", "tokens")} for m in markers],
         "content": content,
-        "python": sys.version.split()[0], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": sys.version.split()[0],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if kind == "text":
         info["val_files"] = [rel for m in markers for rel in m.get("val", ())]
     _atomic_json(out / "meta.json", info)
 
 
-def _move_first_document(out: Path, markers: list[dict], src: str, dst: str, source: str, val_fraction: float,
-                         log) -> None:
+def _move_first_document(
+    out: Path, markers: list[dict], src: str, dst: str, source: str, val_fraction: float, log
+) -> None:
     """No shard's document drew into `dst`: the first `src` document of the first unit that can spare it moves
     there (text files were given both splits when packed)."""
     total = sum(m["tokens"][src] for m in markers)
     if sum(m["documents"] for m in markers) < 2:
         if dst == "train":
             return  # one short document: the block_size check says what is missing
-        raise DataError(f"data.path {source}: {sum(m['documents'] for m in markers)} document: a validation split "
-                        "needs a second one; add text")
+        raise DataError(
+            f"data.path {source}: {sum(m['documents'] for m in markers)} document: a validation split "
+            "needs a second one; add text"
+        )
     for m in markers:
         n = m["first_tokens"][src]
         if n and total > n:
             break
     else:
-        raise DataError(f"data.path {source}: no document went to the {dst} split; change "
-                        f"--config.data.val_fraction (now {val_fraction:g})")
+        raise DataError(
+            f"data.path {source}: no document went to the {dst} split; change "
+            f"--config.data.val_fraction (now {val_fraction:g})"
+        )
     dtype = np.dtype(m["dtype"])
     tokens = np.fromfile(out / src / f"{m['key']}.bin", dtype=dtype)
     atomic_write(out / dst / f"{m['key']}.bin", lambda f: f.write(tokens[:n].tobytes()))
@@ -477,8 +544,10 @@ def _move_first_document(out: Path, markers: list[dict], src: str, dst: str, sou
     m["tokens"] = {src: int(len(tokens) - n), dst: int(n)}
     m["first_tokens"] = {src: 0, dst: n}  # (moved: a rerun's _finish finds both splits)
     _atomic_json(out / "done" / f"{m['key']}.json", m)
-    log(f"no document of {source} drew into the {dst} split (val_fraction={val_fraction:g}): the first {src} "
-        f"document of {m['rel']} ({n} tokens) moved there")
+    log(
+        f"no document of {source} drew into the {dst} split (val_fraction={val_fraction:g}): the first {src} "
+        f"document of {m['rel']} ({n} tokens) moved there"
+    )
 
 
 def open_token_cache(out: str | os.PathLike) -> tuple[ConcatTokens, ConcatTokens, dict]:
@@ -500,11 +569,18 @@ def open_token_cache(out: str | os.PathLike) -> tuple[ConcatTokens, ConcatTokens
     out = Path(out)
     info = _read_meta(out, formats=FORMATS)
     if info is None:
-        raise DataError(f"{out}: not a complete token cache (no valid meta.json); point data.path at the source "
-                        "to tokenize it again")
+        raise DataError(
+            f"{out}: not a complete token cache (no valid meta.json); point data.path at the source "
+            "to tokenize it again"
+        )
     if info["format"] == _SHARDS_FORMAT:  # parquet/jsonl only, each split ending with a separator
-        info = dict(info, kind="shards", units=info["shards"], separator=[],
-                    content=[[u["rel"], u["size"], u.get("sha256")] for u in info["shards"]])
+        info = dict(
+            info,
+            kind="shards",
+            units=info["shards"],
+            separator=[],
+            content=[[u["rel"], u["size"], u.get("sha256")] for u in info["shards"]],
+        )
     dtype = np.dtype(info["dtype"])
     splits = []
     for split in ("train", "val"):
@@ -513,11 +589,13 @@ def open_token_cache(out: str | os.PathLike) -> tuple[ConcatTokens, ConcatTokens
             path = out / split / f"{u['key']}.bin"
             n = u["tokens"][split]
             if not path.exists() or path.stat().st_size != n * dtype.itemsize:
-                raise DataError(f"{path}: missing or truncated ({n} tokens expected); delete {out} and run again to "
-                                "tokenize the source anew")
+                raise DataError(
+                    f"{path}: missing or truncated ({n} tokens expected); delete {out} and run again to "
+                    "tokenize the source anew"
+                )
             if n:
                 arrays.append(np.memmap(path, dtype=dtype, mode="r"))
         if arrays and info["separator"]:
-            arrays[-1] = arrays[-1][:len(arrays[-1]) - len(info["separator"])]
+            arrays[-1] = arrays[-1][: len(arrays[-1]) - len(info["separator"])]
         splits.append(ConcatTokens(arrays, dtype))
     return splits[0], splits[1], info

@@ -31,6 +31,7 @@ def separator_ids(tokenizer) -> list[int]:
     eos = getattr(tokenizer, "eos_id", None)
     return [eos] if eos is not None else [int(t) for t in tokenizer.encode(SEPARATOR.decode())]
 
+
 END_OF_TEXT = "<|endoftext|>"
 """The document separator token `train_bpe` adds (GPT-2's name for it)."""
 
@@ -226,7 +227,9 @@ class HFTokenizer:
             raw = path.read_bytes()
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except FileNotFoundError:
-            raise DataError(f"{path}: no such tokenizer file; give a tokenizer.json or a directory holding one") from None
+            raise DataError(
+                f"{path}: no such tokenizer file; give a tokenizer.json or a directory holding one"
+            ) from None
         except Exception as exc:  # noqa: BLE001 - tokenizers raises its own Exception type
             raise DataError(f"{path}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
         self.path = path
@@ -302,15 +305,21 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) ->
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DataError(f"tokenizer cache {path.parent}: cannot be created ({exc.strerror or exc}); pass a writable "
-                        "--workdir or --config.data.cache_dir") from None
+        raise DataError(
+            f"tokenizer cache {path.parent}: cannot be created ({exc.strerror or exc}); pass a writable "
+            "--workdir or --config.data.cache_dir"
+        ) from None
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         tmp.write_text(tok.to_str())

@@ -49,8 +49,10 @@ class ConcatTokens:
             return np.zeros(0, self.dtype)
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
         last = int(np.searchsorted(self.offsets, stop, side="left")) - 1
-        parts = [self.arrays[p][max(start - self.offsets[p], 0):min(stop, self.offsets[p + 1]) - self.offsets[p]]
-                 for p in range(first, last + 1)]
+        parts = [
+            self.arrays[p][max(start - self.offsets[p], 0) : min(stop, self.offsets[p + 1]) - self.offsets[p]]
+            for p in range(first, last + 1)
+        ]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:

@@ -20,5 +20,13 @@ from functrain.eval.calls import generate_until, loglikelihood, loglikelihood_ro
 from functrain.eval.model import EvalModel, of_module
 from functrain.eval.scorer import Scorer
 
-__all__ = ["EvalModel", "Scorer", "choice", "generate_until", "loglikelihood", "loglikelihood_rolling",
-           "next_lines", "of_module"]
+__all__ = [
+    "EvalModel",
+    "Scorer",
+    "choice",
+    "generate_until",
+    "loglikelihood",
+    "loglikelihood_rolling",
+    "next_lines",
+    "of_module",
+]

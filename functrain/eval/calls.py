@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -30,8 +30,9 @@ def _scorer(model: EvalModel, scorer: Scorer | None) -> Scorer:
     return scorer if scorer is not None else Scorer(model)
 
 
-def loglikelihood(model: EvalModel, params, requests: Sequence[tuple[str, str]], *, model_state=None,
-                  scorer: Scorer | None = None) -> list[tuple[float, bool]]:
+def loglikelihood(
+    model: EvalModel, params, requests: Sequence[tuple[str, str]], *, model_state=None, scorer: Scorer | None = None
+) -> list[tuple[float, bool]]:
     """log p(continuation | context) of each request, and whether the continuation is the greedy one.
 
     Args:
@@ -50,14 +51,16 @@ def loglikelihood(model: EvalModel, params, requests: Sequence[tuple[str, str]],
     Example:
       >>> loglikelihood(model, params, [("The capital of France is", " Paris")])
     """
-    rows = [pair_row(model.tokenizer, c, x, prefix_id=model.prefix_id, block_size=model.block_size)
-            for c, x in requests]
+    rows = [
+        pair_row(model.tokenizer, c, x, prefix_id=model.prefix_id, block_size=model.block_size) for c, x in requests
+    ]
     logprob, greedy = _scorer(model, scorer).score(params, rows, model_state)
     return [(float(lp), bool(g)) for lp, g in zip(logprob, greedy)]
 
 
-def loglikelihood_rolling(model: EvalModel, params, texts: Sequence[str], *, model_state=None,
-                          scorer: Scorer | None = None) -> list[float]:
+def loglikelihood_rolling(
+    model: EvalModel, params, texts: Sequence[str], *, model_state=None, scorer: Scorer | None = None
+) -> list[float]:
     """The log-likelihood of each whole text, every token predicted once (perplexity tasks).
 
     Args:
@@ -79,13 +82,23 @@ def loglikelihood_rolling(model: EvalModel, params, texts: Sequence[str], *, mod
         rows += windows
         owner += [i] * len(windows)
     logprob, _ = _scorer(model, scorer).score(params, rows, model_state)
-    totals = torch.zeros(len(texts), dtype=torch.float64).index_add_(0, torch.tensor(owner, dtype=torch.long), logprob) \
-        if rows else torch.zeros(len(texts), dtype=torch.float64)
+    totals = (
+        torch.zeros(len(texts), dtype=torch.float64).index_add_(0, torch.tensor(owner, dtype=torch.long), logprob)
+        if rows
+        else torch.zeros(len(texts), dtype=torch.float64)
+    )
     return totals.tolist()
 
 
-def generate_until(model: EvalModel, params, requests: Sequence[tuple[str, dict]], *, key: torch.Tensor | None = None,
-                   model_state=None, scorer: Scorer | None = None) -> list[str]:
+def generate_until(
+    model: EvalModel,
+    params,
+    requests: Sequence[tuple[str, dict]],
+    *,
+    key: torch.Tensor | None = None,
+    model_state=None,
+    scorer: Scorer | None = None,
+) -> list[str]:
     """The text generated after each context, cut at its first stop string.
 
     Args:
@@ -122,12 +135,19 @@ def generate_until(model: EvalModel, params, requests: Sequence[tuple[str, dict]
         prompts = [[int(t) for t in tok.encode(requests[i][0])][-keep:] or [model.prefix_id] for i in members]
         stops = [options[i]["until"] for i in members]
 
-        def done(j: int, new: list[int]) -> bool:
+        def done(j: int, new: list[int], stops: list = stops) -> bool:
             """Request j's new tokens end in EOS or hold one of its stop strings."""
             return (model.eos_id is not None and new[-1] == model.eos_id) or any(s in tok.decode(new) for s in stops[j])
 
-        new = scorer.extend(params, prompts, max_new, stop=done, key=key if temperature else None,
-                            temperature=temperature, model_state=model_state)
+        new = scorer.extend(
+            params,
+            prompts,
+            max_new,
+            stop=done,
+            key=key if temperature else None,
+            temperature=temperature,
+            model_state=model_state,
+        )
         for j, i in enumerate(members):
             texts[i] = _cut(tok.decode(new[j]), stops[j])
     return texts
@@ -140,10 +160,12 @@ def _options(gen_kwargs: dict) -> dict:
     if unknown:
         raise ValueError(f"generate_until: options {unknown} are not supported; use {sorted(known)}")
     until = gen_kwargs.get("until") or []
-    return {"until": [until] if isinstance(until, str) else list(until),
-            "max_gen_toks": int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
-            "do_sample": bool(gen_kwargs.get("do_sample", False)),
-            "temperature": float(gen_kwargs.get("temperature", 0.0) or 0.0)}
+    return {
+        "until": [until] if isinstance(until, str) else list(until),
+        "max_gen_toks": int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
+        "do_sample": bool(gen_kwargs.get("do_sample", False)),
+        "temperature": float(gen_kwargs.get("temperature", 0.0) or 0.0),
+    }
 
 
 def _cut(text: str, stops: list[str]) -> str:

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from functrain.data.errors import DataError
 from functrain.eval.model import EvalModel
@@ -70,8 +71,10 @@ def _hellaswag(record: dict) -> tuple[str, list[str]]:
 
 def _example(record, where: str) -> Example:
     """An `Example` from one parsed line, or a DataError naming the line and the fix."""
-    fix = ('a line is {"context": str, "choices": [str, ...], "label": int} or HellaSwag\'s '
-           '{"ctx_a", "ctx_b", "activity_label" (or "ctx"), "endings", "label"}')
+    fix = (
+        'a line is {"context": str, "choices": [str, ...], "label": int} or HellaSwag\'s '
+        '{"ctx_a", "ctx_b", "activity_label" (or "ctx"), "endings", "label"}'
+    )
     if not isinstance(record, dict):
         raise DataError(f"{where}: not a JSON object; {fix}")
     try:
@@ -87,10 +90,14 @@ def _example(record, where: str) -> Example:
     try:
         label = int(label)
     except (TypeError, ValueError):
-        raise DataError(f"{where}: label {label!r} is not an integer; give the right choice's index (0-based)") from None
+        raise DataError(
+            f"{where}: label {label!r} is not an integer; give the right choice's index (0-based)"
+        ) from None
     if not 0 <= label < len(choices) or str(label) != str(record["label"]).strip():
-        raise DataError(f"{where}: label {record['label']!r} is out of range for {len(choices)} choices; give an "
-                        f"index from 0 to {len(choices) - 1}")
+        raise DataError(
+            f"{where}: label {record['label']!r} is out of range for {len(choices)} choices; give an "
+            f"index from 0 to {len(choices) - 1}"
+        )
     return Example(context, tuple(choices), label, where, delimiter)
 
 
@@ -127,7 +134,9 @@ def load(path: str | Path, *, limit: int = 0) -> list[Example]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix or delete the line") from None
+            raise DataError(
+                f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); fix or delete the line"
+            ) from None
         out.append(_example(record, where))
         if limit and len(out) == limit:
             break
@@ -160,17 +169,22 @@ def rows_of(examples: Sequence[Example], model: EvalModel, *, truncate: bool = F
             ctx, cont = encode_pair(model.tokenizer, ex.context, ex.delimiter + choice, model.prefix_id)
             n = len(ctx) + len(cont) - 1  # the model's input length
             if not cont or len(cont) > model.block_size:
-                raise DataError(f"{ex.where}: the choice {choice[:40]!r} has {len(cont)} tokens; a choice needs "
-                                f"1 to {model.block_size} (the block): shorten or drop the example")
+                raise DataError(
+                    f"{ex.where}: the choice {choice[:40]!r} has {len(cont)} tokens; a choice needs "
+                    f"1 to {model.block_size} (the block): shorten or drop the example"
+                )
             if n > model.block_size and not truncate:
-                raise DataError(f"{ex.where}: the example is {n} tokens, longer than the block of {model.block_size}; "
-                                "shorten or drop it, or set --config.eval.truncate=True (its context's head is cut)")
-            rows.append(Row((ctx + cont)[-(model.block_size + 1):], len(cont)))
+                raise DataError(
+                    f"{ex.where}: the example is {n} tokens, longer than the block of {model.block_size}; "
+                    "shorten or drop it, or set --config.eval.truncate=True (its context's head is cut)"
+                )
+            rows.append(Row((ctx + cont)[-(model.block_size + 1) :], len(cont)))
     return rows
 
 
-def evaluate(model: EvalModel, params, examples: Sequence[Example], *, scorer: Scorer, model_state=None,
-             truncate: bool = False) -> dict[str, float]:
+def evaluate(
+    model: EvalModel, params, examples: Sequence[Example], *, scorer: Scorer, model_state=None, truncate: bool = False
+) -> dict[str, float]:
     """Accuracy of the model on multiple-choice examples, three ways (see the module docstring).
 
     Args:
@@ -202,4 +216,3 @@ def evaluate(model: EvalModel, params, examples: Sequence[Example], *, scorer: S
             right[name] += int(max(range(len(s)), key=lambda j: (s[j], -j)) == ex.label)
         k += len(ex.choices)
     return {**{name: right[name] / len(examples) for name in METRICS}, "examples": len(examples)}
-

@@ -25,8 +25,9 @@ from functrain.eval.scorer import Scorer
 try:
     from lm_eval.api.model import LM
 except ImportError as exc:  # an optional extra: say how to get it, in one line
-    raise ImportError("functrain.eval.harness needs lm-evaluation-harness: pip install 'functrain[eval]' "
-                      "(or lm-eval)") from exc
+    raise ImportError(
+        "functrain.eval.harness needs lm-evaluation-harness: pip install 'functrain[eval]' (or lm-eval)"
+    ) from exc
 
 __all__ = ["FunctrainLM"]
 
@@ -48,14 +49,22 @@ class FunctrainLM(LM):
       >>> lm.loglikelihood([Instance("loglikelihood", {}, ("2 + 2 =", " 4"), 0)])
     """
 
-    def __init__(self, model: EvalModel, params, *, model_state=None, batch_size: int = 32, compile: bool = False,
-                 key: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model: EvalModel,
+        params,
+        *,
+        model_state=None,
+        batch_size: int = 32,
+        compile: bool = False,
+        key: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.model, self.params, self.model_state, self.key = model, params, model_state, key
         self.scorer = Scorer(model, batch_size=batch_size, compile=compile)
 
     @classmethod
-    def from_checkpoint(cls, model: EvalModel, step_dir: str | Path, like, **kwargs) -> "FunctrainLM":
+    def from_checkpoint(cls, model: EvalModel, step_dir: str | Path, like, **kwargs) -> FunctrainLM:
         """The LM over the params of a checkpoint, read onto the placements of `like`.
 
         Args:
@@ -79,15 +88,23 @@ class FunctrainLM(LM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """(log p(continuation | context), is_greedy) per request (`Instance.args` = (context, continuation))."""
-        return calls.loglikelihood(self.model, self.params, [r.args for r in requests], model_state=self.model_state,
-                                   scorer=self.scorer)
+        return calls.loglikelihood(
+            self.model, self.params, [r.args for r in requests], model_state=self.model_state, scorer=self.scorer
+        )
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """The whole text's log-likelihood per request (`Instance.args` = (text,))."""
-        return calls.loglikelihood_rolling(self.model, self.params, [r.args[0] for r in requests],
-                                           model_state=self.model_state, scorer=self.scorer)
+        return calls.loglikelihood_rolling(
+            self.model, self.params, [r.args[0] for r in requests], model_state=self.model_state, scorer=self.scorer
+        )
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """The generated text per request (`Instance.args` = (context, gen_kwargs))."""
-        return calls.generate_until(self.model, self.params, [(r.args[0], dict(r.args[1])) for r in requests],
-                                    key=self.key, model_state=self.model_state, scorer=self.scorer)
+        return calls.generate_until(
+            self.model,
+            self.params,
+            [(r.args[0], dict(r.args[1])) for r in requests],
+            key=self.key,
+            model_state=self.model_state,
+            scorer=self.scorer,
+        )

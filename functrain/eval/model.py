@@ -10,7 +10,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -47,8 +48,9 @@ def _prefix_of(tokenizer) -> int:
     return separator_ids(tokenizer)[0]
 
 
-def of_module(module: nn.Module, tokenizer, *, block_size: int, logits: Callable | None = None,
-              prefix_id: int | None = None) -> EvalModel:
+def of_module(
+    module: nn.Module, tokenizer, *, block_size: int, logits: Callable | None = None, prefix_id: int | None = None
+) -> EvalModel:
     """An `EvalModel` of any module whose forward maps ids (B, T) to logits (B, T, V).
 
     Args:
@@ -68,8 +70,13 @@ def of_module(module: nn.Module, tokenizer, *, block_size: int, logits: Callable
       >>> scores = functrain.eval.loglikelihood(model, params, [("def f(x):", " return x")])
     """
     eos = getattr(tokenizer, "eos_id", None)
-    return EvalModel(logits or (lambda p, ms, ids: _module_logits(module, p, ms, ids)), tokenizer, block_size,
-                     _prefix_of(tokenizer) if prefix_id is None else prefix_id, eos)
+    return EvalModel(
+        logits or (lambda p, ms, ids: _module_logits(module, p, ms, ids)),
+        tokenizer,
+        block_size,
+        _prefix_of(tokenizer) if prefix_id is None else prefix_id,
+        eos,
+    )
 
 
 def _module_logits(module: nn.Module, params, model_state, ids: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from functrain.eval.choice import Example
 
@@ -50,14 +50,15 @@ def _fit(context: str, choices: Sequence[str], tokenizer, block_size: int) -> st
         lines.pop(0)
     if lines:
         return "".join(lines)
-    tail = context[-16 * (block_size + 1):]  # a single line longer than the block: its head is cut
+    tail = context[-16 * (block_size + 1) :]  # a single line longer than the block: its head is cut
     while tail and len(tokenizer.encode(tail)) + longest > block_size + 1:
         tail = tail[1:]
     return tail
 
 
-def build(documents: Sequence[str], tokenizer, *, block_size: int, n: int = DEFAULT_EXAMPLES, seed: int = 0,
-          choices: int = 4) -> list[Example]:
+def build(
+    documents: Sequence[str], tokenizer, *, block_size: int, n: int = DEFAULT_EXAMPLES, seed: int = 0, choices: int = 4
+) -> list[Example]:
     """`n` next-line questions from `documents` (see the module docstring).
 
     Args:
@@ -78,12 +79,16 @@ def build(documents: Sequence[str], tokenizer, *, block_size: int, n: int = DEFA
       >>> build(["a = 1\\nb = 2\\n..."] * 2, ByteTokenizer(), block_size=64, n=1)[0].label
       2
     """
-    docs = [(_lines(d), [i for i, line in enumerate(_lines(d)) if i >= _MIN_CONTEXT_LINES and _candidate(line)])
-            for d in documents]
+    docs = [
+        (_lines(d), [i for i, line in enumerate(_lines(d)) if i >= _MIN_CONTEXT_LINES and _candidate(line)])
+        for d in documents
+    ]
     usable = [k for k, (_, cands) in enumerate(docs) if cands]
     if len(usable) < 2:
-        raise ValueError(f"next_lines needs 2 or more validation documents with lines of {_MIN_LINE}-{_MAX_LINE} "
-                         f"characters after their first {_MIN_CONTEXT_LINES}; the data has {len(usable)}")
+        raise ValueError(
+            f"next_lines needs 2 or more validation documents with lines of {_MIN_LINE}-{_MAX_LINE} "
+            f"characters after their first {_MIN_CONTEXT_LINES}; the data has {len(usable)}"
+        )
     draw = random.Random(seed)
     out: list[Example] = []
     while len(out) < n:

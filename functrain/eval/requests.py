@@ -89,7 +89,7 @@ def pair_row(tokenizer, context: str, continuation: str, *, prefix_id: int, bloc
         raise ValueError(f"the continuation {continuation!r} encodes to no tokens: nothing to score")
     if len(cont) > block_size:
         raise ValueError(f"the continuation has {len(cont)} tokens, more than the model's block of {block_size}")
-    return Row((ctx + cont)[-(block_size + 1):], len(cont))
+    return Row((ctx + cont)[-(block_size + 1) :], len(cont))
 
 
 def rolling_rows(tokenizer, text: str, *, prefix_id: int, block_size: int) -> list[Row]:
@@ -114,6 +114,6 @@ def rolling_rows(tokenizer, text: str, *, prefix_id: int, block_size: int) -> li
     while done < len(ids):
         end = min(len(ids), done + block_size)
         before = [prefix_id] + ids[:done] if done == 0 else ids[:done]
-        rows.append(Row((before + ids[done:end])[-(block_size + 1):], end - done))
+        rows.append(Row((before + ids[done:end])[-(block_size + 1) :], end - done))
         done = end
     return rows

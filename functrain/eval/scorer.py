@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from functrain import compiler
-from functrain import parallel
+from functrain import compiler, parallel
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.eval.model import EvalModel
@@ -70,8 +69,9 @@ class Scorer:
         run eagerly, a stage gathered at a time.
     """
 
-    def __init__(self, model: EvalModel, *, batch_size: int = 32, buckets: Sequence[int] | None = None,
-                 compile: bool = False):
+    def __init__(
+        self, model: EvalModel, *, batch_size: int = 32, buckets: Sequence[int] | None = None, compile: bool = False
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: give at least 1 row per forward")
         self.model, self.batch_size, self.compile = model, int(batch_size), bool(compile)
@@ -155,8 +155,17 @@ class Scorer:
     # -- generation ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def extend(self, params, prompts: Sequence[list[int]], max_new: int, *, stop: Callable[[int, list[int]], bool],
-               key: torch.Tensor | None = None, temperature: float = 0.0, model_state=None) -> list[list[int]]:
+    def extend(
+        self,
+        params,
+        prompts: Sequence[list[int]],
+        max_new: int,
+        *,
+        stop: Callable[[int, list[int]], bool],
+        key: torch.Tensor | None = None,
+        temperature: float = 0.0,
+        model_state=None,
+    ) -> list[list[int]]:
         """Appends up to `max_new` tokens to each prompt, greedily or sampled from `key`.
 
         Args:
@@ -184,17 +193,21 @@ class Scorer:
         for slot in range(per_rank):
             start = mine[slot] * self.batch_size if slot < len(mine) else len(prompts)
             members = list(range(start, min(start + self.batch_size, len(prompts))))
-            for i, new in zip(members, self._extend_batch(params, model_state, prompts, members, max_new, stop,
-                                                          key, temperature, layout, device)):
+            for i, new in zip(
+                members,
+                self._extend_batch(
+                    params, model_state, prompts, members, max_new, stop, key, temperature, layout, device
+                ),
+            ):
                 out[i, 0] = len(new)
-                out[i, 1:1 + len(new)] = torch.tensor(new, dtype=torch.long)
+                out[i, 1 : 1 + len(new)] = torch.tensor(new, dtype=torch.long)
         out = layout.sum_over_dp(out.to(device)).cpu()
-        return [out[i, 1:1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
+        return [out[i, 1 : 1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
 
     def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, temperature, layout, device):
         """One batch's generation: a step per token until every rank's rows are done (collective count)."""
         block = self.model.block_size
-        seqs = [list(prompts[i])[-(block - 1):] if block > 1 else [] for i in members]
+        seqs = [list(prompts[i])[-(block - 1) :] if block > 1 else [] for i in members]
         new: list[list[int]] = [[] for _ in members]
         active = [True] * len(members)
         for t in range(max_new):
@@ -206,10 +219,13 @@ class Scorer:
             ids = torch.zeros(self.batch_size, length, dtype=torch.long)
             last = torch.zeros(self.batch_size, dtype=torch.long)
             for j, w in enumerate(windows):
-                ids[j, :len(w)] = torch.tensor(w, dtype=torch.long)
+                ids[j, : len(w)] = torch.tensor(w, dtype=torch.long)
                 last[j] = len(w) - 1
-            logits = self._unit("next", length, layout.sharded)(params, model_state, ids.to(device),
-                                                                 last.to(device)).float().cpu()  # (B, V)
+            logits = (
+                self._unit("next", length, layout.sharded)(params, model_state, ids.to(device), last.to(device))
+                .float()
+                .cpu()
+            )  # (B, V)
             for j, i in enumerate(members):
                 if not active[j]:
                     continue
@@ -251,7 +267,7 @@ def _pack(rows: list, length: int, batch: int, device) -> tuple[torch.Tensor, to
         n = len(row.tokens) - 1
         ids[j, :n] = torch.tensor(row.tokens[:-1], dtype=torch.long)
         targets[j, :n] = torch.tensor(row.tokens[1:], dtype=torch.long)
-        mask[j, n - row.scored:n] = True
+        mask[j, n - row.scored : n] = True
     return ids.to(device), targets.to(device), mask.to(device)
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from functrain.interop.safetensors import SafetensorsError, rank_and_world, open_safetensors, save_safetensors
+from functrain.interop.safetensors import SafetensorsError, open_safetensors, rank_and_world, save_safetensors
 
 __all__ = ["HFDirectory", "HFError", "HFWeights", "save_hf_directory"]
 
@@ -67,8 +68,10 @@ class HFWeights:
         elif (self.directory / _SINGLE).exists():
             self._file_of = None
         else:
-            raise HFError(f"{self.directory}: no {_SINGLE} or {_INDEX}; save the model with safetensors "
-                          "(save_pretrained(..., safe_serialization=True))")
+            raise HFError(
+                f"{self.directory}: no {_SINGLE} or {_INDEX}; save the model with safetensors "
+                "(save_pretrained(..., safe_serialization=True))"
+            )
         files = sorted(set(self._file_of.values())) if self._file_of else [self.directory / _SINGLE]
         for f in files:
             if not f.exists():
@@ -89,8 +92,10 @@ class HFWeights:
         if self._file_of is not None:
             absent = sorted(n for n in self._file_of if n not in self._shapes)
             if absent:
-                raise HFError(f"{self._file_of[absent[0]]}: has no {absent[0]!r} (named in {_INDEX}); "
-                              "the shard is truncated or from another checkpoint")
+                raise HFError(
+                    f"{self._file_of[absent[0]]}: has no {absent[0]!r} (named in {_INDEX}); "
+                    "the shard is truncated or from another checkpoint"
+                )
 
     def _open(self, f: Path):
         """The open safetensors handle of shard `f`."""
@@ -116,7 +121,9 @@ class HFWeights:
         """The stored shape of `name` (KeyError when absent)."""
         return self._shapes[name]
 
-    def read(self, name: str, offset: Sequence[int] | None = None, local_shape: Sequence[int] | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, offset: Sequence[int] | None = None, local_shape: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Tensor `name`, or only its block at `offset` of size `local_shape` (read from disk alone).
 
         Args:
@@ -155,8 +162,10 @@ class HFDirectory:
         self.path = Path(directory).expanduser()
         config = self.path / "config.json"
         if not self.path.is_dir():
-            raise HFError(f"{self.path}: not a directory; give a Hugging Face model directory "
-                          "(config.json, *.safetensors, tokenizer.json)")
+            raise HFError(
+                f"{self.path}: not a directory; give a Hugging Face model directory "
+                "(config.json, *.safetensors, tokenizer.json)"
+            )
         try:
             self.config: dict[str, Any] = json.loads(config.read_text())
         except FileNotFoundError:
@@ -179,8 +188,13 @@ class HFDirectory:
         return f if f.exists() else None
 
 
-def save_hf_directory(directory: str | os.PathLike, state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any],
-                      *, tokenizer_file: str | os.PathLike | None = None) -> Path:
+def save_hf_directory(
+    directory: str | os.PathLike,
+    state_dict: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    *,
+    tokenizer_file: str | os.PathLike | None = None,
+) -> Path:
     """Writes a directory `from_pretrained` loads: `config.json`, `model.safetensors`, `tokenizer.json`.
 
     Tensors are streamed to the file one at a time (`save_safetensors`): DTensors are gathered one
@@ -201,8 +215,10 @@ def save_hf_directory(directory: str | os.PathLike, state_dict: Mapping[str, tor
     """
     out = Path(directory)
     if out.exists() and not out.is_dir():  # (every rank sees it: no rank starts a collective alone)
-        raise HFError(f"{out}: is a file, not a directory; export to another path (a new directory, or one to "
-                      "overwrite), or move the file away")
+        raise HFError(
+            f"{out}: is a file, not a directory; export to another path (a new directory, or one to "
+            "overwrite), or move the file away"
+        )
     save_safetensors(dict(state_dict), out / _SINGLE, metadata={"format": "pt"})  # every rank; rank 0 writes
     rank, distributed = rank_and_world()
     if rank == 0:

@@ -27,8 +27,9 @@ import errno
 import json
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import safetensors
 import torch
@@ -73,9 +74,18 @@ def rank_and_world() -> tuple[int, bool]:
 
 
 _DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -119,7 +129,9 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
     items = _named_tensors(params)
     for name, t in items:
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors code; cast it to one of {sorted(_DTYPES.values())}")
+            raise TypeError(
+                f"{name}: dtype {t.dtype} has no safetensors code; cast it to one of {sorted(_DTYPES.values())}"
+            )
     rank, distributed = rank_and_world()
     tmp = path.with_name(path.name + ".tmp")
     failed: BaseException | None = None
@@ -149,8 +161,11 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
 
         dist.barrier()
     if failed is not None:
-        fix = "free space on that disk" if getattr(failed, "errno", None) in (errno.ENOSPC, errno.EDQUOT) else \
-            "pick a path where a file can be written"
+        fix = (
+            "free space on that disk"
+            if getattr(failed, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+            else "pick a path where a file can be written"
+        )
         raise SafetensorsError(f"{path}: could not write ({failed}); {fix}") from None
     return path
 

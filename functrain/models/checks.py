@@ -40,10 +40,13 @@ TOKENIZER_CHECK = ("data.tokenizer", (_tokenizer_ok, "'auto', 'bytes', 'bpe:N' (
 REMAT_CHECK = ("remat", (_is_remat, "'auto', 'none', 'full' or a positive int N (recompute every N-th block)"))
 """The check of a family's `remat` key."""
 
+
 def _weights_ok(mixture) -> bool:
     """Every weight a positive finite number."""
-    return all(not isinstance(w, bool) and isinstance(w, (int, float)) and 0 < w < float("inf")
-               for w in dict(mixture or {}).values())
+    return all(
+        not isinstance(w, bool) and isinstance(w, (int, float)) and 0 < w < float("inf")
+        for w in dict(mixture or {}).values()
+    )
 
 
 def _same_names(sources, mixture) -> bool:
@@ -64,20 +67,33 @@ DATA_CHECKS: list = [
     ("data.path", (lambda x: isinstance(x, str) and bool(x), "a non-empty path, glob or 'stdlib'")),
     ("data.text_field", (lambda x: isinstance(x, str) and bool(x), "a non-empty name of a parquet column / jsonl key")),
     ("data.sampling", v.one_of("windows", "epochs")),
-    ("data.val_fraction", (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1,
-                           "a number in (0, 1)")),
+    (
+        "data.val_fraction",
+        (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1, "a number in (0, 1)"),
+    ),
     ("data.max_bad_line_fraction", v.number_in(0.0, 1.0)),
     ("data.tokenize_workers", v.int_at_least(0)),
     ("data.mixture", (_weights_ok, "{source name: positive weight}")),
     ("data.format", v.one_of("auto", "text", "prompt_completion", "messages", "alpaca")),
     ("data.train_on", v.one_of("auto", "completion", "assistant", "last", "all")),
-    ("data.fields", (_fields_ok, "{format field: the records' field}, e.g. {'prompt': 'question', 'completion': 'answer'}")),
+    (
+        "data.fields",
+        (_fields_ok, "{format field: the records' field}, e.g. {'prompt': 'question', 'completion': 'answer'}"),
+    ),
     ("data.packing", v.boolean()),
     ("data.too_long", v.one_of("drop", "truncate")),
-    ("data.chat_template", (lambda x: isinstance(x, str) and bool(x),
-                            "a non-empty 'auto', 'default', a .jinja file or a directory with a tokenizer_config.json")),
-    v.relation(("data.sources", "data.mixture"), _same_names,
-               "give every source in data.sources one weight in data.mixture (and no other)"),
+    (
+        "data.chat_template",
+        (
+            lambda x: isinstance(x, str) and bool(x),
+            "a non-empty 'auto', 'default', a .jinja file or a directory with a tokenizer_config.json",
+        ),
+    ),
+    v.relation(
+        ("data.sources", "data.mixture"),
+        _same_names,
+        "give every source in data.sources one weight in data.mixture (and no other)",
+    ),
 ]
 """The keys `functrain.data.lm_data` reads."""
 

@@ -15,25 +15,37 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from functrain import functional
-from functrain import parallel
 import functrain.step.staged as remat_lib
-from functrain import rng
 from functrain import config as validate
+from functrain import functional, parallel, rng
 from functrain.eval import EvalModel, of_module
 from functrain.losses import chunked_cross_entropy
 from functrain.step.staged import Stage
 
 __all__ = [
-    "LMStages", "Packed", "context_model", "count_targets", "cross_entropy", "eval_model", "generate", "init_blocks",
+    "LMStages",
+    "Packed",
+    "context_model",
+    "count_targets",
+    "cross_entropy",
+    "eval_model",
+    "generate",
+    "init_blocks",
     "lm_hidden",
-    "lm_loss", "make_lm_loss_fn", "packed", "repeated_stages", "resolve_remat", "submodule_stage", "wants_stages",
+    "lm_loss",
+    "make_lm_loss_fn",
+    "packed",
+    "repeated_stages",
+    "resolve_remat",
+    "submodule_stage",
+    "wants_stages",
 ]
 
 
@@ -100,7 +112,7 @@ def submodule_stage(model: nn.Module, prefix: str, fn: Callable) -> Stage:
 
     def run(p, *args):
         """`fn` on this submodule's own parameters."""
-        own = {n[len(prefix):]: t for n, t in p.items() if n.startswith(prefix)}
+        own = {n[len(prefix) :]: t for n, t in p.items() if n.startswith(prefix)}
         return fn(module, own, *args)
 
     return Stage(names, run)
@@ -141,15 +153,17 @@ def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stag
     first_signature = signature(first) if first is not None else None
     alike = all(signature(m) == first_signature for m in modules)
     stages = []
-    for i, module in enumerate(modules):
-        stage = submodule_stage(model, f"{container}.{i}.",
-                                lambda m, own, h, key, *side, i=i: fn(m, own, h, key, i, *side))
+    for i in range(len(modules)):
+        stage = submodule_stage(
+            model, f"{container}.{i}.", lambda m, own, h, key, *side, i=i: fn(m, own, h, key, i, *side)
+        )
         stages.append(Stage(stage.names, stage.fn, shared if alike else None, f"{container}.{i}.", i))
     return stages
 
 
-def init_blocks(model: nn.Module, block: Callable, *, device=None, dtype: torch.dtype = torch.float32,
-                where: Callable | None = None) -> dict[str, torch.Tensor]:
+def init_blocks(
+    model: nn.Module, block: Callable, *, device=None, dtype: torch.dtype = torch.float32, where: Callable | None = None
+) -> dict[str, torch.Tensor]:
     """Every parameter of `model` (or only `where`'s block of each) from a family's block initializer.
 
     Args:
@@ -196,7 +210,7 @@ def context_model(model: nn.Module, ctx, block_size: int, kernel: str = "zigzag"
     return parallel.context.context_parallel(model, split)
 
 
-def resolve_remat(value, mesh) -> "str | int":
+def resolve_remat(value, mesh) -> str | int:
     """The remat policy `value` means on `mesh`.
 
     Args:
@@ -232,8 +246,13 @@ def wants_stages(config, ctx) -> bool:
     return ctx.mesh is not None or config.get("compile_unit", "step") == "blocks" or ctx.pp_world > 1
 
 
-def lm_hidden(model: nn.Module, params: dict[str, torch.Tensor], idx: torch.Tensor,
-              dropout_key: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+def lm_hidden(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    idx: torch.Tensor,
+    dropout_key: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Final hidden states (after the last norm, before the head) with `params`, functionally.
 
     Args:
@@ -298,7 +317,7 @@ def count_targets(ignore_index: int = -1) -> Callable:
     return count
 
 
-def _positions(batch) -> "torch.Tensor | None":
+def _positions(batch) -> torch.Tensor | None:
     """A packed batch's positions (its third entry), or None for (x, y)."""
     return batch[2] if len(batch) > 2 else None
 
@@ -306,8 +325,10 @@ def _positions(batch) -> "torch.Tensor | None":
 def _unpacked_only(batch, what: str) -> None:
     """Refuses a packed batch (x, y, positions) where `what` cannot carry its document layout (one line)."""
     if len(batch) > 2:
-        raise ValueError(f"packed rows (data.packing=True): {what} has no document mask; set "
-                         "--config.data.packing=False (padded rows), or train without it")
+        raise ValueError(
+            f"packed rows (data.packing=True): {what} has no document mask; set "
+            "--config.data.packing=False (padded rows), or train without it"
+        )
 
 
 def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.Tensor:
@@ -317,9 +338,18 @@ def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.T
     return cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
 
 
-def lm_loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-            key: torch.Tensor | None = None, *, head: str, chunk_size: int = 0, ignore_index: int = -1,
-            positions: torch.Tensor | None = None) -> torch.Tensor:
+def lm_loss(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    key: torch.Tensor | None = None,
+    *,
+    head: str,
+    chunk_size: int = 0,
+    ignore_index: int = -1,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Next-token cross-entropy; with `chunk_size > 0` the (B, T, V) logits never exist whole.
 
     Args:
@@ -343,8 +373,16 @@ def lm_loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, 
     return _head_loss(hidden, params[head], y, chunk_size, ignore_index)
 
 
-def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size: int = 0, ignore_index: int = -1,
-                    remat: "str | int" = "none", staged: bool = False) -> Callable:
+def make_lm_loss_fn(
+    model: nn.Module,
+    stages: LMStages,
+    *,
+    head: str,
+    chunk_size: int = 0,
+    ignore_index: int = -1,
+    remat: str | int = "none",
+    staged: bool = False,
+) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` for `make_train_step` / `make_eval_step`.
 
     Args:
@@ -383,13 +421,23 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
         return loss if split is None else split.token_mean(loss, y, ignore_index)
 
     if remat == "none" and not staged:
+
         def loss_fn(params, batch, key):
             """(lm_loss of batch = (x, y) or, packed, (x, y, positions), {})."""
             x, y = mine(batch[0]), mine(batch[1])
             if split is not None:
                 _unpacked_only(batch, "context parallelism")
-            loss = lm_loss(model, params, x, y, key, head=head, chunk_size=chunk_size, ignore_index=ignore_index,
-                           positions=_positions(batch))
+            loss = lm_loss(
+                model,
+                params,
+                x,
+                y,
+                key,
+                head=head,
+                chunk_size=chunk_size,
+                ignore_index=ignore_index,
+                positions=_positions(batch),
+            )
             return over_sequence(loss, y), {}
 
         return loss_fn
@@ -412,8 +460,13 @@ def make_lm_loss_fn(model: nn.Module, stages: LMStages, *, head: str, chunk_size
         return over_sequence(_head_loss(hidden, p[head], y, chunk_size, ignore_index), y)
 
     head_names = stages.final.names + ((head,) if head not in stages.final.names else ())
-    return remat_lib.staged_loss(Stage(stages.embed.names, embed, rows=stages.embed.rows), stages.blocks,
-                                 Stage(head_names, head_stage), policy=remat, side=side)
+    return remat_lib.staged_loss(
+        Stage(stages.embed.names, embed, rows=stages.embed.rows),
+        stages.blocks,
+        Stage(head_names, head_stage),
+        policy=remat,
+        side=side,
+    )
 
 
 @torch.no_grad()
@@ -472,8 +525,10 @@ def generate(
     logits_fn = logits_fn or (lambda p, i: functional.apply(model, p, i))
     staged = any(parallel.is_dtensor(t) for t in params.values())
     if staged and (stages is None or head is None):
-        raise ValueError("generate: the params are sharded (DTensors); pass the model's `stages=` and `head=` so "
-                         "they are gathered one stage at a time, or `functrain.parallel.gather` them first")
+        raise ValueError(
+            "generate: the params are sharded (DTensors); pass the model's `stages=` and `head=` so "
+            "they are gathered one stage at a time, or `functrain.parallel.gather` them first"
+        )
     with torch.no_grad():
         for i in range(max_new_tokens):
             ctx = idx[:, -block_size:]  # (B, T<=block_size)
@@ -494,8 +549,15 @@ def generate(
     return idx[0] if squeeze else idx
 
 
-def eval_model(template: nn.Module, tokenizer, *, block_size: int, stages: LMStages | None, head: str | None,
-               logits_fn: Callable | None = None) -> EvalModel:
+def eval_model(
+    template: nn.Module,
+    tokenizer,
+    *,
+    block_size: int,
+    stages: LMStages | None,
+    head: str | None,
+    logits_fn: Callable | None = None,
+) -> EvalModel:
     """A decoder LM family's `functrain.eval.EvalModel`: its logits in eval mode, on plain or sharded params.
 
     Args:

@@ -8,20 +8,26 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from functrain import config as validate
 from functrain import data as data_lib
 
-__all__ = ["chat_template", "check_packing", "finish_text", "load_data", "supervised_format", "tokenizer_of",
-           "validation_text"]
+__all__ = [
+    "chat_template",
+    "check_packing",
+    "finish_text",
+    "load_data",
+    "supervised_format",
+    "tokenizer_of",
+    "validation_text",
+]
 
 
-def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int | None,
-              tokenizer=None, model_dir=None):
+def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int | None, tokenizer=None, model_dir=None):
     """The run's data (`config.data`: one source, a mixture, or supervised examples) on this process's place in `ctx`.
 
     Args:
@@ -44,14 +50,37 @@ def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int |
     log = print if ctx.is_main_process else (lambda line: None)
     if supervised_format(config.data) != "text":
         tok = tokenizer if tokenizer is not None else data_lib.ByteTokenizer()
-        return data_lib.sft_data(config.data, cache_dir=cache_dir, tokenizer=tok,
-                                 template=chat_template(config, model_dir, tok), batch_size=config.batch_size,
-                                 block_size=block_size, seed=config.seed, eval_batches=config.eval_batches,
-                                 dp_rank=ctx.dp_rank, dp_world=ctx.dp_world, device=ctx.device, rank=ctx.rank, log=log)
-    return data_lib.lm_data(config.data, cache_dir=cache_dir, batch_size=config.batch_size, block_size=block_size,
-                            seed=config.seed, eval_batches=config.eval_batches, dp_rank=ctx.dp_rank,
-                            dp_world=ctx.dp_world, device=ctx.device, rank=ctx.rank, world=ctx.world_size,
-                            vocab_size=vocab_size, tokenizer=tokenizer, log=log)
+        return data_lib.sft_data(
+            config.data,
+            cache_dir=cache_dir,
+            tokenizer=tok,
+            template=chat_template(config, model_dir, tok),
+            batch_size=config.batch_size,
+            block_size=block_size,
+            seed=config.seed,
+            eval_batches=config.eval_batches,
+            dp_rank=ctx.dp_rank,
+            dp_world=ctx.dp_world,
+            device=ctx.device,
+            rank=ctx.rank,
+            log=log,
+        )
+    return data_lib.lm_data(
+        config.data,
+        cache_dir=cache_dir,
+        batch_size=config.batch_size,
+        block_size=block_size,
+        seed=config.seed,
+        eval_batches=config.eval_batches,
+        dp_rank=ctx.dp_rank,
+        dp_world=ctx.dp_world,
+        device=ctx.device,
+        rank=ctx.rank,
+        world=ctx.world_size,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+        log=log,
+    )
 
 
 def finish_text(dataset, sample, generate: Callable, device) -> dict:
@@ -74,8 +103,11 @@ def finish_text(dataset, sample, generate: Callable, device) -> dict:
     if isinstance(dataset, data_lib.SFTData):
         prompt, expected = dataset.held_out()
         out = generate(torch.as_tensor(prompt, dtype=torch.long, device=device)[None], sample.max_new_tokens)
-        return {"prompt": dataset.decode(prompt), "answer": dataset.answer(out[0, len(prompt):].tolist()),
-                "expected": expected}
+        return {
+            "prompt": dataset.decode(prompt),
+            "answer": dataset.answer(out[0, len(prompt) :].tolist()),
+            "expected": expected,
+        }
     prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
     return {"sample": dataset.decode(generate(prompt, sample.max_new_tokens)[0].tolist())}
 
@@ -100,7 +132,7 @@ def supervised_format(data) -> str:
     return data_lib.detect_format(record, dict(data.get("fields") or {}))
 
 
-def chat_template(config, model_dir, tokenizer) -> "data_lib.ChatTemplate":
+def chat_template(config, model_dir, tokenizer) -> data_lib.ChatTemplate:
     """The chat template `data.chat_template` names: "auto": the model directory's, else the tokenizer file's
     directory's, else the default; "default"; a .jinja file; a directory with a tokenizer_config.json."""
     spec = config.data.get("chat_template", "auto")
@@ -111,8 +143,9 @@ def chat_template(config, model_dir, tokenizer) -> "data_lib.ChatTemplate":
         if path.is_file():
             return data_lib.ChatTemplate(path.read_text())
         if not path.is_dir():
-            raise validate.ConfigError(f"data.chat_template={spec!r} is neither a .jinja file nor a directory; give "
-                                       "one, or 'auto' / 'default'")
+            raise validate.ConfigError(
+                f"data.chat_template={spec!r} is neither a .jinja file nor a directory; give one, or 'auto' / 'default'"
+            )
         return data_lib.chat_template_of(path)
     for d in (model_dir, getattr(tokenizer, "path", None) and Path(tokenizer.path).parent):
         if d is not None and data_lib.has_chat_template(d):
@@ -141,7 +174,8 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
       a mixture (one line).
 
     Example:
-      >>> tok = lm_data.tokenizer_of(config, HFDirectory("SmolLM-135M"), "runs/x/data", fresh_vocab=2048, key="init_from")
+      >>> tok = lm_data.tokenizer_of(config, HFDirectory("SmolLM-135M"), "runs/x/data", fresh_vocab=2048,
+      key="init_from")
     """
     spec = config.data.tokenizer
     if spec == "auto" and hf is not None:
@@ -153,7 +187,8 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
         raise validate.ConfigError(
             f"{key}: {hf.path} has no tokenizer.json and its model has {vocab} ids; give the model's tokenizer "
             f"(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size "
-            f"(--config.data.tokenizer=bpe:{vocab})")
+            f"(--config.data.tokenizer=bpe:{vocab})"
+        )
     if spec == "auto":
         spec = f"bpe:{fresh_vocab}"
     if spec == "bytes":
@@ -161,11 +196,14 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
     if spec.startswith("bpe:"):
         paths = [path for _, path, _ in data_lib.parse_mixture(config.data)]
         if len(paths) > 1:
-            raise validate.ConfigError("data.tokenizer=bpe:N trains on one source; with data.sources give a "
-                                       "tokenizer.json (--config.data.tokenizer=<path>) or train one on a single "
-                                       "source first")
-        return data_lib.train_tokenizer(paths[0], cache_dir, int(spec[4:]), text_field=config.data.text_field,
-                                       val_fraction=config.data.val_fraction)
+            raise validate.ConfigError(
+                "data.tokenizer=bpe:N trains on one source; with data.sources give a "
+                "tokenizer.json (--config.data.tokenizer=<path>) or train one on a single "
+                "source first"
+            )
+        return data_lib.train_tokenizer(
+            paths[0], cache_dir, int(spec[4:]), text_field=config.data.text_field, val_fraction=config.data.val_fraction
+        )
     return data_lib.HFTokenizer(spec)
 
 
@@ -183,8 +221,10 @@ def check_packing(config, ctx) -> None:
       >>> lm_data.check_packing(config, ctx)
     """
     if config.data.get("packing", False) and ctx.cp_world > 1:
-        raise validate.ConfigError("data.packing=True: context parallelism splits each row over the cp ranks and its "
-                                   "attention has no document mask; set --config.data.packing=False or mesh.cp=1")
+        raise validate.ConfigError(
+            "data.packing=True: context parallelism splits each row over the cp ranks and its "
+            "attention has no document mask; set --config.data.packing=False or mesh.cp=1"
+        )
 
 
 def validation_text(config) -> Callable[[], list[str]]:
@@ -210,11 +250,16 @@ def validation_text(config) -> Callable[[], list[str]]:
         for _, path, _ in data_lib.parse_mixture(config.data):
             here = Path(path).expanduser()
             if path != "stdlib" and (here.is_dir() and ((here / "val.bin").exists() or (here / "meta.json").exists())):
-                raise data_lib.DataError(f"data.path {path}: token files keep no document text, so the built-in "
-                                         "next_lines task cannot be made from them; evaluate on a multiple-choice file "
-                                         "(--config.eval.tasks=<file.jsonl>) or train on text")
-            out += data_lib.validation_documents(path, text_field=config.data.get("text_field", "text"),
-                                                 val_fraction=config.data.get("val_fraction", 0.015))
+                raise data_lib.DataError(
+                    f"data.path {path}: token files keep no document text, so the built-in "
+                    "next_lines task cannot be made from them; evaluate on a multiple-choice file "
+                    "(--config.eval.tasks=<file.jsonl>) or train on text"
+                )
+            out += data_lib.validation_documents(
+                path,
+                text_field=config.data.get("text_field", "text"),
+                val_fraction=config.data.get("val_fraction", 0.015),
+            )
         return out
 
     return read

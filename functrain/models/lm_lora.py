@@ -16,8 +16,9 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,8 +28,17 @@ from functrain import rng
 from functrain.interop.safetensors import save_safetensors
 from functrain.nn import lora
 
-__all__ = ["ADAPTER_STREAM", "exporter", "flops_per_token", "frozen", "peft_directory", "save_peft", "spec_of",
-           "with_adapters", "wrap"]
+__all__ = [
+    "ADAPTER_STREAM",
+    "exporter",
+    "flops_per_token",
+    "frozen",
+    "peft_directory",
+    "save_peft",
+    "spec_of",
+    "with_adapters",
+    "wrap",
+]
 
 ADAPTER_STREAM = 0x10AA
 """The adapters are drawn from `fold_in(key, ADAPTER_STREAM)`: the base's draws from `key` stay as without LoRA."""
@@ -40,8 +50,13 @@ def spec_of(config: Any) -> lora.LoraSpec | None:
     if not c or not c.get("rank", 0):
         return None
     try:
-        return lora.LoraSpec(rank=int(c.rank), alpha=float(c.alpha), targets=str(c.targets), dropout=float(c.dropout),
-                             rslora=bool(c.rslora))
+        return lora.LoraSpec(
+            rank=int(c.rank),
+            alpha=float(c.alpha),
+            targets=str(c.targets),
+            dropout=float(c.dropout),
+            rslora=bool(c.rslora),
+        )
     except ValueError as exc:
         raise validate.ConfigError(f"{exc} (--config.lora.*)") from None
 
@@ -84,9 +99,15 @@ def flops_per_token(flops: float, model: nn.Module, spec: lora.LoraSpec | None) 
         return flops
     adapters = set(lora.adapter_names(model))
     inner = {n.rsplit(".", 1)[0] for n in adapters}  # the adapters' own Linear modules
-    weights = {id(m.weight): m.weight.numel() for n, m in model.named_modules()
-               if n not in inner and hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2
-               and (isinstance(m, lora.LoraLinear) or type(m).__name__ in ("Linear", "Conv1D"))}
+    weights = {
+        id(m.weight): m.weight.numel()
+        for n, m in model.named_modules()
+        if n not in inner
+        and hasattr(m, "weight")
+        and m.weight is not None
+        and m.weight.dim() == 2
+        and (isinstance(m, lora.LoraLinear) or type(m).__name__ in ("Linear", "Conv1D"))
+    }
     n_adapters = sum(model.get_parameter(n).numel() for n in adapters)
     return flops - 2 * sum(weights.values()) + 6 * n_adapters
 
@@ -120,8 +141,14 @@ def peft_directory(out: str | Path) -> Path:
     return out.with_name(out.name + "-peft")
 
 
-def save_peft(directory: str | Path, model: nn.Module, spec: lora.LoraSpec, adapters: dict, base_model: str = "",
-              hf_name: Callable[[str], str] = str) -> Path:
+def save_peft(
+    directory: str | Path,
+    model: nn.Module,
+    spec: lora.LoraSpec,
+    adapters: dict,
+    base_model: str = "",
+    hf_name: Callable[[str], str] = str,
+) -> Path:
     """Writes the adapters as a PEFT directory: `adapter_model.safetensors` (PEFT's key names) and
     `adapter_config.json`, which `peft.PeftModel.from_pretrained(base, directory)` loads.
 
@@ -156,8 +183,14 @@ def _rank() -> tuple[int, bool]:
     return (torch.distributed.get_rank() if up else 0), up
 
 
-def exporter(export: Callable | None, model: nn.Module, spec: lora.LoraSpec | None, *,
-             hf_name: Callable[[str], str] | None, base_model: str = "") -> Callable | None:
+def exporter(
+    export: Callable | None,
+    model: nn.Module,
+    spec: lora.LoraSpec | None,
+    *,
+    hf_name: Callable[[str], str] | None,
+    base_model: str = "",
+) -> Callable | None:
     """The family's `export(params, out)` for a LoRA run: the merged model to `out` (the family's own
     format) and, where each linear layer is one of the transformers model's (`hf_name`), the adapters
     alone as a PEFT directory beside it (`peft_directory(out)`).

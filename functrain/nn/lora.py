@@ -28,7 +28,8 @@ import copy
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +37,21 @@ from torch import nn
 
 from functrain import rng as rng_lib
 
-__all__ = ["ALL_LINEAR", "LoraLinear", "LoraSpec", "adapter_names", "init_adapters", "is_adapter", "is_base", "merge",
-           "peft_config", "peft_tensors", "split", "targets_of", "wrap"]
+__all__ = [
+    "ALL_LINEAR",
+    "LoraLinear",
+    "LoraSpec",
+    "adapter_names",
+    "init_adapters",
+    "is_adapter",
+    "is_base",
+    "merge",
+    "peft_config",
+    "peft_tensors",
+    "split",
+    "targets_of",
+    "wrap",
+]
 
 ALL_LINEAR = "all-linear"
 """`LoraSpec.targets`: every linear layer but the output layer (PEFT's "all-linear")."""
@@ -152,8 +166,10 @@ def targets_of(module: nn.Module, spec: LoraSpec) -> list[str]:
     if not picked:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
         listed = ", ".join(leaves[:8]) or "nothing: it has no linear layer"
-        raise ValueError(f"lora.targets {spec.targets!r} matches no linear layer of the model (its layers end in "
-                         f"{listed}); give a regex over those names")
+        raise ValueError(
+            f"lora.targets {spec.targets!r} matches no linear layer of the model (its layers end in "
+            f"{listed}); give a regex over those names"
+        )
     return picked
 
 
@@ -208,8 +224,9 @@ def split(params: Mapping[str, Any]) -> tuple[dict, dict]:
     return adapters, {n: v for n, v in params.items() if not is_adapter(n)}
 
 
-def init_adapters(model: nn.Module, key: torch.Tensor, device=None, dtype=torch.float32,
-                  where=None) -> dict[str, torch.Tensor]:
+def init_adapters(
+    model: nn.Module, key: torch.Tensor, device=None, dtype=torch.float32, where=None
+) -> dict[str, torch.Tensor]:
     """Fresh adapters for a wrapped model: A kaiming-uniform (a=√5: U(±1/√in)), B zero.
 
     Args:
@@ -275,8 +292,9 @@ def peft_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {PEFT_PREFIX + n: v for n, v in adapters.items()}
 
 
-def peft_config(model: nn.Module, spec: LoraSpec, base_model: str = "",
-                hf_name: Callable[[str], str] = str) -> dict[str, Any]:
+def peft_config(
+    model: nn.Module, spec: LoraSpec, base_model: str = "", hf_name: Callable[[str], str] = str
+) -> dict[str, Any]:
     """PEFT's `adapter_config.json` for the wrapped model: the exact layers, as a full-match regex.
 
     Args:
@@ -293,9 +311,17 @@ def peft_config(model: nn.Module, spec: LoraSpec, base_model: str = "",
     """
     names = [hf_name(f"{n}.weight").removesuffix(".weight") for n in _layers(model)]
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "use_rslora": spec.rslora,
-        "target_modules": "(" + "|".join(re.escape(n) for n in names) + ")", "bias": "none",
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "use_rslora": spec.rslora,
+        "target_modules": "(" + "|".join(re.escape(n) for n in names) + ")",
+        "bias": "none",
         "fan_in_fan_out": any(m.fan_in_fan_out for m in _layers(model).values()),
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
     }

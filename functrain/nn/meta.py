@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -37,8 +37,10 @@ def meta_tensors(model: nn.Module) -> tuple[tuple[str, tuple[int, ...], bool], .
       ('wte.weight', (256, 64), True)
     """
     found = []
-    named = itertools.chain(((n, t, True) for n, t in model.named_parameters(remove_duplicate=False)),
-                            ((n, t, False) for n, t in model.named_buffers(remove_duplicate=False)))
+    named = itertools.chain(
+        ((n, t, True) for n, t in model.named_parameters(remove_duplicate=False)),
+        ((n, t, False) for n, t in model.named_buffers(remove_duplicate=False)),
+    )
     for name, t, is_param in named:
         if t is not None and t.device.type == "meta":
             found.append((name, tuple(t.shape), is_param))
@@ -55,13 +57,23 @@ def refusal(missing: list, given: dict) -> str:
     """The one-line error for meta tensors a call would read (naming them, a likely broken tie, the fixes)."""
     names = []
     for name, shape, is_param in missing[:6]:
-        twin = next((n for n, v in given.items() if hasattr(v, "shape") and tuple(v.shape) == shape
-                     and n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]), None)
+        twin = next(
+            (
+                n
+                for n, v in given.items()
+                if hasattr(v, "shape") and tuple(v.shape) == shape and n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]
+            ),
+            None,
+        )
         kind = "parameter" if is_param else "buffer"
-        names.append(f"{kind} {name} {list(shape)}" + (f" (tied to {twin}? `.to('meta')` unties weights)" if twin else ""))
+        names.append(
+            f"{kind} {name} {list(shape)}" + (f" (tied to {twin}? `.to('meta')` unties weights)" if twin else "")
+        )
     more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
-    return (f"functrain.apply: the template would compute with {len(missing)} tensor(s) on the meta device that "
-            f"neither the params nor the model state replace: {', '.join(names)}{more}; build the template "
-            "under `with torch.device('meta'):` (which keeps ties) and pass every parameter in the params and "
-            "every buffer in the model state (functrain.nn.buffers_of(real_module, persistent=False) for "
-            "non-persistent ones), or build the template on a real device")
+    return (
+        f"functrain.apply: the template would compute with {len(missing)} tensor(s) on the meta device that "
+        f"neither the params nor the model state replace: {', '.join(names)}{more}; build the template "
+        "under `with torch.device('meta'):` (which keeps ties) and pass every parameter in the params and "
+        "every buffer in the model state (functrain.nn.buffers_of(real_module, persistent=False) for "
+        "non-persistent ones), or build the template on a real device"
+    )

@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from torch import nn
 
@@ -30,13 +30,13 @@ class _Mode:
     def __init__(self):
         # an instance attribute from the start: a step that enters `running` inside its graph (the
         # population's) is guarded on this object's __dict__, which must not change from call to call
-        self.train: "bool | None" = None
+        self.train: bool | None = None
 
 
 _STATE = _Mode()
 
 
-def current() -> "bool | None":
+def current() -> bool | None:
     """The mode the enclosing step asks for: True (train), False (eval), or None outside any step.
 
     Returns:
@@ -50,7 +50,7 @@ def current() -> "bool | None":
 
 
 @contextlib.contextmanager
-def running(train: "bool | None") -> Iterator[None]:
+def running(train: bool | None) -> Iterator[None]:
     """Runs the block with `functrain.apply` in train (True) or eval (False) mode; None: the template's.
 
     Args:

@@ -24,7 +24,8 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,8 +55,7 @@ def buffers_of(model: nn.Module, *, persistent: bool = True) -> dict[str, torch.
       dict_keys(['running_mean', 'running_var', 'num_batches_tracked'])
     """
     keep = set(model.state_dict(keep_vars=True)) if persistent else None
-    return {name: b.detach() for name, b in model.named_buffers()
-            if b is not None and (keep is None or name in keep)}
+    return {name: b.detach() for name, b in model.named_buffers() if b is not None and (keep is None or name in keep)}
 
 
 def has_model_state(model_state: PyTree) -> bool:
@@ -88,19 +88,24 @@ def call_loss(loss_fn: Callable, params: PyTree, batch: PyTree, key, model_state
         return loss, aux, model_state
     out = loss_fn(params, batch, key, model_state)
     if not (isinstance(out, tuple) and len(out) == 3):
-        raise TypeError("a loss function given model state must return (loss, aux, new_model_state), got "
-                        f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else ""))
+        raise TypeError(
+            "a loss function given model state must return (loss, aux, new_model_state), got "
+            f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, tuple) else "")
+        )
     loss, aux = loss_and_aux((out[0], out[1]))
     new = out[2]
     if not isinstance(new, dict) or list(new) != list(model_state):
-        raise ValueError("the loss returned a model state with other keys (or in another order) than it was "
-                         "given; return the dict functrain.apply(..., model_state=...) gave back")
+        raise ValueError(
+            "the loss returned a model state with other keys (or in another order) than it was "
+            "given; return the dict functrain.apply(..., model_state=...) gave back"
+        )
     return loss, aux, new
 
 
 def restore_dtypes(new: PyTree, like: PyTree) -> PyTree:
     """`new` with each leaf in the dtype of the matching leaf of `like`, detached (each buffer keeps its own dtype)."""
     leaves, spec = tree_lib.flatten(new)
-    out = [n.detach() if n.dtype == o.dtype else n.detach().to(o.dtype)
-           for n, o in zip(leaves, spec.flatten_up_to(like))]
+    out = [
+        n.detach() if n.dtype == o.dtype else n.detach().to(o.dtype) for n, o in zip(leaves, spec.flatten_up_to(like))
+    ]
     return spec.unflatten(out)

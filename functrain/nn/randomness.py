@@ -61,8 +61,17 @@ _ALPHA_PRIME = -_SELU_ALPHA * _SELU_SCALE  # the value alpha dropout sets droppe
 # name, since Dynamo cannot trace their bodies' `super()` calls when it inlines the mode.
 _TENSOR_PY_METHODS = frozenset(k for k, v in vars(torch.Tensor).items() if isinstance(v, types.FunctionType))
 # Draws no key can stand in for: run from torch's generator, and named once (`warn_unkeyed`).
-_UNKEYABLE = (torch.randperm, torch.multinomial, torch.Tensor.multinomial, torch.poisson, torch.normal,
-              torch.Tensor.random_, torch.Tensor.cauchy_, torch.Tensor.log_normal_, torch.Tensor.geometric_)
+_UNKEYABLE = (
+    torch.randperm,
+    torch.multinomial,
+    torch.Tensor.multinomial,
+    torch.poisson,
+    torch.normal,
+    torch.Tensor.random_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.geometric_,
+)
 _UNKEYED: set[str] = set()
 _WARNED: set[str] = set()
 
@@ -118,9 +127,12 @@ def warn_unkeyed() -> None:
       >>> warn_unkeyed()   # make_train_step's step does this after every call
     """
     for name in sorted(_UNKEYED - _WARNED):
-        warnings.warn(f"functrain: warning: torch.{name} inside the loss draws from torch's global generator (it "
-                      f"cannot be keyed): the run is not a function of its seed; pass it a generator=, or draw "
-                      f"from the step's key (functrain.rng)", stacklevel=3)
+        warnings.warn(
+            f"functrain: warning: torch.{name} inside the loss draws from torch's global generator (it "
+            f"cannot be keyed): the run is not a function of its seed; pass it a generator=, or draw "
+            f"from the step's key (functrain.rng)",
+            stacklevel=3,
+        )
     _WARNED.update(_UNKEYED)
     _UNKEYED.clear()
 
@@ -180,8 +192,9 @@ class KeyedRandomness(TorchFunctionMode):
             return self._numbers(func is torch.randn, shape, dtype, kwargs.get("device"))
         if func is torch.rand_like or func is torch.randn_like:
             x = args[0]
-            return self._numbers(func is torch.randn_like, x.shape, kwargs.get("dtype") or x.dtype,
-                                 kwargs.get("device") or x.device)
+            return self._numbers(
+                func is torch.randn_like, x.shape, kwargs.get("dtype") or x.dtype, kwargs.get("device") or x.device
+            )
         if func is torch.randint or func is torch.randint_like:
             return self._randint(func, args, kwargs)
         if func is torch.bernoulli or func is torch.Tensor.bernoulli or func is torch.Tensor.bernoulli_:
@@ -194,8 +207,12 @@ class KeyedRandomness(TorchFunctionMode):
             return args[0].copy_(self._fill(func, args, kwargs))
         if func is F.rrelu or func is torch.rrelu:
             return self._rrelu(func, args, kwargs)
-        if (func is F.fractional_max_pool2d or func is F.fractional_max_pool3d
-                or func is F.fractional_max_pool2d_with_indices or func is F.fractional_max_pool3d_with_indices):
+        if (
+            func is F.fractional_max_pool2d
+            or func is F.fractional_max_pool3d
+            or func is F.fractional_max_pool2d_with_indices
+            or func is F.fractional_max_pool3d_with_indices
+        ):
             return self._fractional_max_pool(func, args, kwargs)
         for f in _UNKEYABLE:
             if func is f:
@@ -208,8 +225,11 @@ class KeyedRandomness(TorchFunctionMode):
         getting no gradient; max_norm, scale_grad_by_freq and sparse keep torch's own."""
         idx, weight = args[0], _arg(args, kwargs, 1, "weight", None)
         padding_idx = _arg(args, kwargs, 2, "padding_idx", None)
-        own = (_arg(args, kwargs, 3, "max_norm", None) is not None or _arg(args, kwargs, 5, "scale_grad_by_freq", False)
-               or _arg(args, kwargs, 6, "sparse", False))
+        own = (
+            _arg(args, kwargs, 3, "max_norm", None) is not None
+            or _arg(args, kwargs, 5, "scale_grad_by_freq", False)
+            or _arg(args, kwargs, 6, "sparse", False)
+        )
         if own or weight.device.type != "cpu":
             return func(*args, **kwargs)
         out = ops.embedding(weight, idx)  # (..., C)
@@ -332,16 +352,44 @@ class KeyedRandomness(TorchFunctionMode):
 # unkeyable ones): a call of any other name passes through after one set lookup. A handled function's
 # name may be shared by others (`torch.normal` / `Tensor.normal_` are not the same): those take the
 # full identity checks, as before.
-_SEEN_NAMES = frozenset(f.__name__ for f in (
-    F.dropout, torch.dropout, F.scaled_dot_product_attention, F.dropout1d, F.dropout2d, F.dropout3d,
-    F.alpha_dropout, F.feature_alpha_dropout, F.embedding, F.multi_head_attention_forward, F.gumbel_softmax,
-    torch.rand, torch.randn, torch.rand_like, torch.randn_like, torch.randint, torch.randint_like, torch.bernoulli,
-    torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.Tensor.uniform_, torch.Tensor.normal_,
-    torch.Tensor.exponential_, F.rrelu, torch.rrelu, F.fractional_max_pool2d, F.fractional_max_pool3d,
-    F.fractional_max_pool2d_with_indices, F.fractional_max_pool3d_with_indices, *_UNKEYABLE))
+_SEEN_NAMES = frozenset(
+    f.__name__
+    for f in (
+        F.dropout,
+        torch.dropout,
+        F.scaled_dot_product_attention,
+        F.dropout1d,
+        F.dropout2d,
+        F.dropout3d,
+        F.alpha_dropout,
+        F.feature_alpha_dropout,
+        F.embedding,
+        F.multi_head_attention_forward,
+        F.gumbel_softmax,
+        torch.rand,
+        torch.randn,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint,
+        torch.randint_like,
+        torch.bernoulli,
+        torch.Tensor.bernoulli,
+        torch.Tensor.bernoulli_,
+        torch.Tensor.uniform_,
+        torch.Tensor.normal_,
+        torch.Tensor.exponential_,
+        F.rrelu,
+        torch.rrelu,
+        F.fractional_max_pool2d,
+        F.fractional_max_pool3d,
+        F.fractional_max_pool2d_with_indices,
+        F.fractional_max_pool3d_with_indices,
+        *_UNKEYABLE,
+    )
+)
 
 
-def keyed(key: "torch.Tensor | None"):
+def keyed(key: torch.Tensor | None):
     """A context in which every module's dropout draws from `key` (see the module docstring).
 
     Args:

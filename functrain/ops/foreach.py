@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ def device_scalars():
     return _switched_on("_DEVICE_SCALARS")
 
 
-def _broadcast_for(xs: Tensors, scalar) -> "list[torch.Tensor] | None":
+def _broadcast_for(xs: Tensors, scalar) -> list[torch.Tensor] | None:
     """`scalar` as views shaped like each of `xs` off the CPU (or in `device_scalars()`), else None."""
     if not (isinstance(scalar, torch.Tensor) and len(xs) > 0):
         return None
@@ -118,8 +118,10 @@ def lerp(xs: Tensors, ys: Tensors, weight) -> list[torch.Tensor]:
     ("GuardOnDataDependentSymNode"). For a weight below 0.5 (Adam's 1 - b1) that is lerp's own
     formula; on torch 2.13 the compiled result is bit-identical to the compiled `_foreach_lerp`."""
     if _per_tensor_for(xs, weight):
-        return [torch.lerp(x, y, weight.to(x.dtype) if isinstance(weight, torch.Tensor) else float(weight))
-                for x, y in zip(xs, ys)]
+        return [
+            torch.lerp(x, y, weight.to(x.dtype) if isinstance(weight, torch.Tensor) else float(weight))
+            for x, y in zip(xs, ys)
+        ]
     views = _broadcast_for(xs, weight)
     if views is None and isinstance(weight, torch.Tensor) and torch.compiler.is_compiling():
         return list(torch._foreach_add(xs, torch._foreach_mul(torch._foreach_sub(ys, xs), weight)))

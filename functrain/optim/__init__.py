@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
+    from functrain.optim import config
     from functrain.optim.aliases import adam, adamw, sgd
     from functrain.optim.base import (
         MaskedState,
@@ -22,7 +23,6 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         masked,
         report,
     )
-    from functrain.optim import config
     from functrain.optim.hyperparams import get_hyperparams, set_hyperparams
     from functrain.optim.schedules import Schedule, constant, linear, linear_warmup, warmup_cosine, warmup_linear
     from functrain.optim.transforms import (

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,8 +62,10 @@ def adamw(
       >>> opt = optim.adamw(optim.warmup_cosine(3e-4, 100, 5000), weight_decay=0.1)
     """
     if fused and (mu_dtype is not None or nu_dtype is not None):
-        raise ValueError("adamw(fused=True) keeps Adam's moments in the params' dtype (torch's kernel takes one "
-                         "dtype): drop mu_dtype/nu_dtype or fused")
+        raise ValueError(
+            "adamw(fused=True) keeps Adam's moments in the params' dtype (torch's kernel takes one "
+            "dtype): drop mu_dtype/nu_dtype or fused"
+        )
     opt = chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
         add_decayed_weights(weight_decay, mask),
@@ -94,7 +97,9 @@ def adam(
     Example:
       >>> opt = optim.adam(1e-3)
     """
-    return chain(scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype), scale_by_learning_rate(learning_rate))
+    return chain(
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype), scale_by_learning_rate(learning_rate)
+    )
 
 
 def sgd(

@@ -5,13 +5,16 @@ A transform is a pair of pure functions, exactly as in optax:
     state = t.init(params)
     updates, state = t.update(grads, state, params)
 
-An `update` may also take the keyword `norm`: the global L2 norm of `updates`, when the caller has
-it already (optax's "extra args"). `apply_gradients` computes the gradient norm for its metric and
-skip check and passes it down; `chain` hands it to its first transform, so a leading
-`clip_by_global_norm` does not take the norm a second time (a full read of the gradients). `call_update` passes it only to transforms that accept it.
+A transform whose `Traits.takes_norm` is True declares that its `update` also takes the keyword
+`norm`: the global L2 norm of `updates`, when the caller has it already (optax's "extra args", which
+its `GradientTransformationExtraArgs` type declares). `apply_gradients` computes the gradient norm
+for its metric and skip check and passes it down through `call_update`; `chain` hands it to its first
+transform, so a leading `clip_by_global_norm` does not take the norm a second time (a full read of the
+gradients).
 
 What else a transform may say of itself goes in its optional third field, `Traits`. It reports
-the metrics it owns through `Traits.report(state) -> {name: 0-d tensor}` (the learning rate of `scale_by_learning_rate` under
+the metrics it owns through `Traits.report(state) -> {name: 0-d tensor}` (the learning rate of
+`scale_by_learning_rate` under
 `metric_names.LR`); `chain` and `masked` merge their parts' reports, and the train step logs
 `optim.report(optimizer, opt_state)`. A custom schedule transform reports its rate the same way.
 
@@ -36,13 +39,11 @@ Example:
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-import torch
-
-from functrain.ops import foreach
 from functrain import tree as tree_lib
+from functrain.ops import foreach
 
 __all__ = [
     "Transform",
@@ -73,6 +74,8 @@ class Traits(NamedTuple):
       scale: an eager shortcut (`functrain.optim.fused`): `scale(state, norm) -> 0-d tensor` for a
         transform whose update only multiplies every leaf by that one factor (`clip_by_global_norm`).
       fused: an in-place route through one of torch's fused optimizer kernels (`adamw(fused=True)`).
+      takes_norm: `update` takes the keyword `norm` (the global L2 norm of its `updates`, when the
+        caller has it): `call_update` passes it only then.
 
     Example:
       >>> optim.Transform(init, update, optim.Traits(leafwise=True))
@@ -82,6 +85,7 @@ class Traits(NamedTuple):
     leafwise: bool | str = False
     scale: Callable[[PyTree, Any], Any] | None = None
     fused: Callable[..., Any] | None = None
+    takes_norm: bool = False
 
 
 _NONE = Traits()
@@ -104,7 +108,7 @@ class Transform(_Pair):
 
     __slots__ = ()
 
-    def __new__(cls, init: InitFn, update: UpdateFn, traits: "Traits | None" = None):
+    def __new__(cls, init: InitFn, update: UpdateFn, traits: Traits | None = None):
         return super().__new__(cls, init, update, _NONE if traits is None else traits)
 
     @property
@@ -160,19 +164,9 @@ def report(t: Transform, state: PyTree) -> dict:
     return dict(t.report(state)) if t.report is not None else {}
 
 
-@torch.compiler.assume_constant_result  # traced, `inspect.signature` would cost ~0.2 s of compile time a call
-def _takes_norm(update: UpdateFn) -> bool:
-    """Whether an update function accepts the `norm` keyword."""
-    try:
-        params = inspect.signature(update).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "norm" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 def call_update(t: Transform, updates: PyTree, state: PyTree, params: PyTree = None, *, norm=None):
     """`t.update(updates, state, params)`, passing `norm` (the global norm of `updates`) when given
-    and `t` accepts it.
+    and `t` takes it (`Traits.takes_norm`).
 
     Args:
       t: the transform.
@@ -185,7 +179,7 @@ def call_update(t: Transform, updates: PyTree, state: PyTree, params: PyTree = N
     Example:
       >>> updates, opt_state = optim.call_update(opt, grads, opt_state, params, norm=tree.global_norm(grads))
     """
-    if norm is not None and _takes_norm(t.update):
+    if norm is not None and t.traits.takes_norm:
         return t.update(updates, state, params, norm=norm)
     return t.update(updates, state, params)
 
@@ -238,11 +232,14 @@ def chain(*transforms: Transform) -> Transform:
     first, rest = (transforms[0].leafwise, transforms[1:]) if transforms else (True, ())
     whole = (first if first in (True, "norm") else False) if all(t.leafwise is True for t in rest) else False
     fusable = transforms and transforms[-1].fused is not None and all(t.scale is not None for t in transforms[:-1])
-    return Transform(init, update, Traits(report_all, whole, fused=_chain_fused(transforms) if fusable else None))
+    fused = _chain_fused(transforms) if fusable else None
+    takes_norm = bool(transforms) and transforms[0].traits.takes_norm
+    return Transform(init, update, Traits(report_all, whole, fused=fused, takes_norm=takes_norm))
 
 
 def _chain_fused(transforms: tuple) -> Callable[..., Any]:
-    """The `fused` route of a chain of scale-only transforms ending in a fused one: the factors become the kernel's grad scale."""
+    """The `fused` route of a chain of scale-only transforms ending in a fused one: the factors become the kernel's
+    grad scale."""
     *scalers, last = transforms
 
     def fused(params, grads, state, *, norm, found_inf, grad_scale=None):
@@ -305,8 +302,10 @@ def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> l
         subtrees = mask_spec.flatten_up_to(params)
     except (ValueError, TypeError) as exc:
         detail = " ".join(str(exc).split())
-        raise ValueError(f"optim mask: its structure is not a prefix of the params' ({detail}); give a bool "
-                         "per leaf or per subtree of the params") from None
+        raise ValueError(
+            f"optim mask: its structure is not a prefix of the params' ({detail}); give a bool "
+            "per leaf or per subtree of the params"
+        ) from None
     flat = []
     for flag, sub in zip(flags, subtrees):
         flat.extend([bool(flag)] * len(tree_lib.leaves(sub)))

@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import functrain.step.precision as precision_lib
-from functrain.optim.checks import CHECKS
 from functrain.optim.aliases import adamw, sgd
 from functrain.optim.base import Transform, chain
+from functrain.optim.checks import CHECKS
 from functrain.optim.schedules import Schedule, linear_warmup, warmup_cosine, warmup_linear
 from functrain.optim.transforms import clip_by_global_norm
 

@@ -20,7 +20,8 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -54,7 +55,8 @@ def kernel_takes(tensors: list) -> bool:
 
 
 def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | None) -> Callable[..., Any]:
-    """The `fused` route of `adamw`: its chain's update (Adam, decoupled decay, the schedule) in one kernel call per decay group.
+    """The `fused` route of `adamw`: its chain's update (Adam, decoupled decay, the schedule) in one kernel call per
+    decay group.
 
     Args:
       learning_rate: adamw's learning rate (a float, tensor, schedule or callable).
@@ -92,10 +94,23 @@ def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | 
         for want in (True, False):  # the decayed leaves, then the others
             idx = [i for i, f in enumerate(flags) if f == want]
             if idx:
-                torch._fused_adamw_([p[i] for i in idx], [g[i] for i in idx], [m[i] for i in idx],
-                                    [v[i] for i in idx], [], [count] * len(idx), lr=rate, beta1=b1, beta2=b2,
-                                    weight_decay=wd if want else 0.0, eps=eps, amsgrad=False, maximize=False,
-                                    grad_scale=scale, found_inf=found)
+                torch._fused_adamw_(
+                    [p[i] for i in idx],
+                    [g[i] for i in idx],
+                    [m[i] for i in idx],
+                    [v[i] for i in idx],
+                    [],
+                    [count] * len(idx),
+                    lr=rate,
+                    beta1=b1,
+                    beta2=b2,
+                    weight_decay=wd if want else 0.0,
+                    eps=eps,
+                    amsgrad=False,
+                    maximize=False,
+                    grad_scale=scale,
+                    found_inf=found,
+                )
         adam.count.add_(ok)  # a skipped step leaves the counters and the logged rate as they were
         lr_state.lr.copy_(torch.where(ok > 0, rate, lr_state.lr))
         lr_state.count.add_(ok)

@@ -17,7 +17,8 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -71,7 +72,9 @@ def constant(value: float) -> Schedule:
 
 def _warm(t: torch.Tensor, lr, init_lr, warmup_steps) -> torch.Tensor:
     """The linear warm-up's rate at float64 count `t`: init_lr -> lr over warmup_steps (at least 1)."""
-    return init_lr + (lr - init_lr) * t / torch.clamp(torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0)
+    return init_lr + (lr - init_lr) * t / torch.clamp(
+        torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0
+    )
 
 
 def _linear(count, init_lr, end_lr, transition_steps, transition_begin):
@@ -97,8 +100,15 @@ def linear(init_value: float, end_value: float, transition_steps: int, transitio
     """
     if transition_steps <= 0:
         raise ValueError(f"linear: transition_steps must be > 0, got {transition_steps}")
-    return Schedule(_linear, {"init_lr": init_value, "end_lr": end_value, "transition_steps": transition_steps,
-                              "transition_begin": transition_begin})
+    return Schedule(
+        _linear,
+        {
+            "init_lr": init_value,
+            "end_lr": end_value,
+            "transition_steps": transition_steps,
+            "transition_begin": transition_begin,
+        },
+    )
 
 
 def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0) -> Schedule:
@@ -115,6 +125,7 @@ def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0)
     Example:
       >>> optim.linear_warmup(1e-3, 100)(torch.tensor(50))  # tensor(5e-4)
     """
+
     def fn(count, lr, warmup_steps, init_lr):
         t = _t(count)
         warm = _warm(t, lr, init_lr, warmup_steps)
@@ -156,8 +167,16 @@ def warmup_cosine(
         cos = min_lr + 0.5 * (lr - min_lr) * (1.0 + torch.cos(math.pi * frac))
         return torch.where(t < warmup_steps, warm, cos)
 
-    return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "decay_steps": decay_steps,
-                         "min_lr": end_value, "init_lr": init_value})
+    return Schedule(
+        fn,
+        {
+            "lr": peak_value,
+            "warmup_steps": warmup_steps,
+            "decay_steps": decay_steps,
+            "min_lr": end_value,
+            "init_lr": init_value,
+        },
+    )
 
 
 def warmup_linear(
@@ -190,5 +209,13 @@ def warmup_linear(
         warm = _warm(t, lr, init_lr, warmup_steps)
         return torch.where(t < warmup_steps, warm, _linear(count, lr, min_lr, decay_steps - warmup_steps, warmup_steps))
 
-    return Schedule(fn, {"lr": peak_value, "warmup_steps": warmup_steps, "decay_steps": decay_steps, "min_lr": end_value,
-                         "init_lr": init_value})
+    return Schedule(
+        fn,
+        {
+            "lr": peak_value,
+            "warmup_steps": warmup_steps,
+            "decay_steps": decay_steps,
+            "min_lr": end_value,
+            "init_lr": init_value,
+        },
+    )

@@ -15,15 +15,16 @@ Per-step scalars (the learning rate, Adam's bias corrections, the clip coefficie
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from functrain import ops
-from functrain.ops import foreach
 import functrain.step.metric_names as metric_names
+from functrain import ops
 from functrain import tree as tree_lib
+from functrain.ops import foreach
 from functrain.optim.base import Traits, Transform, resolve_mask
 from functrain.optim.schedules import Schedule
 
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 PyTree = Any
-ScalarOrSchedule = Union[float, torch.Tensor, Schedule, Callable[[torch.Tensor], torch.Tensor]]
+ScalarOrSchedule = float | torch.Tensor | Schedule | Callable[[torch.Tensor], torch.Tensor]
 
 
 def _count_like(params: PyTree) -> torch.Tensor:
@@ -116,8 +117,13 @@ def scale_by_adam(
         # once (hoisted) in float64 and read by the loops as a float32 scalar, as torch's floats are.
         t = count.to(torch.float64)
         inv_bc1, inv_bc2_sqrt, one_minus_b1, b2, one_minus_b2, eps = ops.hoist(
-            1.0 / (1.0 - torch.pow(h["b1"], t)), torch.rsqrt(1.0 - torch.pow(h["b2"], t)),
-            1.0 - h["b1"], h["b2"], 1.0 - h["b2"], h["eps"])
+            1.0 / (1.0 - torch.pow(h["b1"], t)),
+            torch.rsqrt(1.0 - torch.pow(h["b2"], t)),
+            1.0 - h["b1"],
+            h["b2"],
+            1.0 - h["b2"],
+            h["eps"],
+        )
         mu = foreach.lerp(mu, g, one_minus_b1)  # m = b1 m + (1 - b1) g
         nu = foreach.mul(nu, b2)
         nu = foreach.addcmul(nu, foreach.mul(g, one_minus_b2), g)  # v = b2 v + (1 - b2) g^2
@@ -213,7 +219,7 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         (coef,) = ops.hoist(_clip_factor(state, norm))
         return spec.unflatten(foreach.mul(u, coef)), state
 
-    return Transform(init, update, Traits(leafwise="norm", scale=_clip_factor))
+    return Transform(init, update, Traits(leafwise="norm", scale=_clip_factor, takes_norm=True))
 
 
 def _clip_factor(state: HyperState, norm: torch.Tensor) -> torch.Tensor:
@@ -292,8 +298,10 @@ def _rate_tensor(rate: Any, count: torch.Tensor) -> torch.Tensor:
         return rate
     if isinstance(rate, numbers.Real) and not isinstance(rate, bool):
         return torch.tensor(float(rate), dtype=torch.float32, device=count.device)
-    raise TypeError(f"the learning-rate callable returned {type(rate).__name__}; return a float or a 0-d tensor "
-                    "(for example a functrain.optim schedule)")
+    raise TypeError(
+        f"the learning-rate callable returned {type(rate).__name__}; return a float or a 0-d tensor "
+        "(for example a functrain.optim schedule)"
+    )
 
 
 def rate_at(learning_rate: ScalarOrSchedule, count: torch.Tensor, hyper: dict) -> torch.Tensor:
@@ -346,8 +354,9 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 
     def init(params):
         count = _count_like(params)
-        return ScaleByLearningRateState(count=count, lr=torch.zeros((), dtype=torch.float32, device=count.device),
-                                        hyper=_hyper(count, **defaults))
+        return ScaleByLearningRateState(
+            count=count, lr=torch.zeros((), dtype=torch.float32, device=count.device), hyper=_hyper(count, **defaults)
+        )
 
     def update(updates, state, params=None):
         rate = lr_at(state.count, state.hyper)

@@ -17,10 +17,12 @@ Example:
     >>> parallel.teardown()
 """
 
-from functrain.parallel import context  # context-parallel attention (sequence split over ranks)
-from functrain.parallel import schedule  # pipeline schedules and stage partitions (pure)
-from functrain.parallel import gloo  # gloo groups with one worker thread (a torch heap-corruption bug)
-from functrain.parallel import spmd  # registers the mesh-wide norm with functrain.tree
+from functrain.parallel import (
+    context,  # context-parallel attention (sequence split over ranks)
+    gloo,  # gloo groups with one worker thread (a torch heap-corruption bug)
+    schedule,  # pipeline schedules and stage partitions (pure)
+    spmd,  # registers the mesh-wide norm with functrain.tree
+)
 from functrain.parallel.data import data_parallel_kwargs, split_batch
 from functrain.parallel.dispatch import configure, layout_of
 from functrain.parallel.layout import LOCAL, Layout, Local, is_dtensor
@@ -28,8 +30,8 @@ from functrain.parallel.mesh import (
     AXES,
     CP_AXIS,
     DP_AXES,
-    PP_AXIS,
     GRAD_AXES,
+    PP_AXIS,
     TP_AXIS,
     ParallelContext,
     barrier,

@@ -59,12 +59,22 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from functrain.parallel.mesh import CP_AXIS
 from functrain.parallel.collectives import all_gather, reduce_scatter, wait
+from functrain.parallel.mesh import CP_AXIS
 from functrain.parallel.tp import meta_copy
 
-__all__ = ["KERNELS", "Split", "attention", "context_parallel", "gather_sequence", "position_rows", "positions",
-           "shard_sequence", "split_of", "zigzag_attention"]
+__all__ = [
+    "KERNELS",
+    "Split",
+    "attention",
+    "context_parallel",
+    "gather_sequence",
+    "position_rows",
+    "positions",
+    "shard_sequence",
+    "split_of",
+    "zigzag_attention",
+]
 
 
 KERNELS = ("zigzag", "stream", "mask")  # the attention's kernels (`split_of`)
@@ -86,8 +96,10 @@ def positions(seq_len: int, world: int, rank: int, device: Any = None) -> torch.
       >>> positions(8, 2, 0)    # tensor([0, 1, 6, 7])
     """
     if seq_len % (2 * world):
-        raise ValueError(f"sequence length {seq_len} must divide by 2 x the context-parallel ranks "
-                         f"({2 * world}): each rank holds two chunks")
+        raise ValueError(
+            f"sequence length {seq_len} must divide by 2 x the context-parallel ranks "
+            f"({2 * world}): each rank holds two chunks"
+        )
     c = seq_len // (2 * world)
     first = torch.arange(rank * c, (rank + 1) * c, device=device)
     last = torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c, device=device)
@@ -163,8 +175,15 @@ def gather_sequence(x: torch.Tensor, group: Any, world: int, dim: int = 2) -> to
     return full.index_select(dim, _natural_order(full.shape[dim], world, x.device))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, group: Any,
-              world: int, scale: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: torch.Tensor,
+    group: Any,
+    world: int,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys and values.
 
     Args:
@@ -197,7 +216,7 @@ def _causal_from(q, k, v, start: int, scale):
     causal attention over the first start + c keys (the zero rows' outputs are dropped, so nothing
     flows back from them)."""
     c = q.shape[2]
-    k, v = k[:, :, :start + c], v[:, :, :start + c]  # (B, H, start + c, D)
+    k, v = k[:, :, : start + c], v[:, :, : start + c]  # (B, H, start + c, D)
     if start:
         q = torch.cat([q.new_zeros(*q.shape[:2], start, q.shape[3]), q], dim=2)  # (B, H, start + c, D)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[:, :, start:]  # (B, H, c, D)
@@ -221,8 +240,9 @@ def _flash(q, k, v, causal: bool, scale):
 
 def _flash_backward(grad, q, k, v, out, lse, causal: bool, scale):
     """Gradients of q, k, v for one block of keys, given the output and log-sum-exp over all keys."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
-                                                                               scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
 
 
 def _owner(j: int, world: int) -> tuple[int, int]:
@@ -252,7 +272,7 @@ class _KeyChunks:
         # (k | v, B, Hkv, c, D): the owner's chunk, sent; the others receive into their own chunk at
         # the same place. Every rank builds the same ops: a compiled graph (CSE, the forward/backward
         # partition) then treats every rank's broadcasts alike, and no two chunks' are equal.
-        part = torch.stack([x[:, :, half * c:(half + 1) * c] for x in (self.k, self.v)])
+        part = torch.stack([x[:, :, half * c : (half + 1) * c] for x in (self.k, self.v)])
         kv = wait(funcol.broadcast(part, owner, self.group))
         return kv[0], kv[1]
 
@@ -285,12 +305,12 @@ class _ZigzagFlash(torch.autograd.Function):
             for h, jq in enumerate(mine):
                 if jk > jq:
                     continue
-                o, l = _flash(q[:, :, h * c:(h + 1) * c], _repeat(kc, heads), _repeat(vc, heads), jk == jq, scale)
+                o, lse = _flash(q[:, :, h * c : (h + 1) * c], _repeat(kc, heads), _repeat(vc, heads), jk == jq, scale)
                 if outs[h] is None:
-                    outs[h], lses[h] = o.float(), l
+                    outs[h], lses[h] = o.float(), lse
                     continue
-                total = torch.logaddexp(lses[h], l)  # (B, H, c): merge the two softmaxes
-                outs[h] = outs[h] * (lses[h] - total).exp()[..., None] + o.float() * (l - total).exp()[..., None]
+                total = torch.logaddexp(lses[h], lse)  # (B, H, c): merge the two softmaxes
+                outs[h] = outs[h] * (lses[h] - total).exp()[..., None] + o.float() * (lse - total).exp()[..., None]
                 lses[h] = total
         return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)  # (B, H, L, D), (B, H, L)
 
@@ -337,8 +357,9 @@ class _ZigzagFlash(torch.autograd.Function):
                     if jk > jq:
                         continue
                     p = halves[h]
-                    dq_b, dk_b, dv_b = _flash_backward(grad[:, :, p], q[:, :, p], kc, vc, out[:, :, p], lse[:, :, p],
-                                                       jk == jq, ctx.scale)
+                    dq_b, dk_b, dv_b = _flash_backward(
+                        grad[:, :, p], q[:, :, p], kc, vc, out[:, :, p], lse[:, :, p], jk == jq, ctx.scale
+                    )
                     dq[:, :, p] += dq_b
                     dkc += kv_heads(dk_b)
                     dvc += kv_heads(dv_b)
@@ -361,8 +382,16 @@ class _ZigzagFlash(torch.autograd.Function):
         return dq.to(q.dtype), grads[0], grads[1], None, None, None, None, None
 
 
-def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, world: int, rank: int,
-                     scale: float | None = None, stream: bool = False) -> torch.Tensor:
+def zigzag_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Any,
+    world: int,
+    rank: int,
+    scale: float | None = None,
+    stream: bool = False,
+) -> torch.Tensor:
     """`attention` for the zig-zag split's two chunks, with no (T/N) x T mask (see the module docstring).
 
     On CPU: flash calls of one chunk of queries and one chunk of keys each, merged by log-sum-exp, and
@@ -408,8 +437,11 @@ def _row_plan(rows: int, seq_len: int, world: int, rank: int) -> tuple[tuple, tu
     # positions(seq_len, world, q) as Python ints (a constant plan, also while Dynamo traces)
     want = [[*range(q * h, (q + 1) * h), *range((2 * world - 1 - q) * h, (2 * world - q) * h)] for q in range(world)]
     send = [[p - rank * c for p in want[q] if p // c == rank] for q in range(world)]
-    return tuple(i for s in send for i in s), tuple(len(s) for s in send), \
-        tuple(sum(p // c == o for p in want[rank]) for o in range(world))
+    return (
+        tuple(i for s in send for i in s),
+        tuple(len(s) for s in send),
+        tuple(sum(p // c == o for p in want[rank]) for o in range(world)),
+    )
 
 
 class _PositionRows(torch.autograd.Function):
@@ -560,8 +592,10 @@ def context_parallel(model: nn.Module, split: Split | None) -> nn.Module:
     out = meta_copy(model)
     aware = [m for m in out.modules() if hasattr(m, "context")]
     if not aware:
-        raise ValueError(f"context_parallel: no module of {type(model).__name__} has a `context` attribute, "
-                         "so its positions and attention cannot follow a split sequence")
+        raise ValueError(
+            f"context_parallel: no module of {type(model).__name__} has a `context` attribute, "
+            "so its positions and attention cannot follow a split sequence"
+        )
     for m in aware:
         m.context = split
     return out

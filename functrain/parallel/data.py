@@ -63,7 +63,7 @@ def split_batch(batch: PyTree, dp_rank: int, dp_world: int, device: torch.device
         if x.shape[0] % dp_world:
             raise ValueError(f"batch size {x.shape[0]} is not divisible by the data-parallel world size {dp_world}")
         b = x.shape[0] // dp_world
-        out = x[dp_rank * b:(dp_rank + 1) * b].contiguous()
+        out = x[dp_rank * b : (dp_rank + 1) * b].contiguous()
         return out if device is None else out.to(device)
 
     return tree_lib.map(rows, batch)

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from functrain.ops import foreach
 from functrain import tree as tree_lib
+from functrain.ops import foreach
 
 __all__ = ["Layout", "Local", "LOCAL", "is_dtensor"]
 

@@ -36,7 +36,8 @@ import dataclasses
 import datetime
 import os
 import socket
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ class ParallelContext:
         """True on global rank 0."""
         return self.rank == 0
 
-    def __enter__(self) -> "ParallelContext":
+    def __enter__(self) -> ParallelContext:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -144,13 +145,16 @@ def _init_process_group(backend: str | None, timeout_s: float | None, single: bo
     if single:
         kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        kwargs.update(store=attempt_store(kwargs.get("timeout")), rank=int(os.environ["RANK"]),
-                      world_size=int(os.environ["WORLD_SIZE"]))
+        kwargs.update(
+            store=attempt_store(kwargs.get("timeout")),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
     dist.init_process_group(**kwargs)
     _OWNED_GROUP = True
 
 
-def attempt_store(timeout: "datetime.timedelta | None" = None):
+def attempt_store(timeout: datetime.timedelta | None = None):
     """torchrun's agent store, seen under a prefix of this restart attempt's own.
 
     torchrun keeps one TCPStore for every attempt of a run, and torch's env:// rendezvous hands it to
@@ -169,8 +173,12 @@ def attempt_store(timeout: "datetime.timedelta | None" = None):
     Example:
       >>> dist.init_process_group("gloo", store=attempt_store(), rank=rank, world_size=world)
     """
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timeout or datetime.timedelta(seconds=300))
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout or datetime.timedelta(seconds=300),
+    )
     return dist.PrefixStore(f"functrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
@@ -187,8 +195,14 @@ def attempt_store_premise_problem() -> str | None:
     """
     master = dist.TCPStore("127.0.0.1", _free_port(), is_master=True, wait_for_workers=False)
     master.set("left_by_attempt_0", "1")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master.port), "RANK": "0", "WORLD_SIZE": "1",
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master.port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+    }
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -269,8 +283,12 @@ def setup(
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes, names = {"pp": pp, **shape}, (PP_AXIS, *AXES) if pp > 1 else AXES
-        mesh = init_device_mesh(device.type, tuple(sizes[a] for a in names), mesh_dim_names=names,
-                                backend_override=_backend_override(timeout_s, sizes, world, gloo_threads, names))
+        mesh = init_device_mesh(
+            device.type,
+            tuple(sizes[a] for a in names),
+            mesh_dim_names=names,
+            backend_override=_backend_override(timeout_s, sizes, world, gloo_threads, names),
+        )
         if pp > 1:  # this stage's mesh, and the group along the pipeline
             pp_group, pp_rank, mesh = mesh.get_group(PP_AXIS), mesh.get_local_rank(PP_AXIS), mesh[AXES]
     r = dist.get_rank() if dist.is_initialized() else 0

@@ -42,28 +42,41 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from functrain import compiler
 import functrain.step.metric_names as M
 import functrain.step.precision as precision_lib
+from functrain import compiler
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
-from functrain.step.loss_contract import loss_and_aux
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
-from functrain.parallel.schedule import Action, bubble_fraction, partition, schedule as make_schedule
-from functrain.step.staged import StagedLoss, cotangent_seed
-from functrain.step.steps import microbatch_counts, split_microbatches
+from functrain.parallel.schedule import Action, bubble_fraction, partition
+from functrain.parallel.schedule import schedule as make_schedule
 from functrain.state import TrainState
+from functrain.step.grads import microbatch_counts, split_microbatches
+from functrain.step.loss_contract import loss_and_aux
+from functrain.step.staged import StagedLoss, cotangent_seed
 from functrain.step.update import make_update, to_master
 
-__all__ = ["RANGE_RECV", "RANGE_SCHEDULE", "Pipeline", "Stages", "action_ranges", "bubble_fraction", "global_norm", "make_eval_step", "make_train_step",
-           "param_shapes", "place"]
+__all__ = [
+    "RANGE_RECV",
+    "RANGE_SCHEDULE",
+    "Pipeline",
+    "Stages",
+    "action_ranges",
+    "bubble_fraction",
+    "global_norm",
+    "make_eval_step",
+    "make_train_step",
+    "param_shapes",
+    "place",
+]
 
 RANGE_SCHEDULE = "pipeline schedule"  # a step's whole schedule, its sends completed (a profiler range)
 RANGE_RECV = "pipeline recv"  # one blocking receive, within an action's range
@@ -84,8 +97,11 @@ def action_ranges(events) -> list[tuple[str, int, object]]:
       ['F0', 'F1', 'B0', 'F2', 'B1', ...]
     """
     n = len(_RANGE_ACTION)
-    out = [(e.name[n], int(e.name[n + 1:]), e) for e in events
-           if e.name.startswith(_RANGE_ACTION) and e.name[n:n + 1] in ("F", "B") and e.name[n + 1:].isdigit()]
+    out = [
+        (e.name[n], int(e.name[n + 1 :]), e)
+        for e in events
+        if e.name.startswith(_RANGE_ACTION) and e.name[n : n + 1] in ("F", "B") and e.name[n + 1 :].isdigit()
+    ]
     return sorted(out, key=lambda a: a[2].time_range.start)
 
 
@@ -133,8 +149,9 @@ class Pipeline:
         return {n: params[n] for n in self.names}
 
 
-def place(loss_fn: StagedLoss, params: Params, *, group=None, rank: int | None = None,
-          world: int | None = None) -> Pipeline:
+def place(
+    loss_fn: StagedLoss, params: Params, *, group=None, rank: int | None = None, world: int | None = None
+) -> Pipeline:
     """Cuts `loss_fn`'s stages over the pipeline ranks and returns this rank's share.
 
     Args:
@@ -155,20 +172,28 @@ def place(loss_fn: StagedLoss, params: Params, *, group=None, rank: int | None =
       >>> state = init_state(pipe.params(full_params), opt)
     """
     if not isinstance(loss_fn, StagedLoss):
-        raise ValueError("pipeline parallelism cuts a staged loss into stages: build the loss with "
-                         "staged=True (e.g. gpt.make_loss_fn(template, staged=True))")
+        raise ValueError(
+            "pipeline parallelism cuts a staged loss into stages: build the loss with "
+            "staged=True (e.g. gpt.make_loss_fn(template, staged=True))"
+        )
     if world is None:
         world = dist.get_world_size(group) if dist.is_initialized() else 1
     if rank is None:
         rank = dist.get_rank(group) if dist.is_initialized() else 0
     numel = {n: p.numel() for n, p in params.items()}
-    parts = partition([sum(numel[n] for n in b.names) for b in loss_fn.blocks], world,
-                      first=sum(numel[n] for n in loss_fn.embed.names),
-                      last=sum(numel[n] for n in loss_fn.head.names))
+    parts = partition(
+        [sum(numel[n] for n in b.names) for b in loss_fn.blocks],
+        world,
+        first=sum(numel[n] for n in loss_fn.embed.names),
+        last=sum(numel[n] for n in loss_fn.head.names),
+    )
     owners = {b: r for r, part in enumerate(parts) for b in part}
     readers: dict[str, set] = {}
-    for stage, r in [(loss_fn.embed, 0), *[(b, owners[i]) for i, b in enumerate(loss_fn.blocks)],
-                     (loss_fn.head, world - 1)]:
+    for stage, r in [
+        (loss_fn.embed, 0),
+        *[(b, owners[i]) for i, b in enumerate(loss_fn.blocks)],
+        (loss_fn.head, world - 1),
+    ]:
         for n in stage.names:
             readers.setdefault(n, set()).add(r)
     names = tuple(n for n in params if rank in readers.get(n, ()))
@@ -335,7 +360,7 @@ class _Wire:
         """Receives microbatch `micro`'s input from the rank before."""
         if (signature, "in") not in self.shapes:
             head = self.recv((_HEADER,), torch.int64, device, self.prev, tag=2**20).tolist()
-            self.shapes[signature, "in"] = (tuple(head[2:2 + head[1]]), _DTYPES[head[0]])
+            self.shapes[signature, "in"] = (tuple(head[2 : 2 + head[1]]), _DTYPES[head[0]])
         shape, dtype = self.shapes[signature, "in"]
         return self.recv(shape, dtype, device, self.prev, tag=2 * micro)
 
@@ -420,7 +445,7 @@ def make_train_step(
     schedule: str = "1f1b",
     compile: bool = False,
     donate: bool = True,
-    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    precision: str | torch.dtype | precision_lib.Precision | None = None,
     skip_nonfinite: bool = True,
     compile_options: dict | None = None,
     count_targets: Callable[[PyTree], torch.Tensor] | None = None,
@@ -518,8 +543,10 @@ def make_train_step(
                         stages.backward(both, held.pop(i), keys[i], i, scale, add)
             wire.flush()
         mean = wide and weights is None  # weighted: the sum is the mean over every target already
-        grads = {n: (grads[n] / microbatches if mean else grads[n]) if n in grads else torch.zeros_like(p)
-                 for n, p in params.items()}
+        grads = {
+            n: (grads[n] / microbatches if mean else grads[n]) if n in grads else torch.zeros_like(p)
+            for n, p in params.items()
+        }
         grads = _sum_tied(grads, pipe)
         metrics = _metrics(losses, auxes, pipe, _device(params), aux_names, weights)
         if total is not None:
@@ -543,13 +570,15 @@ def _sum_tied(grads: Params, pipe: Pipeline) -> Params:
     if not pipe.tied:
         return grads
     device = next(iter(grads.values())).device
-    parts = [grads[n].reshape(-1).float() if n in grads else torch.zeros(shape, device=device).reshape(-1)
-             for n, shape, _ in pipe.tied]
+    parts = [
+        grads[n].reshape(-1).float() if n in grads else torch.zeros(shape, device=device).reshape(-1)
+        for n, shape, _ in pipe.tied
+    ]
     total = _all_reduce(torch.cat(parts), pipe)
     out, at = dict(grads), 0
     for (n, _, _), part in zip(pipe.tied, parts):
         if n in grads:
-            out[n] = total[at:at + part.numel()].reshape(grads[n].shape).to(grads[n].dtype)
+            out[n] = total[at : at + part.numel()].reshape(grads[n].shape).to(grads[n].dtype)
         at += part.numel()
     return out
 
@@ -561,7 +590,7 @@ def _metrics(losses: list, auxes: list, pipe: Pipeline, device, names: list, wei
         names.append(_aux_names(auxes, pipe))
     names = names[0]
     if pipe.last:
-        rows = [torch.stack([l.float(), *[a[k].float() for k in names]]) for l, a in zip(losses, auxes)]
+        rows = [torch.stack([ln.float(), *[a[k].float() for k in names]]) for ln, a in zip(losses, auxes)]
         if weights is not None:
             values = (torch.stack(rows) * weights.to(device)[:, None]).sum(0)
         else:
@@ -586,7 +615,7 @@ def make_eval_step(
     *,
     microbatches: int = 1,
     compile: bool = False,
-    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    precision: str | torch.dtype | precision_lib.Precision | None = None,
     compile_options: dict | None = None,
 ) -> Callable[[TrainState, PyTree], dict]:
     """Builds one pipeline rank's `eval_step(state, batch) -> metrics` (forward only, no dropout key).

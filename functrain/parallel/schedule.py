@@ -26,10 +26,20 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-__all__ = ["Action", "SCHEDULES", "bubble_fraction", "gpipe", "held", "one_f_one_b", "partition", "schedule",
-           "simulate"]
+__all__ = [
+    "Action",
+    "SCHEDULES",
+    "bubble_fraction",
+    "gpipe",
+    "held",
+    "one_f_one_b",
+    "partition",
+    "schedule",
+    "simulate",
+]
 
 
 class Action(NamedTuple):
@@ -42,8 +52,10 @@ class Action(NamedTuple):
 def _check(n: int, m: int, rank: int) -> None:
     """Raises ValueError unless 0 <= rank < n and n, m >= 1."""
     if n < 1 or m < 1 or not 0 <= rank < n:
-        raise ValueError(f"a pipeline schedule needs n >= 1 ranks, m >= 1 microbatches and 0 <= rank < n; "
-                         f"got n={n}, m={m}, rank={rank}")
+        raise ValueError(
+            f"a pipeline schedule needs n >= 1 ranks, m >= 1 microbatches and 0 <= rank < n; "
+            f"got n={n}, m={m}, rank={rank}"
+        )
 
 
 def gpipe(n: int, m: int, rank: int) -> list[Action]:
@@ -113,7 +125,10 @@ def _interleaved(m: int, warm: int) -> list[Action]:
 
 
 SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "eager-1f1b": eager_one_f_one_b}
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "eager-1f1b": eager_one_f_one_b,
+}
 
 
 def schedule(name: str, n: int, m: int, rank: int) -> list[Action]:
@@ -250,8 +265,10 @@ def partition(weights: Sequence[float], n: int, *, first: float = 0.0, last: flo
     """
     k = len(weights)
     if n < 1 or k < n:
-        raise ValueError(f"pipeline of {n} stages over {k} blocks: each stage needs at least one block; "
-                         f"use at most {k} pipeline ranks (mesh.pp) or a deeper model")
+        raise ValueError(
+            f"pipeline of {n} stages over {k} blocks: each stage needs at least one block; "
+            f"use at most {k} pipeline ranks (mesh.pp) or a deeper model"
+        )
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + float(w))

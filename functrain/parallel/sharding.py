@@ -30,7 +30,8 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Collection, Iterable, Mapping, Sequence, Union
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 PyTree = Any
-Spec = Union[Placement, str]
+Spec = Placement | str
 Rule = tuple[str, Mapping[str, Spec]]
 
 FSDP_RULES: list[Rule] = [(r".*", {"dp_shard": Shard(0), "cp": Shard(0)})]
@@ -145,7 +146,7 @@ def placements_for(name: str, shape: Sequence[int], mesh, rules: Sequence[Rule])
                 spec = per_axis[axis]
                 break
         out.append(_spec_placement(spec, ndim))
-    for i, axis in enumerate(axes):
+    for i in range(len(axes)):
         if mesh.size(i) == 1:
             out[i] = Replicate()
     # tp keeps its dim; every other axis moves off a dim that another axis already shards.
@@ -236,8 +237,15 @@ def shard_params(
     return out
 
 
-def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | None = None, *,
-                 device=None, names: Collection[str] | None = None) -> dict[str, DTensor]:
+def init_sharded(
+    init_params,
+    key: torch.Tensor,
+    mesh,
+    rules: Sequence[Rule] | None = None,
+    *,
+    device=None,
+    names: Collection[str] | None = None,
+) -> dict[str, DTensor]:
     """Sharded initialization: every rank draws only its own block of each parameter.
 
     No rank ever holds a whole parameter, let alone the whole model; with an init that draws each
@@ -284,8 +292,9 @@ def init_sharded(init_params, key: torch.Tensor, mesh, rules: Sequence[Rule] | N
             continue
         shape, placements = layout[name]
         stride = torch.empty(shape, device="meta").stride()
-        out[name] = DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=shape,
-                                       stride=stride)
+        out[name] = DTensor.from_local(
+            local.contiguous(), mesh, placements, run_check=False, shape=shape, stride=stride
+        )
     return out
 
 

@@ -65,7 +65,6 @@ from functrain.parallel.collectives import all_gather, reduce_scatter, wait
 from functrain.parallel.layout import Layout
 from functrain.parallel.mesh import CP_AXIS, DP_AXES, GRAD_AXES, dp_coordinates
 
-
 __all__ = ["Spmd", "global_norm", "mesh_of"]
 
 PyTree = Any
@@ -159,8 +158,9 @@ class Spmd(Layout):
         self.dp_dims = [i for i, n in enumerate(names) if n in GRAD_AXES and mesh.size(i) > 1]
         self.dp_rank, self.dp_world = dp_coordinates(mesh)
         self.cp_dim = names.index(CP_AXIS) if CP_AXIS in names else None  # the mesh dim of cp, if any
-        self.cp_rank, self.cp_world = (mesh.get_local_rank(CP_AXIS), mesh.size(self.cp_dim)) \
-            if self.cp_dim is not None else (0, 1)
+        self.cp_rank, self.cp_world = (
+            (mesh.get_local_rank(CP_AXIS), mesh.size(self.cp_dim)) if self.cp_dim is not None else (0, 1)
+        )
         # read by the "auto" route; on a CUDA mesh the groups' gloo half never sees a gradient
         self._gloo = {d: mesh.device_type == "cpu" and gloo.is_gloo(mesh.get_group(d)) for d in self.dp_dims}
 
@@ -176,9 +176,13 @@ class Spmd(Layout):
         shards = [d for d, pl in on_dp if isinstance(pl, Shard)]
         if not shards and all(isinstance(pl, Replicate) for _, pl in on_dp):
             return ("ddp", None)
-        if len(shards) == 1 and p.placements[shards[0]] == Shard(0) and p.ndim > 0 and not any(
-            p.placements[i] == Shard(0) for i in range(self.mesh.ndim) if i != shards[0]
-        ) and all(isinstance(pl, Replicate) for d, pl in on_dp if d != shards[0]):
+        if (
+            len(shards) == 1
+            and p.placements[shards[0]] == Shard(0)
+            and p.ndim > 0
+            and not any(p.placements[i] == Shard(0) for i in range(self.mesh.ndim) if i != shards[0])
+            and all(isinstance(pl, Replicate) for d, pl in on_dp if d != shards[0])
+        ):
             return ("fsdp", shards[0])
         return None
 
@@ -253,7 +257,7 @@ class Spmd(Layout):
                 off = 0
                 for i, x, c in zip(idx, locs, chunks):
                     size = c * _row_numel(x)
-                    rows = full[:, off:off + size].reshape(w * c, *x.shape[1:])  # (w c, ...)
+                    rows = full[:, off : off + size].reshape(w * c, *x.shape[1:])  # (w c, ...)
                     out[i] = rows[: ps[i].shape[0]]
                     off += size
             return spec.unflatten(out)
@@ -265,8 +269,12 @@ class Spmd(Layout):
         params, and no model-parallel axis cutting the table's rows."""
         if not rows or self.cp_world == 1 or not isinstance(params, dict):
             return ()
-        return tuple(n for n in rows if n in params and not any(
-            pl == Shard(0) for d, pl in enumerate(params[n].placements) if d not in self.dp_dims))
+        return tuple(
+            n
+            for n in rows
+            if n in params
+            and not any(pl == Shard(0) for d, pl in enumerate(params[n].placements) if d not in self.dp_dims)
+        )
 
     def _rows_placements(self, p: DTensor) -> list:
         """A position table's compute placements: `Shard(0)` on cp, Replicate on the other dp axes."""
@@ -281,15 +289,19 @@ class Spmd(Layout):
         gradients of the position tables in `rows` (`gather`) arrive summed over cp on their rows."""
         kept = self._rows_on_cp(params, rows)
         if kept:
-            out = self.reduce_grads({n: g for n, g in grads.items() if n not in kept},
-                                    {n: p for n, p in params.items() if n not in kept})
+            out = self.reduce_grads(
+                {n: g for n, g in grads.items() if n not in kept}, {n: p for n, p in params.items() if n not in kept}
+            )
             for n in kept:
                 p = params[n]
                 # averaged over the dp axes but cp, where `position_rows` summed them already
-                src = [Partial("avg") if d in self.dp_dims and d != self.cp_dim else pl
-                       for d, pl in enumerate(self._rows_placements(p))]
-                cp_sum = DTensor.from_local(grads[n] / self.cp_world, self.mesh, src, run_check=False,
-                                            shape=p.shape, stride=p.stride())
+                src = [
+                    Partial("avg") if d in self.dp_dims and d != self.cp_dim else pl
+                    for d, pl in enumerate(self._rows_placements(p))
+                ]
+                cp_sum = DTensor.from_local(
+                    grads[n] / self.cp_world, self.mesh, src, run_check=False, shape=p.shape, stride=p.stride()
+                )
                 out[n] = cp_sum.redistribute(self.mesh, p.placements)
             return {n: out[n] for n in grads}
         ps, spec = tree_lib.flatten(params)
@@ -308,7 +320,7 @@ class Spmd(Layout):
                 off = 0
                 for i in idx:
                     n = gs[i].numel()
-                    out[i] = self._wrap(flat[off:off + n].view(gs[i].shape), ps[i])
+                    out[i] = self._wrap(flat[off : off + n].view(gs[i].shape), ps[i])
                     off += n
                 continue
             w = self.mesh.size(dim)
@@ -322,7 +334,7 @@ class Spmd(Layout):
                 g = gs[i]
                 size = c * _row_numel(g)
                 rows = max(0, min(c, ps[i].shape[0] - r * c))  # this rank's rows (torch.chunk)
-                out[i] = self._wrap(mine[off:off + size].view(c, *g.shape[1:])[:rows], ps[i])
+                out[i] = self._wrap(mine[off : off + size].view(c, *g.shape[1:])[:rows], ps[i])
                 off += size
         for i in other:
             p = ps[i]
@@ -358,8 +370,9 @@ class Spmd(Layout):
 
     def _wrap(self, local: torch.Tensor, like: DTensor) -> DTensor:
         """`local` as a DTensor with `like`'s mesh, placements, shape and stride."""
-        return DTensor.from_local(local, self.mesh, like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())
+        return DTensor.from_local(
+            local, self.mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
 
     def mean_over_dp(self, metrics: dict) -> dict:
         """Averages a dict of scalar tensors over the dp ranks (one collective for all of them)."""
@@ -406,8 +419,11 @@ class Spmd(Layout):
                 out.append(o)
             elif isinstance(o, DTensor):
                 local = torch.where(ok, _local(n, like=o), o.to_local())
-                out.append(DTensor.from_local(local, o.device_mesh, o.placements, run_check=False,
-                                              shape=o.shape, stride=o.stride()))
+                out.append(
+                    DTensor.from_local(
+                        local, o.device_mesh, o.placements, run_check=False, shape=o.shape, stride=o.stride()
+                    )
+                )
             else:
                 out.append(torch.where(ok, n, o))
         return spec.unflatten(out)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -174,8 +174,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
       >>> template = meta_copy(model)  # then swap its Linears for tensor-parallel ones
     """
     memo = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, DeviceMesh)}
-    memo.update({id(v): v for m in model.modules() for v in vars(m).values()
-                 if isinstance(v, tuple) and any(isinstance(x, DeviceMesh) for x in v)})
+    memo.update(
+        {
+            id(v): v
+            for m in model.modules()
+            for v in vars(m).values()
+            if isinstance(v, tuple) and any(isinstance(x, DeviceMesh) for x in v)
+        }
+    )
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in memo:
             meta = torch.empty_like(t, device="meta")
@@ -206,9 +212,7 @@ def tensor_parallel(model: nn.Module, mesh, rules: Sequence[Rule]) -> nn.Module:
         return model
     tp_dim = mesh.mesh_dim_names.index(TP_AXIS)
     tp_mesh = mesh[TP_AXIS]
-    placement = {
-        name: placements_for(name, p.shape, mesh, rules)[tp_dim] for name, p in model.named_parameters()
-    }
+    placement = {name: placements_for(name, p.shape, mesh, rules)[tp_dim] for name, p in model.named_parameters()}
     out = meta_copy(model)
     handled = _lora_layers(out, placement, tp_mesh)
     linears = {name: m for name, m in out.named_modules() if type(m) is nn.Linear}
@@ -244,8 +248,10 @@ def _lora_layers(model: nn.Module, placement: dict, tp_mesh) -> set[str]:
             continue
         w = placement.get(f"{name}.weight")
         if isinstance(w, Shard) and m.fan_in_fan_out:
-            raise ValueError(f"tensor_parallel: {name} keeps its weight as (in, out) (transformers' Conv1D); LoRA on "
-                             "tensor-parallel Conv1D layers is not supported: set mesh.tp=1")
+            raise ValueError(
+                f"tensor_parallel: {name} keeps its weight as (in, out) (transformers' Conv1D); LoRA on "
+                "tensor-parallel Conv1D layers is not supported: set mesh.tp=1"
+            )
         if w == Shard(0) and (m.bias is None or placement.get(f"{name}.bias") == Shard(0)):
             m.__class__ = _ColwiseLora
         elif w == Shard(1) and placement.get(f"{name}.bias", Replicate()) == Replicate():
@@ -278,10 +284,18 @@ def adapter_rules(model: nn.Module, rules: Sequence[Rule]) -> list[Rule]:
     first: list[Rule] = []
     for name in adapter_names(model):
         layer, which, _ = name.rsplit(".", 2)  # ("...q_proj", "lora_A", "weight")
-        spec = next((per_axis[TP_AXIS] for pattern, per_axis in rules
-                     if TP_AXIS in per_axis and re.search(pattern, f"{layer}.weight")), "replicate")
+        spec = next(
+            (
+                per_axis[TP_AXIS]
+                for pattern, per_axis in rules
+                if TP_AXIS in per_axis and re.search(pattern, f"{layer}.weight")
+            ),
+            "replicate",
+        )
         kind = {Shard(0): "colwise", Shard(1): "rowwise"}.get(spec, spec) if isinstance(spec, Shard) else spec
-        own = {"colwise": {"lora_A": "replicate", "lora_B": "colwise"},
-               "rowwise": {"lora_A": "rowwise", "lora_B": "replicate"}}.get(kind, {})
+        own = {
+            "colwise": {"lora_A": "replicate", "lora_B": "colwise"},
+            "rowwise": {"lora_A": "rowwise", "lora_B": "replicate"},
+        }.get(kind, {})
         first.append((f"^{re.escape(name)}$", {TP_AXIS: own.get(which, "replicate")}))
     return first + list(rules)

@@ -21,7 +21,14 @@ from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain.step import loss_contract, metric_names, precision, remat_policy, staged, update, update_groups
-    from functrain.step.steps import (apply_gradients, loss_and_aux, make_eval_step, make_train_step, update_step,
-                                      value_and_grad, with_frozen)
+    from functrain.step.steps import (
+        apply_gradients,
+        loss_and_aux,
+        make_eval_step,
+        make_train_step,
+        update_step,
+        value_and_grad,
+        with_frozen,
+    )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -31,8 +31,11 @@ def loss_and_aux(out) -> tuple[torch.Tensor, dict]:
     """
     if isinstance(out, torch.Tensor):
         return out, {}
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor) and (
-        out[1] is None or isinstance(out[1], dict)
+    if (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[0], torch.Tensor)
+        and (out[1] is None or isinstance(out[1], dict))
     ):
         return out[0], dict(out[1] or {})
     raise TypeError(

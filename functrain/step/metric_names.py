@@ -12,9 +12,28 @@ Example:
 from __future__ import annotations
 
 __all__ = [
-    "LOSS", "GRAD_NORM", "UPDATE_NORM", "PARAM_NORM", "LR", "SKIPPED", "CONSECUTIVE_SKIPS",
-    "SKIPPED_TOTAL", "LOSS_SCALE", "TARGETS", "TARGETS_PER_S", "VAL_LOSS", "TOKENS_PER_S", "STEP_TIME_S", "MFU", "ETA",
-    "PEAK_MEM_MB", "DATA_WAIT_MS", "EPOCH", "EPOCH_FRACTION", "PER_STEP_FLAGS", "QUIET_WHEN_ZERO",
+    "LOSS",
+    "GRAD_NORM",
+    "UPDATE_NORM",
+    "PARAM_NORM",
+    "LR",
+    "SKIPPED",
+    "CONSECUTIVE_SKIPS",
+    "SKIPPED_TOTAL",
+    "LOSS_SCALE",
+    "TARGETS",
+    "TARGETS_PER_S",
+    "VAL_LOSS",
+    "TOKENS_PER_S",
+    "STEP_TIME_S",
+    "MFU",
+    "ETA",
+    "PEAK_MEM_MB",
+    "DATA_WAIT_MS",
+    "EPOCH",
+    "EPOCH_FRACTION",
+    "PER_STEP_FLAGS",
+    "QUIET_WHEN_ZERO",
 ]
 
 # From the train step (0-d tensors).

@@ -38,9 +38,12 @@ __all__ = ["Precision", "get", "cast_floating", "parse_dtype", "to_compute"]
 PyTree = Any
 
 _NAMES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
 }
 
 
@@ -71,7 +74,7 @@ class Precision:
         return self.compute_dtype != torch.float32
 
 
-def get(spec: "str | torch.dtype | Precision | None") -> Precision:
+def get(spec: str | torch.dtype | Precision | None) -> Precision:
     """The `Precision` named by `spec`.
 
     Args:
@@ -98,7 +101,7 @@ def get(spec: "str | torch.dtype | Precision | None") -> Precision:
     return Precision(dtype, loss_scaling=dtype == torch.float16)
 
 
-def parse_dtype(name: "str | torch.dtype") -> torch.dtype:
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """The floating dtype called `name` ("fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16").
 
     Args:

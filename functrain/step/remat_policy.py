@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["parse_policy", "recomputed_blocks"]
 
 
-def parse_policy(policy: Any) -> "str | int":
+def parse_policy(policy: Any) -> str | int:
     """Validates a remat policy and returns it normalized ("none", "full" or an int N >= 1).
 
     Args:
@@ -44,7 +44,7 @@ def parse_policy(policy: Any) -> "str | int":
     )
 
 
-def recomputed_blocks(policy: "str | int", n_blocks: int) -> list[bool]:
+def recomputed_blocks(policy: str | int, n_blocks: int) -> list[bool]:
     """Which blocks a parsed remat policy recomputes in its backward.
 
     Args:
@@ -64,4 +64,3 @@ def recomputed_blocks(policy: "str | int", n_blocks: int) -> list[bool]:
     if policy == "full":
         return [True] * n_blocks
     return [(i + 1) % policy == 0 for i in range(n_blocks)]
-

@@ -65,7 +65,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -173,7 +174,7 @@ class StagedLoss:
         self._run = run
         self.frozen: Params = {}  # params the stages read and nothing differentiates (`with_frozen`)
 
-    def with_frozen(self, frozen: Params) -> "StagedLoss":
+    def with_frozen(self, frozen: Params) -> StagedLoss:
         """This loss with `frozen` params beside the ones it is given (`TrainState.frozen`, a LoRA base):
         every stage reads `{**frozen, **params}`, gradients come back for `params` alone (a frozen
         param's gradient is never reduced, and the compiled step drops its computation)."""
@@ -218,8 +219,9 @@ class StagedLoss:
             return _plain_value_and_grad(self, params, batch, key, loss_scale)
         return _staged_value_and_grad(self, params, batch, key, loss_scale)
 
-    def forward_blocks(self, indices: Sequence[int], h: torch.Tensor, key, params_of: Callable, *,
-                       grad: bool = True, side: tuple = ()) -> tuple[torch.Tensor, list]:
+    def forward_blocks(
+        self, indices: Sequence[int], h: torch.Tensor, key, params_of: Callable, *, grad: bool = True, side: tuple = ()
+    ) -> tuple[torch.Tensor, list]:
         """Runs the blocks at `indices` in order from `h`, keeping what their backward needs.
 
         The forward half of the engine, shared by `value_and_grad` and a pipeline rank (which runs
@@ -253,8 +255,16 @@ class StagedLoss:
                 saved.append(block_vjp)
         return h, saved
 
-    def backward_blocks(self, indices: Sequence[int], saved: list, cotangent: list, key, params_of: Callable,
-                        add: Callable, side: tuple = ()) -> torch.Tensor:
+    def backward_blocks(
+        self,
+        indices: Sequence[int],
+        saved: list,
+        cotangent: list,
+        key,
+        params_of: Callable,
+        add: Callable,
+        side: tuple = (),
+    ) -> torch.Tensor:
         """Pulls a cotangent back through the blocks at `indices` (as given to `forward_blocks`).
 
         The backward half of the engine: blocks in reverse, a recomputed block run again under its
@@ -300,7 +310,7 @@ class StagedLoss:
         with torch.no_grad():
             return self._compose(params, batch, key, gather=layout.gather)
 
-    def compile_stages(self, options: dict | None = None) -> "StagedLoss":
+    def compile_stages(self, options: dict | None = None) -> StagedLoss:
         """This loss with each stage its own compiled graph, one block graph shared by every block.
 
         For `make_train_step(..., compile="blocks")`: the stages run as separate compiled functions
@@ -326,8 +336,9 @@ class StagedLoss:
         return StagedLoss(self.embed, self.blocks, self.head, self.policy, run, self.side)
 
 
-def staged_loss(embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full",
-                side: Callable | None = None) -> StagedLoss:
+def staged_loss(
+    embed: Stage, blocks: Sequence[Stage], head: Stage, *, policy: Any = "full", side: Callable | None = None
+) -> StagedLoss:
     """A loss over stages that brings its own gradient routes, recomputing blocks in the backward.
 
     Args:
@@ -460,8 +471,9 @@ def _barrier_tree(params: Params, after: torch.Tensor) -> Params:
     for name, p in params.items():
         if is_dtensor(p):
             local = remat_barrier(p.to_local(), after)
-            p = type(p).from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                   stride=p.stride())
+            p = type(p).from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
         else:
             p = remat_barrier(p, after)
         out[name] = p

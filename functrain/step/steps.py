@@ -49,24 +49,32 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 import functrain.step.metric_names as M
-from functrain import compiler, optim
 import functrain.step.precision as precision_lib
-from functrain import rng as rng_lib
-from functrain import tree as tree_lib
 import functrain.step.update_groups as update_groups
-from functrain.step.loss_contract import loss_and_aux
+from functrain import compiler, optim
+from functrain import rng as rng_lib
 from functrain.nn import mode as mode_lib
 from functrain.nn import randomness
 from functrain.nn.model_state import call_loss, check_loss, has_model_state, restore_dtypes
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
-from functrain.step.staged import StagedLoss
 from functrain.state import TrainState
+from functrain.step.grads import (
+    LossFn,
+    PyTree,
+    accumulated_value_and_grad,
+    microbatch_counts,
+    value_and_grad,
+    with_frozen,
+)
+from functrain.step.loss_contract import loss_and_aux
+from functrain.step.staged import StagedLoss
 from functrain.step.update import apply_gradients, make_update, to_master, update_step
 
 __all__ = [
@@ -78,191 +86,6 @@ __all__ = [
     "value_and_grad",
     "with_frozen",
 ]
-
-PyTree = Any
-LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
-
-
-def value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, key, *, loss_scale=None, layout=None,
-                   model_state=None, fullgraph: bool = True, keyed: bool = True):
-    """Loss, aux and gradients of `loss_fn(params, batch, key)` with respect to `params`.
-
-    Args:
-      loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss); with
-        `model_state`, `(params, batch, key, model_state) -> (loss, aux, new_model_state)`.
-      params: the parameter tree (plain tensors).
-      batch: the batch pytree.
-      key: the RNG key passed to `loss_fn` (or None). While the loss runs, every dropout inside any
-        module draws from it (`functrain.nn.randomness`).
-      loss_scale: optional 0-d tensor; the gradients are those of `loss * loss_scale` (fp16 loss
-        scaling) while the returned loss is unscaled.
-      layout: for sharded (DTensor) params and a `functrain.step.staged.StagedLoss`: its
-        `value_and_grad_sharded` gathers each stage's params itself and returns grads in the
-        params' placements.
-      model_state: the model's buffers (`TrainState.model_state`), passed to the loss and returned
-        updated (no gradient flows into them).
-      fullgraph: False when the step compiles around graph breaks: the gradients are then taken
-        by plain autograd (Dynamo compiles the forward's pieces with their backwards).
-      keyed: draw the modules' dropout from `key` (False inside torch's scan, whose body cannot
-        enter a torch function mode).
-
-    Returns:
-      `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params; with
-      `model_state`, `(loss, aux, grads, new_model_state)`.
-
-    A `functrain.step.staged.StagedLoss` brings its own gradient route (`value_and_grad`, which recomputes
-    blocks in the backward); any other loss function is differentiated by `torch.func.grad_and_value`
-    (compiled, or in a transform), or eagerly by plain autograd (the same gradients, faster).
-
-    Example:
-      >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
-    """
-    if isinstance(loss_fn, StagedLoss):
-        if has_model_state(model_state):
-            raise ValueError("a staged loss (functrain.step.staged) runs the model's own stages and takes no model "
-                             "state: use a plain loss function for a model with buffers")
-        if layout is not None:
-            loss, aux, grads = loss_fn.value_and_grad_sharded(params, batch, key, layout=layout, loss_scale=loss_scale)
-        else:
-            loss, aux, grads = loss_fn.value_and_grad(params, batch, key, loss_scale=loss_scale)
-        out = (loss.detach(), dict(aux or {}), grads)
-        return out if model_state is None else (*out, model_state)
-
-    def f(p):
-        with randomness.keyed(key if keyed else None):
-            loss, aux, new_state = call_loss(loss_fn, p, batch, key, model_state)
-        scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
-        return scaled, (loss.detach(), (aux, {} if new_state is None else new_state))  # (torch.func's aux: no None)
-
-    if compiler.eager_autograd_ok() or not fullgraph:  # the same gradients, without torch.func's per-op wrapping
-        loss, (aux, new_state), grads = _autograd_value_and_grad(f, params)
-    else:
-        grads, (_, (loss, (aux, new_state))) = torch.func.grad_and_value(f, has_aux=True)(params)
-    if model_state is None:
-        return loss, aux, grads
-    return loss, aux, grads, tree_lib.map(torch.Tensor.detach, new_state)
-
-
-def _autograd_value_and_grad(f, params: PyTree):
-    """`torch.func.grad_and_value(f, has_aux=True)(params)`'s (loss, aux, grads) by plain autograd (eager only)."""
-    leaves, spec = tree_lib.flatten(params)
-    leaves = [x.detach().requires_grad_() for x in leaves]
-    with torch.enable_grad():
-        scaled, (loss, aux) = f(spec.unflatten(leaves))
-        found = torch.autograd.grad(scaled, leaves, allow_unused=True)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]  # unused: zeros, as torch.func
-    return loss, tree_lib.map(lambda a: a.detach() if torch.is_tensor(a) else a, aux), spec.unflatten(grads)
-
-
-def _metrics_and_grads(loss_fn, params, batch, key, loss_scale=None, layout=None, model_state=None, fullgraph=True,
-                       keyed=True):
-    """({"loss": loss, **aux}, grads, new model state) for one (micro)batch (per-stage gathers with a `layout`)."""
-    loss, aux, grads, model_state = value_and_grad(loss_fn, params, batch, key, loss_scale=loss_scale, layout=layout,
-                                                   model_state={} if model_state is None else model_state,
-                                                   fullgraph=fullgraph, keyed=keyed)
-    return {M.LOSS: loss, **aux}, grads, model_state
-
-
-def split_microbatches(batch: PyTree, k: int, what: str = "accum_steps") -> PyTree:
-    """Every batch leaf (B, ...) reshaped to (k, B // k, ...): the microbatches of accumulation and of
-    pipeline stages.
-
-    Args:
-      batch: a pytree of tensors sharing dim 0.
-      k: the number of microbatches.
-      what: the config key that set `k`, for the error.
-
-    Returns:
-      The same tree, each leaf (k, B // k, ...).
-
-    Raises:
-      ValueError: B is not divisible by k (one line naming `what`).
-
-    Example:
-      >>> split_microbatches((x, y), 4)[0].shape   # x: (32, T)
-      torch.Size([4, 8, T])
-    """
-
-    def split(x):
-        if x.shape[0] % k:
-            raise ValueError(f"batch dimension {x.shape[0]} is not divisible by {what}={k}; "
-                             f"make the batch size a multiple of {what}")
-        return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (K, B/K, ...)
-
-    return tree_lib.map(split, batch)
-
-
-def _accumulated_value_and_grad(loss_fn, params, batch, key, accum_steps: int, impl: str, loss_scale=None,
-                                layout=None, model_state=None, fullgraph=True, weights=None):
-    """Loss/aux/grads over `accum_steps` microbatches, inside one graph: their mean, or with `weights` (K,)
-    (`Layout.token_weights`) their sum weighted by them (grads summed in float32 when accumulating, else in
-    the compute dtype; the caller casts them to the masters'), and the model state after the last one
-    (each microbatch updates it, as torch's loop would). With `layout`, params are sharded and the loss
-    gathers them stage by stage."""
-    if accum_steps == 1:
-        w = None if weights is None else weights[0]
-        aux, grads, model_state = _metrics_and_grads(loss_fn, params, batch, key, _times(loss_scale, w), layout,
-                                                     model_state, fullgraph)
-        return (aux if w is None else tree_lib.map(lambda a: a * w, aux)), grads, model_state
-    micro = split_microbatches(batch, accum_steps)
-    keys = rng_lib.split(key, accum_steps)  # (K, 2)
-    if impl == "scan":
-        def body(carry, xs):
-            mb, k, w = xs
-            sums, ms = carry
-            aux, grads, ms = _metrics_and_grads(loss_fn, params, mb, k, _times(loss_scale, w), model_state=ms,
-                                                keyed=False)
-            aux = tree_lib.map(lambda a: a * w, aux)
-            return (tree_lib.map(torch.add, sums, (grads, aux)), ms), torch.zeros(())
-
-        probe_aux = _zeros_aux(loss_fn, params, micro, keys, model_state)
-        init = ((tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux), model_state)
-        ones = torch.ones(accum_steps, device=keys.device)  # (the mean's 1/K comes after the sum)
-        ((gsum, asum), model_state), _ = compiler.scan(body, init, (micro, keys, ones if weights is None else weights))
-    else:  # "unroll": a Python loop traced into the same graph
-        gsum = asum = None
-        for i in range(accum_steps):
-            mb = tree_lib.map(lambda x: x[i], micro)
-            w = None if weights is None else weights[i]
-            aux, grads, model_state = _metrics_and_grads(loss_fn, params, mb, keys[i], _times(loss_scale, w), layout,
-                                                         model_state, fullgraph)
-            grads = tree_lib.map(lambda g: g.float(), grads)
-            aux = aux if w is None else tree_lib.map(lambda a, w=w: a * w, aux)
-            gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
-            asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
-    if weights is not None:  # weighted already: their sum is the mean over every target
-        return asum, gsum, model_state
-    scale = 1.0 / accum_steps
-    return tree_lib.map(lambda a: a * scale, asum), tree_lib.map(lambda g: g * scale, gsum), model_state
-
-
-def _times(scale, w):
-    """`scale * w`, either of them None (no factor)."""
-    if w is None or scale is None:
-        return scale if w is None else w
-    return scale * w
-
-
-def microbatch_counts(count_targets: Callable, batch: PyTree, accum_steps: int) -> torch.Tensor:
-    """`count_targets` of each of the `accum_steps` microbatches of `batch`, as a float32 (K,) tensor."""
-    if accum_steps == 1:
-        counts = [count_targets(batch)]
-    else:
-        micro = split_microbatches(batch, accum_steps)
-        counts = [count_targets(tree_lib.map(lambda x: x[i], micro)) for i in range(accum_steps)]
-    return torch.stack([torch.as_tensor(c).to(torch.float32).reshape(()) for c in counts])
-
-
-def _zeros_aux(loss_fn, params, micro, keys, model_state):
-    """Zeros shaped like the (loss, aux) of one microbatch, to start the scan's carry."""
-    mb = tree_lib.map(lambda x: x[0], micro)
-    with torch.no_grad(), randomness.KeyedRandomness(keys[0]) as drawn:
-        loss, aux, _ = call_loss(loss_fn, params, mb, keys[0], model_state)
-    if drawn.calls:  # the scan body runs without the mode: its modules' draws would be torch's global ones
-        raise ValueError("accum_impl='scan' cannot key the random draws of the loss's modules (dropout and the "
-                         "like; torch's scan body cannot enter a torch function mode): use accum_impl='unroll'")
-    aux = {M.LOSS: loss, **aux}
-    return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), aux)
 
 
 def _compute_model_state(model_state: PyTree, lay: Layout, prec) -> PyTree:
@@ -278,10 +101,10 @@ def make_train_step(
     optimizer: optim.Transform,
     *,
     accum_steps: int = 1,
-    compile: "bool | str" = True,
+    compile: bool | str = True,
     donate: bool = True,
     accum_impl: str = "unroll",
-    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    precision: str | torch.dtype | precision_lib.Precision | None = None,
     skip_nonfinite: bool = True,
     compile_options: dict | None = None,
     layout: Layout | None = None,
@@ -362,6 +185,59 @@ def make_train_step(
       >>> step = make_train_step(loss_fn, optim.adamw(3e-4), accum_steps=4)
       >>> state, metrics = step(state, batch)
     """
+    spec = _train_spec(
+        loss_fn,
+        optimizer,
+        accum_steps=accum_steps,
+        accum_impl=accum_impl,
+        precision=precision,
+        skip_nonfinite=skip_nonfinite,
+        donate=donate,
+        fullgraph=fullgraph,
+        model_state_sync=model_state_sync,
+        count_targets=count_targets,
+    )
+    mode = _compile_mode(compile)
+    options = _with_fullgraph(compile_options, fullgraph, mode)
+    if mode == "blocks":
+        build, wrap = _blocks_route(spec, options)
+    else:
+        build, wrap = _one_graph_route(spec, options if mode == "step" else None, compiled=mode == "step")
+    if layout is not None:  # one layout, resolved now; run inside another transform, whose caller checks
+        return functools.partial(_in_train_mode, wrap(build(layout)))
+    return functools.partial(_checked_step, spec.loss_fn, _PerLayout(build, wrap))
+
+
+class _TrainSpec(NamedTuple):
+    """What every route of a train step is built from: `make_train_step`'s arguments, checked."""
+
+    loss_fn: LossFn
+    optimizer: optim.Transform
+    update: Callable  # `make_update(optimizer, ...)`: the optimizer half
+    prec: precision_lib.Precision
+    guarded: bool  # a non-finite step is skipped
+    donate: bool
+    accum_steps: int
+    accum_impl: str
+    fullgraph: bool
+    model_state_sync: str
+    count_targets: Callable[[PyTree], torch.Tensor] | None
+
+
+def _train_spec(
+    loss_fn: LossFn,
+    optimizer: optim.Transform,
+    *,
+    accum_steps: int,
+    accum_impl: str,
+    precision,
+    skip_nonfinite: bool,
+    donate: bool,
+    fullgraph: bool,
+    model_state_sync: str,
+    count_targets: Callable | None,
+) -> _TrainSpec:
+    """`make_train_step`'s arguments checked (one line each) and resolved."""
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
     if accum_impl not in ("unroll", "scan"):
@@ -371,137 +247,152 @@ def make_train_step(
     prec = precision_lib.get(precision)
     guarded = skip_nonfinite or prec.loss_scaling
     update = make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec)
-    mode = _compile_mode(compile)
-    compile_options = _with_fullgraph(compile_options, fullgraph, mode)
-    if mode == "blocks" and accum_impl == "scan":
-        raise ValueError(f"compile={mode!r} runs the microbatches as a Python loop: use accum_impl='unroll'")
-    # "step": the whole body is one graph; "blocks": prepare and the update are graphs of their own
-    # and the loss runs its stages' graphs from eager code
-    run_loss = _stage_compiled(loss_fn, compile_options) if mode == "blocks" else loss_fn
-    piece = functools.partial(compiler.maybe_compile, compile=mode == "blocks", options=compile_options)
-    one_graph = mode == "step"
-    step_options = compiler.with_step_passes(compile_options) if one_graph else None
-    whole = functools.partial(compiler.maybe_compile, compile=one_graph, options=step_options)
+    return _TrainSpec(
+        loss_fn,
+        optimizer,
+        update,
+        prec,
+        guarded,
+        donate,
+        accum_steps,
+        accum_impl,
+        fullgraph,
+        model_state_sync,
+        count_targets,
+    )
 
-    def build(lay: Layout, loss_fn=loss_fn, piece=lambda f: f, grouped=False):
-        """The step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd)."""
 
-        # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters
-        # its own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
-        if lay.sharded and accum_impl == "scan" and accum_steps > 1:
-            raise ValueError("accum_impl='scan' runs on one process only (its carry holds plain tensors): "
-                             "use accum_impl='unroll' on sharded params")
-        per_stage = lay.sharded and isinstance(loss_fn, StagedLoss)  # each stage gathers its own params
+def _one_graph_route(spec: _TrainSpec, options: dict | None, compiled: bool):
+    """compile="step" (the whole step one graph) or eager: `(build(layout) -> step, wrap)`."""
+    options = compiler.with_step_passes(options) if compiled else None
+    build = functools.partial(_train_body, spec, spec.loss_fn, _as_is, grouped=False)
+    return build, functools.partial(compiler.maybe_compile, compile=compiled, options=options)
 
-        @piece
-        def prepare(state: TrainState, batch: PyTree):
-            """The params, frozen params and batch to compute with (cast before the gather: half the
-            bytes on the wire), and this step's key (per step, per dp rank)."""
-            params, batch = precision_lib.to_compute(prec, state.params, batch)
-            frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
-            if not per_stage:
-                params, frozen = lay.gather(params), lay.gather(frozen)
-            return params, frozen, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
 
-        @piece
-        def whole_finish(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
-            """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update
-            (with the new model state, kept unless the update is skipped)."""
-            grads = to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
-            if not per_stage:  # grads back to the params' placements (per stage: done already)
-                grads = lay.reduce_grads(grads, state.params)
-            return update(state, lay.mean_over_dp(aux), grads, model_state)
+def _blocks_route(spec: _TrainSpec, options: dict | None):
+    """compile="blocks": prepare and the update are graphs of their own, and the loss runs its stages'
+    graphs from eager code: `(build(layout) -> step, wrap)`."""
+    if spec.accum_impl == "scan":
+        raise ValueError("compile='blocks' runs the microbatches as a Python loop: use accum_impl='unroll'")
+    piece = functools.partial(compiler.maybe_compile, compile=True, options=options)
+    return functools.partial(_train_body, spec, _stage_compiled(spec.loss_fn, options), piece, grouped=True), _as_is
 
-        chosen: list = []  # compile="blocks": the finish, chosen at the first call (from the params)
 
-        def choose(state: TrainState):
-            """The finish for these params and this optimizer, picked at the first call (eagerly: the
-            plan runs the optimizer on meta tensors)."""
-            if chosen:
-                return chosen[0]
-            groups, why = update_groups.plan(state.params, loss_fn.blocks, optimizer)
-            if why and len(loss_fn.blocks) > 1:  # (one block: nothing to share, nothing to say)
-                warnings.warn(f"compile={mode!r}: the optimizer update stays one graph over every "
-                              f"tensor, so its compile grows with depth: {why}", stacklevel=3)
-            chosen.append(update_groups.make_finish(
-                optimizer, groups, lay, donate=donate, guarded=guarded, prec=prec, piece=piece)
-                if groups else whole_finish)
-            return chosen[0]
+def _as_is(fn):
+    """`fn` itself (no compile)."""
+    return fn
 
-        def grouped_finish(state: TrainState, aux: dict, grads: PyTree):
-            """The update group by group (functrain.step.update_groups) when the plan allows, else whole."""
-            return choose(state)(state, aux, grads)
 
-        finish = grouped_finish if grouped and (per_stage or not lay.sharded) else whole_finish
+def _train_body(spec: _TrainSpec, loss_fn: LossFn, piece: Callable, lay: Layout, *, grouped: bool):
+    """The train step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd); `piece`
+    compiles its prepare and finish (compile="blocks"), `grouped` runs the update group by group."""
+    if lay.sharded and spec.accum_impl == "scan" and spec.accum_steps > 1:
+        raise ValueError(
+            "accum_impl='scan' runs on one process only (its carry holds plain tensors): "
+            "use accum_impl='unroll' on sharded params"
+        )
+    # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters its
+    # own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
+    per_stage = lay.sharded and isinstance(loss_fn, StagedLoss)
+    prepare = piece(functools.partial(_prepare, spec.prec, lay, per_stage))
+    whole = piece(functools.partial(_whole_finish, spec, lay, per_stage))
+    finish = _GroupedFinish(spec, lay, loss_fn, piece, whole) if grouped and (per_stage or not lay.sharded) else whole
+    return functools.partial(_train_step, spec, lay, loss_fn, per_stage, prepare, finish, whole)
 
-        def train_step(state: TrainState, batch: PyTree):
-            params, frozen, batch, key = prepare(state, batch)
-            loss_scale = state.guard.loss_scale if prec.loss_scaling else None
-            model_state = _compute_model_state(state.model_state, lay, prec)
-            weights = total = None
-            if count_targets is not None:  # counted before the forward, over every microbatch and rank
-                weights, total = lay.token_weights(microbatch_counts(count_targets, batch, accum_steps))
-            aux, grads, model_state = _accumulated_value_and_grad(
-                with_frozen(loss_fn, frozen), params, batch, key, accum_steps, accum_impl, loss_scale,
-                layout=lay if per_stage else None,
-                model_state=model_state, fullgraph=fullgraph, weights=weights,
+
+def _prepare(prec, lay: Layout, per_stage: bool, state: TrainState, batch: PyTree):
+    """The params, frozen params and batch to compute with (cast before the gather: half the bytes on the
+    wire), and this step's key (per step, per dp rank)."""
+    params, batch = precision_lib.to_compute(prec, state.params, batch)
+    frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
+    if not per_stage:
+        params, frozen = lay.gather(params), lay.gather(frozen)
+    return params, frozen, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
+
+
+def _whole_finish(spec: _TrainSpec, lay: Layout, per_stage: bool, state, aux: dict, grads, model_state=None):
+    """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update (with the
+    new model state, kept unless the update is skipped)."""
+    grads = to_master(grads, state.params, state.guard.loss_scale if spec.prec.loss_scaling else None)
+    if not per_stage:  # grads back to the params' placements (per stage: done already)
+        grads = lay.reduce_grads(grads, state.params)
+    return spec.update(state, lay.mean_over_dp(aux), grads, model_state)
+
+
+class _GroupedFinish:
+    """compile="blocks"'s finish: the update group by group (`functrain.step.update_groups`) when the plan
+    allows, else the whole finish; chosen at the first call, eagerly (the plan runs the optimizer on meta
+    tensors)."""
+
+    def __init__(self, spec: _TrainSpec, lay: Layout, loss_fn, piece, whole):
+        self.spec, self.lay, self.blocks, self.piece, self.whole = spec, lay, loss_fn.blocks, piece, whole
+        self.chosen = None
+
+    def __call__(self, state: TrainState, aux: dict, grads: PyTree):
+        if self.chosen is None:
+            self.chosen = self._choose(state)
+        return self.chosen(state, aux, grads)
+
+    def _choose(self, state: TrainState):
+        """The finish for these params and this optimizer."""
+        spec = self.spec
+        groups, why = update_groups.plan(state.params, self.blocks, spec.optimizer)
+        if why and len(self.blocks) > 1:  # (one block: nothing to share, nothing to say)
+            warnings.warn(
+                "compile='blocks': the optimizer update stays one graph over every tensor, so its compile "
+                f"grows with depth: {why}",
+                stacklevel=5,
             )
-            if total is not None:
-                aux[M.TARGETS] = total  # the same on every rank: its mean over them is itself
-            if not has_model_state(model_state):
-                return finish(state, aux, grads)
-            model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), model_state_sync)
-            return whole_finish(state, aux, grads, model_state)
-
-        return train_step
-
-    def checked(fn):
-        """`fn` run in train mode, after a one-line check that the loss takes the state's model state."""
-
-        def step(state: TrainState, batch: PyTree):
-            check_loss(loss_fn, state.model_state)
-            with mode_lib.running(train=True):
-                out = fn(state, batch)
-            randomness.warn_unkeyed()
-            return out
-
-        return step
-
-    if layout is not None:  # one layout, resolved now; run inside another transform, whose caller checks
-        inner = whole(build(layout, run_loss, piece, grouped=mode == "blocks"))
-
-        def step_in_mode(state: TrainState, batch: PyTree):
-            with mode_lib.running(train=True):
-                return inner(state, batch)
-
-        return step_in_mode
-    steps = _PerLayout(lambda lay: build(lay, run_loss, piece, grouped=mode == "blocks"), whole)
-    return checked(lambda state, batch: steps.get(state.params)(state, batch))
+        if not groups:
+            return self.whole
+        return update_groups.make_finish(
+            spec.optimizer, groups, self.lay, donate=spec.donate, guarded=spec.guarded, prec=spec.prec, piece=self.piece
+        )
 
 
-def with_frozen(loss_fn: LossFn, frozen: PyTree) -> LossFn:
-    """`loss_fn` reading `{**frozen, **params}` (`TrainState.frozen`: a LoRA run's base), or itself when none.
+def _train_step(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, finish, whole, state, batch):
+    """One train step: prepare, the accumulated loss and grads, the finish (with the model state if any)."""
+    params, frozen, batch, key = prepare(state, batch)
+    loss_scale = state.guard.loss_scale if spec.prec.loss_scaling else None
+    model_state = _compute_model_state(state.model_state, lay, spec.prec)
+    weights = total = None
+    if spec.count_targets is not None:  # counted before the forward, over every microbatch and rank
+        weights, total = lay.token_weights(microbatch_counts(spec.count_targets, batch, spec.accum_steps))
+    aux, grads, model_state = accumulated_value_and_grad(
+        with_frozen(loss_fn, frozen),
+        params,
+        batch,
+        key,
+        spec.accum_steps,
+        spec.accum_impl,
+        loss_scale,
+        layout=lay if per_stage else None,
+        model_state=model_state,
+        fullgraph=spec.fullgraph,
+        weights=weights,
+    )
+    if total is not None:
+        aux[M.TARGETS] = total  # the same on every rank: its mean over them is itself
+    if not has_model_state(model_state):
+        return finish(state, aux, grads)
+    model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), spec.model_state_sync)
+    return whole(state, aux, grads, model_state)
 
-    Args:
-      loss_fn: `(params, batch, key[, model_state]) -> ...` over the whole model's params.
-      frozen: {name: tensor} of the params the step does not train (compute copies, gathered).
 
-    Returns:
-      A loss over the trained params only: the gradient is taken for them alone.
-
-    Example:
-      >>> loss, aux = with_frozen(loss_fn, state.frozen)(state.params, batch, key)
-    """
-    if not frozen:
-        return loss_fn
-    if isinstance(loss_fn, StagedLoss):  # its stages read the frozen params themselves (gathered per stage)
-        return loss_fn.with_frozen(frozen)
-    return functools.partial(_frozen_loss, loss_fn, frozen)
+def _in_train_mode(step, state: TrainState, batch: PyTree):
+    """`step(state, batch)` with the modules in training mode."""
+    with mode_lib.running(train=True):
+        return step(state, batch)
 
 
-def _frozen_loss(loss_fn, frozen, params, *args):
-    """`loss_fn` called on the frozen and the trained params together."""
-    return loss_fn({**frozen, **params}, *args)
+def _checked_step(loss_fn, steps: _PerLayout, state: TrainState, batch: PyTree):
+    """The step for the state's layout, in train mode, after a one-line check that the loss takes the
+    state's model state."""
+    check_loss(loss_fn, state.model_state)
+    with mode_lib.running(train=True):
+        out = steps.get(state.params)(state, batch)
+    randomness.warn_unkeyed()
+    return out
 
 
 SYNCS = ("broadcast", "mean")
@@ -513,12 +404,14 @@ def _with_fullgraph(options: dict | None, fullgraph: bool, mode) -> dict | None:
     if fullgraph:
         return options
     if mode == "blocks":
-        raise ValueError("fullgraph=False compiles one step around graph breaks; compile='blocks' compiles the "
-                         "model's own stages: use compile=True with fullgraph=False")
+        raise ValueError(
+            "fullgraph=False compiles one step around graph breaks; compile='blocks' compiles the "
+            "model's own stages: use compile=True with fullgraph=False"
+        )
     return {**(options or {}), "fullgraph": False}
 
 
-def _compile_mode(compile) -> "str | None":
+def _compile_mode(compile) -> str | None:
     """`compile` as "step", "blocks" or None (eager)."""
     if compile is True or compile == "step":
         return "step"
@@ -526,8 +419,9 @@ def _compile_mode(compile) -> "str | None":
         return None
     if compile == "blocks":
         return compile
-    raise ValueError(f"compile must be True/'step' (one graph), 'blocks' (a graph per stage kind) or False, "
-                     f"got {compile!r}")
+    raise ValueError(
+        f"compile must be True/'step' (one graph), 'blocks' (a graph per stage kind) or False, got {compile!r}"
+    )
 
 
 def _stage_compiled(loss_fn, options: dict | None):
@@ -543,8 +437,8 @@ def _stage_compiled(loss_fn, options: dict | None):
 def make_eval_step(
     loss_fn: LossFn,
     *,
-    compile: "bool | str" = True,
-    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    compile: bool | str = True,
+    precision: str | torch.dtype | precision_lib.Precision | None = None,
     compile_options: dict | None = None,
     fullgraph: bool = True,
     count_targets: Callable[[PyTree], torch.Tensor] | None = None,
@@ -588,15 +482,18 @@ def make_eval_step(
             params, batch = precision_lib.to_compute(prec, state.params, batch)
             model_state = _compute_model_state(state.model_state, lay, prec)
             if isinstance(loss_fn, StagedLoss) and has_model_state(model_state):
-                raise ValueError("a staged loss (functrain.step.staged) takes no model state: use a plain loss function "
-                                 "for a model with buffers")
+                raise ValueError(
+                    "a staged loss (functrain.step.staged) takes no model state: use a plain loss function "
+                    "for a model with buffers"
+                )
             frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
             with torch.no_grad():
                 if per_stage:  # each stage gathers its own params
                     loss, aux = with_frozen(loss_fn, frozen).apply_sharded(params, batch, None, layout=lay)
                 else:
-                    loss, aux, _ = call_loss(with_frozen(loss_fn, lay.gather(frozen)), lay.gather(params), batch, None,
-                                             model_state)
+                    loss, aux, _ = call_loss(
+                        with_frozen(loss_fn, lay.gather(frozen)), lay.gather(params), batch, None, model_state
+                    )
                 metrics = {M.LOSS: loss, **aux}
                 if count_targets is None:
                     return lay.mean_over_dp(metrics)

@@ -11,15 +11,16 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import functrain.step.metric_names as M
-from functrain import compiler, ops, optim
-from functrain.ops import foreach
 import functrain.step.precision as precision_lib
+from functrain import compiler, ops, optim
 from functrain import tree as tree_lib
+from functrain.ops import foreach
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import LOCAL, Layout
 from functrain.state import Guard, TrainState
@@ -50,7 +51,8 @@ def _next_guard(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision) -
     good = (guard.good_steps + 1) * (1 - bad)
     grow = good >= prec.growth_interval
     scale = torch.where(
-        ok, torch.where(grow, guard.loss_scale * prec.growth_factor, guard.loss_scale),
+        ok,
+        torch.where(grow, guard.loss_scale * prec.growth_factor, guard.loss_scale),
         guard.loss_scale * prec.backoff_factor,
     )
     return Guard(skipped, consecutive, scale, torch.where(grow, torch.zeros_like(good), good))
@@ -86,8 +88,8 @@ def apply_gradients(
     *,
     aux: dict | None = None,
     skip_nonfinite: bool = True,
-    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
-    layout: "Layout | None" = None,
+    precision: str | torch.dtype | precision_lib.Precision | None = None,
+    layout: Layout | None = None,
     model_state: PyTree = None,
 ) -> tuple[TrainState, dict]:
     """The optimizer half of a train step: `state` updated by `grads` (pure; compiles in a graph).
@@ -140,13 +142,22 @@ def apply_gradients(
         model_state = lay.select(ok, model_state, state.model_state)
         guard = guard_after(guard, ok, prec, metrics)
     metrics.update(optim.report(optimizer, opt_state))  # e.g. the learning rate this update used
-    return state._replace(params=params, opt_state=opt_state, step=state.step + 1, guard=guard,
-                          model_state=model_state), metrics
+    return state._replace(
+        params=params, opt_state=opt_state, step=state.step + 1, guard=guard, model_state=model_state
+    ), metrics
 
 
-def _fused_in_place(state: TrainState, aux: dict, grads: PyTree, optimizer: optim.Transform, guarded: bool,
-                    prec: precision_lib.Precision, model_state: PyTree = None):
-    """`apply_gradients` + donation through the optimizer's fused kernel (eager, local params), or None where it cannot run."""
+def _fused_in_place(
+    state: TrainState,
+    aux: dict,
+    grads: PyTree,
+    optimizer: optim.Transform,
+    guarded: bool,
+    prec: precision_lib.Precision,
+    model_state: PyTree = None,
+):
+    """`apply_gradients` + donation through the optimizer's fused kernel (eager, local params), or None where it
+    cannot run."""
     if not compiler.eager_autograd_ok() or layout_of(state.params) is not LOCAL:
         return None
     metrics = dict(aux)
@@ -162,8 +173,9 @@ def _fused_in_place(state: TrainState, aux: dict, grads: PyTree, optimizer: opti
     return LOCAL.write_into(state, new), metrics  # (the counters; params and moments changed in place)
 
 
-def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, layout: "Layout | None" = None):
-    """`update(state, aux, grads, model_state=None) -> (state, metrics)`: `apply_gradients`, then donation (in place through
+def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, layout: Layout | None = None):
+    """`update(state, aux, grads, model_state=None) -> (state, metrics)`: `apply_gradients`, then donation (in place
+    through
     the optimizer's fused kernel when it has one, the step runs eagerly and no `layout` is given)."""
 
     def update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
@@ -171,8 +183,16 @@ def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, lay
             done = _fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision, model_state)
             if done is not None:
                 return done
-        new_state, metrics = apply_gradients(state, grads, optimizer, aux=aux, skip_nonfinite=skip_nonfinite,
-                                             precision=precision, layout=layout, model_state=model_state)
+        new_state, metrics = apply_gradients(
+            state,
+            grads,
+            optimizer,
+            aux=aux,
+            skip_nonfinite=skip_nonfinite,
+            precision=precision,
+            layout=layout,
+            model_state=model_state,
+        )
         if donate:
             new_state = (layout_of(state.params) if layout is None else layout).write_into(state, new_state)
         return new_state, metrics
@@ -186,7 +206,7 @@ def update_step(
     donate: bool = True,
     compile: bool = True,
     skip_nonfinite: bool = True,
-    precision: "str | torch.dtype | precision_lib.Precision | None" = None,
+    precision: str | torch.dtype | precision_lib.Precision | None = None,
     compile_options: dict | None = None,
 ) -> Callable[[TrainState, PyTree, dict], tuple[TrainState, dict]]:
     """The optimizer half of the train step on its own: `update(state, grads, aux) -> (state, metrics)`.
@@ -211,8 +231,7 @@ def update_step(
       >>> state, metrics = update(state, grads, {"loss": loss})
     """
     prec = precision_lib.get(precision)
-    inner = make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling,
-                         precision=prec)
+    inner = make_update(optimizer, donate=donate, skip_nonfinite=skip_nonfinite or prec.loss_scaling, precision=prec)
 
     def update(state: TrainState, grads: PyTree, aux: dict | None = None):
         return inner(state, dict(aux or {}), grads)

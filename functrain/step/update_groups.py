@@ -37,7 +37,8 @@ factor may differ from the one-graph step in the last float32 bit; the per-eleme
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -80,7 +81,7 @@ def _signature(params: dict, names: Sequence[str], as_names: Sequence[str]) -> t
     return tuple(out)
 
 
-def plan(params: PyTree, blocks: Sequence, optimizer: optim.Transform) -> "tuple[list[Group] | None, str]":
+def plan(params: PyTree, blocks: Sequence, optimizer: optim.Transform) -> tuple[list[Group] | None, str]:
     """The update groups for `params`, or None and the reason the whole-tree update must stay.
 
     Args:
@@ -111,7 +112,7 @@ def plan(params: PyTree, blocks: Sequence, optimizer: optim.Transform) -> "tuple
         if seen & set(names):
             return None, f"block {b.prefix!r} reads a parameter another block reads"
         seen |= set(names)
-        as_names = tuple(lead.prefix + n[len(b.prefix):] for n in names)
+        as_names = tuple(lead.prefix + n[len(b.prefix) :] for n in names)
         if not all(n.startswith(b.prefix) for n in names) or _signature(params, names, as_names) != want:
             return None, f"block {b.prefix!r} differs from block {lead.prefix!r} in names, shapes or placements"
         groups.append(Group(names, as_names, 0))
@@ -139,7 +140,7 @@ def _mask_log(optimizer: optim.Transform, params: dict) -> list:
 
 
 def _check_masks(params: dict, groups: list[Group], optimizer: optim.Transform) -> str:
-    """"" when every leaf gets the same mask flags grouped as on the full tree, else the reason."""
+    """ "" when every leaf gets the same mask flags grouped as on the full tree, else the reason."""
     names = tuple(params)
     try:
         full = _mask_log(optimizer, _meta(params, names, names))
@@ -236,8 +237,9 @@ class _Split:
         return spec.unflatten(out)
 
 
-def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool,
-                prec, piece: Callable) -> Callable:
+def make_finish(
+    optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool, prec, piece: Callable
+) -> Callable:
     """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
 
     Args:
@@ -257,6 +259,7 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
       >>> finish = update_groups.make_finish(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
       ...                                    piece=torch.compile)
     """
+
     def squared_norm(grads: dict):
         """The squared norm of a group's grads (one fused foreach norm; mesh-wide for DTensors)."""
         norm = lay.global_norm(grads)
@@ -290,8 +293,10 @@ def make_finish(optimizer: optim.Transform, groups: list[Group], lay: Layout, *,
         old, spec = split.flatten(opt_state)
         new = split.nodes(new_opt)  # (the update keeps the state's structure)
         if len(new) != len(old):
-            raise ValueError(f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
-                             "nodes); a grouped update needs the structure kept: use compile=True")
+            raise ValueError(
+                f"the optimizer's update changed its state's structure ({len(old)} -> {len(new)} "
+                "nodes); a grouped update needs the structure kept: use compile=True"
+            )
         moments = [(o, n) for o, n, d in zip(old, new, split.dicts) if d]
         lay.write_into((params, [o for o, _ in moments]), (new_params, [n for _, n in moments]))
         return params, spec.unflatten([o if d else n for o, n, d in zip(old, new, split.dicts)])

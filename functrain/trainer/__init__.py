@@ -2,7 +2,8 @@
 
 * `main`: the command line (`python -m functrain.main --config=configs/gpt.py`), config loading and
   checks, the parallel context, and the run or the export;
-* `loop`: runs any model family's `Task` on the `route` it chooses (one process, or a pipeline rank); `hooks` (`Hook` with an `every`, the built-in hooks),
+* `loop`: runs any model family's `Task` on the `route` it chooses (one process, or a pipeline rank); `hooks` (`Hook`
+with an `every`, the built-in hooks),
   `restore` (resuming a workdir), `preemption` (SIGTERM and Ctrl-C);
 * `defaults` and `validate`: the run config's defaults and the loop's own checks;
 * `metrics` and `tensorboard`: the metric writers and the throughput/MFU meter; `plot`: loss curves;

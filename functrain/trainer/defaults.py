@@ -41,7 +41,9 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.eval.tasks = ""
     c.eval.limit = 0  # examples per task (0 = all)
     c.eval.batch_size = 32  # rows (example x choice) per forward on each rank
-    c.eval.truncate = False  # an example longer than the block: False = stop with one line, True = cut its context's head
+    c.eval.truncate = (
+        False  # an example longer than the block: False = stop with one line, True = cut its context's head
+    )
     c.eval.compile = True  # with compile=True: the scoring forward compiled, one graph per bucket length
     # LoRA (docs/guide.md "LoRA"): rank > 0 trains low-rank adapters beside the targeted linear layers
     # while the base stays frozen (not differentiated, no optimizer state, not in the checkpoints).
@@ -80,7 +82,8 @@ def trainer_config() -> ml_collections.ConfigDict:
     # torch.use_deterministic_algorithms (atomic-add kernels replaced), needed for bit-identical reruns.
     c.deterministic = False
     c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32
-    c.max_consecutive_skips = 10  # non-finite loss/grad norm skips the update; stop after this many in a row, checked at log steps (0 = never skip)
+    # a non-finite loss or grad norm skips the update; stop after this many in a row, checked at log steps (0 = never)
+    c.max_consecutive_skips = 10
     c.tensorboard = True  # event files in <workdir>/tb (with the tensorboard package; JSONL always)
     c.device = "auto"  # "auto" = cuda if available, else cpu
     # keep: freed host memory stays in the process (functrain/trainer/memory.py: page faults on fresh
@@ -120,7 +123,9 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.mesh.dp_shard = -1  # -1 = the rest of the world size
     c.mesh.cp = 1  # context parallel: each sequence split over cp ranks (functrain.parallel.context)
     c.mesh.tp = 1
-    c.mesh.pp = 1  # pipeline stages: the blocks cut over pp ranks, each a mesh of the axes above (functrain.parallel.pipeline)
+    c.mesh.pp = (
+        1  # pipeline stages: the blocks cut over pp ranks, each a mesh of the axes above (functrain.parallel.pipeline)
+    )
     c.pp = ml_collections.ConfigDict()
     c.pp.microbatches = 1  # mesh.pp > 1: microbatches per step (the gradients' mean; in place of accum_steps)
     # "1f1b" holds at most pp - stage microbatches' activations, "gpipe" all of them, "eager-1f1b" one more
@@ -174,15 +179,21 @@ def data_config() -> ml_collections.ConfigDict:
     d.sources = ml_collections.ConfigDict()
     d.mixture = ml_collections.ConfigDict()
     d.max_bad_line_fraction = 0.0  # jsonl lines that are not JSON a shard may have (skipped); above: stop
-    d.tokenize_workers = 0  # processes per rank that tokenize; 0 = the rank's share of the cores (its own process under 64 MiB)
+    d.tokenize_workers = (
+        0  # processes per rank that tokenize; 0 = the rank's share of the cores (its own process under 64 MiB)
+    )
     # Supervised examples (jsonl/parquet records; docs/guide.md "Fine-tuning"): "auto" finds the format
     # from the first record's fields (a `text` field alone: pretraining as above)
     d.format = "auto"  # auto | text | prompt_completion | messages | alpaca
-    d.train_on = "auto"  # what is learned: completion | assistant | last | all (auto: completion, assistant for messages)
+    d.train_on = (
+        "auto"  # what is learned: completion | assistant | last | all (auto: completion, assistant for messages)
+    )
     d.fields = ml_collections.ConfigDict()  # {format field: the records' field}, e.g. {"prompt": "question"}
     d.packing = False  # pack whole examples into rows (best-fit-decreasing; attention within each example)
     d.too_long = "drop"  # an example longer than block_size + 1 tokens: drop (counted) | truncate
-    d.chat_template = "auto"  # messages: the model directory's template | "default" (ChatML) | a .jinja file | a directory
+    d.chat_template = (
+        "auto"  # messages: the model directory's template | "default" (ChatML) | a .jinja file | a directory
+    )
     # A resume whose data differs from its checkpoint's (files, sizes, sha256, tokenizer) stops;
     # True goes on with the data as it is and logs what changed
     d.allow_changed = False

@@ -57,8 +57,14 @@ class MultipleChoice(Hook):
         """
         row = {}
         for name, examples in self.tasks.items():
-            scores = choice.evaluate(self.model, frozen_lib.merged(state), examples, scorer=self.scorer,
-                                     model_state=state.model_state, truncate=self.truncate)
+            scores = choice.evaluate(
+                self.model,
+                frozen_lib.merged(state),
+                examples,
+                scorer=self.scorer,
+                model_state=state.model_state,
+                truncate=self.truncate,
+            )
             row.update({f"mc/{name}/{metric}": scores[metric] for metric in choice.METRICS})
         self.writer.write(step, row)
         self.last = row
@@ -91,11 +97,17 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         if name == "next_lines":
             if task.validation_text is None:
-                raise validate.ConfigError("eval.tasks=next_lines is made from the run's validation text, and this "
-                                           "run's data has none (supervised examples); give multiple-choice files")
+                raise validate.ConfigError(
+                    "eval.tasks=next_lines is made from the run's validation text, and this "
+                    "run's data has none (supervised examples); give multiple-choice files"
+                )
             try:
-                examples = next_lines.build(task.validation_text(), task.eval_model.tokenizer,
-                                            block_size=task.eval_model.block_size, seed=NEXT_LINES_SEED)
+                examples = next_lines.build(
+                    task.validation_text(),
+                    task.eval_model.tokenizer,
+                    block_size=task.eval_model.block_size,
+                    seed=NEXT_LINES_SEED,
+                )
             except ValueError as exc:
                 raise data_lib.DataError(f"eval.tasks=next_lines: {exc}") from None
             key = "next_lines"
@@ -112,11 +124,15 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
 def _checked_tasks(names: str, task: Task, ev, whole: bool) -> dict[str, list]:
     """`load_tasks` after the run's own checks, every example checked against the block."""
     if task.eval_model is None:
-        raise validate.ConfigError("eval.tasks: this model family gives no eval_model (Task.eval_model) to score "
-                                   "with; drop --config.eval.tasks")
+        raise validate.ConfigError(
+            "eval.tasks: this model family gives no eval_model (Task.eval_model) to score "
+            "with; drop --config.eval.tasks"
+        )
     if not whole:
-        raise validate.ConfigError("eval.tasks with mesh.pp > 1: a pipeline rank holds only its stages, and scoring "
-                                   "needs every stage; evaluate the checkpoint on mesh.pp=1 (functrain.eval.harness)")
+        raise validate.ConfigError(
+            "eval.tasks with mesh.pp > 1: a pipeline rank holds only its stages, and scoring "
+            "needs every stage; evaluate the checkpoint on mesh.pp=1 (functrain.eval.harness)"
+        )
     tasks = load_tasks(names, task, limit=ev.limit)
     for examples in tasks.values():  # before the first step: a too-long example stops the run now
         choice.rows_of(examples, task.eval_model, truncate=ev.truncate)
@@ -155,11 +171,17 @@ def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_f
     except (validate.ConfigError, data_lib.DataError) as exc:
         if names != AUTO:
             raise
-        print_fn(f"eval.tasks=auto: no next_lines task ({exc}); name multiple-choice files in --config.eval.tasks, "
-                 "or set it to '' to drop this line")
+        print_fn(
+            f"eval.tasks=auto: no next_lines task ({exc}); name multiple-choice files in --config.eval.tasks, "
+            "or set it to '' to drop this line"
+        )
         return None
     model = task.eval_model
     print_fn("eval: " + ", ".join(f"{k} ({len(v)} examples, {len(v[0].choices)} choices)" for k, v in tasks.items()))
-    scorer = Scorer(model, batch_size=ev.batch_size, compile=compile and ev.get("compile", True),
-                    buckets=default_buckets(model.block_size, smallest=max(32, model.block_size // 4)))
+    scorer = Scorer(
+        model,
+        batch_size=ev.batch_size,
+        compile=compile and ev.get("compile", True),
+        buckets=default_buckets(model.block_size, smallest=max(32, model.block_size // 4)),
+    )
     return MultipleChoice(config.eval_every, tasks, model, scorer, writer, ev.truncate)

@@ -21,8 +21,18 @@ from functrain import rng as rng_lib
 from functrain.state import TrainState
 from functrain.task import Task
 
-__all__ = ["KEY", "FrozenMismatch", "base_for_export", "check", "digest", "merged", "record", "saved", "source_of",
-           "split"]
+__all__ = [
+    "KEY",
+    "FrozenMismatch",
+    "base_for_export",
+    "check",
+    "digest",
+    "merged",
+    "record",
+    "saved",
+    "source_of",
+    "split",
+]
 
 KEY = "frozen"
 """Where the record goes in a checkpoint's `custom_metadata["functrain"]`."""
@@ -98,8 +108,9 @@ def source_of(config: Any) -> str:
     return f"model {path}" if path else f"init from seed {config.seed}"
 
 
-def base_for_export(task: Task, config: Any, step_dir: str, device, saved_record: dict | None,
-                    init_from: str | None) -> dict:
+def base_for_export(
+    task: Task, config: Any, step_dir: str, device, saved_record: dict | None, init_from: str | None
+) -> dict:
     """The frozen params a LoRA checkpoint at `step_dir` was trained over, made again as its run made them
     (the family's init from the config's seed, or the committed checkpoint `init_from`), whole on this
     process, and checked against the checkpoint's record (`check`).
@@ -141,13 +152,16 @@ def check(saved_record: dict | None, current: dict | None, where: str) -> None:
     if current is None:
         raise FrozenMismatch(
             f"{where} holds LoRA adapters trained over a frozen base ({saved_record['source']}), and this run trains "
-            "every param; resume it with the same --config.lora.* flags, or start a new --workdir")
+            "every param; resume it with the same --config.lora.* flags, or start a new --workdir"
+        )
     if saved_record is None:
         raise FrozenMismatch(
             f"{where} trained every param, and this run trains adapters over a frozen base (--config.lora.rank); "
-            f"start a new --workdir with --config.checkpoint.init_from={where} to fine-tune those params")
+            f"start a new --workdir with --config.checkpoint.init_from={where} to fine-tune those params"
+        )
     if saved_record["digest"] != current["digest"]:
         raise FrozenMismatch(
             f"{where} trained its adapters over another base ({saved_record['source']}, digest "
             f"{saved_record['digest'][:12]}) than this run's ({current['source']}, digest {current['digest'][:12]}); "
-            "give the same base (--config.model.path / --config.checkpoint.init_from)")
+            "give the same base (--config.model.path / --config.checkpoint.init_from)"
+        )

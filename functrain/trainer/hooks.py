@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import math
 import resource
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -24,8 +24,18 @@ from functrain.state import TrainState
 from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import metrics as metrics_lib
 
-__all__ = ["Eval", "GarbageCollection", "Hook", "Log", "Profiler", "SaveCheckpoints", "SkipWatch", "StepInfo",
-           "TrainingError", "every"]
+__all__ = [
+    "Eval",
+    "GarbageCollection",
+    "Hook",
+    "Log",
+    "Profiler",
+    "SaveCheckpoints",
+    "SkipWatch",
+    "StepInfo",
+    "TrainingError",
+    "every",
+]
 
 
 class TrainingError(RuntimeError):
@@ -106,8 +116,17 @@ def every(n: int, fn: Callable[[StepInfo], None], *, at_end: bool = True) -> Hoo
 class Log(Hook):
     """Writes the step's metrics (plus throughput, MFU, peak memory, the params' norm)."""
 
-    def __init__(self, n, writer, throughput, device, skips_enabled, data_position=None, batches=None,
-                 param_norm=tree_lib.global_norm):
+    def __init__(
+        self,
+        n,
+        writer,
+        throughput,
+        device,
+        skips_enabled,
+        data_position=None,
+        batches=None,
+        param_norm=tree_lib.global_norm,
+    ):
         self.every, self.writer, self.throughput, self.device = n, writer, throughput, device
         self.skips_enabled, self.data_position, self.batches = skips_enabled, data_position, batches
         self.param_norm = param_norm  # over the whole model (a pipeline's: over every stage)
@@ -151,8 +170,9 @@ class Eval(Hook):
         row, every = {}, []
         for name, batches in sets.items():
             rows = [self.eval_step(info.state, b) for b in batches]
-            pairs = [(m[M.LOSS].detach().float(), m[M.TARGETS].detach().float() if M.TARGETS in m else None)
-                     for m in rows]
+            pairs = [
+                (m[M.LOSS].detach().float(), m[M.TARGETS].detach().float() if M.TARGETS in m else None) for m in rows
+            ]
             every += pairs
             if name is not None:
                 row[f"{M.VAL_LOSS}/{name}"] = _weighted_mean(pairs)

@@ -34,29 +34,38 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from functrain.data.prefetch import Prefetcher
+import functrain.step.metric_names as M
 from functrain import parallel
+from functrain import tree as tree_lib
 from functrain.compiler import cache as compile_cache
 from functrain.compiler import cuda_graphs
-import functrain.step.metric_names as M
+from functrain.data.prefetch import Prefetcher
 from functrain.optim.base import Transform
-from functrain import tree as tree_lib
 from functrain.state import TrainState
 from functrain.task import Task
-from functrain.trainer import downstream, memory
+from functrain.trainer import downstream, memory, validate, workdir_lock
 from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import metrics as metrics_lib
-from functrain.trainer import tensorboard as tensorboard_lib
 from functrain.trainer import route as route_lib
-from functrain.trainer import validate, workdir_lock
-from functrain.trainer.hooks import (Eval, GarbageCollection, Hook, Log, Profiler, SaveCheckpoints, SkipWatch, StepInfo,
-                                     TrainingError, every)
+from functrain.trainer import tensorboard as tensorboard_lib
+from functrain.trainer.hooks import (
+    Eval,
+    GarbageCollection,
+    Hook,
+    Log,
+    Profiler,
+    SaveCheckpoints,
+    SkipWatch,
+    StepInfo,
+    TrainingError,
+    every,
+)
 from functrain.trainer.preemption import PreemptionFlag
 from functrain.trainer.restore import checkpoint_path, init_params_from, make_manager, maybe_restore
 
@@ -108,15 +117,25 @@ def run(
         return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program, preemption)
 
 
-def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: parallel.ParallelContext,
-           hooks: Sequence[Hook], print_fn: Callable[..., None], t_program: float,
-           preemption: PreemptionFlag) -> dict[str, Any]:
+def _train(
+    task: Task,
+    optimizer: Transform,
+    config: Any,
+    workdir: Path,
+    ctx: parallel.ParallelContext,
+    hooks: Sequence[Hook],
+    print_fn: Callable[..., None],
+    t_program: float,
+    preemption: PreemptionFlag,
+) -> dict[str, Any]:
     """`run`'s body, once the config is checked, the workdir is this run's and signals are flagged."""
     main = ctx.is_main_process
     if config.get("lora", {}).get("rank", 0) and task.frozen is None:
-        raise validate.ConfigError("lora.rank > 0, but this model's Task holds no params frozen (Task.frozen): its "
-                                   "family does not apply lora.*; wrap your module with functrain.nn.lora and set "
-                                   "Task.frozen=functrain.nn.lora.is_base, or drop --config.lora.rank")
+        raise validate.ConfigError(
+            "lora.rank > 0, but this model's Task holds no params frozen (Task.frozen): its "
+            "family does not apply lora.*; wrap your module with functrain.nn.lora and set "
+            "Task.frozen=functrain.nn.lora.is_base, or drop --config.lora.rank"
+        )
     device = resolve_device(config, ctx)
     validate.check_cuda_graphs(config, device.type)
     graphs = bool(config.get("cuda_graphs", False))
@@ -136,16 +155,20 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
         compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
     compile_before = compile_cache.stats()
 
-    state, route = route_lib.choose(task, optimizer, config, ctx, device, _compile(config),
-                                    cuda_graphs.options() if graphs else None)
+    state, route = route_lib.choose(
+        task, optimizer, config, ctx, device, _compile(config), cuda_graphs.options() if graphs else None
+    )
 
     counts = _param_counts(state)
-    print_fn(f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
-             f"precision {config.precision}, mesh {dict(ctx.shape)}"
-             + route.banner)
+    print_fn(
+        f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
+        f"precision {config.precision}, mesh {dict(ctx.shape)}" + route.banner
+    )
     if state.frozen:
-        print_fn(f"trains {counts['params_trained']:,} of {counts['params_total']:,} params "
-                 f"({100 * counts['params_trained'] / counts['params_total']:.2f}%); the rest frozen")
+        print_fn(
+            f"trains {counts['params_trained']:,} of {counts['params_total']:,} params "
+            f"({100 * counts['params_trained'] / counts['params_total']:.2f}%); the rest frozen"
+        )
     throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps, probe=probe)
     writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
     if main:
@@ -162,21 +185,32 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
     if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
         state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
-    state = maybe_restore(manager, state, route.train_step, task.train_batch, config, print_fn,
-                           whole=route.whole, data_record=task.data_record, frozen_record=frozen_record)
+    state = maybe_restore(
+        manager,
+        state,
+        route.train_step,
+        task.train_batch,
+        config,
+        print_fn,
+        whole=route.whole,
+        data_record=task.data_record,
+        frozen_record=frozen_record,
+    )
     if graphs:
         state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
 
     skips_enabled = config.max_consecutive_skips > 0
     start = int(state.step)
     batches = Prefetcher(task.train_batch, start, depth=config.prefetch, device=device) if config.prefetch else None
-    log = Log(config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches,
-              route.param_norm)
+    log = Log(
+        config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches, route.param_norm
+    )
     eval_sets = task.eval_batches()
     eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
     evaluation = Eval(config.eval_every, route.eval_step, eval_sets, writer)
-    choices = downstream.hook(task, config, writer, compile=_compile(config) is not False, whole=route.whole,
-                              print_fn=print_fn)
+    choices = downstream.hook(
+        task, config, writer, compile=_compile(config) is not False, whole=route.whole, print_fn=print_fn
+    )
     # In this order: a run that stops on skipped updates neither logs nor saves that step.
     builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
     builtin += [log, evaluation] + ([choices] if choices is not None else [])
@@ -188,8 +222,7 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
     all_hooks = builtin + list(hooks)
 
     if start >= config.steps:
-        print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to "
-                 "train on)")
+        print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to train on)")
     stopped = None
     with manager or contextlib.nullcontext():
         try:
@@ -197,8 +230,10 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
                 choices.evaluate(0, state)  # the scores before training: the chance level of the tasks
             if start < config.steps and preemption.agree():  # signalled during the setup or those scores
                 stopped = preemption.reason
-                print_fn(f"stopped ({stopped}) before step {start + 1}: no step taken, nothing to save; "
-                         "the same command starts again")
+                print_fn(
+                    f"stopped ({stopped}) before step {start + 1}: no step taken, nothing to save; "
+                    "the same command starts again"
+                )
             for step in range(start, config.steps if stopped is None else start):
                 for h in all_hooks:
                     h.before(step)
@@ -211,17 +246,22 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
                     if step != start or not preemption.signalled():
                         raise
                     stopped = preemption.reason
-                    print_fn(f"stopped ({stopped}) while the first step compiled: no step taken, nothing to save; "
-                             "the same command starts again")
+                    print_fn(
+                        f"stopped ({stopped}) while the first step compiled: no step taken, nothing to save; "
+                        "the same command starts again"
+                    )
                     break
                 done = step + 1
                 if step == start:
                     if graphs and cuda_graphs.skips() > graph_skips:
                         raise validate.ConfigError(
                             "cuda_graphs=True, but inductor could not record the train step as a CUDA graph "
-                            "(TORCH_LOGS=perf_hints prints why); drop --config.cuda_graphs")
-                    print_fn(f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
-                             f"time to first step {time.perf_counter() - t_program:.1f}s")
+                            "(TORCH_LOGS=perf_hints prints why); drop --config.cuda_graphs"
+                        )
+                    print_fn(
+                        f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
+                        f"time to first step {time.perf_counter() - t_program:.1f}s"
+                    )
                     if config.compile:
                         print_fn(compile_cache.report(compile_dir, since=compile_before))
                     throughput.start(done)
@@ -242,8 +282,9 @@ def _train(task: Task, optimizer: Transform, config: Any, workdir: Path, ctx: pa
             for h in all_hooks:
                 h.close()
             writer.close()
-    summary = _summary(workdir, int(state.step), log.last.get(M.LOSS), evaluation.val_loss,
-                       trained=start < config.steps)
+    summary = _summary(
+        workdir, int(state.step), log.last.get(M.LOSS), evaluation.val_loss, trained=start < config.steps
+    )
     if choices is not None:
         summary.update(choices.last)
     if state.frozen:
@@ -287,15 +328,16 @@ def _peak_flops(config, device: torch.device, world: int):
     per_device = float(config.get("peak_flops", 0.0)) or metrics_lib.peak_flops(device)
     if per_device:
         return world * per_device, None
-    return world * metrics_lib.measure_peak_flops(device), \
-        lambda: world * metrics_lib.measure_peak_flops(device, seconds=0.1)
+    return world * metrics_lib.measure_peak_flops(
+        device
+    ), lambda: world * metrics_lib.measure_peak_flops(device, seconds=0.1)
 
 
 def _silent(*args, **kwargs) -> None:
     """print_fn of the ranks other than 0."""
 
 
-def _compile(config) -> "bool | str":
+def _compile(config) -> bool | str:
     """`make_train_step`'s `compile` from the config: False, True (one graph) or "blocks"."""
     if config.compile and config.compile_unit == "blocks":
         return config.compile_unit
@@ -334,16 +376,22 @@ def resolve_device(config: Any, ctx: parallel.ParallelContext) -> torch.device:
         try:
             torch.empty(0, device=device)
         except (RuntimeError, NotImplementedError, AssertionError):
-            raise validate.ConfigError(f"device={config.device!r} but this torch ({torch.__version__}) has no "
-                                       f"{device.type} device; use 'auto', 'cpu' or 'cuda' (--config.device)") from None
+            raise validate.ConfigError(
+                f"device={config.device!r} but this torch ({torch.__version__}) has no "
+                f"{device.type} device; use 'auto', 'cpu' or 'cuda' (--config.device)"
+            ) from None
     if device.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise validate.ConfigError(f"device={config.device!r} but this torch ({torch.__version__}) sees no CUDA "
-                                       "device; use 'auto' or 'cpu' (--config.device)")
+            raise validate.ConfigError(
+                f"device={config.device!r} but this torch ({torch.__version__}) sees no CUDA "
+                "device; use 'auto' or 'cpu' (--config.device)"
+            )
         if (device.index or 0) >= n:
-            raise validate.ConfigError(f"device={config.device!r} but this torch sees {n} CUDA device(s); use "
-                                       f"'auto' or 'cuda:N' with N < {n} (--config.device)")
+            raise validate.ConfigError(
+                f"device={config.device!r} but this torch sees {n} CUDA device(s); use "
+                f"'auto' or 'cuda:N' with N < {n} (--config.device)"
+            )
     return device
 
 
@@ -354,8 +402,12 @@ def _git_revision() -> str | None:
         rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return rev.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -368,8 +420,6 @@ def _write_run_info(config, workdir: Path) -> None:
     (workdir / "run.json").write_text(json.dumps(info, indent=2))
 
 
-
-
 def _writers(tensorboard: bool, workdir: Path, print_fn) -> list:
     """The main process's file writers: metrics.jsonl always, TensorBoard events when asked and installed."""
     out = [metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
@@ -378,5 +428,3 @@ def _writers(tensorboard: bool, workdir: Path, print_fn) -> list:
     elif tensorboard:
         print_fn(tensorboard_lib.MISSING)
     return out
-
-

@@ -25,8 +25,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -38,9 +39,11 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<config>[-<variant>]).")
 _EXPORT_HF = flags.DEFINE_string(
-    "export_hf", None, "Instead of training: write a checkpoint's params as a Hugging Face directory here.")
+    "export_hf", None, "Instead of training: write a checkpoint's params as a Hugging Face directory here."
+)
 _EXPORT_FROM = flags.DEFINE_string(
-    "export_from", None, "With --export_hf: a step directory, checkpoints directory or workdir (default: --workdir).")
+    "export_from", None, "With --export_hf: a step directory, checkpoints directory or workdir (default: --workdir)."
+)
 
 
 def _say(line: str) -> None:
@@ -80,15 +83,15 @@ def _explain_flag_error(exc: Exception, argv: list[str]) -> str:
         return _explain_config_error(exc)
     if "Traceback (most recent call last)" in text:  # the config file's get_config raised: its last line
         flag = text.split(": Error whilst parsing")[0]
-        return f"{flag}: {[l for l in text.splitlines() if l.strip()][-1].strip()}"
+        return f"{flag}: {[ln for ln in text.splitlines() if ln.strip()][-1].strip()}"
     return text.splitlines()[0]
 
 
 def _explain_config_error(exc: Exception) -> str:
     """One line for a config file that cannot be loaded (missing, not Python, raising)."""
     arg = next((a for a in sys.argv[1:] if a.startswith("--config=")), "--config")
-    lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
-    errno = next((l for l in lines if l.startswith("[Errno")), None)  # e.g. no such file
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    errno = next((ln for ln in lines if ln.startswith("[Errno")), None)  # e.g. no such file
     return f"cannot load {arg}: {errno or type(exc).__name__ + ': ' + (lines[-1] if lines else '')}"
 
 
@@ -130,16 +133,16 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     t_program = time.perf_counter()
     check_config(config)  # every key, once, before the heavy modules load
     from functrain import optim, parallel
-    from functrain.trainer import loop
-    from functrain.trainer import validate
+    from functrain.trainer import loop, validate
 
     family = _family(config)
     _check_init_from(config, workdir, loop)
     try:  # before any data is prepared in it
         Path(workdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise validate.ConfigError(f"workdir {workdir}: cannot be created ({exc.strerror or exc}); pass a writable "
-                                   "--workdir") from None
+        raise validate.ConfigError(
+            f"workdir {workdir}: cannot be created ({exc.strerror or exc}); pass a writable --workdir"
+        ) from None
     try:
         # torchrun env -> process group + mesh; plain python: none
         ctx = parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None)
@@ -159,14 +162,22 @@ def _steps_from_epochs(config: Any, task, validate) -> None:
     if not epochs:
         return
     if task.steps_per_epoch is None:
-        raise validate.ConfigError(f"epochs={epochs:g}: this data has no epochs (random windows of text); set "
-                                   "--config.steps, or use supervised examples / --config.data.sampling=epochs")
+        raise validate.ConfigError(
+            f"epochs={epochs:g}: this data has no epochs (random windows of text); set "
+            "--config.steps, or use supervised examples / --config.data.sampling=epochs"
+        )
     with config.unlocked() if hasattr(config, "unlocked") else contextlib.nullcontext():
         config.steps = max(1, math.ceil(epochs * task.steps_per_epoch))
 
 
-def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | None = None, *,
-              print_fn: Callable[..., None] = print) -> Path:
+def export_hf(
+    config: Any,
+    workdir: str | Path,
+    out: str | Path,
+    source: str | None = None,
+    *,
+    print_fn: Callable[..., None] = print,
+) -> Path:
     """Writes the params of a checkpoint of the job `config` describes as a Hugging Face directory.
 
     Args:
@@ -189,13 +200,14 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
     check_config(config, mesh=_launched())  # every key, once, before the heavy modules load
     from functrain import checkpoint as ckpt_lib
     from functrain import parallel
-    from functrain.trainer import loop
-    from functrain.trainer import validate
+    from functrain.trainer import loop, validate
 
     family = _family(config)
     if Path(out).exists() and not Path(out).is_dir():
-        raise validate.ConfigError(f"--export_hf={out}: is a file, not a directory; export to another path (a new "
-                                   "directory, or one to overwrite), or move the file away")
+        raise validate.ConfigError(
+            f"--export_hf={out}: is a file, not a directory; export to another path (a new "
+            "directory, or one to overwrite), or move the file away"
+        )
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
     # One process reads the params whole, whatever mesh trained them: the training run's mesh flags
     # only count under torchrun.
@@ -210,8 +222,9 @@ def export_hf(config: Any, workdir: str | Path, out: str | Path, source: str | N
 
             saved = ckpt_lib.read_custom_metadata(step_dir).get("functrain", {}).get(frozen_lib.KEY)
             init_from = config.checkpoint.init_from
-            base = frozen_lib.base_for_export(task, config, step_dir, ctx.device, saved,
-                                              loop.checkpoint_path(init_from) if init_from else None)
+            base = frozen_lib.base_for_export(
+                task, config, step_dir, ctx.device, saved, loop.checkpoint_path(init_from) if init_from else None
+            )
             params = {**base, **params}
         path = task.export(params, out)
     print_fn(f"exported {step_dir} to {path}")
@@ -244,8 +257,8 @@ def check_config(config: Any, mesh: bool = True) -> None:
       >>> check_config(gpt_config.get_config("tiny"))
     """
     from functrain import config as mesh_config
-    from functrain.trainer import validate
     from functrain.optim.checks import CHECKS as optim_checks
+    from functrain.trainer import validate
 
     validate.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
     validate.check_cuda_graphs(config)
@@ -264,8 +277,9 @@ def check_config(config: Any, mesh: bool = True) -> None:
     validate.check_context(config.model.get("block_size", 0), shape["cp"])
     if config.get("device", "auto") == "cpu" or (config.get("device", "auto") == "auto" and not _has_gpu()):
         rows = config.batch_size // micro[1] // (mesh_config.dp_world(shape) if world > 1 else 1)
-        mesh_config.check_attention_fits(config.model.get("block_size", 0), config.model.get("n_head", 0), rows,
-                                         shape["cp"])
+        mesh_config.check_attention_fits(
+            config.model.get("block_size", 0), config.model.get("n_head", 0), rows, shape["cp"]
+        )
 
 
 def _has_gpu() -> bool:

@@ -12,8 +12,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -84,9 +85,9 @@ def format_eta(seconds: float) -> str:
 class ConsoleWriter:
     """Prints one compact line per write: `step 100 | loss 2.134 | lr 3.0e-04 | ...`."""
 
-    def __init__(self, total_steps: int | None = None, print_fn=functools.partial(print, flush=True)):
+    def __init__(self, total_steps: int | None = None, print_fn=None):
         self.total_steps = total_steps
-        self.print_fn = print_fn
+        self.print_fn = print_fn or functools.partial(print, flush=True)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Prints `metrics` for `step`."""
@@ -176,8 +177,9 @@ class Throughput:
       >>> tp.start(0); ...; stats = tp.report(step)
     """
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, total_steps: int,
-                 probe=None):
+    def __init__(
+        self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, total_steps: int, probe=None
+    ):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
@@ -217,8 +219,16 @@ class Throughput:
 
 # Dense bf16 peak FLOP/s per device (NVIDIA data sheets), by device-name fragment; the first match
 # wins, so the PCIe and NVL boards of the H100 come before its SXM one ("NVIDIA H100 80GB HBM3").
-_GPU_PEAKS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12,
-              "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+_GPU_PEAKS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "V100": 125e12,
+}
 
 
 def peak_flops(device: torch.device | str) -> float | None:

@@ -141,7 +141,7 @@ def plot_metrics(workdir: str | os.PathLike, out: str | os.PathLike | None = Non
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
         if len(keys) > 1:
             ax.legend()
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(str(path.parent.resolve().name))
     out = Path(out) if out is not None else path.parent / "curves.png"

@@ -5,7 +5,7 @@ all ranks, so the run saves the step it is at and ends cleanly.
 from __future__ import annotations
 
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -68,8 +68,9 @@ class PreemptionFlag:
             return self._flag
         agreed = self._collect()
         buf = np.array([int(self._flag)], dtype=np.int64)  # host memory the all-reduce writes into
-        work = torch.distributed.all_reduce(torch.from_numpy(buf), op=torch.distributed.ReduceOp.MAX,
-                                            group=self._group, async_op=True)
+        work = torch.distributed.all_reduce(
+            torch.from_numpy(buf), op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True
+        )
         self._pending = (work, buf)
         return agreed
 

@@ -23,8 +23,12 @@ def make_manager(config, workdir: Path) -> ckpt_lib.Manager | None:
     c = config.checkpoint
     if not c.enabled:
         return None
-    return ckpt_lib.Manager(str(workdir / "checkpoints"), keep=c.keep,
-                            every=c.every if c.every > 0 else config.steps, keep_every=c.keep_every or None)
+    return ckpt_lib.Manager(
+        str(workdir / "checkpoints"),
+        keep=c.keep,
+        every=c.every if c.every > 0 else config.steps,
+        keep_every=c.keep_every or None,
+    )
 
 
 def checkpoint_path(path: str, key: str = "checkpoint.init_from") -> str:
@@ -53,7 +57,8 @@ def checkpoint_path(path: str, key: str = "checkpoint.init_from") -> str:
             return str(root / str(max(steps)))
     raise ConfigError(
         f"{key.lstrip('-')}={path!r}: no committed checkpoint there; give a step directory "
-        f"(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir ({key if key.startswith('--') else '--config.' + key})"
+        "(<workdir>/checkpoints/<step>), a checkpoints directory or a workdir "
+        f"({key if key.startswith('--') else '--config.' + key})"
     )
 
 
@@ -70,9 +75,17 @@ def init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
     return state.replace(params=params)
 
 
-def maybe_restore(manager, state: TrainState, train_step, batch_at, config, print_fn,
-                  whole: bool = True, data_record: dict | None = None,
-                  frozen_record: dict | None = None) -> TrainState:
+def maybe_restore(
+    manager,
+    state: TrainState,
+    train_step,
+    batch_at,
+    config,
+    print_fn,
+    whole: bool = True,
+    data_record: dict | None = None,
+    frozen_record: dict | None = None,
+) -> TrainState:
     """Restores the latest checkpoint, if any, compiling the step while the bytes stream in (`whole`:
     the state is the whole tree, so a checkpoint leaf it lacks is an error; a pipeline stage's is a part).
     A checkpoint of other data stops the run first (`data.record.check_resume`), one trained over other
@@ -102,10 +115,13 @@ def _how_to_skip(manager, latest: int) -> str:
     path = manager.step_path(latest)
     earlier = [s for s in manager.all_steps() if s < latest]
     if not earlier:
-        return (f"no earlier step is kept: move it aside (mv {path} {path}.corrupt) and run the same command to start "
-                "over")
-    return (f"to resume from step {earlier[-1]}, move this one aside (mv {path} {path}.corrupt) and run the same "
-            "command again")
+        return (
+            f"no earlier step is kept: move it aside (mv {path} {path}.corrupt) and run the same command to start over"
+        )
+    return (
+        f"to resume from step {earlier[-1]}, move this one aside (mv {path} {path}.corrupt) and run the same "
+        "command again"
+    )
 
 
 def _mismatch(exc, manager, latest: int) -> Exception:
@@ -114,11 +130,13 @@ def _mismatch(exc, manager, latest: int) -> Exception:
         return exc  # the params do not fit: starting from them cannot help
     return ckpt_lib.CheckpointError(  # what does not fit is optimizer state (or another state field)
         f"{exc}; to keep its params under this optimizer, start a new --workdir with "
-        f"--config.checkpoint.init_from={manager.step_path(latest)}")
+        f"--config.checkpoint.init_from={manager.step_path(latest)}"
+    )
 
 
-def _restore(manager, latest: int, state: TrainState, train_step, batch_at, config, print_fn,
-             whole: bool = True) -> TrainState:
+def _restore(
+    manager, latest: int, state: TrainState, train_step, batch_at, config, print_fn, whole: bool = True
+) -> TrainState:
     """`maybe_restore`'s restore of step `latest` (MismatchError when the state does not fit)."""
     t0 = time.perf_counter()
     # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
@@ -129,8 +147,10 @@ def _restore(manager, latest: int, state: TrainState, train_step, batch_at, conf
     future.add_done_callback(lambda _: read_done.append(time.perf_counter()))
     configured = optim_lib.get_hyperparams(state)  # read now: the compile below consumes `state`
     if future.missing:
-        print_fn(f"checkpoint step {latest} has no {', '.join(future.missing)} (written by an older version): "
-                 "taken from the fresh state")
+        print_fn(
+            f"checkpoint step {latest} has no {', '.join(future.missing)} (written by an older version): "
+            "taken from the fresh state"
+        )
     if not config.checkpoint.async_restore:
         future.result()  # blocking restore: the bytes first, compilation after (for comparison)
     elif config.compile:
@@ -154,11 +174,13 @@ def _resume_hyperparams(restored: TrainState, configured: dict, policy: str, pri
         return restored
     diff = ", ".join(f"{k} {stored[k]:g} -> {v:g}" for k, v in changed.items())
     if policy == "checkpoint":
-        print_fn(f"hyper-parameters differ from the config ({diff}); keeping the checkpoint's "
-                 "(checkpoint.resume_hyperparams=checkpoint)")
+        print_fn(
+            f"hyper-parameters differ from the config ({diff}); keeping the checkpoint's "
+            "(checkpoint.resume_hyperparams=checkpoint)"
+        )
         return restored
-    print_fn(f"hyper-parameters from the config replace the checkpoint's: {diff} "
-             "(--config.checkpoint.resume_hyperparams=checkpoint keeps the checkpoint's)")
+    print_fn(
+        f"hyper-parameters from the config replace the checkpoint's: {diff} "
+        "(--config.checkpoint.resume_hyperparams=checkpoint keeps the checkpoint's)"
+    )
     return optim_lib.set_hyperparams(restored, **changed)
-
-

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from functrain import parallel
 from functrain import rng as rng_lib
@@ -49,7 +50,7 @@ class Route:
     param_norm: Callable
     whole: bool
     banner: str
-    finish: Callable[[TrainState], tuple[dict, "str | None"]]
+    finish: Callable[[TrainState], tuple[dict, str | None]]
 
 
 def microbatching(config: Any, ctx: parallel.ParallelContext) -> tuple[str, int]:
@@ -59,8 +60,15 @@ def microbatching(config: Any, ctx: parallel.ParallelContext) -> tuple[str, int]
     return "accum_steps", config.accum_steps
 
 
-def choose(task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device,
-           compile: "bool | str", compile_options: dict | None) -> tuple[TrainState, Route]:
+def choose(
+    task: Task,
+    optimizer: Transform,
+    config: Any,
+    ctx: parallel.ParallelContext,
+    device,
+    compile: bool | str,
+    compile_options: dict | None,
+) -> tuple[TrainState, Route]:
     """This rank's fresh state and its `Route`: a pipeline rank's when `ctx.pp_world > 1`, else one process's.
 
     Args:
@@ -92,13 +100,21 @@ def choose(task: Task, optimizer: Transform, config: Any, ctx: parallel.Parallel
     del params, model_state, frozen
     fullgraph = bool(config.get("fullgraph", True))
     train_step = make_train_step(
-        task.loss_fn, optimizer, accum_steps=config.accum_steps, compile=compile, donate=config.donate,
-        precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
-        compile_options=compile_options, fullgraph=fullgraph,
-        model_state_sync=config.get("model_state_sync", "broadcast"), count_targets=task.count_targets,
+        task.loss_fn,
+        optimizer,
+        accum_steps=config.accum_steps,
+        compile=compile,
+        donate=config.donate,
+        precision=config.precision,
+        skip_nonfinite=config.max_consecutive_skips > 0,
+        compile_options=compile_options,
+        fullgraph=fullgraph,
+        model_state_sync=config.get("model_state_sync", "broadcast"),
+        count_targets=task.count_targets,
     )
-    eval_step = make_eval_step(task.loss_fn, compile=compile, precision=config.precision, fullgraph=fullgraph,
-                               count_targets=task.count_targets)
+    eval_step = make_eval_step(
+        task.loss_fn, compile=compile, precision=config.precision, fullgraph=fullgraph, count_targets=task.count_targets
+    )
 
     def finish(state: TrainState) -> tuple[dict, None]:
         """On every rank: a sharded task gathers stage by stage (collectives), never the whole model."""
@@ -107,34 +123,55 @@ def choose(task: Task, optimizer: Transform, config: Any, ctx: parallel.Parallel
     return state, Route(train_step, eval_step, tree_lib.global_norm, whole=True, banner="", finish=finish)
 
 
-def _pipeline(task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device,
-              compile: "bool | str") -> tuple[TrainState, Route]:
+def _pipeline(
+    task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device, compile: bool | str
+) -> tuple[TrainState, Route]:
     """A pipeline rank's route: only its stages' params are drawn, sharded over the stage's mesh."""
     if config.get("cuda_graphs", False):
-        raise validate.ConfigError("cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
-                                   "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1")
+        raise validate.ConfigError(
+            "cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
+            "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1"
+        )
     if task.init_model_state is not None:
-        raise validate.ConfigError("this model has model state (buffers such as BatchNorm statistics) and the "
-                                   "pipeline's stages carry params only: set --config.mesh.pp=1")
+        raise validate.ConfigError(
+            "this model has model state (buffers such as BatchNorm statistics) and the "
+            "pipeline's stages carry params only: set --config.mesh.pp=1"
+        )
     key = rng_lib.key(config.seed)
     try:
         pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, key), group=ctx.pp_group)
     except ValueError as exc:
         raise validate.ConfigError(f"{exc} (--config.mesh.pp)") from None
-    params, frozen = frozen_lib.split(task, parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules,
-                                                                  device=device, names=pipe.names))
+    params, frozen = frozen_lib.split(
+        task, parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device, names=pipe.names)
+    )
     state = init_state(params, optimizer, seed=config.seed, copy=False, frozen=frozen)  # this rank's stages
     staged = bool(compile)  # a pipeline's stages always compile one by one
     train_step = pipeline.make_train_step(
-        pipe, optimizer, microbatches=config.pp.microbatches, schedule=config.pp.schedule, compile=staged,
-        donate=config.donate, precision=config.precision, skip_nonfinite=config.max_consecutive_skips > 0,
-        count_targets=task.count_targets)
+        pipe,
+        optimizer,
+        microbatches=config.pp.microbatches,
+        schedule=config.pp.schedule,
+        compile=staged,
+        donate=config.donate,
+        precision=config.precision,
+        skip_nonfinite=config.max_consecutive_skips > 0,
+        count_targets=task.count_targets,
+    )
     eval_step = pipeline.make_eval_step(pipe, compile=staged, precision=config.precision)
-    note = (f"finish skipped: the params are split over {ctx.pp_world} pipeline stages (sample from the final "
-            "checkpoint on one mesh)")
+    note = (
+        f"finish skipped: the params are split over {ctx.pp_world} pipeline stages (sample from the final "
+        "checkpoint on one mesh)"
+    )
     banner = f" x pp={ctx.pp_world} ({config.pp.schedule}, {config.pp.microbatches} microbatches)"
-    return state, Route(train_step, eval_step, lambda tree: pipeline.global_norm(pipe, tree), whole=False,
-                 banner=banner, finish=lambda state: ({}, note))
+    return state, Route(
+        train_step,
+        eval_step,
+        lambda tree: pipeline.global_norm(pipe, tree),
+        whole=False,
+        banner=banner,
+        finish=lambda state: ({}, note),
+    )
 
 
 def _init_params(task: Task, key, device, ctx):

@@ -21,13 +21,16 @@ import importlib.util
 import numbers
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["TensorBoardWriter", "available", "MISSING"]
 
-MISSING = ("tensorboard events off: the tensorboard package is not installed (pip install tensorboard); "
-           "metrics.jsonl has every metric")
+MISSING = (
+    "tensorboard events off: the tensorboard package is not installed (pip install tensorboard); "
+    "metrics.jsonl has every metric"
+)
 """The line the loop prints when `tensorboard=True` but the package is absent."""
 
 
@@ -102,7 +105,7 @@ class TensorBoardWriter:
             self._closed = True
             self._writer.close()
 
-    def __enter__(self) -> "TensorBoardWriter":
+    def __enter__(self) -> TensorBoardWriter:
         """The writer itself (closed on exit)."""
         return self
 

@@ -9,12 +9,40 @@ from __future__ import annotations
 
 from typing import Any
 
-from functrain.config import (Check, ConfigError, boolean, check_all, check_batch, check_context, check_pipeline,
-                              fail, get, int_at_least, number_at_least, number_in, one_of, relation)
+from functrain.config import (
+    Check,
+    ConfigError,
+    boolean,
+    check_all,
+    check_batch,
+    check_context,
+    check_pipeline,
+    fail,
+    get,
+    int_at_least,
+    number_at_least,
+    number_in,
+    one_of,
+    relation,
+)
 
 __all__ = [
-    "ConfigError", "Check", "check_all", "fail", "get", "int_at_least", "number_at_least", "number_in", "one_of",
-    "boolean", "relation", "check_batch", "check_pipeline", "check_context", "check_cuda_graphs", "LOOP_CHECKS",
+    "ConfigError",
+    "Check",
+    "check_all",
+    "fail",
+    "get",
+    "int_at_least",
+    "number_at_least",
+    "number_in",
+    "one_of",
+    "boolean",
+    "relation",
+    "check_batch",
+    "check_pipeline",
+    "check_context",
+    "check_cuda_graphs",
+    "LOOP_CHECKS",
 ]
 
 
@@ -34,14 +62,19 @@ def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:
     if not config.get("cuda_graphs", False):
         return
     if not config.compile:
-        raise ConfigError("cuda_graphs=True records the compiled step: it needs compile=True "
-                          "(set --config.compile=True or drop --config.cuda_graphs)")
+        raise ConfigError(
+            "cuda_graphs=True records the compiled step: it needs compile=True "
+            "(set --config.compile=True or drop --config.cuda_graphs)"
+        )
     if config.compile_unit != "step":
-        raise ConfigError(f"cuda_graphs=True records the one-graph step: it needs compile_unit='step', not "
-                          f"{config.compile_unit!r} (set --config.compile_unit=step or drop --config.cuda_graphs)")
+        raise ConfigError(
+            f"cuda_graphs=True records the one-graph step: it needs compile_unit='step', not "
+            f"{config.compile_unit!r} (set --config.compile_unit=step or drop --config.cuda_graphs)"
+        )
     if device_type is not None and device_type != "cuda":
-        raise ConfigError(f"cuda_graphs=True needs a CUDA device; this run's device is {device_type} "
-                          "(drop --config.cuda_graphs)")
+        raise ConfigError(
+            f"cuda_graphs=True needs a CUDA device; this run's device is {device_type} (drop --config.cuda_graphs)"
+        )
 
 
 LOOP_CHECKS: list[Check] = [

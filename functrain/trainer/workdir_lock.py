@@ -18,8 +18,8 @@ import contextlib
 import fcntl
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -40,8 +40,9 @@ def _try_lock(workdir: Path) -> tuple[int | None, str | None]:
     except BlockingIOError:
         holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        return None, (f"workdir {workdir} is in use by another run ({holder}); wait for it to end or pass "
-                      "another --workdir")
+        return None, (
+            f"workdir {workdir} is in use by another run ({holder}); wait for it to end or pass another --workdir"
+        )
     os.ftruncate(fd, 0)
     os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
     return fd, None

@@ -22,7 +22,10 @@ CHECKS: list = [
     ("model.dropout", v.number_in(0.0, 1.0)),
     ("model.bias", v.boolean()),
     *LM_CHECKS,
-    v.relation(("model.n_embd", "model.n_head"), lambda embd, heads: embd % heads == 0,
-               "n_head must divide n_embd (each head gets n_embd / n_head channels); change either"),
+    v.relation(
+        ("model.n_embd", "model.n_head"),
+        lambda embd, heads: embd % heads == 0,
+        "n_head must divide n_embd (each head gets n_embd / n_head channels); change either",
+    ),
 ]
 """The checks of the keys the GPT family reads."""

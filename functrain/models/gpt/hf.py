@@ -34,7 +34,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -129,7 +130,7 @@ def import_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig) -> di
     """
     sd = {}
     for name, t in state_dict.items():
-        short = name[len(_PREFIX):] if name.startswith(_PREFIX) else name
+        short = name[len(_PREFIX) :] if name.startswith(_PREFIX) else name
         if not _is_buffer(short):
             sd[short] = t
     head = sd.pop("lm_head.weight", None)
@@ -141,8 +142,10 @@ def import_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig) -> di
             raise ValueError(f"Hugging Face GPT-2 state dict has no {name!r} (needed for n_layer={cfg.n_layer})")
         t = _full(sd[name])
         if tuple(t.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, but cfg needs {shape}; check the GPTConfig "
-                             "(vocab_size, block_size, n_embd)")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}, but cfg needs {shape}; check the GPTConfig "
+                "(vocab_size, block_size, n_embd)"
+            )
         used.add(name)
         return t
 
@@ -172,8 +175,8 @@ def import_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig) -> di
         qkv_w = take(hf + "attn.c_attn.weight", (c, 3 * c)).t()  # (3C, C) = [q; k; v]
         qkv_b = bias(hf + "attn.c_attn.bias", (3 * c,))
         for j, n in enumerate("qkv"):
-            put(f"{ours}attn.{n}.weight", qkv_w[j * c:(j + 1) * c])
-            put(f"{ours}attn.{n}.bias", None if qkv_b is None else qkv_b[j * c:(j + 1) * c])
+            put(f"{ours}attn.{n}.weight", qkv_w[j * c : (j + 1) * c])
+            put(f"{ours}attn.{n}.bias", None if qkv_b is None else qkv_b[j * c : (j + 1) * c])
         sizes = {"attn.proj": (c, c), "mlp.fc": (4 * c, c), "mlp.proj": (c, 4 * c)}  # ours, (out, in)
         for mine, theirs in _LINEARS:
             out_f, in_f = sizes[mine]

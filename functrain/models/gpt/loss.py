@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -90,12 +90,17 @@ def gpt_loss(
     Example:
       >>> loss = gpt_loss(template, params, x, y, key, chunk_size=2048)
     """
-    return lm.lm_loss(model, params, x, y, key, head=head_name(params), chunk_size=chunk_size,
-                      ignore_index=ignore_index)
+    return lm.lm_loss(
+        model, params, x, y, key, head=head_name(params), chunk_size=chunk_size, ignore_index=ignore_index
+    )
 
 
 def make_loss_fn(
-    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none",
+    model: nn.Module,
+    *,
+    chunk_size: int = 0,
+    ignore_index: int = -1,
+    remat: str | int = "none",
     staged: bool = False,
 ) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` for `make_train_step` / `make_eval_step`.
@@ -126,5 +131,12 @@ def make_loss_fn(
       >>> step = make_train_step(make_loss_fn(template, remat=2), optim.adamw(3e-4))
     """
     head = head_name({n for n, _ in model.named_parameters()})
-    return lm.make_lm_loss_fn(model, gpt_lib.stages(model), head=head, chunk_size=chunk_size,
-                              ignore_index=ignore_index, remat=remat, staged=staged)
+    return lm.make_lm_loss_fn(
+        model,
+        gpt_lib.stages(model),
+        head=head,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        remat=remat,
+        staged=staged,
+    )

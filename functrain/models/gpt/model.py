@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from einops.layers.torch import Rearrange
 
 from functrain import functional, ops, rng
-from functrain.models.lm import LMStages, init_blocks, cross_entropy, generate, repeated_stages, submodule_stage
+from functrain.models.lm import LMStages, cross_entropy, generate, init_blocks, repeated_stages, submodule_stage
 from functrain.step.staged import Stage
 
 __all__ = [
@@ -92,7 +92,9 @@ class GPTConfig:
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_head dividing n_embd")
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_head dividing n_embd"
+            )
 
 
 # Dropout sites: 0 is the embedding; block i uses 1 + 2 i (attention output) and 2 + 2 i (MLP output).
@@ -106,8 +108,15 @@ def _dropout_key(cfg: GPTConfig, key: torch.Tensor | None) -> torch.Tensor | Non
     return None if cfg.dropout == 0.0 else key
 
 
-def _embed(cfg: GPTConfig, wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor, key, context=None,
-           positions: torch.Tensor | None = None) -> torch.Tensor:
+def _embed(
+    cfg: GPTConfig,
+    wte: torch.Tensor,
+    wpe: torch.Tensor,
+    idx: torch.Tensor,
+    key,
+    context=None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Token + position embedding of ids (B, T) -> (B, T, C), dropout site 0: the one definition,
     used by `GPT.forward` and by the embedding stage of `stages` (`context`: a sequence split's part;
     `positions` (B, T): packed rows' positions, restarting at each document)."""
@@ -346,8 +355,13 @@ def init_params(
       ...     template = GPT(cfg)
       >>> params = init_params(template, rng.key(0), device="cuda")
     """
-    return init_blocks(model, lambda name, shape, offset, local: _init_block(model, name, shape, key, offset, local),
-                       device=device, dtype=dtype, where=where)
+    return init_blocks(
+        model,
+        lambda name, shape, offset, local: _init_block(model, name, shape, key, offset, local),
+        device=device,
+        dtype=dtype,
+        where=where,
+    )
 
 
 TP_RULES: list[tuple[str, str]] = [

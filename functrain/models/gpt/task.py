@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from functrain import parallel
 from functrain import config as v
+from functrain import parallel
 from functrain.interop.hf import save_hf_directory
 from functrain.models import lm, lm_data, lm_lora
-from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.checks import CHECKS
+from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt.loss import head_name, make_loss_fn
 from functrain.task import Task
 
@@ -51,8 +51,15 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     """
     m = config.model
     try:  # GPTConfig checks its own invariants (n_head divides n_embd)
-        gpt_lib.GPTConfig(vocab_size=max(m.vocab_size, 1), block_size=m.block_size, n_layer=m.n_layer,
-                          n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
+        gpt_lib.GPTConfig(
+            vocab_size=max(m.vocab_size, 1),
+            block_size=m.block_size,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            n_embd=m.n_embd,
+            dropout=m.dropout,
+            bias=m.bias,
+        )
     except ValueError as exc:
         raise v.ConfigError(f"model: {exc} (--config.model.n_embd / --config.model.n_head)") from None
     if ctx.tp_world > 1 and m.n_head % ctx.tp_world:
@@ -68,8 +75,15 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"model.vocab_size={vocab} is smaller than the data's vocabulary ({dataset.vocab_size}); set "
             "model.vocab_size=0 to take it from the data (--config.model.vocab_size)"
         )
-    cfg = gpt_lib.GPTConfig(vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
-                            n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
+    cfg = gpt_lib.GPTConfig(
+        vocab_size=vocab,
+        block_size=m.block_size,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        dropout=m.dropout,
+        bias=m.bias,
+    )
     with torch.device("meta"):
         base = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
@@ -87,9 +101,22 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     def finish(params, key):
         """A text sample from the prompt (or the answer to a held-out prompt), drawn from `key` (sharded params:
         gathered a stage at a time)."""
-        return lm_data.finish_text(dataset, sample, lambda prompt, n: gpt_lib.generate(
-            template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
-            stages=gpt_lib.stages(template), head=head_name(params)), ctx.device)
+        return lm_data.finish_text(
+            dataset,
+            sample,
+            lambda prompt, n: gpt_lib.generate(
+                template,
+                params,
+                prompt,
+                n,
+                temperature=sample.temperature,
+                top_k=sample.top_k or None,
+                key=key,
+                stages=gpt_lib.stages(template),
+                head=head_name(params),
+            ),
+            ctx.device,
+        )
 
     def export(params, out):
         """Writes `params` as a Hugging Face GPT-2 directory `out` (config.json, model.safetensors)."""
@@ -101,8 +128,10 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
 
     n_params = gpt_lib.num_params(cfg)
     return Task(
-        describe=(f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
-                  f"{dataset.describe()}"),
+        describe=(
+            f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
+            f"{dataset.describe()}"
+        ),
         init_params=lm_lora.with_adapters(init, template, lora_spec),
         shard_rules=rules,
         loss_fn=loss_fn,
@@ -117,7 +146,12 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         finish=finish,
         export=lm_lora.exporter(export, template, lora_spec, hf_name=None),  # (HF's GPT-2 fuses q, k, v)
         frozen=lm_lora.frozen(lora_spec),
-        eval_model=lm.eval_model(template, dataset.tokenizer, block_size=cfg.block_size, stages=gpt_lib.stages(template),
-                                 head=head_name(dict(template.named_parameters()))),
+        eval_model=lm.eval_model(
+            template,
+            dataset.tokenizer,
+            block_size=cfg.block_size,
+            stages=gpt_lib.stages(template),
+            head=head_name(dict(template.named_parameters())),
+        ),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
     )

@@ -14,9 +14,13 @@ __all__ = ["CHECKS"]
 
 
 CHECKS: list = [
-    ("model.path", (lambda x: isinstance(x, str) and bool(x),
-                    "a transformers model directory (config.json; weights and tokenizer.json optional), or "
-                    "'tiny:<model type>'")),
+    (
+        "model.path",
+        (
+            lambda x: isinstance(x, str) and bool(x),
+            "a transformers model directory (config.json; weights and tokenizer.json optional), or 'tiny:<model type>'",
+        ),
+    ),
     ("model.block_size", v.int_at_least(1)),
     ("model.weights", v.boolean()),
     TOKENIZER_CHECK,

@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -19,8 +19,15 @@ from functrain.models.hf.model import StagingError, check_stages, head_name, sta
 __all__ = ["make_loss_fn"]
 
 
-def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none",
-                 staged: bool = False, probe: "nn.Module | None" = None) -> Callable:
+def make_loss_fn(
+    model: nn.Module,
+    *,
+    chunk_size: int = 0,
+    ignore_index: int = -1,
+    remat: str | int = "none",
+    staged: bool = False,
+    probe: nn.Module | None = None,
+) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` of a transformers causal LM.
 
     Args:
@@ -44,6 +51,7 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
       >>> loss_fn = make_loss_fn(template, remat="full")
     """
     if remat == "none" and not staged:
+
         def loss_fn(params, batch, key):
             """(cross-entropy of the model's logits of x against y, {}); a packed batch (x, y, positions) passes
             its positions as `position_ids`, from which transformers builds its block-causal masks."""
@@ -58,8 +66,11 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         extra.append("a head bias")
     if extra:
-        raise StagingError(f"{config.model_type}: its logits are more than hidden @ head.T ({', '.join(extra)}), which "
-                           "a staged loss computes")
+        raise StagingError(
+            f"{config.model_type}: its logits are more than hidden @ head.T ({', '.join(extra)}), which "
+            "a staged loss computes"
+        )
     st = stages(model, share=check_stages(probe or model))
-    return lm.make_lm_loss_fn(model, st, head=head_name(model), chunk_size=chunk_size, ignore_index=ignore_index,
-                              remat=remat, staged=True)
+    return lm.make_lm_loss_fn(
+        model, st, head=head_name(model), chunk_size=chunk_size, ignore_index=ignore_index, remat=remat, staged=True
+    )

@@ -14,7 +14,8 @@ it, a shallow copy whose children are swapped:
 
 So a stage reads only its own parameters, and the composition is the model's forward (the tests
 compare them per architecture). Layers alike (parameters and attention kind) also share one function
-on any layer's parameters (`Stage.shared`: one compiled graph under `compile_unit="blocks"`). A base model holding other parameterized parts (OPT's projections
+on any layer's parameters (`Stage.shared`: one compiled graph under `compile_unit="blocks"`). A base model holding
+other parameterized parts (OPT's projections
 between a narrower embedding and the layers) is refused in one line: where they run is not known.
 
 Example:
@@ -30,8 +31,9 @@ import copy
 import os
 import re
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -39,12 +41,22 @@ from torch.overrides import TorchFunctionMode
 
 from functrain import functional, rng
 from functrain.config import ConfigError
-from functrain.nn import randomness
 from functrain.models.lm import LMStages
+from functrain.nn import randomness
 from functrain.step.staged import Stage
 
-__all__ = ["HFModelError", "StagingError", "build_template", "check_stages", "decoder_layers", "head_name",
-           "init_params", "load_config", "stages", "tp_rules"]
+__all__ = [
+    "HFModelError",
+    "StagingError",
+    "build_template",
+    "check_stages",
+    "decoder_layers",
+    "head_name",
+    "init_params",
+    "load_config",
+    "stages",
+    "tp_rules",
+]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -85,14 +97,20 @@ def load_config(path: str | os.PathLike):
     except (ValueError, KeyError, OSError) as exc:
         raise HFModelError(f"{where}: transformers cannot read it ({str(exc).splitlines()[0]})") from None
     if getattr(config, "is_encoder_decoder", False):
-        raise HFModelError(f"{where}: {config.model_type} is an encoder-decoder; this family trains decoder-only "
-                           "causal LMs")
+        raise HFModelError(
+            f"{where}: {config.model_type} is an encoder-decoder; this family trains decoder-only causal LMs"
+        )
     if _experts(config):
-        raise HFModelError(f"{where}: {config.model_type} is a mixture of experts; its routed layers are not "
-                           "supported yet: train a dense model")
-    if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or ["ForCausalLM"])):
-        raise HFModelError(f"{where}: architectures {config.architectures} has no causal LM; this family trains "
-                           "*ForCausalLM models")
+        raise HFModelError(
+            f"{where}: {config.model_type} is a mixture of experts; its routed layers are not "
+            "supported yet: train a dense model"
+        )
+    if not any(
+        a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (config.architectures or ["ForCausalLM"])
+    ):
+        raise HFModelError(
+            f"{where}: architectures {config.architectures} has no causal LM; this family trains *ForCausalLM models"
+        )
     return config
 
 
@@ -137,8 +155,10 @@ def build_template(config, device: torch.device | str = "cpu") -> nn.Module:
         except ValueError:  # an architecture without an SDPA path (e.g. Gemma 2): its own attention
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         except (AttributeError, TypeError, RuntimeError, ImportError) as exc:
-            raise HFModelError(f"{config.model_type}: transformers {transformers.__version__} cannot build it from "
-                               f"its config ({str(exc).splitlines()[0]})") from None
+            raise HFModelError(
+                f"{config.model_type}: transformers {transformers.__version__} cannot build it from "
+                f"its config ({str(exc).splitlines()[0]})"
+            ) from None
     _INITS[model] = writes.by_name(model)
     _params_to_meta(model)
     for module in model.modules():
@@ -196,21 +216,26 @@ class _ParamWrites(TorchFunctionMode):
             self.empty[out.untyped_storage()._cdata] = out  # (kept alive: its storage's id stays its own)
         return out
 
-    def by_name(self, model: nn.Module) -> dict[str, "list[_Write] | torch.Tensor"]:
+    def by_name(self, model: nn.Module) -> dict[str, list[_Write] | torch.Tensor]:
         """Each parameter's recorded writes, or, for one never written, its value as built."""
         out = {}
         for n, p in model.named_parameters():
             writes = self.writes.get(id(p))  # (by the parameter: `.data = ...` may have given it another storage)
             if not writes and p.untyped_storage()._cdata in self.empty:
-                raise HFModelError(f"{model.config.model_type}: nothing initializes {n} (neither its constructor nor "
-                                   "transformers' _init_weights writes it); this family cannot make it: start from the "
-                                   "directory's weights")
-            out[n] = [w._replace(view=(w.view[0] - p.storage_offset(), *w.view[1:])) for w in writes] if writes \
+                raise HFModelError(
+                    f"{model.config.model_type}: nothing initializes {n} (neither its constructor nor "
+                    "transformers' _init_weights writes it); this family cannot make it: start from the "
+                    "directory's weights"
+                )
+            out[n] = (
+                [w._replace(view=(w.view[0] - p.storage_offset(), *w.view[1:])) for w in writes]
+                if writes
                 else p.detach().clone()
+            )
         return out
 
 
-_INITS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # template -> its parameters' writes
+_INITS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()  # template -> its parameters' writes
 
 
 def _params_to_meta(model: nn.Module) -> None:
@@ -244,8 +269,10 @@ def decoder_layers(model: nn.Module) -> str:
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) and all(type(m).__name__ in kinds for m in module):
             return name
-    raise StagingError(f"{type(model).__name__}: no list of decoder layers ({sorted(kinds) or 'no _no_split_modules'}) "
-                       "found to cut its stages at")
+    raise StagingError(
+        f"{type(model).__name__}: no list of decoder layers ({sorted(kinds) or 'no _no_split_modules'}) "
+        "found to cut its stages at"
+    )
 
 
 def tp_rules(model: nn.Module) -> list[tuple[str, str]]:
@@ -272,8 +299,10 @@ def tp_rules(model: nn.Module) -> list[tuple[str, str]]:
         raise HFModelError(f"{kind} has no tensor-parallel plan in its transformers config; set mesh.tp=1")
     other = sorted({v for v in plan.values() if v not in ("colwise", "rowwise")})
     if other:
-        raise HFModelError(f"{kind}'s tensor-parallel plan uses {', '.join(other)} (fused projections); only colwise "
-                           "and rowwise splits are supported: set mesh.tp=1")
+        raise HFModelError(
+            f"{kind}'s tensor-parallel plan uses {', '.join(other)} (fused projections); only colwise "
+            "and rowwise splits are supported: set mesh.tp=1"
+        )
     prefix = re.escape(f"{model.base_model_prefix}.")
     layer = r"\d+"
     rules = [("^" + prefix + re.escape(k).replace(r"\*", layer) + r"\.(weight|bias)$", v) for k, v in plan.items()]
@@ -286,8 +315,15 @@ def head_name(model: nn.Module) -> str:
     return names[id(model.get_output_embeddings().weight)]
 
 
-def init_params(template: nn.Module, key: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32,
-                where: Callable | None = None, only: "set[str] | None" = None) -> dict[str, torch.Tensor]:
+def init_params(
+    template: nn.Module,
+    key: torch.Tensor,
+    *,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    where: Callable | None = None,
+    only: set[str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Fresh parameters from `key`, as transformers' `from_config` makes them, one parameter at a time.
 
     Each parameter's writes recorded by `build_template` (its constructor's init, then every
@@ -371,8 +407,11 @@ def _view(base: nn.Module, layers: str, norm_name: str, keep: list[int], side: b
 
 def _final_norm(base: nn.Module, layers: str) -> str:
     """The name of the base model's final norm: its last child with parameters whose class is a norm."""
-    norms = [n for n, m in base._modules.items()
-             if n != layers and m is not None and _has_params(m) and "norm" in type(m).__name__.lower()]
+    norms = [
+        n
+        for n, m in base._modules.items()
+        if n != layers and m is not None and _has_params(m) and "norm" in type(m).__name__.lower()
+    ]
     if not norms:
         raise StagingError(f"{type(base).__name__}: no final norm with parameters beside {layers} to end its stages")
     return norms[-1]
@@ -400,19 +439,28 @@ def stages(model: nn.Module, share: bool = True) -> LMStages:
     names = [nm for nm, _ in model.named_parameters()]
     prefix = f"{path}."
     layer_prefix = f"{prefix}{layers}."
-    embed_names = tuple(nm for nm in names if nm.startswith(prefix) and not nm.startswith(layer_prefix)
-                        and not nm.startswith(f"{prefix}{norm}."))
+    embed_names = tuple(
+        nm
+        for nm in names
+        if nm.startswith(prefix) and not nm.startswith(layer_prefix) and not nm.startswith(f"{prefix}{norm}.")
+    )
     norm_names = tuple(nm for nm in names if nm.startswith(f"{prefix}{norm}."))
     head = head_name(model)
-    other = [n for n, m in base._modules.items()
-             if n not in (layers, norm) and m is not None and _has_params(m) and not isinstance(m, nn.Embedding)]
+    other = [
+        n
+        for n, m in base._modules.items()
+        if n not in (layers, norm) and m is not None and _has_params(m) and not isinstance(m, nn.Embedding)
+    ]
     if other:  # (where they run, before the layers or after the norm, is not known from outside)
-        raise StagingError(f"{type(model).__name__}: {path} holds {', '.join(other)} beside its embeddings, layers and "
-                           "final norm, which no stage can place")
+        raise StagingError(
+            f"{type(model).__name__}: {path} holds {', '.join(other)} beside its embeddings, layers and "
+            "final norm, which no stage can place"
+        )
     left = [nm for nm in names if not nm.startswith(prefix) and nm != head]
     if left:
-        raise StagingError(f"{type(model).__name__}: parameters outside {path} and the head ({', '.join(left[:3])}) "
-                           "belong to no stage")
+        raise StagingError(
+            f"{type(model).__name__}: parameters outside {path} and the head ({', '.join(left[:3])}) belong to no stage"
+        )
 
     def run(view, own, key, salt, **inputs):
         """The view's base forward on `own` (names under the base), its dropout keyed by (key, salt): its last
@@ -422,7 +470,7 @@ def stages(model: nn.Module, share: bool = True) -> LMStages:
 
     def under_base(p):
         """The params of the base model, named as in it."""
-        return {nm[len(prefix):]: t for nm, t in p.items() if nm.startswith(prefix)}
+        return {nm[len(prefix) :]: t for nm, t in p.items() if nm.startswith(prefix)}
 
     embed_view = _view(base, layers, norm, [], side=True, norm=False)
     final_view = _view(base, layers, norm, [], side=False, norm=True)
@@ -431,19 +479,32 @@ def stages(model: nn.Module, share: bool = True) -> LMStages:
     def shared(own, h, key, index, packed=None):
         """Any decoder layer, when they are alike (the same parameters and attention kind), on `own` (its params
         without its prefix), at position `index`: one compiled graph for all (`compile_unit="blocks"`)."""
-        return run(layer_view, {f"{layers}.0.{nm}": t for nm, t in own.items()}, key, 1 + index, inputs_embeds=h,
-                   **_positions(packed))
+        return run(
+            layer_view,
+            {f"{layers}.0.{nm}": t for nm, t in own.items()},
+            key,
+            1 + index,
+            inputs_embeds=h,
+            **_positions(packed),
+        )
 
     def signature(module: nn.Module):
         """A layer's parameter names, shapes and classes, and the attention kind it asks the base's masks for."""
-        kinds = [(nm, getattr(m, "attention_type", None), getattr(m, "sliding_window", None), getattr(m, "is_sliding", None))
-                 for nm, m in module.named_modules()]
-        return [(nm, tuple(t.shape), type(module.get_submodule(nm.rpartition(".")[0]))) for nm, t in module.named_parameters()], kinds
+        kinds = [
+            (nm, getattr(m, "attention_type", None), getattr(m, "sliding_window", None), getattr(m, "is_sliding", None))
+            for nm, m in module.named_modules()
+        ]
+        return [
+            (nm, tuple(t.shape), type(module.get_submodule(nm.rpartition(".")[0])))
+            for nm, t in module.named_parameters()
+        ], kinds
 
     layer_list = base.get_submodule(layers)
     alike = share and n > 0 and all(signature(m) == signature(layer_list[0]) for m in layer_list)
-    embed = Stage(embed_names, lambda p, idx, key, packed=None: run(embed_view, under_base(p), key, 0, input_ids=idx,
-                                                                    **_positions(packed)))
+    embed = Stage(
+        embed_names,
+        lambda p, idx, key, packed=None: run(embed_view, under_base(p), key, 0, input_ids=idx, **_positions(packed)),
+    )
     blocks = []
     for i in range(n):
         own_prefix = f"{layer_prefix}{i}."
@@ -453,7 +514,7 @@ def stages(model: nn.Module, share: bool = True) -> LMStages:
         def block(p, h, key, packed=None, view=view, own_prefix=own_prefix, i=i):
             """Layer i (its own module: its index, its attention kind) on `inputs_embeds=h` (packed rows: at their
             `position_ids`, from which transformers builds the documents' masks)."""
-            own = {f"{layers}.0.{nm[len(own_prefix):]}": t for nm, t in p.items() if nm.startswith(own_prefix)}
+            own = {f"{layers}.0.{nm[len(own_prefix) :]}": t for nm, t in p.items() if nm.startswith(own_prefix)}
             return run(view, own, key, 1 + i, inputs_embeds=h, **_positions(packed))
 
         blocks.append(Stage(block_names, block, shared if alike else None, own_prefix, i))
@@ -501,13 +562,21 @@ def check_stages(model: nn.Module) -> bool:
     p = init_params(model, rng.key(0), device=device, only=names)
     x = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
     try:
-        return _probe(st, base if whole else _view(base, layers, _final_norm(base, layers), keep, side=True, norm=True),
-                      path, keep, p, x)
+        return _probe(
+            st,
+            base if whole else _view(base, layers, _final_norm(base, layers), keep, side=True, norm=True),
+            path,
+            keep,
+            p,
+            x,
+        )
     except HFModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - a view the model's own code cannot run
-        raise StagingError(f"{model.config.model_type}: its stages cannot run on a probe batch ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise StagingError(
+            f"{model.config.model_type}: its stages cannot run on a probe batch ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
 
 
 def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: dict, x: torch.Tensor) -> bool:
@@ -516,7 +585,7 @@ def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: di
     device = x.device
     shared_ok = True
     with torch.no_grad():
-        own = {nm[len(path) + 1:]: t for nm, t in p.items() if nm.startswith(f"{path}.")}
+        own = {nm[len(path) + 1 :]: t for nm, t in p.items() if nm.startswith(f"{path}.")}
         want = functional.apply(reference, own, input_ids=x, train=False).last_hidden_state  # (B, T, C)
         h = st.embed.fn(st.embed.params(p), x, None)  # (B, T, C)
         for i in keep:
@@ -529,8 +598,10 @@ def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: di
         got = st.final.fn(st.final.params(p), h, None)
     off = _relative(got, want)
     if not off <= _PROBE_RTOL:
-        raise StagingError(f"{reference.config.model_type}: its stages composed differ from the base model's forward "
-                           f"by {off:.2g} (relative, on a probe batch)")
+        raise StagingError(
+            f"{reference.config.model_type}: its stages composed differ from the base model's forward "
+            f"by {off:.2g} (relative, on a probe batch)"
+        )
     return shared_ok
 
 

@@ -36,8 +36,16 @@ from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm, lm_data, lm_lora
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
-from functrain.models.hf.model import (HFModelError, StagingError, build_template, head_name, init_params, load_config,
-                                      stages, tp_rules)
+from functrain.models.hf.model import (
+    HFModelError,
+    StagingError,
+    build_template,
+    head_name,
+    init_params,
+    load_config,
+    stages,
+    tp_rules,
+)
 from functrain.models.hf.tiny import model_directory
 from functrain.task import Task
 
@@ -47,8 +55,10 @@ __all__ = ["CHECKS", "build"]
 def _refuse_axes(ctx, model_type: str) -> None:
     """One line for a mesh axis this family cannot split (the sequence: the attention is transformers')."""
     if ctx.cp_world > 1:
-        raise v.ConfigError(f"mesh.cp={ctx.cp_world}: the hf family ({model_type}) has no context parallelism yet; "
-                            "shard it with FSDP (--config.mesh.dp_shard) and set mesh.cp=1")
+        raise v.ConfigError(
+            f"mesh.cp={ctx.cp_world}: the hf family ({model_type}) has no context parallelism yet; "
+            "shard it with FSDP (--config.mesh.dp_shard) and set mesh.cp=1"
+        )
 
 
 def _with_buffers(model, template):
@@ -69,8 +79,10 @@ def _load(weights, template, name: str, device, where):
     offset, local = where(name, shape) if where is not None else ([0] * len(shape), list(shape))
     if stored not in weights or tuple(weights.shape(stored)) != shape:
         found = tuple(weights.shape(stored)) if stored in weights else "missing"
-        raise HFError(f"{weights.directory}: tensor {stored} is {found}, the model's config wants {shape}; "
-                      "the weights and config.json disagree")
+        raise HFError(
+            f"{weights.directory}: tensor {stored} is {found}, the model's config wants {shape}; "
+            "the weights and config.json disagree"
+        )
     return weights.read(stored, offset, local).to(device=device, dtype=torch.float32)
 
 
@@ -80,17 +92,28 @@ def _loss(config, ctx, model, template):
     is refused in one line naming the flags to change where the run asked for them."""
     remat, staged = lm.resolve_remat(config.remat, ctx.mesh), lm.wants_stages(config, ctx)
     try:
-        return make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template), \
-            staged or remat != "none"
+        return make_loss_fn(
+            model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template
+        ), staged or remat != "none"
     except StagingError as exc:
-        asked = [flag for flag, on in (("--config.remat=none", config.remat not in ("auto", "none")),
-                                       ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
-                                       ("--config.mesh.pp=1", ctx.pp_world > 1)) if on]
+        asked = [
+            flag
+            for flag, on in (
+                ("--config.remat=none", config.remat not in ("auto", "none")),
+                ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
+                ("--config.mesh.pp=1", ctx.pp_world > 1),
+            )
+            if on
+        ]
         if asked:
             raise HFModelError(f"{exc}; this family cannot stage it: train it with {' and '.join(asked)}") from None
         if ctx.is_main_process:
-            print(f"functrain: note: {exc}; this family cannot stage it, so it trains unstaged: the whole model is "
-                  "gathered for each step", file=sys.stderr, flush=True)
+            print(
+                f"functrain: note: {exc}; this family cannot stage it, so it trains unstaged: the whole model is "
+                "gathered for each step",
+                file=sys.stderr,
+                flush=True,
+            )
         return make_loss_fn(model, chunk_size=config.loss_chunk_size), False
 
 
@@ -128,13 +151,17 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
     if tok_vocab > hf_config.vocab_size:
         where = getattr(tokenizer, "path", "the byte tokenizer")
-        raise data_lib.DataError(f"{where}: the tokenizer has {tok_vocab} ids but the model only {hf_config.vocab_size}; "
-                                 "use the model's own tokenizer (--config.data.tokenizer)")
+        raise data_lib.DataError(
+            f"{where}: the tokenizer has {tok_vocab} ids but the model only {hf_config.vocab_size}; "
+            "use the model's own tokenizer (--config.data.tokenizer)"
+        )
     seq = config.model.block_size
     longest = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
     if longest and seq > longest:
-        raise v.ConfigError(f"model.block_size={seq} exceeds {directory.path / 'config.json'}'s {longest} positions; "
-                            "lower --config.model.block_size")
+        raise v.ConfigError(
+            f"model.block_size={seq} exceeds {directory.path / 'config.json'}'s {longest} positions; "
+            "lower --config.model.block_size"
+        )
     base = build_template(hf_config, device=ctx.device)
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
     try:
@@ -142,20 +169,33 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         rules = parallel.adapter_rules(template, rules)  # (LoRA adapters follow their layer's plan)
         heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
         if ctx.tp_world > 1 and any(h % ctx.tp_world for h in heads if h):
-            raise HFModelError(f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
-                               f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp")
+            raise HFModelError(
+                f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
+                f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp"
+            )
         model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = _loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
     except HFModelError as exc:
         raise v.ConfigError(f"model.path: {exc}") from None
-    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=hf_config.vocab_size,
-                                tokenizer=tokenizer, model_dir=directory.path)
+    dataset = lm_data.load_data(
+        config,
+        ctx,
+        cache_dir,
+        block_size=seq,
+        vocab_size=hf_config.vocab_size,
+        tokenizer=tokenizer,
+        model_dir=directory.path,
+    )
     head = head_name(template)
     tokenizer_file = getattr(tokenizer, "path", None)
     if ctx.is_main_process:
         Path(workdir).mkdir(parents=True, exist_ok=True)
-        info = {"model": hf_config.to_dict(), "path": str(directory.path), "weights": weights is not None,
-                "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes"}
+        info = {
+            "model": hf_config.to_dict(),
+            "path": str(directory.path),
+            "weights": weights is not None,
+            "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
+        }
         (Path(workdir) / "model.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
 
     def init(key, device, where=None):
@@ -172,8 +212,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         return save_hf_directory(out, params, exported, tokenizer_file=tokenizer_file)
 
     # LoRA: the merged model, and the adapters as a PEFT directory over the model directory's weights
-    export = lm_lora.exporter(export_base, template, lora_spec, hf_name=str,
-                              base_model=str(directory.path) if weights is not None else "")
+    export = lm_lora.exporter(
+        export_base, template, lora_spec, hf_name=str, base_model=str(directory.path) if weights is not None else ""
+    )
 
     def finish(params, key):
         """A text sample from the prompt, or the answer to a held-out prompt (sharded params: gathered a layer at a
@@ -181,10 +222,24 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         sample = config.sample
         if not staged and any(parallel.is_dtensor(t) for t in params.values()):
             params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
-        result = lm_data.finish_text(dataset, sample, lambda prompt, n: lm.generate(
-            template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
-            stages=stages(template) if staged else None, head=head, block_size=seq,
-            logits_fn=_hf_logits(template)), ctx.device)
+        result = lm_data.finish_text(
+            dataset,
+            sample,
+            lambda prompt, n: lm.generate(
+                template,
+                params,
+                prompt,
+                n,
+                temperature=sample.temperature,
+                top_k=sample.top_k or None,
+                key=key,
+                stages=stages(template) if staged else None,
+                head=head,
+                block_size=seq,
+                logits_fn=_hf_logits(template),
+            ),
+            ctx.device,
+        )
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
         return result
@@ -194,8 +249,10 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     width = getattr(hf_config, "hidden_size", 0)
     origin = "its weights" if weights is not None else "fresh"
     return Task(
-        describe=(f"{type(template).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
-                  f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), {dataset.describe()}"),
+        describe=(
+            f"{type(template).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
+            f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), {dataset.describe()}"
+        ),
         init_params=lm_lora.with_adapters(init, template, lora_spec),
         shard_rules=rules,
         loss_fn=loss_fn,
@@ -211,8 +268,14 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         finish=finish,
         export=export,
         frozen=lm_lora.frozen(lora_spec),
-        eval_model=lm.eval_model(template, dataset.tokenizer, block_size=seq, stages=stages(template) if staged else None,
-                                 head=head, logits_fn=_hf_logits(template)),
+        eval_model=lm.eval_model(
+            template,
+            dataset.tokenizer,
+            block_size=seq,
+            stages=stages(template) if staged else None,
+            head=head,
+            logits_fn=_hf_logits(template),
+        ),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
     )
 

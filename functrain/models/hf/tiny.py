@@ -19,8 +19,18 @@ from pathlib import Path
 
 __all__ = ["TINY", "model_directory", "write_tiny"]
 
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
 """The tiny shape: byte-level (256 ids), 2 layers of width 128, 4 query and 2 key/value heads."""
 
 

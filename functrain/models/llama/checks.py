@@ -44,12 +44,17 @@ CHECKS: list = [
     ("export_hf", v.boolean()),
     *LM_CHECKS,
     # With init_from the model's shape comes from the Hugging Face config.json, not these keys.
-    v.relation(("init_from", "model.n_head", "model.n_kv_head"), lambda src, heads, kv: bool(src) or heads % kv == 0,
-               "n_kv_head must divide n_head (grouped-query attention shares each kv head among n_head / "
-               "n_kv_head query heads); change either"),
-    v.relation(("init_from", "model.n_embd", "model.n_head", "model.head_dim"),
-               lambda src, embd, heads, hd: bool(src) or _head_dim(embd, heads, hd) % 2 == 0,
-               "each head needs an even number of channels (rotary embeddings rotate pairs): set head_dim to an "
-               "even number, or n_head dividing n_embd into an even n_embd / n_head"),
+    v.relation(
+        ("init_from", "model.n_head", "model.n_kv_head"),
+        lambda src, heads, kv: bool(src) or heads % kv == 0,
+        "n_kv_head must divide n_head (grouped-query attention shares each kv head among n_head / "
+        "n_kv_head query heads); change either",
+    ),
+    v.relation(
+        ("init_from", "model.n_embd", "model.n_head", "model.head_dim"),
+        lambda src, embd, heads, hd: bool(src) or _head_dim(embd, heads, hd) % 2 == 0,
+        "each head needs an even number of channels (rotary embeddings rotate pairs): set head_dim to an "
+        "even number, or n_head dividing n_embd into an even n_embd / n_head",
+    ),
 ]
 """The checks of the keys the Llama family reads."""

@@ -27,8 +27,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,8 +65,10 @@ def config_from_hf(hf: Mapping[str, Any], path: str | Path = "config.json") -> L
     """
     archs = list(hf.get("architectures") or [])
     if hf.get("model_type") != "llama" or (archs and not set(archs) & set(ARCHITECTURES)):
-        raise HFError(f"{path}: architecture {archs or hf.get('model_type')!r} is not supported; functrain.models.llama "
-                      f"reads {', '.join(ARCHITECTURES)} (model_type 'llama')")
+        raise HFError(
+            f"{path}: architecture {archs or hf.get('model_type')!r} is not supported; functrain.models.llama "
+            f"reads {', '.join(ARCHITECTURES)} (model_type 'llama')"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"{path}: hidden_act={hf['hidden_act']!r}; this Llama implements SwiGLU with SiLU only")
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -96,7 +99,9 @@ def config_from_hf(hf: Mapping[str, Any], path: str | Path = "config.json") -> L
         raise HFError(f"{path}: {exc}") from None
 
 
-def hf_llama_config(cfg: LlamaConfig, *, bos_token_id: int | None = None, eos_token_id: int | None = None) -> dict[str, Any]:
+def hf_llama_config(
+    cfg: LlamaConfig, *, bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> dict[str, Any]:
     """The Hugging Face `config.json` dict of `Llama(cfg)` (what `LlamaForCausalLM.from_pretrained` reads).
 
     Args:
@@ -153,8 +158,14 @@ def export_hf_llama(params: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dic
     return {hf_name(n): t.detach() for n, t in params.items()}
 
 
-def load_hf_params(weights: HFWeights, model: nn.Module, *, device=None, dtype: torch.dtype = torch.float32,
-                   where: Callable | None = None) -> dict[str, torch.Tensor]:
+def load_hf_params(
+    weights: HFWeights,
+    model: nn.Module,
+    *,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    where: Callable | None = None,
+) -> dict[str, torch.Tensor]:
     """`model`'s parameters read from a Hugging Face directory's tensors, each checked against its shape.
 
     Args:
@@ -180,17 +191,28 @@ def load_hf_params(weights: HFWeights, model: nn.Module, *, device=None, dtype: 
         theirs = hf_name(name)
         wanted.add(theirs)
         if theirs not in weights:
-            raise HFError(f"{weights.directory}: no tensor {theirs!r} (the config needs it); the checkpoint is "
-                          "incomplete or of another model")
+            raise HFError(
+                f"{weights.directory}: no tensor {theirs!r} (the config needs it); the checkpoint is "
+                "incomplete or of another model"
+            )
         if weights.shape(theirs) != tuple(p.shape):
-            raise HFError(f"{weights.file(theirs)}: {theirs} has shape {weights.shape(theirs)}, but config.json "
-                          f"implies {tuple(p.shape)}; the weights and config.json disagree")
+            raise HFError(
+                f"{weights.file(theirs)}: {theirs} has shape {weights.shape(theirs)}, but config.json "
+                f"implies {tuple(p.shape)}; the weights and config.json disagree"
+            )
         offset, local = where(name, p.shape) if where is not None else (None, None)
         out[name] = weights.read(theirs, offset, local).to(device=device, dtype=dtype)
     # The tied head may be stored too (some writers do); other leftovers mean another model.
-    extra = sorted(n for n in weights.names() if n not in wanted and not n.endswith("rotary_emb.inv_freq")
-                   and not (n == "lm_head.weight" and model.cfg.tie_embeddings))
+    extra = sorted(
+        n
+        for n in weights.names()
+        if n not in wanted
+        and not n.endswith("rotary_emb.inv_freq")
+        and not (n == "lm_head.weight" and model.cfg.tie_embeddings)
+    )
     if extra:
-        raise HFError(f"{weights.file(extra[0])}: unexpected tensors {extra[:4]}{'...' if len(extra) > 4 else ''} "
-                      "for this config; check config.json (num_hidden_layers, tie_word_embeddings)")
+        raise HFError(
+            f"{weights.file(extra[0])}: unexpected tensors {extra[:4]}{'...' if len(extra) > 4 else ''} "
+            "for this config; check config.json (num_hidden_layers, tie_word_embeddings)"
+        )
     return out

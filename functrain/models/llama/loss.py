@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -23,8 +23,9 @@ def head_name(cfg) -> str:
     return "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
 
 
-def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: "str | int" = "none",
-                 staged: bool = False) -> Callable:
+def make_loss_fn(
+    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: str | int = "none", staged: bool = False
+) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` of a `Llama` (see `functrain.models.lm.make_lm_loss_fn`).
 
     Args:
@@ -40,5 +41,12 @@ def make_loss_fn(model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -
     Example:
       >>> loss, aux = make_loss_fn(template)(params, (x, y), None)
     """
-    return lm.make_lm_loss_fn(model, llama_lib.stages(model), head=head_name(model.cfg), chunk_size=chunk_size,
-                              ignore_index=ignore_index, remat=remat, staged=staged)
+    return lm.make_lm_loss_fn(
+        model,
+        llama_lib.stages(model),
+        head=head_name(model.cfg),
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        remat=remat,
+        staged=staged,
+    )

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -96,8 +96,10 @@ class LlamaConfig:
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)")
         if not self.head_dim:
             if self.n_embd % self.n_head:
-                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_head "
-                                 "dividing n_embd or set head_dim")
+                raise ValueError(
+                    f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick n_head "
+                    "dividing n_embd or set head_dim"
+                )
             self.head_dim = self.n_embd // self.n_head
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
@@ -130,8 +132,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary(head_dim: int, theta: float, t: int, device, positions: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    head_dim: int, theta: float, t: int, device, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, head_dim) of positions 0..t-1 (or of `positions`: (T,), or (B, T) for packed rows,
     giving (B, T, head_dim)), float32; frequency j repeats at j and j + D/2."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))  # (D/2,)
@@ -261,8 +264,9 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
         return rng.dropout(ops.embedding(weight, idx), self.cfg.dropout, _site_key(key, 0))  # (B, T, C)
 
-    def forward(self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, packed=None,
-                return_hidden: bool = False) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, packed=None, return_hidden: bool = False
+    ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or hidden states (B, T, C) with `return_hidden`; `packed`
         (`models.lm.packed(positions)`): rows of several documents, each seeing only itself."""
         key = _dropout_key(self.cfg, dropout_key)
@@ -321,8 +325,9 @@ def _init_block(model: Llama, name: str, shape, key: torch.Tensor, offset, local
     return rng.normal(k, shape, offset=offset, local_shape=local_shape) * std
 
 
-def init_params(model: Llama, key: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32,
-                where: Callable | None = None) -> dict[str, torch.Tensor]:
+def init_params(
+    model: Llama, key: torch.Tensor, *, device=None, dtype: torch.dtype = torch.float32, where: Callable | None = None
+) -> dict[str, torch.Tensor]:
     """Fresh parameters for `model`, each a pure function of (key, its name, its shape).
 
     normal(0, 0.02) for the embedding and projections (0.02 / sqrt(2 n_layer) for o_proj and
@@ -343,8 +348,13 @@ def init_params(model: Llama, key: torch.Tensor, *, device=None, dtype: torch.dt
     Example:
       >>> params = init_params(template, rng.key(0), device="cuda")
     """
-    return init_blocks(model, lambda name, shape, offset, local: _init_block(model, name, shape, key, offset, local),
-                       device=device, dtype=dtype, where=where)
+    return init_blocks(
+        model,
+        lambda name, shape, offset, local: _init_block(model, name, shape, key, offset, local),
+        device=device,
+        dtype=dtype,
+        where=where,
+    )
 
 
 TP_RULES: list[tuple[str, str]] = [
@@ -373,7 +383,9 @@ def num_params(cfg: LlamaConfig, non_embedding: bool = False) -> int:
       ...                        intermediate_size=1536, tie_embeddings=True))   # 134,515,008
     """
     c, d, f = cfg.n_embd, cfg.head_dim, cfg.intermediate_size
-    attn = c * d * (2 * cfg.n_head + 2 * cfg.n_kv_head) + cfg.attention_bias * (d * (cfg.n_head + 2 * cfg.n_kv_head) + c)
+    attn = c * d * (2 * cfg.n_head + 2 * cfg.n_kv_head) + cfg.attention_bias * (
+        d * (cfg.n_head + 2 * cfg.n_kv_head) + c
+    )
     mlp = 3 * c * f + cfg.mlp_bias * (2 * f + c)
     embed = cfg.vocab_size * c
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * c

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from functrain import config as v
 from functrain import data as data_lib
 from functrain import parallel
-from functrain import config as v
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm, lm_data, lm_lora
 from functrain.models.llama import hf as hf_lib
@@ -47,14 +47,25 @@ def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.
         if config.model.block_size > cfg.block_size:
             raise v.ConfigError(
                 f"model.block_size={config.model.block_size} exceeds {hf.path / 'config.json'}'s "
-                f"max_position_embeddings={cfg.block_size}; lower --config.model.block_size")
+                f"max_position_embeddings={cfg.block_size}; lower --config.model.block_size"
+            )
         return cfg
     m = config.model
     try:
         return llama_lib.LlamaConfig(
-            vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head, n_kv_head=m.n_kv_head,
-            n_embd=m.n_embd, intermediate_size=m.intermediate_size, head_dim=m.head_dim, rope_theta=m.rope_theta,
-            norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, dropout=m.dropout)
+            vocab_size=vocab,
+            block_size=m.block_size,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            n_kv_head=m.n_kv_head,
+            n_embd=m.n_embd,
+            intermediate_size=m.intermediate_size,
+            head_dim=m.head_dim,
+            rope_theta=m.rope_theta,
+            norm_eps=m.norm_eps,
+            tie_embeddings=m.tie_embeddings,
+            dropout=m.dropout,
+        )
     except ValueError as exc:
         raise v.ConfigError(f"model: {exc} (--config.model.*)") from None
 
@@ -82,7 +93,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         hf = HFDirectory(config.init_from[3:]) if config.init_from else None
         weights = hf.weights if hf is not None else None  # opened now: a missing shard fails before anything else
         cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-        tokenizer = lm_data.tokenizer_of(config, hf, cache_dir, fresh_vocab=config.model.vocab_size or 2048, key="init_from")
+        tokenizer = lm_data.tokenizer_of(
+            config, hf, cache_dir, fresh_vocab=config.model.vocab_size or 2048, key="init_from"
+        )
         tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
         cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
     except HFError as exc:
@@ -91,14 +104,23 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         where = getattr(tokenizer, "path", "the byte tokenizer")
         raise data_lib.DataError(
             f"{where}: the tokenizer has {tok_vocab} ids but the model only {cfg.vocab_size}; use the model's own "
-            "tokenizer (--config.data.tokenizer) or a larger --config.model.vocab_size")
+            "tokenizer (--config.data.tokenizer) or a larger --config.model.vocab_size"
+        )
     if ctx.tp_world > 1 and (cfg.n_head % ctx.tp_world or cfg.n_kv_head % ctx.tp_world):
         raise v.ConfigError(
             f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
-            f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp")
+            f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp"
+        )
     seq = config.model.block_size
-    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=seq, vocab_size=cfg.vocab_size,
-                                tokenizer=tokenizer, model_dir=hf.path if hf is not None else None)
+    dataset = lm_data.load_data(
+        config,
+        ctx,
+        cache_dir,
+        block_size=seq,
+        vocab_size=cfg.vocab_size,
+        tokenizer=tokenizer,
+        model_dir=hf.path if hf is not None else None,
+    )
     with torch.device("meta"):
         base = llama_lib.Llama(cfg)  # shapes only
     template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
@@ -112,8 +134,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     tokenizer_file = getattr(tokenizer, "path", None)
     if ctx.is_main_process:
         Path(workdir).mkdir(parents=True, exist_ok=True)
-        info = {"model": vars(cfg), "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
-                "init_from": config.init_from}
+        info = {
+            "model": vars(cfg),
+            "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
+            "init_from": config.init_from,
+        }
         (Path(workdir) / "model.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def init_params(key, device, where=None):
@@ -125,20 +150,37 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     def export_base(params, out):
         """Writes `params` as a Hugging Face directory `out` (config, weights, tokenizer)."""
         eos = getattr(tokenizer, "eos_id", None)
-        return save_hf_directory(out, hf_lib.export_hf_llama(params, cfg),
-                                 hf_lib.hf_llama_config(cfg, bos_token_id=eos, eos_token_id=eos),
-                                 tokenizer_file=tokenizer_file)
+        return save_hf_directory(
+            out,
+            hf_lib.export_hf_llama(params, cfg),
+            hf_lib.hf_llama_config(cfg, bos_token_id=eos, eos_token_id=eos),
+            tokenizer_file=tokenizer_file,
+        )
 
     # LoRA: the merged model, and the adapters as a PEFT directory (transformers' Llama names)
-    export = lm_lora.exporter(export_base, template, lora_spec, hf_name=hf_lib.hf_name,
-                              base_model=str(hf.path) if hf is not None else "")
+    export = lm_lora.exporter(
+        export_base, template, lora_spec, hf_name=hf_lib.hf_name, base_model=str(hf.path) if hf is not None else ""
+    )
 
     def finish(params, key):
         """A text sample from the prompt (sharded params: gathered a stage at a time); the Hugging Face
         export with `export_hf` (gathered a tensor at a time, written by rank 0)."""
-        result = lm_data.finish_text(dataset, sample, lambda prompt, n: lm.generate(
-            template, params, prompt, n, temperature=sample.temperature, top_k=sample.top_k or None, key=key,
-            stages=llama_lib.stages(template), head=head_name(cfg)), ctx.device)
+        result = lm_data.finish_text(
+            dataset,
+            sample,
+            lambda prompt, n: lm.generate(
+                template,
+                params,
+                prompt,
+                n,
+                temperature=sample.temperature,
+                top_k=sample.top_k or None,
+                key=key,
+                stages=llama_lib.stages(template),
+                head=head_name(cfg),
+            ),
+            ctx.device,
+        )
         if config.export_hf:
             result["hf_export"] = str(export(params, Path(workdir) / "hf"))
         return result
@@ -146,9 +188,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     n_params = llama_lib.num_params(cfg)
     origin = f"from {config.init_from}" if hf is not None else "fresh"
     return Task(
-        describe=(f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
-                  f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), "
-                  f"{dataset.describe()}"),
+        describe=(
+            f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
+            f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), "
+            f"{dataset.describe()}"
+        ),
         init_params=lm_lora.with_adapters(init_params, template, lora_spec),
         shard_rules=rules,
         loss_fn=loss_fn,
@@ -160,12 +204,13 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=config.batch_size * seq,
         flops_per_token=lm_lora.flops_per_token(  # (over the trained length)
-            llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)), template, lora_spec),
+            llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)), template, lora_spec
+        ),
         finish=finish,
         export=export,
         frozen=lm_lora.frozen(lora_spec),
-        eval_model=lm.eval_model(template, dataset.tokenizer, block_size=seq, stages=llama_lib.stages(template),
-                                 head=head_name(cfg)),
+        eval_model=lm.eval_model(
+            template, dataset.tokenizer, block_size=seq, stages=llama_lib.stages(template), head=head_name(cfg)
+        ),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
     )
-

@@ -1,0 +1,281 @@
+"""The loss's gradients: value and grad of one batch, accumulated over microbatches, with frozen params.
+
+`make_train_step` (`functrain.step.steps`) builds its step from these; they are public for a step of
+one's own (`value_and_grad` under `torch.func.vmap`, a per-example gradient, a custom update).
+
+Example:
+    >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import functrain.step.metric_names as M
+from functrain import compiler
+from functrain import rng as rng_lib
+from functrain import tree as tree_lib
+from functrain.nn import randomness
+from functrain.nn.model_state import call_loss, has_model_state
+from functrain.step.staged import StagedLoss
+
+__all__ = [
+    "accumulated_value_and_grad",
+    "microbatch_counts",
+    "split_microbatches",
+    "value_and_grad",
+    "with_frozen",
+]
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
+
+
+def value_and_grad(
+    loss_fn: LossFn,
+    params: PyTree,
+    batch: PyTree,
+    key,
+    *,
+    loss_scale=None,
+    layout=None,
+    model_state=None,
+    fullgraph: bool = True,
+    keyed: bool = True,
+):
+    """Loss, aux and gradients of `loss_fn(params, batch, key)` with respect to `params`.
+
+    Args:
+      loss_fn: `(params, batch, key) -> (scalar loss, aux dict)` (or just the loss); with
+        `model_state`, `(params, batch, key, model_state) -> (loss, aux, new_model_state)`.
+      params: the parameter tree (plain tensors).
+      batch: the batch pytree.
+      key: the RNG key passed to `loss_fn` (or None). While the loss runs, every dropout inside any
+        module draws from it (`functrain.nn.randomness`).
+      loss_scale: optional 0-d tensor; the gradients are those of `loss * loss_scale` (fp16 loss
+        scaling) while the returned loss is unscaled.
+      layout: for sharded (DTensor) params and a `functrain.step.staged.StagedLoss`: its
+        `value_and_grad_sharded` gathers each stage's params itself and returns grads in the
+        params' placements.
+      model_state: the model's buffers (`TrainState.model_state`), passed to the loss and returned
+        updated (no gradient flows into them).
+      fullgraph: False when the step compiles around graph breaks: the gradients are then taken
+        by plain autograd (Dynamo compiles the forward's pieces with their backwards).
+      keyed: draw the modules' dropout from `key` (False inside torch's scan, whose body cannot
+        enter a torch function mode).
+
+    Returns:
+      `(loss, aux, grads)`: detached loss, the aux dict, grads shaped like params; with
+      `model_state`, `(loss, aux, grads, new_model_state)`.
+
+    A `functrain.step.staged.StagedLoss` brings its own gradient route (`value_and_grad`, which recomputes
+    blocks in the backward); any other loss function is differentiated by `torch.func.grad_and_value`
+    (compiled, or in a transform), or eagerly by plain autograd (the same gradients, faster).
+
+    Example:
+      >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)
+    """
+    if isinstance(loss_fn, StagedLoss):
+        if has_model_state(model_state):
+            raise ValueError(
+                "a staged loss (functrain.step.staged) runs the model's own stages and takes no model "
+                "state: use a plain loss function for a model with buffers"
+            )
+        if layout is not None:
+            loss, aux, grads = loss_fn.value_and_grad_sharded(params, batch, key, layout=layout, loss_scale=loss_scale)
+        else:
+            loss, aux, grads = loss_fn.value_and_grad(params, batch, key, loss_scale=loss_scale)
+        out = (loss.detach(), dict(aux or {}), grads)
+        return out if model_state is None else (*out, model_state)
+
+    def f(p):
+        with randomness.keyed(key if keyed else None):
+            loss, aux, new_state = call_loss(loss_fn, p, batch, key, model_state)
+        scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
+        return scaled, (loss.detach(), (aux, {} if new_state is None else new_state))  # (torch.func's aux: no None)
+
+    if compiler.eager_autograd_ok() or not fullgraph:  # the same gradients, without torch.func's per-op wrapping
+        loss, (aux, new_state), grads = _autograd_value_and_grad(f, params)
+    else:
+        grads, (_, (loss, (aux, new_state))) = torch.func.grad_and_value(f, has_aux=True)(params)
+    if model_state is None:
+        return loss, aux, grads
+    return loss, aux, grads, tree_lib.map(torch.Tensor.detach, new_state)
+
+
+def _autograd_value_and_grad(f, params: PyTree):
+    """`torch.func.grad_and_value(f, has_aux=True)(params)`'s (loss, aux, grads) by plain autograd (eager only)."""
+    leaves, spec = tree_lib.flatten(params)
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    with torch.enable_grad():
+        scaled, (loss, aux) = f(spec.unflatten(leaves))
+        found = torch.autograd.grad(scaled, leaves, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]  # unused: zeros, as torch.func
+    return loss, tree_lib.map(lambda a: a.detach() if torch.is_tensor(a) else a, aux), spec.unflatten(grads)
+
+
+def _metrics_and_grads(
+    loss_fn, params, batch, key, loss_scale=None, layout=None, model_state=None, fullgraph=True, keyed=True
+):
+    """({"loss": loss, **aux}, grads, new model state) for one (micro)batch (per-stage gathers with a `layout`)."""
+    loss, aux, grads, model_state = value_and_grad(
+        loss_fn,
+        params,
+        batch,
+        key,
+        loss_scale=loss_scale,
+        layout=layout,
+        model_state={} if model_state is None else model_state,
+        fullgraph=fullgraph,
+        keyed=keyed,
+    )
+    return {M.LOSS: loss, **aux}, grads, model_state
+
+
+def split_microbatches(batch: PyTree, k: int, what: str = "accum_steps") -> PyTree:
+    """Every batch leaf (B, ...) reshaped to (k, B // k, ...): the microbatches of accumulation and of
+    pipeline stages.
+
+    Args:
+      batch: a pytree of tensors sharing dim 0.
+      k: the number of microbatches.
+      what: the config key that set `k`, for the error.
+
+    Returns:
+      The same tree, each leaf (k, B // k, ...).
+
+    Raises:
+      ValueError: B is not divisible by k (one line naming `what`).
+
+    Example:
+      >>> split_microbatches((x, y), 4)[0].shape   # x: (32, T)
+      torch.Size([4, 8, T])
+    """
+
+    def split(x):
+        if x.shape[0] % k:
+            raise ValueError(
+                f"batch dimension {x.shape[0]} is not divisible by {what}={k}; make the batch size a multiple of {what}"
+            )
+        return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (K, B/K, ...)
+
+    return tree_lib.map(split, batch)
+
+
+def accumulated_value_and_grad(
+    loss_fn,
+    params,
+    batch,
+    key,
+    accum_steps: int,
+    impl: str,
+    loss_scale=None,
+    layout=None,
+    model_state=None,
+    fullgraph=True,
+    weights=None,
+):
+    """Loss/aux/grads over `accum_steps` microbatches, inside one graph: their mean, or with `weights` (K,)
+    (`Layout.token_weights`) their sum weighted by them (grads summed in float32 when accumulating, else in
+    the compute dtype; the caller casts them to the masters'), and the model state after the last one
+    (each microbatch updates it, as torch's loop would). With `layout`, params are sharded and the loss
+    gathers them stage by stage."""
+    if accum_steps == 1:
+        w = None if weights is None else weights[0]
+        aux, grads, model_state = _metrics_and_grads(
+            loss_fn, params, batch, key, _times(loss_scale, w), layout, model_state, fullgraph
+        )
+        return (aux if w is None else tree_lib.map(lambda a: a * w, aux)), grads, model_state
+    micro = split_microbatches(batch, accum_steps)
+    keys = rng_lib.split(key, accum_steps)  # (K, 2)
+    if impl == "scan":
+
+        def body(carry, xs):
+            mb, k, w = xs
+            sums, ms = carry
+            aux, grads, ms = _metrics_and_grads(
+                loss_fn, params, mb, k, _times(loss_scale, w), model_state=ms, keyed=False
+            )
+            aux = tree_lib.map(lambda a: a * w, aux)
+            return (tree_lib.map(torch.add, sums, (grads, aux)), ms), torch.zeros(())
+
+        probe_aux = _zeros_aux(loss_fn, params, micro, keys, model_state)
+        init = ((tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux), model_state)
+        ones = torch.ones(accum_steps, device=keys.device)  # (the mean's 1/K comes after the sum)
+        ((gsum, asum), model_state), _ = compiler.scan(body, init, (micro, keys, ones if weights is None else weights))
+    else:  # "unroll": a Python loop traced into the same graph
+        gsum = asum = None
+        for i in range(accum_steps):
+            mb = tree_lib.map(lambda x, i=i: x[i], micro)
+            w = None if weights is None else weights[i]
+            aux, grads, model_state = _metrics_and_grads(
+                loss_fn, params, mb, keys[i], _times(loss_scale, w), layout, model_state, fullgraph
+            )
+            grads = tree_lib.map(lambda g: g.float(), grads)
+            aux = aux if w is None else tree_lib.map(lambda a, w=w: a * w, aux)
+            gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
+            asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
+    if weights is not None:  # weighted already: their sum is the mean over every target
+        return asum, gsum, model_state
+    scale = 1.0 / accum_steps
+    return tree_lib.map(lambda a: a * scale, asum), tree_lib.map(lambda g: g * scale, gsum), model_state
+
+
+def _times(scale, w):
+    """`scale * w`, either of them None (no factor)."""
+    if w is None or scale is None:
+        return scale if w is None else w
+    return scale * w
+
+
+def microbatch_counts(count_targets: Callable, batch: PyTree, accum_steps: int) -> torch.Tensor:
+    """`count_targets` of each of the `accum_steps` microbatches of `batch`, as a float32 (K,) tensor."""
+    if accum_steps == 1:
+        counts = [count_targets(batch)]
+    else:
+        micro = split_microbatches(batch, accum_steps)
+        counts = [count_targets(tree_lib.map(lambda x, i=i: x[i], micro)) for i in range(accum_steps)]
+    return torch.stack([torch.as_tensor(c).to(torch.float32).reshape(()) for c in counts])
+
+
+def _zeros_aux(loss_fn, params, micro, keys, model_state):
+    """Zeros shaped like the (loss, aux) of one microbatch, to start the scan's carry."""
+    mb = tree_lib.map(lambda x: x[0], micro)
+    with torch.no_grad(), randomness.KeyedRandomness(keys[0]) as drawn:
+        loss, aux, _ = call_loss(loss_fn, params, mb, keys[0], model_state)
+    if drawn.calls:  # the scan body runs without the mode: its modules' draws would be torch's global ones
+        raise ValueError(
+            "accum_impl='scan' cannot key the random draws of the loss's modules (dropout and the "
+            "like; torch's scan body cannot enter a torch function mode): use accum_impl='unroll'"
+        )
+    aux = {M.LOSS: loss, **aux}
+    return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), aux)
+
+
+def with_frozen(loss_fn: LossFn, frozen: PyTree) -> LossFn:
+    """`loss_fn` reading `{**frozen, **params}` (`TrainState.frozen`: a LoRA run's base), or itself when none.
+
+    Args:
+      loss_fn: `(params, batch, key[, model_state]) -> ...` over the whole model's params.
+      frozen: {name: tensor} of the params the step does not train (compute copies, gathered).
+
+    Returns:
+      A loss over the trained params only: the gradient is taken for them alone.
+
+    Example:
+      >>> loss, aux = with_frozen(loss_fn, state.frozen)(state.params, batch, key)
+    """
+    if not frozen:
+        return loss_fn
+    if isinstance(loss_fn, StagedLoss):  # its stages read the frozen params themselves (gathered per stage)
+        return loss_fn.with_frozen(frozen)
+    return functools.partial(_frozen_loss, loss_fn, frozen)
+
+
+def _frozen_loss(loss_fn, frozen, params, *args):
+    """`loss_fn` called on the frozen and the trained params together."""
+    return loss_fn({**frozen, **params}, *args)
