@@ -102,7 +102,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         safe = torch.where(valid, targets, torch.zeros_like(targets))  # (N,)
         # d loss / d logit[i, v] = valid_i / count * (softmax[i, v] - [v == target_i]).
         scale = torch.where(valid, grad_loss.to(lse.dtype) / count.clamp(min=1.0), torch.zeros_like(lse))  # (N,)
-        grad_h_parts, grad_w = [], None
+        grad_h_parts: list[torch.Tensor] = []
+        grad_w: torch.Tensor | None = None
         for s, e in _chunks(n, ctx.chunk_size):
             h = hidden[s:e]  # (n_c, C)
             g = _chunk_logits(h, weight)  # (n_c, V), a fresh buffer: updated in place below
@@ -118,6 +119,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad_w.add_((g.t() @ h).to(grad_w.dtype))  # low-precision matmul, wide sum
         # Both gradients always: under torch.compile(torch.func.grad_and_value(f, argnums=(0, 1)))
         # ctx.needs_input_grad[1] reads False (torch 2.13), and skipping on it gave zero weight grads.
+        if grad_w is None:  # no rows
+            return torch.zeros_like(hidden), torch.zeros_like(weight), None, None, None
         return torch.cat(grad_h_parts), grad_w.to(weight.dtype), None, None, None
 
 

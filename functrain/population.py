@@ -61,7 +61,7 @@ def stack(states: Sequence[TrainState]) -> TrainState:
             "population.stack: the members hold different frozen params; a population shares one "
             "frozen base (give every member the same TrainState.frozen dict)"
         )
-    stacked = optree.tree_map(lambda *xs: torch.stack(xs), *[s.replace(frozen={}) for s in states])
+    stacked: Any = optree.tree_map(lambda *xs: torch.stack(xs), *[s.replace(frozen={}) for s in states])  # type: ignore[arg-type]
     return stacked.replace(frozen=first.frozen)  # shared, not stacked: one base for every member
 
 
@@ -83,7 +83,8 @@ def member(state: TrainState, i: int) -> TrainState:
     Example:
       >>> solo = member(pop, 3)
     """
-    return optree.tree_map(lambda x: x[i], state.replace(frozen={})).replace(frozen=state.frozen)
+    member: Any = optree.tree_map(lambda x: x[i], state.replace(frozen={}))  # type: ignore[arg-type]
+    return member.replace(frozen=state.frozen)
 
 
 def unstack(state: TrainState) -> list[TrainState]:
@@ -145,7 +146,7 @@ def make_population_step(
 
     def population_step(state: TrainState, batch: PyTree):
         # every leaf has the member dim but the frozen params', shared by all members (a LoRA base)
-        dims = TrainState(*([0] * (len(TrainState._fields) - 1)), frozen=None)
+        dims: Any = TrainState(*([0] * (len(TrainState._fields) - 1)), frozen=None)  # type: ignore[misc, arg-type]
         new, metrics = torch.func.vmap(body, in_dims=(dims, batch_axis), out_dims=(dims, 0))(state, batch)
         new = new.replace(frozen=state.frozen)  # (never written)
         if donate:

@@ -143,6 +143,7 @@ def init_state(
       >>> torch.manual_seed(0)
       >>> state = init_state(GPT(cfg), optim.adamw(3e-4), seed=0)
     """
+    params: PyTree
     if isinstance(model_or_params, nn.Module):
         params = params_of(model_or_params)
         if model_state is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import builtins
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -105,7 +105,7 @@ def _expand(x) -> tuple:
         order = _key_order(tuple(x))
         if order is None:
             return _OTHER, None
-        children = list(builtins.map(x.__getitem__, order[0]))
+        children: Sequence = list(builtins.map(x.__getitem__, order[0]))
     elif t is list or t is tuple:
         children = x
     elif x is None:
@@ -225,7 +225,7 @@ class _PlainSpec(NamedTuple):
 
     def flatten_up_to(self, other) -> list:
         """`other`'s subtrees at the template's leaf positions."""
-        out = []
+        out: list = []
         if _gather_up_to(self.template, other, out):
             return out
         return optree.tree_structure(self.template).flatten_up_to(other)  # raises optree's error
@@ -251,7 +251,7 @@ def leaves(tree: PyTree) -> list:
       >>> tree.leaves({"b": 2, "a": (1, None)})
       [1, 2]
     """
-    out = []
+    out: list = []
     return out if _gather_leaves(tree, out) else optree.tree_leaves(tree)
 
 
@@ -269,7 +269,7 @@ def flatten(tree: PyTree) -> tuple[list, Any]:
       >>> xs, spec = tree.flatten(params)
       >>> params = spec.unflatten([x * 2 for x in xs])
     """
-    out = []
+    out: list = []
     if _gather_leaves(tree, out):
         return out, _PlainSpec(tree, len(out))
     flat, spec = optree.tree_flatten(tree)
@@ -414,7 +414,8 @@ def incremental_update(new: PyTree, old: PyTree, step_size: float | torch.Tensor
       >>> ema = tree.incremental_update(state.params, ema, 1 - 0.999)   # EMA, decay 0.999
     """
     olds, spec = optree.tree_flatten(old)
-    return optree.tree_unflatten(spec, foreach.lerp(olds, spec.flatten_up_to(new), step_size))
+    news: list = spec.flatten_up_to(new)
+    return optree.tree_unflatten(spec, foreach.lerp(olds, news, step_size))
 
 
 def size(tree: PyTree) -> int:

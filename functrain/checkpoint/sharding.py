@@ -93,7 +93,7 @@ def mesh_boxes(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequen
     ranks = mesh.mesh.tolist()
     boxes = {}
     for coord in itertools.product(*(range(s) for s in mesh.mesh.shape)):
-        rank = ranks
+        rank: Any = ranks
         for c in coord:
             rank = rank[c]
         boxes[int(rank)] = shard_box(global_shape, tuple(mesh.mesh.shape), coord, placements)
@@ -117,7 +117,7 @@ def chunk_shape(global_shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int,
     """
     chunks = []
     for d, n in enumerate(global_shape):
-        cuts = set()
+        cuts: set[int] = set()
         for box in boxes:
             if not box.empty:
                 cuts.update((box.offset[d], box.offset[d] + box.shape[d]))

@@ -108,7 +108,7 @@ def snapshot(state: Any, buffers: dict[str, torch.Tensor] | None = None) -> list
         else:
             mine, chunks, local = full_box(shape), tuple(max(1, s) for s in shape), x
             writes, first = True, me
-        box = mine if writes and not mine.empty else None
+        box = mine if writes and mine is not None and not mine.empty else None
         data = _host_copy(local, (buffers or {}).get(key.name)) if box else None
         leaves.append(_Leaf(key, shape, x.dtype, chunks, box, data, first))
     if any(leaf.data is not None and leaf.data.is_pinned() for leaf in leaves):
@@ -134,7 +134,7 @@ def _write_process_db(leaves: list[_Leaf], tmp: str, me: int, compression: str |
     writes = []
     for leaf, fut in opened:
         store = fut.result()
-        if leaf.box is not None:
+        if leaf.box is not None and leaf.data is not None:
             # The snapshot is ours alone and never mutated: TensorStore may keep a reference.
             src = tsspec.to_numpy(leaf.data)
             writes.append(store[leaf.box.index()].write(src, can_reference_source_data_indefinitely=True))

@@ -127,10 +127,10 @@ def maybe_compile(fn, compile: bool, options: dict | None):
 
 def _name_of(fn) -> str:
     """`fn`'s name (a partial's function's), for Dynamo's code object and logs."""
-    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step")
+    return str(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step"))
 
 
-def _probe_for_cpu(args: tuple) -> None:
+def _probe_for_cpu(args: Any) -> None:
     """Starts inductor's CPU vector-ISA probe beside Dynamo's trace when `args` hold a CPU tensor (once a process)."""
     if not cache.probe_started() and any(
         isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in optree.tree_leaves(args, none_is_leaf=False)
@@ -138,10 +138,13 @@ def _probe_for_cpu(args: tuple) -> None:
         cache.start_isa_probe()
 
 
-def _lift(args: tuple) -> tuple[dict, tuple, dict, dict]:
+def _lift(args: Any) -> tuple[dict, tuple, dict, dict]:
     """(trie of paths to the 0-d float64 CPU tensors, args with those as (1,) views, {i: view}, {i: tensor})."""
     paths, leaves, _ = optree.tree_flatten_with_path(args)
-    trie, views, originals, index = {}, {}, {}, {}
+    trie: dict = {}
+    views: dict = {}
+    originals: dict = {}
+    index: dict = {}
     for path, x in zip(paths, leaves):
         if not (
             type(x) is torch.Tensor

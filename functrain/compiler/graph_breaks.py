@@ -24,7 +24,7 @@ import torch._dynamo.exc as dynamo_exc
 
 __all__ = ["GraphBreakError", "explained", "describe"]
 
-_SKIP = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
+_SKIP = (os.path.dirname(torch.__file__ or "") + os.sep,) + (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
 )
 

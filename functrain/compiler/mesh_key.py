@@ -29,7 +29,7 @@ def _reduce_mesh(mesh):
     """DeviceMesh's default reduction without the per-process `_hash`."""
     state = mesh.__getstate__()
     state.pop("_hash", None)
-    return copyreg.__newobj__, (type(mesh),), state
+    return vars(copyreg)["__newobj__"], (type(mesh),), state  # (not in copyreg's stubs)
 
 
 def register() -> None:

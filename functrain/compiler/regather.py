@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -45,6 +46,11 @@ from functrain.compiler.marks import mark_forward_done, remat_barrier  # noqa: F
 __all__ = ["RegatherPass", "gathered_in_flight", "mark_forward_done", "regather"]
 
 _log = logging.getLogger(__name__)  # INFO: each compiled graph's gathered-params model (bench/sharded.py)
+
+
+def _renamed(new: dict, a):
+    """`a`'s copy in `new`, or `a` itself."""
+    return new.get(a, a)
 
 
 def _ops(*names: str) -> frozenset:
@@ -174,7 +180,7 @@ def regather(graph: torch.fx.Graph, prefetch: bool = True) -> int:
             new[wait] = graph.call_function(wait_op, (again,))
             new[wait].meta["val"] = wait.meta["val"]
             for n in sorted(need - {wait}, key=pos.__getitem__):
-                new[n] = graph.node_copy(n, lambda a, new=new: new.get(a, a))
+                new[n] = graph.node_copy(n, functools.partial(_renamed, new))
         for u in late:
             for a in set(u.all_input_nodes) & need:
                 u.replace_input_with(a, new[a])

@@ -103,9 +103,8 @@ def unlink_unused_sdpa_seeds(graph: torch.fx.Graph) -> int:
 
 def _dropout(node: torch.fx.Node, index: int) -> float:
     """The call's `dropout_p` (positional `index`, or keyword, default 0)."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get("dropout_p", 0.0)
+    p = node.args[index] if len(node.args) > index else node.kwargs.get("dropout_p", 0.0)
+    return float(p)  # type: ignore[arg-type]  # an fx argument: here a Python number
 
 
 def _empty_like(val):

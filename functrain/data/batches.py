@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from functrain.data.errors import DataError
+from functrain.data.tokens import ConcatTokens
 
 __all__ = ["get_batch", "eval_batches"]
 
@@ -59,7 +60,7 @@ def inputs_targets(windows: np.ndarray, device):
 
 
 def get_batch(
-    tokens: np.ndarray,
+    tokens: np.ndarray | ConcatTokens,
     *,
     batch_size: int,
     block_size: int,
@@ -95,7 +96,7 @@ def get_batch(
 
 
 def eval_batches(
-    tokens: np.ndarray,
+    tokens: np.ndarray | ConcatTokens,
     *,
     batch_size: int,
     block_size: int,

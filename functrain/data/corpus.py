@@ -53,6 +53,7 @@ from functrain.data.token_cache import FORMATS as TOKEN_CACHE_FORMATS
 from functrain.data.token_cache import open_token_cache, tokenize, tokenizer_id
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, slug
 from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
+from functrain.data.tokens import ConcatTokens
 
 __all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
 
@@ -77,8 +78,8 @@ class Dataset:
       >>> ds.decode(ds.train[:40])
     """
 
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | ConcatTokens
+    val: np.ndarray | ConcatTokens
     vocab_size: int
     tokenizer: Any
     info: dict
@@ -267,6 +268,7 @@ def _load_bin(path: Path, source: str, vocab_size: int | None, cache_dir) -> Dat
                 f"data.path {source!r}: {split}.bin has {size} bytes, not a whole number of "
                 f'{dtype} tokens; set "dtype" in meta.json'
             )
+    tokenizer: ByteTokenizer | VocabTokenizer | IdTokenizer
     if meta.get("tokenizer") == "bytes" or ("itos" not in meta and int(vocab) <= 256):
         tokenizer = ByteTokenizer()
     elif "itos" in meta:

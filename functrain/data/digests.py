@@ -38,8 +38,11 @@ def file_digest(path: str | os.PathLike) -> str:
     Example:
       >>> file_digest("data/shard-0.parquet")[:8]
     """
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _identity(st: os.stat_result) -> list[int]:
@@ -66,8 +69,8 @@ def file_digests(
     Example:
       >>> file_digests(sorted(Path("data").glob("*.jsonl")), memo="runs/x/data/digests.json")
     """
-    paths = [Path(p) for p in paths]
-    stats = [p.stat() for p in paths] if stats is None else list(stats)
+    files = [Path(p) for p in paths]
+    stats = [p.stat() for p in files] if stats is None else list(stats)
     known: dict = {}
     if memo is not None:
         try:
@@ -75,7 +78,7 @@ def file_digests(
         except (OSError, ValueError):
             known = {}
     out, fresh, changed = [], {}, False
-    for p, st in zip(paths, stats, strict=True):
+    for p, st in zip(files, stats, strict=True):
         key = str(p.resolve())
         ident = _identity(st)
         entry = known.get(key)

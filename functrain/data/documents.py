@@ -254,19 +254,22 @@ def read_unit(
                     len(piece),
                 )
         return
-    group, to_val, ends, nbytes, val_files = [], [], [], 0, set(unit["val"])
+    group: list = []
+    vals: list[bool] = []
+    ends: list[bool] = []
+    nbytes, val_files = 0, set(unit["val"])
     for rel, size, _ in unit["files"]:
         val = rel in val_files
         for piece, end in _pieces(root / rel, 0, size, chunk_bytes if raw else None):
             group.append(piece if raw else piece.decode("utf-8", errors="replace"))
-            to_val.append(val)
+            vals.append(val)
             ends.append(end)
             nbytes += len(piece)
             if len(group) >= _TEXT_BATCH or nbytes >= chunk_bytes:
-                yield group, np.array(to_val, bool), np.array(ends, bool), nbytes
-                group, to_val, ends, nbytes = [], [], [], 0
+                yield group, np.array(vals, bool), np.array(ends, bool), nbytes
+                group, vals, ends, nbytes = [], [], [], 0
     if group:
-        yield group, np.array(to_val, bool), np.array(ends, bool), nbytes
+        yield group, np.array(vals, bool), np.array(ends, bool), nbytes
 
 
 def _pieces(path: Path, start: int, stop: int, chunk: int | None) -> Iterator[tuple[bytes, bool]]:

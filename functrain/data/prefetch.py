@@ -79,7 +79,7 @@ class Prefetcher:
                         event.record(self._stream)
                 else:
                     batch, event = self.batch_at(step), None
-                item = (step, batch, event, None)
+                item: tuple[int, Any, Any, BaseException | None] = (step, batch, event, None)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the loop's thread by `get`
                 item = (step, None, None, exc)
             self.make_s += time.perf_counter() - t0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,7 +163,7 @@ class Sampler:
 
     def __init__(
         self,
-        sources: Sequence[tuple[str, object, float]],
+        sources: Sequence[tuple[str, Any, float]],
         *,
         batch_size: int,
         block_size: int,

@@ -208,7 +208,7 @@ def _column_texts(column, path: Path, row: int, bad_lines: BadLines) -> list:
         import pyarrow as pa
 
         raw = column.cast(pa.large_binary()).to_pylist()
-    out = []
+    out: list = []
     for i, value in enumerate(raw):
         if value is None:
             out.append(None)

@@ -314,6 +314,8 @@ def _pieces(
     """The (text, learned) pieces of one example (the end-of-text ids are the caller's)."""
     completion = train_on in ("completion", "all")
     if fmt == "messages":
+        if template is None:
+            raise DataError(f"{where}: a messages record is rendered by a chat template, and none was given")
         return _message_pieces(_field(record, fields, "messages", where), template, train_on, where)
     if fmt == "text":
         return [(_text(_field(record, fields, "text", where), where, "text"), True)]

@@ -274,7 +274,7 @@ def _run_share(mine, job, workers, log, label) -> None:
     progress.end()
 
 
-_READ = None  # in a worker process: the queue its bytes read go to
+_READ: Any = None  # in a worker process: the queue its bytes read go to
 
 
 def _start_worker(read) -> None:
@@ -484,7 +484,12 @@ def _wait_for_others(out: Path, units: list[dict], tok: str, rank: int, poll_s: 
 def _finish(out, units, content, kind, tok, tokenizer, text_field, val_fraction, source, log) -> None:
     """Rank 0, once every unit is done: both splits non-empty, temporaries removed, meta.json written (last)."""
     _remove_temporaries(out)
-    markers = [_marker(out, u, tok) for u in units]
+    found = [_marker(out, u, tok) for u in units]
+    markers = [m for m in found if m is not None]
+    if len(markers) != len(units):  # every unit was done when this started
+        raise DataError(
+            f"{out}: a unit's done marker went missing while the cache was finished; delete {out} and run again"
+        )
     _report_bad(markers, log)
     for empty, full in (("val", "train"), ("train", "val")):
         if not sum(m["tokens"][empty] for m in markers):
@@ -584,7 +589,7 @@ def open_token_cache(out: str | os.PathLike) -> tuple[ConcatTokens, ConcatTokens
     dtype = np.dtype(info["dtype"])
     splits = []
     for split in ("train", "val"):
-        arrays = []
+        arrays: list = []
         for u in info["units"]:
             path = out / split / f"{u['key']}.bin"
             n = u["tokens"][split]

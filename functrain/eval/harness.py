@@ -83,7 +83,7 @@ class FunctrainLM(LM):
         Example:
           >>> lm = FunctrainLM.from_checkpoint(task.eval_model, "runs/gpt/checkpoints/2500", fresh_params)
         """
-        params = ckpt_lib.restore(Path(step_dir), {"params": ckpt_lib.abstract(like)}).result()["params"]
+        params = ckpt_lib.restore(str(step_dir), {"params": ckpt_lib.abstract(like)}).result()["params"]
         return cls(model, params, **kwargs)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

@@ -40,7 +40,8 @@ def _candidate(line: str) -> bool:
 def _fit(context: str, choices: Sequence[str], tokenizer, block_size: int) -> str:
     """The longest tail of `context` (cut at a line start) that, with the longest choice, fits the block."""
     longest = max(len(tokenizer.encode(c)) for c in choices)
-    lines, chars = [], 0
+    lines: list[str] = []
+    chars = 0
     for line in reversed(_lines(context)):  # a generous bound first (16 characters a token): fewer encodes
         if chars + len(line) > 16 * (block_size + 1):
             break

@@ -64,7 +64,7 @@ class HFWeights:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as exc:
                 raise HFError(f"{index}: not a safetensors index ({exc!r}); re-save the model") from None
-            self._file_of = {name: self.directory / f for name, f in weight_map.items()}
+            self._file_of: dict | None = {name: self.directory / f for name, f in weight_map.items()}
         elif (self.directory / _SINGLE).exists():
             self._file_of = None
         else:
@@ -138,7 +138,7 @@ class HFWeights:
           >>> w.read("lm_head.weight", (1024, 0), (1024, 576))   # rows 1024..2047
         """
         h = self._open(self.file(name))
-        if offset is None:
+        if offset is None or local_shape is None:
             return h.get_tensor(name)
         index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
         return h.get_slice(name)[index] if index else h.get_tensor(name)

@@ -147,7 +147,7 @@ def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str
         whole = _full(t)  # a collective for a DTensor: every rank, even after a failed write
         if out is not None and failed is None:
             try:
-                out.write(whole.reshape(-1).view(torch.uint8).numpy())  # little-endian, as the format
+                out.write(whole.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # (a buffer) little-endian
             except OSError as exc:
                 failed = exc
         del whole
@@ -221,9 +221,9 @@ def _like(t: torch.Tensor, ref: Any, name: str, path: Path) -> Any:
     if hasattr(ref, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor
 
-        mesh = ref.device_mesh
+        dt: Any = ref  # a DTensor
         # Every rank read the same bytes: take the local shard without communication.
-        return distribute_tensor(t.to(mesh.device_type), mesh, ref.placements, src_data_rank=None)
+        return distribute_tensor(t.to(dt.device_mesh.device_type), dt.device_mesh, dt.placements, src_data_rank=None)
     return t if ref.device.type == "meta" else t.to(ref.device)
 
 

@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -521,7 +521,7 @@ def generate(
     squeeze = prompt_idx.ndim == 1
     idx = prompt_idx[None] if squeeze else prompt_idx  # (B, T0)
     key = key.to(idx.device)
-    block_size = block_size or model.cfg.block_size
+    context: int = block_size or cast(Any, model).cfg.block_size  # (a family's cfg)
     logits_fn = logits_fn or (lambda p, i: functional.apply(model, p, i))
     staged = any(parallel.is_dtensor(t) for t in params.values())
     if staged and (stages is None or head is None):
@@ -531,8 +531,8 @@ def generate(
         )
     with torch.no_grad():
         for i in range(max_new_tokens):
-            ctx = idx[:, -block_size:]  # (B, T<=block_size)
-            if staged:
+            ctx = idx[:, -context:]  # (B, T<=block_size)
+            if stages is not None and head is not None and staged:
                 logits = _staged_logits(stages, head, params, ctx, parallel.gather)[:, -1, :].float()  # (B, V)
             else:
                 logits = logits_fn(params, ctx)[:, -1, :].float()  # (B, V)
@@ -583,7 +583,7 @@ def eval_model(
         """(B, T, V) logits of `idx`; DTensor params gathered a stage at a time (or whole without stages)."""
         if not any(parallel.is_dtensor(t) for t in params.values()):
             return plain(params, idx)
-        if stages is None:
+        if stages is None or head is None:
             return plain(parallel.gather(params), idx)
         return _staged_logits(stages, head, params, idx, parallel.gather)
 

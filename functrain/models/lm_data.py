@@ -108,8 +108,8 @@ def finish_text(dataset, sample, generate: Callable, device) -> dict:
             "answer": dataset.answer(out[0, len(prompt) :].tolist()),
             "expected": expected,
         }
-    prompt = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
-    return {"sample": dataset.decode(generate(prompt, sample.max_new_tokens)[0].tolist())}
+    ids = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
+    return {"sample": dataset.decode(generate(ids, sample.max_new_tokens)[0].tolist())}
 
 
 def supervised_format(data) -> str:
@@ -122,8 +122,9 @@ def supervised_format(data) -> str:
     fmt = data.get("format", "auto")
     if fmt != "auto":
         return fmt
-    if data_lib.builtin_format(str(data.path)):  # "stdlib:messages", "stdlib:prompt_completion"
-        return data_lib.builtin_format(str(data.path))
+    builtin = data_lib.builtin_format(str(data.path))
+    if builtin:  # "stdlib:messages", "stdlib:prompt_completion"
+        return builtin
     if data.get("sources") or not data_lib.is_shard_source(str(data.path)):
         return "text"
     record = data_lib.first_record(str(data.path))
@@ -246,7 +247,7 @@ def validation_text(config) -> Callable[[], list[str]]:
 
     def read() -> list[str]:
         """The held-out documents of every text source."""
-        out = []
+        out: list[str] = []
         for _, path, _ in data_lib.parse_mixture(config.data):
             here = Path(path).expanduser()
             if path != "stdlib" and (here.is_dir() and ((here / "val.bin").exists() or (here / "meta.json").exists())):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -181,6 +181,28 @@ def _rank() -> tuple[int, bool]:
     """(this process's rank, whether torch.distributed is up)."""
     up = torch.distributed.is_available() and torch.distributed.is_initialized()
     return (torch.distributed.get_rank() if up else 0), up
+
+
+@overload
+def exporter(
+    export: Callable,
+    model: nn.Module,
+    spec: lora.LoraSpec | None,
+    *,
+    hf_name: Callable[[str], str] | None,
+    base_model: str = "",
+) -> Callable: ...
+
+
+@overload
+def exporter(
+    export: None,
+    model: nn.Module,
+    spec: lora.LoraSpec | None,
+    *,
+    hf_name: Callable[[str], str] | None,
+    base_model: str = "",
+) -> None: ...
 
 
 def exporter(

@@ -114,8 +114,8 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Module, spec: LoraSpec):
         super().__init__()
         self.fan_in_fan_out = not isinstance(base, nn.Linear)  # Conv1D keeps its weight as (in, out)
-        self.weight = base.weight
-        self.bias = base.bias
+        self.weight: torch.Tensor = base.weight  # type: ignore[assignment]  # (a Module attribute, typed loosely)
+        self.bias: torch.Tensor | None = base.bias  # type: ignore[assignment]
         n_in, n_out = self.weight.shape[::-1] if not self.fan_in_fan_out else self.weight.shape
         device, dtype = self.weight.device, self.weight.dtype
         self.in_features, self.out_features = int(n_in), int(n_out)

@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +32,7 @@ __all__ = ["add", "addcmul", "copy_", "device_scalars", "div", "lerp", "mul", "n
 _PER_TENSOR = False
 _DEVICE_SCALARS = False
 
-Tensors = Sequence[torch.Tensor]
+Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]  # as torch._foreach_* take them
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # (anything else is a subclass such as DTensor)
 
 

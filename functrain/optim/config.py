@@ -81,8 +81,8 @@ def from_config(c: Any, steps: int) -> Transform:
     """
     lr = schedule_from_config(c, steps)
     if c.name == "adamw":
-        dtypes = {k: precision_lib.parse_dtype(c[k]) for k in ("mu_dtype", "nu_dtype")}
-        base = adamw(lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask, **dtypes)
+        mu_dtype, nu_dtype = (precision_lib.parse_dtype(c[k]) for k in ("mu_dtype", "nu_dtype"))
+        base = adamw(lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
     else:
         base = sgd(lr, momentum=c.momentum, weight_decay=c.weight_decay, mask=decay_mask)
     return chain(clip_by_global_norm(c.clip), base) if c.clip > 0 else base

@@ -61,7 +61,7 @@ def _hyper(like: torch.Tensor, **values) -> dict[str, torch.Tensor]:
 class ScaleByAdamState(NamedTuple):
     """Adam moments: `count` updates done, first moment `mu`, second moment `nu`; `hyper`: b1, b2, eps."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's field name (it shadows tuple.count)
     mu: PyTree
     nu: PyTree
     hyper: dict = {}
@@ -287,7 +287,7 @@ class ScaleByLearningRateState(NamedTuple):
     """Update counter, the learning rate used by the latest update (for logging), and `hyper`: the
     rate ("lr") or its schedule's constants."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # optax's field name (it shadows tuple.count)
     lr: torch.Tensor
     hyper: dict = {}
 
@@ -342,6 +342,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
       >>> optim.scale_by_learning_rate(optim.warmup_cosine(3e-4, 100, 5000))
     """
 
+    defaults: dict[str, Any]
     if isinstance(learning_rate, Schedule):
         defaults = learning_rate.hyper
     elif callable(learning_rate):  # a plain function: its constants are its own (not settable)

@@ -299,7 +299,8 @@ class _ZigzagFlash(torch.autograd.Function):
         chunks = _KeyChunks(k, v, group, world, rank, stream)
         heads, c = q.shape[1], q.shape[2] // 2
         mine = (rank, 2 * world - 1 - rank)  # this rank's chunks, as sequence chunk indices
-        outs, lses = [None, None], [None, None]
+        outs: list[Any] = [None, None]
+        lses: list[Any] = [None, None]
         for jk in range(2 * world):
             kc, vc = chunks(jk)  # (B, Hkv, c, D) each
             for h, jq in enumerate(mine):
@@ -344,7 +345,7 @@ class _ZigzagFlash(torch.autograd.Function):
             # zero, computed from the output's cotangent: a streamed chunk's gradient starts from it,
             # so its all-reduce stays in the backward even where this rank adds nothing to the chunk
             # (a compiled graph would move an all-reduce of plain zeros into the forward on that rank only)
-            nil = grad.reshape(-1)[:1].float() * 0 if ctx.stream else None
+            nil: Any = grad.reshape(-1)[:1].float() * 0 if ctx.stream else None
             for jk in range(2 * n):
                 kc, vc = chunks(jk)
                 if ctx.stream:  # this chunk's gradient from this rank's queries, (2, B, Hkv, c, D)
@@ -590,7 +591,7 @@ def context_parallel(model: nn.Module, split: Split | None) -> nn.Module:
     if split is None:
         return model
     out = meta_copy(model)
-    aware = [m for m in out.modules() if hasattr(m, "context")]
+    aware: list[Any] = [m for m in out.modules() if hasattr(m, "context")]
     if not aware:
         raise ValueError(
             f"context_parallel: no module of {type(model).__name__} has a `context` attribute, "

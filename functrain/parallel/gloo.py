@@ -25,24 +25,30 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["backend", "is_gloo", "is_gloo_backend", "premise_problem", "threads_of", "threads_of_backend"]
+__all__ = ["backend", "is_gloo", "is_gloo_backend", "options", "premise_problem", "threads_of", "threads_of_backend"]
 
 _PREFIX = "functrain_gloo"
+
+
+def options() -> Any:
+    """A new `ProcessGroupGloo` options object (torch keeps its type private: `_Options`)."""
+    return getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 (private in torch's stubs)
 
 
 def _create(threads: int, opts, backend_options):
     """The backend registry's creator: a ProcessGroupGloo with `threads` worker threads."""
     gloo = dist.ProcessGroupGloo
-    options = gloo._Options()
+    made = options()
     timeout = getattr(backend_options, "_timeout", None)  # a mesh axis's own (backend_override)
-    options._timeout = timeout if isinstance(timeout, datetime.timedelta) else opts.timeout
-    options._devices = [gloo.create_default_device()]
-    options._threads = threads
-    group = gloo(opts.store, opts.group_rank, opts.group_size, options)
+    made._timeout = timeout if isinstance(timeout, datetime.timedelta) else opts.timeout
+    made._devices = [gloo.create_default_device()]
+    made._threads = threads
+    group = gloo(opts.store, opts.group_rank, opts.group_size, made)
     group.options.global_ranks_in_group = opts.global_ranks_in_group
     group.options.group_name = opts.group_id
     return group
@@ -150,7 +156,7 @@ def premise_problem() -> str | None:
     """
     if not dist.is_available() or not dist.is_gloo_available():
         return "this torch has no gloo"
-    threads = dist.ProcessGroupGloo._Options()._threads
+    threads = options()._threads
     if threads != 2:
         return f"gloo's default is {threads} worker threads, not 2"
     if not {"extended_api", "devices"} <= set(inspect.signature(dist.Backend.register_backend).parameters):

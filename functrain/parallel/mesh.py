@@ -230,7 +230,7 @@ def _backend_override(timeout_s: float | None, sizes: dict, world: int, gloo_thr
     name = gloo.backend(gloo_threads) if on_gloo else default
     opts = None
     if timeout_s is not None:
-        opts = dist.ProcessGroupGloo._Options() if on_gloo else dist.ProcessGroupNCCL.Options()
+        opts = gloo.options() if on_gloo else dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
     return {axis: (name, opts) for axis in axes}
 

@@ -150,7 +150,7 @@ class Pipeline:
 
 
 def place(
-    loss_fn: StagedLoss, params: Params, *, group=None, rank: int | None = None, world: int | None = None
+    loss_fn: Callable, params: Params, *, group=None, rank: int | None = None, world: int | None = None
 ) -> Pipeline:
     """Cuts `loss_fn`'s stages over the pipeline ranks and returns this rank's share.
 
@@ -285,7 +285,7 @@ def _all_reduce(x: torch.Tensor, pipe: Pipeline) -> torch.Tensor:
     """`x` summed over the pipeline group (traceable: a functional collective)."""
     if pipe.world == 1:
         return x
-    group = pipe.group if pipe.group is not None else dist.group.WORLD
+    group: Any = pipe.group if pipe.group is not None else dist.group.WORLD
     out = funcol.all_reduce(x, "sum", group)
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
@@ -306,12 +306,12 @@ class _Wire:
         self.posted: dict = {}  # (source, tag) -> (work, buffer): receives posted ahead of their action
         self.shapes: dict = {}  # batch signature -> (shape, dtype) of the activation this rank receives
 
-    def send(self, x: torch.Tensor, to: int, tag: int) -> None:
+    def send(self, x: torch.Tensor, to: int | None, tag: int) -> None:
         """Sends `x` without waiting (kept alive until `flush`)."""
         x = x.detach().contiguous()
         self.pending.append((dist.isend(x, to, group=self.pipe.group, tag=tag), x))
 
-    def recv(self, shape, dtype, device, frm: int, tag: int) -> torch.Tensor:
+    def recv(self, shape, dtype, device, frm: int | None, tag: int) -> torch.Tensor:
         """Receives a tensor of `shape` and `dtype` (blocks until it arrives; posted ahead or now)."""
         posted = self.posted.pop((frm, tag), None)
         with torch.profiler.record_function(RANGE_RECV):

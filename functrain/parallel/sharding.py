@@ -80,7 +80,7 @@ def tp_rules(kinds: Sequence[tuple[str, str]], axis: str = TP_AXIS) -> list[Rule
       >>> tp_rules([("mlp.fc", "colwise"), (".*", "replicate")])
       [('mlp.fc', {'tp': 'colwise'}), ('.*', {'tp': 'replicate'})]
     """
-    out = []
+    out: list[Rule] = []
     for pattern, kind in kinds:
         if kind not in _TP_KINDS:
             raise ValueError(f"tensor-parallel kind must be one of {_TP_KINDS}, got {kind!r} for {pattern!r}")
@@ -362,7 +362,7 @@ def shard_state(
         opt_state=opt_state,
         step=state.step.clone(),
         rng=state.rng.clone(),
-        guard=tree_lib.map(torch.clone, state.guard),
+        guard=type(state.guard)(*(torch.clone(t) for t in state.guard)),
         model_state=tree_lib.map(torch.clone, state.model_state),  # replicated: plain tensors on every rank
     )
 

@@ -158,9 +158,8 @@ class Spmd(Layout):
         self.dp_dims = [i for i, n in enumerate(names) if n in GRAD_AXES and mesh.size(i) > 1]
         self.dp_rank, self.dp_world = dp_coordinates(mesh)
         self.cp_dim = names.index(CP_AXIS) if CP_AXIS in names else None  # the mesh dim of cp, if any
-        self.cp_rank, self.cp_world = (
-            (mesh.get_local_rank(CP_AXIS), mesh.size(self.cp_dim)) if self.cp_dim is not None else (0, 1)
-        )
+        self.cp_rank: int = mesh.get_local_rank(CP_AXIS) if self.cp_dim is not None else 0
+        self.cp_world: int = mesh.size(self.cp_dim) if self.cp_dim is not None else 1
         # read by the "auto" route; on a CUDA mesh the groups' gloo half never sees a gradient
         self._gloo = {d: mesh.device_type == "cpu" and gloo.is_gloo(mesh.get_group(d)) for d in self.dp_dims}
 
@@ -289,7 +288,7 @@ class Spmd(Layout):
         gradients of the position tables in `rows` (`gather`) arrive summed over cp on their rows."""
         kept = self._rows_on_cp(params, rows)
         if kept:
-            out = self.reduce_grads(
+            done = self.reduce_grads(
                 {n: g for n, g in grads.items() if n not in kept}, {n: p for n, p in params.items() if n not in kept}
             )
             for n in kept:
@@ -302,8 +301,8 @@ class Spmd(Layout):
                 cp_sum = DTensor.from_local(
                     grads[n] / self.cp_world, self.mesh, src, run_check=False, shape=p.shape, stride=p.stride()
                 )
-                out[n] = cp_sum.redistribute(self.mesh, p.placements)
-            return {n: out[n] for n in grads}
+                done[n] = cp_sum.redistribute(self.mesh, p.placements)
+            return {n: done[n] for n in grads}
         ps, spec = tree_lib.flatten(params)
         gs = spec.flatten_up_to(grads)
         out: list = [None] * len(ps)
@@ -333,8 +332,8 @@ class Spmd(Layout):
             for i, c in zip(idx, chunks):
                 g = gs[i]
                 size = c * _row_numel(g)
-                rows = max(0, min(c, ps[i].shape[0] - r * c))  # this rank's rows (torch.chunk)
-                out[i] = self._wrap(mine[off : off + size].view(c, *g.shape[1:])[:rows], ps[i])
+                held = max(0, min(c, ps[i].shape[0] - r * c))  # this rank's rows (torch.chunk)
+                out[i] = self._wrap(mine[off : off + size].view(c, *g.shape[1:])[:held], ps[i])
                 off += size
         for i in other:
             p = ps[i]
@@ -495,6 +494,8 @@ def global_norm(xs: list, *, fused: bool = False) -> torch.Tensor:
         for d in dims:
             sq = wait(funcol.all_reduce(sq, "sum", (mesh, d)))
         total = sq if total is None else total + sq
+    if total is None:  # no tensors
+        return torch.zeros((), dtype=torch.float32)
     return total.sqrt().to(torch.float32)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -173,7 +174,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     Example:
       >>> template = meta_copy(model)  # then swap its Linears for tensor-parallel ones
     """
-    memo = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, DeviceMesh)}
+    memo: dict[int, Any] = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, DeviceMesh)}
     memo.update(
         {
             id(v): v
@@ -293,9 +294,9 @@ def adapter_rules(model: nn.Module, rules: Sequence[Rule]) -> list[Rule]:
             "replicate",
         )
         kind = {Shard(0): "colwise", Shard(1): "rowwise"}.get(spec, spec) if isinstance(spec, Shard) else spec
-        own = {
+        own: dict[str, str] = {
             "colwise": {"lora_A": "replicate", "lora_B": "colwise"},
             "rowwise": {"lora_A": "rowwise", "lora_B": "replicate"},
-        }.get(kind, {})
+        }.get(str(kind), {})
         first.append((f"^{re.escape(name)}$", {TP_AXIS: own.get(which, "replicate")}))
     return first + list(rules)

@@ -201,7 +201,8 @@ def accumulated_value_and_grad(
                 loss_fn, params, mb, k, _times(loss_scale, w), model_state=ms, keyed=False
             )
             aux = tree_lib.map(lambda a: a * w, aux)
-            return (tree_lib.map(torch.add, sums, (grads, aux)), ms), torch.zeros(())
+            step: Any = (grads, aux)
+            return (tree_lib.map(torch.add, sums, step), ms), torch.zeros(())
 
         probe_aux = _zeros_aux(loss_fn, params, micro, keys, model_state)
         init = ((tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux), model_state)
@@ -252,8 +253,8 @@ def _zeros_aux(loss_fn, params, micro, keys, model_state):
             "accum_impl='scan' cannot key the random draws of the loss's modules (dropout and the "
             "like; torch's scan body cannot enter a torch function mode): use accum_impl='unroll'"
         )
-    aux = {M.LOSS: loss, **aux}
-    return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), aux)
+    metrics: Any = {M.LOSS: loss, **aux}
+    return tree_lib.map(lambda a: torch.zeros_like(a, dtype=torch.float32), metrics)
 
 
 def with_frozen(loss_fn: LossFn, frozen: PyTree) -> LossFn:

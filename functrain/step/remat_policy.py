@@ -63,4 +63,4 @@ def recomputed_blocks(policy: str | int, n_blocks: int) -> list[bool]:
         return [False] * n_blocks
     if policy == "full":
         return [True] * n_blocks
-    return [(i + 1) % policy == 0 for i in range(n_blocks)]
+    return [(i + 1) % int(policy) == 0 for i in range(n_blocks)]

@@ -470,9 +470,10 @@ def _barrier_tree(params: Params, after: torch.Tensor) -> Params:
     out = {}
     for name, p in params.items():
         if is_dtensor(p):
-            local = remat_barrier(p.to_local(), after)
-            p = type(p).from_local(
-                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            d: Any = p  # a DTensor
+            local = remat_barrier(d.to_local(), after)
+            p = type(d).from_local(
+                local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
             )
         else:
             p = remat_barrier(p, after)

@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -326,7 +326,7 @@ class _GroupedFinish:
 
     def __init__(self, spec: _TrainSpec, lay: Layout, loss_fn, piece, whole):
         self.spec, self.lay, self.blocks, self.piece, self.whole = spec, lay, loss_fn.blocks, piece, whole
-        self.chosen = None
+        self.chosen: Callable | None = None
 
     def __call__(self, state: TrainState, aux: dict, grads: PyTree):
         if self.chosen is None:
@@ -489,7 +489,8 @@ def make_eval_step(
             frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
             with torch.no_grad():
                 if per_stage:  # each stage gathers its own params
-                    loss, aux = with_frozen(loss_fn, frozen).apply_sharded(params, batch, None, layout=lay)
+                    staged: Any = with_frozen(loss_fn, frozen)  # a StagedLoss
+                    loss, aux = staged.apply_sharded(params, batch, None, layout=lay)
                 else:
                     loss, aux, _ = call_loss(
                         with_frozen(loss_fn, lay.gather(frozen)), lay.gather(params), batch, None, model_state

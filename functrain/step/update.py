@@ -158,12 +158,13 @@ def _fused_in_place(
 ):
     """`apply_gradients` + donation through the optimizer's fused kernel (eager, local params), or None where it
     cannot run."""
-    if not compiler.eager_autograd_ok() or layout_of(state.params) is not LOCAL:
+    fused = optimizer.fused
+    if fused is None or not compiler.eager_autograd_ok() or layout_of(state.params) is not LOCAL:
         return None
     metrics = dict(aux)
     metrics[M.GRAD_NORM] = grad_norm = LOCAL.global_norm(grads)
     ok = update_ok(grad_norm, metrics) if guarded else torch.ones((), dtype=torch.bool, device=grad_norm.device)
-    opt_state = optimizer.fused(state.params, grads, state.opt_state, norm=grad_norm, found_inf=(~ok).float())
+    opt_state = fused(state.params, grads, state.opt_state, norm=grad_norm, found_inf=(~ok).float())
     if opt_state is None:  # tensors the kernel does not take: nothing was touched
         return None
     guard = guard_after(state.guard, ok, prec, metrics) if guarded else state.guard

@@ -130,7 +130,8 @@ def _meta(params: dict, names: Sequence[str], as_names: Sequence[str]) -> dict:
 
 def _mask_log(optimizer: optim.Transform, params: dict) -> list:
     """The masks the optimizer resolves on `params` (meta tensors) in its init and one update."""
-    optim_base._MASK_LOG = log = []
+    log: list = []
+    optim_base._MASK_LOG = log
     try:
         state = optimizer.init(params)
         optim.call_update(optimizer, params, state, params, norm=torch.ones((), device="meta"))

@@ -150,6 +150,7 @@ def check(saved_record: dict | None, current: dict | None, where: str) -> None:
     if saved_record is None and current is None:
         return
     if current is None:
+        assert saved_record is not None  # (both None returned above)
         raise FrozenMismatch(
             f"{where} holds LoRA adapters trained over a frozen base ({saved_record['source']}), and this run trains "
             "every param; resume it with the same --config.lora.* flags, or start a new --workdir"

@@ -422,7 +422,7 @@ def _write_run_info(config, workdir: Path) -> None:
 
 def _writers(tensorboard: bool, workdir: Path, print_fn) -> list:
     """The main process's file writers: metrics.jsonl always, TensorBoard events when asked and installed."""
-    out = [metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
+    out: list = [metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
     if tensorboard and tensorboard_lib.available():
         out.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
     elif tensorboard:

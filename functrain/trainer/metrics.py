@@ -185,7 +185,7 @@ class Throughput:
         self.peak_flops = peak_flops
         self.total_steps = total_steps
         self.probe = probe
-        self._t0 = None
+        self._t0: float | None = None
         self._step0 = 0
 
     def start(self, step: int) -> None:

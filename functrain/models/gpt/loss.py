@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -133,7 +134,7 @@ def make_loss_fn(
     head = head_name({n for n, _ in model.named_parameters()})
     return lm.make_lm_loss_fn(
         model,
-        gpt_lib.stages(model),
+        gpt_lib.stages(cast(gpt_lib.GPT, model)),
         head=head,
         chunk_size=chunk_size,
         ignore_index=ignore_index,

@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -112,7 +112,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                 temperature=sample.temperature,
                 top_k=sample.top_k or None,
                 key=key,
-                stages=gpt_lib.stages(template),
+                stages=gpt_lib.stages(cast(gpt_lib.GPT, template)),
                 head=head_name(params),
             ),
             ctx.device,
@@ -150,7 +150,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             template,
             dataset.tokenizer,
             block_size=cfg.block_size,
-            stages=gpt_lib.stages(template),
+            stages=gpt_lib.stages(cast(gpt_lib.GPT, template)),
             head=head_name(dict(template.named_parameters())),
         ),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
-
 from functrain import functional
 from functrain.models import lm
-from functrain.models.hf.model import StagingError, check_stages, head_name, stages
+from functrain.models.hf.model import HFModel, StagingError, check_stages, head_name, stages
 
 __all__ = ["make_loss_fn"]
 
 
 def make_loss_fn(
-    model: nn.Module,
+    model: HFModel,
     *,
     chunk_size: int = 0,
     ignore_index: int = -1,
     remat: str | int = "none",
     staged: bool = False,
-    probe: nn.Module | None = None,
+    probe: HFModel | None = None,
 ) -> Callable:
     """`loss_fn(params, (x, y), key) -> (loss, {})` of a transformers causal LM.
 

@@ -33,7 +33,7 @@ import re
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -44,6 +44,8 @@ from functrain.config import ConfigError
 from functrain.models.lm import LMStages
 from functrain.nn import randomness
 from functrain.step.staged import Stage
+
+HFModel = Any  # a transformers PreTrainedModel (or a part of one); transformers is optional
 
 __all__ = [
     "HFModelError",
@@ -182,7 +184,7 @@ class _ParamWrites(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.params: dict[int, nn.Parameter] = {}  # storage -> the parameter on it (kept alive)
+        self.params: dict[int, torch.Tensor] = {}  # storage -> the parameter on it (kept alive)
         self.writes: dict[int, list[_Write]] = {}  # id(parameter) -> its writes, in order
         self.empty: dict[int, torch.Tensor] = {}  # storages made uninitialized (torch.empty and the like)
 
@@ -216,7 +218,7 @@ class _ParamWrites(TorchFunctionMode):
             self.empty[out.untyped_storage()._cdata] = out  # (kept alive: its storage's id stays its own)
         return out
 
-    def by_name(self, model: nn.Module) -> dict[str, list[_Write] | torch.Tensor]:
+    def by_name(self, model: HFModel) -> dict[str, list[_Write] | torch.Tensor]:
         """Each parameter's recorded writes, or, for one never written, its value as built."""
         out = {}
         for n, p in model.named_parameters():
@@ -238,7 +240,7 @@ class _ParamWrites(TorchFunctionMode):
 _INITS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()  # template -> its parameters' writes
 
 
-def _params_to_meta(model: nn.Module) -> None:
+def _params_to_meta(model: HFModel) -> None:
     """Moves every parameter to meta in place, tied ones staying one object."""
     moved: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -249,7 +251,7 @@ def _params_to_meta(model: nn.Module) -> None:
                 module._parameters[name] = moved[id(p)]
 
 
-def decoder_layers(model: nn.Module) -> str:
+def decoder_layers(model: HFModel) -> str:
     """The dotted name of the model's decoder layer list (e.g. "model.layers", "transformer.h").
 
     Args:
@@ -275,7 +277,7 @@ def decoder_layers(model: nn.Module) -> str:
     )
 
 
-def tp_rules(model: nn.Module) -> list[tuple[str, str]]:
+def tp_rules(model: HFModel) -> list[tuple[str, str]]:
     """Tensor-parallel rules from the model's own plan (`config.base_model_tp_plan`), for `parallel.default_rules`.
 
     Args:
@@ -309,14 +311,14 @@ def tp_rules(model: nn.Module) -> list[tuple[str, str]]:
     return rules + [(r".*", "replicate")]
 
 
-def head_name(model: nn.Module) -> str:
+def head_name(model: HFModel) -> str:
     """The output projection's weight: `lm_head.weight`, or the input embedding's when they are tied."""
     names = {id(p): n for n, p in model.named_parameters()}
     return names[id(model.get_output_embeddings().weight)]
 
 
 def init_params(
-    template: nn.Module,
+    template: HFModel,
     key: torch.Tensor,
     *,
     device=None,
@@ -389,7 +391,7 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _view(base: nn.Module, layers: str, norm_name: str, keep: list[int], side: bool, norm: bool) -> nn.Module:
+def _view(base: HFModel, layers: str, norm_name: str, keep: list[int], side: bool, norm: bool) -> nn.Module:
     """A shallow copy of the base model running layers `keep`, its embedding side on or off, its final norm or not."""
     view = copy.copy(base)
     view._modules = dict(base._modules)
@@ -405,7 +407,7 @@ def _view(base: nn.Module, layers: str, norm_name: str, keep: list[int], side: b
     return view
 
 
-def _final_norm(base: nn.Module, layers: str) -> str:
+def _final_norm(base: HFModel, layers: str) -> str:
     """The name of the base model's final norm: its last child with parameters whose class is a norm."""
     norms = [
         n
@@ -417,7 +419,7 @@ def _final_norm(base: nn.Module, layers: str) -> str:
     return norms[-1]
 
 
-def stages(model: nn.Module, share: bool = True) -> LMStages:
+def stages(model: HFModel, share: bool = True) -> LMStages:
     """The model's forward cut into stages at its decoder layers (see the module docstring).
 
     Args:
@@ -531,7 +533,7 @@ _PROBE_NUMEL = 1 << 26  # a model of at most this many parameters is probed whol
 _PROBE_RTOL = 1e-4  # the same ops in another order differ by float32 rounding: ~1e-6 relative
 
 
-def check_stages(model: nn.Module) -> bool:
+def check_stages(model: HFModel) -> bool:
     """Checks `stages(model)` on a probe batch: the stages composed must equal the base model's forward.
 
     The probe is 2 x 8 token ids through params from `init_params` on the CPU, in eval mode: the
@@ -579,7 +581,7 @@ def check_stages(model: nn.Module) -> bool:
         ) from None
 
 
-def _probe(st: LMStages, reference: nn.Module, path: str, keep: list[int], p: dict, x: torch.Tensor) -> bool:
+def _probe(st: LMStages, reference: HFModel, path: str, keep: list[int], p: dict, x: torch.Tensor) -> bool:
     """`check_stages` on params `p` and ids `x`: raises when the stages composed differ from `reference`'s
     forward; whether each block equals its shared function."""
     device = x.device

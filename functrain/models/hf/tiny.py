@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = ["TINY", "model_directory", "write_tiny"]
 
@@ -52,7 +53,7 @@ def write_tiny(directory: str | os.PathLike, model_type: str, **overrides) -> Pa
 
     values = {**TINY, **overrides}
     config = transformers.AutoConfig.for_model(model_type, **values)
-    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    model_class: Any = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     config.architectures = [model_class.__name__]
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

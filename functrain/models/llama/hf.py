@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -203,12 +203,11 @@ def load_hf_params(
         offset, local = where(name, p.shape) if where is not None else (None, None)
         out[name] = weights.read(theirs, offset, local).to(device=device, dtype=dtype)
     # The tied head may be stored too (some writers do); other leftovers mean another model.
+    tied = cast(Any, model).cfg.tie_embeddings
     extra = sorted(
         n
         for n in weights.names()
-        if n not in wanted
-        and not n.endswith("rotary_emb.inv_freq")
-        and not (n == "lm_head.weight" and model.cfg.tie_embeddings)
+        if n not in wanted and not n.endswith("rotary_emb.inv_freq") and not (n == "lm_head.weight" and tied)
     )
     if extra:
         raise HFError(

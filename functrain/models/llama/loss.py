@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 from torch import nn
 
@@ -43,7 +44,7 @@ def make_loss_fn(
     """
     return lm.make_lm_loss_fn(
         model,
-        llama_lib.stages(model),
+        llama_lib.stages(cast(llama_lib.Llama, model)),
         head=head_name(model.cfg),
         chunk_size=chunk_size,
         ignore_index=ignore_index,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -176,7 +176,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
                 temperature=sample.temperature,
                 top_k=sample.top_k or None,
                 key=key,
-                stages=llama_lib.stages(template),
+                stages=llama_lib.stages(cast(llama_lib.Llama, template)),
                 head=head_name(cfg),
             ),
             ctx.device,
@@ -210,7 +210,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         export=export,
         frozen=lm_lora.frozen(lora_spec),
         eval_model=lm.eval_model(
-            template, dataset.tokenizer, block_size=seq, stages=llama_lib.stages(template), head=head_name(cfg)
+            template,
+            dataset.tokenizer,
+            block_size=seq,
+            stages=llama_lib.stages(cast(llama_lib.Llama, template)),
+            head=head_name(cfg),
         ),
         validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
     )
