@@ -60,7 +60,7 @@ def _args():
         "--exact-heap",
         action="store_true",
         help="CPU: blocks of 64 KiB or more mapped and handed back one by one, so the resident set "
-        "follows live memory (bench/_mem.exact)",
+        "follows live memory (exact in bench/_mem.py)",
     )
     p.add_argument("--json", action="store_true")
     return p.parse_args()

@@ -1,14 +1,6 @@
 """functrain: a JAX-free functional trainer for PyTorch.
 
-Pure state (`TrainState`, one pytree), pure compiled steps (`make_train_step`), composable
-optax-style optimizers (`functrain.optim`), explicit RNG keys (`functrain.rng`); the trainer
-(`functrain.trainer`, `python -m functrain.main`) runs any model family's `Task` (the GPT:
-`functrain.models.gpt`) and is built on the library, which never imports it.
-
-The top level holds what a user composes (the state, the steps, `apply`, and the packages `optim`,
-`rng`, `tree`, `nn`, `data`, `checkpoint`, `parallel`, `losses`, `step`); everything else stays in
-its submodule (docs/layers.md). The names load on first use (`functrain._lazy`): `import functrain`
-alone does not import torch, so the command line checks a config before the heavy modules load.
+Internals: docs/internals.md "functrain".
 """
 
 from typing import TYPE_CHECKING

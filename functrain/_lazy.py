@@ -1,10 +1,6 @@
 """Lazy re-exports for package `__init__`s (PEP 562; the idea of Scientific Python's SPEC 1).
 
-A package writes its public imports once, under `if TYPE_CHECKING:` (what readers and static tools
-see), and `lazy_exports` turns each of them into a name that is imported on first use. So
-`import functrain` (which every config file does, for `functrain.trainer.defaults`) does not import torch,
-and `python -m functrain.main` checks the flags and the config in ~0.4 s before the heavy modules
-load (~3 s of torch, TensorStore and the compiler).
+Internals: docs/internals.md "functrain._lazy".
 
 Example (a package's `__init__.py`):
     >>> from typing import TYPE_CHECKING

@@ -1,16 +1,6 @@
 """Run-config checks every layer shares, and the mesh a config asks for: plain Python, no torch.
 
-A check is data: `(key, predicate, valid range in words)`; `relation` checks several keys together
-(n_head dividing n_embd), `check_batch` the batch against the mesh. The optimizer's checks
-(`functrain.optim.checks`), each model family's (its `checks.py`) and the trainer's
-(`functrain.trainer.validate.LOOP_CHECKS`) sit beside the code that reads them and use these helpers.
-Nothing here imports torch: `python -m functrain.main` runs every check before the heavy modules
-load. `check_all` raises one `ConfigError`:
-
-    functrain: error: batch_size=0 is out of range: an integer >= 1 (--config.batch_size)
-
-`mesh_shape` resolves a config's mesh axis sizes for a number of processes (`functrain.parallel`
-re-exports it).
+Internals: docs/internals.md "functrain.config".
 
 Example:
     >>> check_all(config, [("model.n_layer", int_at_least(1))])

@@ -1,17 +1,6 @@
 """`apply(model, params, *args)`: a module's forward with `params` in place of its parameters.
 
-This is `torch.func.functional_call` with the module's tied names (the GPT's `lm_head.weight` is
-`wte.weight`) looked up once per module instead of at every call. functional_call's own weight
-tying walks every parameter and buffer of the module on each call; traced by torch.compile, that
-walk was 12% of a tiny GPT train step's Dynamo trace (docs/results.md, "Compile time"). Here the
-groups of tied names are a constant of the module (`tied_names`, which torch.compile calls
-instead of tracing), and functional_call runs with `tie_weights=False` on a dict that already
-names every tied copy.
-
-Any module: `model_state=` passes its buffers (BatchNorm statistics) in and returns the updated
-ones (`functrain.nn.model_state`); the module runs in the mode the enclosing step asks for
-(`functrain.nn.mode`), and a meta template that would compute with a tensor nobody replaced is
-refused in one line (`functrain.nn.meta`).
+Internals: docs/internals.md "functrain.functional".
 
 Example:
     >>> logits = functional.apply(model, state.params, x, dropout_key=key)   # (B, T, V)

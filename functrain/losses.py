@@ -1,25 +1,6 @@
 """Memory-lean language-model loss: cross-entropy through an output projection, chunked.
 
-The next-token loss of a GPT is `cross_entropy(hidden @ weight.T, targets)` with `hidden` (N, C)
-and `weight` (V, C). With a large vocabulary the logits (N, V) dominate activation memory: a GPT-2
-vocabulary (50304) over 8192 tokens is 1.6 GB of float32 logits, kept for the backward together with
-their log-softmax and gradient. `chunked_cross_entropy` never builds them: the forward walks the
-tokens in chunks and keeps only each token's logsumexp (N floats); the backward recomputes each
-chunk's logits and softmax to produce that chunk's hidden gradient and add to the weight gradient
-(the "chunk loss" of MindSpeed / Liger-Kernel, with recomputation instead of storing gradients).
-Peak extra memory is a few (chunk_size, V) arrays plus the (V, C) weight gradient, instead of
-several (N, V) arrays (`bench/memory.py`; docs/results.md).
-
-It is a `torch.autograd.Function` with `setup_context` and `generate_vmap_rule=True`, so it works
-under `torch.func.grad_and_value` / `grad` / `vmap` (the functrain train step) and under
-`torch.compile(fullgraph=True)`. What runs differs, the gradients do not: eagerly the custom backward
-runs; in the compiled step (torch.compile around `torch.func.grad`) torch 2.13's Dynamo inlines the
-forward and differentiates it, never calling the custom backward (pytorch#193279). The gradients are
-the same either way, and the memory saving holds there too (bench/memory.py's compiled rows were
-measured in exactly that setting). The chunk loop is
-unrolled, so keep `N / chunk_size` moderate, e.g. <= 64 chunks.
-
-A model's loss factory applies it through its own head (`functrain.models.gpt.loss`).
+Internals: docs/internals.md "functrain.losses".
 
 Example:
     >>> loss = chunked_cross_entropy(hidden, params["wte.weight"], y, chunk_size=1024)

@@ -1,13 +1,6 @@
 """Per-example gradients, their norms, clipping and DP-SGD's noisy mean: pure and compilable.
 
-`grads` maps `torch.func.vmap(torch.func.grad_and_value(...))` over the batch's examples, each one
-a batch of one for the same `loss_fn(params, batch, key) -> (loss, aux)` the train step takes.
-Inside it attention runs on SDPA's math backend: torch has no vmap rule for the CPU
-flash-attention kernel (aten falls back to a Python loop over the batch, with a warning), while the
-math form's matmuls and softmax batch natively.
-
-The noise keys (`rng.fold_in`/`rng.split`) are one opaque op each: as chains of int64 ops,
-inductor re-traced them per read and the DP-SGD step took minutes to compile (docs/results.md).
+Internals: docs/internals.md "functrain.per_example".
 
 Example:
     >>> g, losses, _ = per_example.grads(loss_fn, state.params, (x, y))      # {name: (B, ...)}

@@ -1,18 +1,6 @@
 """Populations: K models (different seeds and/or hyper-parameters) trained by one compiled step.
 
-For small-model research (sweeps, ensembles, seeds): `torch.func.vmap` maps the whole train step
-(forward, backward, clipping, optimizer, schedule, skip guard) over a leading member dimension of
-every state leaf, so each kernel runs once over K members and the per-step costs (the call, the
-guards, kernel launches) are paid once. What that buys depends on how much of a solo step those
-costs are: little where a solo step is compute-bound (a small model on a CPU), more where it is
-launch-bound (a GPU); docs/results.md. Frozen params (`TrainState.frozen`: a LoRA base) are shared by
-every member, not stacked: K adapter sets train over one copy of the base. Hyper-parameters are
-state (`functrain.optim.set_hyperparams`), so members may differ in learning rate, betas, weight
-decay... and still share the one graph. Each member computes what its solo run computes
-(tests/test_population.py: 20 steps, 1e-5).
-
-Under vmap the optimizer's fused `torch._foreach_*` kernels, which have no batching rules, run as
-per-tensor ops (`functrain.ops.foreach.per_tensor`); compiled, both fuse into the same loops.
+Internals: docs/internals.md "functrain.population".
 
 Example:
     >>> states = [optim.set_hyperparams(init_state(params_k, opt, seed=k), lr=lr_k) for k, ...]

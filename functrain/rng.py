@@ -1,11 +1,6 @@
 """Explicit, counter-based random keys that live in the training state.
 
-`torch.manual_seed` and `torch.set_rng_state` cannot be traced by `torch.compile`, and a global
-generator makes a step impure. functrain therefore carries randomness as data, the JAX way: a *key*
-is an int64 tensor of shape (2,) holding two 32-bit words; new keys are derived with pure integer
-ops (`fold_in`, `split`, each one opaque op in a compiled graph), and random numbers are drawn from a key
-by one opaque custom op (`functrain::uniform`), so the same key always gives the same numbers,
-eagerly or compiled, and nothing global is touched.
+Internals: docs/internals.md "functrain.rng".
 
 Example:
     >>> k = rng.key(0)

@@ -1,10 +1,6 @@
 """A model family as the training loop sees it: a small NamedTuple of functions.
 
-In the spirit of optax's `GradientTransformation`, a `Task` is data: the loop (`functrain.trainer.loop.run`)
-calls these functions and knows nothing else about the model. A model family builds one from the
-run config in `functrain/models/<name>/task.py` (`build(config, ctx, workdir) -> Task`), beside
-`checks.py` (`CHECKS`: its config keys' checks, torch-free, run by `functrain.main` first); research
-code builds its own, e.g. a loss that turns NaN on purpose, with no monkeypatching.
+Internals: docs/internals.md "functrain.task".
 
 Example:
     >>> task = Task(

@@ -1,8 +1,6 @@
 """Small helpers over pytrees of tensors (optree, default namespace).
 
-A functrain state is made of dicts, tuples, lists and NamedTuples whose leaves are tensors (or
-DTensors); `None` is an empty subtree. These helpers are what the optimizer, the step and the
-checkpointer use to walk such trees.
+Internals: docs/internals.md "functrain.tree".
 
 Example:
     >>> norm = tree.global_norm(grads)

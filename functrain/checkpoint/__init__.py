@@ -1,14 +1,6 @@
 """Sharded Orbax-format checkpoints written and read with TensorStore; no jax at runtime.
 
-Public API:
-  save / save_async      write a pytree of tensors/DTensors to ``<root>/<step>`` (async: Future)
-  restore                read a checkpoint onto a template (any mesh/placements) -> Future
-  read_metadata          shapes/dtypes/chunks per array of a checkpoint
-  read_custom_metadata   the JSON a save kept with the checkpoint (``custom_metadata``)
-  metadata_tree          the checkpoint's tree of ArraySpec (a restore template)
-  Manager                steps, async save, retention, crash-safe commit, validation
-  ArraySpec, abstract    abstract leaves for templates
-  CheckpointError        the one error for bad/unusable checkpoints (MismatchError: does not fit the template)
+Internals: docs/internals.md "functrain.checkpoint".
 """
 
 from .errors import CheckpointError, MismatchError

@@ -1,16 +1,6 @@
 """On-disk layout of an Orbax v0 checkpoint: names, paths, tree keys and the JSON metadata files.
 
-A checkpoint of step ``N`` under ``root`` looks like this (orbax-checkpoint 0.12, CheckpointManager
-+ StandardSave, item "default")::
-
-    <root>/<N>/                    written as <N>.orbax-checkpoint-tmp/, then renamed
-      _CHECKPOINT_METADATA         item handlers and timestamps
-      commit_success.txt           commit marker
-      default/_METADATA            the tree: one entry per array leaf
-      default/manifest.ocdbt, d/   root OCDBT database (merge of the per-process databases)
-      default/ocdbt.process_<i>/   per-process OCDBT database holding process i's chunks
-
-Arrays inside OCDBT are named by the '.'-joined tree path (``params.w/.zarray``, ``params.w/0.0``).
+Internals: docs/internals.md "functrain.checkpoint.layout".
 """
 
 from __future__ import annotations

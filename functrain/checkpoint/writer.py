@@ -1,14 +1,6 @@
 """Writing a pytree of tensors/DTensors as an Orbax checkpoint, synchronously or in the background.
 
-A save has two parts:
-
-1. ``snapshot`` (caller's thread, the only blocking part): copies the shards this rank writes to host
-   memory, so the caller may mutate or donate the state as soon as ``save`` returns.
-2. ``_write_and_commit`` (background thread, on a dedicated gloo process group so it never collides
-   with the training step's collectives): every rank writes its chunks into its own OCDBT database
-   ``default/ocdbt.process_<rank>/``; after all ranks finished, rank 0 merges those databases into the
-   root one in one transaction, writes the metadata and the commit marker, and renames
-   ``<step>.orbax-checkpoint-tmp`` to ``<step>``.
+Internals: docs/internals.md "functrain.checkpoint.writer".
 """
 
 from __future__ import annotations

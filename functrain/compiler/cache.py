@@ -1,48 +1,6 @@
 """Compile warm start: where torch.compile keeps its on-disk caches, and how often they were hit.
 
-`torch.compile` of the train step spends most of a cold start in AOTAutograd and inductor (lowering,
-code generation and, on CPU, compiling the generated C++). Inductor's FX graph cache and the
-AOTAutograd cache keep those results on disk, keyed by the traced graph, its inputs' metadata, the
-torch version and the inductor config, so a later process that traces the same step loads the
-compiled code instead of building it again. Dynamo still traces the Python step function in every
-process (a few seconds; that part is not cached).
-
-The caches live in one directory, `TORCHINDUCTOR_CACHE_DIR`, which torch reads (from the
-environment, so inductor's compile workers see it too) each time it touches the cache. `setup`
-picks that directory and turns both caches on; call it before anything is compiled. Modes:
-
-  "user"     a per-user directory shared by all runs: `$TORCHINDUCTOR_CACHE_DIR` if the user set
-             it, else `$XDG_CACHE_HOME/functrain/inductor` (default `~/.cache/functrain/inductor`).
-             Importing torch._dynamo writes torch's own default (`/tmp/torchinductor_<user>`) into
-             that variable when it is unset; that value counts as unset (it did not: every run
-             cached into /tmp, which a reboot empties).
-  "workdir"  `<workdir>/compile_cache`: the cache travels with the run directory, so a restart on
-             another machine (or from a copy of the workdir at another path) compiles warm. The
-             directory holds everything a warm start needs, compiled C++ libraries included; torch's
-             portable "mega-cache" (`torch.compiler.save_cache_artifacts`) is not used because on
-             CPU it holds the generated source but not the compiled libraries, so loading it still
-             pays the C++ compilation (measured in bench/compile_cache.py).
-  "off"      a fresh temporary directory, removed at exit: every run compiles cold.
-  a path     any string containing "/" (or starting with "~"): that directory.
-
-Every mode keeps its entries in a subdirectory named after the CPU vector ISA the kernels target
-(`torch.backends.cpu.get_cpu_capability()`, lower case: `avx512`, `avx2`, ...; ATEN_CPU_CAPABILITY
-overrides it). torch 2.13's cache key leaves the ISA out: kernels cached under AVX-512 were served
-under ATEN_CPU_CAPABILITY=avx2 and computed garbage (measured in CI: params 3e32, indices out of
-bounds), and a workdir copied to a machine without AVX-512 would load them too.
-
-Entries are keyed by content, so a shared directory never serves a stale graph: a changed model,
-config value baked into the graph, or torch version is simply a miss. An explicit
-`TORCHINDUCTOR_FX_GRAPH_CACHE=0`, `TORCHINDUCTOR_AUTOGRAD_CACHE=0` or
-`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` in the environment still wins; `report` then says so.
-
-The CPU vector-ISA probe. The first time inductor generates a CPU kernel in a process it asks
-which vector ISAs the machine and compiler support (`torch._inductor.cpu_vec_isa.pick_vec_isa`):
-for each candidate (AVX-512 VNNI, AVX-512, AVX2 here) it compiles a test program with the full
-ATen vector headers into the cache directory, then starts a Python process to load it. That is
-serial work on the compile's critical path (seconds with an empty cache directory).
-`start_isa_probe` runs it in a background thread (subprocesses, so the GIL is free) while Dynamo
-traces the step, so the two overlap (docs/results.md, "functrain/compiler/cache.py").
+Internals: docs/internals.md "functrain.compiler.cache".
 
 Example:
     >>> from functrain.compiler import cache as compile_cache

@@ -1,13 +1,6 @@
 """`torch.compile` for functrain's step functions: one graph, the hyper-parameters passed as tensors.
 
-`maybe_compile(fn, compile, options)` is what `make_train_step`, `make_eval_step`, `update_step`,
-the grouped update and the population step compile with. Beyond `torch.compile(fullgraph=True,
-dynamic=False)` it passes each 0-d float64 CPU tensor of the arguments (the optimizer's
-hyper-parameters, the LR schedule's numbers) into the graph as a (1,) view of the same storage; the
-comment below says why. The views are put in and taken out by path (dicts, lists, tuples and
-NamedTuples, the containers a state is made of): walking ten paths costs Dynamo ~12k bytecode
-instructions, where flattening the whole state and the outputs with optree cost it ~200k (train and
-eval step of the default run together).
+Internals: docs/internals.md "functrain.compiler.compile".
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """CUDA graphs for the compiled train step (`--config.cuda_graphs`), through inductor's cudagraph trees.
 
-A launch-bound step (a small model: hundreds of short kernels, each launched by the host) spends its
-time launching; replayed as a CUDA graph, the whole step is one launch. Inductor warms the compiled
-step up on its first call, records it on the second and replays it from then on. What that asks of
-the step, and how the loop meets it:
-
-- every tensor the graph reads on the one CUDA device: the state's hyper-parameters and counters
-  live on the params' device, the batch is copied there before the step;
-- the donated state at fixed addresses: the step writes the new state into its input buffers (an
-  input mutation, which cudagraph trees accept for static inputs only), so `prepare` marks every
-  state tensor static before the step is compiled; donation keeps the addresses from step to step;
-- a step boundary: `step_begin()` before each step tells the trees that the previous step's outputs
-  (its metrics) may be overwritten. Read a step's metrics before the next step runs, as the loop's
-  hooks do; the async checkpoint copies the state on the step's stream before the next step is
-  queued, so it never reads a buffer the next replay overwrites.
-
-`skips()` counts the steps inductor refused to record (a CPU tensor in the graph, a mutated input
-that is not static): the loop compares it before and after the first step and stops with one line
-instead of running on silently without graphs.
+Internals: docs/internals.md "functrain.compiler.cuda_graphs".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """A graph break in a user's module, told in one line with the two ways on.
 
-A functrain step compiles with `torch.compile(fullgraph=True)`: one graph or nothing. When the
-user's forward does something Dynamo cannot put into a graph (a `print`, a `logging` call, a branch
-on a tensor's value), torch raises `torch._dynamo.exc.Unsupported` with a long message. `explained`
-turns it into a `GraphBreakError` whose one line names Dynamo's reason, the file and line in the
-user's code (the innermost frame outside torch and functrain), and the two ways on: change the
-module there, or build the step with `fullgraph=False` (`--config.fullgraph=False`), which compiles
-around the break.
+Internals: docs/internals.md "functrain.compiler.graph_breaks".
 
 Example:
     >>> with graph_breaks.explained():

@@ -1,10 +1,6 @@
 """Routes `torch.rand_like`, `randn_like` and `randint_like` through torch function modes under Dynamo.
 
-Eager torch hands these three to an active torch function mode; Dynamo dispatches to a mode only the
-functions in its overridable set, which misses them (it adds `ones_like`, `zeros_like`, `empty_like`
-and `full_like` by hand). Under `functrain.nn.randomness.keyed` a compiled step would then draw their
-numbers from torch's generator while the eager step draws them from the key. `route()` adds the
-three to that set, as Dynamo does for the other `_like`s; `compiler.graph` calls it before compiling.
+Internals: docs/internals.md "functrain.compiler.like_draws".
 
 Example:
     >>> like_draws.route()

@@ -1,11 +1,6 @@
 """The two marks the staged loss places in a step and functrain's graph passes read.
 
-`remat_barrier(x, after)` is a copy of `x` that cannot be computed before `after` exists (a
-recomputed block's input, made when its cotangent arrives), so the compiler cannot fold a
-recomputation back into the forward. `mark_forward_done(h)` is a copy of the last block's output
-that splits a traced step into "forward" and "the rest" (`functrain.compiler.regather` and
-`functrain.compiler.recompute` read it). Both are `torch.library` custom ops: opaque to Dynamo and
-inductor, plain copies eagerly.
+Internals: docs/internals.md "functrain.compiler.marks".
 """
 
 from __future__ import annotations

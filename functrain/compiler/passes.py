@@ -1,10 +1,6 @@
 """functrain's inductor post-grad passes, installed on the one-graph step.
 
-In order: cheap held activations recomputed after the forward (`compiler.recompute`), a sharded
-staged loss's kept blocks gathered again for their backward (`compiler.regather`), both no-ops on a
-graph without `mark_forward_done`; last, dropout-free efficient attention's seed and offset kept out
-of inductor's buffer reuse (`compiler.sdpa_seeds`). They travel as ONE pass (`InTurn`), the form
-every supported torch takes (2.13 and 2.14 also take a list; 2.11 calls the option as one pass).
+Internals: docs/internals.md "functrain.compiler.passes".
 """
 
 from __future__ import annotations

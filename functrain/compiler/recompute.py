@@ -1,34 +1,6 @@
 """Cheap activations recomputed in the backward of the one-graph step, not held from the forward.
 
-AOTAutograd's partitioner recomputes pointwise values in the backward instead of saving them when
-their inputs are saved anyway (a layer norm's output from its input and statistics, GELU's output
-from its input). functrain's one-graph step has no partitioner: `torch.func.vjp` traced into one
-forward graph keeps every value its backward reads. A kept GPT block (remat "none", or a block that
-policy N does not recompute) held 18 values of its width per token from its forward to its
-backward: its input, the first layer norm's output, q, k, v, the attention output and a transposed
-copy of it, the residual after attention, the second layer norm's output, the MLP's pre-activation
-(4) and GELU's output (4). With this pass it holds 10: the layer norms' outputs, GELU's output and
-the transposed copy are computed again in the backward (read from the post-grad graph of a 2-block
-GPT step).
-
-`RecomputePass` (an inductor post-grad pass that `functrain.step` installs next to
-`compiler.regather.RegatherPass`) does the partitioner's part on the graph. The staged loss marks the
-end of the blocks' forward (`compiler.marks.mark_forward_done`). Every value computed before the
-mark and read after it that is
-  - pointwise or a rearrangement (views, permutes, clones; not random), and
-  - computable again from values held across the mark anyway (the step's inputs, other values read
-    after the mark, or small ones: at most 1/64 of the largest held value, such as a layer norm's
-    mean and 1/std),
-is computed again, by copies of the nodes that made it, just before its first reader after the mark;
-the forward's value then dies after its last forward reader. Inductor fuses the copies into the
-backward's kernels (or a buffer that lives only during that block's backward).
-
-Same math, other kernels: the recomputed values come from kernels fused differently from the
-forward's, so they may differ from the held ones in the last bit (the compiler may contract a
-multiply-add into an FMA in one kernel and not in the other); losses and gradients agree within
-float32 rounding.
-
-Measured results: docs/results.md.
+Internals: docs/internals.md "functrain.compiler.recompute".
 
 Example:
     >>> torch.compile(step, options={"post_grad_custom_post_pass": RecomputePass()})

@@ -1,32 +1,6 @@
 """Reshard after forward for kept blocks: the compiled step gathers their parameters again for the backward.
 
-FSDP frees a block's gathered parameters after its forward and gathers them again for its backward
-("reshard after forward"), so at most a block or two are gathered at any moment even when every
-block keeps its activations. functrain's staged loss gets there for a *recomputed* block by
-construction (`functrain.step.staged`: its recomputation gathers again). A *kept* block (remat policy
-"none", or the blocks that policy N does not recompute) is differentiated by `torch.func.vjp`, and
-its vjp closure holds the gathered parameters its backward needs (`dY W` needs `W`); no Python-level
-schedule can swap them for a second gather.
-
-In the one compiled graph it can be done on the graph. `mark_forward_done(h)` (a copy of the last
-block's output, placed by the staged loss between the blocks' forward and the head) splits the
-step's graph into "forward" and "the rest". `RegatherPass`, an inductor post-grad pass that
-`functrain.step` installs for the compiled step, then does for every all-gather issued before the
-mark whose gathered values are also read after it:
-  1. the tensors read after the mark are rebuilt from a second all-gather of the same local shards,
-     the shards' flattening recomputed from the step's inputs (the parameters), so nothing
-     shard-sized is held between forward and backward either;
-  2. that all-gather's input passes through `remat_barrier` with a cotangent, so the compiler
-     cannot issue it early: it goes out when the backward reaches the block before (prefetch,
-     the default: the transfer overlaps that block's compute, two blocks gathered at a time) and
-     is waited for where it is read;
-  3. the forward's gathered values then die after the block's forward (inductor frees a buffer
-     after its last reader).
-The values are the same bits (an all-gather of the same shards), so losses and gradients are
-bit-identical with and without the pass. Without it (eager, `compile="blocks"`, a step compiled by
-hand) the mark is a plain copy and kept blocks hold their gathered parameters until their backward.
-
-Measured results: docs/results.md.
+Internals: docs/internals.md "functrain.compiler.regather".
 
 Example:
     >>> h = mark_forward_done(h)            # in a staged loss, after the last block

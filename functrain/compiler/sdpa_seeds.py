@@ -1,29 +1,6 @@
 """The efficient-attention RNG seed and offset, unused without dropout, kept out of inductor's buffer reuse.
 
-The bug this avoids. `aten._scaled_dot_product_efficient_attention` (the CUDA attention kernel that
-`F.scaled_dot_product_attention` picks for float32) returns a philox seed and offset for its
-backward: 0-d int64 tensors that the CUDA kernel allocates on the *CPU* (`at::empty({}, kLong)`
-when there is no dropout). Fake-tensor propagation gives them the query's device, so inductor plans
-them as CUDA buffers. Once the backward has read them they go to inductor's pool of freed buffers
-(keyed by device, dtype, size, alignment and stream), and a later fresh 0-d int64 CUDA buffer (an
-optimizer's step count when the state is not donated, an integer metric) can take one over. The
-Triton kernel that writes it is then handed a CPU pointer and the step dies at its first launch:
-"CUDA driver error: invalid argument" (or "Pointer argument ... cannot be accessed from Triton (cpu
-tensor?)").
-
-Measured results: docs/results.md.
-
-What the pass does. Without dropout (`dropout_p == 0`) the backward never reads the seed and offset
-(eager hands it the forward's CPU tensors as they are). Each such backward gets fresh `empty` 0-d
-int64 tensors on the device inductor planned them on (the GPU), which really are there; the
-forward's seed and offset then have no reader, so inductor allocates no buffer for them and nothing
-can be given one. The step's graph keeps no CPU tensor (CUDA graphs stay possible). With dropout
-the backward needs them, and the graph is left alone (functrain's GPT has no attention dropout).
-
-Checked on the H200 (torch 2.11): the backward's gradients are bit-identical given the forward's
-CPU seed and offset, CPU `empty` ones, or CUDA `empty` ones (dropout 0; eager calls of the two ops);
-60 fp32 steps with `donate=False` give the donated run's losses and val loss to the last digit
-printed (2.5861, 2.7532, 2.7062).
+Internals: docs/internals.md "functrain.compiler.sdpa_seeds".
 
 Example:
     >>> torch.compile(step, options={"post_grad_custom_post_pass": SdpaSeedPass()})

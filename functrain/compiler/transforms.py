@@ -1,9 +1,6 @@
 """Whether code runs inside a `torch.func` transform, for routes that differ in and out of one.
 
-Eagerly, a step's gradients are cheaper through plain autograd (`torch.autograd.grad` on the params
-made leaves) than through `torch.func.grad_and_value`, whose per-op wrapping costs ~20% of a small
-model's forward and backward. Plain autograd cannot run inside a transform (`requires_grad_` under
-`torch.func.vmap` raises), nor is it what Dynamo traces, so `functrain.step.value_and_grad` asks here.
+Internals: docs/internals.md "functrain.compiler.transforms".
 
 Example:
     >>> from functrain import compiler

@@ -1,11 +1,6 @@
 """Every torch workaround in functrain, each with a self-test of the premise it rests on.
 
-A workaround is code that exists only because torch behaves a certain way. Each entry names what it
-mends, the torch issue (or the reproducer in this repository), the releases it was measured on, where
-it lives, and `check()`: a small experiment on the installed torch that raises `PremiseChanged`,
-naming the workaround, when the behaviour it mends is gone (drop the workaround) or the hook it uses
-has moved (fix it). `tests/test_workarounds.py` runs every check on each tested release; the table
-in docs/compiler.md is this list.
+Internals: docs/internals.md "functrain.compiler.workarounds".
 
 Example:
     >>> from functrain.compiler import workarounds

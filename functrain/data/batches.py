@@ -1,9 +1,6 @@
 """Stateless batch sampling: a batch is a pure function of (tokens, seed, step, rank, world).
 
-The GLOBAL batch of `batch_size` random windows is drawn from a numpy Generator seeded by
-(stream, seed, step) only; data-parallel rank r of `world` takes rows [r B / world, (r + 1) B / world).
-So the global batch does not depend on the number of ranks, resuming at step s needs no loader
-state, and resharding to another world size keeps the data order.
+Internals: docs/internals.md "functrain.data.batches".
 
 Example:
     >>> x, y = get_batch(ds.train, batch_size=32, block_size=256, seed=0, step=state_step)

@@ -1,30 +1,7 @@
 """Token corpora: turn a source (the stdlib, text files, parquet/jsonl shards, nanoGPT `.bin` files) into
 train/val tokens.
 
-Sources, as `load_dataset(source, cache_dir)` reads them:
-
-* `"stdlib"`: the default corpus, available offline everywhere: every `.py` file under
-  `sysconfig.get_paths()["stdlib"]` (test packages included; `site-packages`, `dist-packages` and
-  `__pycache__` skipped), in sorted relative-path order.
-* a directory of text files: every non-hidden file under it whose first 8 KiB hold no NUL byte.
-* a single text file.
-* parquet/jsonl(.gz) shards: such a file, a directory holding them, or a glob (`functrain.data.shards`).
-* a directory holding nanoGPT-style `train.bin` and `val.bin` (flat token arrays, uint16 unless a
-  `meta.json` says `"dtype"`), with the vocabulary from `meta.json` / `meta.pkl` (`vocab_size`, and
-  optionally `itos`/`stoi`) or else from the `vocab_size` argument. Read with `np.memmap`.
-
-Text is tokenized to bytes (vocabulary 256, one token per byte of the file, or of a record's UTF-8) and documents are
-separated
-by one newline byte (`SEPARATOR`), which keeps decoded samples printable. With a `tokenizer` (an
-`HFTokenizer`: a model's `tokenizer.json`, or the byte-level BPE `train_tokenizer` trains on the
-train split) text is tokenized with it instead, documents separated by its end-of-text token, ids
-stored as uint16 (uint32 above 65,536 ids).
-
-Every text source (the stdlib, text files, parquet/jsonl shards) is tokenized once into one kind of
-cache (`token_cache.tokenize`), with one validation split: a document (a text file, a shard's record)
-goes to val when a stable hash of its name falls below `val_fraction`, so adding a document never
-moves another (`documents.is_val`); a single text file is cut by position, its last `val_fraction`
-going to val.
+Internals: docs/internals.md "functrain.data.corpus".
 
 Example:
     >>> ds = load_dataset("stdlib", "/tmp/functrain-data")

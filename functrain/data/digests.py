@@ -1,11 +1,6 @@
 """Content digests of data files: the sha256 of each file's bytes, remembered by the file's identity.
 
-Token caches and checkpoints key data by what the files hold, not by their names or times. Hashing
-reads a file once (about 1.7 GB/s on one core); the digest is remembered in a small JSON memo
-together with the file's size, mtime, ctime, inode and device, and read again only when one of them
-changed. The kernel sets ctime on every write and it cannot be set back from user space, so an edit
-that keeps the size and restores the mtime is still seen; a copy or a `touch` is re-hashed and, when
-the bytes are the same, keeps its cache.
+Internals: docs/internals.md "functrain.data.digests".
 
 Example:
     >>> digests = file_digests([Path("a.jsonl"), Path("b.jsonl")], memo=Path("/tmp/cache/digests.json"))

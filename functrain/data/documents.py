@@ -1,21 +1,6 @@
 """Every text source as documents in units, and the one rule that sends a document to validation.
 
-A source (the stdlib, a directory of text files, one text file, parquet/jsonl shards) is a list of
-*units*, the token cache's shards, each tokenized on its own (in parallel, resumably):
-
-* a parquet/jsonl file is a unit; its records are its documents, keyed `"<relative path>:<index>"`;
-* text files are documents keyed by their relative path, packed in sorted order into units of about
-  `PACK_BYTES`. A pack ends after a file with a chance of its size over `PACK_BYTES`, drawn from a
-  hash of its path, so adding or editing a file re-tokenizes its own pack only.
-
-The split, for every source: a document goes to validation when the stable hash of its key falls
-below `val_fraction` (`is_val`; adding a document never moves another). A source that is one text
-file is one document: its last `val_fraction` of bytes is the validation split. When no document (or
-every one) drew into validation, the first document moves across: for text files when they are
-packed (here), for shards once all are tokenized (`token_cache`).
-
-`source_content` lists a source's files with their sha256; `train_documents` streams the train
-split's documents (to train a tokenizer on, the validation text unseen).
+Internals: docs/internals.md "functrain.data.documents".
 
 Example:
     >>> files, root, name = text_source("stdlib")

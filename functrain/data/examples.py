@@ -1,14 +1,6 @@
 """Supervised examples tokenized once into a cache: tokens, a per-token target mask, a train/val split.
 
-`load_examples(source, cache_dir, tokenizer, spec)` renders every record of a jsonl/parquet source
-(`functrain.data.supervised`), splits them by the stable hash of their key ("<file>:<index>", as the
-token cache splits documents: adding an example never moves another), and stores each split as three
-arrays: the tokens and targets of every example concatenated, and the offsets where each starts.
-
-The cache is keyed by content: the source's files (sizes and sha256), the tokenizer, the format and
-field names, what is learned, the chat template, the block size and the too-long rule. A source file's
-examples are kept in a file of their own as soon as they are rendered, so a run stopped while
-tokenizing goes on from the next file. Rank 0 tokenizes; the others wait for it.
+Internals: docs/internals.md "functrain.data.examples".
 
 Example:
     >>> spec = ExampleSpec(fmt="auto", train_on="auto", fields={}, template=chat_template_of(model_dir),

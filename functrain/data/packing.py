@@ -1,9 +1,6 @@
 """Rows of examples: one example per row (padded), or whole examples packed by best-fit-decreasing.
 
-A row holds `block_size` (input, target) pairs. Packed, its examples follow one another, each with its
-positions restarting at 0 (the models' attention never crosses from one to another: their position ids
-say where each starts), and the rest is padding: its own positions, no targets. Unpacked, the example
-starts the row and padding fills the rest.
+Internals: docs/internals.md "functrain.data.packing".
 
 Example:
     >>> rows = best_fit_decreasing(examples.lengths, 512, order=np.arange(len(examples)))

@@ -1,9 +1,7 @@
 """A language model's data, as the run config describes it: one source or a weighted mixture,
 sampled by random windows or by epochs, with a validation set per source.
 
-`lm_data(config.data, ...)` loads every source (`load_dataset`: text, `.bin`, parquet/jsonl shards
-tokenized in parallel, or a token cache) and returns an `LMData` whose `train_batch(step)` and
-`eval_sets()` a model family's `Task` hands to the loop.
+Internals: docs/internals.md "functrain.data.pipeline".
 
 Example:
     >>> d = lm_data(config.data, cache_dir="runs/x/data", batch_size=32, block_size=256, seed=0,

@@ -1,13 +1,6 @@
 """The next batches made on a background thread while the step runs.
 
-`Prefetcher(batch_at, start)` calls `batch_at(step)` for the steps ahead of the one the loop asks
-for, on one daemon thread, `depth` steps ahead at most. On CUDA the thread works under a side
-stream, so a batch's host-to-device copies (non-blocking, from pinned memory: `Sampler.batch`
-and `get_batch` pin them) overlap the step; `get` makes the loop's stream wait for that copy
-and marks the tensors as used there, so their memory is not reused while the step reads them.
-
-The batches stay a pure function of the step: asking for a step the thread did not guess (a jump
-after a restore, say) drops what it made and starts again from that step.
+Internals: docs/internals.md "functrain.data.prefetch".
 
 Example:
     >>> with Prefetcher(task.train_batch, start=state_step) as batches:

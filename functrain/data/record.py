@@ -1,10 +1,6 @@
 """What data a run trains on, as a checkpoint records it, and what changed between two records.
 
-A record is JSON: `{"sources": {name: {"kind", "tokenizer", "files": [[relative path, size,
-sha256], ...]}}}` (`LMData.record()` makes it from the loaded sources). The loop saves it with every
-checkpoint; a resume compares the checkpoint's record with the data it finds and stops on a
-difference, because every batch after the checkpoint would differ from the run's (a pure function
-of seed, step and the tokens).
+Internals: docs/internals.md "functrain.data.record".
 
 Example:
     >>> changes(old, new)

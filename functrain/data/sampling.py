@@ -1,20 +1,6 @@
 """Which windows make the batch of a step: random windows, epochs without replacement, mixtures.
 
-Every choice here is a pure function of (seed, step) and of a row's index in the GLOBAL batch
-(row `step * batch_size + i`), so a batch needs no loader state, and data-parallel rank r of
-`world` computes only its rows [r B / world, (r + 1) B / world) and gets the same ones whatever
-`world` is: a run resumed on another number of ranks sees the same global batches.
-
-* `windows` (one source): `functrain.data.get_batch`'s random windows, with replacement.
-* `epochs`: the source's tokens cut into W = (n - 1) // T windows of T + 1 tokens (next-token
-  targets included); global window number g is window `permute(g mod W)` of epoch g // W, where
-  `permute` is a bijection of [0, W) keyed by (seed, epoch): a Feistel network on the next power of
-  four, cycle-walked into [0, W) (O(1) memory whatever W is). Every window once per epoch.
-* mixtures: row g goes to a source by a cascade of binary splits: at split k, of the rows that reach
-  it, row i goes to source k when floor((i + 1) p + t) > floor(i p + t), with p source k's share of
-  the weight left and t a seeded offset. Source k's rows are numbered in closed form
-  (floor(i p + t)), so each source then samples its own windows or epochs by that number, and the
-  realized shares match the weights to within one row per source over any prefix of the run.
+Internals: docs/internals.md "functrain.data.sampling".
 
 Example:
     >>> sampler = Sampler([("web", web.train, 0.7), ("code", code.train, 0.3)], batch_size=32,

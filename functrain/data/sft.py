@@ -1,20 +1,6 @@
 """Fine-tuning data: supervised examples in epochs, as the batches of a language model's `Task`.
 
-`sft_data(config.data, ...)` loads the examples (`functrain.data.examples`) and returns an `SFTData`
-with the same surface as `LMData` (`train_batch(step)`, `eval_sets()`, `position(step)`, `record()`).
-
-Epochs over examples. The rows of an epoch are its examples, one per row in an order permuted by
-(seed, epoch), or (`data.packing=True`) whole examples packed by best-fit-decreasing (ties broken in
-that order) into rows whose order is permuted again. Global row g of the run is row g mod R of epoch
-g // R (R rows per epoch, the same in every epoch), so the batch of a step is a pure function of
-(seed, step), and data-parallel rank r of `world` takes rows [r B / world, (r + 1) B / world) of it:
-a run resumed on any number of ranks sees the same batches.
-
-Batches are `(x, y)` (unpacked: each example starts a row, padding after it) or `(x, y, positions)`
-(packed: the positions restart at every example, so the models' attention stays within it); `y` is
--1 where nothing is learned. The validation rows are built the same way from the validation split,
-in order; the last batch is filled with empty rows (no targets): the validation loss is the mean
-over every target (`Task.count_targets`).
+Internals: docs/internals.md "functrain.data.sft".
 
 Example:
     >>> d = sft_data(config.data, cache_dir="runs/sft/data", tokenizer=tok, template=t, batch_size=8,

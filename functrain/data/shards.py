@@ -1,11 +1,6 @@
 """Document shards: parquet and jsonl files (also `.jsonl.gz`) read one bounded batch at a time.
 
-A shard source is a parquet/jsonl file, a directory holding such files (searched recursively,
-hidden entries skipped), or a glob (`/data/web/*.parquet`). Each record's text is the field
-`text_field` (a string column of a parquet file, a string value of a JSON object per line).
-
-Reading streams: parquet record batches and jsonl lines are yielded in groups of about
-`chunk_bytes` of text, so memory stays bounded whatever a shard's size.
+Internals: docs/internals.md "functrain.data.shards".
 
 Example:
     >>> files = shard_files("/data/web/*.parquet")

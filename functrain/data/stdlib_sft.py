@@ -1,14 +1,6 @@
 """A supervised set every Python has: the standard library's functions, (signature -> docstring summary).
 
-`data.path="stdlib:messages"` (or `"stdlib:prompt_completion"`) makes `functrain.data.sft` train on
-it: the first paragraph of the docstring of every public function and method of the stdlib's modules
-(found with `ast`, at most `MAX_SUMMARY` characters), asked for by its qualified name and signature.
-The set is written once into the data cache as jsonl, in file and line order, so it is the same on
-every machine with the same Python.
-
-    messages:           user "What does json.dumps(obj, *, skipkeys=False, ...) do?"
-                        assistant "Serialize ``obj`` to a JSON formatted ``str``."
-    prompt_completion:  prompt "def dumps(obj, *, skipkeys=False, ...):\\n    \\"\\"\\"", completion "Serialize ..."
+Internals: docs/internals.md "functrain.data.stdlib_sft".
 
 Example:
     >>> path = builtin_source("stdlib:messages", "runs/sft/data")   # runs/sft/data/stdlib-sft/messages.jsonl

@@ -1,26 +1,6 @@
 """Supervised examples: the formats users bring, rendered to tokens with a per-token target mask.
 
-A record is one example, in one of these formats (found from its fields, or named by `data.format`;
-`data.fields` maps other field names onto these):
-
-  prompt_completion  `{"prompt": ..., "completion": ...}`: the completion (and the end-of-text token)
-                     is learned, the prompt is not.
-  messages           `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the chat
-                     template (the model directory's, else `DEFAULT_CHAT_TEMPLATE`); every assistant
-                     turn with its end-of-turn text is learned.
-  alpaca             `{"instruction": ..., "input": ..., "output": ...}`: a prompt_completion whose
-                     prompt is `ALPACA_PROMPT` (the Stanford Alpaca template).
-  text               `{"text": ...}`: every token is learned (pretraining documents).
-
-What is learned (`data.train_on`): "completion" (prompt_completion, alpaca), "assistant" (messages:
-every assistant turn), "last" (messages: the last assistant turn), "all" (every token).
-
-The mask comes from the rendered spans, never from token values: the example is rendered as pieces
-(text, learned?) and each piece is tokenized on its own, so an end-of-text or end-of-turn token is a
-target even when it is also the pad id, a response template cannot be tokenized differently in
-context, and no tokenizer adds a BOS of its own (`HFTokenizer.encode` adds no special tokens; a
-template that wants a BOS renders it). A conversation's pieces come from rendering it one message at a
-time: each prefix must render as the start of the next (`TemplateError` otherwise).
+Internals: docs/internals.md "functrain.data.supervised".
 
 Example:
     >>> fmt = detect_format({"prompt": "2+2=", "completion": "4"}, {})

@@ -1,28 +1,6 @@
 """Every text source tokenized in parallel into one sharded token cache, resumable after a kill.
 
-`tokenize(source, cache_dir, ...)` reads a source as units (`functrain.data.documents`: a parquet or
-jsonl file, or a pack of text files) and turns each unit into two flat token files,
-`train/<id>.bin` and `val/<id>.bin` (each document followed by the separator: the tokenizer's
-end-of-text id, else a newline), plus a marker `done/<id>.json` written last. A split's tokens are
-its units' files in order, less the separator after the last document. Which split a document goes
-to is `documents.is_val`, one rule for every kind of source.
-
-* Parallel: units are dealt to ranks (largest first, to the least loaded rank: every rank computes
-  the same deal, none duplicates another's work), and each rank runs its share on a pool of
-  `workers` processes (default: its share of the cores; its own process for a share under 64 MiB).
-  Progress lines give MB/s and an ETA.
-* Streaming: a worker holds one bounded group of text and its tokens at a time.
-* Atomic and resumable: a unit's files are written under temporary names and renamed, its marker
-  last; a rerun keeps every unit with a valid marker and tokenizes the rest.
-* Keyed by content: a marker records the sha256 of its files' bytes (`digests.file_digests`, which
-  hashes a file again only when its size, times or inode changed); a unit whose bytes changed, even
-  with its size and mtime kept, is tokenized again, and a copied or touched one is not. `meta.json`
-  (the units, the files, the tokenizer, the counts) is written once all are done. A failing unit
-  leaves no file of its own and an `errors/<rank>.txt` line that stops the other ranks with the same
-  message.
-
-The cache directory is `<cache_dir>/<name>-<hash of (source, text field, split, tokenizer)>`;
-`open_token_cache(dir)` reads it (also given directly as `data.path`).
+Internals: docs/internals.md "functrain.data.token_cache".
 
 Example:
     >>> out = tokenize("/data/web/*.parquet", "/tmp/cache", tokenizer=HFTokenizer("tok.json"))

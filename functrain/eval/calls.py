@@ -1,12 +1,10 @@
 """The three calls of lm-evaluation-harness's model interface, on functrain params.
 
-`loglikelihood`, `loglikelihood_rolling` and `generate_until` take plain Python requests and give
-what the harness's `LM` methods give (`functrain.eval.harness` wraps them as one); each runs the
-model through a `Scorer` (fixed bucket shapes, the requests split over the data-parallel ranks).
+Internals: docs/internals.md "functrain.eval.calls".
 
 Example:
     >>> model = lm.eval_model(template, gpt.stages(template), "wte.weight", tok, block_size=128)
-    >>> loglikelihood(model, params, [("def add(a, b):\\n", "    return a + b")])
+    >>> loglikelihood(model, params, [("def add(a, b):\n", "    return a + b")])
     [(-4.21, True)]
 """
 

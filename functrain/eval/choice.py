@@ -1,21 +1,6 @@
 """Multiple-choice benchmarks: files in HellaSwag's or a plain format, scored three ways.
 
-Formats (one JSON object per line; the format is read per line):
-
-* HellaSwag's official jsonl: `ctx_a`, `ctx_b`, `activity_label` (or `ctx` alone), `endings`, `label`.
-  The context and endings are cleaned as lm-evaluation-harness's `hellaswag` task cleans them
-  (`activity_label + ": " + ctx_a + " " + ctx_b.capitalize()`, " [title]" -> ". ", other `[...]`
-  removed, double spaces made single) and each ending is scored as " " + ending (the delimiter).
-* plain: `{"context": str, "choices": [str, ...], "label": int}`, each choice scored as written after
-  the context (give it its leading space).
-
-Scores (the argmax over the choices, the first on ties), as `evaluate` reports them:
-
-* `acc`: the largest log-likelihood of the choice given the context (the harness's `acc`);
-* `acc_norm`: the largest log-likelihood per character of the choice, its delimiter not counted (the
-  harness's `acc_norm`);
-* `acc_mean_token`: the largest mean log-likelihood per token of the choice (nanoGPT's and llm.c's
-  HellaSwag `acc_norm`: the lowest mean token loss).
+Internals: docs/internals.md "functrain.eval.choice".
 
 Example:
     >>> examples = load("data/hellaswag_val.jsonl", limit=1000)

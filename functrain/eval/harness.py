@@ -1,9 +1,6 @@
 """functrain params as an lm-evaluation-harness model: any of its tasks, run on functrain directly.
 
-`FunctrainLM` implements `lm_eval.api.model.LM` (its three calls) with `functrain.eval`'s
-`loglikelihood`, `loglikelihood_rolling` and `generate_until`, on live params (plain or sharded) or
-on a checkpoint, with functrain's tokenizer. lm-eval is an optional extra (`pip install
-functrain[eval]`), imported only here.
+Internals: docs/internals.md "functrain.eval.harness".
 
 Example:
     >>> import lm_eval

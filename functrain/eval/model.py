@@ -1,7 +1,6 @@
 """What evaluation needs of a model: its logits on token ids, its tokenizer, its longest context.
 
-A model family gives one (`functrain.models.lm.eval_model`); a user's own module gets one from
-`of_module`, through `functrain.apply` with its model state and in eval mode.
+Internals: docs/internals.md "functrain.eval.model".
 
 Example:
     >>> model = of_module(net, tokenizer, block_size=256)

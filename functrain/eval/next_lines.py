@@ -1,16 +1,12 @@
 """A multiple-choice task made from a run's own validation documents: which line comes next?
 
-Each example is a context of real text ending at a line break (as much of the document before the
-line as fits the block), the true next line, and 3 lines drawn from other documents; the order of
-the 4 choices is shuffled. Everything is drawn from `random.Random(seed)` over the documents in
-their given order, so the same documents give the same examples on any machine. Chance is 25%; a
-model that has learnt the text's structure (indentation, names just defined, syntax) does better.
+Internals: docs/internals.md "functrain.eval.next_lines".
 
 Example:
     >>> docs = data.validation_documents("stdlib")
     >>> examples = build(docs, ByteTokenizer(), block_size=128, prefix_id=10)
     >>> examples[0].choices[examples[0].label]     # the true next line
-    '        return self._value\\n'
+    '        return self._value\n'
 """
 
 from __future__ import annotations

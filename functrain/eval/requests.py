@@ -1,14 +1,6 @@
 """Requests as token rows, encoded exactly as lm-evaluation-harness's `HFLM` encodes them.
 
-A `Row` is the tokens one forward reads (`tokens[:-1]` in, `tokens[1:]` the targets) and how many of the
-last targets are scored. The harness's rules, kept here so that functrain's numbers equal its:
-
-* a (context, continuation) pair is encoded as one string, the context's trailing spaces moved into
-  the continuation (`_encode_pair`); an empty context is the model's prefix token (unless the
-  continuation starts with it);
-* a row keeps the last `block_size + 1` tokens (the context loses its head, never the continuation);
-* a rolling log-likelihood cuts the text into disjoint windows, each token predicted once with as
-  much context as fits (`get_rolling_token_windows(..., context_len=1)` + `make_disjoint_window`).
+Internals: docs/internals.md "functrain.eval.requests".
 
 Example:
     >>> rows = [pair_row(tok, "Q: 2+2=", " 4", prefix_id=0, block_size=128)]

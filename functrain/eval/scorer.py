@@ -1,12 +1,6 @@
 """Rows of tokens scored in fixed shapes, split over the data-parallel ranks, gathered in order.
 
-A `Scorer` pads every row to the smallest bucket length that holds it and every batch to
-`batch_size` rows, so its forward compiles once per bucket (one graph each, `dynamic=False`) and
-never again, whatever the requests' lengths. The batches go round-robin to the data-parallel ranks
-of the params' layout (`functrain.parallel.layout_of`); a rank with fewer batches runs padding
-batches, so every rank takes the same forwards (a sharded forward's gathers are collectives); the
-results come back as one tensor summed over the ranks (each row written by one rank, zeros
-elsewhere: exact), in the requests' order.
+Internals: docs/internals.md "functrain.eval.scorer".
 
 Example:
     >>> scorer = Scorer(model, batch_size=32)

@@ -3,12 +3,7 @@
 finds and reads the files, and writes a directory `transformers.AutoModelForCausalLM.from_pretrained`
 loads.
 
-Reading is by block: `HFWeights.read(name, offset, local_shape)` reads only those rows and columns
-(the safetensors slice API), so loading onto a mesh reads each rank's shard, never the whole model.
-
-Every problem with a directory is an `HFError` (a `ValueError`) whose one line names the file: no
-`config.json`, a shard named in `model.safetensors.index.json` that is missing, a tensor missing or
-of the wrong shape.
+Internals: docs/internals.md "functrain.interop.hf".
 
 Example:
     >>> hf = HFDirectory("SmolLM-135M")

@@ -1,20 +1,6 @@
 """Read and write Hugging Face safetensors files.
 
-The format (https://github.com/huggingface/safetensors) is an 8-byte header length, a JSON header
-(name -> dtype, shape, data offsets; optional `__metadata__` of str -> str) and the tensors' bytes.
-The `safetensors` package reads it (memory-mapped, checked against truncation and overlap). This
-module writes it itself, because the package's writer needs every tensor whole in memory at once:
-
-`save_safetensors` writes a params dict (or any pytree of tensors, named by its dotted paths)
-atomically (a temporary file renamed into place), streaming: the header comes from shapes and
-dtypes, then DTensor leaves are gathered one at a time with `full_tensor()` and written by rank 0,
-so no rank holds the whole model. `load_safetensors` reads a file back through the package,
-optionally shaped, typed, placed (device, DTensor placements) and ordered like a template. Every
-failure is a `SafetensorsError` naming the file. Tests check both directions against the package.
-
-Note on order: our files keep the saving dict's order; the package's writer lays tensors out by
-dtype alignment, then name, so a file of its making comes back in that order without a template;
-a template restores any order.
+Internals: docs/internals.md "functrain.interop.safetensors".
 
 Example:
     >>> save_safetensors(state.params, "model.safetensors", metadata={"step": "1000"})

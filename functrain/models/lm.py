@@ -2,11 +2,7 @@
 head (plain, chunked or as `functrain.step.staged` stages), packed rows' attention, stage helpers, and
 sampling (the data side: `functrain.models.lm_data`).
 
-A family provides an nn.Module whose forward is `forward(idx, dropout_key=None, *, return_hidden=False)`
-(logits (B, T, V), or the final hidden states (B, T, C) before the head), a `cfg.block_size`, and its
-forward cut into `LMStages` (embedding, blocks, final norm), each stage reading only its own
-parameters. `make_lm_loss_fn` turns that into the `loss_fn(params, (x, y), key)` a `Task` carries;
-on sharded params its stages make the train step gather one block at a time (`functrain.step.staged`).
+Internals: docs/internals.md "functrain.models.lm".
 
 Example:
     >>> loss_fn = make_lm_loss_fn(template, gpt.stages(template), head="wte.weight", chunk_size=1024)

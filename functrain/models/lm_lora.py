@@ -1,11 +1,7 @@
 """LoRA in a language-model family (`--config.lora.*`): the wrapped template, the adapters beside the
 base's init, and the export of both the merged model and the PEFT adapter directory.
 
-A family calls `wrap` on its meta template before it builds anything from it (the context- and
-tensor-parallel copies, the loss, the stages, the eval model), `with_adapters` on its `init_params`
-and `exporter` on its `export` (the merged model; where its layers are transformers' own, the PEFT
-directory too), and sets `Task.frozen` to `frozen(spec)`: the trainer then keeps the
-base in `TrainState.frozen` (`functrain.nn.lora`).
+Internals: docs/internals.md "functrain.models.lm_lora".
 
 Example:
     >>> template, spec = lm_lora.wrap(template, config, ctx)

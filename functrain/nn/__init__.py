@@ -1,8 +1,6 @@
 """Running any `torch.nn.Module` functionally: model state, train/eval modes, keyed dropout, meta checks.
 
-`functrain.apply` and the steps use these; a researcher mostly meets `buffers_of` (what
-`functrain.init_state` puts into `TrainState.model_state`) and `keyed` (to draw a module's dropout
-from a key outside a step).
+Internals: docs/internals.md "functrain.nn".
 
 Example:
     >>> from functrain import nn as fnn

@@ -1,19 +1,6 @@
 """LoRA: low-rank adapters beside a module's linear layers, trained while the base stays frozen.
 
-`wrap(module, spec)` returns a copy of the module in which every targeted linear layer (`nn.Linear`,
-or transformers' `Conv1D` as GPT-2 uses) is a `LoraLinear`: the base layer's `weight` and `bias`
-keep their names, and beside them sit `<layer>.lora_A.weight` (r, in) and `<layer>.lora_B.weight`
-(out, r). The layer computes, as PEFT's `lora.Linear` does,
-
-    y = x Wᵀ + b + scaling · dropout(x) Aᵀ Bᵀ,   scaling = alpha / r  (alpha / √r with rslora),
-
-with A drawn kaiming-uniform (a=√5, PEFT's default) and B zero, so a fresh adapter changes nothing.
-The dropout is an `nn.Dropout`: inside a step it draws from the step's key (`functrain.nn.randomness`).
-
-The params of a wrapped module split by name (`split`): the adapters, which the step trains, and
-the base, which a `TrainState` holds apart in `frozen` (never differentiated, no optimizer state,
-never written). `merge` folds trained adapters into the base weights; `peft_tensors` and
-`peft_config` are what PEFT's `adapter_model.safetensors` and `adapter_config.json` hold.
+Internals: docs/internals.md "functrain.nn.lora".
 
 Example:
     >>> spec = lora.LoraSpec(rank=8, alpha=16, targets="q_proj|v_proj")

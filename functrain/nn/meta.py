@@ -1,10 +1,6 @@
 """The meta-template check: `functrain.apply` never computes with a tensor that has no storage.
 
-A template built under `with torch.device("meta")` holds no numbers; `apply` replaces its
-parameters with the state's and its buffers with the model state's. Whatever it would still read
-from the template (a parameter missing from the params, a buffer left out of the model state, or a
-tied head weight that `model.to("meta")` untied) has no value, and some CPU kernels return numbers
-for meta inputs anyway. `unreplaced` names those tensors so that `apply` can refuse in one line.
+Internals: docs/internals.md "functrain.nn.meta".
 
 Example:
     >>> unreplaced(template, params.keys())

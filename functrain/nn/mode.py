@@ -1,13 +1,6 @@
 """Train and eval modes, set by the step that runs a module rather than left to its template.
 
-A torch module's `training` flag decides what dropout and BatchNorm do. A functional step must not
-depend on the mode its template was last left in, so `make_train_step` runs its loss under
-`running(train=True)` and `make_eval_step` under `running(train=False)`; `functrain.apply` reads
-`current()` and runs the module in that mode for the call, then puts the template's flags back.
-
-The flag is set in Python around the (compiled) step call, outside the graph: Dynamo reads it while
-tracing and guards on it, and since a train step always runs in train mode and an eval step in eval
-mode, neither ever recompiles for it.
+Internals: docs/internals.md "functrain.nn.mode".
 
 Example:
     >>> with mode.running(train=False):

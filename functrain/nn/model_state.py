@@ -1,19 +1,6 @@
 """Model state: the buffers a module's forward reads or updates, kept in the training state.
 
-BatchNorm's running statistics and counters are module state, not parameters: no gradient, but a
-forward in training mode updates them. functrain keeps them beside the params, as flax keeps
-`batch_stats` and haiku keeps `state`: `TrainState.model_state` is a {dotted buffer name: tensor}
-dict (empty for models without buffers). A loss for such a model takes it as a fourth argument and
-returns the updated one:
-
-    def loss_fn(params, batch, key, model_state):
-        logits, model_state = functrain.apply(model, params, x, model_state=model_state)
-        return F.cross_entropy(logits, y), {}, model_state
-
-`functrain.apply(..., model_state=...)` hands the module clones of the buffers, lets it update them
-in place, and returns the clones: the state passed in is never written, so the step stays pure and
-compiles as one graph. The step keeps the new model state (or the old one when it skips a
-non-finite update), accumulates it microbatch by microbatch, and keeps each buffer in its own dtype.
+Internals: docs/internals.md "functrain.nn.model_state".
 
 Example:
     >>> state = functrain.init_state(cnn, optim.adamw(1e-3))   # params and buffers_of(cnn)

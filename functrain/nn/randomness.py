@@ -1,35 +1,6 @@
 """Every random draw inside any module taken from the step's key: a torch function mode, no change to the module.
 
-Dropout, `torch.rand`/`randn`/`randint` and their `_like` forms, `bernoulli`, the in-place
-`bernoulli_`/`uniform_`/`normal_`/`exponential_` (DropPath's `x.new_empty(...).bernoulli_(p)`),
-`rrelu`, fractional max pooling and `F.scaled_dot_product_attention(..., dropout_p > 0)` normally
-draw from torch's global generator, which a step cannot carry as data: such a run is not a function
-of (seed, step) and a resume is not bit-exact. Under `keyed(key)` the i-th drawing call of the
-forward draws from `rng.fold_in(key, SALT + i)` instead (one opaque `functrain::uniform` or
-`functrain::gaussian` draw), so the same key gives the same numbers, eagerly or compiled, and the
-numbers follow the state's key: per step, per microbatch, per data-parallel rank and per population
-member. A call given its own `generator=` keeps it (that randomness is the caller's, explicitly).
-
-A torch function mode sees only the outermost call of a composite torch function: the draws inside
-`F.multi_head_attention_forward` (hence `nn.MultiheadAttention` and every `nn.Transformer*` layer)
-and `F.gumbel_softmax` would run unseen. Those two run as a copy of their own code whose override
-check is off, inside the mode, so their inner draws are keyed too. The few draws that cannot be
-keyed (`randperm`, `multinomial`, `poisson`, `normal`, `random_`, `cauchy_`, `log_normal_`,
-`geometric_`) still run, and are recorded: the train step prints one
-`functrain: warning:` line for each, once.
-
-The same mode gives every `F.embedding` (hence a user's `nn.Embedding`) `functrain.ops.embedding`'s
-backward, which compiles to a deterministic kernel on CPU (inductor's own sums with atomic adds, so
-identical compiled steps differ in the last bits), with the same values and the padding row's zero
-gradient.
-
-`make_train_step` enters the mode around the loss with the (micro)batch's key; the eval step has no
-key, and modules in eval mode do not drop. Calls that draw nothing pass through unchanged, so a
-model without randomness computes exactly what it did. The call counter is a Python int read while
-tracing: a forward makes its calls in one order, so the i-th call gets the same key every step.
-
-SDPA with dropout runs as its math formulation (scores, softmax, keyed dropout, weighted sum): the
-fused kernels draw their own numbers. It keeps the (B, H, T, T) weights, as torch's math backend does.
+Internals: docs/internals.md "functrain.nn.randomness".
 
 Example:
     >>> with randomness.keyed(key):

@@ -1,26 +1,6 @@
 """Formulations the compiled step relies on: a deterministic embedding, and per-step scalars.
 
-`embedding`: a compiled train step should give the same bits for the same (state, batch): that is
-what makes a rerun or a resume bit-exact. On CPU one op broke it: the token embedding's backward.
-
-Embedding backward: inductor compiles `F.embedding`'s derivative to a parallel loop of atomic
-adds, so identical calls differ in the last bits of `wte.weight`'s gradient. `embedding` below
-looks rows up with `torch.gather` on an expanded index instead, whose derivative (`scatter_add`)
-sums each row's contributions in index order: bit-identical calls at no measured cost
-(docs/results.md).
-
-CUDA (documented torch behaviour, not run here): inductor compiles both formulations' backward to
-Triton atomic adds, and FlashAttention's backward accumulates with atomics too, so bit-identical
-compiled steps on a GPU need `torch.use_deterministic_algorithms(True)` (the `deterministic` config
-switch) plus `CUBLAS_WORKSPACE_CONFIG=:4096:8`; there `embedding` keeps `F.embedding`, whose eager
-CUDA backward is the sort-based deterministic kernel.
-
-`hoist`: values computed once per step (learning rate, Adam's bias corrections, the clip
-coefficient, the skip flag). Inductor inlines cheap 0-d computations into every consumer, and the
-optimizer's consumers are the per-element loops over all parameters: at 100M parameters the
-float64 `pow` of the bias corrections and the schedule's `cos` ran once per 16 elements, ~6M times
-a step (12x torch's fused AdamW: docs/results.md). `hoist` packs such
-scalars into one small buffer behind an opaque op, so they are computed once and the loops read them.
+Internals: docs/internals.md "functrain.ops".
 
 Example:
     >>> x = ops.embedding(params["wte.weight"], idx)      # (B, T) ids -> (B, T, C)

@@ -1,19 +1,7 @@
 """List ops over tensor leaves: fused `torch._foreach_*` kernels, or one op per tensor under
 `torch.func.vmap`.
 
-The optimizer and the tree helpers update every leaf with one fused `_foreach_*` call per
-operation. `torch.func.vmap` has no batching rules for those (torch 2.13: "Batching rule not
-implemented for aten::_foreach_norm.Scalar"), so a population step (`functrain.population`),
-which vmaps the whole train step over K stacked states, switches to per-tensor ops with
-`per_tensor()`. Compiled, both forms fuse into the same kind of loops; the switch is a Python flag
-read while tracing (the compiled step guards on it).
-
-A 0-d tensor scalar (the optimizer's hoisted learning rate, betas, eps) given to a `_foreach_*`
-Scalar overload becomes `.item()` in the compiled code. On a CPU that is a load; on a GPU it is a
-device-to-host copy and a sync, which stalls the host until the GPU has drained everything queued
-before it (the AdamW update had two per step: the lerp weight and eps). On any device but the CPU
-the scalar therefore travels as a list of broadcast views (`s.expand_as(x)`, no copy) through
-the List overloads, computing the same elements (`device_scalars()` forces this route, for tests).
+Internals: docs/internals.md "functrain.ops.foreach".
 
 Example:
     >>> ys = foreach.mul(xs, 0.5)                 # torch._foreach_mul(xs, 0.5)

@@ -1,34 +1,6 @@
 """The optimizer algebra: `Transform(init, update)`, `chain`, `masked`, `apply_updates`.
 
-A transform is a pair of pure functions, exactly as in optax:
-
-    state = t.init(params)
-    updates, state = t.update(grads, state, params)
-
-A transform whose `Traits.takes_norm` is True declares that its `update` also takes the keyword
-`norm`: the global L2 norm of `updates`, when the caller has it already (optax's "extra args", which
-its `GradientTransformationExtraArgs` type declares). `apply_gradients` computes the gradient norm
-for its metric and skip check and passes it down through `call_update`; `chain` hands it to its first
-transform, so a leading `clip_by_global_norm` does not take the norm a second time (a full read of the
-gradients).
-
-What else a transform may say of itself goes in its optional third field, `Traits`. It reports
-the metrics it owns through `Traits.report(state) -> {name: 0-d tensor}` (the learning rate of
-`scale_by_learning_rate` under
-`metric_names.LR`); `chain` and `masked` merge their parts' reports, and the train step logs
-`optim.report(optimizer, opt_state)`. A custom schedule transform reports its rate the same way.
-
-A transform may declare itself `Traits.leafwise`: each leaf's new update and state
-depend only on that leaf's update, param and state, plus state shared by all leaves (counters,
-hyper-parameters). True for every transform here; "norm" for `clip_by_global_norm`, leafwise
-once it is handed the global norm. Only then may the train step update the parameters group by
-group, one compiled graph reused for every block (`functrain.step.update_groups`); a custom transform
-is assumed not leafwise unless it says so.
-
-`updates` has the structure of the params; `apply_updates` adds them. Transforms compose with
-`chain`; an optimizer such as `adamw` is just a chain. Every update is written out of place with
-fused `torch._foreach_*` kernels over the leaves; the compiled train step is what turns this into
-in-place buffer reuse (see `functrain.step`).
+Internals: docs/internals.md "functrain.optim.base".
 
 Example:
     >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, weight_decay=0.1))

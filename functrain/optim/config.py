@@ -1,8 +1,6 @@
 """The optimizer a run config describes: `from_config(config.optim, steps)`, and its checks.
 
-Keys of `config.optim`: name (adamw | sgd), lr, min_lr, schedule (cosine | constant | linear),
-warmup_steps, warmup_from_zero, weight_decay (matrices only: biases and norm scales get none), b1, b2, eps (adamw),
-momentum (sgd), clip (global-norm clipping, 0 = off), mu_dtype / nu_dtype (adamw moment storage).
+Internals: docs/internals.md "functrain.optim.config".
 
 Example:
     >>> validate.check_all(config, optim.config.CHECKS)

@@ -1,16 +1,6 @@
 """The eager in-place route of `adamw(fused=True)`: torch's fused AdamW kernel (`torch._fused_adamw_`).
 
-A chain of foreach transforms makes one pass over the parameters per operation (about twenty for
-clipped AdamW); compiled, inductor fuses them into one, but an eager step pays every pass. The fused
-route runs the same update in torch's single-pass kernel, in place: the eager train step takes it
-when it owns the state's buffers (`donate=True`) and the tensors suit the kernel (plain tensors of one
-floating dtype on one CPU or CUDA device, Adam's moments in that dtype). Elsewhere (compiled, not
-donating, sharded params) the same update runs as the chain.
-
-The math is the chain's: clipping becomes the kernel's gradient divisor (`grad / (1 / factor)`),
-decoupled weight decay its `p *= 1 - lr * wd`, the skip of a non-finite step its `found_inf` (params
-and moments stay untouched). It agrees with the chain to float32 rounding (the kernel computes the
-bias corrections in float32 from a float step count, the chain in float64).
+Internals: docs/internals.md "functrain.optim.fused".
 
 Example:
     >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(3e-4, fused=True))

@@ -1,11 +1,6 @@
 """Hyper-parameters as state: read and change them in an optimizer state (or a whole TrainState).
 
-Every transform keeps its numeric hyper-parameters as float64 0-d tensors under its state's `hyper`
-field (see `functrain.optim.transforms`), so they are inputs of the compiled step, not constants:
-`set_hyperparams` returns a state with new values and the same compiled graph runs it (an LR sweep
-compiles once; the other points hit the compile cache). Names are the transforms': "lr", "min_lr",
-"warmup_steps", "decay_steps" (schedules), "b1", "b2", "eps" (Adam), "weight_decay", "clip",
-"momentum". A name set applies wherever it occurs.
+Internals: docs/internals.md "functrain.optim.hyperparams".
 
 Example:
     >>> state = optim.set_hyperparams(state, lr=1e-3, weight_decay=0.0)

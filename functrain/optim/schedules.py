@@ -1,12 +1,7 @@
 """Learning-rate schedules: `count (int64 0-d tensor) -> lr (float32 0-d tensor)`, with their constants as
 hyper-parameters that can live in the optimizer state.
 
-A schedule is a `Schedule`: a pure function of the count and of named constants (`hyper`: the peak
-rate "lr", "min_lr", "warmup_steps", "decay_steps", ...). Called as `sched(count)` it uses the
-constants it was built with; `scale_by_learning_rate` instead keeps them as 0-d tensors in its state
-and calls `sched.at(count, hyper)`, so changing one (`optim.set_hyperparams(state, lr=1e-3)`)
-changes no compiled graph. Everything is torch ops on tensors: the rate changes every step without
-a recompile.
+Internals: docs/internals.md "functrain.optim.schedules".
 
 Example:
     >>> sched = optim.warmup_cosine(peak_value=3e-4, warmup_steps=100, decay_steps=5000)

@@ -1,15 +1,6 @@
 """Gradient transforms (verbs): each returns a `Transform` of two pure functions.
 
-All arithmetic runs as fused `torch._foreach_*` kernels over the leaves. Every numeric
-hyper-parameter (Adam's b1, b2, eps, the weight decay, the clip norm, the momentum, the learning
-rate and its schedule's constants) is a float64 0-d tensor in the transform's state, under `hyper`
-(optax's `inject_hyperparams`, built in): the compiled step reads them as inputs, so changing one
-(`optim.set_hyperparams`) changes no graph, and an LR sweep compiles once. float64 so that derived
-factors (1 - b2, bias corrections) round exactly as torch.optim's Python floats do.
-
-Per-step scalars (the learning rate, Adam's bias corrections, the clip coefficient) go through
-`functrain.ops.hoist`: computed once per step, then read by the per-element loops as plain factors
-(see `functrain.ops`; inlined into every loop they cost 12x torch's fused AdamW at 100M params).
+Internals: docs/internals.md "functrain.optim.transforms".
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Parallel training: process groups and the DeviceMesh, sharding rules, tensor and context parallelism.
 
-Parameters and optimizer state become DTensors on a 4-axis mesh ("dp_replicate", "dp_shard", "cp",
-"tp"); `functrain.make_train_step` then builds the sharded step (FSDP gather / reduce-scatter, tensor
-parallel compute, dp-averaged metrics) with the same API as on one process; a model copy made by
-`context.context_parallel` computes on this rank's part of each sequence. Pipeline stages (a
-config's `pp`, each stage a mesh of the four axes) train with `functrain.parallel.pipeline`, imported
-on its own (it builds on the train step: `from functrain.parallel import pipeline`).
+Internals: docs/internals.md "functrain.parallel".
 
 Example:
     >>> ctx = parallel.setup(config.mesh)                       # torchrun env -> process group + mesh

@@ -1,8 +1,6 @@
 """The functional collectives the parallel modules share, under one set of public names.
 
-torch 2.13 renamed `all_gather_tensor` / `reduce_scatter_tensor` to `all_gather_single` /
-`reduce_scatter_single` (the old names warn on every eager call); older torch has only the old
-names. Every parallel module calls them through here.
+Internals: docs/internals.md "functrain.parallel.collectives".
 
 Example:
     >>> full = wait(all_gather(shard, 0, (mesh, dim)))     # (N * rows, ...)

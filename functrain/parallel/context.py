@@ -1,46 +1,7 @@
 """Context parallelism's attention: a sequence's tokens split over a process group, causal attention
 over the whole sequence with each rank holding only its part.
 
-Split (zig-zag, as TorchTitan's load balancing): the sequence is cut into 2N chunks for N ranks and
-rank r holds chunks r and 2N-1-r. Under a causal mask a token attends to the tokens before it, so an
-early chunk is cheap and a late one dear; pairing them gives every rank the same attention work
-(N=2, T=8: rank 0 holds positions 0,1,6,7 and rank 1 positions 2,3,4,5).
-
-Attention (all-gather, the Llama 3 paper's choice for long sequences): each rank computes queries,
-keys and values for its own tokens and gathers every rank's keys and values (grouped-query attention
-gathers the few kv heads, not the repeated ones). The kernels (`KERNELS`, `Split.kernel`):
-
-  "zigzag"  (`zigzag_attention`, the default) no mask: on CPU each of the rank's two query chunks
-            attends to the key chunks before it and to its own (causal), one flash call per key
-            chunk, merged by their log-sum-exps; the backward gathers again and runs the flash
-            backward per block, so only this rank's q, k, v, output and log-sum-exp are kept between
-            the forward and the backward. On other devices each chunk goes through the causal kernel
-            over the keys up to its end (`F.scaled_dot_product_attention(is_causal=True)`), its
-            queries placed after zero rows.
-  "stream"  (`zigzag_attention(..., stream=True)`, CPU) the same blocks, each key chunk broadcast
-            from its owner when needed and its gradient summed back (an all-reduce): one chunk of keys
-            and values held at a time instead of the whole sequence's, 2N collectives a layer.
-  "mask"    (`attention`) one attention under the causal mask written in global positions
-            ((T/N) x T, a query at position p sees keys at positions <= p).
-
-The gather's backward is a reduce-scatter: each rank gets the gradient of its own keys and values
-summed over every rank's queries. Rotary or learned positions take `positions` (the global positions
-of the rank's tokens); a learned table's rows come from `position_rows`, which reads them from the
-table's cp shards (an all-to-all of T / N rows per rank) when the layout hands it this rank's part.
-Gathered, the keys and values of the whole sequence (and, in the backward, their gradients) exist on
-every rank for one layer at a time: O(T) in the kv width; streamed, O(T / N).
-
-The collectives are functional collectives inside a `torch.autograd.Function`: they work under
-`torch.func.grad_and_value`, eagerly and inside `torch.compile(fullgraph=True)`.
-
-In a model. `split_of(mesh)` is this rank's `Split` of the mesh's "cp" axis (None without one);
-`context_parallel(model, split)` is a storage-free copy of the model whose modules that declare a
-`context` attribute (the GPT's and Llama's embedding and attention) get the split: the embedding and
-rotary take `split.positions`, the attention is `split.attention`. The loss
-(`functrain.models.lm.make_lm_loss_fn`) takes this rank's tokens of x and y (`split.shard`) and
-normalizes with `split.token_mean`, so that averaging the loss and the gradients over the cp ranks
-(which `functrain.parallel.spmd` does, as over the data-parallel axes) gives the mean over every
-token of the sequence and its gradient, whatever each rank's count of counted targets.
+Internals: docs/internals.md "functrain.parallel.context".
 
 Example:
     >>> pos = context.positions(T, cp, cp_rank, device=x.device)        # (T/cp,) global positions

@@ -1,9 +1,6 @@
 """Batches under data parallelism: each dp rank feeds the step its rows of the same global batch.
 
-The sharded step takes the LOCAL batch as it is (plain tensors of shape (B_global / dp_world, ...)):
-there is nothing to wrap. Ranks that differ only in their tp coordinate share a dp rank and must get
-the same rows. `functrain.data.get_batch(..., rank=ctx.dp_rank, world=ctx.dp_world)` does that
-directly (`**data_parallel_kwargs(ctx)`); `split_batch` cuts any global batch the same way.
+Internals: docs/internals.md "functrain.parallel.data".
 
 Example:
     >>> x, y = data.get_batch(ds.train, batch_size=B, block_size=T, seed=0, step=s,

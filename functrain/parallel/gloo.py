@@ -1,23 +1,6 @@
 """gloo process groups that run one collective at a time (a heap-corruption bug of torch's gloo).
 
-torch's `ProcessGroupGloo` runs each group's collectives on a pool of two worker threads sharing
-the group's one gloo context. When two collectives of one group are in flight at once (an
-all-gather started and not yet waited while the next one is issued: FSDP's prefetch, a bucketed
-gather beside DTensor redistributes, a compiled graph that waits late), the process's heap is
-sometimes corrupted: a later malloc in a gloo worker thread aborts with "malloc(): unaligned tcache
-chunk detected" or segfaults, or a rank is left waiting in a collective forever. `bench/gloo_threads.py`
-reproduces it with plain torch.distributed (docs/results.md has the numbers).
-
-gloo's Python constructor takes no thread count and torch.distributed passes a gloo group none, so
-`backend(threads)` registers, through torch's public backend registry
-(`torch.distributed.Backend.register_backend`), a backend of functrain's own that builds gloo groups
-with `threads` worker threads, and returns its name: `parallel.setup` creates the default group
-with it on CPU, and the mesh's groups and the checkpoint writer's barrier group inherit or name it.
-A group's collectives then run one after the other in issue order, still asynchronously to the
-caller: a started all-gather still overlaps the compute that follows it; those of different groups
-still overlap each other. `threads_of(group)` reads a group's thread count back; `is_gloo(group)`
-tells whether a group runs CPU collectives on gloo at all (`parallel.spmd` picks its gradient route
-by it). Nothing of torch is replaced.
+Internals: docs/internals.md "functrain.parallel.gloo".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Where the parameters live, as one interface the train step calls the same way on 1 or N processes.
 
-`functrain.parallel.dispatch.layout_of(params)` returns the params' `Layout`:
-
-  * `Local()` for plain tensors: every collective is the identity, selects and donations are
-    plain `torch.where` / `_foreach_copy_`;
-  * `functrain.parallel.spmd.Spmd(mesh)` for DTensors on a DeviceMesh: gathers over the
-    data-parallel axes, reduce-scatters gradients, averages metrics over dp ranks, and does the
-    selects and donations on the local shards.
-
-So `functrain.step` has one body and no `if sharded` branch; everything DTensor-aware stays here.
+Internals: docs/internals.md "functrain.parallel.layout".
 
 Example:
     >>> lay = layout_of(state.params)

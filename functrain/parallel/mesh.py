@@ -1,27 +1,6 @@
 """Process groups and the DeviceMesh: set-up from torchrun's environment, tear-down, rank helpers.
 
-The mesh always has four named axes, in this order (outer to inner):
-
-    dp_replicate   data parallel, parameters replicated (DDP / HSDP outer axis)
-    dp_shard       data parallel, parameters sharded (FSDP)
-    cp             context parallel: each sequence's tokens split over its ranks, parameters
-                   sharded FSDP-style as on dp_shard (see `functrain.parallel.context`)
-    tp             tensor parallel (Megatron-style, see `functrain.parallel.tp`)
-
-Sizes come from a config with fields `dp_replicate`, `dp_shard`, `cp`, `tp` (ints; -1 = "the rest
-of the world size", at most one -1); their product must equal the number of processes. Ranks that
-differ only in their cp or tp coordinate read the same batch rows.
-
-Pipeline stages. A config field `pp` > 1 (`functrain.parallel.pipeline`) splits the processes into `pp`
-pipeline stages: a 5-D mesh ("pp", then the four axes above) is built, `ctx.mesh` is this stage's
-4-D sub-mesh (what its params are sharded on; every other part of functrain sees only it) and
-`ctx.pp_group` the group of the ranks that hold the other stages at the same 4-D coordinate.
-
-Single process. Started without torchrun (no WORLD_SIZE in the environment) and with a world of
-1, `setup` creates no process group and no mesh: `ctx.mesh is None`, `shard_state` leaves the
-state as plain tensors, and the step runs the exact DTensor-free single-process path. Pass
-`mesh_on_single_process=True` to get a 1-device mesh anyway (a single-rank gloo/nccl group on a
-free local port), e.g. to test the sharded code path on one process.
+Internals: docs/internals.md "functrain.parallel.mesh".
 
 Example:
     >>> ctx = parallel.setup({"dp_replicate": 1, "dp_shard": -1, "tp": 1})

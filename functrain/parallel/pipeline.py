@@ -1,36 +1,6 @@
 """Pipeline parallelism: a staged loss's stages on different ranks, microbatches on a schedule.
 
-`place` cuts a `functrain.step.staged.StagedLoss` (embedding, blocks, head) over the ranks of a pipeline
-group: the blocks into contiguous groups of balanced parameter count (`parallel.schedule.partition`),
-the embedding on the first rank, the head and the loss on the last. Each rank's state is a pytree of
-its own stages' params and optimizer state (`Pipeline.params` picks them from the full params).
-
-`make_train_step(pipe, optimizer, microbatches=M, schedule="1f1b")` builds `step(state, batch) ->
-(state, metrics)` for one rank. Every rank gets the same batch (the first reads its inputs, the last
-its targets); it is cut into M microbatches, which run through the rank's stages in the order of the
-schedule (`parallel.schedule`: "gpipe", "1f1b" or "eager-1f1b"). Activations go forward to the
-next rank and cotangents back to the previous one by point-to-point transfers on the pipeline group
-(non-blocking sends; each receive posted one action ahead of the action that waits on it). Within a
-rank the stages run on the staged loss's own engine (`StagedLoss.forward_blocks`/`backward_blocks`
-over the rank's blocks): vjp closures, blocks recomputed in the backward as its remat policy says.
-
-Profiler ranges (`torch.profiler`, e.g. the trainer's `profile.*` window): each action is a range
-named "pipeline F<micro>" or "pipeline B<micro>", each blocking receive "pipeline recv" within it,
-and the whole schedule of a step, its sends completed, "pipeline schedule". `bench/pipeline.py`
-measures the bubble and the activations held from them.
-
-One global decision. The gradients are the mean over microbatches (as `accum_steps=M` on one
-process); a weight read on two ranks (a tied embedding and head) has its gradients summed over the
-pipeline group, and counts once in the norm. The loss and aux metrics, from the last rank, are
-all-reduced over the group, and so are the squared norms of the gradients and of the update
-(`Stages`, the layout the update runs with), so every rank clips with the same global norm, takes
-the same non-finite skip decision, and reports the same metrics; the learning-rate schedule reads
-the step count every rank holds.
-
-Compile contract (`compile=True`): the stages run as the staged loss's own graphs
-(`StagedLoss.compile_stages`: the embedding, ONE block graph for every block, a no-grad block graph
-when blocks are recomputed, the head), called from the eager schedule; the optimizer update is one
-graph. No graph per block, microbatch or step.
+Internals: docs/internals.md "functrain.parallel.pipeline".
 
 Example:
     >>> pipe = pipeline.place(gpt.make_loss_fn(template, staged=True), full_params)

@@ -1,21 +1,6 @@
 """Pipeline schedules and stage partitions: pure bookkeeping, no torch, no communication.
 
-A pipeline of `n` ranks runs `m` microbatches per step. Each rank's schedule is the list of its
-actions in order: `Action("F", i)` runs microbatch i's forward through the rank's stages, `Action("B",
-i)` its backward. Rank r's forward of i needs rank r-1's forward of i; its backward of i needs rank
-r+1's backward of i. The schedules below have the same bubble, (n - 1) / (m + n - 1) of a step when
-a forward and a backward cost the same on every rank; they differ in how many microbatches' activations
-a rank holds at once, and in how much a slow action on one rank idles the others:
-
-  gpipe       every forward, then every backward: rank r holds m microbatches' activations.
-  1f1b        n - r - 1 forwards to fill the pipe, then one forward and one backward in turn, then the
-              remaining backwards: rank r holds at most min(n - r, m) (PipeDream-Flush / Megatron's 1F1B).
-  eager-1f1b  1f1b with one more forward to fill the pipe on every rank but the last: each rank's next
-              input is ready before it is needed, so the bubble stays near the formula when actions
-              vary in cost (they do, by 10-40% on a shared CPU); one microbatch's activations more.
-
-`partition` cuts a model's blocks into n contiguous groups of balanced weight (parameter count or
-FLOPs), the first group also carrying the embedding's weight and the last the head's.
+Internals: docs/internals.md "functrain.parallel.schedule".
 
 Example:
     >>> one_f_one_b(n=2, m=4, rank=0)

@@ -1,25 +1,6 @@
 """Sharding as data: ordered (regex -> placements per mesh axis) rules, and sharding a state tree.
 
-A rule is `(pattern, {axis: spec})`. For every parameter name and every mesh axis, the first rule
-whose pattern `re.search`-matches the name AND that names the axis decides the placement; an axis
-no rule names is `Replicate()`. A spec is a `Placement` (`Shard(d)`, `Replicate()`) or one of the
-tensor-parallel kinds of a model's `TP_RULES` ("colwise", "rowwise", "replicate"):
-
-    colwise    Shard(0)                           (Linear weight rows = output features, and bias)
-    rowwise    Shard(1) for a weight, Replicate() for a 1-D bias
-    replicate  Replicate()
-
-Two normalizations follow, so that every DTensor is a plain Shard/Replicate layout the step and the
-checkpointer understand:
-  * an axis of size 1 is always `Replicate()` (the layout of a 1-wide axis is the whole tensor);
-  * one tensor dim is never sharded by two axes: when a data- or context-parallel axis would shard
-    a dim that the tp axis (or an axis before it) already shards (FSDP `Shard(0)` on a colwise
-    weight, or cp's `Shard(0)` after dp_shard's), it moves to the first other dim
-    (`Shard(1)`), or to `Replicate()` for a 1-D tensor (a colwise bias). Nested `Shard(0), Shard(0)`
-    would make the tp-local compute slice span several FSDP shards, and DTensor's nested uneven
-    redistribute fails on gloo (measured), so it is avoided by construction.
-
-Uneven shards follow `torch.chunk` (7 rows on 2 ranks: 4 + 3).
+Internals: docs/internals.md "functrain.parallel.sharding".
 
 Example:
     >>> rules = parallel.default_rules(gpt.TP_RULES)   # FSDP on dp_shard + GPT TP on tp

@@ -1,53 +1,6 @@
 """The collectives of a sharded train/eval step (used by `functrain.step` when params are DTensors).
 
-The step keeps the parameters and optimizer state as DTensors and runs the model on plain local
-tensors, FSDP-style:
-
-  1. `Spmd.gather`: parameters are made whole on the data-parallel axes (all-gather over
-     dp_shard) and kept as they are on the tp axis; the resulting plain tensor (the whole parameter,
-     or this rank's tp slice) is what the forward sees. With a staged loss
-     (`functrain.step.staged.staged_loss`, e.g. `gpt.make_loss_fn(..., staged=True)`, which the GPT task
-     uses on a mesh) the step calls it once per stage, just before the stage runs, and
-     `reduce_grads` once per stage, as soon as its vjp has made the gradients (FSDP's per-block
-     schedule, see `functrain.step.staged`); otherwise once for the whole model.
-  2. `torch.func.grad_and_value` runs over those plain tensors (transforms cannot see through
-     DTensors); tensor-parallel collectives inside the model are differentiable functional
-     collectives (see `functrain.parallel.tp`).
-  3. `Spmd.reduce_grads`: the local gradients are averaged over the data-parallel ranks into the
-     parameters' placements: a reduce-scatter over dp_shard, an all-reduce over dp_replicate.
-  4. The optimizer (clipping, global norms, AdamW) runs on the DTensor shards; norms reduce over
-     the whole mesh.
-
-Position tables. A stage may name parameters it reads only at the batch's token positions
-(`functrain.step.staged.Stage.rows`: the GPT's learned position embedding). With a cp axis of several
-ranks, `gather(params, rows)` hands these over as this rank's rows on cp (`Shard(0)` there, whole
-on the other dp axes) instead of the whole table, and `functrain.parallel.context.position_rows`
-fetches each rank's rows from their owners; `reduce_grads(grads, params, rows)` takes their
-gradients as it gets them (summed over cp on the owner's rows) and averages them over the other dp
-axes. Under context parallelism the table has a row per token of the whole sequence, so a rank
-holds T / cp of its rows, never T.
-
-Bucketing. Parameters sharded on dim 0 by one dp axis (the FSDP layout) and parameters replicated
-on every dp axis (DDP) go through ONE flat collective per (kind, axis, dtype), like FSDP2's flat
-buffers: each local shard is padded to the ceil-sized chunk, flattened and concatenated, so uneven
-shards need no special case. Any other layout (e.g. FSDP on dim 1 of a colwise weight under 2-D
-FSDP + TP) is redistributed per parameter through DTensor (a flat bucket is 2-4x faster than
-per-tensor collectives: docs/results.md).
-
-Reduce-scatter routes (`Spmd(..., reduce_scatter=)`, set for a mesh with
-`functrain.parallel.configure`). gloo has no reduce-scatter of its own: torch's
-`ProcessGroupGloo::reduce_scatter_tensor_coalesced` clones the whole (w, S) input, all-reduces the
-clone and copies this rank's row out when waited on. So on gloo groups the default ("auto") runs
-"all_reduce": the bucket all-reduced (`funcol.all_reduce`) and this rank's row copied out, so the
-(w, S) sum is freed at once. Same collective, same bits (tests/test_parallel_dist.py), one
-whole-bucket copy fewer: faster and a lower peak (docs/results.md).
-Elsewhere (nccl) "auto" is the backend's reduce-scatter, which moves half an all-reduce's bytes.
-
-"all_to_all" (opt-in): each rank sends row j of its gradient buffer to rank j with
-`all_to_all_single` and adds the rows it receives to its own (measured against the other routes:
-docs/results.md).
-
-Everything is traceable: the compiled step is one graph including the collectives.
+Internals: docs/internals.md "functrain.parallel.spmd".
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Tensor parallelism applied from the outside: a copy of the model whose Linears compute on tp shards.
 
-`tensor_parallel(model, mesh, rules)` returns a storage-free copy of `model` in which every
-`nn.Linear` whose weight the rules shard on the tp axis is swapped for a Megatron-style layer:
-
-  colwise  (weight `Shard(0)`, output features): `y_local = x @ W_local^T + b_local`; the input goes
-           through `copy_to_tp` (identity forward, all-reduce of the input gradient backward).
-  rowwise  (weight `Shard(1)`, input features): `y = all_reduce(x_local @ W_local^T) + b`
-           (`reduce_from_tp`: all-reduce forward, identity backward); the bias is added once.
-
-With q/k/v and mlp.fc colwise and attn.proj / mlp.proj rowwise (GPT's `TP_RULES`), attention runs
-on this rank's heads (the model infers the local head count from the tensor) and the MLP on its
-slice of the hidden units: real tensor-parallel compute, two all-reduces per block forward and
-(one per colwise Linear) in backward. Parameter names are unchanged, so the same params dict (the
-local tensors the sharded step passes to the loss function) drives it through `functional_call`.
-The model file itself stays a plain nn.Module.
-
-The collectives are functional collectives inside `torch.autograd.Function`s: they work under
-`torch.func.grad_and_value`, eagerly and inside `torch.compile(fullgraph=True)` (one graph).
+Internals: docs/internals.md "functrain.parallel.tp".
 
 Example:
     >>> tp_model = parallel.tensor_parallel(template, ctx.mesh, parallel.default_rules(gpt.TP_RULES))

@@ -1,13 +1,6 @@
 """The step: `make_train_step` / `make_eval_step` and the parts they are made of.
 
-* `steps`: value and grad, accumulation, the train and eval steps (the public names below).
-* `staged`: the staged-loss engine. A loss given as stages (`StagedLoss`) runs its stages one by
-  one; activation checkpointing, FSDP's per-block gathers, `compile="blocks"` and pipeline stages
-  are all built on it. `remat_policy` says which blocks recompute.
-* `update`: the optimizer half of a step (`apply_gradients`, the skip guard, the masters);
-  `update_groups`: the update run group by group, one graph for every block.
-* `precision`: bf16/fp16 compute over fp32 masters, with dynamic loss scaling.
-* `loss_contract`: what a loss returns; `metric_names`: the metrics' names.
+Internals: docs/internals.md "functrain.step".
 
 Example:
     >>> from functrain.step import make_train_step

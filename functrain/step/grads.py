@@ -1,7 +1,6 @@
 """The loss's gradients: value and grad of one batch, accumulated over microbatches, with frozen params.
 
-`make_train_step` (`functrain.step.steps`) builds its step from these; they are public for a step of
-one's own (`value_and_grad` under `torch.func.vmap`, a per-example gradient, a custom update).
+Internals: docs/internals.md "functrain.step.grads".
 
 Example:
     >>> loss, aux, grads = value_and_grad(loss_fn, params, batch, key)

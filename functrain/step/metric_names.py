@@ -1,8 +1,6 @@
 """The names of the metrics functrain reports, in one place.
 
-The train step (`functrain.step`), the training loop (`functrain.trainer.loop`) and the writers refer to
-metrics by these constants, so a name is spelled once. Research code reads them from the metrics
-dict the step returns: `metrics[metric_names.GRAD_NORM]` is `metrics["grad_norm"]`.
+Internals: docs/internals.md "functrain.step.metric_names".
 
 Example:
     >>> from functrain import metric_names as M

@@ -1,22 +1,6 @@
 """Mixed precision: compute in bf16 or fp16 while the state keeps fp32 master params.
 
-A `Precision` is data, chosen once when the step is built (`make_train_step(..., precision="bf16")`):
-
-  * The state's params and optimizer moments stay in their own dtype (fp32 master copies).
-  * Inside the compiled step the params are cast to `compute_dtype` (before the FSDP all-gather, so
-    the gather moves half the bytes, as FSDP2's `MixedPrecisionPolicy(param_dtype=...)`), floating
-    batch leaves are cast too, and forward and backward run in `compute_dtype`.
-  * Gradients come back in `compute_dtype`, are summed over microbatches in float32, cast to the
-    master dtype and reduced over data-parallel ranks in it; clipping and the optimizer run on the
-    fp32 masters.
-  * Losses (`models.gpt.cross_entropy`, `losses.chunked_cross_entropy`) upcast logits to float32.
-
-fp16 has a 5-bit exponent: small gradients underflow. `float16` therefore turns on dynamic loss
-scaling (torch.amp.GradScaler's rule, kept in `TrainState.guard`): the loss is multiplied by
-`guard.loss_scale` before the backward and the gradients divided by it; a step whose gradients
-overflow is skipped (the state's params and optimizer state are left bit-identical) and the scale
-halves; after `growth_interval` good steps in a row it doubles. bf16 has fp32's exponent range and
-needs no scaling.
+Internals: docs/internals.md "functrain.step.precision".
 
 Example:
     >>> step = make_train_step(loss_fn, optim.adamw(3e-4), precision="bf16")

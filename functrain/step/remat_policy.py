@@ -1,7 +1,6 @@
 """Remat policies as config values: "none", "full" or N (recompute every N-th block).
 
-Plain Python (no torch), so a run's config is checked before torch is imported; `functrain.step.staged`
-re-exports both functions.
+Internals: docs/internals.md "functrain.step.remat_policy".
 
 Example:
     >>> recomputed_blocks(parse_policy("2"), 4)

@@ -1,58 +1,6 @@
 """Activation checkpointing ("remat") that works inside the compiled functional train step.
 
-A deep model's backward needs every block's intermediate activations. Rematerialization keeps only
-each block's *input* and recomputes the block's internals just before its backward, trading one
-extra forward per recomputed block for activation memory that no longer grows with depth.
-
-Why not `torch.utils.checkpoint`: the functrain step takes gradients with `torch.func.grad_and_value`,
-and `torch.func` transforms do not support the saved-tensor hooks checkpoint is built on (torch 2.13:
-"don't yet support saved tensor hooks", eager and compiled). A custom `torch.autograd.Function` that
-recomputes in its backward works eagerly, but inside `torch.func.grad` under `torch.compile` Dynamo
-inlines its forward and differentiates that, silently dropping the custom backward (pytorch#193279),
-so nothing would be recomputed in the compiled step.
-
-So the gradient route is spelled out instead. The model is described as stages (an embedding, a list
-of blocks, a head that returns the loss), each reading only its own parameters, and `staged_loss`
-builds a loss function that also carries its own `value_and_grad` (which `functrain.step` uses):
-
-  forward   embedding and kept blocks under `torch.func.vjp` (their vjp closures hold their
-            activations); recomputed blocks under `torch.no_grad()`, keeping only their input;
-            the head under `torch.func.vjp`, seeded with 1 (or the loss scale).
-  backward  blocks in reverse: a kept block calls its closure; a recomputed block reruns its
-            forward under `torch.func.vjp` from its saved input and pulls the cotangent through.
-
-The recomputation's input goes through `remat_barrier(h, g)`, an opaque custom op (a copy of `h`)
-that also takes the incoming cotangent `g`. Without it the compiler sees the same ops on the same
-tensor twice and merges the recomputation back into the forward (CSE), or schedules it early; with it
-the recomputation can only run once the backward has reached that block (without it, the compiled
-step's peak doubles: docs/results.md). Dropout keys are explicit, so a recomputed block draws the same masks and
-the gradients equal plain `grad_and_value`'s (to float rounding). GPT numbers: `bench/remat.py`.
-
-Sharded params (FSDP's per-block schedule). On DTensor params the train step calls
-`loss_fn.value_and_grad_sharded(params, batch, key, layout=...)` instead: each stage all-gathers its
-own parameters just before its forward and reduce-scatters its own gradients as soon as its vjp has
-made them, so the whole model is never gathered. A recomputed block lets its gathered parameters go
-after its forward and gathers them again (behind the barrier) for its backward: "reshard after
-forward", at most the block computing and the next one gathered at a time. A kept block (policy
-"none") holds them in its vjp closure until its backward, except in the compiled one-graph step,
-where `functrain.compiler.regather` rewrites the graph so that its backward reads a second gather
-(reshard after forward, FSDP's default),
-and `functrain.compiler.recompute` computes the kept blocks' cheap activations (layer norms' and GELU's
-outputs) again in the backward instead of holding them, as AOTAutograd's partitioner would.
-Why this route and not SimpleFSDP-style gathers at the point of use under `torch.autograd.grad`:
-it needs no autograd of collectives and no inductor recompute tags, runs eagerly and
-compiled as one graph (tests/test_parallel_dist.py), and the schedule is explicit in the code.
-
-Compiled stage by stage (`loss_fn.compile_stages()`, `make_train_step(..., compile="blocks")`). In
-the one-graph step every block is inlined, so compile time grows with depth. Compiled stage by
-stage, the embedding, the head and ONE block graph (`Stage.shared`, run by every block on its own
-params and index) are separate `torch.compile` functions called from eager code, differentiated by
-autograd through AOTAutograd's forward/backward graphs (`torch.func.vjp` cannot differentiate a
-compiled function from eager code). Graphs: embedding, block and head, each with grad and (for a
-no-grad forward: a recomputed block, the sharded embedding, eval) without; none per block. The
-train step's optimizer update then runs group by group, one graph for every block
-(`functrain.step.update_groups`), and the cold compile is flat in depth (bench/compile_depth.py; README
-"Compile unit").
+Internals: docs/internals.md "functrain.step.staged".
 
 Example:
     >>> loss_fn = staged_loss(embed, blocks, head, policy="full")

@@ -1,41 +1,6 @@
 """Pure train and eval steps: `step(state, batch) -> (state, metrics)`, compiled as one graph.
 
-This module holds the mathematics of a step (value and grad, accumulation, the finish) and asks
-`functrain.compiler` for the compile unit; the optimizer half is `functrain.step.update`.
-
-The train step does forward, backward (`torch.func.grad_and_value` over the params; plain autograd
-when eager), gradient accumulation, the optimizer (clipping, schedule, update) and the step counter
-in one function, and compiles it whole with `torch.compile(fullgraph=True)`. Everything that changes
-from step to step is a tensor in the state, so the graph is built once and never recompiled.
-
-Donation. With `donate=True` (the default) the step writes the new params and optimizer state into
-the input state's buffers (inside the compiled graph, where inductor makes the update kernels write
-straight into them) and returns a state that reuses those buffers. The input state is *consumed*,
-as with `jax.jit(..., donate_argnums=0)`: do not read it after the call, use the returned one. This
-keeps peak memory near one copy of the state. `donate=False` allocates a new state and leaves the
-input untouched (useful for tests, EMA tricks and debugging).
-
-Compile unit. `compile=True` makes the whole step one graph: the fastest steps, but every block is
-inlined, so compile time grows with depth. `compile="blocks"` (a `functrain.step.staged.StagedLoss`
-only) compiles the step's prepare (casts, key) as a graph and lets the loss run its stages as graphs
-of their own, one block graph shared by every block (`StagedLoss.compile_stages`); the finish
-(grads to the masters, metrics, the optimizer update) runs group by group, one update graph for
-every block (`functrain.step.update_groups`; one finish graph when the optimizer or its masks do not
-allow that). No graph per block, none per step.
-
-Precision and safety. `precision="bf16"` (or "fp16", with dynamic loss scaling) runs forward and
-backward on a cast copy of the params inside the same graph while the state keeps fp32 masters
-(`functrain.step.precision`). A step whose loss or gradient norm is not finite keeps the old params and
-optimizer state (a `torch.where` fused into the update kernels: no host sync, no graph break),
-advances `step`, and counts the skip in `state.guard` and the metrics.
-
-Sharded state. When the params are DTensors on a DeviceMesh (`functrain.parallel.shard_state`),
-the same body runs through the params' `functrain.parallel.Layout` (`layout_of(params)`): parameters
-are gathered over the data-parallel axes, the loss and gradients are taken over the local plain
-tensors, gradients are reduce-scattered back to the parameter placements, the optimizer updates the
-shards, and the loss is averaged over the data-parallel ranks; the batch is each dp rank's local
-part. For plain tensors the layout is `parallel.LOCAL`, whose collectives are the identity: the step
-has one body and no `if sharded` branch, and nothing here knows DTensor.
+Internals: docs/internals.md "functrain.step.steps".
 
 Example:
     >>> def loss_fn(params, batch, key):

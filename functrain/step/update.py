@@ -1,9 +1,6 @@
 """The optimizer half of a train step: gradients in, a new state and metrics out.
 
-`apply_gradients` is the update `make_train_step` runs after the backward: the norms, the optimizer
-(clipping, schedule, update), the skip of a non-finite update (a `torch.where` fused into the update
-kernels: no host sync, no graph break), the fp16 loss scale's rule and the step counter.
-`update_step` compiles it on its own, for gradients made elsewhere.
+Internals: docs/internals.md "functrain.step.update".
 
 Example:
     >>> state, metrics = apply_gradients(state, grads, optim.adamw(3e-4), aux={"loss": loss})

@@ -1,37 +1,6 @@
 """The optimizer update group by group: one compiled graph reused by every block (compile="blocks").
 
-Why. With `compile="blocks"` the forward and backward graphs no longer grow with depth, but the
-update did: one graph over every parameter, one fused loop per tensor, its inductor scheduling
-and C++ compile growing with the tensor count (most of the cold compile at any depth:
-docs/results.md).
-
-How. The parameters fall into groups: one per block (`Stage.prefix`, same names, shapes, dtypes
-and placements as block 0) and one for everything else. A group of blocks presents its tensors
-under block 0's names, so every block runs the same compiled graph: two update graphs in all (the
-blocks' and the rest's), whatever the depth. The step's finish runs in four phases:
-
-  1. `grads`   per group: the grads in the masters' dtype (unscaled under fp16), their squared norm
-               (one fused foreach norm; mesh-wide for DTensors).                        eager
-  2. `norm`    the global grad norm from the groups' squares, the skip flag, the metrics averaged
-               over the dp ranks.                                                       eager
-  3. `update`  per group: the optimizer on the group's params, grads and state (its moments plus
-               the state every leaf shares: counters, hyper-parameters), the update's squared
-               norm, the skip select, the donation of params and moments.    one graph per group kind
-  4. `finish`  the shared optimizer state (every group computed the same), the step counter and the
-               skip guard written back, the update norm.                                eager
-
-Phases 1, 2 and 4 are a few fused kernels and 0-d arithmetic: compiled, each cost a graph's cold
-compile and made nothing faster (measured: docs/results.md).
-
-What it needs. The optimizer must be leafwise (`optim.is_leafwise`: each leaf's update depends on
-its own grad, param and state plus shared state; `clip_by_global_norm` gets the global norm from
-phase 2). Its param-shaped state must live in dicts keyed by parameter names (what every
-transform in `functrain.optim` keeps). Masks (weight decay's, `optim.masked`'s) are resolved on a
-group's names: before the first step, `plan` runs the optimizer on meta tensors (no memory, no
-arithmetic) on the full tree and on each group kind and checks that every leaf gets the same mask
-flag both ways; if not (e.g. a mask that treats block 0 differently), the step keeps the one
-update graph. Numerics: the norms sum per group and then over groups, so `grad_norm` and the clip
-factor may differ from the one-graph step in the last float32 bit; the per-element math is the same.
+Internals: docs/internals.md "functrain.step.update_groups".
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """The trainer: the application built on the functrain library, which the library never imports.
 
-* `main`: the command line (`python -m functrain.main --config=configs/gpt.py`), config loading and
-  checks, the parallel context, and the run or the export;
-* `loop`: runs any model family's `Task` on the `route` it chooses (one process, or a pipeline rank); `hooks` (`Hook`
-with an `every`, the built-in hooks),
-  `restore` (resuming a workdir), `preemption` (SIGTERM and Ctrl-C);
-* `defaults` and `validate`: the run config's defaults and the loop's own checks;
-* `metrics` and `tensorboard`: the metric writers and the throughput/MFU meter; `plot`: loss curves;
-* `workdir_lock`: one run per workdir; `memory`: the host allocator's setting.
+Internals: docs/internals.md "functrain.trainer".
 
 Example:
     >>> from functrain.trainer import loop

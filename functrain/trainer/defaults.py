@@ -70,7 +70,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     # Replay the compiled step as CUDA graphs (inductor's cudagraph trees): one launch per step
     # instead of hundreds, for small launch-bound models. CUDA, compile=True, compile_unit="step".
     c.cuda_graphs = False
-    # Where compiled graphs are cached across runs (functrain/compile_cache.py): "user" (per-user
+    # Where compiled graphs are cached across runs (functrain/compiler/cache.py): "user" (per-user
     # dir: $TORCHINDUCTOR_CACHE_DIR or ~/.cache/functrain/inductor), "workdir" (<workdir>/compile_cache:
     # a restart from a copy of the workdir compiles warm), "off" (always cold), or a directory path.
     c.compile_cache = "user"
@@ -78,7 +78,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     # Peak FLOP/s of one device, the MFU's denominator; 0: the data sheet's for known GPUs, else
     # measured (a matmul probe at the start and after every log window, the best kept).
     c.peak_flops = 0.0
-    # CPU runs are bit-reproducible without it (functrain/ops.py); on CUDA, True turns on
+    # CPU runs are bit-reproducible without it (functrain/ops/); on CUDA, True turns on
     # torch.use_deterministic_algorithms (atomic-add kernels replaced), needed for bit-identical reruns.
     c.deterministic = False
     c.precision = "fp32"  # fp32 | bf16 | fp16 (loss-scaled); params and Adam moments stay fp32

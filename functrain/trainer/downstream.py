@@ -2,13 +2,7 @@
 first step, scored on the live params every `eval_every` steps, at the end, and once before a fresh
 run's first step.
 
-Each name in `eval.tasks` (comma-separated) is a jsonl file (`functrain.eval.choice` formats; its
-stem names it) or `next_lines` (`functrain.eval.next_lines`, from the run's validation text);
-`auto` (the GPT configs' default) is `next_lines` where the run can make it and nothing, said in one
-line, where it cannot (token files, too little text, a pipeline, a family without `eval_model`). The
-hook writes `mc/<name>/acc`, `mc/<name>/acc_norm` and `mc/<name>/acc_mean_token`. The examples are
-split over the data-parallel ranks and every rank gets the same counts; evaluation draws no
-randomness and writes nothing into the state, so training is the same with it or without it.
+Internals: docs/internals.md "functrain.trainer.downstream".
 
 Example:
     >>> hook = downstream.hook(task, config, writer, compile=True, whole=True, print_fn=print)

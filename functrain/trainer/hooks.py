@@ -1,11 +1,7 @@
 """The loop's hooks: `Hook` with an `every`, `StepInfo`, and the built-in hooks the loop runs (logging,
 evaluation, checkpoints, the skip watch, the profiler window, garbage collection).
 
-Research code adds its own the same way:
-
-    >>> def probe(info):
-    ...     print(info.step, float(info.metrics["grad_norm"]))
-    >>> loop.run(task, opt, config, "runs/x", ctx, hooks=[hooks.every(100, probe)])
+Internals: docs/internals.md "functrain.trainer.hooks".
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """The training loop: runs any `functrain.task.Task`, and knows no model.
 
-`run(task, optimizer, config, workdir, ctx)` builds the state (params from the task, sharded by its
-rules, optimizer state made from the sharded params), the compiled train and eval steps, restores
-the latest checkpoint (compiling while the bytes stream in), then steps. Everything periodic is a
-`Hook` with an `every`: logging, evaluation, checkpointing, the skip watch, the profiler window and
-garbage collection are built-in hooks, and research code adds its own the same way:
-
-    >>> def probe(info):
-    ...     print(info.step, float(info.metrics["grad_norm"]))
-    >>> loop.run(task, opt, config, "runs/x", ctx, hooks=[loop.every(100, probe)])
-
-A hook is called after each step whose number is a multiple of its `every` (and after the last
-step, unless `at_end=False`) with a `StepInfo`: the step number, the new state and the step's
-metrics (device tensors: reading one syncs). Between log steps the loop itself reads no tensor value
-(the skip watch and the NaN check read at log steps, preemption is agreed one step late over the
-host), so on an accelerator the host queues steps ahead of the device. Preemption (SIGTERM), a first
-Ctrl-C and `stop_at` end the run with a checkpoint of the current step (a second Ctrl-C stops at
-once); restarting the same command resumes it bit-exactly. One run per workdir: the main process
-holds `<workdir>/.lock` while it runs (`functrain.trainer.workdir_lock`), so a second run started on the same
-workdir stops with one line instead of deleting the first's checkpoints.
-
-The loop's own config keys (`functrain.trainer.validate.LOOP_CHECKS`): steps, stop_at, batch_size,
-accum_steps, log_every, eval_every, compile, fullgraph, model_state_sync, compile_cache, cuda_graphs,
-donate, peak_flops, deterministic, precision, max_consecutive_skips, tensorboard, device, host_memory,
-gc_every, seed, checkpoint.*, profile.*.
+Internals: docs/internals.md "functrain.trainer.loop".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Command-line entry point: `python -m functrain.main --config=configs/gpt.py[:variant]`.
 
-config -> the model family `functrain.models.<config.model.name>` builds its `Task` -> the
-model-free `functrain.trainer.loop.run`. This is the one module outside `functrain/models/` that imports a
-model family.
-
-Flags:
-  --config       an ml_collections config file (`get_config(variant)`); `path:variant` picks a
-                 variant; `--config.a.b=value` overrides any key (unknown keys are rejected).
-  --workdir      run directory (default: runs/<config name>[-<variant>]).
-  --export_hf    instead of training, write the latest checkpoint of the workdir (or of
-                 --export_from: a step directory, checkpoints directory or workdir) as a Hugging Face
-                 model directory that `transformers` loads (the family's `Task.export`).
-
-Bad input (unknown config key, bad value, missing data path) ends the program with one line
-`functrain: error: ...` naming the problem and the fix, and exit status 2.
+Internals: docs/internals.md "functrain.trainer.main".
 """
 
 from __future__ import annotations

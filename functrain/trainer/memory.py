@@ -1,15 +1,6 @@
 """Host memory: keep freed blocks in the process instead of handing them back to the OS.
 
-A train step allocates the same large buffers every step (activations, gradients, the logits).
-glibc's malloc serves blocks above its mmap threshold (at most 32 MB) with fresh `mmap`s and
-returns them on free, so every step touches brand-new pages: one page fault per 4 KB, which made
-the default GPT step about a fifth slower on CPU (docs/results.md).
-
-`keep_freed_memory()` turns glibc's mmap path off for large blocks and raises the trim threshold,
-so freed memory stays in the process heap and is reused on the next step, as a caching allocator
-(or jemalloc / tcmalloc preloaded) would do. The process's resident size then stays at its peak
-instead of falling back between steps; the peak itself does not grow. The main program does it on
-CPU (`config.host_memory = "keep"`); research code may call it once at start-up.
+Internals: docs/internals.md "functrain.trainer.memory".
 
 Example:
     >>> from functrain import memory

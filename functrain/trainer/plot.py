@@ -1,13 +1,6 @@
 """Training curves from a run's `metrics.jsonl` as one PNG: loss (train and val), lr, throughput, grad norm.
 
-    python -m functrain.trainer.plot runs/gpt                 # writes runs/gpt/curves.png
-    python -m functrain.trainer.plot runs/gpt --out gpt.png
-
-Needs matplotlib (`pip install matplotlib`, or the `functrain[plot]` extra); training does not.
-Each line of `metrics.jsonl` is a JSON object with a `step` and any of `loss`, `val_loss`, `lr`,
-`tokens_per_s`, `grad_norm` (others are ignored). A resumed run that appended to the same file
-re-logs some steps: the last value logged for a step wins. A truncated last line (a run still
-writing) is skipped.
+Internals: docs/internals.md "functrain.trainer.plot".
 
 Example:
     >>> from functrain.trainer.plot import plot_metrics

@@ -1,10 +1,6 @@
 """How this rank trains: the state, steps and reports of one process (possibly sharded) or of a pipeline rank.
 
-The loop never asks which: `choose` returns a `Route`, and the loop runs its steps. One process
-(or a data/tensor/context-parallel mesh) holds the whole model's tree, sharded by the task's rules;
-a pipeline rank (`mesh.pp > 1`) holds only its stages' params, runs a schedule of microbatches
-(`functrain.parallel.pipeline`), restores its part of a checkpoint and cannot sample the whole model
-at the end.
+Internals: docs/internals.md "functrain.trainer.route".
 
 Example:
     >>> state, route = choose(task, optimizer, config, ctx, device, compile=True, compile_options=None)

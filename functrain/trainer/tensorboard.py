@@ -1,12 +1,6 @@
 """TensorBoard scalars through torch's public writer, `torch.utils.tensorboard.SummaryWriter`.
 
-`TensorBoardWriter` has the interface of `metrics.JsonlWriter` (`write(step, metrics)`, `close()`):
-each numeric metric becomes a scalar at its step, and every write is flushed, so a running
-TensorBoard shows each step at once.
-
-`tensorboard` is an optional dependency (SummaryWriter needs it): `available()` says whether it is
-installed, and the loop prints one line saying how to get it when it is not (metrics.jsonl holds
-every metric regardless).
+Internals: docs/internals.md "functrain.trainer.tensorboard".
 
 Example:
     >>> writer = TensorBoardWriter("runs/gpt/tb")

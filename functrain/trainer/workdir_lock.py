@@ -1,11 +1,6 @@
 """One run per workdir: the main process holds an advisory lock on `<workdir>/.lock` while it trains.
 
-Two runs writing one workdir (a requeued job while the old one still runs, the same command started
-twice) would interleave `metrics.jsonl`, and each checkpoint manager would delete the other's steps
-(`checkpoint.keep`). The lock is `flock(2)` on an open file: the kernel drops it when the process
-ends, however it ends (`kill -9` included), so there is no stale lock to clean up; the file keeps
-the last holder's host and pid for the error line. Only the main process locks; on a mesh every rank
-learns the outcome (one broadcast), so all fail together instead of waiting in a collective.
+Internals: docs/internals.md "functrain.trainer.workdir_lock".
 
 Example:
     >>> with workdir_lock.hold("runs/gpt", ctx.is_main_process):

@@ -1,30 +1,6 @@
 """Convert `functrain.models.gpt.GPT` parameters to and from Hugging Face GPT-2 (`GPT2LMHeadModel`) names.
 
-    functrain                             Hugging Face GPT-2
-    wte.weight                            transformer.wte.weight       (also lm_head.weight, tied)
-    wpe.weight                            transformer.wpe.weight
-    blocks.{i}.ln_1.{weight,bias}         transformer.h.{i}.ln_1.{weight,bias}
-    blocks.{i}.attn.{q,k,v}.weight        transformer.h.{i}.attn.c_attn.weight  = cat([q, k, v]).T  (C, 3C)
-    blocks.{i}.attn.{q,k,v}.bias          transformer.h.{i}.attn.c_attn.bias    = cat([q, k, v])    (3C,)
-    blocks.{i}.attn.proj.{weight,bias}    transformer.h.{i}.attn.c_proj.{weight (.T), bias}
-    blocks.{i}.ln_2.{weight,bias}         transformer.h.{i}.ln_2.{weight,bias}
-    blocks.{i}.mlp.fc.{weight,bias}       transformer.h.{i}.mlp.c_fc.{weight (.T), bias}
-    blocks.{i}.mlp.proj.{weight,bias}     transformer.h.{i}.mlp.c_proj.{weight (.T), bias}
-    ln_f.{weight,bias}                    transformer.ln_f.{weight,bias}
-
-GPT-2 uses `Conv1D` layers whose weights are stored (in, out), the transpose of `nn.Linear`'s
-(out, in); q, k and v are one fused `c_attn`. Both sides lay heads out the same way (head-major).
-
-Biases. GPT-2 always has biases. A model with `bias=False` is exported with zero biases (a zero
-bias is exactly "no bias", so the Hugging Face model computes the same function) and importing into
-`bias=False` requires the file's biases to be zero (else `ValueError`), so round trips are exact
-either way.
-
-Function. Our MLP uses exact GELU (`F.gelu`), GPT-2's default config the tanh approximation
-("gelu_new"): `hf_gpt2_config` writes `activation_function="gelu"` so that a Hugging Face model built
-from it computes exactly our logits (tested with transformers 5.23). Importing OpenAI's GPT-2 weights
-into our model therefore swaps tanh-GELU for exact GELU: a small change of the function (the two
-differ by at most ~5e-4 per activation), which fine-tuning absorbs.
+Internals: docs/internals.md "functrain.models.gpt.hf".
 
 Example:
     >>> sd = export_hf_gpt2(state.params, cfg)

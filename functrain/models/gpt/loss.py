@@ -1,17 +1,6 @@
 """The GPT's loss: next-token cross-entropy through the tied head, plain, chunked or recomputed.
 
-One factory, `make_loss_fn(model, chunk_size=0, remat="none")`, for `make_train_step` and
-`make_eval_step`:
-
-  plain    the full (B, T, V) logits, `model.cross_entropy`;
-  chunked  `chunk_size > 0`: `functrain.losses.chunked_cross_entropy` through the tied head, so the
-           logits never exist whole;
-  remat    `remat != "none"`: the same loss as `functrain.step.staged` stages (embedding, blocks, head),
-           whose `value_and_grad` recomputes the chosen blocks in the backward.
-
-All three compute the same loss and gradients (to float rounding; the plain route is the model's
-own forward: `hidden @ wte.T` is exactly `lm_head`). The code is every decoder LM's
-(`functrain.models.lm`); this module names the GPT's stages and head.
+Internals: docs/internals.md "functrain.models.gpt.loss".
 
 Example:
     >>> step = make_train_step(make_loss_fn(template, chunk_size=1024), optim.adamw(3e-4))

@@ -1,32 +1,6 @@
 """A GPT-2 style decoder-only transformer (nanoGPT-shaped), written for functional training.
 
-The module holds no parallelism and no global randomness: dropout draws its masks from an explicit
-key (`forward(idx, dropout_key=k)`), so `torch.func.functional_call(model, params, (idx,),
-{"dropout_key": k})` is a pure function of (params, idx, k) and compiles with
-`torch.compile(fullgraph=True)`.
-
-Parameter names (the names a params dict uses; `lm_head.weight` is tied to `wte.weight` and appears
-once, as `wte.weight`):
-
-    wte.weight                          (vocab_size, n_embd)    token embedding, also the lm_head
-    wpe.weight                          (block_size, n_embd)    learned position embedding
-    blocks.{i}.ln_1.{weight,bias}       (n_embd,)
-    blocks.{i}.attn.{q,k,v}.weight      (n_embd, n_embd)        output features head-major: (h d)
-    blocks.{i}.attn.{q,k,v}.bias        (n_embd,)
-    blocks.{i}.attn.proj.{weight,bias}  (n_embd, n_embd), (n_embd,)
-    blocks.{i}.ln_2.{weight,bias}       (n_embd,)
-    blocks.{i}.mlp.fc.{weight,bias}     (4 n_embd, n_embd), (4 n_embd,)
-    blocks.{i}.mlp.proj.{weight,bias}   (n_embd, 4 n_embd), (n_embd,)
-    ln_f.{weight,bias}                  (n_embd,)
-
-(`*.bias` exist only when `cfg.bias`.)
-
-Why separate q, k, v Linears instead of nanoGPT's fused `c_attn`: a fused (3 n_embd, n_embd) weight
-is laid out q|k|v, so sharding its rows into contiguous chunks (colwise tensor parallelism) hands one
-rank all of q and another all of v. With separate q, k, v whose outputs are head-major `(h d)`, a
-row-chunk of each is a whole set of heads, so colwise TP is a plain `Shard(0)` on each (see
-`TP_RULES`). Attention also reads the number of heads from the tensor (`d = n_embd // n_head` is
-fixed, `h` is whatever the local q holds), so the same forward runs on a TP-local slice of heads.
+Internals: docs/internals.md "functrain.models.gpt.model".
 
 Example:
     >>> cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)

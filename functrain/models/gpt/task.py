@@ -1,8 +1,6 @@
 """The GPT as a `functrain.task.Task`: config -> data, model, loss, batches, FLOPs and a text sample.
 
-`build(config, ctx, workdir)` reads the keys this family owns and checks each once (`CHECKS`):
-model.* (vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias), data.* (path,
-cache_dir), loss_chunk_size, remat, sample.* (prompt, max_new_tokens, temperature, top_k).
+Internals: docs/internals.md "functrain.models.gpt.task".
 
 Example:
     >>> with parallel.setup(config.mesh) as ctx:

@@ -1,22 +1,7 @@
 """Any transformers causal LM as a functrain model: built on meta from its config, initialized from a
 key by transformers' own `_init_weights` a module at a time, and cut into stages at its decoder layers.
 
-The family needs no model code: the decoder layer list is found generically (the `ModuleList` of the
-model's `_no_split_modules` class), and each stage runs the base model's own forward on a *view* of
-it, a shallow copy whose children are swapped:
-
-* the embedding stage: no layers, no final norm: the base forward's embedding side (token and
-  position embeddings, their scale and dropout) on the token ids;
-* block i: only layer i, the embedding side turned off (embeddings to zero, dropout and norm to
-  identity), run on `inputs_embeds=h`: the base forward's masks and rotary tables feed the layer as
-  in the whole model;
-* the final stage: no layers, only the final norm.
-
-So a stage reads only its own parameters, and the composition is the model's forward (the tests
-compare them per architecture). Layers alike (parameters and attention kind) also share one function
-on any layer's parameters (`Stage.shared`: one compiled graph under `compile_unit="blocks"`). A base model holding
-other parameterized parts (OPT's projections
-between a narrower embedding and the layers) is refused in one line: where they run is not known.
+Internals: docs/internals.md "functrain.models.hf.model".
 
 Example:
     >>> config = load_config("dirs/qwen2-tiny")

@@ -2,18 +2,7 @@
 (initialized from the run's key by transformers' own init, or its weights), loss, batches, FLOPs, a
 text sample and the export of a directory transformers loads.
 
-Keys this family reads (`CHECKS`): model.path (the directory: config.json, optionally *.safetensors and
-tokenizer.json), model.block_size (the training sequence length), model.weights (load the directory's
-weights when it has them), data.* (path, cache_dir, tokenizer), export_hf, loss_chunk_size, remat,
-sample.*.
-
-Parallelism: FSDP (`mesh.dp_shard`, `mesh.dp_replicate`) with a gather per decoder layer (the loss is
-staged at the layers, `model.stages`); each rank initializes or reads only its own block of each
-parameter. Tensor parallelism (`mesh.tp`) follows the model's own plan (`config.base_model_tp_plan`:
-Llama, Qwen2, Mistral, Gemma; `model.tp_rules`), and is refused in one line for a model without one
-or with fused projections (GPT-2, Phi-3). Pipeline parallelism (`mesh.pp`) cuts the decoder layers
-over the ranks (the stages are the loss's). Context parallelism is refused in one line: the
-attention is transformers' own, which cannot be split along the sequence.
+Internals: docs/internals.md "functrain.models.hf.task".
 
 Example:
     >>> with parallel.setup(config.mesh) as ctx:

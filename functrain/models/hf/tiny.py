@@ -1,9 +1,7 @@
 """A tiny transformers model directory to try the Hugging Face family offline: `config.json` of a small
 model of any decoder type (256 ids: byte-level, no tokenizer needed), no weights.
 
-    python -m functrain.models.hf.tiny runs/qwen2-tiny --type qwen2
-    python -m functrain.main --config=configs/hf.py --config.model.path=runs/qwen2-tiny
-    python -m functrain.main --config=configs/sft.py --config.model.path=tiny:qwen2    # written to the workdir
+Internals: docs/internals.md "functrain.models.hf.tiny".
 
 Example:
     >>> write_tiny("runs/llama-tiny", "llama", hidden_size=64)

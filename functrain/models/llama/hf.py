@@ -1,22 +1,6 @@
 """`functrain.models.llama` <-> Hugging Face `LlamaForCausalLM`: configs and parameter names.
 
-Names: ours are Hugging Face's without the `model.` prefix (`lm_head.weight` has none on either
-side). Weights need no permutation: our rotary embedding is Hugging Face's "rotate half" layout, the
-one its Llama checkpoints are stored in. Tested against the real `transformers` LlamaForCausalLM
-(tests/test_llama_hf.py): logits equal to 1e-5 both ways.
-
-Config (`config.json` key -> `LlamaConfig` field):
-
-    vocab_size -> vocab_size              max_position_embeddings -> block_size
-    num_hidden_layers -> n_layer          num_attention_heads -> n_head
-    num_key_value_heads -> n_kv_head      hidden_size -> n_embd
-    intermediate_size                     head_dim (default hidden_size / heads)
-    rope_parameters.rope_theta (or rope_theta) -> rope_theta
-    rms_norm_eps -> norm_eps              tie_word_embeddings -> tie_embeddings
-    attention_bias, mlp_bias
-
-Refused with one line naming `config.json`: another architecture, an activation other than SiLU, and
-rope scaling other than "default" (Llama 3.1's "llama3" frequency scaling is not implemented).
+Internals: docs/internals.md "functrain.models.llama.hf".
 
 Example:
     >>> hf = HFDirectory("SmolLM-135M")

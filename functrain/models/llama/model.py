@@ -1,27 +1,6 @@
 """A Llama-family decoder (Llama 2/3, SmolLM, TinyLlama shapes), written for functional training.
 
-RMSNorm, rotary position embeddings (the "rotate half" layout Hugging Face checkpoints use),
-SwiGLU MLP, grouped-query attention, optionally a head tied to the token embedding. As in the GPT,
-dropout (off by default; Llama trains without it) draws its masks from an explicit key, so
-`torch.func.functional_call(model, params, (idx,), {"dropout_key": k})` is a pure function.
-
-Parameter names are Hugging Face's `LlamaForCausalLM` names without the `model.` prefix, so the
-interop (`hf.py`) is a prefix and nothing else:
-
-    embed_tokens.weight                          (vocab_size, n_embd)
-    layers.{i}.input_layernorm.weight            (n_embd,)
-    layers.{i}.self_attn.q_proj.weight           (n_head * head_dim, n_embd)     head-major (h d)
-    layers.{i}.self_attn.{k,v}_proj.weight       (n_kv_head * head_dim, n_embd)
-    layers.{i}.self_attn.o_proj.weight           (n_embd, n_head * head_dim)
-    layers.{i}.post_attention_layernorm.weight   (n_embd,)
-    layers.{i}.mlp.{gate,up}_proj.weight         (intermediate_size, n_embd)
-    layers.{i}.mlp.down_proj.weight              (n_embd, intermediate_size)
-    norm.weight                                  (n_embd,)
-    lm_head.weight                               (vocab_size, n_embd)    only when not tied
-
-(`*_proj.bias` exist with `attention_bias` / `mlp_bias`.) Attention reads its head counts from the
-tensors (`head_dim` is fixed), so a tensor-parallel slice of heads runs the same forward; `TP_RULES`
-shard q/k/v/gate/up by output features and o/down by input features.
+Internals: docs/internals.md "functrain.models.llama.model".
 
 Example:
     >>> cfg = LlamaConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)

@@ -1,16 +1,7 @@
 """The Llama as a `functrain.task.Task`: config -> tokenizer, data, model (fresh or from a Hugging
 Face directory), loss, batches, FLOPs, a text sample and the Hugging Face export.
 
-Keys this family reads (`CHECKS`): model.* (vocab_size, block_size, n_layer, n_head, n_kv_head,
-n_embd, intermediate_size, head_dim, rope_theta, norm_eps, tie_embeddings, dropout), data.* (path,
-cache_dir, tokenizer), init_from, export_hf, loss_chunk_size, remat, sample.*.
-
-`init_from="hf:<dir>"`: the model is built from `<dir>/config.json` (the model.* keys other than
-block_size are ignored), its weights read from `<dir>/*.safetensors` (each rank reads only its own
-shards) and, with `data.tokenizer="auto"`, the data tokenized with `<dir>/tokenizer.json` (bytes for a
-directory without one whose model has 256 ids; any other such directory is refused up front).
-`model.block_size` is the training sequence length (at most the directory's
-max_position_embeddings). A resume from this run's own checkpoint wins over `init_from`.
+Internals: docs/internals.md "functrain.models.llama.task".
 
 Example:
     >>> with parallel.setup(config.mesh) as ctx:
