@@ -10,7 +10,7 @@ less the receives within it. A step's span runs from the first action to the las
 rank (the optimizer update left out); a rank's bubble is 1 - (its compute seconds) / (the spans),
 over the timed steps. Printed: the mean over ranks, the median step's, the theoretical
 (N - 1) / (M + N - 1) of equal stages, and what the schedule leaves idle when transfers are free
-(`parallel.schedule.simulate`) for two readings of the measured compute: each rank's mean forward
+(`parallel.pipeline_schedule.simulate`) for two readings of the measured compute: each rank's mean forward
 and backward ("for these stages' costs": unequal stages idle more), and each microbatch's own
 forward and backward in each step ("for these microbatches' costs": a slow action on the critical
 path idles the other ranks more, and a fast one does not give it back). What the measurement adds
@@ -57,7 +57,7 @@ from _mem import keep_freed, reset_peak, status_mib, trim  # noqa: E402
 from functrain import init_state, optim, rng  # noqa: E402
 from functrain.models import gpt  # noqa: E402
 from functrain.parallel import pipeline  # noqa: E402
-from functrain.parallel import schedule as schedules  # noqa: E402
+from functrain.parallel import pipeline_schedule as schedules  # noqa: E402
 
 
 def _args():
@@ -139,7 +139,7 @@ def _held_mib(prof) -> float:
 def _measure(name, pipe, params, batch, args, m):
     """Step seconds, this rank's compute and schedule seconds per timed step, and its peak growth under `name`."""
     opt = optim.adamw(1e-4)
-    step = pipeline.make_train_step(pipe, opt, microbatches=m, schedule=name)
+    step = pipeline.make_pipeline_step(pipe, opt, microbatches=m, schedule=name)
     state = init_state(pipe.params(params), opt)
     for _ in range(2):
         state, _ = step(state, batch)
@@ -190,7 +190,7 @@ def _bubbles(every: list) -> tuple[list, list]:
 def _replayed(name: str, n: int, m: int, every: list) -> list:
     """Per timed step, the mean over ranks of the bubble the schedule leaves when each microbatch's
     forward and backward on each rank cost what they were measured to cost in that step and
-    transfers are free (`parallel.schedule.simulate`): the measured bubble less the pipeline's own share."""
+    transfers are free (`parallel.pipeline_schedule.simulate`): the measured bubble less the pipeline's own share."""
     out = []
     for s in range(len(every[0]["actions_s"])):
         idle = schedules.simulate(

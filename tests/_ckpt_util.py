@@ -124,7 +124,7 @@ def load_dump(out: str) -> dict[str, torch.Tensor]:
 
 def leaves_by_name(tree) -> dict[str, torch.Tensor]:
     """Leaves of a pytree keyed by '.'-joined path (NamedTuple fields by name), as orbax names them."""
-    from functrain.checkpoint import layout
+    from functrain.checkpoint import orbax_format
 
-    keys, leaves, _ = layout.flatten(tree)
+    keys, leaves, _ = orbax_format.flatten(tree)
     return {k.name: v for k, v in zip(keys, leaves)}

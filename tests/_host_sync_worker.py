@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from _host_reads import Reads, counting
 
-from functrain import optim, parallel
+from functrain import parallel
 from functrain.trainer import loop, preemption
+from functrain.trainer import optimizer as trainer_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 import gpt as gpt_config  # noqa: E402
@@ -69,7 +70,7 @@ def count_reads(workdir: Path, compile: bool, then=None, cuda_quiet=False):
     reads = Reads()
     with parallel.setup(c.mesh) as ctx:
         task = gpt_task.build(c, ctx, workdir / "run")
-        opt = optim.config.from_config(c.optim, c.steps)
+        opt = trainer_optimizer.from_config(c.optim, c.steps)
         with counting(reads):
             loop.run(
                 task, opt, c, workdir / "run", ctx, hooks=[StepLabel(reads, cuda_quiet, busy)], print_fn=lambda *a: None

@@ -28,7 +28,7 @@ from functrain import checkpoint as ckpt
 from functrain import init_state, make_eval_step, make_train_step, parallel, rng
 from functrain.models import gpt, llama
 from functrain.parallel import pipeline
-from functrain.parallel import schedule as schedules
+from functrain.parallel import pipeline_schedule as schedules
 
 SEQ, BATCH, VOCAB = 16, 8, 64
 COLLECTIVE_TIMEOUT_S = 300
@@ -189,7 +189,7 @@ def compare(
         torch._dynamo.reset()
         counters.clear()
         options = {"backend": "aot_eager"}
-    step = pipeline.make_train_step(
+    step = pipeline.make_pipeline_step(
         pipe, opt, microbatches=micro, schedule=sched, precision=precision, compile=compile, compile_options=options
     )
     state = init_state(pipe.params(params), opt)
@@ -254,7 +254,7 @@ def compare_mesh(
     )
     model = parallel.tensor_parallel(template, ctx.mesh, rules)
     pipe = pipeline.place(make_loss(model, remat=remat, staged=True), params, group=ctx.pp_group)
-    step = pipeline.make_train_step(pipe, opt, microbatches=micro, precision=precision)
+    step = pipeline.make_pipeline_step(pipe, opt, microbatches=micro, precision=precision)
     state = parallel.shard_state(init_state(pipe.params(params), opt), ctx.mesh, rules)
     state, hist = run(step, state, data, ctx)
     full = parallel.gather(state)
@@ -288,7 +288,7 @@ def s_checkpoint(ctx_rank, world, mesh_cfg=None):
     ctx = parallel.setup(mesh_cfg or {"pp": world, "dp_shard": 1}, timeout_s=COLLECTIVE_TIMEOUT_S)
     model = parallel.tensor_parallel(template, ctx.mesh, rules)
     pipe = pipeline.place(make_loss(model, staged=True), params, group=ctx.pp_group)
-    step = pipeline.make_train_step(pipe, opt, microbatches=micro)
+    step = pipeline.make_pipeline_step(pipe, opt, microbatches=micro)
 
     def stage_template():
         return parallel.shard_state(init_state(pipe.params(params), opt), ctx.mesh, rules)
@@ -335,7 +335,7 @@ def s_eval(ctx_rank, world):
     opt = sgd()
     ref = make_eval_step(staged, compile=False)(init_state(params, opt), b)
     pipe = pipeline.place(staged, params)
-    evaluate, state = pipeline.make_eval_step(pipe, microbatches=2), init_state(pipe.params(params), opt)
+    evaluate, state = pipeline.make_pipeline_eval_step(pipe, microbatches=2), init_state(pipe.params(params), opt)
     with counting_receives() as receives:
         for _ in range(2):
             receives.append([0, 0])

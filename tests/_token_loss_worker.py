@@ -64,7 +64,7 @@ def pipeline_step(batch=None) -> dict:
     pipe = pipeline.place(gpt.make_loss_fn(template, staged=True), params, group=ctx.pp_group)
     state = init_state(pipe.params(params), P.sgd())
     before = tree.clone(state.params)
-    step = pipeline.make_train_step(pipe, P.sgd(), microbatches=4, count_targets=P.COUNT, donate=False)
+    step = pipeline.make_pipeline_step(pipe, P.sgd(), microbatches=4, count_targets=P.COUNT, donate=False)
     state, metrics = step(state, batch or P.batch())
     return {
         "grads": {k: (before[k] - state.params[k]).tolist() for k in before},

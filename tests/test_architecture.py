@@ -20,6 +20,7 @@ import torch
 from functrain import init_state, make_train_step, optim
 from functrain import step as step_lib
 from functrain import task as task_lib
+from functrain.trainer import optimizer as trainer_optimizer
 
 PKG = Path(__file__).resolve().parent.parent / "functrain"
 
@@ -115,7 +116,7 @@ _LAYERS = [
             "functrain",
         ),
     ),
-    ("base", ("functrain.tree", "functrain.rng", "functrain.ops", "functrain.config", "functrain._lazy")),
+    ("base", ("functrain.tree", "functrain.rng", "functrain.ops", "functrain.config_checks", "functrain._lazy")),
 ]
 
 
@@ -360,7 +361,7 @@ def test_hooks_run_on_their_steps_and_at_the_end(tmp_path):
         assert isinstance(t, task_lib.Task)
         loop.run(
             t,
-            optim.config.from_config(c.optim, c.steps),
+            trainer_optimizer.from_config(c.optim, c.steps),
             c,
             tmp_path / "run",
             ctx,
@@ -392,7 +393,7 @@ def test_gc_is_off_during_training_and_collects_every_n_steps_on_schedule(tmp_pa
         t = gpt_task.build(c, ctx, tmp_path / "run")
         loop.run(
             t,
-            optim.config.from_config(c.optim, c.steps),
+            trainer_optimizer.from_config(c.optim, c.steps),
             c,
             tmp_path / "run",
             ctx,
@@ -435,7 +436,9 @@ def test_the_mfu_denominator_is_measured_before_the_isa_probe_starts(tmp_path, m
     with parallel.setup(c.mesh) as ctx:
         t = gpt_task.build(c, ctx, tmp_path / "run")
         with pytest.raises(Stop):
-            loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, print_fn=lambda *a: None)
+            loop.run(
+                t, trainer_optimizer.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, print_fn=lambda *a: None
+            )
     assert calls == ["peak", "probe"]
 
 
@@ -471,7 +474,7 @@ def test_the_config_is_checked_once(tmp_path, monkeypatch):
     assert len(calls) == 1 and calls[0] > 40  # every key of the loop, the optimizer and the family
     with parallel.setup(c.mesh) as ctx:
         t = gpt_task.build(c, ctx, tmp_path / "run")
-        loop.run(t, optim.config.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, print_fn=lambda *a: None)
+        loop.run(t, trainer_optimizer.from_config(c.optim, c.steps), c, tmp_path / "run", ctx, print_fn=lambda *a: None)
     assert len(calls) == 1
 
 

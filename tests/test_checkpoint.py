@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from functrain import checkpoint as ckpt
-from functrain.checkpoint import layout, writer
+from functrain.checkpoint import orbax_format, writer
 from functrain.checkpoint.sharding import chunk_shape, shard_box, writer_ranks
 
 
@@ -69,9 +69,9 @@ def test_layout_is_orbax_v0(tmp_path):
     ckpt.save(path, full_state())
     assert sorted(os.listdir(path)) == ["_CHECKPOINT_METADATA", "commit_success.txt", "default"]
     assert sorted(os.listdir(os.path.join(path, "default"))) == ["_METADATA", "d", "manifest.ocdbt", "ocdbt.process_0"]
-    assert not os.path.exists(path + layout.TMP_SUFFIX)
+    assert not os.path.exists(path + orbax_format.TMP_SUFFIX)
     cm = json.load(open(os.path.join(path, "_CHECKPOINT_METADATA")))
-    assert cm["item_handlers"] == {"default": layout.STANDARD_HANDLER}
+    assert cm["item_handlers"] == {"default": orbax_format.STANDARD_HANDLER}
     assert cm["init_timestamp_nsecs"] <= cm["commit_timestamp_nsecs"]
     meta = json.load(open(os.path.join(path, "default", "_METADATA")))
     assert meta["use_ocdbt"] is True and meta["use_zarr3"] is False

@@ -80,8 +80,8 @@ def test_the_top_level_names_are_the_documented_ones():
 
 def test_importing_the_packages_and_the_config_checks_loads_no_torch():
     code = (
-        "import sys, functrain, functrain.optim.checks, functrain.models.gpt.checks, "
-        "functrain.models.llama.checks, functrain.trainer.defaults, functrain.config\n"
+        "import sys, functrain, functrain.trainer.optimizer_checks, functrain.models.gpt.checks, "
+        "functrain.models.llama.checks, functrain.trainer.defaults, functrain.config_checks\n"
         "print(sorted(m for m in ('torch', 'numpy', 'tensorstore') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from functrain import optim
+from functrain.trainer import optimizer as trainer_optimizer
 from functrain.trainer.defaults import trainer_config as default_config
 
 pytestmark = pytest.mark.numeric
@@ -132,7 +133,7 @@ def _config_lrs(steps, warmup, schedule, from_zero=None):
     c.schedule, c.warmup_steps, c.lr, c.min_lr = schedule, warmup, 6e-4, 6e-5
     if from_zero is not None:
         c.warmup_from_zero = from_zero
-    sched = optim.config.schedule_from_config(c, steps)
+    sched = trainer_optimizer.schedule_from_config(c, steps)
     return [float(sched(torch.tensor(t))) for t in range(steps + 3)], c
 
 
@@ -181,7 +182,7 @@ def test_every_config_schedule_warms_up_from_the_same_first_rate(schedule):
 
 def test_the_first_update_of_a_config_optimizer_moves_the_params():
     c = default_config().optim
-    opt = optim.config.from_config(c, 1000)
+    opt = trainer_optimizer.from_config(c, 1000)
     params = {"w": torch.ones(3, 3)}
     state = opt.init(params)
     updates, _ = opt.update({"w": torch.full((3, 3), 0.5)}, state, params)

@@ -18,7 +18,7 @@ import torch
 from _dist_launch import REPO, run_suite, scenario_results
 from _pipeline_worker import MESH_STEPS
 
-from functrain.parallel import schedule as S
+from functrain.parallel import pipeline_schedule as S
 from functrain.trainer import validate
 
 WORKER = os.path.join(REPO, "tests", "_pipeline_worker.py")

@@ -317,7 +317,7 @@ def test_a_template_that_renders_the_bos_gives_one_bos(tmp_path):
 
 
 def test_packing_under_context_parallelism_is_one_line():
-    from functrain.config import ConfigError
+    from functrain.config_checks import ConfigError
     from functrain.models import lm_data
 
     config = ConfigDict({"data": {"packing": True}})

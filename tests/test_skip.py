@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from functrain import init_state, make_train_step, optim, tree
+from functrain.trainer import optimizer as trainer_optimizer
 
 pytestmark = pytest.mark.numeric
 
@@ -121,7 +122,7 @@ def _poisoned_run(tmp_path, config, bad_steps, print_fn):
             return (torch.where(batch[2], float("nan"), loss) if len(batch) > 2 else loss), aux
 
         bad = task._replace(train_batch=train_batch, loss_fn=loss_fn)
-        opt = optim.config.from_config(config.optim, config.steps)
+        opt = trainer_optimizer.from_config(config.optim, config.steps)
         return loop.run(bad, opt, config, tmp_path / "run", ctx, print_fn=print_fn)
 
 

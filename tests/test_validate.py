@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from functrain import optim
 from functrain.models.gpt import task as gpt_task
+from functrain.trainer import optimizer as trainer_optimizer
 from functrain.trainer import validate
 
 _spec = importlib.util.spec_from_file_location(
@@ -18,7 +18,7 @@ _spec = importlib.util.spec_from_file_location(
 gpt_config = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpt_config)
 
-ALL = [*validate.LOOP_CHECKS, *optim.config.CHECKS, *gpt_task.CHECKS]
+ALL = [*validate.LOOP_CHECKS, *trainer_optimizer.CHECKS, *gpt_task.CHECKS]
 SINGLE = [c for c in ALL if isinstance(c[0], str)]  # one key each; relations (several keys) below
 
 
@@ -165,7 +165,7 @@ def test_check_batch_splits_into_ranks_and_micro_batches(batch, accum, dp, ok):
 
 def test_a_block_size_whose_attention_cannot_fit_is_refused_before_any_work():
     """block_size=100000 on the CPU: one line naming the scores' size, from the torch-free checks."""
-    from functrain import config as config_lib
+    from functrain import config_checks as config_lib
     from functrain.trainer import main
 
     c = gpt_config.get_config()

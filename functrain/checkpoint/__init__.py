@@ -4,8 +4,8 @@ Internals: docs/internals.md "functrain.checkpoint".
 """
 
 from .errors import CheckpointError, MismatchError
-from .layout import read_custom_metadata
 from .manager import Manager
+from .orbax_format import read_custom_metadata
 from .reader import ArrayInfo, metadata_tree, read_metadata, restore
 from .sharding import ArraySpec, abstract
 from .writer import AsyncWriter, save, save_async

@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from . import _dist, layout, reader, tsspec
+from . import _dist, orbax_format, reader, tsspec
 from .errors import CheckpointError, one_line
 from .writer import AsyncWriter
 
 
 class Manager:
-    """Saves and restores numbered checkpoints ``<directory>/<step>/`` in the Orbax layout.
+    """Saves and restores numbered checkpoints ``<directory>/<step>/`` in the Orbax orbax_format.
 
     Saves are asynchronous: ``save`` blocks only for the previous save and the host snapshot; the
     write, the cross-rank barrier and the commit (rename of ``<step>.orbax-checkpoint-tmp``) run in a
@@ -76,7 +76,7 @@ class Manager:
         if self._rank == 0:
             try:
                 os.makedirs(self.directory, exist_ok=True)
-                for tmp in layout.tmp_dirs(self.directory):
+                for tmp in orbax_format.tmp_dirs(self.directory):
                     shutil.rmtree(tmp, ignore_errors=True)
             except OSError as e:
                 status = one_line(e)
@@ -89,8 +89,8 @@ class Manager:
         """Committed steps on disk (integer directories holding a commit marker), sorted."""
         return sorted(
             step
-            for step, path in layout.step_dirs(self.directory).items()
-            if os.path.exists(os.path.join(path, layout.COMMIT_MARKER))
+            for step, path in orbax_format.step_dirs(self.directory).items()
+            if os.path.exists(os.path.join(path, orbax_format.COMMIT_MARKER))
         )
 
     def reload(self) -> None:
@@ -177,7 +177,7 @@ class Manager:
     def _delete(self, step: int) -> None:
         """Rank 0: removes a checkpoint, renaming it to a tmp name first so a crash never leaves half of one."""
         path = self.step_path(step)
-        doomed = f"{layout.tmp_path(path)}-deleting"
+        doomed = f"{orbax_format.tmp_path(path)}-deleting"
         try:
             os.rename(path, doomed)
             shutil.rmtree(doomed)
@@ -243,7 +243,7 @@ class Manager:
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"checkpoint directory {self.directory}: no committed checkpoint")
-        return layout.read_custom_metadata(self.step_path(step))
+        return orbax_format.read_custom_metadata(self.step_path(step))
 
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is committed; re-raises its error."""

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from . import layout, tsspec
+from . import orbax_format, tsspec
 from .errors import CheckpointError, MismatchError, one_line
 from .sharding import ArraySpec, Box, full_box, shard_box
 
@@ -102,13 +102,13 @@ def _target(name: str, leaf: Any, default_device: torch.device) -> _Target:
     )
 
 
-def _kvstore(path: str, meta: layout.TreeMetadata, name: str) -> dict[str, Any]:
+def _kvstore(path: str, meta: orbax_format.TreeMetadata, name: str) -> dict[str, Any]:
     """kvstore spec of one stored array (OCDBT root database, or per-array dir without OCDBT)."""
-    item = layout.item_dir(path)
+    item = orbax_format.item_dir(path)
     return tsspec.ocdbt_kvstore(item, name) if meta.use_ocdbt else tsspec.file_kvstore(item, name)
 
 
-def _open_all(path: str, meta: layout.TreeMetadata, keys: list[layout.LeafKey], ctx, casts=None) -> list:
+def _open_all(path: str, meta: orbax_format.TreeMetadata, keys: list[orbax_format.LeafKey], ctx, casts=None) -> list:
     """Opens the stored arrays of ``keys`` concurrently; CheckpointError names the first failure."""
     futures = []
     for i, key in enumerate(keys):
@@ -132,18 +132,18 @@ def _stored_dtype(store) -> torch.dtype | str:
     return tsspec.torch_dtype(store.dtype.name) or store.dtype.name
 
 
-def _check_value_type(path: str, stored: layout.StoredLeaf) -> None:
+def _check_value_type(path: str, stored: orbax_format.StoredLeaf) -> None:
     """Raises CheckpointError if a stored leaf is not an array (e.g. an orbax string)."""
-    if stored.value_type not in layout.ARRAY_VALUE_TYPES:
+    if stored.value_type not in orbax_format.ARRAY_VALUE_TYPES:
         raise CheckpointError(
             f"checkpoint {path}: leaf {stored.key.name!r} holds a {stored.value_type}, not an array; "
             "remove it from the template"
         )
 
 
-def _infos(path: str, meta: layout.TreeMetadata, ctx) -> dict[str, ArrayInfo]:
+def _infos(path: str, meta: orbax_format.TreeMetadata, ctx) -> dict[str, ArrayInfo]:
     """ArrayInfo of every stored array (opens each one to read its zarr metadata)."""
-    keys = [s.key for s in meta.leaves.values() if s.value_type in layout.ARRAY_VALUE_TYPES]
+    keys = [s.key for s in meta.leaves.values() if s.value_type in orbax_format.ARRAY_VALUE_TYPES]
     stores = _open_all(path, meta, keys, ctx)
     infos = {}
     for key, store in zip(keys, stores):
@@ -166,7 +166,7 @@ def read_metadata(path: str) -> dict[str, ArrayInfo]:
       (256, 64)
     """
     path = _abspath(path)
-    return _infos(path, layout.read_tree_metadata(path), tsspec.new_context())
+    return _infos(path, orbax_format.read_tree_metadata(path), tsspec.new_context())
 
 
 def _abspath(path) -> str:
@@ -174,7 +174,7 @@ def _abspath(path) -> str:
     return os.path.abspath(os.fspath(path))
 
 
-def _spec_tree(path: str, meta: layout.TreeMetadata, ctx) -> Any:
+def _spec_tree(path: str, meta: orbax_format.TreeMetadata, ctx) -> Any:
     """Nested dicts/lists of ArraySpec mirroring the stored tree, empty subtrees included (as orbax)."""
     root: dict = {}
 
@@ -191,12 +191,12 @@ def _spec_tree(path: str, meta: layout.TreeMetadata, ctx) -> Any:
         put(info.path, ArraySpec(info.shape, info.dtype))
     for empty in meta.empties.values():
         if empty.key.path:
-            put(empty.key.path, layout.empty_value(empty.value_type))
+            put(empty.key.path, orbax_format.empty_value(empty.value_type))
     sequences = {
         s.key.path[: i + 1]
         for s in (*meta.leaves.values(), *meta.empties.values())
         for i, t in enumerate(s.key.key_types)
-        if t == layout.KEY_SEQUENCE
+        if t == orbax_format.KEY_SEQUENCE
     }
 
     def listify(node: Any, prefix: tuple[str, ...]) -> Any:
@@ -228,10 +228,10 @@ def metadata_tree(path: str) -> Any:
       >>> everything = restore("/ckpt/100", template).result()
     """
     path = _abspath(path)
-    return _spec_tree(path, layout.read_tree_metadata(path), tsspec.new_context())
+    return _spec_tree(path, orbax_format.read_tree_metadata(path), tsspec.new_context())
 
 
-def _missing_error(path: str, meta: layout.TreeMetadata, missing: list[layout.LeafKey]) -> CheckpointError:
+def _missing_error(path: str, meta: orbax_format.TreeMetadata, missing: list[orbax_format.LeafKey]) -> CheckpointError:
     """CheckpointError for template leaves the checkpoint lacks, with the closest stored name."""
     names = [s.key.name for s in meta.leaves.values()]
     first = missing[0].name
@@ -244,7 +244,7 @@ def _missing_error(path: str, meta: layout.TreeMetadata, missing: list[layout.Le
     )
 
 
-def _check_no_extra(path: str, meta: layout.TreeMetadata, keys: list[layout.LeafKey]) -> None:
+def _check_no_extra(path: str, meta: orbax_format.TreeMetadata, keys: list[orbax_format.LeafKey]) -> None:
     """CheckpointError if the checkpoint holds arrays the template does not name (strict restores)."""
     wanted = {key.path for key in keys}
     extra = [s.key.name for p, s in meta.leaves.items() if p not in wanted]
@@ -375,11 +375,11 @@ def restore(
       >>> state = fut.result()
     """
     path = _abspath(path)
-    meta = layout.read_tree_metadata(path)
+    meta = orbax_format.read_tree_metadata(path)
     ctx = tsspec.new_context()
     if template is None:
         template = _spec_tree(path, meta, ctx)
-    keys, leaves, treespec = layout.flatten(template)
+    keys, leaves, treespec = orbax_format.flatten(template)
     default_device = torch.device(device) if device is not None else torch.device("cpu")
     targets = [_target(key.name, leaf, default_device) for key, leaf in zip(keys, leaves)]
     if strict:

@@ -19,7 +19,7 @@ import tensorstore as ts
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _dist, layout, tsspec
+from . import _dist, orbax_format, tsspec
 from .errors import CheckpointError, one_line
 from .sharding import Box, check_placements, chunk_shape, full_box, mesh_boxes, writer_ranks
 
@@ -28,7 +28,7 @@ from .sharding import Box, check_placements, chunk_shape, full_box, mesh_boxes, 
 class _Leaf:
     """One array to save: its key, global shape/dtype/chunks, and this rank's part (if it writes one)."""
 
-    key: layout.LeafKey
+    key: orbax_format.LeafKey
     shape: tuple[int, ...]
     dtype: torch.dtype
     chunks: tuple[int, ...]
@@ -64,9 +64,9 @@ def snapshot(state: Any, buffers: dict[str, torch.Tensor] | None = None) -> list
     Example:
       >>> leaves = snapshot({"w": torch.ones(3)})
     """
-    keys, values, _ = layout.flatten(state)
+    keys, values, _ = orbax_format.flatten(state)
     me = _dist.rank()
-    names: dict[str, layout.LeafKey] = {}
+    names: dict[str, orbax_format.LeafKey] = {}
     leaves = []
     for key, x in zip(keys, values):
         what = f"leaf {key.name!r}"
@@ -111,7 +111,7 @@ def snapshot(state: Any, buffers: dict[str, torch.Tensor] | None = None) -> list
 def _write_process_db(leaves: list[_Leaf], tmp: str, me: int, compression: str | None) -> None:
     """Writes this rank's chunks (and, on rank 0, every array's .zarray) into its OCDBT database."""
     ctx = tsspec.new_context()
-    db = layout.process_db_dir(tmp, me)
+    db = orbax_format.process_db_dir(tmp, me)
     opened = []
     for leaf in leaves:
         if me != 0 and leaf.box is None:
@@ -135,12 +135,16 @@ def _write_process_db(leaves: list[_Leaf], tmp: str, me: int, compression: str |
 
 
 def _merge_and_commit(
-    entries: list[tuple[layout.LeafKey, str]], tmp: str, path: str, init_ns: int, custom_metadata: dict | None = None
+    entries: list[tuple[orbax_format.LeafKey, str]],
+    tmp: str,
+    path: str,
+    init_ns: int,
+    custom_metadata: dict | None = None,
 ) -> None:
     """Rank 0: merges the per-process databases, writes metadata and marker, renames tmp -> path."""
     ctx = tsspec.new_context()
-    item = layout.item_dir(tmp)
-    children = sorted(glob.glob(os.path.join(item, layout.PROCESS_PREFIX + "*")))
+    item = orbax_format.item_dir(tmp)
+    children = sorted(glob.glob(os.path.join(item, orbax_format.PROCESS_PREFIX + "*")))
     parent = ts.KvStore.open(tsspec.ocdbt_kvstore(item, write=True), context=ctx).result()
     txn = ts.Transaction(atomic=True)
     copies = []
@@ -150,12 +154,12 @@ def _merge_and_commit(
     for c in copies:
         c.result()
     txn.commit_async().result()
-    layout.write_json(os.path.join(item, layout.TREE_METADATA), layout.tree_metadata_json(entries))
-    layout.write_commit_files(tmp, path, init_ns, custom_metadata)
-    layout.fsync_dir(item)
-    layout.fsync_dir(tmp)
+    orbax_format.write_json(os.path.join(item, orbax_format.TREE_METADATA), orbax_format.tree_metadata_json(entries))
+    orbax_format.write_commit_files(tmp, path, init_ns, custom_metadata)
+    orbax_format.fsync_dir(item)
+    orbax_format.fsync_dir(tmp)
     os.rename(tmp, path)
-    layout.fsync_dir(os.path.dirname(path))
+    orbax_format.fsync_dir(os.path.dirname(path))
 
 
 def _run_phase(group, me: int, fn: Callable[[], None] | None, path: str, what: str) -> None:
@@ -175,7 +179,7 @@ def _prepare_tmp(tmp: str) -> None:
     """Rank 0: creates a fresh tmp directory (removing one left by a crash)."""
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
-    os.makedirs(layout.item_dir(tmp))
+    os.makedirs(orbax_format.item_dir(tmp))
 
 
 def _agree(group, leaves: list[_Leaf], entries: list) -> tuple[list[_Leaf], list]:
@@ -218,7 +222,7 @@ def _agree(group, leaves: list[_Leaf], entries: list) -> tuple[list[_Leaf], list
 
 def _write_and_commit(
     leaves: list[_Leaf],
-    entries: list[tuple[layout.LeafKey, str]],
+    entries: list[tuple[orbax_format.LeafKey, str]],
     path: str,
     group,
     compression: str | None,
@@ -228,7 +232,7 @@ def _write_and_commit(
 ) -> None:
     """The background part of a save: write all ranks' chunks, then commit atomically."""
     me = _dist.rank()
-    tmp = layout.tmp_path(path)
+    tmp = orbax_format.tmp_path(path)
     try:
         agreed: list = []
         _run_phase(group, me, lambda: agreed.extend(_agree(group, leaves, entries)), path, "agreeing on the tree")
@@ -314,7 +318,7 @@ class AsyncWriter:
         if custom_metadata is not None:
             custom_metadata = json.loads(json.dumps(custom_metadata))  # a copy, and unserializable fails here
         leaves = snapshot(state, self._buffers)
-        entries = layout.metadata_entries(state)  # the arrays and the empty subtrees, in tree order
+        entries = orbax_format.metadata_entries(state)  # the arrays and the empty subtrees, in tree order
         if self._reuse_buffers:  # safe to reuse: the next snapshot only happens after wait()
             self._buffers = {leaf.key.name: leaf.data for leaf in leaves if leaf.data is not None}
         self._pending = self._executor.submit(

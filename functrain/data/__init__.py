@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from functrain.data.documents import is_val, train_documents, validation_documents
     from functrain.data.errors import DataError
     from functrain.data.examples import ExampleSet, ExampleSpec, load_examples
+    from functrain.data.mixture import LMData, lm_data, parse_mixture
     from functrain.data.packing import assemble, best_fit_decreasing
-    from functrain.data.pipeline import LMData, lm_data, parse_mixture
     from functrain.data.prefetch import Prefetcher
     from functrain.data.sampling import SAMPLINGS, Sampler, mixture_rows, permute
     from functrain.data.sft import ExampleSampler, SFTData, sft_data

@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from functrain import config as v
+from functrain import config_checks as v
 from functrain.step.remat_policy import parse_policy
 
 __all__ = ["DATA_CHECKS", "LM_CHECKS", "REMAT_CHECK", "TOKENIZER_CHECK"]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functrain.step.staged as remat_lib
-from functrain import config as validate
+from functrain import config_checks as validate
 from functrain import functional, parallel, rng
 from functrain.eval import EvalModel, of_module
 from functrain.losses import chunked_cross_entropy

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from functrain import config as validate
+from functrain import config_checks as validate
 from functrain import data as data_lib
 
 __all__ = [

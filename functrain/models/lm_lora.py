@@ -19,7 +19,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from functrain import config as validate
+from functrain import config_checks as validate
 from functrain import rng
 from functrain.interop.safetensors import save_safetensors
 from functrain.nn import lora

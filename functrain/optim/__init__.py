@@ -1,7 +1,6 @@
 """optax-style composable optimizers for PyTorch pytrees.
 
-The names below load on first use (`functrain._lazy`), so `functrain.optim.checks` (the config
-checks) can be imported without torch.
+The names below load on first use (`functrain._lazy`).
 """
 
 from typing import TYPE_CHECKING
@@ -9,7 +8,6 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain.optim import config
     from functrain.optim.aliases import adam, adamw, sgd
     from functrain.optim.base import (
         MaskedState,

@@ -15,7 +15,7 @@ Example:
 from functrain.parallel import (
     context,  # context-parallel attention (sequence split over ranks)
     gloo,  # gloo groups with one worker thread (a torch heap-corruption bug)
-    schedule,  # pipeline schedules and stage partitions (pure)
+    pipeline_schedule,  # pipeline schedules and stage partitions (pure)
     spmd,  # registers the mesh-wide norm with functrain.tree
 )
 from functrain.parallel.data import data_parallel_kwargs, split_batch

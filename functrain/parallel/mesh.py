@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from functrain.config import mesh_shape
+from functrain.config_checks import mesh_shape
 from functrain.parallel import gloo
 
 __all__ = [

@@ -5,7 +5,7 @@ Internals: docs/internals.md "functrain.parallel.pipeline".
 Example:
     >>> pipe = pipeline.place(gpt.make_loss_fn(template, staged=True), full_params)
     >>> state = init_state(pipe.params(full_params), opt)
-    >>> step = pipeline.make_train_step(pipe, opt, microbatches=8, schedule="1f1b")
+    >>> step = pipeline.make_pipeline_step(pipe, opt, microbatches=8, schedule="1f1b")
     >>> state, metrics = step(state, batch)          # the same metrics on every pipeline rank
 """
 
@@ -26,8 +26,8 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
-from functrain.parallel.schedule import Action, bubble_fraction, partition
-from functrain.parallel.schedule import schedule as make_schedule
+from functrain.parallel.pipeline_schedule import Action, bubble_fraction, partition
+from functrain.parallel.pipeline_schedule import schedule as make_schedule
 from functrain.state import TrainState
 from functrain.step.grads import microbatch_counts, split_microbatches
 from functrain.step.loss_contract import loss_and_aux
@@ -42,8 +42,8 @@ __all__ = [
     "action_ranges",
     "bubble_fraction",
     "global_norm",
-    "make_eval_step",
-    "make_train_step",
+    "make_pipeline_eval_step",
+    "make_pipeline_step",
     "param_shapes",
     "place",
 ]
@@ -407,7 +407,7 @@ def _device(p: Params) -> torch.device:
     return x.to_local().device if hasattr(x, "to_local") else x.device
 
 
-def make_train_step(
+def make_pipeline_step(
     pipe: Pipeline,
     optimizer,
     *,
@@ -429,7 +429,7 @@ def make_train_step(
         the gradients are their mean, as `functrain.make_train_step(accum_steps=microbatches)`.
       schedule: "1f1b" (at most `world - rank` microbatches' activations held), "eager-1f1b" (one
         more: a slow action on one rank idles the others less) or "gpipe" (all of them), see
-        `functrain.parallel.schedule`.
+        `functrain.parallel.pipeline_schedule`.
       compile: run the stages as the staged loss's compiled graphs and the update as one graph
         (module docstring: the compile contract); False: eager.
       donate: write the new params and optimizer state into the input state's buffers.
@@ -450,7 +450,7 @@ def make_train_step(
       ValueError: an unknown schedule or microbatches < 1 (one line).
 
     Example:
-      >>> step = pipeline.make_train_step(pipe, optim.adamw(3e-4), microbatches=8)
+      >>> step = pipeline.make_pipeline_step(pipe, optim.adamw(3e-4), microbatches=8)
       >>> state, metrics = step(state, batch)
     """
     if microbatches < 1:
@@ -580,7 +580,7 @@ def _aux_names(auxes: list, pipe: Pipeline) -> list:
     return names[0] or []
 
 
-def make_eval_step(
+def make_pipeline_eval_step(
     pipe: Pipeline,
     *,
     microbatches: int = 1,
@@ -602,7 +602,7 @@ def make_eval_step(
       every pipeline rank. It never changes the state.
 
     Example:
-      >>> val_loss = pipeline.make_eval_step(pipe)(state, val_batch)["loss"]
+      >>> val_loss = pipeline.make_pipeline_eval_step(pipe)(state, val_batch)["loss"]
     """
     prec = precision_lib.get(precision)
     loss_fn = pipe.loss_fn.compile_stages(compile_options) if compile else pipe.loss_fn

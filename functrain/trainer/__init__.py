@@ -12,7 +12,20 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain.trainer import defaults, hooks, loop, main, memory, metrics, plot, restore, route, validate
+    from functrain.trainer import (
+        defaults,
+        hooks,
+        loop,
+        main,
+        memory,
+        metrics,
+        optimizer,
+        optimizer_checks,
+        plot,
+        restore,
+        route,
+        validate,
+    )
     from functrain.trainer.hooks import Hook, StepInfo, TrainingError, every
     from functrain.trainer.loop import run
 

@@ -64,7 +64,7 @@ def run(
 
     Args:
       task: the model family's `Task`.
-      optimizer: the optimizer (`functrain.optim.config.from_config(config.optim, config.steps)`).
+      optimizer: the optimizer (`functrain.trainer.optimizer.from_config(config.optim, config.steps)`).
       config: the run config, checked by `functrain.main.check_config` (the loop reads the keys in
         the module docstring).
       workdir: the run directory (`metrics.jsonl`, `tb/`, `config.json`, `run.json`, checkpoints).

@@ -119,8 +119,9 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     """
     t_program = time.perf_counter()
     check_config(config)  # every key, once, before the heavy modules load
-    from functrain import optim, parallel
+    from functrain import parallel
     from functrain.trainer import loop, validate
+    from functrain.trainer import optimizer as trainer_optimizer
 
     family = _family(config)
     _check_init_from(config, workdir, loop)
@@ -139,7 +140,7 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
         loop.resolve_device(config, ctx)  # a device this torch lacks fails before any data is prepared
         task = family.build(config, ctx, workdir)
         _steps_from_epochs(config, task, validate)
-        optimizer = optim.config.from_config(config.optim, config.steps)
+        optimizer = trainer_optimizer.from_config(config.optim, config.steps)
         return loop.run(task, optimizer, config, workdir, ctx, hooks=hooks, print_fn=print_fn, t_program=t_program)
 
 
@@ -225,7 +226,7 @@ def _launched() -> bool:
 
 def check_config(config: Any, mesh: bool = True) -> None:
     """Checks every key of a run config, once: the loop's, the optimizer's and its model family's
-    (`functrain.trainer.validate.LOOP_CHECKS`, `functrain.optim.checks`, `models/<name>/checks.py`) and,
+    (`functrain.trainer.validate.LOOP_CHECKS`, `functrain.trainer.optimizer_checks`, `models/<name>/checks.py`) and,
     with `mesh`, the mesh against torchrun's world size and the batch against the mesh. torch-free:
     a bad value costs ~0.4 s. `train` calls it; `loop.run` and a family's `build` take a checked
     config and do not check it again.
@@ -243,9 +244,9 @@ def check_config(config: Any, mesh: bool = True) -> None:
     Example:
       >>> check_config(gpt_config.get_config("tiny"))
     """
-    from functrain import config as mesh_config
-    from functrain.optim.checks import CHECKS as optim_checks
+    from functrain import config_checks as mesh_config
     from functrain.trainer import validate
+    from functrain.trainer.optimizer_checks import CHECKS as optim_checks
 
     validate.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
     validate.check_cuda_graphs(config)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from functrain import checkpoint as ckpt_lib
 from functrain import optim as optim_lib
-from functrain.config import ConfigError
+from functrain.config_checks import ConfigError
 from functrain.data import record as data_record_lib
 from functrain.state import TrainState
 from functrain.trainer import frozen as frozen_lib

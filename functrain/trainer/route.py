@@ -143,7 +143,7 @@ def _pipeline(
     )
     state = init_state(params, optimizer, seed=config.seed, copy=False, frozen=frozen)  # this rank's stages
     staged = bool(compile)  # a pipeline's stages always compile one by one
-    train_step = pipeline.make_train_step(
+    train_step = pipeline.make_pipeline_step(
         pipe,
         optimizer,
         microbatches=config.pp.microbatches,
@@ -154,7 +154,7 @@ def _pipeline(
         skip_nonfinite=config.max_consecutive_skips > 0,
         count_targets=task.count_targets,
     )
-    eval_step = pipeline.make_eval_step(pipe, compile=staged, precision=config.precision)
+    eval_step = pipeline.make_pipeline_eval_step(pipe, compile=staged, precision=config.precision)
     note = (
         f"finish skipped: the params are split over {ctx.pp_world} pipeline stages (sample from the final "
         "checkpoint on one mesh)"

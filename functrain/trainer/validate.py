@@ -1,5 +1,5 @@
 """The trainer's own config checks: the loop's keys (`LOOP_CHECKS`) and CUDA graphs' needs, over the
-check helpers of `functrain.config` (re-exported here, the names `functrain.trainer.validate` had).
+check helpers of `functrain.config_checks` (re-exported here, the names `functrain.trainer.validate` had).
 
 Example:
     >>> validate.check_all(config, validate.LOOP_CHECKS)
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from functrain.config import (
+from functrain.config_checks import (
     Check,
     ConfigError,
     boolean,

@@ -5,7 +5,7 @@ Internals: docs/internals.md "functrain.models.gpt.task".
 Example:
     >>> with parallel.setup(config.mesh) as ctx:
     ...     task = build(config, ctx, "runs/gpt")
-    ...     loop.run(task, optim.config.from_config(config.optim, config.steps), config, "runs/gpt", ctx)
+    ...     loop.run(task, optimizer.from_config(config.optim, config.steps), config, "runs/gpt", ctx)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from functrain import config as v
+from functrain import config_checks as v
 from functrain import parallel
 from functrain.interop.hf import save_hf_directory
 from functrain.models import lm, lm_data, lm_lora
@@ -23,6 +23,7 @@ from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.checks import CHECKS
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.models.gpt.loss import head_name, make_loss_fn
+from functrain.models.lm_task import lm_task
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -125,31 +126,19 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         return gpt_lib.init_params(base, key, device=device, where=where)
 
     n_params = gpt_lib.num_params(cfg)
-    return Task(
-        describe=(
-            f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}, "
-            f"{dataset.describe()}"
-        ),
-        init_params=lm_lora.with_adapters(init, template, lora_spec),
+    return lm_task(
+        config,
+        dataset,
+        template,
+        lora_spec,
+        describe=f"GPT {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {vocab}",
+        init_params=init,
         shard_rules=rules,
         loss_fn=loss_fn,
-        train_batch=dataset.train_batch,
-        eval_batches=dataset.eval_sets,
-        data_position=dataset.position,
-        data_record=dataset.record(),
-        count_targets=lm.count_targets(),
-        steps_per_epoch=dataset.steps_per_epoch,
-        tokens_per_step=config.batch_size * cfg.block_size,
-        flops_per_token=lm_lora.flops_per_token(gpt_lib.flops_per_token(cfg), template, lora_spec),
+        seq=cfg.block_size,
+        flops_per_token=gpt_lib.flops_per_token(cfg),
         finish=finish,
         export=lm_lora.exporter(export, template, lora_spec, hf_name=None),  # (HF's GPT-2 fuses q, k, v)
-        frozen=lm_lora.frozen(lora_spec),
-        eval_model=lm.eval_model(
-            template,
-            dataset.tokenizer,
-            block_size=cfg.block_size,
-            stages=gpt_lib.stages(cast(gpt_lib.GPT, template)),
-            head=head_name(dict(template.named_parameters())),
-        ),
-        validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
+        stages=gpt_lib.stages(cast(gpt_lib.GPT, template)),
+        head=head_name(dict(template.named_parameters())),
     )

@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from functrain import functional, rng
-from functrain.config import ConfigError
+from functrain.config_checks import ConfigError
 from functrain.models.lm import LMStages
 from functrain.nn import randomness
 from functrain.step.staged import Stage

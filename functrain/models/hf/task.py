@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from functrain import config as v
+from functrain import config_checks as v
 from functrain import data as data_lib
 from functrain import functional, parallel
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
@@ -36,6 +36,7 @@ from functrain.models.hf.model import (
     tp_rules,
 )
 from functrain.models.hf.tiny import model_directory
+from functrain.models.lm_task import lm_task
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -237,35 +238,26 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     layers = getattr(hf_config, "num_hidden_layers", 0)
     width = getattr(hf_config, "hidden_size", 0)
     origin = "its weights" if weights is not None else "fresh"
-    return Task(
+    return lm_task(
+        config,
+        dataset,
+        template,
+        lora_spec,
         describe=(
             f"{type(template).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
-            f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), {dataset.describe()}"
+            f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')})"
         ),
-        init_params=lm_lora.with_adapters(init, template, lora_spec),
+        init_params=init,
         shard_rules=rules,
         loss_fn=loss_fn,
-        train_batch=dataset.train_batch,
-        eval_batches=dataset.eval_sets,
-        data_position=dataset.position,
-        data_record=dataset.record(),
-        count_targets=lm.count_targets(),
-        steps_per_epoch=dataset.steps_per_epoch,
-        tokens_per_step=config.batch_size * seq,
+        seq=seq,
         # weights, and attention over the trained length (a LoRA run: no gradient of the frozen weights)
-        flops_per_token=lm_lora.flops_per_token(6 * n_params + 12 * layers * width * seq, template, lora_spec),
+        flops_per_token=6 * n_params + 12 * layers * width * seq,
         finish=finish,
         export=export,
-        frozen=lm_lora.frozen(lora_spec),
-        eval_model=lm.eval_model(
-            template,
-            dataset.tokenizer,
-            block_size=seq,
-            stages=stages(template) if staged else None,
-            head=head,
-            logits_fn=_hf_logits(template),
-        ),
-        validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
+        stages=stages(template) if staged else None,
+        head=head,
+        logits_fn=_hf_logits(template),
     )
 
 

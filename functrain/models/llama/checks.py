@@ -1,4 +1,4 @@
-"""The checks of the config keys the Llama family reads (see `functrain.config`): plain Python, no
+"""The checks of the config keys the Llama family reads (see `functrain.config_checks`): plain Python, no
 torch, so `python -m functrain.main` reports a bad value before the heavy modules load.
 `task.build` checks them again (a Task built from Python gets the same errors).
 
@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from functrain import config as v
+from functrain import config_checks as v
 from functrain.models.checks import LM_CHECKS, TOKENIZER_CHECK
 
 __all__ = ["CHECKS"]

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from functrain import config as v
+from functrain import config_checks as v
 from functrain import data as data_lib
 from functrain import parallel
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
@@ -26,6 +26,7 @@ from functrain.models.llama import hf as hf_lib
 from functrain.models.llama import model as llama_lib
 from functrain.models.llama.checks import CHECKS
 from functrain.models.llama.loss import head_name, make_loss_fn
+from functrain.models.lm_task import lm_task
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -178,34 +179,22 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
 
     n_params = llama_lib.num_params(cfg)
     origin = f"from {config.init_from}" if hf is not None else "fresh"
-    return Task(
+    return lm_task(
+        config,
+        dataset,
+        template,
+        lora_spec,
         describe=(
             f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
-            f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')}), "
-            f"{dataset.describe()}"
+            f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')})"
         ),
-        init_params=lm_lora.with_adapters(init_params, template, lora_spec),
+        init_params=init_params,
         shard_rules=rules,
         loss_fn=loss_fn,
-        train_batch=dataset.train_batch,
-        eval_batches=dataset.eval_sets,
-        data_position=dataset.position,
-        data_record=dataset.record(),
-        count_targets=lm.count_targets(),
-        steps_per_epoch=dataset.steps_per_epoch,
-        tokens_per_step=config.batch_size * seq,
-        flops_per_token=lm_lora.flops_per_token(  # (over the trained length)
-            llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)), template, lora_spec
-        ),
+        seq=seq,
+        flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # (the trained length)
         finish=finish,
         export=export,
-        frozen=lm_lora.frozen(lora_spec),
-        eval_model=lm.eval_model(
-            template,
-            dataset.tokenizer,
-            block_size=seq,
-            stages=llama_lib.stages(cast(llama_lib.Llama, template)),
-            head=head_name(cfg),
-        ),
-        validation_text=lm_data.validation_text(config) if lm_data.supervised_format(config.data) == "text" else None,
+        stages=llama_lib.stages(cast(llama_lib.Llama, template)),
+        head=head_name(cfg),
     )

@@ -1,6 +1,6 @@
-"""The checks of a run config's `optim` keys (see `functrain.config`): plain Python, no torch, so
+"""The checks of a run config's `optim` keys (see `functrain.config_checks`): plain Python, no torch, so
 `python -m functrain.main` reports a bad value before the heavy modules load.
-`functrain.optim.config` (which reads these keys) re-exports `CHECKS`.
+`functrain.trainer.optimizer` (which reads these keys) re-exports `CHECKS`.
 
 Example:
     >>> validate.check_all(config, CHECKS)
@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from functrain import config as v
+from functrain import config_checks as v
 
 __all__ = ["CHECKS", "DTYPES"]
 

@@ -1,10 +1,10 @@
 """The optimizer a run config describes: `from_config(config.optim, steps)`, and its checks.
 
-Internals: docs/internals.md "functrain.optim.config".
+Internals: docs/internals.md "functrain.trainer.optimizer".
 
 Example:
-    >>> validate.check_all(config, optim.config.CHECKS)
-    >>> opt = optim.config.from_config(config.optim, config.steps)
+    >>> validate.check_all(config, optimizer.CHECKS)
+    >>> opt = optimizer.from_config(config.optim, config.steps)
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 import functrain.step.precision as precision_lib
 from functrain.optim.aliases import adamw, sgd
 from functrain.optim.base import Transform, chain
-from functrain.optim.checks import CHECKS
 from functrain.optim.schedules import Schedule, linear_warmup, warmup_cosine, warmup_linear
 from functrain.optim.transforms import clip_by_global_norm
+from functrain.trainer.optimizer_checks import CHECKS
 
 __all__ = ["CHECKS", "decay_mask", "from_config", "schedule_from_config"]
 

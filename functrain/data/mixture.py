@@ -1,7 +1,7 @@
 """A language model's data, as the run config describes it: one source or a weighted mixture,
 sampled by random windows or by epochs, with a validation set per source.
 
-Internals: docs/internals.md "functrain.data.pipeline".
+Internals: docs/internals.md "functrain.data.mixture".
 
 Example:
     >>> d = lm_data(config.data, cache_dir="runs/x/data", batch_size=32, block_size=256, seed=0,

@@ -1,6 +1,6 @@
 """Pipeline schedules and stage partitions: pure bookkeeping, no torch, no communication.
 
-Internals: docs/internals.md "functrain.parallel.schedule".
+Internals: docs/internals.md "functrain.parallel.pipeline_schedule".
 
 Example:
     >>> one_f_one_b(n=2, m=4, rank=0)

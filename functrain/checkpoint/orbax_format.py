@@ -1,6 +1,6 @@
 """On-disk layout of an Orbax v0 checkpoint: names, paths, tree keys and the JSON metadata files.
 
-Internals: docs/internals.md "functrain.checkpoint.layout".
+Internals: docs/internals.md "functrain.checkpoint.orbax_format".
 """
 
 from __future__ import annotations

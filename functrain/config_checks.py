@@ -1,6 +1,6 @@
 """Run-config checks every layer shares, and the mesh a config asks for: plain Python, no torch.
 
-Internals: docs/internals.md "functrain.config".
+Internals: docs/internals.md "functrain.config_checks".
 
 Example:
     >>> check_all(config, [("model.n_layer", int_at_least(1))])
@@ -219,7 +219,7 @@ def check_batch(batch_size: int, accum_steps: int, dp_world: int, what: str = "a
     Args:
       batch_size: the global batch (`config.batch_size`).
       accum_steps: gradient-accumulation micro-batches per step.
-      dp_world: data-parallel ranks of the mesh (`functrain.config.dp_world`).
+      dp_world: data-parallel ranks of the mesh (`functrain.config_checks.dp_world`).
       what: the key that sets the micro-batches ("pp.microbatches" for pipeline stages).
 
     Example:
