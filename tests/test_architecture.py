@@ -256,7 +256,9 @@ def test_the_loop_never_asks_whether_it_runs_a_pipeline():
 def test_a_pipeline_rank_runs_the_staged_engine_not_a_copy_of_it():
     # no loop over blocks and no vjp of a block in parallel/pipeline.py: its ranks call the engine's halves
     tree = ast.parse((PKG / "parallel" / "pipeline.py").read_text())
-    running = [n for n in tree.body if getattr(n, "name", "") in ("_Rank", "make_train_step", "make_eval_step")]
+    running = [
+        n for n in tree.body if getattr(n, "name", "") in ("_Rank", "make_pipeline_step", "make_pipeline_eval_step")
+    ]
     assert len(running) == 3
     calls = {
         n.func.attr
