@@ -1,8 +1,9 @@
 """Frozen parameters (position embedding + first block), two ways; frozen leaves stay bit-identical.
 
-  split: the state holds only the trainable params; the loss closes over the frozen ones and
-         merges them in. No gradients, optimizer state or updates exist for the frozen leaves
-         (the cheap way: fine-tuning, adapters, linear probes).
+  split: the state trains only the trainable params and holds the frozen ones apart
+         (`init_state(trainable, opt, frozen=frozen)`: `TrainState.frozen`, which the step hands the
+         loss merged with the params). No gradients, optimizer state or updates exist for the frozen
+         leaves (the cheap way: fine-tuning, adapters, linear probes).
   mask:  the state holds every param and the optimizer freezes by mask:
          `chain(masked(adamw, trainable), masked(scale(0.0), frozen))`. Adam keeps moments only for
          the trainable leaves; the frozen updates are zeroed (their gradients are still computed).
@@ -35,15 +36,16 @@ mask_opt = optim.chain(
     optim.masked(optim.scale(0.0), lambda p: {k: is_frozen(k) for k in p}),
 )
 runs = {
-    "split": (lambda t, batch, key: loss_fn({**t, **frozen}, batch, key), adamw, trainable),
-    "mask": (loss_fn, mask_opt, params),
+    "split": (adamw, trainable, frozen),
+    "mask": (mask_opt, params, None),
 }
 final = {}
-for name, (fn, opt, start) in runs.items():
-    state, step = ft.init_state(start, opt, seed=0), ft.make_train_step(fn, opt, compile=args.compile)
+for name, (opt, start, held) in runs.items():
+    state = ft.init_state(start, opt, seed=0, frozen=held)
+    step = ft.make_train_step(loss_fn, opt, compile=args.compile)
     for i in range(args.steps):
         state, metrics = step(state, common.batch(args, ds, i))
-    final[name] = {**frozen, **state.params} if name == "split" else state.params
+    final[name] = {**state.frozen, **state.params}
     print(
         f"{name:5s}: loss {float(metrics['loss']):.3f}, {len(state.params)} params in the state, "
         f"{tree.size(state.opt_state):,} optimizer-state numbers"

@@ -16,12 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, overload
 
-import torch
 from torch import nn
 
 from functrain import config_checks as validate
 from functrain import rng
-from functrain.interop.safetensors import save_safetensors
+from functrain.interop.safetensors import rank_and_world, save_safetensors
 from functrain.nn import lora
 
 __all__ = [
@@ -102,7 +101,7 @@ def flops_per_token(flops: float, model: nn.Module, spec: lora.LoraSpec | None) 
         and hasattr(m, "weight")
         and m.weight is not None
         and m.weight.dim() == 2
-        and (isinstance(m, lora.LoraLinear) or type(m).__name__ in ("Linear", "Conv1D"))
+        and (isinstance(m, lora.LoraLinear) or lora.is_linear(m))
     }
     n_adapters = sum(model.get_parameter(n).numel() for n in adapters)
     return flops - 2 * sum(weights.values()) + 6 * n_adapters
@@ -163,7 +162,7 @@ def save_peft(
       >>> save_peft("runs/lora/hf-peft", template, spec, lora.split(params)[0], "runs/base/hf")
     """
     out = Path(directory)
-    rank, _ = _rank()
+    rank, _ = rank_and_world()
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     save_safetensors(lora.peft_tensors({hf_name(n): t for n, t in adapters.items()}), out / "adapter_model.safetensors")
@@ -171,12 +170,6 @@ def save_peft(
         config = lora.peft_config(model, spec, base_model, hf_name)
         (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
-
-
-def _rank() -> tuple[int, bool]:
-    """(this process's rank, whether torch.distributed is up)."""
-    up = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return (torch.distributed.get_rank() if up else 0), up
 
 
 @overload

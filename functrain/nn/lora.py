@@ -32,6 +32,7 @@ __all__ = [
     "init_adapters",
     "is_adapter",
     "is_base",
+    "is_linear",
     "merge",
     "peft_config",
     "peft_tensors",
@@ -121,8 +122,14 @@ class LoraLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
 
 
-def _is_linear(module: nn.Module) -> bool:
-    """An `nn.Linear`, or transformers' `Conv1D` (recognized by name: transformers is not imported)."""
+def is_linear(module: nn.Module) -> bool:
+    """Whether `module` is a layer LoRA adapts: an `nn.Linear`, or transformers' `Conv1D` (recognized by
+    name: transformers is not imported).
+
+    Example:
+      >>> lora.is_linear(nn.Linear(4, 4))
+      True
+    """
     return isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf"))
 
 
@@ -144,7 +151,7 @@ def targets_of(module: nn.Module, spec: LoraSpec) -> list[str]:
       ['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.v_proj']
     """
     wrapped = set(_layers(module))  # (a wrapped model: its adapters' own Linears are no targets)
-    linear = [n for n, m in module.named_modules() if n and _is_linear(m) and n.rpartition(".")[0] not in wrapped]
+    linear = [n for n, m in module.named_modules() if n and is_linear(m) and n.rpartition(".")[0] not in wrapped]
     if spec.targets == ALL_LINEAR:
         picked = [n for n in linear if n.rsplit(".", 1)[-1] not in _OUTPUT_LAYERS]
     else:
