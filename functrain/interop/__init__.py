@@ -6,18 +6,17 @@ Example:
     >>> save_safetensors(state.params, "out/model.safetensors")
 """
 
-from functrain.interop.safetensors import (
-    SafetensorsError,
-    load_safetensors,
-    open_safetensors,
-    safetensors_metadata,
-    save_safetensors,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "SafetensorsError",
-    "save_safetensors",
-    "load_safetensors",
-    "safetensors_metadata",
-    "open_safetensors",
-]
+from functrain._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
+    from functrain.interop.safetensors import (
+        SafetensorsError,
+        load_safetensors,
+        open_safetensors,
+        safetensors_metadata,
+        save_safetensors,
+    )
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

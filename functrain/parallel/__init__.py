@@ -61,7 +61,7 @@ __all__ = [
     "layout_of",
     "dp_coordinates",
     "context",
-    "schedule",
+    "pipeline_schedule",
     "gloo",
     "spmd",
     "AXES",
