@@ -11,6 +11,7 @@ from typing import Any
 
 import optree
 import torch
+from torch._inductor import list_mode_options
 
 from functrain.compiler import cache, graph_breaks, like_draws, mesh_key
 
@@ -52,8 +53,11 @@ def graph(fn, options: dict | None = None):
     mesh_key.register()  # (a sharded step's cache keys must not hold a per-process hash)
     like_draws.route()  # (keyed rand_like and friends compiled as eagerly)
     options = {"fullgraph": True, "dynamic": False, **(options or {})}
-    if _is_inductor(options) and options.get("mode") is None:
-        options["options"] = {**_INDUCTOR, **(options.get("options") or {})}
+    if _is_inductor(options) and not (options.get("mode") is not None and options.get("options") is not None):
+        # a mode becomes the inductor options it stands for (torch.compile takes one or the other)
+        mode = options.pop("mode", None)
+        stands_for = list_mode_options(mode, options["dynamic"]) if mode is not None else {}
+        options["options"] = {**_INDUCTOR, **stands_for, **(options.get("options") or {})}
     return torch.compile(fn, **options)
 
 
