@@ -12,6 +12,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +25,7 @@ _M1, _M2, _M3 = 0x7FEB352D, 0x5BD1E995, 0x2C1B3C6D
 _GOLDEN = 0x1E3779B9
 
 
-def _mix(x: torch.Tensor | int):
+def _mix(x: Any) -> Any:
     """32-bit avalanche mix of int64 values holding 32-bit words."""
     x = x & _MASK
     x = x ^ (x >> 16)
@@ -107,11 +109,11 @@ def _fold_in_op(key: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
 
 
 @_fold_in_op.register_fake
-def _(key, data):
+def _(key: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return key.new_empty(torch.broadcast_shapes(key.shape[:-1], data.shape) + (2,))
 
 
-def _fold_in_vmap(info, in_dims, key, data):
+def _fold_in_vmap(info: Any, in_dims: tuple, key: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Batched keys and/or data: batch dims moved first, the op broadcasts over them."""
     key_dim, data_dim = in_dims
     key = key if key_dim is None else key.movedim(key_dim, 0)
@@ -133,11 +135,11 @@ def _split_op(key: torch.Tensor, num: int) -> torch.Tensor:
 
 
 @_split_op.register_fake
-def _(key, num):
+def _(key: torch.Tensor, num: int) -> torch.Tensor:
     return key.new_empty(*key.shape[:-1], num, 2)
 
 
-def _split_vmap(info, in_dims, key, num):
+def _split_vmap(info: Any, in_dims: tuple, key: torch.Tensor, num: int) -> tuple[torch.Tensor, int]:
     """A batch of keys: split each (the op broadcasts over leading dims)."""
     return _split_op(key.movedim(in_dims[0], 0), num), 0
 
@@ -145,7 +147,7 @@ def _split_vmap(info, in_dims, key, num):
 _split_op.register_vmap(_split_vmap)
 
 
-def _split_words(k0, k1, counter: torch.Tensor):
+def _split_words(k0: Any, k1: Any, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two words of the keys `split` derives from key (k0, k1) for each counter value."""
     c = _mix(counter * 2 + 1)
     n0 = _mix(k0 ^ _mix(c + k1))
@@ -179,7 +181,7 @@ def _generator_seed(key: torch.Tensor) -> int:
     return _seed_of_words(k0, k1)
 
 
-def _seed_of_words(k0, k1):
+def _seed_of_words(k0: Any, k1: Any) -> Any:
     """`_generator_seed` of the key words (k0, k1): ints or int64 tensors of 32-bit words."""
     return (k0 << 32) | _mix(k1 ^ _mix(k0 + _GOLDEN))
 
@@ -203,14 +205,14 @@ def _gaussian_op(key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> tor
     return torch.randn(shape, generator=_generator(key), dtype=dtype, device=key.device)
 
 
-def _fake_draw(key, shape, dtype):
+def _fake_draw(key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     return key.new_empty(shape, dtype=dtype)
 
 
-def _draw_vmap(op):
+def _draw_vmap(op: Callable) -> Callable:
     """A vmap rule for a draw op: a batch of keys (a population's members) draws once per key."""
 
-    def rule(info, in_dims, key, shape, dtype):
+    def rule(info: Any, in_dims: tuple, key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> tuple:
         if in_dims[0] is None:
             return op(key, shape, dtype), None
         return torch.stack([op(k, shape, dtype) for k in key.unbind(in_dims[0])]), 0
@@ -223,7 +225,7 @@ for _op in (_uniform_op, _gaussian_op):
     _op.register_vmap(_draw_vmap(_op))
 
 
-def uniform(key: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def uniform(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Draws uniform [0, 1) numbers that depend only on `key` (same key, same numbers).
 
     Args:
@@ -240,7 +242,7 @@ def uniform(key: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> tor
     return _uniform_op(key, [int(s) for s in shape], dtype)
 
 
-def gaussian(key: torch.Tensor, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def gaussian(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Draws standard-normal numbers that depend only on `key`, inside a step (traceable).
 
     The step-time counterpart of `normal` (which draws parameters row by row, eagerly, so a shard
@@ -269,10 +271,10 @@ def _row_seeds(key: torch.Tensor, start: int, stop: int) -> list[int]:
 
 def normal(
     key: torch.Tensor,
-    shape,
+    shape: Sequence[int],
     *,
-    offset=None,
-    local_shape=None,
+    offset: Sequence[int] | None = None,
+    local_shape: Sequence[int] | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
@@ -319,7 +321,7 @@ def normal(
     return out.contiguous().to(device=device, dtype=dtype)
 
 
-def bernoulli(key: torch.Tensor, p: float, shape) -> torch.Tensor:
+def bernoulli(key: torch.Tensor, p: float, shape: Sequence[int]) -> torch.Tensor:
     """Boolean mask that is True with probability `p`, a pure function of `key`.
 
     Args:

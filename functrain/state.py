@@ -38,7 +38,7 @@ class Guard(NamedTuple):
     good_steps: torch.Tensor
 
 
-def init_guard(device=None, loss_scale: float = DEFAULT_LOSS_SCALE) -> Guard:
+def init_guard(device: torch.device | str | None = None, loss_scale: float = DEFAULT_LOSS_SCALE) -> Guard:
     """A fresh `Guard`: no skips, `loss_scale` as the starting dynamic loss scale.
 
     Args:
@@ -86,7 +86,7 @@ class TrainState(NamedTuple):
     model_state: PyTree = {}
     frozen: PyTree = {}
 
-    def replace(self, **changes) -> TrainState:
+    def replace(self, **changes: Any) -> TrainState:
         """A copy with some fields replaced: `state.replace(step=state.step + 1)`."""
         return self._replace(**changes)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
+
 from functrain import tree as tree_lib
 from functrain.ops import foreach
 
@@ -80,7 +82,7 @@ class Transform(_Pair):
 
     __slots__ = ()
 
-    def __new__(cls, init: InitFn, update: UpdateFn, traits: Traits | None = None):
+    def __new__(cls, init: InitFn, update: UpdateFn, traits: Traits | None = None) -> Transform:
         return super().__new__(cls, init, update, _NONE if traits is None else traits)
 
     @property
@@ -136,7 +138,9 @@ def report(t: Transform, state: PyTree) -> dict:
     return dict(t.report(state)) if t.report is not None else {}
 
 
-def call_update(t: Transform, updates: PyTree, state: PyTree, params: PyTree = None, *, norm=None):
+def call_update(
+    t: Transform, updates: PyTree, state: PyTree, params: PyTree = None, *, norm: torch.Tensor | None = None
+) -> tuple[PyTree, PyTree]:
     """`t.update(updates, state, params)`, passing `norm` (the global norm of `updates`) when given
     and `t` takes it (`Traits.takes_norm`).
 
@@ -182,10 +186,10 @@ def chain(*transforms: Transform) -> Transform:
       ...                   optim.scale_by_learning_rate(1e-3))
     """
 
-    def init(params):
+    def init(params: PyTree) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates, state, params=None, norm=None):
+    def update(updates: PyTree, state: tuple, params: PyTree = None, norm: torch.Tensor | None = None) -> tuple:
         new_state = []
         for i, (t, s) in enumerate(zip(transforms, state)):
             # `norm` is the norm of the chain's input: only the first transform still sees that.
@@ -193,7 +197,7 @@ def chain(*transforms: Transform) -> Transform:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    def report_all(state):
+    def report_all(state: tuple) -> dict:
         out: dict = {}
         for t, s in zip(transforms, state):
             out.update(report(t, s))
@@ -214,7 +218,7 @@ def _chain_fused(transforms: tuple) -> Callable[..., Any]:
     grad scale."""
     *scalers, last = transforms
 
-    def fused(params, grads, state, *, norm, found_inf, grad_scale=None):
+    def fused(params: PyTree, grads: PyTree, state: tuple, *, norm: Any, found_inf: Any, grad_scale: Any = None) -> Any:
         for t, s in zip(scalers, state):
             factor = t.scale(s, norm)
             norm = norm * factor  # the norm the next transform sees
@@ -329,15 +333,15 @@ def masked(inner: Transform, mask: PyTree | Callable[[PyTree], PyTree]) -> Trans
       >>> optim.masked(optim.add_decayed_weights(0.1), no_norms)
     """
 
-    def select(params):
+    def select(params: PyTree) -> PyTree:
         """(position, name) of the selected leaves."""
         return _selected_names(params, resolve_mask(mask, params))
 
-    def init(params):
+    def init(params: PyTree) -> MaskedState:
         leaves = tree_lib.leaves(params)
         return MaskedState(inner.init({n: leaves[i] for i, n in select(params)}))
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: MaskedState, params: PyTree = None) -> tuple[PyTree, MaskedState]:
         if params is None:
             raise ValueError("optim.masked needs params: call update(updates, state, params)")
         chosen = select(params)

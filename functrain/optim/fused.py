@@ -65,7 +65,7 @@ def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | 
 
     host = _HostValues()  # the kernel takes betas, eps and decay as Python floats
 
-    def fused(params, grads, state, *, norm, found_inf, grad_scale=None):
+    def fused(params: PyTree, grads: PyTree, state: Any, *, norm: Any, found_inf: Any, grad_scale: Any = None) -> Any:
         adam, decay, lr_state = state  # chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)
         p, spec = tree_lib.flatten(params)
         g = spec.flatten_up_to(grads)
@@ -114,7 +114,7 @@ class _HostValues:
     before, unchanged since (same object, same version counter), is answered from the host (a step
     then waits for no device read)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._seen: dict[int, tuple] = {}  # id(t) -> (weakref to t, t._version, float(t))
 
     def value(self, t: torch.Tensor) -> float:

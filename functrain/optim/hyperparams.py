@@ -20,7 +20,7 @@ __all__ = ["get_hyperparams", "set_hyperparams"]
 PyTree = Any
 
 
-def _holds_hyper(node) -> bool:
+def _holds_hyper(node: Any) -> bool:
     """Whether `node` is a transform state with a `hyper` field (a NamedTuple)."""
     return isinstance(node, tuple) and "hyper" in getattr(node, "_fields", ())
 
@@ -71,7 +71,7 @@ def set_hyperparams(tree: PyTree, **values: float) -> PyTree:
     if unknown:
         raise KeyError(f"no hyper-parameter {', '.join(map(repr, unknown))} in this state; it has {sorted(known)}")
 
-    def replace(node):
+    def replace(node: Any) -> Any:
         if not _holds_hyper(node):
             return node
         hyper = {k: torch.full_like(v, float(values[k])) if k in values else v for k, v in node.hyper.items()}

@@ -65,14 +65,14 @@ def constant(value: float) -> Schedule:
     return Schedule(lambda count, lr: torch.zeros((), dtype=torch.float64, device=count.device) + lr, {"lr": value})
 
 
-def _warm(t: torch.Tensor, lr, init_lr, warmup_steps) -> torch.Tensor:
+def _warm(t: torch.Tensor, lr: Any, init_lr: Any, warmup_steps: Any) -> torch.Tensor:
     """The linear warm-up's rate at float64 count `t`: init_lr -> lr over warmup_steps (at least 1)."""
     return init_lr + (lr - init_lr) * t / torch.clamp(
         torch.as_tensor(warmup_steps, dtype=torch.float64, device=t.device), min=1.0
     )
 
 
-def _linear(count, init_lr, end_lr, transition_steps, transition_begin):
+def _linear(count: Any, init_lr: Any, end_lr: Any, transition_steps: Any, transition_begin: Any) -> torch.Tensor:
     """init_lr -> end_lr linearly over [transition_begin, transition_begin + transition_steps]."""
     frac = torch.clamp((_t(count) - transition_begin) / transition_steps, 0.0, 1.0)
     return init_lr + (end_lr - init_lr) * frac
@@ -121,7 +121,7 @@ def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0)
       >>> optim.linear_warmup(1e-3, 100)(torch.tensor(50))  # tensor(5e-4)
     """
 
-    def fn(count, lr, warmup_steps, init_lr):
+    def fn(count: torch.Tensor, lr: Any, warmup_steps: Any, init_lr: Any) -> torch.Tensor:
         t = _t(count)
         warm = _warm(t, lr, init_lr, warmup_steps)
         return torch.where(t < warmup_steps, warm, torch.zeros_like(t) + lr)
@@ -155,7 +155,9 @@ def warmup_cosine(
     if decay_steps <= warmup_steps:
         raise ValueError(f"warmup_cosine: decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
 
-    def fn(count, lr, warmup_steps, decay_steps, min_lr, init_lr):
+    def fn(
+        count: torch.Tensor, lr: Any, warmup_steps: Any, decay_steps: Any, min_lr: Any, init_lr: Any
+    ) -> torch.Tensor:
         t = _t(count)
         warm = _warm(t, lr, init_lr, warmup_steps)
         frac = torch.clamp((t - warmup_steps) / (decay_steps - warmup_steps), 0.0, 1.0)
@@ -199,7 +201,9 @@ def warmup_linear(
     if decay_steps <= warmup_steps:
         raise ValueError(f"warmup_linear: decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
 
-    def fn(count, lr, warmup_steps, decay_steps, min_lr, init_lr):
+    def fn(
+        count: torch.Tensor, lr: Any, warmup_steps: Any, decay_steps: Any, min_lr: Any, init_lr: Any
+    ) -> torch.Tensor:
         t = _t(count)
         warm = _warm(t, lr, init_lr, warmup_steps)
         return torch.where(t < warmup_steps, warm, _linear(count, lr, min_lr, decay_steps - warmup_steps, warmup_steps))

@@ -44,7 +44,7 @@ def _count_like(params: PyTree) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _hyper(like: torch.Tensor, **values) -> dict[str, torch.Tensor]:
+def _hyper(like: torch.Tensor, **values: Any) -> dict[str, torch.Tensor]:
     """Hyper-parameters as float64 0-d tensors on `like`'s device (a state's `hyper` field)."""
     return {k: torch.as_tensor(v, dtype=torch.float64).to(like.device).clone() for k, v in values.items()}
 
@@ -84,7 +84,7 @@ def scale_by_adam(
       >>> opt = optim.chain(optim.scale_by_adam(), optim.scale_by_learning_rate(1e-3))
     """
 
-    def init(params):
+    def init(params: PyTree) -> PyTree:
         count = _count_like(params)
         return ScaleByAdamState(
             count=count,
@@ -93,7 +93,7 @@ def scale_by_adam(
             hyper=_hyper(count, b1=b1, b2=b2, eps=eps),
         )
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         g, spec = tree_lib.flatten(updates)
         mu_store = spec.flatten_up_to(state.mu)
         nu_store = spec.flatten_up_to(state.nu)
@@ -167,10 +167,10 @@ def add_decayed_weights(
       >>> optim.add_decayed_weights(0.1, mask=decay_matrices)
     """
 
-    def init(params):
+    def init(params: PyTree) -> PyTree:
         return HyperState(_hyper(_count_like(params), weight_decay=weight_decay))
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
         u, spec = tree_lib.flatten(updates)
@@ -200,10 +200,12 @@ def clip_by_global_norm(max_norm: float) -> Transform:
       >>> optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
     """
 
-    def init(params):
+    def init(params: PyTree) -> PyTree:
         return HyperState(_hyper(_count_like(params), clip=max_norm))
 
-    def update(updates, state, params=None, norm=None):
+    def update(
+        updates: PyTree, state: Any, params: PyTree = None, norm: torch.Tensor | None = None
+    ) -> tuple[PyTree, Any]:
         u, spec = tree_lib.flatten(updates)
         if norm is None:  # not given by the caller (see optim.call_update)
             norm = tree_lib.global_norm(u)
@@ -239,10 +241,10 @@ def trace(decay: float, nesterov: bool = False) -> Transform:
       >>> optim.chain(optim.trace(0.9), optim.scale_by_learning_rate(0.1))
     """
 
-    def init(params):
+    def init(params: PyTree) -> PyTree:
         return TraceState(tree_lib.zeros_like(params), _hyper(_count_like(params), momentum=decay))
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         g, spec = tree_lib.flatten(updates)
         t = spec.flatten_up_to(state.trace)
         (momentum,) = ops.hoist(state.hyper["momentum"])
@@ -267,7 +269,7 @@ def scale(factor: float) -> Transform:
       >>> opt = optim.chain(optim.scale_by_adam(), optim.scale(-1e-3))
     """
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         u, spec = tree_lib.flatten(updates)
         return spec.unflatten(foreach.mul(u, factor)), state
 
@@ -341,16 +343,16 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     else:
         defaults = {"lr": learning_rate}
 
-    def lr_at(count, hyper):
+    def lr_at(count: torch.Tensor, hyper: dict) -> torch.Tensor:
         return rate_at(learning_rate, count, hyper)
 
-    def init(params):
+    def init(params: PyTree) -> PyTree:
         count = _count_like(params)
         return ScaleByLearningRateState(
             count=count, lr=torch.zeros((), dtype=torch.float32, device=count.device), hyper=_hyper(count, **defaults)
         )
 
-    def update(updates, state, params=None):
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         rate = lr_at(state.count, state.hyper)
         (factor,) = ops.hoist(-rate if flip_sign else rate)
         u, spec = tree_lib.flatten(updates)
@@ -378,7 +380,7 @@ def learning_rate(opt_state: PyTree) -> torch.Tensor | None:
     """
     found = []
 
-    def visit(node):
+    def visit(node: Any) -> Any:
         if isinstance(node, ScaleByLearningRateState):
             found.append(node.lr)
             return True
