@@ -23,14 +23,8 @@ from functrain import optim
 
 args = common.parse(steps=20, batch=32)
 torch.manual_seed(0)
-net = nn.Sequential(
-    nn.Conv2d(3, 16, 3, padding=1, bias=False),
-    nn.BatchNorm2d(16),
-    nn.ReLU(),  # (B, 16, 8, 8)
-    nn.AdaptiveAvgPool2d(1),
-    nn.Flatten(),
-    nn.Linear(16, 4),
-)  # (B, 4)
+conv = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]  # (B, 16, 8, 8)
+net = nn.Sequential(*conv, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))  # (B, 4)
 ref, data = copy.deepcopy(net), common.synthetic_images(args.steps + 1, args.batch)  # the torch loop trains ref
 
 
@@ -48,8 +42,7 @@ tol = 16 * torch.finfo(torch.float32).eps * (args.batch * 27) ** 0.5 * args.step
 for x, y in data[:-1]:
     state, metrics = step(state, (x, y))
     torch_opt.zero_grad()
-    loss = F.cross_entropy(ref(x), y)
-    loss.backward()
+    (loss := F.cross_entropy(ref(x), y)).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     torch_opt.step()
     assert abs(float(metrics["loss"]) - loss.item()) <= tol * loss.item(), (float(metrics["loss"]), loss.item())
@@ -59,7 +52,5 @@ assert int(state.model_state["1.num_batches_tracked"]) == args.steps and not net
 ref.eval()
 val, want = evaluate(state, data[-1]), F.cross_entropy(ref(data[-1][0]), data[-1][1])
 assert abs(float(val["loss"]) - float(want)) <= tol * float(want), (float(val["loss"]), float(want))
-print(
-    f"batchnorm: OK {args.steps} steps equal to the torch loop, loss {float(metrics['loss']):.3f}, "
-    f"eval loss {float(val['loss']):.3f}, eval acc {float(val['acc']):.3f}"
-)
+loss, val_loss, acc = (f"{float(v):.3f}" for v in (metrics["loss"], val["loss"], val["acc"]))
+print(f"batchnorm: OK {args.steps} steps equal to the torch loop, loss {loss}, eval loss {val_loss}, eval acc {acc}")

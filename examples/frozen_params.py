@@ -28,18 +28,13 @@ def is_frozen(name):  # the lower layers; fine-tune the rest (not wte: it is als
     return name == "wpe.weight" or name.startswith("blocks.0.")
 
 
-frozen = {k: v for k, v in params.items() if is_frozen(k)}
-trainable = {k: v for k, v in params.items() if not is_frozen(k)}
+frozen, trainable = ({k: v for k, v in params.items() if is_frozen(k) is want} for want in (True, False))
 adamw = optim.adamw(optim.warmup_cosine(3e-3, 5, args.steps), weight_decay=0.1)
 mask_opt = optim.chain(
     optim.masked(adamw, lambda p: {k: not is_frozen(k) for k in p}),
     optim.masked(optim.scale(0.0), lambda p: {k: is_frozen(k) for k in p}),
 )
-runs = {
-    "split": (adamw, trainable, frozen),
-    "mask": (mask_opt, params, None),
-}
-final = {}
+final, runs = {}, {"split": (adamw, trainable, frozen), "mask": (mask_opt, params, None)}
 for name, (opt, start, held) in runs.items():
     state = ft.init_state(start, opt, seed=0, frozen=held)
     step = ft.make_train_step(loss_fn, opt, compile=args.compile)

@@ -22,18 +22,8 @@ except ImportError:
 
 args = common.parse(steps=30)
 ds = common.corpus(args)
-cfg = GPT2Config(
-    vocab_size=256,
-    n_positions=common.BLOCK,
-    n_embd=64,
-    n_layer=2,
-    n_head=2,
-    resid_pdrop=0.1,
-    embd_pdrop=0.1,
-    attn_pdrop=0.1,
-    bos_token_id=0,
-    eos_token_id=0,
-)
+dims = dict(vocab_size=256, n_positions=common.BLOCK, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+cfg = GPT2Config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, **dims)
 torch.manual_seed(0)
 model = GPT2LMHeadModel(cfg)  # transformers' init; its params become the state's
 
