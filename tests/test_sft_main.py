@@ -140,6 +140,7 @@ def test_sft_from_two_ranks_resumes_on_one_process_on_the_same_batches(tmp_path)
         assert abs(loss - want[s][0]) <= rtol * drift * want[s][0], (s, loss, want[s][0])
 
 
+@pytest.mark.exhaustive  # ~5 min: the whole SFT run; the tests above run configs/sft.py through the same main job
 def test_the_readme_sft_command_runs_in_a_fresh_clone(tmp_path):
     readme = open(os.path.join(REPO, "README.md")).read()
     cmd = re.search(r"<!-- sft-command -->\s*```bash\n(.+?)\n```", readme, re.S).group(1).strip()
