@@ -31,3 +31,13 @@ def test_the_callers_options_win_and_other_backends_get_none(monkeypatch):
     assert "options" not in _options_of(monkeypatch, {"backend": "aot_eager"})
     both = _options_of(monkeypatch, {"mode": "max-autotune", "options": {"a": 1}})  # torch.compile's own error
     assert both["mode"] == "max-autotune" and both["options"] == {"a": 1}
+
+
+def test_the_step_passes_follow_a_mode_and_leave_other_backends_alone():
+    """`with_step_passes` expands a mode through the same `inductor_options` as `graph`."""
+    under_mode = compiler.with_step_passes({"mode": "max-autotune-no-cudagraphs"})
+    assert "mode" not in under_mode and under_mode["options"]["max_autotune"] is True
+    assert isinstance(under_mode["options"]["post_grad_custom_post_pass"], compiler.InTurn)
+    other = {"backend": "aot_eager", "options": {"a": 1}}
+    assert compiler.with_step_passes(other) == other
+    assert compiler.inductor_options(other) == other

@@ -52,13 +52,37 @@ def graph(fn, options: dict | None = None):
     """
     mesh_key.register()  # (a sharded step's cache keys must not hold a per-process hash)
     like_draws.route()  # (keyed rand_like and friends compiled as eagerly)
-    options = {"fullgraph": True, "dynamic": False, **(options or {})}
-    if _is_inductor(options) and not (options.get("mode") is not None and options.get("options") is not None):
-        # a mode becomes the inductor options it stands for (torch.compile takes one or the other)
-        mode = options.pop("mode", None)
-        stands_for = list_mode_options(mode, options["dynamic"]) if mode is not None else {}
-        options["options"] = {**_INDUCTOR, **stands_for, **(options.get("options") or {})}
+    options = inductor_options({"fullgraph": True, "dynamic": False, **(options or {})})
+    if _is_inductor(options) and "mode" not in options:  # (a mode left in: torch.compile's own error)
+        options["options"] = {**_INDUCTOR, **options["options"]}
     return torch.compile(fn, **options)
+
+
+def inductor_options(options: dict | None) -> dict:
+    """`torch.compile` keyword arguments with a `mode` written as the inductor options it stands for.
+
+    torch.compile takes a mode or inductor options, not both: a mode becomes its options
+    (`list_mode_options`, what torch.compile applies for it), so more options can be added under a
+    mode too. Another backend, or a mode given with options (torch.compile's own error), is passed
+    on unchanged.
+
+    Args:
+      options: the caller's `torch.compile` keyword arguments (or None).
+
+    Returns:
+      A new dict; for inductor without that error, with an `options` dict and no `mode`.
+
+    Example:
+      >>> compiler.inductor_options({"mode": "max-autotune"})["options"]["max_autotune"]
+      True
+    """
+    options = dict(options or {})
+    if not _is_inductor(options) or (options.get("mode") is not None and options.get("options") is not None):
+        return options
+    mode = options.pop("mode", None)
+    stands_for = list_mode_options(mode, options.get("dynamic")) if mode is not None else {}
+    options["options"] = {**stands_for, **(options.get("options") or {})}
+    return options
 
 
 # Inductor's scheduler tries to fuse each buffer group with up to this many others (torch's default:

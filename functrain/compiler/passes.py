@@ -6,9 +6,9 @@ Internals: docs/internals.md "functrain.compiler.passes".
 from __future__ import annotations
 
 import torch
-from torch._inductor import list_mode_options
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from functrain.compiler.compile import inductor_options
 from functrain.compiler.recompute import RecomputePass
 from functrain.compiler.regather import RegatherPass
 from functrain.compiler.sdpa_seeds import SdpaSeedPass
@@ -38,10 +38,9 @@ class InTurn(CustomGraphPass):
 def with_step_passes(options: dict | None) -> dict:
     """`torch.compile` keyword arguments with functrain's post-grad passes after the caller's own.
 
-    torch.compile takes a mode or inductor options, not both: a `mode` becomes the inductor options
-    it stands for (`list_mode_options`, what torch.compile applies for it), so the passes run under
-    a mode too. Another backend, or a mode given with options (torch.compile's own error), is
-    passed on unchanged.
+    A `mode` becomes the inductor options it stands for (`compiler.compile.inductor_options`), so the
+    passes run under a mode too. Another backend, or a mode given with options (torch.compile's own
+    error), is passed on unchanged.
 
     Args:
       options: the caller's `torch.compile` keyword arguments (or None).
@@ -52,16 +51,10 @@ def with_step_passes(options: dict | None) -> dict:
     Example:
       >>> torch.compile(step, fullgraph=True, **with_step_passes({"mode": "max-autotune"}))
     """
-    options = dict(options or {})
-    if options.get("backend", "inductor") != "inductor" or (
-        options.get("mode") is not None and options.get("options") is not None
-    ):
+    options = inductor_options(options)
+    if options.get("backend", "inductor") != "inductor" or "mode" in options:  # (a mode left in: its error)
         return options
-    mode = options.pop("mode", None)
-    if mode is not None:  # ("default" stands for no options)
-        inductor = dict(list_mode_options(mode, options.get("dynamic")))
-    else:
-        inductor = dict(options.get("options") or {})
+    inductor = dict(options["options"])
     mine = inductor.get("post_grad_custom_post_pass")
     mine = [] if mine is None else list(mine) if isinstance(mine, (list, tuple)) else [mine]
     inductor["post_grad_custom_post_pass"] = InTurn([*mine, RecomputePass(), RegatherPass(), SdpaSeedPass()])
