@@ -122,8 +122,9 @@ class _Model:
             from functrain.models import hf
             from functrain.models.hf.tiny import write_tiny
 
-            with tempfile.TemporaryDirectory() as tmp:
-                self.cfg = hf.load_config(write_tiny(tmp, kind, max_position_embeddings=max(256, seq), **SIZES[size]))
+            # one directory per model for every process: its path is in the config, so in the saved step's key
+            where = os.path.join(tempfile.gettempdir(), f"functrain-bench-hf-{kind}-{size}-{seq}")
+            self.cfg = hf.load_config(write_tiny(where, kind, max_position_embeddings=max(256, seq), **SIZES[size]))
             self.template = hf.build_template(self.cfg, device=device)
             self.params = hf.init_params(self.template, rng.key(0), device=device)
             self.loss_fn = hf.make_loss_fn(self.template)

@@ -2,9 +2,10 @@
 
 The warm-start tests compile a tiny MLP train step (the real `make_train_step`: grad, clipped AdamW
 with a warm-up cosine schedule, metrics, one fullgraph graph) in fresh Python processes that share
-a cache directory set through `compile_cache.setup`: the first compiles cold (misses), the next
-ones must load everything from the cache (hits, no misses) and compute bit-identical results. The
-hyper-parameters are tensors in the optimizer state, so an LR sweep is warm too.
+a cache directory set through `compile_cache.setup`: the first compiles cold and saves the step whole
+(`compiler.saved_steps`), the next ones must load it (a hit, no Dynamo trace, no miss) and compute
+bit-identical results, equal to a plain `torch.compile` of the step. The hyper-parameters are
+tensors in the optimizer state, so an LR sweep is warm too; another model of the same shapes is not.
 """
 
 from __future__ import annotations
@@ -34,14 +35,20 @@ from functrain import init_state, make_train_step, optim, parallel
 from functrain.compiler import cache as compile_cache
 
 cache = compile_cache.setup(sys.argv[1], sys.argv[2])
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+act = {"relu": torch.nn.ReLU(), "leaky": torch.nn.LeakyReLU(float(os.environ.get("WORKER_SLOPE", "0.1")))}.get(
+    os.environ.get("WORKER_ACT", ""), torch.nn.Tanh())  # (the same shapes in every case)
+
+def make_loss_fn(model):  # (the model in the loss's closure, as the families build theirs)
+    def loss_fn(params, batch, key):
+        x, y = batch
+        return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean(), {}
+    return loss_fn
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), act, torch.nn.Linear(8, 1))
 with torch.no_grad():
     for i, p in enumerate(model.parameters()):
         p.copy_(torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (i + 1) / 4)
-
-def loss_fn(params, batch, key):
-    x, y = batch
-    return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean(), {}
+loss_fn = make_loss_fn(model)
 
 lr = float(sys.argv[3]) if len(sys.argv) > 3 else 0.1
 opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(lr, 0, 10), weight_decay=0.1))
@@ -82,8 +89,10 @@ def _compile_in_subprocess(mode: str, workdir: Path, *args: str, extra_env: dict
         )
     }
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(extra_env or {}))
+    script = workdir / "worker.py"  # (a file: a saved step checks the sources it traced)
+    script.write_text(_WORKER)
     out = subprocess.run(
-        [sys.executable, "-c", _WORKER, mode, str(workdir), *args],
+        [sys.executable, str(script), mode, str(workdir), *args],
         env=env,
         cwd=str(workdir),
         capture_output=True,
@@ -101,34 +110,72 @@ def cold_run(tmp_path_factory):
     return workdir, _compile_in_subprocess("workdir", workdir)
 
 
+def _warm(stats: dict) -> bool:
+    """Whether a process loaded its step whole and compiled nothing."""
+    return stats["step_hit"] == 1 and not any(stats[k] for k in ("step_miss", "fxgraph_miss", "aot_miss"))
+
+
 def test_first_process_compiles_cold(cold_run):
     workdir, first = cold_run
     keyed = workdir.absolute() / "compile_cache" / ISA
     assert first["dir"] == str(keyed)
-    assert first["stats"]["fxgraph_miss"] > 0 and first["stats"]["aot_miss"] > 0, first["stats"]
-    assert first["stats"]["fxgraph_hit"] == 0 and first["stats"]["aot_hit"] == 0, first["stats"]
-    assert (keyed / "fxgraph").is_dir() and (keyed / "aotautograd").is_dir()
+    s = first["stats"]
+    assert s["step_miss"] == 1 and s["aot_miss"] > 0 and s["step_hit"] == 0 and s["aot_hit"] == 0, s
+    assert len(list((keyed / "steps").glob("*.pt2step"))) == 1
+    assert "whole steps 0/1" in first["report"]
 
 
 def test_second_process_with_same_dir_is_warm(cold_run, tmp_path):
     workdir, first = cold_run
     second = _compile_in_subprocess(str(workdir / "compile_cache"), tmp_path)  # the same dir, as a path
     assert second["dir"] == first["dir"]
-    s = second["stats"]
-    assert s["fxgraph_hit"] > 0 and s["aot_hit"] > 0, s
-    assert s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
+    assert _warm(second["stats"]), second["stats"]
     assert second["losses"] == first["losses"] and second["params"] == first["params"]
-    assert f"{s['fxgraph_hit'] + s['aot_hit']} hits, 0 misses" in second["report"]
+    assert "1 hits, 0 misses" in second["report"] and "whole steps 1/0" in second["report"]
+
+
+def test_saved_step_computes_what_torch_compile_does(cold_run, tmp_path):
+    """Mode "off" saves nothing: the plain `torch.compile`d step, the same numbers bit for bit."""
+    workdir, first = cold_run
+    plain = _compile_in_subprocess("off", tmp_path)
+    assert plain["stats"]["step_hit"] == plain["stats"]["step_miss"] == 0, plain["stats"]
+    assert plain["losses"] == first["losses"] and plain["params"] == first["params"]
+
+
+def test_another_model_of_the_same_shapes_is_compiled_again(cold_run, tmp_path):
+    """ReLU for Tanh: the same parameters and inputs, so only the key (the model's fingerprint) tells."""
+    workdir, first = cold_run
+    run = _compile_in_subprocess(str(workdir / "compile_cache"), tmp_path, extra_env={"WORKER_ACT": "relu"})
+    assert run["stats"]["step_miss"] == 1 and run["stats"]["step_hit"] == 0, run["stats"]
+    assert run["losses"][0] != first["losses"][0]
+    plain = _compile_in_subprocess("off", tmp_path, extra_env={"WORKER_ACT": "relu"})
+    assert plain["losses"] == run["losses"] and plain["params"] == run["params"]
+
+
+def test_a_constant_the_trace_reads_is_checked_at_load(tmp_path):
+    """LeakyReLU's slope, 0.1 then 0.3: one key (a number in the model counts by its type), and the
+    saved step's guard on the slope tells them apart: a second entry, and each process its own numbers."""
+    cache = str(tmp_path / "cache")
+    runs = {}
+    for slope in ("0.1", "0.3", "0.1", "0.3"):
+        env = {"WORKER_ACT": "leaky", "WORKER_SLOPE": slope}
+        runs.setdefault(slope, []).append(_compile_in_subprocess(cache, tmp_path, extra_env=env))
+    assert [r["stats"]["step_miss"] for r in runs["0.1"] + runs["0.3"]] == [1, 0, 1, 0]
+    assert len(list(Path(cache, ISA, "steps").glob("*.pt2step"))) == 2
+    assert len({Path(p).name.rsplit("-", 1)[0] for p in Path(cache, ISA, "steps").glob("*.pt2step")}) == 1
+    for slope, (cold, warm) in runs.items():
+        assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"], slope
+    assert runs["0.1"][0]["params"] != runs["0.3"][0]["params"]
 
 
 def test_lr_sweep_compiles_once(cold_run, tmp_path):
-    """Other learning rates (the schedule's peak, a tensor in the optimizer state) hit the cache."""
+    """Other learning rates (the schedule's peak, a tensor in the optimizer state) load the saved step:
+    the schedule closes over its float peak, which the step never reads."""
     workdir, first = cold_run
     seen = [first["losses"][1]]
     for lr in ("0.05", "0.2", "0.3"):
         run = _compile_in_subprocess(str(workdir / "compile_cache"), tmp_path, lr)
-        s = run["stats"]
-        assert s["fxgraph_miss"] == 0 and s["aot_miss"] == 0 and s["aot_hit"] > 0, (lr, s)
+        assert _warm(run["stats"]), (lr, run["stats"])
         assert run["losses"][0] == first["losses"][0]  # the first loss is before any update
         seen.append(run["losses"][1])
     assert len(set(seen)) == 4  # each rate really trained differently
@@ -141,8 +188,7 @@ def test_copied_workdir_is_warm(cold_run, tmp_path):
     shutil.copytree(workdir, moved)
     third = _compile_in_subprocess("workdir", moved)
     assert third["dir"] == str(moved.absolute() / "compile_cache" / ISA)
-    s = third["stats"]
-    assert s["aot_hit"] > 0 and s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
+    assert _warm(third["stats"]), third["stats"]
     assert third["losses"] == first["losses"] and third["params"] == first["params"]
 
 
@@ -158,6 +204,7 @@ def test_sharded_step_is_warm_in_a_process_with_another_string_hash_seed(tmp_pat
     assert s["fxgraph_hit"] > 0 and s["aot_hit"] > 0, s
     assert s["fxgraph_miss"] == 0 and s["aot_miss"] == 0, s
     assert second["losses"] == first["losses"] and second["params"] == first["params"]
+    assert first["stats"]["step_miss"] == second["stats"]["step_hit"] == 0  # (DTensors: torch's caches)
     assert first["mesh_copies"] == [True, True, True]  # pickle and deepcopy still give the same mesh
 
 

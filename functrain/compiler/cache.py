@@ -22,7 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["MODES", "setup", "start_isa_probe", "probe_started", "stats", "report"]
+__all__ = ["MODES", "setup", "saved_steps_dir", "start_isa_probe", "probe_started", "stats", "report"]
 
 MODES = ("user", "workdir", "off")
 """The named modes of `setup`; anything else must be a path (containing "/" or starting with "~")."""
@@ -30,6 +30,7 @@ MODES = ("user", "workdir", "off")
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
 _set_by_setup: str | None = None  # the value `setup` last put into the environment
 _set_by_user: str | None = None  # the user's own value that `setup` replaced, if any
+_steps_dir: Path | None = None  # where compiled steps are saved whole (`saved_steps`); None: not saved
 
 # counters["inductor"] / counters["aot_autograd"] keys -> the names `stats` gives them.
 _COUNTERS = {
@@ -46,7 +47,8 @@ def setup(mode: str, workdir: str | os.PathLike | None = None) -> Path:
     """Points torch.compile's on-disk caches at the directory `mode` names and turns them on.
 
     Sets `TORCHINDUCTOR_CACHE_DIR` (process-wide, inherited by compile workers and child
-    processes) and enables inductor's FX graph cache and the AOTAutograd cache. Call it before
+    processes), enables inductor's FX graph cache and the AOTAutograd cache, and (unless "off")
+    saves compiled steps whole under `<cache dir>/steps` (`compiler.saved_steps`). Call it before
     the first `torch.compile`d call; graphs already compiled in this process are not affected.
 
     Args:
@@ -64,7 +66,7 @@ def setup(mode: str, workdir: str | os.PathLike | None = None) -> Path:
       >>> setup("workdir", "runs/gpt")
       PosixPath('/home/me/functrain/runs/gpt/compile_cache/avx512')
     """
-    global _set_by_setup, _set_by_user
+    global _set_by_setup, _set_by_user, _steps_dir
     path, isa = _resolve(mode, workdir), _isa()
     if path.name != isa:  # (a child process inherits the keyed directory: not keyed twice)
         path = path / isa
@@ -82,7 +84,21 @@ def setup(mode: str, workdir: str | os.PathLike | None = None) -> Path:
 
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
+    _steps_dir = None if mode == "off" else path / "steps"
     return path
+
+
+def saved_steps_dir() -> Path | None:
+    """Where compiled steps are saved whole (`compiler.saved_steps`): `<cache dir>/steps` after `setup`.
+
+    Returns:
+      The directory, or None before `setup` or after `setup("off")` (steps are then not saved).
+
+    Example:
+      >>> setup("workdir", "runs/gpt"); saved_steps_dir()
+      PosixPath('/home/me/functrain/runs/gpt/compile_cache/avx512/steps')
+    """
+    return _steps_dir
 
 
 def start_isa_probe() -> threading.Thread:
@@ -182,7 +198,8 @@ def stats() -> dict[str, int]:
       {"fxgraph_hit", "fxgraph_miss", "fxgraph_bypass", "aot_hit", "aot_miss", "aot_bypass"}: how
       many graphs inductor's FX graph cache and the AOTAutograd cache served (hit), compiled and
       stored (miss), or could not cache (bypass). A warm graph usually counts one AOTAutograd hit and
-      one FX graph hit.
+      one FX graph hit. Plus "step_hit" and "step_miss": steps loaded whole, or compiled and saved
+      (`compiler.saved_steps`); a step loaded whole counts no graph hit.
 
     Example:
       >>> before = stats(); step(state, batch); stats()["aot_miss"] - before["aot_miss"]
@@ -190,7 +207,10 @@ def stats() -> dict[str, int]:
     """
     from torch._dynamo.utils import counters
 
-    return {name: int(counters[group][key]) for (group, key), name in _COUNTERS.items()}
+    from functrain.compiler import saved_steps
+
+    counts = {name: int(counters[group][key]) for (group, key), name in _COUNTERS.items()}
+    return {**counts, **{f"step_{k}": v for k, v in saved_steps.stats().items()}}
 
 
 def report(cache_dir: str | os.PathLike | None = None, since: dict[str, int] | None = None) -> str:
@@ -210,12 +230,18 @@ def report(cache_dir: str | os.PathLike | None = None, since: dict[str, int] | N
     """
     now = stats()
     s = {k: v - (since or {}).get(k, 0) for k, v in now.items()}
-    hits, misses = s["fxgraph_hit"] + s["aot_hit"], s["fxgraph_miss"] + s["aot_miss"]
+    from functrain.compiler import saved_steps
+
+    steps = {k: v - (since or {}).get(f"step_{k}", 0) for k, v in saved_steps.stats().items()}
+    hits = s["fxgraph_hit"] + s["aot_hit"] + steps["hit"]
+    misses = s["fxgraph_miss"] + s["aot_miss"] + steps["miss"]
     where = cache_dir if cache_dir is not None else os.environ.get(_ENV, "(torch's default)")
     line = (
         f"compile cache {where}: {hits} hits, {misses} misses "
         f"(FX graph {s['fxgraph_hit']}/{s['fxgraph_miss']}, AOTAutograd {s['aot_hit']}/{s['aot_miss']}"
     )
+    if steps["hit"] or steps["miss"]:
+        line += f", whole steps {steps['hit']}/{steps['miss']}"
     bypassed = s["fxgraph_bypass"] + s["aot_bypass"]
     if bypassed:
         line += f"; {bypassed} bypassed"

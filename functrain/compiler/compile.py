@@ -13,7 +13,7 @@ import optree
 import torch
 from torch._inductor import list_mode_options
 
-from functrain.compiler import cache, graph_breaks, like_draws, mesh_key
+from functrain.compiler import cache, graph_breaks, like_draws, mesh_key, saved_steps
 
 __all__ = ["graph", "maybe_compile", "scan"]
 
@@ -119,16 +119,15 @@ def maybe_compile(fn, compile: bool, options: dict | None):
     code = lowered.__code__.replace(co_name=_name_of(fn))
     lowered = types.FunctionType(code, lowered.__globals__, code.co_name, None, lowered.__closure__)
     compiled = graph(lowered, options)
-    first = [_is_inductor(options)]  # inductor: probe at the first call
+    chosen: list = []  # at the first call: the saved step, or `compiled`
 
     @functools.wraps(fn)
     def call(*args):
-        if first[0]:
-            first[0] = False
-            _probe_for_cpu(args)
         lifted, args, views, originals = _lift(args)
+        if not chosen:
+            chosen.append(_first_call(compiled, lowered, options, (lifted, *args)))
         with graph_breaks.explained(lambda: lowered(lifted, *args)):  # a break in user code: one line, the ways on
-            out = compiled(lifted, *args)
+            out = chosen[0](lifted, *args)
         if not lifted:
             return out
         back = {i: originals[i] for i, x in _at_paths(out, lifted) if x is views[i]}
@@ -149,6 +148,24 @@ def maybe_compile(fn, compile: bool, options: dict | None):
 def _name_of(fn) -> str:
     """`fn`'s name (a partial's function's), for Dynamo's code object and logs."""
     return str(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step"))
+
+
+def _first_call(compiled, lowered, options: dict | None, args: tuple):
+    """What runs the step from its first call on: a step saved whole when it can be (else `compiled`)."""
+    if _is_inductor(options):
+        _probe_for_cpu(args)
+    directory = cache.saved_steps_dir()
+    if directory is None or not saved_steps.usable(compiled, inductor_options(options), args):
+        return compiled
+    compile_with = functools.partial(_graph_with_guard_filter, lowered, options)
+    return saved_steps.SavedStep(compile_with, lowered, options, lowered.__name__, directory)
+
+
+def _graph_with_guard_filter(fn, options: dict | None, guard_filter_fn):
+    """`graph(fn, options)` with Dynamo's guards filtered by `guard_filter_fn`."""
+    opts = inductor_options(options)
+    opts["options"] = {**opts.get("options", {}), "guard_filter_fn": guard_filter_fn}
+    return graph(fn, opts)
 
 
 def _probe_for_cpu(args: Any) -> None:

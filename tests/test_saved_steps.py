@@ -1,0 +1,117 @@
+"""functrain.compiler.saved_steps: the key's fingerprint and when a step is saved whole.
+
+A saved step's load across processes, its numbers against a plain `torch.compile` and the guards
+it checks at load are in tests/test_compile_cache.py (real compiles in subprocesses).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from functrain.compiler import cache as compile_cache
+from functrain.compiler import saved_steps
+from functrain.compiler.saved_steps import fingerprint
+from functrain.models import gpt
+
+SCALE = 2.0  # a global the functions below read
+
+
+def _scaled(x):
+    return x * SCALE
+
+
+def _doubled(x):
+    return x * 2.0
+
+
+def _mlp(act: torch.nn.Module, width: int = 8) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, width), act, torch.nn.Linear(width, 1))
+
+
+def _closing_over(model, factor):
+    def loss(x):
+        return model(x).sum() * factor
+
+    return loss
+
+
+def test_the_same_step_built_twice_has_one_fingerprint():
+    def build():
+        with torch.device("meta"):
+            template = gpt.GPT(gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+        return gpt.make_loss_fn(template)
+
+    assert fingerprint(build()) == fingerprint(build())
+    one, two = _closing_over(_mlp(torch.nn.Tanh()), 1.0), _closing_over(_mlp(torch.nn.Tanh()), 1.0)
+    assert fingerprint(one) == fingerprint(two)
+
+
+def test_what_the_graph_is_built_from_changes_it():
+    base = fingerprint(_closing_over(_mlp(torch.nn.Tanh()), 1.0))
+    assert fingerprint(_closing_over(_mlp(torch.nn.ReLU()), 1.0)) != base  # another module, the same shapes
+    assert fingerprint(_closing_over(_mlp(torch.nn.Tanh(), width=9), 1.0)) != base  # another shape
+    assert fingerprint(_closing_over(_mlp(torch.nn.Tanh()).double(), 1.0)) != base  # another dtype
+    assert fingerprint(_scaled) != fingerprint(_doubled)  # other code
+    assert fingerprint(functools.partial(_scaled)) != fingerprint(functools.partial(_doubled))
+
+
+def test_a_global_counts_by_value_a_closed_over_number_by_type(monkeypatch):
+    """A saved step's guards check the closed-over numbers the trace reads; guards on globals are not saved."""
+    before = fingerprint(_scaled)
+    monkeypatch.setattr(__import__(__name__), "SCALE", 3.0)
+    assert fingerprint(_scaled) != before
+    model = _mlp(torch.nn.Tanh())
+    assert fingerprint(_closing_over(model, 1.0)) == fingerprint(_closing_over(model, 5.0))
+    assert fingerprint(_closing_over(model, 1.0)) != fingerprint(_closing_over(model, 1))  # a float, an int
+
+
+def test_tensors_count_by_metadata_not_values():
+    a, b = _mlp(torch.nn.Tanh()), _mlp(torch.nn.Tanh())
+    with torch.no_grad():
+        b[0].weight.add_(1.0)
+    assert fingerprint(a) == fingerprint(b)
+    b[0].weight.requires_grad_(False)
+    assert fingerprint(a) != fingerprint(b)
+
+
+def test_cycles_and_shared_objects_are_walked_once():
+    loop: dict = {"x": 1}
+    loop["self"] = loop
+    shared = _mlp(torch.nn.Tanh())
+    assert fingerprint(loop) == fingerprint(loop)
+    assert fingerprint([shared, shared]) != fingerprint([shared, _mlp(torch.nn.Tanh())])  # one module twice
+
+
+def test_steps_are_saved_under_setup_and_not_when_off(tmp_path):
+    cache_dir = compile_cache.setup(str(tmp_path / "cache"))
+    try:
+        assert compile_cache.saved_steps_dir() == cache_dir / "steps"
+        compile_cache.setup("off")
+        assert compile_cache.saved_steps_dir() is None
+    finally:
+        compile_cache._steps_dir = None
+
+
+def test_usable_only_for_inductor_with_caches_on():
+    compiled = torch.compile(_doubled)
+    args = (torch.ones(2),)
+    assert saved_steps.usable(compiled, None, args)
+    assert not saved_steps.usable(compiled, {"backend": "eager"}, args)
+    assert not saved_steps.usable(compiled, {"options": {"triton.cudagraphs": True}}, args)
+    assert not saved_steps.usable(_doubled, None, args)  # not a torch.compile'd function
+    with torch._inductor.config.patch(force_disable_caches=True):
+        assert not saved_steps.usable(compiled, None, args)
+
+
+@pytest.mark.parametrize("hit", [0, 1])
+def test_stats_count_in_the_report(hit, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    before = compile_cache.stats()
+    monkeypatch.setitem(counters["functrain"], "saved_step_hit", counters["functrain"]["saved_step_hit"] + hit)
+    monkeypatch.setitem(counters["functrain"], "saved_step_miss", counters["functrain"]["saved_step_miss"] + 1 - hit)
+    line = compile_cache.report("/c", since=before)
+    assert f"whole steps {hit}/{1 - hit}" in line and f"{hit} hits, {1 - hit} misses" in line
