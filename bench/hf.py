@@ -20,7 +20,9 @@ which costs the one-graph step more than the others (docs/results.md).
 
 Each compiled route runs in a process of its own with an empty inductor cache (cold: the first
 step's seconds), then again in a second process on the cache the first one filled (warm: the first
-step's seconds). The steady step is timed side by side: one more process builds all three routes
+step's seconds). functrain's processes set that cache up as its main job does
+(`compiler.cache.setup`), so its step is saved whole and its warm start loads it
+(`compiler.saved_steps`). The steady step is timed side by side: one more process builds all three routes
 (each on its warm cache), warms each up with 3 steps, then times them in turn, `--steps` steps per
 route per round for `--rounds` rounds; a route's figure is the median of its rounds, so a machine
 that slows down for a while slows every route alike. Printed per type: the routes' rows, the three
@@ -53,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import functrain as ft  # noqa: E402
 from functrain import optim, rng  # noqa: E402
+from functrain.compiler import cache as compile_cache  # noqa: E402
 from functrain.trainer import memory  # noqa: E402
 
 SIZES = {
@@ -150,6 +153,7 @@ class _Model:
 
 def _functrain(model: _Model, unit: str):
     """functrain's step on its own state: `run(batch)`."""
+    compile_cache.setup(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "user")  # (as the main job)
     opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(LR, weight_decay=0.0))
     step = ft.make_train_step(model.loss_fn if unit == "step" else model.staged_loss_fn(), opt, compile=unit)
     box = {"state": ft.init_state(model.params, opt)}
