@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny GPT, its loss function and random token batches."""
+"""Shared fixtures: a tiny GPT, its loss function and random token batches; each test's compile-cache setup undone."""
 
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "exhaustive" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_setup_undone():
+    """A test that runs the main job in this process (`compile_cache.setup`) leaves steps unsaved for the next."""
+    from functrain.compiler import cache
+
+    before = cache._steps_dir
+    yield
+    cache._steps_dir = before
 
 
 # Every child process the tests start (torchrun ranks, workers) prints each thread's Python stack

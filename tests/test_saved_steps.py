@@ -85,14 +85,61 @@ def test_cycles_and_shared_objects_are_walked_once():
     assert fingerprint([shared, shared]) != fingerprint([shared, _mlp(torch.nn.Tanh())])  # one module twice
 
 
-def test_steps_are_saved_under_setup_and_not_when_off(tmp_path):
-    cache_dir = compile_cache.setup(str(tmp_path / "cache"))
-    try:
-        assert compile_cache.saved_steps_dir() == cache_dir / "steps"
-        compile_cache.setup("off")
-        assert compile_cache.saved_steps_dir() is None
-    finally:
-        compile_cache._steps_dir = None
+@pytest.fixture
+def set_up(monkeypatch, tmp_path):
+    """`compile_cache.setup` into tmp_path, undone after the test (the environment and the module's state)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/placeholder")
+    for name in ("_set_by_setup", "_set_by_user", "_steps_dir"):
+        monkeypatch.setattr(compile_cache, name, getattr(compile_cache, name))
+    return compile_cache.setup(str(tmp_path / "cache"))
+
+
+def test_steps_are_saved_under_setup_and_not_when_off(set_up):
+    assert compile_cache.saved_steps_dir() == set_up / "steps"
+    compile_cache.setup("off")
+    assert compile_cache.saved_steps_dir() is None
+
+
+def _tiny_step():
+    w = torch.linspace(-1, 1, 6).reshape(2, 3)
+
+    def tiny_step(x):
+        return (x @ w).tanh().sum(0)
+
+    return tiny_step
+
+
+def test_a_second_build_of_the_step_loads_it_without_a_trace(set_up):
+    from torch._dynamo.utils import counters
+
+    from functrain import compiler
+
+    x = torch.linspace(0, 1, 8).reshape(4, 2)
+    before, frames = saved_steps.stats(), counters["stats"]["unique_graphs"]
+    first = compiler.maybe_compile(_tiny_step(), True, None)(x)
+    assert saved_steps.stats()["miss"] == before["miss"] + 1
+    assert len(list((set_up / "steps").glob("tiny_step-*.pt2step"))) == 1
+    traced = counters["stats"]["unique_graphs"]
+    second = compiler.maybe_compile(_tiny_step(), True, None)(x)  # a new closure, a new torch.compile
+    assert saved_steps.stats()["hit"] == before["hit"] + 1
+    assert counters["stats"]["unique_graphs"] == traced > frames  # loaded: nothing traced
+    assert torch.equal(first, second) and torch.equal(first, _tiny_step()(x))
+
+
+def test_a_step_that_cannot_be_saved_runs_and_says_so(set_up, monkeypatch):
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from functrain import compiler
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Failed to serialize the following objects")
+
+    monkeypatch.setattr(AOTCompiledFunction, "save_compiled_function", refuse)
+    x = torch.linspace(0, 1, 8).reshape(4, 2)
+    with pytest.warns(UserWarning, match="functrain: note: the compiled step tiny_step is not saved whole"):
+        out = compiler.maybe_compile(_tiny_step(), True, None)(x)
+    assert torch.equal(out, _tiny_step()(x))
+    assert not list((set_up / "steps").glob("*.pt2step"))
 
 
 def test_usable_only_for_inductor_with_caches_on():

@@ -99,7 +99,8 @@ def _is_inductor(options: dict | None) -> bool:
 
 def maybe_compile(fn, compile: bool, options: dict | None):
     """`torch.compile(fn, fullgraph=True, dynamic=False, **options)` when asked, with the 0-d float64
-    CPU tensors of its arguments passed in as (1,) views (see `_lift`)."""
+    CPU tensors of its arguments passed in as (1,) views (see `_lift`). Under `cache.setup`, a step
+    that can be is saved whole at its first call and loaded by the next process (`saved_steps`)."""
     if not compile:
         return fn
 

@@ -28,10 +28,12 @@ import hashlib
 import importlib
 import inspect
 import io
+import pickle
 import re
 import sys
 import types
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +134,17 @@ class SavedStep:
                 return entry
         counters["functrain"]["saved_step_miss"] += 1
         entry = self._compile_fn(_serializable_guards).aot_compile((args, {}))
-        self._dir.mkdir(parents=True, exist_ok=True)
-        entry.save_compiled_function(str(self._dir / f"{stem}{uuid.uuid4().hex[:12]}{_SUFFIX}"), _closure(self._fn))
+        entry.disable_guard_check()  # (checked in __call__)
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            path = self._dir / f"{stem}{uuid.uuid4().hex[:12]}{_SUFFIX}"
+            entry.save_compiled_function(str(path), _closure(self._fn))
+        except (OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as exc:
+            # (the step runs as compiled; only the next process's warm start is lost)
+            warnings.warn(f"functrain: note: the compiled step {self._name} is not saved whole ({exc})", stacklevel=3)
+            return entry
         for stale in saved[_ENTRIES - 1 :]:  # the oldest go
             stale.unlink(missing_ok=True)
-        entry.disable_guard_check()  # (checked in __call__)
         return entry
 
 
