@@ -168,7 +168,7 @@ def _load(path: Path, fn, args: tuple):
         # torch 2.13: unpickling a guard on an imported module installs it into the current trace
         with tracing(TracingContext(None)):
             entry: Any = torch.compiler.load_compiled_function(io.BytesIO(data), external_data=_closure(fn))
-    except Exception:  # another torch or Python, a truncated file: compiled again and overwritten
+    except Exception:  # another torch or Python, a truncated file: compiled again, saved anew
         return None
     if not _sources_unchanged(entry.source_info()) or not entry.guard_check(*args):
         return None
@@ -183,10 +183,10 @@ def _closure(fn) -> dict[str, Any]:
 
 def _sources_unchanged(source_info) -> bool:
     """Whether every module the saved step traced still has the source it had when compiled."""
-    for src in source_info.inlined_sources:
+    contents = {(src.module, src.content) for src in source_info.inlined_sources}  # (one per traced function)
+    for name, content in contents:
         try:
-            module = importlib.import_module(src.module)
-            if inspect.getsource(module) != src.content:
+            if inspect.getsource(importlib.import_module(name)) != content:
                 return False
         except (ImportError, OSError, TypeError):
             return False
