@@ -123,6 +123,7 @@ def _main_job_checkpoint(workdir, nproc: int) -> str:
         "--config.checkpoint.every=5",
         "--config.compile=False",
         "--config.sample.max_new_tokens=4",
+        "--config.eval.tasks=",
         f"--workdir={workdir}",
     ]
     if nproc > 1:

@@ -135,6 +135,7 @@ ARGS = [
     "--config.sample.max_new_tokens=0",
     "--config.checkpoint.every=10",
     "--config.data.val_fraction=0.2",
+    "--config.eval.tasks=",
 ]
 
 

@@ -25,6 +25,7 @@ TINY = [
     "--config.eval_every=10",
     "--config.eval_batches=1",
     "--config.sample.max_new_tokens=16",
+    "--config.eval.tasks=",  # (multiple-choice scoring on ranks: tests/test_eval.py)
 ]
 
 

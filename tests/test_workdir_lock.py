@@ -77,6 +77,7 @@ def test_a_run_on_a_workdir_in_use_stops_on_every_rank_with_one_line(tmp_path):
             "--config=configs/gpt.py:tiny",
             "--config.compile=False",
             "--config.dist_timeout_s=120",
+            "--config.eval.tasks=",
             f"--workdir={tmp_path / 'run'}",
         ]
         out = subprocess.run(
