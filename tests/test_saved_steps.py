@@ -142,6 +142,50 @@ def test_a_step_that_cannot_be_saved_runs_and_says_so(set_up, monkeypatch):
     assert not list((set_up / "steps").glob("*.pt2step"))
 
 
+def _with_a_local_class():
+    class Rotate(torch.nn.Module):  # local, as the `Func` modules the `kernels` package hangs on transformers' layers
+        def forward(self, x):
+            return torch.cat((-x[..., 1:], x[..., :1]), dim=-1)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Rotate())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, -2.0], [0.5, 3.0]]))
+        model[0].bias.zero_()
+
+    def local_step(x):
+        return model(x).tanh().sum(0)
+
+    return local_step
+
+
+def test_a_module_of_a_local_class_is_saved_and_loaded(set_up):
+    """Dynamo checks such a module's type with a guard torch cannot write down: the filter drops it (the class's
+    name is in the key), so the step is saved and loaded, not refused by `aot_compile`."""
+    from functrain import compiler
+
+    x = torch.linspace(0, 1, 8).reshape(4, 2)
+    before = saved_steps.stats()
+    first = compiler.maybe_compile(_with_a_local_class(), True, None)(x)
+    assert len(list((set_up / "steps").glob("local_step-*.pt2step"))) == 1
+    second = compiler.maybe_compile(_with_a_local_class(), True, None)(x)
+    assert saved_steps.stats() == {"hit": before["hit"] + 1, "miss": before["miss"] + 1}
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, _with_a_local_class()(x))  # (compiled vs eager: tanh's kernels differ)
+
+
+def test_a_step_whose_guards_cannot_be_saved_runs_compiled_and_says_so(set_up, monkeypatch):
+    from functrain import compiler
+
+    monkeypatch.setattr(saved_steps, "_serializable_guards", lambda entries: [True] * len(entries))  # keep them all
+    x = torch.linspace(0, 1, 8).reshape(4, 2)
+    step = compiler.maybe_compile(_with_a_local_class(), True, None)
+    with pytest.warns(UserWarning, match="functrain: note: the compiled step local_step is not saved whole"):
+        out = step(x)
+    assert torch.equal(step(x), out)
+    torch.testing.assert_close(out, _with_a_local_class()(x))
+    assert not list((set_up / "steps").glob("*.pt2step"))
+
+
 def test_usable_only_for_inductor_with_caches_on():
     compiled = torch.compile(_doubled)
     args = (torch.ones(2),)

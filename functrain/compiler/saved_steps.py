@@ -133,7 +133,11 @@ class SavedStep:
                 counters["functrain"]["saved_step_hit"] += 1
                 return entry
         counters["functrain"]["saved_step_miss"] += 1
-        entry = self._compile_fn(_serializable_guards).aot_compile((args, {}))
+        try:
+            entry = self._compile_fn(_serializable_guards).aot_compile((args, {}))
+        except (TypeError, torch._dynamo.exc.PackageError) as exc:  # guards torch cannot write down
+            warnings.warn(f"functrain: note: the compiled step {self._name} is not saved whole ({exc})", stacklevel=3)
+            return _Unsaved(self._compile_fn(None))
         entry.disable_guard_check()  # (checked in __call__)
         try:
             self._dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +153,21 @@ class SavedStep:
 
 
 _ENTRIES = 8  # saved entries kept per key (Dynamo's own recompile limit)
+
+
+class _Unsaved:
+    """A step compiled the plain way (Dynamo's own guards and caches), in the place of an entry that could not be
+    saved."""
+
+    def __init__(self, compiled):
+        self._compiled = compiled
+
+    def guard_check(self, *args) -> bool:
+        """True: Dynamo's guards, checked at each call, recompile what they do not pass."""
+        return True
+
+    def __call__(self, *args):
+        return self._compiled(*args)
 
 
 def _mtime(path: Path) -> float:
@@ -203,9 +222,23 @@ def _serializable_guards(entries) -> list[bool]:
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     return [
-        not (g.is_global or g.guard_type in unsaved or any(t in unsaved for t in g.derived_guard_types))
+        not (
+            g.is_global
+            or g.guard_type in unsaved
+            or any(t in unsaved for t in g.derived_guard_types)
+            or _on_nested_class(g)
+        )
         for g in entries
     ]
+
+
+def _on_nested_class(g) -> bool:
+    """Whether `g` checks the type of an object whose class is nested or local (torch cannot save it: e.g. the
+    `Func` modules `kernels` hangs on transformers' attention layers); the class's name is in the key."""
+    if g.guard_type not in ("TYPE_MATCH", "BUILTIN_MATCH") or not g.has_value:
+        return False
+    cls = type(g.value)
+    return cls.__qualname__ != cls.__name__
 
 
 def _key(fn, options: dict | None, args: tuple) -> str:
