@@ -221,12 +221,14 @@ def _serializable_guards(entries) -> list[bool]:
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    nested = [f"type({g.name})" for g in entries if _on_nested_class(g)]
     return [
         not (
             g.is_global
             or g.guard_type in unsaved
             or any(t in unsaved for t in g.derived_guard_types)
             or _on_nested_class(g)
+            or any(hop in g.name for hop in nested)
         )
         for g in entries
     ]
@@ -234,7 +236,9 @@ def _serializable_guards(entries) -> list[bool]:
 
 def _on_nested_class(g) -> bool:
     """Whether `g` checks the type of an object whose class is nested or local (torch cannot save it: e.g. the
-    `Func` modules `kernels` hangs on transformers' attention layers); the class's name is in the key."""
+    `Func` modules `kernels` hangs on transformers' attention layers); the class's name is in the key, and its
+    methods' sources are checked at load, so the guards reached through that class (its methods' closures and
+    defaults: saved, they fail to build in the next process) are dropped too."""
     if g.guard_type not in ("TYPE_MATCH", "BUILTIN_MATCH") or not g.has_value:
         return False
     cls = type(g.value)
