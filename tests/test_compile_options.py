@@ -1,9 +1,15 @@
 """The options `compiler.graph` hands torch.compile: inductor's faster fusion search on every compiled
-graph, under a `mode` too (expanded into the options it stands for), a caller's own options winning."""
+graph, under a `mode` too (expanded into the options it stands for), a caller's own options winning; and
+a pass that waits for the vector-ISA probe before inductor lowers the graph."""
+
+import threading
+import time
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from functrain import compiler
+from functrain.compiler import cache as compile_cache
 
 
 def _options_of(monkeypatch, options=None) -> dict:
@@ -15,7 +21,38 @@ def _options_of(monkeypatch, options=None) -> dict:
 
 
 def test_every_inductor_graph_gets_the_fusion_option(monkeypatch):
-    assert _options_of(monkeypatch)["options"] == {"max_fusion_buffer_group_pairwise_attempts": 8}
+    options = _options_of(monkeypatch)["options"]
+    assert options.pop("max_fusion_buffer_group_pairwise_attempts") == 8
+    assert list(options) == ["post_grad_custom_pre_pass"]  # (the wait for the ISA probe, below)
+
+
+class _Recorded(CustomGraphPass):
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph):
+        self.graphs.append(graph)
+
+    def uuid(self):
+        return "recorded"
+
+
+def test_every_inductor_graph_waits_for_the_isa_probe_then_runs_the_callers_pre_pass(monkeypatch):
+    """Inductor asked for the vector ISA beside the probe thread probes again, racing it (other compiler flags
+    for that compile's kernels): the pre-pass joins the probe first."""
+    done: list = []
+    probe = threading.Thread(target=lambda: (time.sleep(0.2), done.append(True)))
+    monkeypatch.setattr(compile_cache, "_PROBE", [probe])
+    theirs = _Recorded()
+    wait = _options_of(monkeypatch, {"options": {"post_grad_custom_pre_pass": theirs}})["options"][
+        "post_grad_custom_pre_pass"
+    ]
+    probe.start()
+    wait("graph")
+    assert done == [True] and theirs.graphs == ["graph"]  # the probe finished first, then the caller's pass ran
+    assert wait.uuid() == ("functrain-after-isa-probe", "recorded")  # cacheable where the caller's pass is
+    alone = _options_of(monkeypatch)["options"]["post_grad_custom_pre_pass"]
+    assert alone.uuid() == "functrain-after-isa-probe"
 
 
 def test_a_mode_becomes_its_options_and_keeps_the_fusion_option(monkeypatch):

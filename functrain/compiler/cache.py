@@ -138,6 +138,23 @@ def probe_started() -> bool:
     return bool(_PROBE)
 
 
+def wait_for_isa_probe() -> None:
+    """Blocks until the vector-ISA probe this process started is done (returns at once when none was started).
+
+    Inductor asks for the vector ISA when it generates and compiles kernels. Asked while the probe
+    thread still ran, it probed again beside it, and the two test builds raced: that compile's kernels
+    got other compiler flags than the probe's answer (seen: a compile="blocks" step's stage kernels,
+    built again by the next process, whose cache keys hold the flags). `compiler.graph` makes every
+    compile wait here before lowering (a pass), after Dynamo's trace and AOTAutograd, which the probe
+    still overlaps.
+
+    Example:
+      >>> compile_cache.start_isa_probe(); compile_cache.wait_for_isa_probe()
+    """
+    if _PROBE:
+        _PROBE[0].join()
+
+
 def _torch_default() -> str | None:
     """The directory torch writes into TORCHINDUCTOR_CACHE_DIR when it is unset (import of Dynamo)."""
     try:

@@ -12,10 +12,11 @@ from typing import Any
 import optree
 import torch
 from torch._inductor import list_mode_options
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from functrain.compiler import cache, graph_breaks, like_draws, mesh_key, saved_steps
 
-__all__ = ["graph", "maybe_compile", "scan"]
+__all__ = ["graph", "maybe_compile", "records_cuda_graphs", "scan"]
 
 
 def scan(body, init, xs):
@@ -54,8 +55,28 @@ def graph(fn, options: dict | None = None):
     like_draws.route()  # (keyed rand_like and friends compiled as eagerly)
     options = inductor_options({"fullgraph": True, "dynamic": False, **(options or {})})
     if _is_inductor(options) and "mode" not in options:  # (a mode left in: torch.compile's own error)
-        options["options"] = {**_INDUCTOR, **options["options"]}
+        inductor = {**_INDUCTOR, **options["options"]}
+        inductor["post_grad_custom_pre_pass"] = _AfterIsaProbe(inductor.get("post_grad_custom_pre_pass"))
+        options["options"] = inductor
     return torch.compile(fn, **options)
+
+
+class _AfterIsaProbe(CustomGraphPass):
+    """A pass that waits for the vector-ISA probe (`cache.wait_for_isa_probe`), then runs the pass it wraps."""
+
+    def __init__(self, then=None):
+        self.then = then
+
+    def __call__(self, graph) -> None:
+        cache.wait_for_isa_probe()
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self):
+        if self.then is None:
+            return "functrain-after-isa-probe"
+        inner = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+        return None if inner is None else ("functrain-after-isa-probe", inner)  # (None: not cacheable)
 
 
 def inductor_options(options: dict | None) -> dict:
@@ -90,6 +111,23 @@ def inductor_options(options: dict | None) -> dict:
 # of its Scheduler.__init__; with 8 the measured steps' kernels are the same ones, found in half the
 # time (docs/results.md, "The compiled step against torch.compile"). A caller's own options win.
 _INDUCTOR = {"max_fusion_buffer_group_pairwise_attempts": 8}
+
+
+def records_cuda_graphs(options: dict | None) -> bool:
+    """Whether `torch.compile(**options)` records CUDA graphs (inductor's cudagraph trees).
+
+    Args:
+      options: `torch.compile` keyword arguments (a mode, or inductor options).
+
+    Returns:
+      True for `mode="reduce-overhead"` (or a mode standing for it) and for `triton.cudagraphs` set.
+
+    Example:
+      >>> compiler.records_cuda_graphs(cuda_graphs.options())
+      True
+    """
+    expanded = inductor_options(options)
+    return bool((expanded.get("options") or {}).get("triton.cudagraphs"))
 
 
 def _is_inductor(options: dict | None) -> bool:
