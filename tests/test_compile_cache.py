@@ -1,9 +1,10 @@
 """functrain.compiler.cache: mode validation and directories, and a real warm start across processes.
 
 The warm-start tests compile a tiny MLP train step (the real `make_train_step`: grad, clipped AdamW
-with a warm-up cosine schedule, metrics, one fullgraph graph) in fresh Python processes that share
-a cache directory set through `compile_cache.setup`: the first compiles cold and saves the step whole
-(`compiler.saved_steps`), the next ones must load it (a hit, no Dynamo trace, no miss) and compute
+with a warm-up cosine schedule, metrics; its two graphs, the loss and its grads and the update) in fresh
+Python processes that share a cache directory set through `compile_cache.setup`: the first compiles cold
+and saves both graphs whole (`compiler.saved_steps`), the next ones must load them (hits, no Dynamo
+trace, no miss) and compute
 bit-identical results, equal to a plain `torch.compile` of the step. The hyper-parameters are
 tensors in the optimizer state, so an LR sweep is warm too; another model of the same shapes is not.
 """
@@ -25,6 +26,7 @@ from functrain.compiler import cache as compile_cache
 pytestmark = pytest.mark.slow  # inductor compiles in subprocesses
 
 ISA = torch.backends.cpu.get_cpu_capability().lower()  # the subdirectory every mode keys by
+PIECES = 2  # the step's graphs, each saved whole: the loss and its grads, the update (the MLP has no alike blocks)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,8 +113,8 @@ def cold_run(tmp_path_factory):
 
 
 def _warm(stats: dict) -> bool:
-    """Whether a process loaded its step whole and compiled nothing."""
-    return stats["step_hit"] == 1 and not any(stats[k] for k in ("step_miss", "fxgraph_miss", "aot_miss"))
+    """Whether a process loaded its step's graphs whole and compiled nothing."""
+    return stats["step_hit"] == PIECES and not any(stats[k] for k in ("step_miss", "fxgraph_miss", "aot_miss"))
 
 
 def test_first_process_compiles_cold(cold_run):
@@ -120,9 +122,9 @@ def test_first_process_compiles_cold(cold_run):
     keyed = workdir.absolute() / "compile_cache" / ISA
     assert first["dir"] == str(keyed)
     s = first["stats"]
-    assert s["step_miss"] == 1 and s["aot_miss"] > 0 and s["step_hit"] == 0 and s["aot_hit"] == 0, s
-    assert len(list((keyed / "steps").glob("*.pt2step"))) == 1
-    assert "whole steps 0/1" in first["report"]
+    assert s["step_miss"] == PIECES and s["aot_miss"] > 0 and s["step_hit"] == 0 and s["aot_hit"] == 0, s
+    assert len(list((keyed / "steps").glob("*.pt2step"))) == PIECES
+    assert f"whole steps 0/{PIECES}" in first["report"]
 
 
 def test_second_process_with_same_dir_is_warm(cold_run, tmp_path):
@@ -131,7 +133,7 @@ def test_second_process_with_same_dir_is_warm(cold_run, tmp_path):
     assert second["dir"] == first["dir"]
     assert _warm(second["stats"]), second["stats"]
     assert second["losses"] == first["losses"] and second["params"] == first["params"]
-    assert "1 hits, 0 misses" in second["report"] and "whole steps 1/0" in second["report"]
+    assert f"{PIECES} hits, 0 misses" in second["report"] and f"whole steps {PIECES}/0" in second["report"]
 
 
 def test_saved_step_computes_what_torch_compile_does(cold_run, tmp_path):
@@ -146,21 +148,22 @@ def test_another_model_of_the_same_shapes_is_compiled_again(cold_run, tmp_path):
     """ReLU for Tanh: the same parameters and inputs, so only the key (the model's fingerprint) tells."""
     workdir, first = cold_run
     run = _compile_in_subprocess(str(workdir / "compile_cache"), tmp_path, extra_env={"WORKER_ACT": "relu"})
-    assert run["stats"]["step_miss"] == 1 and run["stats"]["step_hit"] == 0, run["stats"]
+    assert run["stats"]["step_miss"] == 1 and run["stats"]["step_hit"] == 1, run["stats"]  # the update: the same
     assert run["losses"][0] != first["losses"][0]
 
 
 def test_a_constant_the_trace_reads_is_checked_at_load(tmp_path):
     """LeakyReLU's slope, 0.1 then 0.3: one key (a number in the model counts by its type), and the
-    saved step's guard on the slope tells them apart: a second entry, and each process its own numbers."""
+    saved loss graph's guard on the slope tells them apart: a second entry under its key (the update is
+    the same one), and each process its own numbers."""
     cache = str(tmp_path / "cache")
     runs = {}
     for slope in ("0.1", "0.3", "0.1"):
         env = {"WORKER_ACT": "leaky", "WORKER_SLOPE": slope}
         runs.setdefault(slope, []).append(_compile_in_subprocess(cache, tmp_path, extra_env=env))
-    assert [r["stats"]["step_miss"] for r in runs["0.1"] + runs["0.3"]] == [1, 0, 1]
-    assert len(list(Path(cache, ISA, "steps").glob("*.pt2step"))) == 2
-    assert len({Path(p).name.rsplit("-", 1)[0] for p in Path(cache, ISA, "steps").glob("*.pt2step")}) == 1
+    assert [r["stats"]["step_miss"] for r in runs["0.1"] + runs["0.3"]] == [PIECES, 0, 1]
+    assert len(list(Path(cache, ISA, "steps").glob("*.pt2step"))) == PIECES + 1
+    assert len({Path(p).name.rsplit("-", 1)[0] for p in Path(cache, ISA, "steps").glob("*.pt2step")}) == PIECES
     cold, warm = runs["0.1"]
     assert warm["losses"] == cold["losses"] and warm["params"] == cold["params"]
     assert runs["0.3"][0]["params"] != cold["params"]

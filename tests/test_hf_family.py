@@ -95,7 +95,7 @@ def test_each_architecture_trains_like_the_torch_loop_and_staged_like_whole(tmp_
 @pytest.mark.parametrize(
     "arch", ["gpt2", "llama", *(pytest.param(a, marks=pytest.mark.exhaustive) for a in ("qwen2", "gemma"))]
 )
-def test_compiled_in_one_graph_equals_the_torch_loop(tmp_path, arch):
+def test_compiled_equals_the_torch_loop_with_no_recompiles(tmp_path, arch):
     from torch._dynamo.utils import counters
 
     directory = _dir(tmp_path, arch)
@@ -105,7 +105,8 @@ def test_compiled_in_one_graph_equals_the_torch_loop(tmp_path, arch):
     torch._dynamo.reset()
     counters.clear()
     got = _functrain(template, params, data)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["recompiles"])
+    # the loss and grads; per update group kind (the layers', the rest's) squared norms and update; the norm
+    assert counters["stats"]["unique_graphs"] == 6 and not counters["recompiles"], dict(counters["recompiles"])
     assert_close(torch.tensor(got), torch.tensor(_torch_loop(directory, params, data)), TOL)
 
 

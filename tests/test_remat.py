@@ -186,7 +186,7 @@ def test_train_step_with_accumulation_equals_non_remat(tiny_gpt, batches):
 
 
 @pytest.mark.slow
-def test_compiled_staged_step_matches_eager_with_one_graph(tiny_gpt, batches):
+def test_compiled_staged_step_matches_eager_with_no_recompiles(tiny_gpt, batches):
     # every-2 on 2 blocks: block 0 kept (vjp closure), block 1 recomputed behind the barrier.
     model = tiny_gpt(n_layer=2, n_embd=32, block_size=16)
     loss_fn = make_gpt_loss_fn(model, remat=2)
@@ -204,7 +204,8 @@ def test_compiled_staged_step_matches_eager_with_one_graph(tiny_gpt, batches):
         e_state, e_m = eager(e_state, b)
         for k in ("loss", "grad_norm", "update_norm"):
             _tol.assert_close(c_m[k], e_m[k], _tol.rtol(n) * (i + 1), msg=k)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # the loss and grads; per update group kind (the blocks', the rest's) squared norms and update; the norm
+    assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     atol = _tol.trajectory_atol(steps=len(data), gain=_tol.sgd_gain(LR, MOMENTUM), grad_scale=1.0, n=n)

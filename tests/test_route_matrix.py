@@ -1,8 +1,8 @@
 """The single-process routes the config can reach, compiled, against the eager step: compile unit
-("step": one graph; "blocks": a graph per stage kind) x precision (fp32, bf16, fp16 with loss
-scaling) x gradient accumulation (1, 2 unrolled microbatches): every value pair in 6 cells, the
-whole product under `pytest -m exhaustive`. The sharded routes (FSDP, TP) are the compiled2 and
-matrix2 suites of tests/test_parallel_dist.py.
+("step": the loss one graph, the update a graph per block kind; "blocks": a graph per stage kind) x
+precision (fp32, bf16, fp16 with loss scaling) x gradient accumulation (1, 2 unrolled microbatches):
+every value pair in 6 cells, the whole product under `pytest -m exhaustive`. The sharded routes (FSDP,
+TP) are the compiled2 and matrix2 suites of tests/test_parallel_dist.py.
 
 The compiled side uses the "aot_eager" backend: Dynamo and AOTAutograd trace the same graphs the
 step compiles (one graph, or the blocks' graphs), with no code generation, so every cell costs
@@ -26,7 +26,9 @@ from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 pytestmark = pytest.mark.numeric
 
 LR, MOMENTUM, STEPS = 0.05, 0.9, 3
-GRAPHS = {"step": 1, "blocks": 6}  # blocks, remat none: prepare, embedding, block, head, the blocks' update, the rest's
+# step: the loss and its grads; per kind of update group (the blocks', the rest's) the grads' squared norms and the
+# update; the grad norm. blocks, remat none: prepare, embedding, block, head, the blocks' update, the rest's
+GRAPHS = {"step": 6, "blocks": 6}
 
 
 def _opt():

@@ -1,7 +1,8 @@
 """The loss over every target token of the step (`make_train_step(count_targets=...)`): the step's loss
 and gradient equal one process's sum of cross-entropy over every target of the global batch divided by
 their count, whatever accum_steps and the number of data-parallel ranks; the old mean of microbatch
-means differs on the same data; a microbatch of prompts only gives no NaN; compiled, one graph."""
+means differs on the same data; a microbatch of prompts only gives no NaN; compiled, no recompiles as the
+counts change."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def test_the_eval_step_weighs_by_targets():
 
 
 @pytest.mark.slow
-def test_compiled_one_graph_no_recompiles_as_the_counts_change():
+def test_compiled_no_recompiles_as_the_counts_change():
     m = P.model()
     state = init_state(m, P.sgd())
     torch._dynamo.reset()
@@ -114,7 +115,8 @@ def test_compiled_one_graph_no_recompiles_as_the_counts_change():
         e_state, em = eager(e_state, b)
         assert float(cm["loss"]) == pytest.approx(float(em["loss"]), rel=_tol.rtol(N_TERMS) * (i + 1))
     assert len(seen) > 10  # the counts did change from step to step
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # the loss and grads; per update group kind (the blocks', the rest's) squared norms and update; the norm
+    assert counters["stats"]["unique_graphs"] == 6, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])
 
 

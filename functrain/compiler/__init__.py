@@ -13,7 +13,7 @@ from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from functrain.compiler import cache, cuda_graphs, like_draws, marks, recompute, regather, sdpa_seeds, workarounds
-    from functrain.compiler.compile import graph, inductor_options, maybe_compile, scan
+    from functrain.compiler.compile import graph, inductor_options, maybe_compile, records_cuda_graphs, scan
     from functrain.compiler.graph_breaks import GraphBreakError
     from functrain.compiler.marks import mark_forward_done, remat_barrier
     from functrain.compiler.passes import InTurn, with_step_passes

@@ -107,10 +107,9 @@ def start_isa_probe() -> threading.Thread:
     The probe (`torch._inductor.cpu_vec_isa.pick_vec_isa`) compiles and loads one test program per
     candidate ISA the first time a process generates CPU kernels; its answer is memoized for the
     process. Started right after `setup` (it writes its test programs into the cache directory), it
-    overlaps Dynamo's trace of the step instead of stalling inductor's code generation. Nothing has
-    to wait for the thread: if inductor asks before it is done, inductor probes too (both under
-    inductor's file locks; same answer), which costs what not starting it would have cost. Its g++
-    runs take a core: time nothing beside it (the loop measures its MFU denominator first).
+    overlaps Dynamo's trace of the step instead of stalling inductor's code generation. Every graph
+    `compiler.graph` compiles waits for it before inductor lowers the graph (`wait_for_isa_probe`).
+    Its g++ runs take a core: time nothing beside it (the loop measures its MFU denominator first).
 
     A process starts it once: a later call returns the first call's thread (the trainer starts it
     before building its step, a compiled step at its first call on CPU tensors).

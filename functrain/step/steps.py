@@ -1,4 +1,4 @@
-"""Pure train and eval steps: `step(state, batch) -> (state, metrics)`, compiled as one graph.
+"""Pure train and eval steps: `step(state, batch) -> (state, metrics)`, compiled by `torch.compile`.
 
 Internals: docs/internals.md "functrain.step.steps".
 
@@ -85,7 +85,14 @@ def make_train_step(
       optimizer: a `functrain.optim.Transform` (e.g. `optim.adamw(...)`).
       accum_steps: split the batch into this many microbatches and average their gradients
         inside the one call (the batch dimension must divide by it).
-      compile: True (or "step"): the whole step is one `torch.compile(fullgraph=True)` graph.
+      compile: True (or "step"): compiled with `torch.compile(fullgraph=True)`: on one process the
+        loss and its gradients are one graph and the update runs after it group by group, the
+        params' alike numbered blocks sharing one graph of the grads' squared norms and one update
+        graph (`functrain.step.update_groups.blocks_by_name`), the other params one of each, the grad
+        norm one more: 6 graphs at any depth, the numbers of the whole step compiled as one graph bit
+        for bit (2: the loss and the whole update, without two alike blocks or for an optimizer that
+        is not leafwise or a model with model state). Sharded params, CUDA graphs and
+        `fullgraph=False` compile the whole step as one graph.
         "blocks": for a staged loss (`functrain.step.staged.staged_loss`, e.g. `gpt.make_loss_fn(...,
         staged=True)`): each stage kind is its own graph, every block running the same one, so
         neither the number of graphs nor the cold compile grows with depth (README "Compile
@@ -166,8 +173,10 @@ def make_train_step(
     options = _with_fullgraph(compile_options, fullgraph, mode)
     if mode == "blocks":
         build, wrap = _blocks_route(spec, options)
+    elif mode == "step":
+        build, wrap = _step_route(spec, options), _as_is
     else:
-        build, wrap = _one_graph_route(spec, options if mode == "step" else None, compiled=mode == "step")
+        build, wrap = _one_graph_route(spec, None, compiled=False)
     if layout is not None:  # one layout, resolved now; run inside another transform, whose caller checks
         return functools.partial(_in_train_mode, wrap(build(layout)))
     return functools.partial(_checked_step, spec.loss_fn, _PerLayout(build, wrap))
@@ -228,10 +237,30 @@ def _train_spec(
 
 
 def _one_graph_route(spec: _TrainSpec, options: dict | None, compiled: bool):
-    """compile="step" (the whole step one graph) or eager: `(build(layout) -> step, wrap)`."""
+    """The whole step one graph, or eager: `(build(layout) -> step, wrap)`."""
     options = compiler.with_step_passes(options) if compiled else None
     build = functools.partial(_train_body, spec, spec.loss_fn, _as_is, grouped=False)
     return build, functools.partial(compiler.maybe_compile, compile=compiled, options=options)
+
+
+def _step_route(spec: _TrainSpec, options: dict | None) -> Callable[[Layout], Callable]:
+    """compile="step": `build(layout) -> step`. On one process the loss and its gradients are one graph and the
+    update runs group by group after it (`update_groups`, the grad norm summed as the one graph sums it: the same
+    bits); sharded params, a step compiled around graph breaks and CUDA graphs keep the whole step one graph."""
+    whole_route, wrap = _one_graph_route(spec, options, compiled=True)
+    options = compiler.with_step_passes(options)
+
+    def build(lay: Layout):
+        if lay.sharded or not spec.fullgraph or compiler.records_cuda_graphs(options):
+            return wrap(whole_route(lay))
+        piece = functools.partial(compiler.maybe_compile, compile=True, options=options)
+        prepare = functools.partial(_prepare, spec.prec, lay, False)
+        grads = piece(functools.partial(_loss_and_grads, spec, lay, spec.loss_fn, False, prepare))
+        whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, False))
+        finish = _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True)
+        return functools.partial(_finish_step, grads, finish, whole)
+
+    return build
 
 
 def _blocks_route(spec: _TrainSpec, options: dict | None):
@@ -260,7 +289,7 @@ def _train_body(spec: _TrainSpec, loss_fn: LossFn, piece: Callable, lay: Layout,
     # own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
     per_stage = lay.sharded and isinstance(loss_fn, StagedLoss)
     prepare = piece(functools.partial(_prepare, spec.prec, lay, per_stage))
-    whole = piece(functools.partial(_whole_finish, spec, lay, per_stage))
+    whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, per_stage))
     finish = _GroupedFinish(spec, lay, loss_fn, piece, whole) if grouped and (per_stage or not lay.sharded) else whole
     return functools.partial(_train_step, spec, lay, loss_fn, per_stage, prepare, finish, whole)
 
@@ -275,22 +304,25 @@ def _prepare(prec, lay: Layout, per_stage: bool, state: TrainState, batch: PyTre
     return params, frozen, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
 
 
-def _whole_finish(spec: _TrainSpec, lay: Layout, per_stage: bool, state, aux: dict, grads, model_state=None):
+def _whole_finish(update, prec, lay: Layout, per_stage: bool, state, aux: dict, grads, model_state=None):
     """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update (with the
-    new model state, kept unless the update is skipped)."""
-    grads = to_master(grads, state.params, state.guard.loss_scale if spec.prec.loss_scaling else None)
+    new model state, kept unless the update is skipped). (Not the loss: a compiled finish's key holds
+    only what it computes with, so another model of the same shapes loads it.)"""
+    grads = to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
     if not per_stage:  # grads back to the params' placements (per stage: done already)
         grads = lay.reduce_grads(grads, state.params)
-    return spec.update(state, lay.mean_over_dp(aux), grads, model_state)
+    return update(state, lay.mean_over_dp(aux), grads, model_state)
 
 
 class _GroupedFinish:
-    """compile="blocks"'s finish: the update group by group (`functrain.step.update_groups`) when the plan
-    allows, else the whole finish; chosen at the first call, eagerly (the plan runs the optimizer on meta
-    tensors)."""
+    """The update group by group (`functrain.step.update_groups`) when the plan allows, else the whole finish;
+    chosen at the first call, eagerly (the plan runs the optimizer on meta tensors). The groups are a staged
+    loss's blocks (compile="blocks"; `loss_fn` None: the params' numbered blocks, `update_groups.blocks_by_name`,
+    with `exact_norms`)."""
 
-    def __init__(self, spec: _TrainSpec, lay: Layout, loss_fn, piece, whole):
-        self.spec, self.lay, self.blocks, self.piece, self.whole = spec, lay, loss_fn.blocks, piece, whole
+    def __init__(self, spec: _TrainSpec, lay: Layout, loss_fn, piece, whole, exact_norms: bool = False):
+        self.spec, self.lay, self.piece, self.whole = spec, lay, piece, whole
+        self.blocks, self.exact_norms = (loss_fn.blocks if loss_fn is not None else None), exact_norms
         self.chosen: Callable | None = None
 
     def __call__(self, state: TrainState, aux: dict, grads: PyTree):
@@ -301,8 +333,9 @@ class _GroupedFinish:
     def _choose(self, state: TrainState):
         """The finish for these params and this optimizer."""
         spec = self.spec
-        groups, why = update_groups.plan(state.params, self.blocks, spec.optimizer)
-        if why and len(self.blocks) > 1:  # (one block: nothing to share, nothing to say)
+        blocks = update_groups.blocks_by_name(state.params) if self.blocks is None else self.blocks
+        groups, why = update_groups.plan(state.params, blocks, spec.optimizer)
+        if why and self.blocks is not None and len(blocks) > 1:  # (one block: nothing to share, nothing to say)
             warnings.warn(
                 "compile='blocks': the optimizer update stays one graph over every tensor, so its compile "
                 f"grows with depth: {why}",
@@ -311,12 +344,35 @@ class _GroupedFinish:
         if not groups:
             return self.whole
         return update_groups.make_finish(
-            spec.optimizer, groups, self.lay, donate=spec.donate, guarded=spec.guarded, prec=spec.prec, piece=self.piece
+            spec.optimizer,
+            groups,
+            self.lay,
+            donate=spec.donate,
+            guarded=spec.guarded,
+            prec=spec.prec,
+            piece=self.piece,
+            exact_norms=self.exact_norms,
         )
 
 
 def _train_step(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, finish, whole, state, batch):
     """One train step: prepare, the accumulated loss and grads, the finish (with the model state if any)."""
+    aux, grads, model_state = _loss_and_grads(spec, lay, loss_fn, per_stage, prepare, state, batch)
+    return _finish_step(None, finish, whole, state, aux, grads, model_state)
+
+
+def _finish_step(loss_and_grads, finish, whole, state, *rest):
+    """The finish of a step (`whole` with the model state when there is one) on `rest` = `(aux, grads,
+    model_state)`, or on `loss_and_grads(state, batch)` when `rest` is `(batch,)`."""
+    aux, grads, model_state = loss_and_grads(state, *rest) if loss_and_grads is not None else rest
+    if not has_model_state(model_state):
+        return finish(state, aux, grads)
+    return whole(state, aux, grads, model_state)
+
+
+def _loss_and_grads(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, state, batch):
+    """`(aux, grads, model_state)`: prepare, the accumulated loss and grads, the model state made one over the
+    ranks."""
     params, frozen, batch, key = prepare(state, batch)
     loss_scale = state.guard.loss_scale if spec.prec.loss_scaling else None
     model_state = _compute_model_state(state.model_state, lay, spec.prec)
@@ -338,10 +394,9 @@ def _train_step(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, fini
     )
     if total is not None:
         aux[M.TARGETS] = total  # the same on every rank: its mean over them is itself
-    if not has_model_state(model_state):
-        return finish(state, aux, grads)
-    model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), spec.model_state_sync)
-    return whole(state, aux, grads, model_state)
+    if has_model_state(model_state):
+        model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), spec.model_state_sync)
+    return aux, grads, model_state
 
 
 def _in_train_mode(step, state: TrainState, batch: PyTree):

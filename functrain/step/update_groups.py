@@ -20,7 +20,7 @@ from functrain.parallel import Layout
 from functrain.state import TrainState
 from functrain.step.update import guard_after, to_master, update_ok
 
-__all__ = ["Group", "plan", "make_finish"]
+__all__ = ["Block", "Group", "blocks_by_name", "plan", "make_finish"]
 
 PyTree = Any
 
@@ -38,6 +38,48 @@ class Group:
     names: tuple[str, ...]
     as_names: tuple[str, ...]
     kind: int
+
+
+class Block(NamedTuple):
+    """A repeated block of a params dict, found by its names (what `plan` reads of a staged loss's block stages).
+
+    Attributes:
+      names: its parameters' full names.
+      prefix: what its names start with (e.g. "model.layers.3.").
+    """
+
+    names: tuple[str, ...]
+    prefix: str
+
+
+def blocks_by_name(params: dict) -> list[Block]:
+    """The blocks of a flat params dict by their names: `<container>.<i>.<rest>` (an `nn.ModuleList`'s).
+
+    The first all-digit part of a name numbers its block ("model.layers.3.mlp.experts.1.w" is block 3
+    of "model.layers"); of several containers, the one with the most blocks. Whether the blocks are
+    alike (names, shapes) is `plan`'s to check.
+
+    Args:
+      params: {name: tensor}.
+
+    Returns:
+      The blocks in index order (empty when no name is numbered).
+
+    Example:
+      >>> [b.prefix for b in blocks_by_name(state.params)]
+      ['blocks.0.', 'blocks.1.']
+    """
+    containers: dict[str, dict[int, list[str]]] = {}
+    for name in params:
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        if at is not None:
+            container = ".".join(parts[:at]) + "." if at else ""
+            containers.setdefault(container, {}).setdefault(int(parts[at]), []).append(name)
+    if not containers:
+        return []
+    container, by_index = max(containers.items(), key=lambda kv: len(kv[1]))  # (a tie: the first seen)
+    return [Block(tuple(names), f"{container}{i}.") for i, names in sorted(by_index.items())]
 
 
 def _signature(params: dict, names: Sequence[str], as_names: Sequence[str]) -> tuple:
@@ -208,7 +250,15 @@ class _Split:
 
 
 def make_finish(
-    optimizer: optim.Transform, groups: list[Group], lay: Layout, *, donate: bool, guarded: bool, prec, piece: Callable
+    optimizer: optim.Transform,
+    groups: list[Group],
+    lay: Layout,
+    *,
+    donate: bool,
+    guarded: bool,
+    prec,
+    piece: Callable,
+    exact_norms: bool = False,
 ) -> Callable:
     """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
 
@@ -219,11 +269,14 @@ def make_finish(
       donate: write the new state into the input state's buffers.
       guarded: skip a non-finite update (keep params and optimizer state).
       prec: the `functrain.step.precision.Precision` (its loss-scaling rule).
-      piece: wraps the update phase (`torch.compile` for compile="blocks"); the others run eagerly.
+      piece: wraps the update phase (`torch.compile`); the others run eagerly, but with `exact_norms`.
+      exact_norms: the grad norm computed as the whole-tree update computes it, bit for bit: each
+        grad's squared norm in a `piece` per group kind, their sum in the whole tree's leaf order in
+        a `piece` of its own (compile="step"); False: a fused foreach norm per group, eagerly.
 
     Returns:
-      The finish function; the same new state and metrics as the whole-tree update, to float32
-      rounding of the norms (module docstring).
+      The finish function; the same new state and metrics as the whole-tree update (with
+      `exact_norms` the same bits but the update norm's; else to float32 rounding of the norms).
 
     Example:
       >>> finish = update_groups.make_finish(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
@@ -240,6 +293,25 @@ def make_finish(
         metrics = dict(lay.mean_over_dp(aux))
         metrics[M.GRAD_NORM] = grad_norm = torch.stack(squares).sum().sqrt()
         return metrics, grad_norm, update_ok(grad_norm, metrics) if guarded else None
+
+    def exact_norm_phase(aux: dict, squares: list):
+        """`norm_phase` over every leaf's squared norm, as `tree.global_norm` sums them."""
+        metrics = dict(lay.mean_over_dp(aux))
+        metrics[M.GRAD_NORM] = grad_norm = torch.stack(squares).sum().sqrt().to(torch.float32)
+        return metrics, grad_norm, update_ok(grad_norm, metrics) if guarded else None
+
+    def leaf_squares(grads: dict) -> dict:
+        """Each grad's squared norm by name (`tree.squared_norms`, as `tree.global_norm` takes them)."""
+        names = list(grads)
+        return dict(zip(names, tree_lib.squared_norms([grads[n] for n in names])))
+
+    def global_norm(state: TrainState, aux: dict, master: list):
+        """`exact_norm_phase` from the groups' compiled squares, in the whole tree's leaf order."""
+        by_name = {}
+        for g, gg in zip(groups, master):
+            got = squares_fns[g.kind](gg)
+            by_name.update({n: got[a] for n, a in zip(g.names, g.as_names)})
+        return exact_phase(aux, tree_lib.leaves({n: by_name[n] for n in state.params}))
 
     def update_phase_for(split: _Split) -> Callable:
         """The per-group update for optimizer states cut by `split`."""
@@ -285,24 +357,26 @@ def make_finish(
     # Only the update is compiled: the other phases are a few fused kernels (a foreach norm per group)
     # and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain nothing from one.
     made: dict = {}  # optimizer-state structure -> (its _Split, the compiled update per group kind)
+    kinds = sorted({g.kind for g in groups})
+    squares_fns = {k: piece(leaf_squares) for k in kinds} if exact_norms else {}
+    exact_phase = piece(exact_norm_phase)  # (compiled at its first call: with exact_norms only)
 
     def prepare(state: TrainState):
         """The state split and the update per group kind for `state`'s optimizer-state structure."""
         structure = optree.tree_structure(state.opt_state, none_is_leaf=True)
         if structure not in made:
             split = _Split(state.opt_state, list(state.params))
-            made[structure] = (split, {g.kind: piece(update_phase_for(split)) for g in groups})
+            made[structure] = (split, {k: piece(update_phase_for(split)) for k in kinds})
         return made[structure]
 
     def finish(state: TrainState, aux: dict, grads: dict):
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
-        master, squares = [], []
-        for g in groups:
-            gg = to_master(_pick(grads, g), _pick(state.params, g), loss_scale)  # masters' dtypes, unscaled
-            sq = squared_norm(gg)
-            master.append(gg)
-            squares.append(sq)
-        metrics, grad_norm, ok = norm_phase(aux, squares)
+        # masters' dtypes, unscaled
+        master = [to_master(_pick(grads, g), _pick(state.params, g), loss_scale) for g in groups]
+        if exact_norms:
+            metrics, grad_norm, ok = global_norm(state, aux, master)
+        else:
+            metrics, grad_norm, ok = norm_phase(aux, [squared_norm(gg) for gg in master])
         split, update_fns = prepare(state)
         nodes, spec = split.flatten(state.opt_state)
         params, parts, usq = {}, [], []
