@@ -2,9 +2,8 @@
 
 The params' numbered blocks (`update_groups.blocks_by_name`) that are alike share the update's graphs, and
 the grad norm is summed as the whole step sums it: the same numbers, bit for bit, as the whole step
-compiled as one graph (inductor), and the eager step's to rounding (aot_eager). Graph counts: the loss
-and grads; per update group kind (the blocks', the rest's) the grads' squared norms and the update; the
-norm (docs/compiler.md "Compile units").
+compiled as one graph (inductor). The split step against the eager one, and its graph counts, are
+tests/test_route_matrix.py's "step" cells and the compile-contract tests (tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import functools
 import _tol
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from functrain import init_state, make_train_step, optim, tree
 from functrain.step import steps as steps_lib
@@ -60,37 +58,6 @@ def _whole_one_graph(loss_fn, opt):
     )
     build, wrap = steps_lib._one_graph_route(spec, None, compiled=True)
     return functools.partial(steps_lib._checked_step, loss_fn, steps_lib._PerLayout(build, wrap))
-
-
-def test_the_split_step_equals_eager_in_six_graphs(tiny_gpt, batches, gpt_loss_fn):
-    model = tiny_gpt(n_layer=2)
-    data = batches(model.cfg, 3, batch_size=4)
-    loss_fn, state = gpt_loss_fn(model), init_state(model, _opt(), seed=0)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = make_train_step(loss_fn, _opt(), compile_options={"backend": "aot_eager"})
-    eager = make_train_step(loss_fn, _opt(), compile=False)
-    c, e = state, tree.clone(state)
-    for i, b in enumerate(data):
-        c, cm = compiled(c, b)
-        e, em = eager(e, b)
-        for k in ("loss", "grad_norm", "update_norm", "lr"):
-            _tol.assert_close(cm[k], em[k], _tol.rtol(4 * 16 * 4 * 32) * (i + 1), msg=k)
-    _tol.assert_close(c.params, e.params, _tol.rtol(4 * 16 * 4 * 32) * len(data), msg="params")
-    assert int(c.step) == len(data) and float(em["grad_norm"]) > 0.05  # the clip was active
-    assert counters["stats"]["unique_graphs"] == 6 and not counters["recompiles"], dict(counters["stats"])
-
-
-def test_without_alike_blocks_the_update_is_one_graph_after_the_loss(tiny_gpt, batches, gpt_loss_fn):
-    model = tiny_gpt(n_layer=1)  # one block: nothing to share
-    data = batches(model.cfg, 2, batch_size=4)
-    state = init_state(model, _opt(), seed=0)
-    torch._dynamo.reset()
-    counters.clear()
-    step = make_train_step(gpt_loss_fn(model), _opt(), compile_options={"backend": "aot_eager"})
-    for b in data:
-        state, _ = step(state, b)
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"], dict(counters["stats"])
 
 
 @pytest.mark.slow

@@ -258,7 +258,7 @@ def _step_route(spec: _TrainSpec, options: dict | None) -> Callable[[Layout], Ca
         grads = piece(functools.partial(_loss_and_grads, spec, lay, spec.loss_fn, False, prepare))
         whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, False))
         finish = _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True)
-        return functools.partial(_finish_step, grads, finish, whole)
+        return functools.partial(_split_step, grads, finish, whole)
 
     return build
 
@@ -357,14 +357,16 @@ class _GroupedFinish:
 
 def _train_step(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, finish, whole, state, batch):
     """One train step: prepare, the accumulated loss and grads, the finish (with the model state if any)."""
-    aux, grads, model_state = _loss_and_grads(spec, lay, loss_fn, per_stage, prepare, state, batch)
-    return _finish_step(None, finish, whole, state, aux, grads, model_state)
+    return _finish(finish, whole, state, *_loss_and_grads(spec, lay, loss_fn, per_stage, prepare, state, batch))
 
 
-def _finish_step(loss_and_grads, finish, whole, state, *rest):
-    """The finish of a step (`whole` with the model state when there is one) on `rest` = `(aux, grads,
-    model_state)`, or on `loss_and_grads(state, batch)` when `rest` is `(batch,)`."""
-    aux, grads, model_state = loss_and_grads(state, *rest) if loss_and_grads is not None else rest
+def _split_step(loss_and_grads, finish, whole, state: TrainState, batch: PyTree):
+    """compile="step" on one process: the compiled loss and grads, then the finish."""
+    return _finish(finish, whole, state, *loss_and_grads(state, batch))
+
+
+def _finish(finish, whole, state: TrainState, aux: dict, grads: PyTree, model_state: PyTree):
+    """The step's finish: `whole` with the model state when there is one."""
     if not has_model_state(model_state):
         return finish(state, aux, grads)
     return whole(state, aux, grads, model_state)
