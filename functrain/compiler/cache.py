@@ -22,7 +22,16 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["MODES", "setup", "saved_steps_dir", "start_isa_probe", "probe_started", "stats", "report"]
+__all__ = [
+    "MODES",
+    "setup",
+    "saved_steps_dir",
+    "start_isa_probe",
+    "probe_started",
+    "wait_for_isa_probe",
+    "stats",
+    "report",
+]
 
 MODES = ("user", "workdir", "off")
 """The named modes of `setup`; anything else must be a path (containing "/" or starting with "~")."""
@@ -145,7 +154,7 @@ def wait_for_isa_probe() -> None:
     got other compiler flags than the probe's answer (seen: a compile="blocks" step's stage kernels,
     built again by the next process, whose cache keys hold the flags). `compiler.graph` makes every
     compile wait here before lowering (a pass), after Dynamo's trace and AOTAutograd, which the probe
-    still overlaps.
+    still overlaps; a saved step waits before it loads (its kernels' keys hold the flags too).
 
     Example:
       >>> compile_cache.start_isa_probe(); compile_cache.wait_for_isa_probe()

@@ -40,6 +40,8 @@ from typing import Any
 import optree
 import torch
 
+from functrain.compiler import cache
+
 __all__ = ["SavedStep", "fingerprint", "stats", "usable"]
 
 _SUFFIX = ".pt2step"
@@ -127,6 +129,8 @@ class SavedStep:
 
         stem = f"{self._name}-{_key(self._fn, self._options, args)[:40]}-"
         saved = sorted(self._dir.glob(f"{stem}*{_SUFFIX}"), key=_mtime, reverse=True)
+        if saved:  # loading keys the kernels by the vector ISA's flags: not while the probe still runs beside it
+            cache.wait_for_isa_probe()
         for path in saved:  # (one key, several entries: values the guards tell apart, as Dynamo's recompiles)
             entry = _load(path, self._fn, args)
             if entry is not None:
