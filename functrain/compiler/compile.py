@@ -197,7 +197,9 @@ def _first_call(compiled, lowered, options: dict | None, args: tuple):
     if directory is None or not saved_steps.usable(compiled, inductor_options(options), args):
         return compiled
     compile_with = functools.partial(_graph_with_guard_filter, lowered, options)
-    return saved_steps.SavedStep(compile_with, lowered, options, lowered.__name__, directory)
+    return saved_steps.SavedStep(
+        compile_with, lowered, options, lowered.__name__, directory, before_load=cache.wait_for_isa_probe
+    )
 
 
 def _graph_with_guard_filter(fn, options: dict | None, guard_filter_fn):

@@ -40,8 +40,6 @@ from typing import Any
 import optree
 import torch
 
-from functrain.compiler import cache
-
 __all__ = ["SavedStep", "fingerprint", "stats", "usable"]
 
 _SUFFIX = ".pt2step"
@@ -105,13 +103,15 @@ class SavedStep:
       options: the compile options (part of the key).
       name: a readable prefix of the saved file's name.
       directory: where saved steps live.
+      before_load: called before a saved file is loaded (`cache.wait_for_isa_probe`: the kernels'
+        keys hold the vector ISA's flags, which a load beside the running probe got wrong).
 
     Example:
       >>> step = SavedStep(lambda f: compiler.graph(fn, {"options": {"guard_filter_fn": f}}), fn, None, "step", d)
     """
 
-    def __init__(self, compile_fn, fn, options: dict | None, name: str, directory: Path):
-        self._compile_fn, self._fn, self._options = compile_fn, fn, options
+    def __init__(self, compile_fn, fn, options: dict | None, name: str, directory: Path, before_load=lambda: None):
+        self._compile_fn, self._fn, self._options, self._before_load = compile_fn, fn, options, before_load
         self._name, self._dir = re.sub(r"[^A-Za-z0-9_.-]", "_", name), directory
         self._entries: list[Any] = []
 
@@ -130,7 +130,7 @@ class SavedStep:
         stem = f"{self._name}-{_key(self._fn, self._options, args)[:40]}-"
         saved = sorted(self._dir.glob(f"{stem}*{_SUFFIX}"), key=_mtime, reverse=True)
         if saved:  # loading keys the kernels by the vector ISA's flags: not while the probe still runs beside it
-            cache.wait_for_isa_probe()
+            self._before_load()
         for path in saved:  # (one key, several entries: values the guards tell apart, as Dynamo's recompiles)
             entry = _load(path, self._fn, args)
             if entry is not None:
