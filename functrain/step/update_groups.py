@@ -6,6 +6,7 @@ Internals: docs/internals.md "functrain.step.update_groups".
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -288,16 +289,12 @@ def make_finish(
         norm = lay.global_norm(grads)
         return norm * norm
 
-    def norm_phase(aux: dict, squares: list):
-        """Metrics averaged over dp, the global grad norm, the skip flag (None when not guarded)."""
+    def norm_phase(aux: dict, squares: list, as_global_norm: bool = False):
+        """Metrics averaged over dp, the global grad norm (in float32 `as_global_norm`: `tree.global_norm`'s
+        dtype), the skip flag (None when not guarded)."""
         metrics = dict(lay.mean_over_dp(aux))
-        metrics[M.GRAD_NORM] = grad_norm = torch.stack(squares).sum().sqrt()
-        return metrics, grad_norm, update_ok(grad_norm, metrics) if guarded else None
-
-    def exact_norm_phase(aux: dict, squares: list):
-        """`norm_phase` over every leaf's squared norm, as `tree.global_norm` sums them."""
-        metrics = dict(lay.mean_over_dp(aux))
-        metrics[M.GRAD_NORM] = grad_norm = torch.stack(squares).sum().sqrt().to(torch.float32)
+        grad_norm = torch.stack(squares).sum().sqrt()
+        metrics[M.GRAD_NORM] = grad_norm = grad_norm.to(torch.float32) if as_global_norm else grad_norm
         return metrics, grad_norm, update_ok(grad_norm, metrics) if guarded else None
 
     def leaf_squares(grads: dict) -> dict:
@@ -306,7 +303,7 @@ def make_finish(
         return dict(zip(names, tree_lib.squared_norms([grads[n] for n in names])))
 
     def global_norm(state: TrainState, aux: dict, master: list):
-        """`exact_norm_phase` from the groups' compiled squares, in the whole tree's leaf order."""
+        """`norm_phase` from every leaf's compiled square, summed in the whole tree's leaf order."""
         by_name = {}
         for g, gg in zip(groups, master):
             got = squares_fns[g.kind](gg)
@@ -354,12 +351,13 @@ def make_finish(
             step, guard = lay.write_into((state.step, state.guard), (step, guard))
         return step, guard, new_shared, metrics
 
-    # Only the update is compiled: the other phases are a few fused kernels (a foreach norm per group)
-    # and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain nothing from one.
+    # Only the update is compiled, and with `exact_norms` the norm: the other phases are a few fused kernels
+    # (a foreach norm per group) and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain
+    # nothing from one; the norm's bits are the whole-tree update's only when compiled as it compiles them.
     made: dict = {}  # optimizer-state structure -> (its _Split, the compiled update per group kind)
     kinds = sorted({g.kind for g in groups})
     squares_fns = {k: piece(leaf_squares) for k in kinds} if exact_norms else {}
-    exact_phase = piece(exact_norm_phase)  # (compiled at its first call: with exact_norms only)
+    exact_phase = piece(functools.partial(norm_phase, as_global_norm=True))  # (compiled at a first call: exact_norms)
 
     def prepare(state: TrainState):
         """The state split and the update per group kind for `state`'s optimizer-state structure."""
