@@ -1,14 +1,15 @@
 """Benchmark: functrain's compiled step against `torch.compile(model)` with fused AdamW, per model type.
 
     python bench/hf.py [--type llama,gpt2,qwen2,gpt] [--size small] [--batch 8] [--seq 256] [--rounds 5]
-                       [--compile-unit step|blocks] [--host-memory keep|default] [--json]
+                       [--compile-unit step|blocks] [--optimizer fused|compiled] [--host-memory keep|default] [--json]
 
 For each `--type` (a transformers model type read by the hf family from a tiny directory,
 `functrain.models.hf.tiny`, or `gpt`: functrain's own GPT family) one model at `--size`, the same
 initial params and batches for every route:
 
-* functrain: `make_train_step(<family>.make_loss_fn(template), chain(clip_by_global_norm, adamw))`:
-  forward, backward, clipping, AdamW and the schedule compiled together;
+* functrain: `make_train_step(<family>.make_loss_fn(template), chain(clip_by_global_norm, adamw(fused=True)))`:
+  the loss's forward compiled with its backward, then clipping and torch's fused AdamW kernel, as the
+  reference's optimizer (`--optimizer compiled`: functrain's AdamW compiled after the loss instead);
 * torch.compile: `torch.compile(model)`, cross-entropy, backward, `clip_grad_norm_`,
   `torch.optim.AdamW(fused=True)` (the optimizer outside the graph, torch's precompiled kernel);
 * eager: the same loop, the module not compiled.
@@ -29,7 +30,7 @@ that slows down for a while slows every route alike. Printed per type: the route
 ratios the targets are stated in, and the compile time of functrain's cold process by phase
 (`torch._dynamo.utils.compile_times()`, seconds summed over graphs). With `--json`, one line per type:
 
-    {"type": ..., "cold_vs_compile": <functrain cold / torch.compile cold>,
+    {"type": ..., "optimizer": "fused" | "compiled", "cold_vs_compile": <functrain cold / torch.compile cold>,
      "warm_first_step_s": <functrain's first step, warm>, "step_vs_compile": <functrain tokens/s /
      torch.compile's>, ...}
 
@@ -151,10 +152,10 @@ class _Model:
         return net(x) if self.kind == "gpt" else net(input_ids=x).logits
 
 
-def _functrain(model: _Model, unit: str):
+def _functrain(model: _Model, unit: str, optimizer: str):
     """functrain's step on its own state: `run(batch)`."""
     compile_cache.setup(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "user")  # (as the main job)
-    opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(LR, weight_decay=0.0))
+    opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(LR, weight_decay=0.0, fused=optimizer == "fused"))
     step = ft.make_train_step(model.loss_fn if unit == "step" else model.staged_loss_fn(), opt, compile=unit)
     box = {"state": ft.init_state(model.params, opt)}
 
@@ -183,10 +184,10 @@ def _torch_loop(model: _Model, compiled: bool):
     return run
 
 
-def _route(model: _Model, route: str, unit: str):
+def _route(model: _Model, route: str, unit: str, optimizer: str):
     """The `run(batch)` of one route."""
     if route == "functrain":
-        return _functrain(model, unit)
+        return _functrain(model, unit, optimizer)
     return _torch_loop(model, compiled=route == "torch.compile")
 
 
@@ -212,7 +213,7 @@ def _child_setup(args):
 def _child_first(args) -> None:
     """One route, cold or warm, in this process: prints one JSON line (first step's seconds, compile phases)."""
     device, model, data = _child_setup(args)
-    (first_s,) = _timed(_route(model, args.route, args.compile_unit), data[:1], device)
+    (first_s,) = _timed(_route(model, args.route, args.compile_unit, args.optimizer), data[:1], device)
     print(
         json.dumps({"first_s": first_s, "params": sum(p.numel() for p in model.params.values()), "phases": _phases()})
     )
@@ -225,7 +226,7 @@ def _child_steady(args) -> None:
     for route in ROUTES:
         if route in args.caches:  # each compiled route on the cache its warm process read
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.caches[route]
-        runs[route] = _route(model, route, args.compile_unit)
+        runs[route] = _route(model, route, args.compile_unit, args.optimizer)
         _timed(runs[route], data[:3], device)
     per_round = {route: [] for route in ROUTES}
     for _ in range(args.rounds):
@@ -260,6 +261,8 @@ def _spawn(args, kind: str, route: str, cache: str, caches: dict[str, str]) -> d
         args.device,
         "--compile-unit",
         args.compile_unit,
+        "--optimizer",
+        args.optimizer,
         "--host-memory",
         args.host_memory,
         "--caches",
@@ -287,7 +290,8 @@ def _one_type(args, kind: str) -> dict:
     ours_row, theirs_row = rows["functrain"], rows["torch.compile"]
     print(
         f"{kind}: {ours_row['params'] / 1e6:.2f}M params, {args.batch} x {args.seq} tokens, {args.device}, "
-        f"torch {torch.__version__}, {os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} threads"
+        f"torch {torch.__version__}, {os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} threads, "
+        f"functrain's AdamW {args.optimizer}"
     )
     for route, row in rows.items():
         warm = f"   warm {row['warm_first_s']:5.1f} s" if "warm_first_s" in row else " " * 16
@@ -296,6 +300,7 @@ def _one_type(args, kind: str) -> dict:
     figures = {
         "type": kind,
         "compile_unit": args.compile_unit,
+        "optimizer": args.optimizer,
         "cold_vs_compile": round(ours_row["first_s"] / theirs_row["first_s"], 3),
         "warm_first_step_s": round(ours_row["warm_first_s"], 2),
         "step_vs_compile": round(ours_row["tokens_per_s"] / theirs_row["tokens_per_s"], 3),
@@ -332,6 +337,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the steady timing; each route's median counts")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile-unit", default="step", choices=("step", "blocks"), help="functrain's compile unit")
+    ap.add_argument(
+        "--optimizer",
+        default="fused",
+        choices=("fused", "compiled"),
+        help="functrain's AdamW: torch's fused kernel after the compiled loss (as the reference's) or compiled",
+    )
     ap.add_argument(
         "--host-memory",
         default="keep",

@@ -45,11 +45,12 @@ def adamw(
       weight_decay: decoupled decay (multiplied by the learning rate, as torch and optax do).
       mask: which params get weight decay (tree of bools or callable); default all.
       mu_dtype, nu_dtype: storage dtypes of Adam's moments (see `scale_by_adam`).
-      fused: an eager train step that donates its state runs the update in place through torch's
-        fused AdamW kernel (one pass over the params, as `torch.optim.AdamW(fused=True)`; also after
-        `clip_by_global_norm` in a chain). Its metrics then have no `update_norm` (the kernel does
-        not expose the update). Compiled steps, and eager ones that do not donate or hold sharded
-        params, run the same math unfused (see `functrain.optim.fused`).
+      fused: a train step that donates its state runs the update in place through torch's fused
+        AdamW kernel (one pass over the params, as `torch.optim.AdamW(fused=True)`; also after
+        `clip_by_global_norm` in a chain): an eager step, and on one process a compiled one after its
+        compiled loss (the update then has no graph to compile). Its metrics then have no
+        `update_norm` (the kernel does not expose the update). Steps that do not donate or hold
+        sharded params run the same math unfused, compiled with the step (see `functrain.optim.fused`).
 
     Returns:
       A `Transform`.

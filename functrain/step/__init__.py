@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain.step import loss_contract, metric_names, precision, remat_policy, staged, update, update_groups
+    from functrain.step import (
+        forward_graph,
+        loss_contract,
+        metric_names,
+        precision,
+        remat_policy,
+        staged,
+        update,
+        update_groups,
+    )
     from functrain.step.steps import (
         apply_gradients,
         loss_and_aux,

@@ -25,6 +25,7 @@ from functrain.step.staged import StagedLoss
 __all__ = [
     "accumulated_value_and_grad",
     "microbatch_counts",
+    "scaled_loss",
     "split_microbatches",
     "value_and_grad",
     "with_frozen",
@@ -92,10 +93,8 @@ def value_and_grad(
         return out if model_state is None else (*out, model_state)
 
     def f(p):
-        with randomness.keyed(key if keyed else None):
-            loss, aux, new_state = call_loss(loss_fn, p, batch, key, model_state)
-        scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
-        return scaled, (loss.detach(), (aux, {} if new_state is None else new_state))  # (torch.func's aux: no None)
+        scaled, loss, aux, new_state = scaled_loss(loss_fn, p, batch, key, model_state, loss_scale, keyed=keyed)
+        return scaled, (loss, (aux, {} if new_state is None else new_state))  # (torch.func's aux: no None)
 
     if compiler.eager_autograd_ok() or not fullgraph:  # the same gradients, without torch.func's per-op wrapping
         loss, (aux, new_state), grads = _autograd_value_and_grad(f, params)
@@ -104,6 +103,30 @@ def value_and_grad(
     if model_state is None:
         return loss, aux, grads
     return loss, aux, grads, tree_lib.map(torch.Tensor.detach, new_state)
+
+
+def scaled_loss(loss_fn: LossFn, params: PyTree, batch: PyTree, key, model_state, loss_scale, *, keyed: bool = True):
+    """One call of the loss, every dropout drawing from `key`: what `value_and_grad` differentiates.
+
+    Args:
+      loss_fn: the loss function (with `model_state`, the four-argument form; see `value_and_grad`).
+      params: the params to compute with.
+      batch: the (micro)batch.
+      key: the RNG key (or None).
+      model_state: the model state (an empty dict or None when there is none).
+      loss_scale: a 0-d tensor the loss is multiplied by for the backward, or None.
+      keyed: draw the modules' dropout from `key` (see `value_and_grad`).
+
+    Returns:
+      `(scaled loss, loss detached, aux, new model state)`.
+
+    Example:
+      >>> scaled, loss, aux, _ = scaled_loss(loss_fn, params, batch, key, {}, None)
+    """
+    with randomness.keyed(key if keyed else None):
+        loss, aux, new_state = call_loss(loss_fn, params, batch, key, model_state)
+    scaled = loss if loss_scale is None else loss * loss_scale.to(loss.dtype)
+    return scaled, loss.detach(), aux, new_state
 
 
 def _autograd_value_and_grad(f, params: PyTree):

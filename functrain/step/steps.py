@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+import functrain.step.forward_graph as forward_graph
 import functrain.step.metric_names as M
 import functrain.step.precision as precision_lib
 import functrain.step.update_groups as update_groups
@@ -30,6 +31,7 @@ from functrain.nn.model_state import call_loss, check_loss, has_model_state, res
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
 from functrain.state import TrainState
+from functrain.step.forward_graph import compute_model_state
 from functrain.step.grads import (
     LossFn,
     PyTree,
@@ -40,7 +42,7 @@ from functrain.step.grads import (
 )
 from functrain.step.loss_contract import loss_and_aux
 from functrain.step.staged import StagedLoss
-from functrain.step.update import apply_gradients, make_update, to_master, update_step
+from functrain.step.update import apply_gradients, fused_in_place, make_update, to_master, update_step
 
 __all__ = [
     "apply_gradients",
@@ -51,14 +53,6 @@ __all__ = [
     "value_and_grad",
     "with_frozen",
 ]
-
-
-def _compute_model_state(model_state: PyTree, lay: Layout, prec) -> PyTree:
-    """The model state the forward runs with: this rank's tensors, floating buffers in the compute dtype."""
-    if not has_model_state(model_state):
-        return model_state
-    local = lay.local_model_state(model_state)
-    return precision_lib.cast_floating(local, prec.compute_dtype) if prec.casts else local
 
 
 def make_train_step(
@@ -86,13 +80,16 @@ def make_train_step(
       accum_steps: split the batch into this many microbatches and average their gradients
         inside the one call (the batch dimension must divide by it).
       compile: True (or "step"): compiled with `torch.compile(fullgraph=True)`: on one process the
-        loss and its gradients are one graph and the update runs after it group by group, the
-        params' alike numbered blocks sharing one graph of the grads' squared norms and one update
-        graph (`functrain.step.update_groups.blocks_by_name`), the other params one of each, the grad
-        norm one more: 6 graphs at any depth, the numbers of the whole step compiled as one graph bit
-        for bit (2: the loss and the whole update, without two alike blocks or for an optimizer that
-        is not leafwise or a model with model state). Sharded params, CUDA graphs and
-        `fullgraph=False` compile the whole step as one graph.
+        loss's forward is one graph, its backward AOTAutograd's (the gradients by autograd between
+        them, as `torch.compile(model)` trains; `functrain.step.forward_graph`), and the update runs
+        after it: through the optimizer's fused kernel when it has one (`optim.adamw(..., fused=True)`:
+        1 graph in all), else group by group, the params' alike numbered blocks sharing one graph of
+        the grads' squared norms and one update graph (`functrain.step.update_groups.blocks_by_name`),
+        the other params one of each, the grad norm one more: 6 graphs at any depth, the numbers of
+        the whole step compiled as one graph bit for bit (2: the loss and the whole update, without two
+        alike blocks or for an optimizer that is not leafwise or a model with model state). A staged
+        loss and `accum_impl="scan"` take the loss and its gradients as one graph. Sharded params,
+        CUDA graphs and `fullgraph=False` compile the whole step as one graph.
         "blocks": for a staged loss (`functrain.step.staged.staged_loss`, e.g. `gpt.make_loss_fn(...,
         staged=True)`): each stage kind is its own graph, every block running the same one, so
         neither the number of graphs nor the cold compile grows with depth (README "Compile
@@ -100,7 +97,7 @@ def make_train_step(
         for a recomputed block's no-grad forward), the head (see `step.staged.staged_loss`'s
         `compile_stages`), and the optimizer update block by block: one graph for every block, one
         for the rest (`functrain.step.update_groups`; one finish graph over every tensor when the
-        optimizer is not leafwise). False: eager.
+        optimizer is not leafwise; none with a fused optimizer on one process). False: eager.
       donate: reuse the input state's buffers for the output state (the input is consumed).
       accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
         op; one graph, compile time independent of accum_steps). torch's scan body cannot enter a
@@ -244,9 +241,11 @@ def _one_graph_route(spec: _TrainSpec, options: dict | None, compiled: bool):
 
 
 def _step_route(spec: _TrainSpec, options: dict | None) -> Callable[[Layout], Callable]:
-    """compile="step": `build(layout) -> step`. On one process the loss and its gradients are one graph and the
-    update runs group by group after it (`update_groups`, the grad norm summed as the one graph sums it: the same
-    bits); sharded params, a step compiled around graph breaks and CUDA graphs keep the whole step one graph."""
+    """compile="step": `build(layout) -> step`. On one process the loss's forward is one graph (its backward
+    AOTAutograd's, the gradients by autograd; `forward_graph`) and the update runs after it: group by group
+    (`update_groups`, the grad norm summed as the one graph sums it: the same bits), or through the optimizer's
+    fused kernel. Sharded params, a step compiled around graph breaks and CUDA graphs keep the whole step one
+    graph."""
     whole_route, wrap = _one_graph_route(spec, options, compiled=True)
     options = compiler.with_step_passes(options)
 
@@ -255,12 +254,42 @@ def _step_route(spec: _TrainSpec, options: dict | None) -> Callable[[Layout], Ca
             return wrap(whole_route(lay))
         piece = functools.partial(compiler.maybe_compile, compile=True, options=options)
         prepare = functools.partial(_prepare, spec.prec, lay, False)
-        grads = piece(functools.partial(_loss_and_grads, spec, lay, spec.loss_fn, False, prepare))
+        grads = joint = piece(functools.partial(_loss_and_grads, spec, lay, spec.loss_fn, False, prepare))
         whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, False))
-        finish = _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True)
+        finish: Callable = _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True)
+        if spec.optimizer.fused is not None and spec.donate:  # torch's precompiled kernel: nothing to compile
+            finish, whole = (functools.partial(_fused_finish, spec, f) for f in (finish, whole))
+        if _forward_graph_takes(spec):
+            fn = functools.partial(forward_graph.forward, spec.loss_fn, spec.prec, lay)
+            forward = forward_graph.Forward(fn, piece(fn))
+            plan = forward_graph.Plan(spec.prec, spec.accum_steps, spec.count_targets, spec.model_state_sync)
+            grads = functools.partial(_forward_then_autograd, forward, plan, lay, joint)
         return functools.partial(_split_step, grads, finish, whole)
 
     return build
+
+
+def _forward_graph_takes(spec: _TrainSpec) -> bool:
+    """Whether the loss's gradients come from `forward_graph` (a staged loss brings its own gradient route,
+    and torch's scan accumulates inside one graph)."""
+    return not isinstance(spec.loss_fn, StagedLoss) and (spec.accum_steps == 1 or spec.accum_impl == "unroll")
+
+
+def _forward_then_autograd(forward, plan: forward_graph.Plan, lay: Layout, joint, state: TrainState, batch: PyTree):
+    """`(aux, grads, model_state)`: the compiled forward and autograd's backward, or the loss and its gradients
+    as one graph (`joint`) inside a transform or a trace, where plain autograd cannot run."""
+    if not compiler.eager_autograd_ok():
+        return joint(state, batch)
+    return forward_graph.loss_and_grads(forward, plan, lay, state, batch)
+
+
+def _fused_finish(spec: _TrainSpec, compiled, state: TrainState, aux: dict, grads: PyTree, *model_state):
+    """The update through the optimizer's fused kernel, eagerly; `compiled` where the kernel does not take
+    these tensors."""
+    loss_scale = state.guard.loss_scale if spec.prec.loss_scaling else None
+    master = to_master(grads, state.params, loss_scale)
+    done = fused_in_place(state, aux, master, spec.optimizer, spec.guarded, spec.prec, *model_state)
+    return compiled(state, aux, grads, *model_state) if done is None else done
 
 
 def _blocks_route(spec: _TrainSpec, options: dict | None):
@@ -291,6 +320,8 @@ def _train_body(spec: _TrainSpec, loss_fn: LossFn, piece: Callable, lay: Layout,
     prepare = piece(functools.partial(_prepare, spec.prec, lay, per_stage))
     whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, per_stage))
     finish = _GroupedFinish(spec, lay, loss_fn, piece, whole) if grouped and (per_stage or not lay.sharded) else whole
+    if grouped and not lay.sharded and spec.optimizer.fused is not None and spec.donate:  # torch's kernel
+        finish, whole = (functools.partial(_fused_finish, spec, f) for f in (finish, whole))
     return functools.partial(_train_step, spec, lay, loss_fn, per_stage, prepare, finish, whole)
 
 
@@ -377,7 +408,7 @@ def _loss_and_grads(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, 
     ranks."""
     params, frozen, batch, key = prepare(state, batch)
     loss_scale = state.guard.loss_scale if spec.prec.loss_scaling else None
-    model_state = _compute_model_state(state.model_state, lay, spec.prec)
+    model_state = compute_model_state(state.model_state, lay, spec.prec)
     weights = total = None
     if spec.count_targets is not None:  # counted before the forward, over every microbatch and rank
         weights, total = lay.token_weights(microbatch_counts(spec.count_targets, batch, spec.accum_steps))
@@ -502,7 +533,7 @@ def make_eval_step(
 
         def eval_step(state: TrainState, batch: PyTree):
             params, batch = precision_lib.to_compute(prec, state.params, batch)
-            model_state = _compute_model_state(state.model_state, lay, prec)
+            model_state = compute_model_state(state.model_state, lay, prec)
             if isinstance(loss_fn, StagedLoss) and has_model_state(model_state):
                 raise ValueError(
                     "a staged loss (functrain.step.staged) takes no model state: use a plain loss function "

@@ -22,7 +22,7 @@ from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import LOCAL, Layout
 from functrain.state import Guard, TrainState
 
-__all__ = ["apply_gradients", "guard_after", "make_update", "to_master", "update_ok", "update_step"]
+__all__ = ["apply_gradients", "fused_in_place", "guard_after", "make_update", "to_master", "update_ok", "update_step"]
 
 PyTree = Any
 
@@ -144,7 +144,7 @@ def apply_gradients(
     ), metrics
 
 
-def _fused_in_place(
+def fused_in_place(
     state: TrainState,
     aux: dict,
     grads: PyTree,
@@ -153,8 +153,27 @@ def _fused_in_place(
     prec: precision_lib.Precision,
     model_state: PyTree = None,
 ):
-    """`apply_gradients` + donation through the optimizer's fused kernel (eager, local params), or None where it
-    cannot run."""
+    """`apply_gradients` with donation, through the optimizer's fused kernel (`optim.adamw(..., fused=True)`).
+
+    Runs eagerly on one process's params: the params and moments are updated in place by torch's
+    precompiled kernel, as `torch.optim.AdamW(fused=True)` does (the metrics have no `update_norm`).
+
+    Args:
+      state: the `TrainState`, whose buffers the update writes into (donated).
+      aux: metrics to pass through; a "loss" entry takes part in the non-finite check.
+      grads: gradients in the master params' dtypes, unscaled.
+      optimizer: the `Transform`; only one with a fused route (`optimizer.fused`) runs here.
+      guarded: skip a non-finite update (keep params and optimizer state).
+      prec: the step's `functrain.step.precision.Precision` (its loss-scaling rule).
+      model_state: the model state the forward produced, or None to keep `state.model_state`.
+
+    Returns:
+      `(new_state, metrics)`, or None, touching nothing, where the kernel cannot run: no fused route,
+      sharded params, inside a trace or a transform, or tensors it does not take.
+
+    Example:
+      >>> done = fused_in_place(state, {"loss": loss}, grads, optim.adamw(3e-4, fused=True), True, prec)
+    """
     fused = optimizer.fused
     if fused is None or not compiler.eager_autograd_ok() or layout_of(state.params) is not LOCAL:
         return None
@@ -178,7 +197,7 @@ def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, lay
 
     def update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
         if donate and optimizer.fused is not None and layout is None:
-            done = _fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision, model_state)
+            done = fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision, model_state)
             if done is not None:
                 return done
         new_state, metrics = apply_gradients(

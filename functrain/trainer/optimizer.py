@@ -79,8 +79,11 @@ def from_config(c: Any, steps: int) -> Transform:
     """
     lr = schedule_from_config(c, steps)
     if c.name == "adamw":
-        mu_dtype, nu_dtype = (precision_lib.parse_dtype(c[k]) for k in ("mu_dtype", "nu_dtype"))
-        base = adamw(lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+        fused = bool(c.get("fused", False))  # (checked: the moments are float32 then, the params' dtype)
+        mu_dtype, nu_dtype = (None if fused else precision_lib.parse_dtype(c[k]) for k in ("mu_dtype", "nu_dtype"))
+        base = adamw(
+            lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask, mu_dtype=mu_dtype, nu_dtype=nu_dtype, fused=fused
+        )
     else:
         base = sgd(lr, momentum=c.momentum, weight_decay=c.weight_decay, mask=decay_mask)
     return chain(clip_by_global_norm(c.clip), base) if c.clip > 0 else base

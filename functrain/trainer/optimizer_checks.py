@@ -30,5 +30,17 @@ CHECKS: list = [
     ("optim.clip", v.number_at_least(0.0)),
     ("optim.mu_dtype", v.one_of(*DTYPES)),
     ("optim.nu_dtype", v.one_of(*DTYPES)),
+    ("optim.fused", v.boolean()),
+    v.relation(
+        ("optim.fused", "optim.name"),
+        lambda fused, name: not fused or name == "adamw",
+        "the fused update is torch's AdamW kernel: set --config.optim.name=adamw or --config.optim.fused=False",
+    ),
+    v.relation(
+        ("optim.fused", "optim.mu_dtype", "optim.nu_dtype"),
+        lambda fused, mu, nu: not fused or {mu, nu} <= {"float32", "fp32"},
+        "torch's fused AdamW kernel keeps the moments in the params' dtype: set both to float32 or "
+        "--config.optim.fused=False",
+    ),
 ]
 """The checks of `config.optim`."""
