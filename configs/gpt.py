@@ -21,10 +21,12 @@ Variants (`--config=configs/gpt.py:<variant>`):
 Override anything: `--config.optim.lr=3e-4 --config.steps=2000 --config.model.n_layer=6`.
 Your data: `--config.data.path='/data/web/*.parquet' --config.data.sampling=epochs` (parquet/jsonl
 shards, tokenized in parallel once; mixtures of sources in a config file: docs/guide.md "Data").
-The compile unit stays "step" by measurement (the loss one graph, the update a graph per block kind):
-`--config.compile_unit=blocks` compiles a 4-layer GPT in less time cold (1.59x torch.compile's against
-1.70x) but steps ~3% slower
-(docs/results.md), a gain for short runs only (README "Compile units"); a warm start is ~4 s either way.
+The compile unit stays "step" by measurement (the loss's forward one graph with its backward, as
+torch.compile(model) compiles a module; the update after it). `--config.optim.fused=True` (torch's fused
+AdamW kernel after the compiled loss: no update graph) compiles a 4-layer GPT of width 256 cold in
+torch.compile's time (0.99x; 1.67x with the compiled update, the default, which keeps this run's numbers bit
+for bit); `--config.compile_unit=blocks` 0.89x but steps up to ~4% slower (docs/results.md, README "Compile
+units"); a warm start loads the saved step (~3 s) either way.
 LoRA over a pretrained run: `--config.checkpoint.init_from=runs/gpt --config.lora.rank=8` in a new workdir
 (the base read from that checkpoint and frozen; docs/guide.md "LoRA").
 Multi-process: `torchrun --standalone --nproc_per_node=2 -m functrain.main --config=configs/gpt.py`.

@@ -18,10 +18,12 @@ weights the model is initialized from the run's key as transformers' own init do
 At the end the run writes `<workdir>/hf`, a directory `AutoModelForCausalLM.from_pretrained` loads.
 LoRA over the directory's frozen weights: `--config.lora.rank=8 [--config.lora.targets='q_proj|v_proj']`
 (the end writes `<workdir>/hf`, merged, and `<workdir>/hf-peft`, PEFT's adapter directory; docs/guide.md "LoRA").
-The compile unit stays "step" by measurement (the loss one graph, the update a graph per block kind):
-`--config.compile_unit=blocks` compiles Llama, Qwen2 and GPT-2 in less time cold (1.2-1.3x torch.compile's
-against 1.3-1.7x) but steps 0-2% slower (GPT-2: 24%) (docs/results.md), a gain for short runs; a restart
-loads the saved step either way (~4 s).
+The compile unit stays "step" by measurement (the loss's forward one graph with its backward, as
+torch.compile(model) compiles a module; the update after it). `--config.optim.fused=True` (torch's fused
+AdamW kernel after the compiled loss: no update graph) compiles Llama, Qwen2 and GPT-2 cold in
+torch.compile's time (0.90-1.08x; 1.29-1.40x with the compiled update, the default);
+`--config.compile_unit=blocks` a little less (llama 0.97x) but steps up to ~4% slower (docs/results.md); a
+restart loads the saved step either way (~3-4 s).
 Multi-process (FSDP, a gather per decoder layer):
 `torchrun --standalone --nproc_per_node=2 -m functrain.main --config=configs/hf.py --config.model.path=DIR`.
 """

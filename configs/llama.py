@@ -36,9 +36,11 @@ checkpoint exports with
 
 LoRA over `init_from`'s frozen weights: `--config.init_from=hf:DIR --config.lora.rank=8` (merged export
 and PEFT directory at the end; docs/guide.md "LoRA").
-The compile unit stays "step" by measurement (the loss one graph, the update a graph per block kind):
-`--config.compile_unit=blocks` compiles the decoder families in less time cold (1.2-1.3x torch.compile's
-against 1.3-1.7x) but steps 0-2% slower (docs/results.md).
+The compile unit stays "step" by measurement (the loss's forward one graph with its backward, as
+torch.compile(model) compiles a module; the update after it). `--config.optim.fused=True` (torch's fused
+AdamW kernel: no update graph) compiles the decoder families cold in torch.compile's time (0.90-1.08x;
+1.29-1.40x with the compiled update, the default); `--config.compile_unit=blocks` a little less but steps
+up to ~4% slower (docs/results.md).
 Multi-process (FSDP, per-block gather): `torchrun --standalone --nproc_per_node=2 -m functrain.main
 --config=configs/llama.py:tiny`; tensor parallel: add `--config.mesh.tp=2`.
 """
