@@ -19,6 +19,7 @@ from functrain.models import lm
 from functrain.step import forward_graph
 from functrain.step import steps as steps_lib
 from functrain.trainer import defaults, optimizer_checks
+from functrain.trainer import optimizer as trainer_optimizer
 
 AOT = {"backend": "aot_eager"}
 
@@ -139,8 +140,10 @@ def test_tensors_the_kernel_does_not_take_get_the_compiled_update():
 def test_the_config_key_checks_its_optimizer_and_moments():
     c = defaults.trainer_config()
     assert c.optim.fused is False  # the default run keeps its compiled update (and its numbers)
+    assert trainer_optimizer.from_config(c.optim, 10).fused is None
     c.optim.fused = True
     optimizer_checks.v.check_all(c, optimizer_checks.CHECKS)  # adamw, float32 moments: fine
+    assert trainer_optimizer.from_config(c.optim, 10).fused is not None  # the chain ends in the fused kernel
     c.optim.name = "sgd"
     with pytest.raises(ValueError, match=r"^optim.fused=True, optim.name='sgd': the fused update is torch's AdamW"):
         optimizer_checks.v.check_all(c, optimizer_checks.CHECKS)
