@@ -163,17 +163,19 @@ def loss_and_grads(forward_fn: Callable, plan: Plan, lay: Layout, state: TrainSt
     weights = total = None
     if plan.count_targets is not None:  # counted before the forward, over every microbatch
         weights, total = lay.token_weights(microbatch_counts(plan.count_targets, batch, k))
-    micro: Any = [batch] if k == 1 else split_microbatches(batch, k)
-    keys: Any = [key] if k == 1 else rng_lib.split(key, k)
+    micro: list = [batch]
+    keys: Any = [key]
+    if k > 1:
+        parts = split_microbatches(batch, k)
+        micro, keys = [tree_lib.map(lambda x, i=i: x[i], parts) for i in range(k)], rng_lib.split(key, k)
     model_state = state.model_state
     gsum: list[torch.Tensor] = []
     asum: Any = {}
-    for i in range(k):
-        mb = micro[0] if k == 1 else tree_lib.map(lambda x, i=i: x[i], micro)
+    for i, (mb, mb_key) in enumerate(zip(micro, keys)):
         w = None if weights is None else weights[i]
         factor = loss_scale if w is None else (w if loss_scale is None else loss_scale * w)
         with torch.enable_grad():
-            scaled, aux, model_state = forward_fn(params, state.frozen, mb, keys[i], factor, model_state)
+            scaled, aux, model_state = forward_fn(params, state.frozen, mb, mb_key, factor, model_state)
             found = torch.autograd.grad(scaled, leaves, allow_unused=True)
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]  # unused: zeros
         aux = aux if w is None else tree_lib.map(lambda a, w=w: a * w, aux)

@@ -118,8 +118,8 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.optim.mu_dtype = "float32"  # adamw moment storage: float32 | bfloat16 (halves optimizer memory)
     c.optim.nu_dtype = "float32"
     # adamw only: True runs the update through torch's fused AdamW kernel after the compiled loss (one
-    # process), as torch.optim.AdamW(fused=True) does: no update graph to compile (the cold compile of a
-    # small model about halves; docs/results.md), the same math to float rounding, no update_norm metric.
+    # process), as torch.optim.AdamW(fused=True) does: no update graph to compile (this run's first step
+    # 53 -> 42 s on 2 cores; docs/results.md), the same math to float rounding, no update_norm metric.
     c.optim.fused = False
 
     c.mesh = ml_collections.ConfigDict()
