@@ -324,3 +324,23 @@ def test_packing_under_context_parallelism_is_one_line():
     lm_data.check_packing(config, type("Ctx", (), {"cp_world": 1})())  # no cp axis: fine
     with pytest.raises(ConfigError, match="context parallelism splits each row"):
         lm_data.check_packing(config, type("Ctx", (), {"cp_world": 2})())
+
+
+def test_messages_that_name_the_real_problem(tmp_path):
+    """An empty file, a null field and examples with nothing to learn: each says what it is, not something else."""
+    from functrain.models import lm_data
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="holds no record") as err:
+        lm_data.supervised_format(ConfigDict({"path": str(empty), "format": "auto"}))
+    assert "text" not in str(err.value).split(";")[0]
+    with pytest.raises(DataError, match=r"ex: field 'completion' is null"):
+        S.render({"prompt": "p", "completion": None}, "prompt_completion", BYTES, train_on="completion", where="ex")
+    with pytest.raises(DataError, match=r"ex: no field 'completion'"):
+        S.render({"prompt": "p"}, "prompt_completion", BYTES, train_on="completion", where="ex")
+    src = _write(tmp_path, [{"messages": [{"role": "user", "content": "q"}]}] + [{"messages": CHAT}] * 4)
+    lines = []
+    load_examples(src, tmp_path / "c", BYTES, _spec(fmt="messages", block_size=256), log=lines.append)
+    (line,) = [line for line in lines if "left out" in line]
+    assert line == "examples: 1 with no token to learn left out (data.train_on)"

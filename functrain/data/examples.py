@@ -284,15 +284,12 @@ def load_examples(
             f"one, {counts['dropped']} too long for block_size {spec.block_size}); check data.train_on, "
             "data.fields and data.too_long"
         )
-    left = (
-        [f"{counts['dropped']} longer than block_size + 1 = {spec.block_size + 1} tokens dropped"]
-        if counts["dropped"]
-        else []
-    )
-    left += [f"{counts['truncated']} truncated to block_size + 1"] if counts["truncated"] else []
-    left += [f"{counts['no_target']} with no target left out"] if counts["no_target"] else []
+    long = f"longer than block_size + 1 = {spec.block_size + 1} tokens"
+    left = [f"{counts['dropped']} {long} dropped (data.too_long=drop)"] if counts["dropped"] else []
+    left += [f"{counts['truncated']} {long} truncated (data.too_long=truncate)"] if counts["truncated"] else []
+    left += [f"{counts['no_target']} with no token to learn left out (data.train_on)"] if counts["no_target"] else []
     if left:
-        log(f"examples: {'; '.join(left)} (data.too_long={spec.too_long})")
+        log(f"examples: {'; '.join(left)}")
     return train, val, info
 
 

@@ -111,6 +111,18 @@ def _tensors(arrays, packing: bool, device) -> tuple:
     return tuple(out)
 
 
+def _ends(tokenizer, fmt: str, template: ChatTemplate | None) -> str:
+    """The line saying how examples start and end (which BOS and EOS, read from where)."""
+    special = tokenizer.special
+    if fmt == "messages" and template is not None:
+        learned = "its {% generation %} blocks" if template.has_generation else "the assistant turns' spans"
+        return f"examples: conversations rendered by {template.name}; train_on=assistant learns {learned}"
+    if special.eos is None:
+        return "examples: each ends with the separator (a byte-level vocabulary has no end-of-text token)"
+    bos = f", start with {special.bos} (the tokenizer adds it)" if special.prefix else ""
+    return f"examples: each ends with {special.eos} (id {special.eos_id}, from {special.eos_from}){bos}"
+
+
 def eval_rows(examples: ExampleSet, block_size: int, packing: bool) -> list[list[int]]:
     """The validation rows: every validation example once, in order (packed, or one per row)."""
     if not packing:
@@ -187,7 +199,11 @@ class SFTData:
         return tok[:first], self.answer(tok[first:][learn[first:]])
 
     def answer(self, tokens) -> str:
-        """Generated ids as text, cut at the first end of turn or end of text (`END_MARKS`, the template's eos)."""
+        """Generated ids as text, cut at the first stop id (the tokenizer's EOS and generation_config.json's), then at
+        the first end of turn or end of text written out (`END_MARKS`, the template's eos: byte-level vocabularies)."""
+        tokens = [int(t) for t in tokens]
+        stops = set(self.tokenizer.special.stop_ids)
+        tokens = tokens[: next((i for i, t in enumerate(tokens) if t in stops), len(tokens))]
         text = self.decode(tokens)
         marks = END_MARKS + tuple(t for t in [(self.template.special if self.template else {}).get("eos_token")] if t)
         cut = min([text.find(m) for m in marks if m in text] or [len(text)])
@@ -280,7 +296,9 @@ def sft_data(
     )
     source = builtin_source(str(data.path), cache_dir)  # "stdlib:messages": the stdlib's functions
     train, val, info = load_examples(source, cache_dir, tokenizer, spec, rank=rank, log=log)
-    pad = separator_ids(tokenizer)[-1]
+    special = tokenizer.special
+    pad = next((i for i in (special.pad_id, special.eos_id) if i is not None), separator_ids(tokenizer)[-1])
+    log(_ends(tokenizer, info["fmt"], template))
     sampler = ExampleSampler(
         train,
         batch_size=batch_size,

@@ -10,15 +10,20 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import datetime
 import functools
 import gzip
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from jinja2 import nodes
+from jinja2.ext import Extension
 
 from functrain.data.errors import DataError
 from functrain.data.shards import BadLines, shard_files, shard_kind
@@ -34,6 +39,7 @@ __all__ = [
     "TemplateError",
     "chat_template_of",
     "detect_format",
+    "example_end",
     "first_record",
     "has_chat_template",
     "read_records",
@@ -135,12 +141,21 @@ def resolve_train_on(train_on: str, fmt: str) -> str:
     return train_on
 
 
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
 class ChatTemplate:
     """A Hugging Face chat template (Jinja), rendered as transformers renders it.
 
     Args:
       source: the template text.
-      special: the variables templates read besides `messages`: `bos_token`, `eos_token`.
+      special: the variables templates read besides `messages`: `bos_token`, `eos_token`, `pad_token`,
+        `unk_token` (the tokenizer's `SpecialTokens.template_vars()`).
+      name: where the template comes from (a file, "<dir>/tokenizer_config.json"): errors name it and the line.
+
+    Attributes:
+      has_generation: the template marks the assistant's text with `{% generation %}` blocks; then
+        those blocks are what `train_on="assistant"` learns (transformers' `return_assistant_tokens_mask`).
 
     Example:
       >>> t = ChatTemplate(DEFAULT_CHAT_TEMPLATE)
@@ -148,10 +163,18 @@ class ChatTemplate:
       '<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n'
     """
 
-    def __init__(self, source: str, special: Mapping[str, str] | None = None):
+    def __init__(self, source: str, special: Mapping[str, str] | None = None, name: str = "the chat template"):
         self.source = source
         self.special = dict(special or {})
-        self._template = _jinja_env().from_string(source)
+        self.name = name
+        self.has_generation = bool(_GENERATION.search(source))
+        try:
+            self._template = _jinja_env().from_string(source)
+        except Exception as exc:  # noqa: BLE001 - jinja2's syntax errors, named with the line
+            raise TemplateError(
+                f"{name}:{getattr(exc, 'lineno', '?')}: not a Jinja template ({exc}); fix it or pass another "
+                "(--config.data.chat_template)"
+            ) from None
 
     def render(self, messages: list, *, add_generation_prompt: bool = False) -> str:
         """The conversation as text.
@@ -165,6 +188,54 @@ class ChatTemplate:
         """
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
+    def render_spans(self, messages: list) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation as text and the (start, end) characters of each `{% generation %}` block in it.
+
+        Example:
+          >>> text, spans = template.render_spans(msgs)      # spans: the assistant turns' text
+        """
+        spans: list[tuple[int, int]] = []
+        pieces: list[str] = []
+        token = _TRACKER.set((pieces, spans))
+        try:
+            for piece in self._template.generate(messages=messages, add_generation_prompt=False, **self.special):
+                pieces.append(piece)
+        finally:
+            _TRACKER.reset(token)
+        return "".join(pieces), spans
+
+    def where(self, exc: BaseException) -> str:
+        """`name:line` of the template line an exception was raised at (the name alone when unknown)."""
+        tb, line = exc.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == "<template>":
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        return f"{self.name}:{line}" if line is not None else self.name
+
+
+_TRACKER: contextvars.ContextVar = contextvars.ContextVar("functrain_generation_spans", default=None)
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}`: renders its body and, while `render_spans` runs, records where."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+    def _track(self, caller) -> str:
+        text = caller()
+        tracking = _TRACKER.get()
+        if tracking is not None:
+            pieces, spans = tracking
+            start = sum(len(p) for p in pieces)
+            spans.append((start, start + len(text)))
+        return text
+
 
 def _raise(message: str):
     """The templates' `raise_exception`."""
@@ -174,16 +245,15 @@ def _raise(message: str):
 @functools.lru_cache(maxsize=1)
 def _jinja_env():
     """A sandboxed Jinja environment with what chat templates use (as transformers sets it up)."""
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise DataError("the messages format renders a chat template with jinja2: pip install jinja2") from None
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         """Jinja's tojson as transformers defines it (no HTML escaping)."""
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, "jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -199,14 +269,16 @@ def has_chat_template(directory: str | Path) -> bool:
     return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
-def chat_template_of(directory: str | Path | None) -> ChatTemplate:
+def chat_template_of(directory: str | Path | None, special: Mapping[str, str] | None = None) -> ChatTemplate:
     """The chat template of a model (or tokenizer) directory, or `DEFAULT_CHAT_TEMPLATE`.
 
     Reads `chat_template.jinja`, else `tokenizer_config.json`'s `chat_template` (a string, or a list of
-    {name, template}: the one named "default"), with its `bos_token` / `eos_token`.
+    {name, template}: the one named "default").
 
     Args:
       directory: the directory, or None (the default template).
+      special: the template's special-token variables (the tokenizer's `special.template_vars()`); default
+        tokenizer_config.json's `bos_token` / `eos_token`.
 
     Returns:
       A `ChatTemplate`.
@@ -214,7 +286,7 @@ def chat_template_of(directory: str | Path | None) -> ChatTemplate:
     Example:
       >>> chat_template_of("runs/hf/export").render([{"role": "user", "content": "hi"}])
     """
-    source, special = None, {}
+    source, name, found = None, "the default chat template", {}
     d = Path(directory) if directory is not None else None
     config = d / "tokenizer_config.json" if d is not None else None
     if config is not None and config.is_file():
@@ -222,25 +294,32 @@ def chat_template_of(directory: str | Path | None) -> ChatTemplate:
         source = cfg.get("chat_template")
         if isinstance(source, list):
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        for name in ("bos_token", "eos_token"):
-            tok = cfg.get(name)
+        name = f"{config} (chat_template)"
+        for key in ("bos_token", "eos_token"):
+            tok = cfg.get(key)
             tok = tok.get("content") if isinstance(tok, dict) else tok
             if isinstance(tok, str):
-                special[name] = tok
+                found[key] = tok
     if d is not None and (d / "chat_template.jinja").is_file():
-        source = (d / "chat_template.jinja").read_text()
-    return ChatTemplate(source or DEFAULT_CHAT_TEMPLATE, special)
+        source, name = (d / "chat_template.jinja").read_text(), str(d / "chat_template.jinja")
+    if not source:
+        name = "the default chat template"
+    return ChatTemplate(source or DEFAULT_CHAT_TEMPLATE, found if special is None else special, name)
 
 
 def _field(record: Mapping, fields: Mapping[str, str], name: str, where: str, default=None):
-    """`record`'s value for format field `name` (renamed by `fields`)."""
+    """`record`'s value for format field `name` (renamed by `fields`); `default` where it is optional."""
     key = fields.get(name, name)
-    value = record.get(key, default)
-    if value is None and default is None:
+    if key not in record:
+        if default is not None:
+            return default
         raise DataError(
             f"{where}: no field {key!r} (fields: {', '.join(list(record)[:12])}); map it with --config.data.fields"
         )
-    return value
+    value = record[key]
+    if value is None and default is None:
+        raise DataError(f"{where}: field {key!r} is null; give it a value or leave the record out")
+    return default if value is None else value
 
 
 def _text(value, where: str, key: str) -> str:
@@ -250,13 +329,31 @@ def _text(value, where: str, key: str) -> str:
     return value
 
 
-def _message_pieces(messages, template: ChatTemplate, train_on: str, where: str) -> list[tuple[str, bool]]:
-    """(text, learned) pieces of a conversation, from rendering it one message at a time."""
+def _messages(messages, where: str) -> list[dict]:
+    """A conversation as [{"role", "content"}] (other keys dropped)."""
     if not isinstance(messages, list) or not all(
         isinstance(m, Mapping) and "role" in m and "content" in m for m in messages
     ):
         raise DataError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _rendered(template: ChatTemplate, where: str, messages: list[dict], **options) -> Any:
+    """`template.render(messages, **options)` (`spans=True`: `render_spans`), a template's own failure as one line
+    naming the example and the template's file:line."""
+    try:
+        return template.render_spans(messages) if options.pop("spans", False) else template.render(messages, **options)
+    except TemplateError as exc:
+        raise TemplateError(f"{where}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a template's own error, named with the example and the line
+        raise TemplateError(
+            f"{where}: the chat template failed at {template.where(exc)} ({type(exc).__name__}: {exc}); fix the "
+            "record or the template (--config.data.chat_template)"
+        ) from None
+
+
+def _message_pieces(messages: list[dict], template: ChatTemplate, train_on: str, where: str) -> list[tuple[str, bool]]:
+    """(text, learned) pieces of a conversation, from rendering it one message at a time."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     learned = set(turns[-1:]) if train_on == "last" else set(turns)
     pieces, done, done_n = [], "", 0
@@ -267,36 +364,42 @@ def _message_pieces(messages, template: ChatTemplate, train_on: str, where: str)
             raise TemplateError(
                 f"{where}: the chat template renders the first {done_n} message(s) differently inside the first {n}, "
                 "so the turns' spans are unknown (e.g. a template that rewrites earlier turns); use a template that "
-                "renders each prefix as the start of the next (--config.data.chat_template), or "
-                "--config.data.train_on=all"
+                "renders each prefix as the start of the next, or marks the assistant's text with {% generation %} "
+                "(--config.data.chat_template), or --config.data.train_on=all"
             )
         pieces.append((text[len(done) :], target))
         done, done_n = text, n
 
-    try:
-        for i, m in enumerate(messages):
-            if m["role"] == "assistant":  # its header is prompt, its content and end of turn are learned
-                extend(template.render(messages[:i], add_generation_prompt=True), train_on == "all", i)
-            extend(template.render(messages[: i + 1]), train_on == "all" or i in learned, i + 1)
-    except TemplateError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a template's own error, named with the example
-        raise TemplateError(
-            f"{where}: the chat template failed ({type(exc).__name__}: {exc}); fix the record or "
-            "the template (--config.data.chat_template)"
-        ) from None
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":  # its header is prompt, its content and end of turn are learned
+            extend(_rendered(template, where, messages[:i], add_generation_prompt=True), False, i)
+        extend(_rendered(template, where, messages[: i + 1]), i in learned, i + 1)
     return pieces
 
 
-def _pieces(
-    record: Mapping, fmt: str, fields: Mapping[str, str], template: ChatTemplate | None, train_on: str, where: str
-) -> list[tuple[str, bool]]:
-    """The (text, learned) pieces of one example (the end-of-text ids are the caller's)."""
+def _whole_example(messages: list[dict], template: ChatTemplate, tokenizer, train_on: str, where: str) -> Example:
+    """A conversation rendered once and tokenized whole (as transformers' `apply_chat_template`): every token learned
+    with `train_on="all"`, else those overlapping its `{% generation %}` blocks (`return_assistant_tokens_mask`)."""
+    text, spans = _rendered(template, where, messages, spans=True)
+    if train_on == "last":
+        spans = spans[-1:]
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    targets = np.zeros(len(ids), bool)
+    k = 0
+    for i, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        targets[i] = end > spans[k][0]
+    if train_on == "all":
+        targets[:] = True
+    return Example(np.asarray(ids, np.int64), targets)
+
+
+def _pieces(record: Mapping, fmt: str, fields: Mapping[str, str], train_on: str, where: str) -> list[tuple[str, bool]]:
+    """The (text, learned) pieces of one example of a format other than messages."""
     completion = train_on in ("completion", "all")
-    if fmt == "messages":
-        if template is None:
-            raise DataError(f"{where}: a messages record is rendered by a chat template, and none was given")
-        return _message_pieces(_field(record, fields, "messages", where), template, train_on, where)
     if fmt == "text":
         return [(_text(_field(record, fields, "text", where), where, "text"), True)]
     if fmt == "prompt_completion":
@@ -314,6 +417,27 @@ def _pieces(
     return [(prompt, train_on == "all"), (answer, completion)]
 
 
+def example_end(tokenizer) -> list[int]:
+    """The ids every example of a format other than messages ends with: the tokenizer's EOS; for one with no
+    special tokens at all (bytes), its separator.
+
+    Raises:
+      DataError: a `tokenizers` vocabulary in which no EOS was found (one line naming `data.eos_token`).
+
+    Example:
+      >>> example_end(HFTokenizer("Qwen2.5-0.5B-Instruct"))       # [151645]: <|im_end|>
+    """
+    if tokenizer.eos_id is not None:
+        return [tokenizer.eos_id]
+    if getattr(tokenizer, "path", None) is not None:
+        raise DataError(
+            f"{tokenizer.path}: no end-of-text token found (no eos_token in a tokenizer_config.json beside it, nor "
+            "a known end-of-text name in its vocabulary), so examples could not end and the model would never "
+            "learn to stop; name it with --config.data.eos_token=<token of its vocabulary>"
+        )
+    return separator_ids(tokenizer)
+
+
 def render(
     record: Mapping,
     fmt: str,
@@ -329,15 +453,18 @@ def render(
     Args:
       record: the example (a parsed JSON object / parquet row).
       fmt: one of `FORMATS`.
-      tokenizer: a functrain tokenizer (`encode(text) -> ids`, no special tokens added).
+      tokenizer: a functrain tokenizer (`encode(text) -> ids`, no special tokens added; `special`).
       train_on: a resolved `TRAIN_ON` choice (`resolve_train_on`).
       fields: {format field: the record's field}.
       template: the chat template (messages).
       where: names the example in errors (e.g. "data/a.jsonl:12").
 
     Returns:
-      The `Example`. Every format but messages ends with the tokenizer's end-of-text id (its
-      separator for one without), learned with the completion.
+      The `Example`. A conversation is the template's text: tokenized whole where the template has
+      `{% generation %}` blocks (what `assistant` learns) or `train_on="all"`, else one message at a time
+      (the spans of the assistant turns: each prefix must render as the start of the next); every other
+      format is the tokenizer's prefix (Llama-3's BOS), the text, EOS (`example_end`; not added again after a
+      text that ends with it, as TRL) learned with the completion, and the tokenizer's suffix.
 
     Raises:
       DataError / TemplateError: a missing field or a template that gives no spans (one line).
@@ -346,16 +473,25 @@ def render(
       >>> ex = render({"messages": msgs}, "messages", tok, train_on="assistant", template=chat_template_of(d))
     """
     fields = dict(fields or {})
-    pieces = _pieces(record, fmt, fields, template, train_on, where)
-    ids, mask = [], []
+    special = tokenizer.special
+    if fmt == "messages":
+        if template is None:
+            raise DataError(f"{where}: a messages record is rendered by a chat template, and none was given")
+        messages = _messages(_field(record, fields, "messages", where), where)
+        if template.has_generation or train_on == "all":
+            return _whole_example(messages, template, tokenizer, train_on, where)
+        pieces, start, end = _message_pieces(messages, template, train_on, where), [], []
+    else:
+        pieces = _pieces(record, fmt, fields, train_on, where)
+        ends_with_eos = special.eos is not None and pieces[-1][0].endswith(special.eos)
+        start, end = list(special.prefix), ([] if ends_with_eos else example_end(tokenizer)) + list(special.suffix)
+    ids, mask = [np.asarray(start, np.int64)], [np.zeros(len(start), bool)]
     for text, learned in pieces:
         t = np.asarray(tokenizer.encode(text), dtype=np.int64) if text else np.zeros(0, np.int64)
         ids.append(t)
         mask.append(np.full(len(t), learned, bool))
-    if fmt != "messages":  # the end of the example is learned with its last piece (EOS is learned even when pad)
-        end = np.asarray(separator_ids(tokenizer), np.int64)
-        ids.append(end)
-        mask.append(np.full(len(end), pieces[-1][1], bool))
+    ids.append(np.asarray(end, np.int64))  # the end of the example is learned with its last piece (EOS even when pad)
+    mask.append(np.full(len(end), bool(pieces) and pieces[-1][1], bool))
     tokens, targets = np.concatenate(ids), np.concatenate(mask)
     targets[:1] = False  # the first token is predicted from nothing: never a target
     return Example(tokens, targets)

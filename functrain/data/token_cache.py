@@ -47,9 +47,8 @@ POOL_BYTES = 64 << 20
 
 
 def tokenizer_id(tokenizer) -> str:
-    """'bytes', or 'tokenizers:<sha256 of its tokenizer.json>'."""
-    sha = getattr(tokenizer, "sha256", None)
-    return f"tokenizers:{sha}" if sha else "bytes"
+    """'bytes', or 'tokenizers:<sha256 of its tokenizer.json>[:<digest of its special tokens>]'."""
+    return getattr(tokenizer, "identity", "bytes")
 
 
 def _deal(sizes: list[int], world: int) -> list[int]:
@@ -152,7 +151,7 @@ def tokenize(
     job = {
         "out": str(out),
         "root": str(root),
-        "tokenizer": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
+        "tokenizer": None if isinstance(tokenizer, ByteTokenizer) else [str(tokenizer.path), tokenizer.eos_token],
         "tok": tok,
         "text_field": text_field,
         "val_fraction": val_fraction,
@@ -324,13 +323,14 @@ def _report_bad(markers: list[dict], log) -> None:
 _TOKENIZERS: dict = {}
 
 
-def _tokenizer(path: str | None):
-    """The tokenizer of a job (loaded once per process)."""
-    if path is None:
+def _tokenizer(spec: list | None):
+    """The tokenizer of a job: None (bytes) or [tokenizer.json, eos_token] (loaded once per process)."""
+    if spec is None:
         return ByteTokenizer()
-    if path not in _TOKENIZERS:
-        _TOKENIZERS[path] = HFTokenizer(path)
-    return _TOKENIZERS[path]
+    key = tuple(spec)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = HFTokenizer(*spec)
+    return _TOKENIZERS[key]
 
 
 def _encode(tokenizer, pieces: list, ends: np.ndarray, sep: list[int], dtype) -> tuple[np.ndarray, np.ndarray]:

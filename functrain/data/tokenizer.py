@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import uuid
 from collections.abc import Iterable, Mapping
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from functrain.data.errors import DataError
+from functrain.data.special_tokens import END_OF_TEXT_NAMES, SpecialTokens, read_special_tokens
 
 __all__ = ["ByteTokenizer", "VocabTokenizer", "IdTokenizer", "HFTokenizer", "train_bpe", "END_OF_TEXT", "SEPARATOR"]
 
@@ -34,8 +36,6 @@ def separator_ids(tokenizer) -> list[int]:
 
 END_OF_TEXT = "<|endoftext|>"
 """The document separator token `train_bpe` adds (GPT-2's name for it)."""
-
-_END_TOKENS = (END_OF_TEXT, "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>")
 
 
 def _as_ids(tokens) -> list[int]:
@@ -56,6 +56,8 @@ class ByteTokenizer:
 
     name = "bytes"
     vocab_size = 256
+    special = SpecialTokens()  # no special tokens: examples and documents end with SEPARATOR
+    eos_id = None
 
     def encode(self, text: str) -> np.ndarray:
         """Encodes text.
@@ -71,6 +73,16 @@ class ByteTokenizer:
           array([97, 98])
         """
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """The ids of `text` and, for each, the (start, end) characters it comes from (`HFTokenizer`'s form).
+
+        Example:
+          >>> ByteTokenizer().encode_with_offsets("é")
+          (array([195, 169]), [(0, 1), (0, 1)])
+        """
+        spans = [(i, i + 1) for i, c in enumerate(text) for _ in range(len(c.encode("utf-8")))]
+        return self.encode(text), spans
 
     def decode(self, tokens) -> str:
         """Decodes token ids to text (invalid UTF-8, e.g. a cut multi-byte character, becomes U+FFFD).
@@ -102,6 +114,8 @@ class VocabTokenizer:
     """
 
     name = "vocab"
+    special = SpecialTokens()
+    eos_id = None
 
     def __init__(self, itos: Mapping[int, str] | Iterable[str], stoi: Mapping[str, int] | None = None):
         items = itos.items() if isinstance(itos, Mapping) else enumerate(itos)
@@ -126,6 +140,10 @@ class VocabTokenizer:
         if missing:
             raise DataError(f"characters {missing[:10]!r} are not in the dataset's vocabulary")
         return np.array([self.stoi[c] for c in text], dtype=np.int64)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """The ids of `text` and the (start, end) character of each (one character a token)."""
+        return self.encode(text), [(i, i + 1) for i in range(len(text))]
 
     def decode(self, tokens) -> str:
         """Decodes ids by table lookup (unknown ids become U+FFFD).
@@ -155,6 +173,8 @@ class IdTokenizer:
     """
 
     name = "ids"
+    special = SpecialTokens()
+    eos_id = None
 
     def __init__(self, vocab_size: int):
         self.vocab_size = int(vocab_size)
@@ -197,19 +217,24 @@ class IdTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer read from a `tokenizer.json`.
+    """A Hugging Face `tokenizers` tokenizer read from a `tokenizer.json`, with the special tokens of the
+    configs beside it as transformers reads them (`functrain.data.special_tokens`).
 
     Args:
       path: the `tokenizer.json` (or a directory holding one).
+      eos_token: the end-of-text token to use instead of the directory's (`data.eos_token`), or None.
 
     Attributes:
       vocab_size: number of ids (special tokens included).
-      eos_id: the id of its end-of-text token (`<|endoftext|>`, `</s>`, ...), or None; documents
-        are joined with it in token files.
-      sha256: the file's hash (token caches are keyed by it).
+      special: the `SpecialTokens` (BOS, EOS, PAD, what the tokenizer adds around a text, stop ids).
+      eos_id: the end-of-text id (tokenizer_config.json's `eos_token`; for a bare tokenizer.json the first
+        of `special_tokens.END_OF_TEXT_NAMES` it holds), or None. Examples end with it, documents of
+        token files are joined with it.
+      sha256: the file's hash.
+      identity: "tokenizers:<sha256>[:<special tokens' digest>]": token caches and data records are keyed by it.
 
     Raises:
-      DataError: the file is missing or not a tokenizer (one line naming it).
+      DataError: the file is missing or not a tokenizer, or a config names a token it lacks (one line).
 
     Example:
       >>> tok = HFTokenizer("SmolLM-135M/tokenizer.json")
@@ -217,7 +242,7 @@ class HFTokenizer:
       'def main():'
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
         from tokenizers import Tokenizer
 
         path = Path(path).expanduser()
@@ -233,10 +258,17 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - tokenizers raises its own Exception type
             raise DataError(f"{path}: not a tokenizers file ({str(exc).splitlines()[0]})") from None
         self.path = path
+        self.eos_token = eos_token or None
         self.name = f"tokenizers:{path.name}"
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = next((i for t in _END_TOKENS if (i := self._tok.token_to_id(t)) is not None), None)
+        self.special = read_special_tokens(self._tok, path.parent, self.eos_token)
+        self.eos_id = self.special.eos_id
+        marks = [self.special.eos_id, list(self.special.prefix), list(self.special.suffix)]
+        guess = (self._tok.token_to_id(t) for t in END_OF_TEXT_NAMES)  # what the identity held before configs
+        default: list = [next((i for i in guess if i is not None), None), [], []]
+        digest = hashlib.sha256(json.dumps(marks).encode()).hexdigest()[:8]
+        self.identity = f"tokenizers:{self.sha256}" + ("" if marks == default else f":{digest}")
 
     def encode(self, text: str) -> np.ndarray:
         """Encodes text (no special tokens added).
@@ -251,6 +283,15 @@ class HFTokenizer:
           >>> tok.encode("hello")
         """
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """The ids of `text` (no special tokens added) and the (start, end) characters each comes from.
+
+        Example:
+          >>> ids, offsets = tok.encode_with_offsets("hello world")
+        """
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, dtype=np.int64), [(int(a), int(b)) for a, b in enc.offsets]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encodes many texts at once (in parallel threads).

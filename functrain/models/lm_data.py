@@ -128,30 +128,37 @@ def supervised_format(data) -> str:
     if data.get("sources") or not data_lib.is_shard_source(str(data.path)):
         return "text"
     record = data_lib.first_record(str(data.path))
-    if record is None or data.get("text_field", "text") in record:
+    if record is None:
+        raise data_lib.DataError(
+            f"data.path {data.path!r} holds no record (empty files); add examples, one JSON object per line "
+            "(prompt/completion, messages, instruction/output or text)"
+        )
+    if data.get("text_field", "text") in record:
         return "text"
     return data_lib.detect_format(record, dict(data.get("fields") or {}))
 
 
 def chat_template(config, model_dir, tokenizer) -> data_lib.ChatTemplate:
     """The chat template `data.chat_template` names: "auto": the model directory's, else the tokenizer file's
-    directory's, else the default; "default"; a .jinja file; a directory with a tokenizer_config.json."""
+    directory's, else the default; "default"; a .jinja file; a directory with a tokenizer_config.json. It
+    renders with the tokenizer's special tokens (`bos_token`, `eos_token`, ...), as transformers renders it."""
     spec = config.data.get("chat_template", "auto")
+    special = (tokenizer.special.template_vars() or None) if tokenizer is not None else None
     if spec == "default":
-        return data_lib.chat_template_of(None)
+        return data_lib.chat_template_of(None, special)
     if spec != "auto":
         path = Path(spec).expanduser()
         if path.is_file():
-            return data_lib.ChatTemplate(path.read_text())
+            return data_lib.ChatTemplate(path.read_text(), special, name=str(path))
         if not path.is_dir():
             raise validate.ConfigError(
                 f"data.chat_template={spec!r} is neither a .jinja file nor a directory; give one, or 'auto' / 'default'"
             )
-        return data_lib.chat_template_of(path)
+        return data_lib.chat_template_of(path, special)
     for d in (model_dir, getattr(tokenizer, "path", None) and Path(tokenizer.path).parent):
         if d is not None and data_lib.has_chat_template(d):
-            return data_lib.chat_template_of(d)
-    return data_lib.chat_template_of(None)
+            return data_lib.chat_template_of(d, special)
+    return data_lib.chat_template_of(None, special)
 
 
 def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
@@ -181,7 +188,7 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
     spec = config.data.tokenizer
     if spec == "auto" and hf is not None:
         if hf.tokenizer_file is not None:
-            return data_lib.HFTokenizer(hf.tokenizer_file)
+            return data_lib.HFTokenizer(hf.tokenizer_file, config.data.get("eos_token") or None)
         vocab = hf.config.get("vocab_size")
         if vocab == 256:  # a byte-level model (what functrain exports after a run on bytes)
             return None
@@ -205,7 +212,7 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
         return data_lib.train_tokenizer(
             paths[0], cache_dir, int(spec[4:]), text_field=config.data.text_field, val_fraction=config.data.val_fraction
         )
-    return data_lib.HFTokenizer(spec)
+    return data_lib.HFTokenizer(spec, config.data.get("eos_token") or None)
 
 
 def check_packing(config, ctx) -> None:

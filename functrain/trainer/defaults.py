@@ -198,6 +198,9 @@ def data_config() -> ml_collections.ConfigDict:
     d.chat_template = (
         "auto"  # messages: the model directory's template | "default" (ChatML) | a .jinja file | a directory
     )
+    # The end-of-text token examples end with and generation stops at: "" = the tokenizer directory's
+    # (tokenizer_config.json's eos_token, as transformers reads it); or a token of its vocabulary
+    d.eos_token = ""
     # A resume whose data differs from its checkpoint's (files, sizes, sha256, tokenizer) stops;
     # True goes on with the data as it is and logs what changed
     d.allow_changed = False
