@@ -320,3 +320,118 @@ def test_auto_skips_in_one_line_where_an_explicit_task_stops():
 def test_a_context_of_white_space_only_is_the_empty_context():
     assert pair_row(BYTES, "\n  \n", "x", prefix_id=10, block_size=8) == Row([10, 32, 32, 10, 120], 4)
     assert pair_row(BYTES, "  ", "x", prefix_id=10, block_size=8) == Row([10, 32, 32, 120], 3)
+
+
+def _nanogpt_hellaswag(model, params, tokenizer, records) -> tuple[float, float]:
+    """(acc, acc_norm) of nanoGPT's hellaswag.py (karpathy/build-nanogpt), its `render_example` and scoring loop
+    as written there: `ctx` and `" " + ending` encoded apart, the ending's cross-entropy summed and averaged."""
+    import torch.nn.functional as F
+
+    right = right_norm = 0
+    for example in records:
+        ctx_tokens = [int(t) for t in tokenizer.encode(example["ctx"])]
+        tok_rows, mask_rows = [], []
+        for end in example["endings"]:
+            end_tokens = [int(t) for t in tokenizer.encode(" " + end)]
+            tok_rows.append(ctx_tokens + end_tokens)
+            mask_rows.append([0] * len(ctx_tokens) + [1] * len(end_tokens))
+        max_len = max(len(row) for row in tok_rows)
+        tokens = torch.zeros((len(tok_rows), max_len), dtype=torch.long)
+        mask = torch.zeros((len(tok_rows), max_len), dtype=torch.long)
+        for i, (tok_row, mask_row) in enumerate(zip(tok_rows, mask_rows)):
+            tokens[i, : len(tok_row)] = torch.tensor(tok_row)
+            mask[i, : len(mask_row)] = torch.tensor(mask_row)
+        logits = model.logits(params, None, tokens)
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_tokens = tokens[..., 1:].contiguous()
+        shift_losses = F.cross_entropy(
+            shift_logits.view(-1, shift_logits.size(-1)), shift_tokens.view(-1), reduction="none"
+        ).view(tokens.size(0), -1)
+        shift_mask = mask[..., 1:].contiguous()
+        sum_loss = (shift_losses * shift_mask).sum(dim=1)
+        avg_loss = sum_loss / shift_mask.sum(dim=1)
+        right += int(sum_loss.argmin().item() == int(example["label"]))
+        right_norm += int(avg_loss.argmin().item() == int(example["label"]))
+    return right / len(records), right_norm / len(records)
+
+
+def _hellaswag_rows(n: int) -> list[dict]:
+    """HellaSwag records whose raw and cleaned texts differ ([title], [header], double spaces)."""
+    import random
+
+    pick = random.Random(5)
+    words = ["the", "man", "a", "woman", "ball", "[title]", "[header]", "then", "runs", "water", "  ", "dog", "red"]
+
+    def text(k):
+        return " ".join(pick.choice(words) for _ in range(k)).strip() or "x"
+
+    rows = []
+    for i in range(n):
+        ctx_a, ctx_b = text(6) + ".", text(2)
+        rows.append(
+            {
+                "ind": i,
+                "activity_label": text(2).replace("[title]", "Label"),
+                "ctx_a": ctx_a,
+                "ctx_b": ctx_b,
+                "ctx": ctx_a + " " + ctx_b,
+                "endings": [text(pick.randint(2, 6)) for _ in range(4)],
+                "label": pick.randint(0, 3),
+            }
+        )
+    return rows
+
+
+def test_acc_mean_token_is_nanogpts_hellaswag_acc_norm(tmp_path):
+    """eval.mean_token=nanogpt (the default) equals nanoGPT's hellaswag.py acc_norm on the same rows and model; the
+    harness's rendering (the cleaned query, the pair tokenized together) gives another number on these rows."""
+    model, params = _tiny_gpt_model(block=128)
+    records = _hellaswag_rows(48)
+    examples = choice.load(_jsonl(tmp_path / "hs.jsonl", records))
+    ours = choice.evaluate(model, params, examples, scorer=fe.Scorer(model, batch_size=16))
+    _, nanogpt_norm = _nanogpt_hellaswag(model, params, BYTES, records)
+    assert ours["acc_mean_token"] == nanogpt_norm
+    harness = choice.evaluate(model, params, examples, scorer=fe.Scorer(model, batch_size=16), mean_token="harness")
+    assert harness["acc_mean_token"] != ours["acc_mean_token"]
+    assert (harness["acc"], harness["acc_norm"]) == (ours["acc"], ours["acc_norm"])  # those stay the harness's
+
+
+@pytest.mark.parametrize(
+    "record, says",
+    [
+        ({"context": "Q", "choices": "bc", "label": 0}, "choices is the string 'bc', not a list"),
+        ({"ctx": "Q", "endings": "wxyz", "label": 0}, "endings is the string 'wxyz', not a list"),
+        ({"context": "Q", "choices": ["a", "b"], "label": 1.0}, "label 1.0 is a float, not an integer"),
+        ({"context": "Q", "choices": ["a", "b"], "label": True}, "label True is a bool, not an integer"),
+        ({"context": "Q", "choices": ["a", "b"], "label": "1.0"}, "label '1.0' is not an integer"),
+    ],
+)
+def test_choices_and_labels_of_the_wrong_type_are_one_line(tmp_path, record, says):
+    path = _jsonl(tmp_path / "bad.jsonl", [record])
+    with pytest.raises(data_lib.DataError) as err:
+        choice.load(path)
+    assert str(err.value).startswith(f"{path}:1: ") and says in str(err.value) and "\n" not in str(err.value)
+    assert choice.load(_jsonl(tmp_path / "ok.jsonl", [{"ctx": "Q", "endings": ["a", "b"], "label": "1"}]))[0].label == 1
+
+
+def test_a_stop_asked_during_the_scores_ends_them_within_a_batch(tmp_path):
+    """The in-loop hook asks `interrupt()` before each batch: once it says stop, no further forward runs and no
+    score is written (the loop then stops after its next step with a checkpoint)."""
+    from functrain.trainer import downstream
+
+    model, params = _tiny_gpt_model(block=128)
+    examples = choice.load(_jsonl(tmp_path / "hs.jsonl", _hellaswag_rows(40)))
+    forwards = []
+    scorer = fe.Scorer(model, batch_size=8)
+    score = scorer._unit
+    scorer._unit = lambda *a: (forwards.append(a), score(*a))[1]
+    asked = []
+    written = []
+    writer = type("W", (), {"write": lambda self, step, row: written.append(row)})()
+    how = downstream.Scoring(interrupt=lambda: (asked.append(1), len(asked) > 3)[1], print_fn=lambda line: None)
+    hook = downstream.MultipleChoice(10, {"hs": examples}, model, scorer, writer, how)
+    state = type("S", (), {"params": params, "model_state": None, "frozen": None})()
+    assert hook.evaluate(10, state) == {} and written == []
+    assert len(forwards) == 3 and len(asked) == 4  # 3 batches ran, the 4th was not started (of 20+)
+    how.interrupt = None
+    assert set(hook.evaluate(10, state)) == {f"mc/hs/{m}" for m in choice.METRICS} and len(forwards) > 20

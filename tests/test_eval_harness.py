@@ -7,6 +7,7 @@ through `lm_eval.simple_evaluate` gives the same acc and acc_norm with either mo
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -197,3 +198,95 @@ def test_from_checkpoint_reads_the_params_of_a_saved_state(gpt_pair, tmp_path):
     assert all(torch.equal(restored.params[k], params[k]) for k in params)
     requests = _instances("loglikelihood", PAIRS[:3])
     assert restored.loglikelihood(requests) == FunctrainLM(model, params, batch_size=4).loglikelihood(requests)
+
+
+@pytest.mark.numeric
+def test_max_length_defaults_as_hflms(hf_pair, tokenizer):
+    """Neither side given a length: both read the model's positions (the Qwen2's max_position_embeddings=64, twice
+    the trained block), so a long text's rolling log-likelihood is scored in the same windows."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import PreTrainedTokenizerFast
+
+    model, params, hflm = hf_pair
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer.path), eos_token=data_lib.END_OF_TEXT, pad_token=data_lib.END_OF_TEXT
+    )
+    theirs = HFLM(pretrained=hflm.model, tokenizer=tok, batch_size=4, device="cpu", logits_cache=False)
+    ours = FunctrainLM(model, params, batch_size=4)
+    assert ours.max_length == theirs.max_length == 64 != model.block_size
+    texts = ["\n".join(TEXTS[:12])]  # well over 64 tokens: several windows
+    assert len(tokenizer.encode(texts[0])) > 2 * 64
+    rolled = ours.loglikelihood_rolling(_instances("loglikelihood_rolling", [(t,) for t in texts]))
+    reference = theirs.loglikelihood_rolling(_instances("loglikelihood_rolling", [(t,) for t in texts]))
+    assert rolled[0] == pytest.approx(reference[0], abs=1e-3)
+    at_block = FunctrainLM(model, params, batch_size=4, max_length=model.block_size)
+    cut = at_block.loglikelihood_rolling(_instances("loglikelihood_rolling", [(t,) for t in texts]))
+    assert abs(cut[0] - reference[0]) > 1.0  # the windows matter: the test can fail
+
+
+def test_sampling_options_are_transformers_warpers():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from functrain.eval.scorer import Sampling, _warp
+
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, k, p in [(0.7, 0, 0.9), (1.0, 5, 1.0), (1.3, 10, 0.5), (1.0, 0, 0.01)]:
+        ref = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+        if k:
+            ref = TopKLogitsWarper(k)(None, ref)
+        if p < 1:
+            ref = TopPLogitsWarper(p)(None, ref)
+        ours = _warp(logits, Sampling(temperature, k, p))
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref[0]))
+        assert torch.allclose(ours[~torch.isinf(ours)], ref[0][~torch.isinf(ours)])
+
+
+def test_generate_until_takes_the_harness_sampling_options(gpt_pair):
+    model, params, _ = gpt_pair
+    greedy = fe.generate_until(model, params, [("def add(a, b):\n", {"until": ["\n"], "max_gen_toks": 8})])
+    key = rng.key(3)
+    for options in ({"top_k": 1}, {"top_p": 1e-6}):
+        sampled = {"until": ["\n"], "max_gen_toks": 8, "do_sample": True, "temperature": 1.5, **options}
+        assert fe.generate_until(model, params, [("def add(a, b):\n", sampled)], key=key) == greedy
+    wide = {"until": ["\n"], "max_gen_toks": 8, "do_sample": True, "temperature": 1.5, "top_p": 0.95, "top_k": 50}
+    draws = {fe.generate_until(model, params, [("def add(a, b):\n", wide)], key=rng.key(s))[0] for s in range(6)}
+    assert len(draws) > 1
+    for bad, says in (
+        ({"num_beams": 4}, "options ['num_beams'] are not supported"),
+        ({"top_p": 0.0}, "top_p=0.0 is out of range; give a value in (0, 1]"),
+        ({"temperature": -1.0}, "temperature=-1.0 is out of range"),
+        ({"top_k": -2}, "top_k=-2 is out of range"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)) as err:
+            fe.generate_until(model, params, [("x", bad)], key=key)
+        assert "\n" not in str(err.value)
+
+
+def test_simple_evaluate_runs_a_sampling_generate_until_task(gpt_pair, tmp_path):
+    """A generate_until task whose gen_kwargs sample (do_sample, temperature, top_p, top_k, as harness tasks set
+    them) runs through simple_evaluate on the default key, the same twice."""
+    from lm_eval.tasks import TaskManager
+
+    model, params, _ = gpt_pair
+    rows = [{"q": t.split("\n")[0], "a": "x"} for t in TEXTS[:4]]
+    (tmp_path / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "local_gen.yaml").write_text(
+        "task: local_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+        + str(tmp_path / "gen.jsonl")
+        + "\ntest_split: test\noutput_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: true\n  temperature: 0.8\n"
+        "  top_p: 0.9\n  top_k: 20\nmetric_list:\n  - metric: exact_match\n"
+    )
+    manager = TaskManager(include_path=str(tmp_path))
+    runs = [
+        lm_eval.simple_evaluate(
+            model=FunctrainLM(model, params, batch_size=4), tasks=["local_gen"], task_manager=manager, log_samples=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [[s["resps"] for s in r["samples"]["local_gen"]] for r in runs]
+    assert outputs[0] == outputs[1] and "exact_match,none" in runs[0]["results"]["local_gen"]

@@ -341,3 +341,49 @@ def test_sigterm_before_the_first_step_stops_cleanly(tmp_path, phase):
         )
     ), text[-3000:]
     assert ("step 1/2 | loss" in text) == ("stopped (SIGTERM) at step 1" in text), text[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_scores_stops_within_seconds(tmp_path):
+    """SIGTERM while the multiple-choice scores run (before step 1; 20,000 one-row forwards, about a minute when
+    left to finish): the scoring stops between two batches and the run ends at once, rc 0, nothing trained."""
+    import signal
+    import time
+
+    task = tmp_path / "mc.jsonl"
+    task.write_text(
+        "".join(
+            json.dumps({"context": f"def f{i}(x):\n    return", "choices": [" x", " 1", " x + 1", " None"], "label": 0})
+            + "\n"
+            for i in range(5000)
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "functrain.main",
+        f"--config={CONFIG}:tiny",
+        f"--workdir={tmp_path / 'run'}",
+        "--config.model.n_layer=1",
+        "--config.steps=2",
+        f"--config.eval.tasks={task}",
+        "--config.eval.batch_size=1",
+        "--config.eval.compile=False",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("eval:"):
+            break
+    time.sleep(2.0)  # into the scores
+    signalled = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    waited = time.perf_counter() - signalled
+    text = "".join(lines) + out
+    assert proc.returncode == 0 and "Traceback" not in text, text[-3000:]
+    assert "eval: stopped scoring mc at step 0" in text, text[-3000:]
+    assert "stopped (SIGTERM) before step 1: no step taken, nothing to save" in text, text[-3000:]
+    assert waited < 10, f"{waited:.1f}s from the signal to the exit"

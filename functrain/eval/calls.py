@@ -16,7 +16,7 @@ import torch
 
 from functrain.eval.model import EvalModel
 from functrain.eval.requests import pair_row, rolling_rows
-from functrain.eval.scorer import Scorer
+from functrain.eval.scorer import Sampling, Scorer
 
 __all__ = ["generate_until", "loglikelihood", "loglikelihood_rolling"]
 
@@ -103,8 +103,10 @@ def generate_until(
       model: the `EvalModel`.
       params: its params (DTensors: every rank calls this).
       requests: (context, options) pairs, options as the harness's `gen_kwargs`: `until` (a string or
-        a list; the end-of-text token always stops), `max_gen_toks` (default 256), `do_sample` and
-        `temperature` (sampled at `temperature`, default 1, with `do_sample=True`, which needs `key`; else greedy).
+        a list; the end-of-text token always stops), `max_gen_toks` (default 256), `do_sample` (with
+        `do_sample=True`, which needs `key`, the tokens are sampled at `temperature` (default 1) from the
+        `top_k` most likely (0: all) within the `top_p` probability mass, as transformers' logits warpers
+        define them; else greedy, as HFLM).
       key: an `rng` key for sampled requests (request i's tokens drawn from `fold_in(key, i)`).
       model_state: the model's buffers, or None.
       scorer: the `Scorer` to run on.
@@ -113,7 +115,8 @@ def generate_until(
       The continuations, in order; each context keeps its last `block_size - max_gen_toks` tokens.
 
     Raises:
-      ValueError: sampling asked without a key, or an unknown option (one line).
+      ValueError: sampling asked without a key, an option this function does not support, or a value out of
+        range (one line naming it).
 
     Example:
       >>> generate_until(model, params, [("def f(x):\\n", {"until": ["\\n\\n"], "max_gen_toks": 64})])
@@ -125,10 +128,11 @@ def generate_until(
     if any(sampling) and key is None:
         raise ValueError("generate_until: a request samples (do_sample=True); pass key= for its draws")
     texts: list[str] = [""] * len(requests)
-    groups: dict[tuple[int, float], list[int]] = {}  # one generation per (max tokens, temperature)
+    groups: dict[tuple, list[int]] = {}  # one generation per (max tokens, sampling)
     for i, o in enumerate(options):
-        groups.setdefault((o["max_gen_toks"], (o["temperature"] or 1.0) if sampling[i] else 0.0), []).append(i)
-    for (max_new, temperature), members in groups.items():
+        how = Sampling(o["temperature"] or 1.0, o["top_k"], o["top_p"]) if sampling[i] else None
+        groups.setdefault((o["max_gen_toks"], how), []).append(i)
+    for (max_new, how), members in groups.items():
         keep = max(1, model.block_size - max_new)
         prompts = [[int(t) for t in tok.encode(requests[i][0])][-keep:] or [model.prefix_id] for i in members]
         stops = [options[i]["until"] for i in members]
@@ -138,13 +142,7 @@ def generate_until(
             return (model.eos_id is not None and new[-1] == model.eos_id) or any(s in tok.decode(new) for s in stops[j])
 
         new = scorer.extend(
-            params,
-            prompts,
-            max_new,
-            stop=done,
-            key=key if temperature else None,
-            temperature=temperature,
-            model_state=model_state,
+            params, prompts, max_new, stop=done, key=key if how else None, sampling=how, model_state=model_state
         )
         for j, i in enumerate(members):
             texts[i] = _cut(tok.decode(new[j]), stops[j])
@@ -152,18 +150,29 @@ def generate_until(
 
 
 def _options(gen_kwargs: dict) -> dict:
-    """The harness's generation options with their defaults; unknown ones refused."""
-    known = {"until", "max_gen_toks", "do_sample", "temperature"}
+    """The harness's generation options with their defaults; unknown ones and values out of range refused."""
+    known = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}
     unknown = sorted(set(gen_kwargs) - known)
     if unknown:
         raise ValueError(f"generate_until: options {unknown} are not supported; use {sorted(known)}")
     until = gen_kwargs.get("until") or []
-    return {
+    out = {
         "until": [until] if isinstance(until, str) else list(until),
         "max_gen_toks": int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
         "do_sample": bool(gen_kwargs.get("do_sample", False)),
         "temperature": float(gen_kwargs.get("temperature", 0.0) or 0.0),
+        "top_k": int(gen_kwargs.get("top_k", 0) or 0),
+        "top_p": float(gen_kwargs.get("top_p", 1.0) if gen_kwargs.get("top_p") is not None else 1.0),
     }
+    for name, ok, valid in (
+        ("max_gen_toks", out["max_gen_toks"] >= 1, ">= 1"),
+        ("temperature", out["temperature"] >= 0, ">= 0"),
+        ("top_k", out["top_k"] >= 0, ">= 0 (0: every token)"),
+        ("top_p", 0 < out["top_p"] <= 1, "in (0, 1]"),
+    ):
+        if not ok:
+            raise ValueError(f"generate_until: {name}={gen_kwargs[name]!r} is out of range; give a value {valid}")
+    return out
 
 
 def _cut(text: str, stops: list[str]) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from functrain import checkpoint as ckpt_lib
+from functrain import rng
 from functrain.eval import calls
 from functrain.eval.model import EvalModel
 from functrain.eval.scorer import Scorer
@@ -39,7 +40,10 @@ class FunctrainLM(LM):
       model_state: the model's buffers, or None.
       batch_size: rows per forward on each rank.
       compile: compile the forward (plain params), one graph per bucket length.
-      key: an `rng` key for requests that sample (`do_sample=True`); None: such requests are refused.
+      key: the `rng` key requests that sample (`do_sample=True`) draw from; default `rng.key(1234)`
+        (lm-eval's default torch seed): a sampling task runs reproducibly.
+      max_length: the longest input scored or generated from (rolling windows, cut contexts); default as
+        HFLM's: the model's positions (`EvalModel.positions`), else its block.
 
     Example:
       >>> lm = FunctrainLM(model, params)
@@ -55,10 +59,19 @@ class FunctrainLM(LM):
         batch_size: int = 32,
         compile: bool = False,
         key: torch.Tensor | None = None,
+        max_length: int | None = None,
     ):
         super().__init__()
-        self.model, self.params, self.model_state, self.key = model, params, model_state, key
+        length = max_length or model.positions or model.block_size
+        model = model._replace(block_size=int(length))
+        self.model, self.params, self.model_state = model, params, model_state
+        self.key = rng.key(1234) if key is None else key
         self.scorer = Scorer(model, batch_size=batch_size, compile=compile)
+
+    @property
+    def max_length(self) -> int:
+        """The longest input (HFLM's `max_length`)."""
+        return self.model.block_size
 
     @classmethod
     def from_checkpoint(cls, model: EvalModel, step_dir: str | Path, like, **kwargs) -> FunctrainLM:

@@ -18,7 +18,7 @@ from torch import nn
 from functrain import functional
 from functrain.data.tokenizer import separator_ids
 
-__all__ = ["EvalModel", "of_module"]
+__all__ = ["EvalModel", "of_module", "positions_of"]
 
 
 class EvalModel(NamedTuple):
@@ -33,6 +33,8 @@ class EvalModel(NamedTuple):
       prefix_id: the token an empty context starts from (the harness's `prefix_token_id`: BOS, else
         end-of-text; the byte tokenizer's newline).
       eos_id: the end-of-text id generation stops at, or None.
+      positions: the longest input the model's positions allow (its config's `n_positions`,
+        `max_position_embeddings` or `n_ctx`, as lm-eval's HFLM reads them), or None where that is the block.
     """
 
     logits: Callable[[Any, Any, torch.Tensor], torch.Tensor]
@@ -40,6 +42,18 @@ class EvalModel(NamedTuple):
     block_size: int
     prefix_id: int
     eos_id: int | None = None
+    positions: int | None = None
+
+
+def positions_of(module: nn.Module) -> int | None:
+    """The longest input a transformers module's config allows (HFLM's order: `n_positions`,
+    `max_position_embeddings`, `n_ctx`; a composite config's `text_config` first), or None."""
+    config = getattr(module, "config", None)
+    for c in (getattr(config, "text_config", None), config):
+        for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+            if isinstance(getattr(c, attr, None), int):
+                return int(getattr(c, attr))
+    return None
 
 
 def _prefix_of(tokenizer) -> int:
@@ -75,6 +89,7 @@ def of_module(
         block_size,
         _prefix_of(tokenizer) if prefix_id is None else prefix_id,
         eos,
+        positions_of(module),
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -21,7 +22,20 @@ from functrain import tree as tree_lib
 from functrain.eval.model import EvalModel
 from functrain.eval.requests import Row
 
-__all__ = ["Scorer", "default_buckets"]
+__all__ = ["Interrupted", "Sampling", "Scorer", "default_buckets"]
+
+
+class Sampling(NamedTuple):
+    """How `Scorer.extend` samples: the softmax temperature, then the `top_k` most likely tokens (0: all), then the
+    smallest set holding `top_p` of the probability (the most likely always kept): transformers' warpers, in order."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+class Interrupted(Exception):
+    """`Scorer.score` stopped between two batches because its `interrupt()` said so (a preemption)."""
 
 
 def default_buckets(block_size: int, smallest: int = 32) -> tuple[int, ...]:
@@ -99,17 +113,24 @@ class Scorer:
     # -- scoring ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self, params, rows: Sequence[Row], model_state=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(
+        self, params, rows: Sequence[Row], model_state=None, interrupt: Callable[[], bool] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The log-likelihood of each row's scored targets, and whether each is the greedy choice.
 
         Args:
           params: the model's params (plain tensors, or DTensors: then every rank calls this).
           rows: the rows (the same list on every rank).
           model_state: the model's buffers, or None.
+          interrupt: asked before each batch; True stops the scoring (`Interrupted`). Distributed, it must
+            answer the same on every rank (`PreemptionFlag.requested`: agreed over ranks).
 
         Returns:
           (logprob (N,) float64 CPU: the sum over the scored targets of log p, computed in float32;
           greedy (N,) bool CPU: every scored target is the argmax), in `rows`' order, on every rank.
+
+        Raises:
+          Interrupted: `interrupt()` answered True.
 
         Example:
           >>> lp, greedy = Scorer(model).score(params, [Row([5, 6, 7], 2)])
@@ -120,6 +141,8 @@ class Scorer:
         out = torch.zeros(len(rows), 2, dtype=torch.float64)  # (N, [logprob, greedy])
         plan = self._plan([len(r.tokens) - 1 for r in rows], layout)
         for length, members in plan:
+            if interrupt is not None and interrupt():
+                raise Interrupted
             ids, targets, mask = _pack([rows[i] for i in members if i >= 0], length, self.batch_size, device)
             logprob, greedy = self._unit("score", length, sharded)(params, model_state, ids, targets, mask)
             live = [j for j, i in enumerate(members) if i >= 0]
@@ -157,7 +180,7 @@ class Scorer:
         *,
         stop: Callable[[int, list[int]], bool],
         key: torch.Tensor | None = None,
-        temperature: float = 0.0,
+        sampling: Sampling | None = None,
         model_state=None,
     ) -> list[list[int]]:
         """Appends up to `max_new` tokens to each prompt, greedily or sampled from `key`.
@@ -169,7 +192,7 @@ class Scorer:
           stop: `stop(request index, new tokens) -> bool`: the request is done (its stop string or EOS).
           key: an `rng` key for sampling (request i, token t drawn from `fold_in(fold_in(key, i), t)`:
             the same tokens whatever the batching or the ranks); None: greedy.
-          temperature: the softmax temperature when sampling.
+          sampling: how to sample with `key` (default `Sampling()`: the softmax at temperature 1).
           model_state: the model's buffers, or None.
 
         Returns:
@@ -190,7 +213,7 @@ class Scorer:
             for i, new in zip(
                 members,
                 self._extend_batch(
-                    params, model_state, prompts, members, max_new, stop, key, temperature, layout, device
+                    params, model_state, prompts, members, max_new, stop, key, sampling, layout, device
                 ),
             ):
                 out[i, 0] = len(new)
@@ -198,7 +221,7 @@ class Scorer:
         out = layout.sum_over_dp(out.to(device)).cpu()
         return [out[i, 1 : 1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
 
-    def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, temperature, layout, device):
+    def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, sampling, layout, device):
         """One batch's generation: a step per token until every rank's rows are done (collective count)."""
         block = self.model.block_size
         seqs = [list(prompts[i])[-(block - 1) :] if block > 1 else [] for i in members]
@@ -223,19 +246,32 @@ class Scorer:
             for j, i in enumerate(members):
                 if not active[j]:
                     continue
-                tok = _pick(logits[j], key, i, t, temperature)
+                tok = _pick(logits[j], key, i, t, sampling or Sampling())
                 seqs[j].append(tok)
                 new[j].append(tok)
                 active[j] = not stop(i, new[j])
         return new
 
 
-def _pick(logits: torch.Tensor, key, request: int, t: int, temperature: float) -> int:
-    """The next token of one request: the argmax, or a Gumbel-max draw from (key, request, t)."""
-    if key is None or temperature == 0:
+def _pick(logits: torch.Tensor, key, request: int, t: int, sampling: Sampling) -> int:
+    """The next token of one request: the argmax, or a Gumbel-max draw from (key, request, t) over the warped logits."""
+    if key is None or sampling.temperature == 0:
         return int(logits.argmax())
     u = rng_lib.uniform(rng_lib.fold_in(rng_lib.fold_in(key, request), t), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
-    return int((logits / temperature - torch.log(-torch.log(u))).argmax())
+    return int((_warp(logits, sampling) - torch.log(-torch.log(u))).argmax())
+
+
+def _warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(V,) logits / temperature, then -inf outside the top k and outside the top-p mass (transformers' order)."""
+    logits = logits / s.temperature
+    if 0 < s.top_k < logits.numel():
+        logits = logits.masked_fill(logits < logits.topk(s.top_k).values[-1], float("-inf"))
+    if s.top_p < 1.0:
+        ascending, order = logits.sort()
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - s.top_p
+        drop[-1] = False  # the most likely token always stays
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
 
 
 def _score(logits_fn, params, model_state, ids, targets, mask):

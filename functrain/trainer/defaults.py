@@ -45,6 +45,9 @@ def trainer_config() -> ml_collections.ConfigDict:
         False  # an example longer than the block: False = stop with one line, True = cut its context's head
     )
     c.eval.compile = True  # with compile=True: the scoring forward compiled, one graph per bucket length
+    # acc_mean_token's rendering: "nanogpt" as nanoGPT's hellaswag.py (the record's raw ctx, " " + ending, each
+    # tokenized alone: its acc_norm); "harness" as acc and acc_norm (lm-eval's cleaned query)
+    c.eval.mean_token = "nanogpt"
     # LoRA (docs/guide.md "LoRA"): rank > 0 trains low-rank adapters beside the targeted linear layers
     # while the base stays frozen (not differentiated, no optimizer state, not in the checkpoints).
     c.lora = ml_collections.ConfigDict()

@@ -10,29 +10,43 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from functrain import data as data_lib
 from functrain.eval import Scorer, choice, next_lines
-from functrain.eval.scorer import default_buckets
+from functrain.eval.scorer import Interrupted, default_buckets
 from functrain.task import Task
 from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import validate
 from functrain.trainer.hooks import Hook
 
-__all__ = ["MultipleChoice", "hook", "load_tasks"]
+__all__ = ["MultipleChoice", "Scoring", "hook", "load_tasks"]
 
 NEXT_LINES_SEED = 0  # the built-in task's draw: fixed, whatever the run's seed
 AUTO = "auto"  # eval.tasks: next_lines where the run can make it, else none (said in one line)
 
 
+@dataclasses.dataclass
+class Scoring:
+    """How the hook scores: the examples' rendering for `acc_mean_token` (`eval.mean_token`), `eval.truncate`,
+    and `interrupt()`, asked between batches (the loop's `PreemptionFlag.requested`: a SIGTERM stops the scores
+    within a batch, unwritten, and the run stops after its next step with a checkpoint)."""
+
+    mean_token: str = "nanogpt"
+    truncate: bool = False
+    interrupt: Callable[[], bool] | None = None
+    print_fn: Callable[..., None] = print
+
+
 class MultipleChoice(Hook):
     """Scores the tasks on the live params and writes `mc/<name>/<metric>` (see the module docstring)."""
 
-    def __init__(self, n: int, tasks: dict, model, scorer: Scorer, writer, truncate: bool):
+    def __init__(self, n: int, tasks: dict, model, scorer: Scorer, writer, how: Scoring):
         self.every, self.tasks, self.model, self.scorer = n, tasks, model, scorer
-        self.writer, self.truncate = writer, truncate
+        self.writer, self.how = writer, how
         self.last: dict = {}
 
     def evaluate(self, step: int, state) -> dict:
@@ -43,7 +57,7 @@ class MultipleChoice(Hook):
           state: the `TrainState` (its params and model state are read, nothing is written).
 
         Returns:
-          {"mc/<name>/<metric>": fraction}, the same on every rank.
+          {"mc/<name>/<metric>": fraction}, the same on every rank; {} when interrupted (nothing written).
 
         Example:
           >>> hook.evaluate(0, state)["mc/next_lines/acc"]
@@ -51,14 +65,20 @@ class MultipleChoice(Hook):
         """
         row = {}
         for name, examples in self.tasks.items():
-            scores = choice.evaluate(
-                self.model,
-                frozen_lib.merged(state),
-                examples,
-                scorer=self.scorer,
-                model_state=state.model_state,
-                truncate=self.truncate,
-            )
+            try:
+                scores = choice.evaluate(
+                    self.model,
+                    frozen_lib.merged(state),
+                    examples,
+                    scorer=self.scorer,
+                    model_state=state.model_state,
+                    truncate=self.how.truncate,
+                    mean_token=self.how.mean_token,
+                    interrupt=self.how.interrupt,
+                )
+            except Interrupted:
+                self.how.print_fn(f"eval: stopped scoring {name} at step {step} (a stop was asked); no scores written")
+                return {}
             row.update({f"mc/{name}/{metric}": scores[metric] for metric in choice.METRICS})
         self.writer.write(step, row)
         self.last = row
@@ -133,7 +153,9 @@ def _checked_tasks(names: str, task: Task, ev, whole: bool) -> dict[str, list]:
     return tasks
 
 
-def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_fn) -> MultipleChoice | None:
+def hook(
+    task: Task, config: Any, writer, *, compile: bool, whole: bool, print_fn, interrupt: Callable[[], bool] | None = None
+) -> MultipleChoice | None:
     """The loop's multiple-choice hook for `config.eval`, its examples loaded and checked; None without tasks.
 
     Args:
@@ -145,6 +167,7 @@ def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_f
       whole: this rank's state is the whole model's tree (`Route.whole`); False on a pipeline rank
         (`mesh.pp > 1`), which holds only its stages: refused.
       print_fn: where the line describing the tasks goes.
+      interrupt: asked between scoring batches; True stops the scores (`Scoring.interrupt`).
 
     Returns:
       The hook, or None when `eval.tasks` is empty.
@@ -178,4 +201,5 @@ def hook(task: Task, config: Any, writer, *, compile: bool, whole: bool, print_f
         compile=compile and ev.get("compile", True),
         buckets=default_buckets(model.block_size, smallest=max(32, model.block_size // 4)),
     )
-    return MultipleChoice(config.eval_every, tasks, model, scorer, writer, ev.truncate)
+    how = Scoring(ev.get("mean_token", "nanogpt"), ev.truncate, interrupt, print_fn)
+    return MultipleChoice(config.eval_every, tasks, model, scorer, writer, how)

@@ -186,7 +186,13 @@ def _train(
     eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
     evaluation = Eval(config.eval_every, route.eval_step, eval_sets, writer)
     choices = downstream.hook(
-        task, config, writer, compile=_compile(config) is not False, whole=route.whole, print_fn=print_fn
+        task,
+        config,
+        writer,
+        compile=_compile(config) is not False,
+        whole=route.whole,
+        print_fn=print_fn,
+        interrupt=preemption.requested,
     )
     # In this order: a run that stops on skipped updates neither logs nor saves that step.
     builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
@@ -250,6 +256,8 @@ def _train(
                 for h in all_hooks:
                     if done % h.every == 0 or (info.final and h.at_end):
                         h.after(info)
+                if info.final and stopped is None and preemption.agree():  # a signal during the last step's hooks
+                    stopped = preemption.reason
                 if stopped:
                     print_fn(f"stopped ({stopped}) at step {done}; checkpoint saved, exiting")
                     break

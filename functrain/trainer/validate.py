@@ -90,6 +90,7 @@ LOOP_CHECKS: list[Check] = [
     ("eval.batch_size", int_at_least(1)),
     ("eval.truncate", boolean()),
     ("eval.compile", boolean()),
+    ("eval.mean_token", one_of("nanogpt", "harness")),
     ("lora.rank", int_at_least(0)),
     ("lora.alpha", number_at_least(0.0, strict=True)),
     ("lora.dropout", number_in(0.0, 0.99)),
