@@ -154,7 +154,14 @@ def _checked_tasks(names: str, task: Task, ev, whole: bool) -> dict[str, list]:
 
 
 def hook(
-    task: Task, config: Any, writer, *, compile: bool, whole: bool, print_fn, interrupt: Callable[[], bool] | None = None
+    task: Task,
+    config: Any,
+    writer,
+    *,
+    compile: bool,
+    whole: bool,
+    print_fn,
+    interrupt: Callable[[], bool] | None = None,
 ) -> MultipleChoice | None:
     """The loop's multiple-choice hook for `config.eval`, its examples loaded and checked; None without tasks.
 
