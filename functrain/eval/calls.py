@@ -156,23 +156,25 @@ def _options(gen_kwargs: dict) -> dict:
     if unknown:
         raise ValueError(f"generate_until: options {unknown} are not supported; use {sorted(known)}")
     until = gen_kwargs.get("until") or []
-    out = {
-        "until": [until] if isinstance(until, str) else list(until),
-        "max_gen_toks": int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
-        "do_sample": bool(gen_kwargs.get("do_sample", False)),
-        "temperature": float(gen_kwargs.get("temperature", 0.0) or 0.0),
-        "top_k": int(gen_kwargs.get("top_k", 0) or 0),
-        "top_p": float(gen_kwargs.get("top_p", 1.0) if gen_kwargs.get("top_p") is not None else 1.0),
-    }
+    max_new, top_k = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)), int(gen_kwargs.get("top_k") or 0)
+    temperature = float(gen_kwargs.get("temperature") or 0.0)
+    top_p = float(gen_kwargs["top_p"]) if gen_kwargs.get("top_p") is not None else 1.0
     for name, ok, valid in (
-        ("max_gen_toks", out["max_gen_toks"] >= 1, ">= 1"),
-        ("temperature", out["temperature"] >= 0, ">= 0"),
-        ("top_k", out["top_k"] >= 0, ">= 0 (0: every token)"),
-        ("top_p", 0 < out["top_p"] <= 1, "in (0, 1]"),
+        ("max_gen_toks", max_new >= 1, ">= 1"),
+        ("temperature", temperature >= 0, ">= 0"),
+        ("top_k", top_k >= 0, ">= 0 (0: every token)"),
+        ("top_p", 0 < top_p <= 1, "in (0, 1]"),
     ):
         if not ok:
             raise ValueError(f"generate_until: {name}={gen_kwargs[name]!r} is out of range; give a value {valid}")
-    return out
+    return {
+        "until": [until] if isinstance(until, str) else list(until),
+        "max_gen_toks": max_new,
+        "do_sample": bool(gen_kwargs.get("do_sample", False)),
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+    }
 
 
 def _cut(text: str, stops: list[str]) -> str:
