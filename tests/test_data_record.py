@@ -124,6 +124,9 @@ def test_changes_name_what_differs():
         check_resume({"sources": {"d": a}}, {"sources": {"d": b}}, 10, allow=False)
     assert "going on" in check_resume({"sources": {"d": a}}, {"sources": {"d": b}}, 10, allow=True)
     assert check_resume({"sources": {"d": a}}, {"sources": {"d": a}}, 10, allow=False) is None
+    with pytest.raises(DataError, match=r"batch_size 8 -> 4 rows .* row 40 of the data where the run reached row 80"):
+        check_resume({"sources": {"d": a}, "batch_size": 8}, {"sources": {"d": a}, "batch_size": 4}, 10, allow=False)
+    assert check_resume({"sources": {"d": a}}, {"sources": {"d": a}, "batch_size": 4}, 10, allow=False) is None
 
 
 ARGS = [

@@ -154,3 +154,27 @@ def test_the_readme_sft_command_runs_in_a_fresh_clone(tmp_path):
     assert "answer:" in out.stdout and "expected:" in out.stdout
     summary = json.loads((clone / "runs" / "sft" / "summary.json").read_text())
     assert summary["loss"] < 2.0 and summary["val_loss"] < 2.0  # it learned (a fresh model starts near 5.5)
+
+
+def test_a_resume_with_another_batch_size_stops_or_goes_on_where_told(tmp_path):
+    """The data position is row = step x batch_size: a resume after batch_size changed stops in one line naming the
+    change, the rows and the flag; with data.allow_changed it goes on and says so. accum_steps alone changes nothing
+    (the batch is global), so that resume goes on silently."""
+    args = [a for a in _args(_data(tmp_path)) if not a.startswith(("--config.steps", "--config.batch_size"))]
+    run = tmp_path / "run"
+    _main(run, *args, "--config.steps=4", "--config.batch_size=8")
+    out = _main(run, *args, "--config.steps=6", "--config.batch_size=16", check=False)
+    line = out.stderr.strip().splitlines()[-1]
+    assert out.returncode != 0 and line.startswith("functrain: error: the data changed since checkpoint step 4 ("), line
+    assert (
+        "batch_size 8 -> 16 rows" in line
+        and "step 5 would start at row 64 of the data where the run reached row 32" in line
+    )
+    assert "set batch_size=8, or pass --config.data.allow_changed=True" in line
+    out = _main(run, *args, "--config.steps=6", "--config.batch_size=16", "--config.data.allow_changed=True")
+    assert "batch_size 8 -> 16 rows" in out.stdout and "going on with it (data.allow_changed)" in out.stdout
+    assert "restored checkpoint step 4" in out.stdout
+    again = tmp_path / "again"
+    _main(again, *args, "--config.steps=4", "--config.batch_size=8")
+    out = _main(again, *args, "--config.steps=5", "--config.batch_size=8", "--config.accum_steps=2")
+    assert "restored checkpoint step 4" in out.stdout and "data changed" not in out.stdout

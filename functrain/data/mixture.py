@@ -142,7 +142,7 @@ class LMData:
         (`functrain.data.record`; checkpoints carry it, a resume compares it).
 
         Returns:
-          `{"sources": {name: {"kind", "tokenizer", "files"}}}`, JSON-serializable.
+          `{"sources": {name: {"kind", "tokenizer", "files"}}, "batch_size": rows per step}`, JSON-serializable.
 
         Example:
           >>> data.record()["sources"]["data"]["files"][0]
@@ -150,13 +150,9 @@ class LMData:
         """
         sources = {}
         for name, ds in self.datasets.items():
-            sha = getattr(ds.tokenizer, "sha256", None)
-            sources[name] = source_record(
-                ds.info.get("kind", "text"),
-                f"tokenizers:{sha}" if sha else ds.tokenizer.name,
-                ds.info.get("content", []),
-            )
-        return {"sources": sources}
+            identity = getattr(ds.tokenizer, "identity", ds.tokenizer.name)
+            sources[name] = source_record(ds.info.get("kind", "text"), identity, ds.info.get("content", []))
+        return {"sources": sources, "batch_size": self.sampler.batch_size}
 
     def describe(self) -> str:
         """E.g. '1,234,567 train tokens' or 'mixture web 70% / code 30%, 9,876,543 train tokens'."""

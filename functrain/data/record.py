@@ -109,32 +109,48 @@ def changes(old: dict | None, new: dict | None) -> list[str]:
     return out
 
 
+def _batch_change(old: dict | None, new: dict | None, step: int) -> list[str]:
+    """The change of the global batch, in words (the data position is row = step x batch)."""
+    before, after = (old or {}).get("batch_size"), (new or {}).get("batch_size")
+    if before is None or after is None or before == after:
+        return []
+    return [
+        f"batch_size {before} -> {after} rows (the global batch; accum_steps and the data-parallel ranks only split "
+        f"it), so step {step + 1} would start at row {step * after:,} of the data where the run reached row "
+        f"{step * before:,}"
+    ]
+
+
 def check_resume(old: dict | None, new: dict | None, step: int, allow: bool) -> str | None:
-    """Compares a checkpoint's data record with the data found at a resume.
+    """Compares a checkpoint's data record with the data found at a resume: the sources, and the global batch
+    (each step's rows follow from step x batch_size: another batch lands elsewhere in the data).
 
     Args:
       old: the record saved with checkpoint `step` (None: it has none).
       new: the record of the data the run has now.
       step: the checkpoint's step.
-      allow: go on when the data changed (`--config.data.allow_changed`).
+      allow: go on when the data or the batch changed (`--config.data.allow_changed`).
 
     Returns:
       None when the data is the same; else, with `allow`, the line to log.
 
     Raises:
-      DataError: the data changed and `allow` is false (one line naming what changed and the flag).
+      DataError: the data or the batch changed and `allow` is false (one line naming what changed and the flag).
 
     Example:
       >>> check_resume(ckpt_record, data.record(), 10, allow=False)
     """
-    diff = changes(old, new)
-    if not diff:
+    data, batch = changes(old, new), _batch_change(old, new, step)
+    if not data + batch:
         return None
-    what = "; ".join(diff)
+    what = "; ".join(data + batch)
+    back = " and ".join(
+        ([] if not data else ["put the data back"]) + ([] if not batch else [f"set batch_size={old['batch_size']}"])
+    )
     if not allow:
         raise DataError(
             f"the data changed since checkpoint step {step} ({what}), so every batch after step {step} "
-            "would differ from the run's; put the data back, or pass --config.data.allow_changed=True to "
+            f"would differ from the run's; {back}, or pass --config.data.allow_changed=True to "
             "go on with the data as it is now"
         )
     return f"the data changed since checkpoint step {step} ({what}); going on with it (data.allow_changed)"

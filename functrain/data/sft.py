@@ -219,15 +219,11 @@ class SFTData:
 
     def record(self) -> dict:
         """What the run trains on (`LMData.record`'s form: checkpoints carry it, a resume compares it)."""
-        sha = getattr(self.tokenizer, "sha256", None)
+        kind = f"examples:{self.info['fmt']}:{self.info['train_on']}"
+        identity = getattr(self.tokenizer, "identity", self.tokenizer.name)
         return {
-            "sources": {
-                "data": source_record(
-                    f"examples:{self.info['fmt']}:{self.info['train_on']}",
-                    f"tokenizers:{sha}" if sha else self.tokenizer.name,
-                    self.info["content"],
-                )
-            }
+            "sources": {"data": source_record(kind, identity, self.info["content"])},
+            "batch_size": self.sampler.batch_size,
         }
 
     def describe(self) -> str:
