@@ -141,6 +141,17 @@ def check_shared(template, params) -> None:
             h = out
 
 
+def check_export(directory, template, params) -> None:
+    """The family's export, loaded back by transformers, gives the logits functrain computes from the params."""
+    out = hf.export_directory(Path(directory) / "export", hf.load_config(directory), template, params)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.arange(T)[None] * 5 % V
+    with torch.no_grad():
+        theirs = loaded(input_ids=ids).logits
+    ours = ft.apply(template, params, input_ids=ids, train=False).logits
+    assert_close(ours, theirs, rtol(T * 64)), "export logits"
+
+
 def outcome(directory) -> str:
     """What the family does with the model of `directory` (see the module docstring); asserts every claim."""
     try:
@@ -159,4 +170,5 @@ def outcome(directory) -> str:
         return f"unstaged only: {one_line(exc)}"
     assert_close(torch.tensor(staged), torch.tensor(want), TOL)
     check_shared(template, params)
+    check_export(directory, template, params)
     return "trains"

@@ -420,8 +420,10 @@ def test_a_missing_or_wrong_model_path_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("arch", ["bloom", "olmo", "gptj"])
 def test_a_model_the_family_cannot_stage_samples_and_exports_on_one_process(tmp_path, arch):
-    """The end of a run (sample, export) needs no stages on one process: no error, a sample and a directory."""
+    """The end of a run (sample, export) needs no stages on one process: no error, a sample and a directory whose
+    logits transformers reproduces."""
     from functrain.models.hf import task
+    from functrain.trainer import exports
 
     directory = _dir(tmp_path, arch, vocab_size=256, **({"rotary_dim": 4} if arch == "gptj" else {}))
     with pytest.raises(hf.HFModelError):  # (what the stages cannot express)
@@ -432,7 +434,8 @@ def test_a_model_the_family_cannot_stage_samples_and_exports_on_one_process(tmp_
         )
         params = t.init_params(rng.key(0), torch.device("cpu"))
         out = t.finish(params, rng.key(1))
-    assert isinstance(out["sample"], str) and (tmp_path / "run" / "hf" / "config.json").is_file()
+        path, unchecked = exports.write(t, params, tmp_path / "run" / "hf")
+    assert isinstance(out["sample"], str) and (path / "config.json").is_file() and unchecked is None
 
 
 def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_by_default(tmp_path, capsys):
@@ -458,3 +461,27 @@ def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_
         validate.ConfigError, match="train it with --config.compile_unit=step$"
     ):  # the flag this run set
         task._loss(_config(tmp_path, directory, remat="auto", compile_unit="blocks"), Mesh, template, template)
+
+
+def test_an_export_that_does_not_reproduce_the_model_is_one_line(tmp_path):
+    """exports.verify loads the directory with transformers: the family's export passes; the same directory with
+    a buffer or a config value it does not hold (what an export missing apertus's xIELU buffers did) fails in one
+    line naming the difference."""
+    import json as json_lib
+
+    from functrain.interop.hf import HFError
+    from functrain.models.hf import task
+    from functrain.trainer import exports
+
+    directory = _dir(tmp_path, "qwen2", vocab_size=256)
+    with parallel.setup(None) as ctx:
+        t = task.build(_config(tmp_path, directory, export_hf=True), ctx, tmp_path / "run")
+        params = t.init_params(rng.key(0), torch.device("cpu"))
+        path, unchecked = exports.write(t, params, tmp_path / "run" / "hf")
+        assert unchecked is None
+        config = json_lib.loads((path / "config.json").read_text())
+        config["rms_norm_eps"] = 0.5  # what the model did not train with
+        (path / "config.json").write_text(json_lib.dumps(config))
+        with pytest.raises(HFError, match=r"transformers' logits of it differ from the run's by") as err:
+            exports.verify(path, t.eval_model, params)
+    assert "\n" not in str(err.value)

@@ -331,6 +331,13 @@ def test_an_export_onto_a_file_is_one_line_with_the_right_advice(tmp_path):
     spec = importlib.util.spec_from_file_location("llama_config", os.path.join(REPO, "configs", "llama.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with pytest.raises(validate.ConfigError, match=r"--export_hf=.*taken: is a file, not a directory"):
+    with pytest.raises(validate.ConfigError, match=r"taken is a file, and the export .* \(--export_hf=.*taken\)$"):
         main.export_hf(module.get_config("tiny"), tmp_path / "run", target)
     assert target.read_text() == "mine"  # nothing lost
+    config = module.get_config("tiny")
+    config.lora.rank = 4
+    free, peft = tmp_path / "free", tmp_path / "free-peft"
+    peft.write_text("mine")  # a LoRA export also writes <out>-peft: checked before anything is read
+    with pytest.raises(validate.ConfigError, match=r"free-peft is a file, and the export"):
+        main.export_hf(config, tmp_path / "run", free)
+    assert peft.read_text() == "mine" and not free.exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import optree
 import peft  # (the dev extra: the reference LoRA)
@@ -291,3 +292,113 @@ def test_llama_adapters_export_as_a_peft_directory_under_transformers_names(tmp_
         assert_close(merged(input_ids=ids).logits, ours, tol, msg="merged")
     config = json.loads((tmp_path / "hf-peft" / "adapter_config.json").read_text())
     assert r"model\.layers\.0\.self_attn\.q_proj" in config["target_modules"], config
+
+
+def test_adapters_from_a_peft_directory_continue_as_peft_continues(tmp_path):
+    """lora.init_from: adapters PEFT trained and saved (5 steps) are read by functrain's names, and 10 more AdamW
+    steps from them equal PEFT's own 10 from `PeftModel.from_pretrained(..., is_trainable=True)`; a directory
+    that does not fit the run is one line naming what to set."""
+    from functrain.config_checks import ConfigError
+    from functrain.models import lm_lora
+
+    base = _tiny("qwen2")
+    batches = _batches()
+    _, _, trained = _peft_run(base, "all-linear", batches[:5])
+    saved = peft.get_peft_model(
+        copy.deepcopy(base), peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
+    with torch.no_grad():
+        for n, p in saved.named_parameters():
+            if p.requires_grad:
+                p.copy_(trained[n.removeprefix(lora.PEFT_PREFIX).replace(".default.", ".")])
+    saved.save_pretrained(tmp_path / "adapters")
+    spec = lora.LoraSpec(rank=8, alpha=16, targets="all-linear")
+    model = lora.wrap(base, spec)
+    start = lm_lora.read_peft(str(tmp_path / "adapters"), model, spec, str, "")
+    assert sorted(start) == sorted(trained) and all(torch.equal(start[n], trained[n]) for n in start)
+
+    resumed = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapters", is_trainable=True)
+    named = {n: p for n, p in resumed.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(list(named.values()), lr=LR, eps=EPS, weight_decay=WD)
+    peft_losses = []
+    for ids in batches[5:15]:
+        loss = resumed(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        peft_losses.append(loss.item())
+    losses, state, _ = _functrain_run(base, spec, start, batches[5:15])
+    assert_close(torch.tensor(losses), torch.tensor(peft_losses), rtol(T * 128) * 10)
+    ours = {
+        lora.PEFT_PREFIX + n.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+        for n, v in state.params.items()
+    }
+    atol = trajectory_atol(steps=10, gain=adam_gain(LR, EPS), grad_scale=1.0, n=T * 128)
+    assert_close(ours, {n: p.detach() for n, p in named.items()}, atol, absolute=True, msg="adapters")
+
+    for bad, says in (
+        (lora.LoraSpec(rank=4, alpha=16, targets="all-linear"), "r 8 (set --config.lora.rank=8)"),
+        (lora.LoraSpec(rank=8, alpha=32, targets="all-linear"), "lora_alpha 16 (set --config.lora.alpha=16)"),
+        (lora.LoraSpec(rank=8, alpha=16, targets="q_proj|v_proj"), "set --config.lora.targets"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(says)) as err:
+            lm_lora.read_peft(str(tmp_path / "adapters"), lora.wrap(base, bad), bad, str, "")
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="reads no PEFT directory"):
+        lm_lora.read_peft(str(tmp_path / "adapters"), model, spec, None, "")
+
+
+def test_all_linear_leaves_out_what_get_output_embeddings_names_as_peft(tmp_path):
+    """ "all-linear" picks PEFT's layers (every Linear/Conv1D but `get_output_embeddings()`) on 15 causal types, and on
+    a model whose output layer is named like no head while an inner layer is called `output`."""
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    from functrain.models.hf.tiny import TINY
+
+    kinds = ["gpt2", "llama", "qwen2", "mistral", "gemma", "phi3", "qwen3", "opt", "falcon", "gpt_neox", "gptj"]
+    kinds += ["bloom", "mpt", "stablelm", "starcoder2"]
+    for kind in kinds:
+        config = transformers.AutoConfig.for_model(kind, **TINY)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        cfg = peft.LoraConfig(target_modules="all-linear", task_type="CAUSAL_LM")
+        want = _maybe_include_all_linear_layers(cfg, model).target_modules
+        assert set(lora.targets_of(model, lora.LoraSpec(targets="all-linear"))) == set(want), kind
+
+    class Odd(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.output = torch.nn.Linear(8, 8)  # an inner layer named like a head: adapted
+            self.to_vocab = torch.nn.Linear(8, 32)  # the head: left out
+
+        def get_output_embeddings(self):
+            return self.to_vocab
+
+    odd = Odd(transformers.PretrainedConfig())
+    want = _maybe_include_all_linear_layers(peft.LoraConfig(target_modules="all-linear"), odd).target_modules
+    assert set(lora.targets_of(odd, lora.LoraSpec(targets="all-linear"))) == set(want) == {"output"}
+
+
+def test_alpha_must_be_positive_and_merge_is_pefts_in_float64():
+    with pytest.raises(ValueError, match=r"lora.alpha must be > 0"):
+        lora.LoraSpec(alpha=0)
+    base = _tiny("qwen2").double()
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    ref = peft.get_peft_model(copy.deepcopy(base), cfg)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_B" in n:
+                p.normal_(generator=torch.Generator().manual_seed(len(n)))
+    params = {
+        n.removeprefix(lora.PEFT_PREFIX).replace(".default.", ".").replace(".base_layer.", "."): p.detach()
+        for n, p in ref.named_parameters()
+    }
+    spec = lora.LoraSpec(rank=8, alpha=16, targets="all-linear")
+    merged = lora.merge(lora.wrap(base, spec), params)
+    theirs = {n: p.detach() for n, p in ref.merge_and_unload().named_parameters()}
+    assert all(merged[n].dtype == torch.float64 for n in merged)
+    assert all(torch.equal(merged[n], theirs[n]) for n in theirs), max(
+        (merged[n] - theirs[n]).abs().max().item() for n in theirs
+    )

@@ -285,3 +285,32 @@ def test_a_pipeline_trains_adapters_as_one_process_and_moves_between_meshes(tmp_
         drift = 1 + i * 2 * _tol.sgd_gain(0.05, 0.9)
         for key in ("loss", "grad_norm"):
             assert abs(two[step][key] - one[step][key]) <= rtol * drift * one[step][key], (step, key)
+
+
+def test_exports_are_checked_before_step_1_and_adapters_start_from_a_peft_directory(tmp_path, base):
+    """A file where the LoRA run's PEFT directory goes stops the run before any step (the file kept); a run with
+    lora.init_from starts from that directory's adapters exactly (lr 0: the checkpoint holds them unchanged)."""
+    from functrain.models import lm_lora
+    from functrain.nn import lora
+
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "hf-peft").write_text("mine")
+    out = _run(blocked, base, "--config.steps=2", *LORA, check=False)
+    line = out.stderr.strip().splitlines()[-1]
+    assert out.returncode != 0 and line.startswith(f"functrain: error: {blocked / 'hf-peft'} is a file"), line
+    assert "step 1/" not in out.stdout and (blocked / "hf-peft").read_text() == "mine"
+
+    first = tmp_path / "first"
+    _run(first, base, "--config.steps=3", *LORA)
+    peft_dir = first / "hf-peft"
+    again = tmp_path / "again"
+    _run(
+        again, base, "--config.steps=1", *SGD[:1], "--config.optim.lr=0.0", f"--config.lora.init_from={peft_dir}", *LORA
+    )
+    spec = lora.LoraSpec(rank=8, alpha=16, targets="q_proj|v_proj")
+    model = lora.wrap(transformers.AutoModelForCausalLM.from_pretrained(base), spec)
+    want = lm_lora.read_peft(str(peft_dir), model, spec, str, str(base))
+    got = _params(again / "checkpoints" / "1")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert any(want[n].abs().max() > 0 for n in want if "lora_B" in n)  # trained adapters, not fresh ones

@@ -145,7 +145,7 @@ def check_resume(old: dict | None, new: dict | None, step: int, allow: bool) -> 
         return None
     what = "; ".join(data + batch)
     back = " and ".join(
-        ([] if not data else ["put the data back"]) + ([] if not batch else [f"set batch_size={old['batch_size']}"])
+        (["put the data back"] if data else []) + ([f"set batch_size={(old or {})['batch_size']}"] if batch else [])
     )
     if not allow:
         raise DataError(

@@ -212,9 +212,7 @@ class Scorer:
             members = list(range(start, min(start + self.batch_size, len(prompts))))
             for i, new in zip(
                 members,
-                self._extend_batch(
-                    params, model_state, prompts, members, max_new, stop, key, sampling, layout, device
-                ),
+                self._extend_batch(params, model_state, prompts, members, max_new, stop, key, sampling, layout, device),
             ):
                 out[i, 0] = len(new)
                 out[i, 1 : 1 + len(new)] = torch.tensor(new, dtype=torch.long)

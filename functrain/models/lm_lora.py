@@ -20,7 +20,7 @@ from torch import nn
 
 from functrain import config_checks as validate
 from functrain import rng
-from functrain.interop.safetensors import rank_and_world, save_safetensors
+from functrain.interop.safetensors import load_safetensors, rank_and_world, save_safetensors
 from functrain.nn import lora
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "exporter",
     "flops_per_token",
     "frozen",
-    "peft_directory",
+    "read_peft",
     "save_peft",
     "spec_of",
     "with_adapters",
@@ -112,8 +112,32 @@ def frozen(spec: lora.LoraSpec | None) -> Callable[[str], bool] | None:
     return lora.is_base if spec is not None else None
 
 
-def with_adapters(init: Callable, model: nn.Module, spec: lora.LoraSpec | None) -> Callable:
-    """The family's `init_params(key, device, where=None)` followed by fresh adapters (none without `spec`).
+def with_adapters(
+    init: Callable,
+    model: nn.Module,
+    spec: lora.LoraSpec | None,
+    *,
+    init_from: str = "",
+    hf_name: Callable[[str], str] | None = None,
+    base_model: str = "",
+) -> Callable:
+    """The family's `init_params(key, device, where=None)` followed by the adapters: fresh, or a PEFT adapter
+    directory's (`lora.init_from`, read and checked now: `read_peft`); none without `spec`.
+
+    Args:
+      init: the family's base init.
+      model: the wrapped template.
+      spec: the LoRA spec (None: `init` as it is).
+      init_from: a PEFT adapter directory to start the adapters from ("" for fresh ones).
+      hf_name: a parameter's name in the transformers model the adapters were made for (None: the family
+        has no PEFT format, and `init_from` is refused).
+      base_model: this run's base directory (checked against the adapters' `base_model_name_or_path`).
+
+    Returns:
+      `init_params(key, device, where=None)` of base and adapters.
+
+    Raises:
+      ConfigError: `init_from` that does not fit the run (one line; `read_peft`).
 
     Example:
       >>> init = with_adapters(base_init, template, spec)
@@ -121,19 +145,93 @@ def with_adapters(init: Callable, model: nn.Module, spec: lora.LoraSpec | None) 
     """
     if spec is None:
         return init
+    start = read_peft(init_from, model, spec, hf_name, base_model) if init_from else None
 
     def init_with_adapters(key, device, where=None):
         base = init(key, device, where=where) if where is not None else init(key, device)
-        adapters = lora.init_adapters(model, rng.fold_in(key, ADAPTER_STREAM), device=device, where=where)
+        if start is None:
+            adapters = lora.init_adapters(model, rng.fold_in(key, ADAPTER_STREAM), device=device, where=where)
+        else:
+            adapters = {n: _block(t, n, where).to(device) for n, t in start.items()}
         return {**base, **adapters}
 
     return init_with_adapters
 
 
-def peft_directory(out: str | Path) -> Path:
-    """Where the PEFT adapter directory of an export to `out` goes: `<out>-peft` beside it."""
-    out = Path(out)
-    return out.with_name(out.name + "-peft")
+def _block(t, name: str, where):
+    """This rank's block of a whole tensor (`where(name, shape) -> (offset, local shape)`), or the tensor."""
+    if where is None:
+        return t
+    offset, local = where(name, tuple(t.shape))
+    return t[tuple(slice(o, o + n) for o, n in zip(offset, local))].clone()
+
+
+def read_peft(
+    directory: str, model: nn.Module, spec: lora.LoraSpec, hf_name: Callable[[str], str] | None, base_model: str
+) -> dict:
+    """The adapters of a PEFT LoRA directory (`adapter_config.json`, `adapter_model.safetensors`) by the wrapped
+    model's names, float32, after checking they fit: PEFT's rank, alpha and rslora are the run's, its layers
+    are the ones `lora.targets` adapts, every shape fits, and its base (`base_model_name_or_path`, where that is
+    a directory here) has this run's config.json.
+
+    Raises:
+      ConfigError: a missing or unreadable directory, a family without a PEFT format, or any of the above that
+        does not fit (one line naming it and the key to set).
+
+    Example:
+      >>> adapters = read_peft("runs/sft/hf-peft", template, spec, str, "runs/base")
+    """
+    key = f"lora.init_from={directory}"
+    if hf_name is None:
+        raise validate.ConfigError(
+            f"{key}: this family's layers are not transformers' one for one (GPT-2 fuses q, k and v), so it "
+            "reads no PEFT directory; drop --config.lora.init_from (start from a checkpoint: checkpoint.init_from)"
+        )
+    d = Path(directory).expanduser()
+    try:
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        stored = load_safetensors(d / "adapter_model.safetensors")
+    except (OSError, ValueError) as exc:
+        raise validate.ConfigError(
+            f"{key}: not a PEFT adapter directory ({exc}); give the directory PEFT's save_pretrained wrote"
+        ) from None
+    want = {"r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.rslora}
+    flags = {"r": "lora.rank", "lora_alpha": "lora.alpha", "use_rslora": "lora.rslora"}
+    off = [f"{k} {cfg.get(k)!r} (set --config.{flags[k]}={cfg.get(k)})" for k, v in want.items() if cfg.get(k, v) != v]
+    if cfg.get("peft_type", "LORA") != "LORA" or off:
+        raise validate.ConfigError(f"{key}: the adapters were made with {'; '.join(off) or cfg.get('peft_type')}")
+    ours = {hf_name(n): n for n in lora.adapter_names(model)}
+    theirs = {n.removeprefix(lora.PEFT_PREFIX).replace(".default.", "."): t for n, t in stored.items()}
+    if set(theirs) != set(ours):
+        only = sorted(set(theirs) - set(ours))[:2] + sorted(set(ours) - set(theirs))[:2]
+        raise validate.ConfigError(
+            f"{key}: its {len(theirs) // 2} adapted layers are not the {len(ours) // 2} lora.targets picks here (e.g. "
+            f"{', '.join(only)}); set --config.lora.targets to the layers of its adapter_config.json"
+        )
+    for name, t in theirs.items():
+        shape = tuple(model.get_parameter(ours[name]).shape)
+        if tuple(t.shape) != shape:
+            raise validate.ConfigError(f"{key}: {name} is {tuple(t.shape)}, this model's adapter is {shape}")
+    _check_base(key, cfg.get("base_model_name_or_path") or "", base_model)
+    return {ours[name]: t.float() for name, t in theirs.items()}
+
+
+def _check_base(key: str, theirs: str, ours: str) -> None:
+    """Refuses adapters whose base directory (where it is one here) has another config.json than this run's base."""
+    there, here = Path(theirs).expanduser(), Path(ours).expanduser()
+    if not ours or not (there / "config.json").is_file() or there.resolve() == here.resolve():
+        return
+    volatile = ("transformers_version", "dtype", "torch_dtype", "_name_or_path", "use_cache")
+    a, b = (
+        {k: v for k, v in json.loads((p / "config.json").read_text()).items() if k not in volatile}
+        for p in (there, here)
+    )
+    if a != b:
+        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))[:4]
+        raise validate.ConfigError(
+            f"{key}: its base {theirs} is another model than this run's {ours} (config.json differs in "
+            f"{', '.join(differ)}); point model.path at the adapters' base"
+        )
 
 
 def save_peft(
@@ -204,7 +302,7 @@ def exporter(
 ) -> Callable | None:
     """The family's `export(params, out)` for a LoRA run: the merged model to `out` (the family's own
     format) and, where each linear layer is one of the transformers model's (`hf_name`), the adapters
-    alone as a PEFT directory beside it (`peft_directory(out)`).
+    alone as a PEFT directory beside it (`lora.peft_directory(out)`).
 
     Args:
       export: the family's export (None: the family has none).
@@ -225,7 +323,7 @@ def exporter(
 
     def export_lora(params, out):
         if hf_name is not None:
-            save_peft(peft_directory(out), model, spec, lora.split(params)[0], base_model, hf_name)
+            save_peft(lora.peft_directory(out), model, spec, lora.split(params)[0], base_model, hf_name)
         return export(lora.merge(model, params), out)  # (DTensors merge as DTensors: still sharded)
 
     return export_lora

@@ -37,6 +37,8 @@ def lm_task(
     stages: lm.LMStages | None,
     head: str | None,
     logits_fn: Callable | None = None,
+    hf_name: Callable[[str], str] | None = None,
+    base_model: str = "",
 ) -> Task:
     """A language-model family's `Task` over `dataset` (a `functrain.data.LMData` or `SFTData`).
 
@@ -54,6 +56,8 @@ def lm_task(
       finish: the family's end-of-run sample (`Task.finish`).
       export: the family's export (LoRA-aware already), or None.
       stages, head, logits_fn: the evaluation model's (`lm.eval_model`).
+      hf_name, base_model: a param's name in the transformers model and the base's directory, for
+        `lora.init_from` (a PEFT directory: `lm_lora.with_adapters`); hf_name None: the family reads none.
 
     Returns:
       The `Task`.
@@ -64,7 +68,14 @@ def lm_task(
     text = lm_data.supervised_format(config.data) == "text"
     return Task(
         describe=f"{describe}, {dataset.describe()}",
-        init_params=lm_lora.with_adapters(init_params, template, lora_spec),
+        init_params=lm_lora.with_adapters(
+            init_params,
+            template,
+            lora_spec,
+            init_from=config.get("lora", {}).get("init_from", ""),
+            hf_name=hf_name,
+            base_model=base_model,
+        ),
         shard_rules=shard_rules,
         loss_fn=loss_fn,
         train_batch=dataset.train_batch,

@@ -14,8 +14,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "is_linear",
     "merge",
     "peft_config",
+    "peft_directory",
     "peft_tensors",
     "split",
     "targets_of",
@@ -42,12 +45,10 @@ __all__ = [
 ]
 
 ALL_LINEAR = "all-linear"
-"""`LoraSpec.targets`: every linear layer but the output layer (PEFT's "all-linear")."""
+"""`LoraSpec.targets`: every linear layer but the output layer (`get_output_embeddings()`), as PEFT's "all-linear"."""
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in an adapter file."""
-
-_OUTPUT_LAYERS = ("lm_head", "output", "head", "classifier", "score")  # "all-linear" leaves these out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,8 @@ class LoraSpec:
       alpha: the scale's numerator: scaling = alpha / r (alpha / √r with `rslora`).
       targets: a regular expression matched in full against a linear layer's dotted name, its last
         part or its weight's name ("q_proj|v_proj", r".*attn\\.c_attn", r".*\\.mlp\\..*\\.weight"), or
-        "all-linear": every linear layer but the output layer (`lm_head`, as PEFT's "all-linear").
+        "all-linear": every linear layer but the module's `get_output_embeddings()` (as PEFT's "all-linear":
+        a module without that method keeps every linear layer).
       dropout: the dropout on the adapters' input (training only).
       rslora: rank-stabilized scaling, alpha / √r.
     """
@@ -73,6 +75,8 @@ class LoraSpec:
     def __post_init__(self):
         if self.rank < 1:
             raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be > 0 (the adapters' scale is alpha / rank), got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         if self.targets != ALL_LINEAR:
@@ -153,7 +157,8 @@ def targets_of(module: nn.Module, spec: LoraSpec) -> list[str]:
     wrapped = set(_layers(module))  # (a wrapped model: its adapters' own Linears are no targets)
     linear = [n for n, m in module.named_modules() if n and is_linear(m) and n.rpartition(".")[0] not in wrapped]
     if spec.targets == ALL_LINEAR:
-        picked = [n for n in linear if n.rsplit(".", 1)[-1] not in _OUTPUT_LAYERS]
+        head = _output_layer(module)
+        picked = [n for n in linear if n != head]
     else:
         pattern = re.compile(spec.targets)
         picked = [n for n in linear if any(pattern.fullmatch(x) for x in (n, n.rsplit(".", 1)[-1], n + ".weight"))]
@@ -165,6 +170,13 @@ def targets_of(module: nn.Module, spec: LoraSpec) -> list[str]:
             f"{listed}); give a regex over those names"
         )
     return picked
+
+
+def _output_layer(module: nn.Module) -> str | None:
+    """The name of `module.get_output_embeddings()` (the first it has), or None (PEFT's "all-linear" exclusion)."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return next((n for n, m in module.named_modules() if m is head), None) if head is not None else None
 
 
 def wrap(module: nn.Module, spec: LoraSpec) -> nn.Module:
@@ -265,9 +277,10 @@ def merge(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, tor
       params: base and adapter params by name (plain tensors).
 
     Returns:
-      The base params (adapters dropped), each targeted weight replaced by its merged copy, in its
-      dtype; the model without adapters computes with them what the wrapped one computes. DTensors
-      merge as DTensors (no rank gathers a whole weight).
+      The base params (adapters dropped), each targeted weight replaced by its merged copy, computed as
+      PEFT's `merge` computes it (in the adapters' dtype; float16/bfloat16 on the CPU through float32); the
+      model without adapters computes with them what the wrapped one computes. DTensors merge as DTensors
+      (no rank gathers a whole weight).
 
     Example:
       >>> merged = merge(model, {**state.frozen, **state.params})
@@ -275,10 +288,23 @@ def merge(model: nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, tor
     out = {n: v for n, v in params.items() if not is_adapter(n)}
     for name, layer in _layers(model).items():
         a, b = params[f"{name}.lora_A.weight"], params[f"{name}.lora_B.weight"]
-        delta = (b.float() @ a.float()) * layer.scaling  # (out, in)
+        upcast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)  # (PEFT's: slow CPU matmuls)
+        delta = b.float() @ a.float() if upcast else b @ a  # (out, in)
+        delta = ((delta.t() if layer.fan_in_fan_out else delta) * layer.scaling).to(b.dtype)  # the adapters' dtype
         w = out[f"{name}.weight"]
-        out[f"{name}.weight"] = (w.float() + (delta.t() if layer.fan_in_fan_out else delta)).to(w.dtype)
+        out[f"{name}.weight"] = w + delta.to(w.dtype)
     return out
+
+
+def peft_directory(out: str | os.PathLike) -> Path:
+    """Where the PEFT adapter directory of an export to `out` goes: `<out>-peft` beside it.
+
+    Example:
+      >>> peft_directory("runs/sft/hf")
+      PosixPath('runs/sft/hf-peft')
+    """
+    out = Path(out)
+    return out.with_name(out.name + "-peft")
 
 
 def peft_tensors(adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

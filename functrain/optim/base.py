@@ -276,18 +276,31 @@ def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> l
     flags, mask_spec = tree_lib.flatten(mask)
     try:
         subtrees = mask_spec.flatten_up_to(params)
-    except (ValueError, TypeError) as exc:
-        detail = " ".join(str(exc).split())
-        raise ValueError(
-            f"optim mask: its structure is not a prefix of the params' ({detail}); give a bool "
-            "per leaf or per subtree of the params"
-        ) from None
+    except (ValueError, TypeError):
+        raise ValueError(_mask_mismatch(mask, params)) from None
     flat = []
     for flag, sub in zip(flags, subtrees):
         flat.extend([bool(flag)] * len(tree_lib.leaves(sub)))
     if _MASK_LOG is not None:  # functrain.step.update_groups checks masks resolved on a group of leaves
         _MASK_LOG.append({n: f for (n, _), f in zip(tree_lib.named_leaves(params), flat)})
     return flat
+
+
+def _mask_mismatch(mask: PyTree, params: PyTree) -> str:
+    """One short line: the mask's names the optimized params lack, and the optimized params' own (a few of each)."""
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    mine = [n for n, _ in tree_lib.named_leaves(mask)]
+    theirs = [n for n, _ in tree_lib.named_leaves(params)]
+    extra = [n for n in mine if n not in set(theirs)]
+    what = f"{len(extra)} of its {len(mine)} leaves are not among them ({few(extra)})" if extra else "another structure"
+    return (
+        f"optim mask: it does not fit the params it masks: {what}; the optimized params are {len(theirs)} leaves "
+        f"({few(theirs)}; a LoRA run optimizes its adapters only); give a bool per leaf or per subtree of those, or "
+        "a callable params -> mask"
+    )
 
 
 def _selected_names(params: PyTree, flags: list[bool]) -> list[tuple[int, str]]:

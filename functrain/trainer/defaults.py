@@ -56,6 +56,9 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.lora.targets = "all-linear"  # or a regex over the linear layers' names ("q_proj|v_proj")
     c.lora.dropout = 0.0  # on the adapters' input, drawn from the step's key
     c.lora.rslora = False
+    # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the adapters start from,
+    # its rank, alpha, layers and base checked against the run's ("" = fresh adapters: A random, B zero)
+    c.lora.init_from = ""
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's

@@ -26,7 +26,7 @@ from functrain.data.prefetch import Prefetcher
 from functrain.optim.base import Transform
 from functrain.state import TrainState
 from functrain.task import Task
-from functrain.trainer import downstream, memory, validate, workdir_lock
+from functrain.trainer import downstream, exports, memory, validate, workdir_lock
 from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import metrics as metrics_lib
 from functrain.trainer import route as route_lib
@@ -136,6 +136,9 @@ def _train(
         task, optimizer, config, ctx, device, _compile(config), cuda_graphs.options() if graphs else None
     )
 
+    export_to = workdir / "hf" if config.get("export_hf") and task.export is not None and route.whole else None
+    if export_to is not None:  # before anything trains: an export that cannot be written fails now, not at the end
+        exports.check_targets(exports.targets(export_to, lora=state.frozen is not None and bool(state.frozen)))
     counts = _param_counts(state)
     print_fn(
         f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
@@ -277,9 +280,16 @@ def _train(
     if stopped:
         summary["preempted"] = True
         return summary
+    if main:  # (again below with what the end adds: a failed export leaves this one)
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     finished, note = route.finish(state)
     if note:
         print_fn(note)
+    if export_to is not None:
+        path, unchecked = exports.write(task, frozen_lib.merged(state), export_to)
+        finished["hf_export"] = str(path)
+        if unchecked:
+            print_fn(unchecked)
     if main:
         for name, value in finished.items():
             print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")

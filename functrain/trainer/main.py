@@ -188,14 +188,11 @@ def export_hf(
     check_config(config, mesh=_launched())  # every key, once, before the heavy modules load
     from functrain import checkpoint as ckpt_lib
     from functrain import parallel
-    from functrain.trainer import loop, validate
+    from functrain.trainer import exports, loop, validate
 
     family = _family(config)
-    if Path(out).exists() and not Path(out).is_dir():
-        raise validate.ConfigError(
-            f"--export_hf={out}: is a file, not a directory; export to another path (a new "
-            "directory, or one to overwrite), or move the file away"
-        )
+    lora = bool(config.get("lora", {}).get("rank", 0))
+    exports.check_targets(exports.targets(Path(out), lora=lora), flag=f"--export_hf={out}")
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
     # One process reads the params whole, whatever mesh trained them: the training run's mesh flags
     # only count under torchrun.
@@ -214,8 +211,8 @@ def export_hf(
                 task, config, step_dir, ctx.device, saved, loop.checkpoint_path(init_from) if init_from else None
             )
             params = {**base, **params}
-        path = task.export(params, out)
-    print_fn(f"exported {step_dir} to {path}")
+        path, unchecked = exports.write(task, params, Path(out))
+    print_fn(f"exported {step_dir} to {path}" + (f" ({unchecked})" if unchecked else ", checked against transformers"))
     return Path(path)
 
 

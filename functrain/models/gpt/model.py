@@ -219,6 +219,10 @@ class GPT(nn.Module):
                 for name, p in self.named_parameters():  # key None: the global generator
                     p.copy_(_init_block(self, name, p.shape, key, [0] * p.ndim, list(p.shape)))
 
+    def get_output_embeddings(self) -> nn.Linear:
+        """The output layer (transformers' name for it: LoRA's "all-linear" leaves it out, as PEFT's)."""
+        return self.lm_head
+
     def forward(
         self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, packed=None, return_hidden: bool = False
     ) -> torch.Tensor:

@@ -23,9 +23,11 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         build_template,
         check_stages,
         decoder_layers,
+        export_directory,
         head_name,
         init_params,
         load_config,
+        persistent_buffers,
         stages,
         tp_rules,
     )

@@ -21,7 +21,7 @@ import torch
 from functrain import config_checks as v
 from functrain import data as data_lib
 from functrain import functional, parallel
-from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
+from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import lm, lm_data, lm_lora
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.loss import make_loss_fn
@@ -29,6 +29,7 @@ from functrain.models.hf.model import (
     HFModelError,
     StagingError,
     build_template,
+    export_directory,
     head_name,
     init_params,
     load_config,
@@ -196,10 +197,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
 
     def export_base(params, out):
         """Writes `params` (full or sharded) as a directory transformers loads: config, weights, tokenizer."""
-        exported = hf_config.to_dict()
-        exported.pop("torch_dtype", None)
-        exported.update(dtype="float32", use_cache=True)
-        return save_hf_directory(out, params, exported, tokenizer_file=tokenizer_file)
+        return export_directory(out, hf_config, base, params, tokenizer_file=tokenizer_file)
 
     # LoRA: the merged model, and the adapters as a PEFT directory over the model directory's weights
     export = lm_lora.exporter(
@@ -208,11 +206,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
 
     def finish(params, key):
         """A text sample from the prompt, or the answer to a held-out prompt (sharded params: gathered a layer at a
-        time); the export with `export_hf`."""
+        time)."""
         sample = config.sample
         if not staged and any(parallel.is_dtensor(t) for t in params.values()):
             params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
-        result = lm_data.finish_text(
+        return lm_data.finish_text(
             dataset,
             sample,
             lambda prompt, n: lm.generate(
@@ -230,9 +228,6 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             ),
             ctx.device,
         )
-        if config.export_hf:
-            result["hf_export"] = str(export(params, Path(workdir) / "hf"))
-        return result
 
     n_params = sum(p.numel() for p in base.parameters())
     layers = getattr(hf_config, "num_hidden_layers", 0)
@@ -258,6 +253,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         stages=stages(template) if staged else None,
         head=head,
         logits_fn=_hf_logits(template),
+        hf_name=str,
+        base_model=str(directory.path),
     )
 
 

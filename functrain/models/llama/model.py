@@ -243,6 +243,10 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
         return rng.dropout(ops.embedding(weight, idx), self.cfg.dropout, _site_key(key, 0))  # (B, T, C)
 
+    def get_output_embeddings(self) -> nn.Linear:
+        """The output layer (transformers' name for it: LoRA's "all-linear" leaves it out, as PEFT's)."""
+        return self.lm_head
+
     def forward(
         self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, packed=None, return_hidden: bool = False
     ) -> torch.Tensor:

@@ -155,9 +155,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     )
 
     def finish(params, key):
-        """A text sample from the prompt (sharded params: gathered a stage at a time); the Hugging Face
-        export with `export_hf` (gathered a tensor at a time, written by rank 0)."""
-        result = lm_data.finish_text(
+        """A text sample from the prompt (sharded params: gathered a stage at a time)."""
+        return lm_data.finish_text(
             dataset,
             sample,
             lambda prompt, n: lm.generate(
@@ -173,9 +172,6 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             ),
             ctx.device,
         )
-        if config.export_hf:
-            result["hf_export"] = str(export(params, Path(workdir) / "hf"))
-        return result
 
     n_params = llama_lib.num_params(cfg)
     origin = f"from {config.init_from}" if hf is not None else "fresh"
@@ -197,4 +193,6 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         export=export,
         stages=llama_lib.stages(cast(llama_lib.Llama, template)),
         head=head_name(cfg),
+        hf_name=hf_lib.hf_name,
+        base_model=str(hf.path) if hf is not None else "",
     )
