@@ -344,3 +344,86 @@ def test_messages_that_name_the_real_problem(tmp_path):
     load_examples(src, tmp_path / "c", BYTES, _spec(fmt="messages", block_size=256), log=lines.append)
     (line,) = [line for line in lines if "left out" in line]
     assert line == "examples: 1 with no token to learn left out (data.train_on)"
+
+
+def _spread(tmp_path, n=64):
+    """Prompt/completion records of 10 to ~110 bytes, most short: batches of 4 fall into each row length."""
+    size = [
+        4 + (i * 7) % 16 if i % 10 < 7 else 30 + (i * 13) % 30 if i % 10 < 9 else 60 + (i * 17) % 45 for i in range(n)
+    ]
+    return _write(tmp_path, [{"prompt": f"q{i}: ", "completion": "x" * k} for i, k in enumerate(size)])
+
+
+def _padded(tmp_path, src, **kw):
+    return sft.sft_data(
+        ConfigDict({"path": src, "val_fraction": 0.1, "packing": False}),
+        cache_dir=str(tmp_path / "c"),
+        tokenizer=BYTES,
+        template=None,
+        batch_size=4,
+        block_size=128,
+        seed=0,
+        eval_batches=2,
+        **kw,
+    )
+
+
+def test_padded_rows_are_the_batchs_longest_example_rounded_up_to_a_row_length(tmp_path):
+    """Each padded batch is as long as its longest example rounded up to 32, 64 or 128 (the block), the same length
+    on every rank; the rows are the block-long rows cut there (nothing real is cut)."""
+    assert sft.row_lengths(128) == (32, 64, 128) and sft.row_lengths(96) == (32, 64, 96)
+    data = _padded(tmp_path, _spread(tmp_path))
+    s = data.sampler
+    seen = set()
+    for step in range(int(data.steps_per_epoch)):
+        x, y = data.train_batch(step)
+        rows = [s._rows(0)[j] for j in range(step * 4, step * 4 + 4)]
+        longest = max(int(s.examples.lengths[r[0]]) for r in rows)
+        assert x.shape[1] == next(n for n in (32, 64, 128) if n >= longest) >= longest
+        halves = [s.batch(step, rank=r, world=2) for r in (0, 1)]
+        assert all(h[0].shape[1] == x.shape[1] for h in halves)
+        assert torch.equal(torch.cat([h[0] for h in halves]), x) and torch.equal(torch.cat([h[1] for h in halves]), y)
+        seen.add(x.shape[1])
+    assert seen == {32, 64, 128}
+    targets, real = data.efficiency()
+    assert real > float(s.examples.lengths.sum()) / (s.rows_per_epoch * 128)  # fuller than rows of the whole block
+    assert {v[0].shape[1] for v in data.eval_sets()} <= {32, 64, 128}
+
+
+def test_padded_batches_compile_one_graph_per_row_length(tmp_path, tiny_gpt, gpt_loss_fn):
+    """The compile contract of padded rows: each row length compiles once (here the three of block 128), then no
+    step recompiles; and the loss of a batch is the same at its length as padded to the whole block."""
+    from torch._dynamo.utils import counters
+
+    from functrain import init_state, make_train_step, optim
+    from functrain.models import lm
+
+    data = _padded(tmp_path, _spread(tmp_path))
+    model = tiny_gpt(vocab_size=256, block_size=128)
+    opt = optim.adamw(1e-3)
+    step = make_train_step(
+        gpt_loss_fn(model), opt, compile_options={"backend": "aot_eager"}, count_targets=lm.count_targets()
+    )
+    state = init_state(model, opt)
+    counters.clear()
+    state, _ = step(state, data.train_batch(0))
+    first = counters["stats"]["unique_graphs"]
+    lengths = {data.train_batch(0)[0].shape[1]}
+    for s in range(1, 12):
+        batch = data.train_batch(s)
+        lengths.add(batch[0].shape[1])
+        state, _ = step(state, batch)
+    assert len(lengths) == 3 and counters["stats"]["unique_graphs"] == first + 2, dict(counters["stats"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for s in range(12, 24):
+            state, _ = step(state, data.train_batch(s))
+    evaluate = make_train_step(gpt_loss_fn(model), optim.sgd(0.0), compile=False, count_targets=lm.count_targets())
+    x, y = data.train_batch(3)
+    full = (
+        torch.nn.functional.pad(x, (0, 128 - x.shape[1])),
+        torch.nn.functional.pad(y, (0, 128 - y.shape[1]), value=-1),
+    )
+    plain = init_state(model, optim.sgd(0.0))
+    _, short = evaluate(plain, (x, y))
+    _, long = evaluate(init_state(model, optim.sgd(0.0)), full)
+    assert short["targets"] == long["targets"] and torch.allclose(short["loss"], long["loss"], rtol=1e-6, atol=0)

@@ -84,11 +84,11 @@ def assemble(examples: ExampleSet, rows: list[list[int]], block_size: int, pad_i
     return x, y, pos
 
 
-def efficiency(examples: ExampleSet, rows: int, block_size: int) -> tuple[float, float]:
-    """(target tokens, real tokens) over every token of `rows` rows: how full the rows are.
+def efficiency(examples: ExampleSet, tokens: int) -> tuple[float, float]:
+    """(target tokens, real tokens) over the `tokens` of the rows that hold every example once: how full they are.
 
     Example:
-      >>> efficiency(train, len(rows), 512)      # e.g. (0.41, 0.93) packed, (0.12, 0.27) padded
+      >>> efficiency(train, len(rows) * 512)      # e.g. (0.41, 0.93) packed, (0.12, 0.27) padded to the block
     """
-    total = max(1, rows * block_size)
+    total = max(1, tokens)
     return examples.target_count() / total, int(examples.lengths.sum()) / total

@@ -28,20 +28,46 @@ from functrain.data.stdlib_sft import builtin_format, builtin_source
 from functrain.data.supervised import ChatTemplate
 from functrain.data.tokenizer import separator_ids
 
-__all__ = ["END_MARKS", "ExampleSampler", "SFTData", "sft_data"]
+__all__ = ["END_MARKS", "ExampleSampler", "SFTData", "padded_length", "row_lengths", "sft_data"]
 
 _ROWS_STREAM, _ORDER_STREAM = 5, 6
+SMALLEST_ROW = 32  # the shortest padded row length (`row_lengths`)
+
+
+def row_lengths(block_size: int) -> tuple[int, ...]:
+    """The lengths padded rows come in: powers of two from `SMALLEST_ROW` below `block_size`, then `block_size`
+    (a compiled step makes one graph per length: docs/compiler.md).
+
+    Example:
+      >>> row_lengths(256)
+      (32, 64, 128, 256)
+    """
+    out, n = [], SMALLEST_ROW
+    while n < block_size:
+        out.append(n)
+        n *= 2
+    return (*out, block_size)
+
+
+def padded_length(lengths, block_size: int) -> int:
+    """The row length of a batch of padded examples: its longest example's (pairs), rounded up to `row_lengths`."""
+    longest = max((int(n) for n in lengths), default=1)
+    return next(n for n in row_lengths(block_size) if n >= longest)
+
+
 END_MARKS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 """Where a generated answer ends (ChatML's end of turn, common end-of-text tokens)."""
 
 
 class ExampleSampler:
-    """The rows of every epoch over a set of examples, and the batches they make.
+    """The rows of every epoch over a set of examples, and the batches they make: packed rows are `block_size`
+    long; padded ones (one example a row) as long as the batch's longest example, rounded up to `row_lengths`
+    (as TRL pads each batch to its longest, in a few lengths that compiled steps share).
 
     Args:
       examples: the training examples.
       batch_size: the GLOBAL batch size (rows).
-      block_size: the row length.
+      block_size: the longest row.
       seed: the data seed.
       packing: pack whole examples into rows (best-fit-decreasing), else one per row.
       pad_id: the input id of padding.
@@ -85,17 +111,33 @@ class ExampleSampler:
         return self.rows_per_epoch / self.batch_size
 
     def batch(self, step: int, rank: int = 0, world: int = 1, device=None) -> tuple:
-        """This rank's rows of step `step`'s batch: (x, y) or, packed, (x, y, positions), each (B / world, T)."""
+        """This rank's rows of step `step`'s batch: (x, y) or, packed, (x, y, positions), each (B / world, T), T the
+        same on every rank (from the whole batch's longest example when padded)."""
         if world < 1 or not 0 <= rank < world or self.batch_size % world:
             raise ValueError(
                 f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, world={world}"
             )
         b = self.batch_size // world
         rows = []
-        for g in int(step) * self.batch_size + rank * b + np.arange(b):
+        for g in int(step) * self.batch_size + np.arange(self.batch_size):
             epoch, j = divmod(int(g), self.rows_per_epoch)
             rows.append(self._rows(epoch)[j])
-        return _tensors(assemble(self.examples, rows, self.block_size, self.pad_id), self.packing, device)
+        length = self._length(rows)
+        mine = rows[rank * b : (rank + 1) * b]
+        return _tensors(assemble(self.examples, mine, length, self.pad_id), self.packing, device)
+
+    def _length(self, rows: list[list[int]], examples: ExampleSet | None = None) -> int:
+        """The row length of a global batch of `rows`: the block packed, else `padded_length`."""
+        if self.packing:
+            return self.block_size
+        lengths = (examples or self.examples).lengths
+        return padded_length((lengths[i] for row in rows for i in row), self.block_size)
+
+    def epoch_tokens(self) -> int:
+        """Every token (real and padding) of the first epoch's rows, each batch padded to its length."""
+        rows = self._rows(0)
+        batches = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+        return sum(len(batch) * self._length(batch) for batch in batches)
 
     def position(self, step: int) -> dict[str, float]:
         """{"epoch": e, "epoch_fraction": f} after `step` steps."""
@@ -169,8 +211,11 @@ class SFTData:
         b = s.batch_size // world
         out = []
         for k in range(n):
-            mine = rows[k * s.batch_size + rank * b : k * s.batch_size + (rank + 1) * b]
-            out.append(_tensors(assemble(self.val, mine, s.block_size, s.pad_id), s.packing, self.dp["device"]))
+            batch = rows[k * s.batch_size : (k + 1) * s.batch_size]
+            mine = batch[rank * b : (rank + 1) * b]
+            out.append(
+                _tensors(assemble(self.val, mine, s._length(batch, self.val), s.pad_id), s.packing, self.dp["device"])
+            )
         return out
 
     def position(self, step: int) -> dict[str, float]:
@@ -184,7 +229,7 @@ class SFTData:
 
     def efficiency(self) -> tuple[float, float]:
         """(target tokens, real tokens) over all tokens of an epoch's rows."""
-        return efficiency(self.train, self.sampler.rows_per_epoch, self.sampler.block_size)
+        return efficiency(self.train, self.sampler.epoch_tokens())
 
     def held_out(self) -> tuple[np.ndarray, str]:
         """The first validation example's prompt (its tokens before the first target: for a conversation,
