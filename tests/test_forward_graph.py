@@ -139,7 +139,10 @@ def test_tensors_the_kernel_does_not_take_get_the_compiled_update():
 
 def test_the_config_key_checks_its_optimizer_and_moments():
     c = defaults.trainer_config()
-    assert c.optim.fused is False  # the default run keeps its compiled update (and its numbers)
+    assert c.optim.fused is None  # the default run keeps its compiled update (and its numbers); eager steps the kernel
+    unset = trainer_optimizer.from_config(c.optim, 10)
+    assert unset.fused is not None and not unset.traits.fused_compiled
+    c.optim.fused = False
     assert trainer_optimizer.from_config(c.optim, 10).fused is None
     c.optim.fused = True
     optimizer_checks.v.check_all(c, optimizer_checks.CHECKS)  # adamw, float32 moments: fine

@@ -452,7 +452,9 @@ def test_a_transform_is_init_and_update_with_optional_traits():
     assert plain.traits == optim.Traits() and plain.report is None and plain.leafwise is False
     adamw = optim.adamw(1e-3)
     assert adamw._fields == ("init", "update", "traits")
-    assert adamw.leafwise is True and adamw.report is not None and adamw.fused is None
-    assert optim.adamw(1e-3, fused=True).fused is not None
+    assert adamw.leafwise is True and adamw.report is not None
+    assert adamw.fused is not None and not adamw.traits.fused_compiled  # the kernel in eager steps only
+    assert optim.adamw(1e-3, fused=False).fused is None
+    assert optim.adamw(1e-3, fused=True).fused is not None and optim.adamw(1e-3, fused=True).traits.fused_compiled
     clipped = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3, fused=True))
     assert clipped.traits.leafwise == "norm" and clipped.fused is not None

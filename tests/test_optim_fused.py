@@ -98,19 +98,28 @@ def test_fused_route_equals_torch_fused_adamw_after_clip_grad_norm():
         torch.testing.assert_close(state.params[k], p.detach(), rtol=0, atol=_atol(params), msg=k)
 
 
-def test_the_eager_train_step_takes_the_route_only_when_it_owns_the_buffers(tiny_gpt, batches, gpt_loss_fn):
+def test_the_eager_train_step_takes_the_route_in_place_or_on_a_copy(tiny_gpt, batches, gpt_loss_fn):
+    """Donating, the kernel writes into the state's buffers; not donating, into a copy of them: the same numbers,
+    the input untouched. `adamw()` (the kernel in eager steps) reports the update's norm, `fused=True` does not."""
     model = tiny_gpt(n_layer=1)
     loss_fn = gpt_loss_fn(model)
     batch = batches(model.cfg, 1)[0]
     donating = make_train_step(loss_fn, _opt(True), compile=False, donate=True)
     keeping = make_train_step(loss_fn, _opt(True), compile=False, donate=False)
-    _, m_donating = donating(init_state(model, _opt(True)), batch)
+    donated, m_donating = donating(init_state(model, _opt(True)), batch)
     state = init_state(model, _opt(True))
     snapshot = tree.clone(state)
-    _, m_keeping = keeping(state, batch)
-    assert "update_norm" not in m_donating and "update_norm" in m_keeping  # the fused route vs the chain
+    kept, m_keeping = keeping(state, batch)
+    assert "update_norm" not in m_donating and "update_norm" not in m_keeping  # both the kernel's route
     for a, b in zip(tree.leaves(state), tree.leaves(snapshot)):
         assert torch.equal(a, b)  # donate=False: the input is untouched
+    for a, b in zip(tree.leaves(donated), tree.leaves(kept)):
+        assert torch.equal(a, b)
+    auto = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+    new, m = make_train_step(loss_fn, auto, compile=False)(init_state(model, auto), batch)
+    start = init_state(model, auto).params
+    delta = torch.linalg.vector_norm(torch.cat([(new.params[k] - start[k]).flatten() for k in start]))
+    torch.testing.assert_close(m["update_norm"], delta)
 
 
 def test_tensors_the_kernel_does_not_take_run_the_chain():

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-__all__ = ["add", "addcmul", "copy_", "device_scalars", "div", "lerp", "mul", "norms", "per_tensor", "sqrt"]
+__all__ = ["add", "addcmul", "copy_", "device_scalars", "div", "lerp", "mul", "norms", "per_tensor", "sqrt", "sub"]
 
 _PER_TENSOR = False
 _DEVICE_SCALARS = False
@@ -84,6 +84,11 @@ def mul(xs: Tensors, ys) -> list[torch.Tensor]:
     if _per_tensor_for(xs, ys):
         return [x * _at(ys, i) for i, x in enumerate(xs)]
     return list(torch._foreach_mul(xs, _broadcast_for(xs, ys) or ys))
+
+
+def sub(xs: Tensors, ys: Tensors) -> list[torch.Tensor]:
+    """xs - ys."""
+    return [x - y for x, y in zip(xs, ys)] if _listwise(xs) else list(torch._foreach_sub(xs, ys))
 
 
 def div(xs: Tensors, ys: Tensors) -> list[torch.Tensor]:

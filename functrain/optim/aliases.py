@@ -32,7 +32,7 @@ def adamw(
     mask: PyTree | Callable[[PyTree], PyTree] | None = None,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
-    fused: bool = False,
+    fused: bool | None = None,
 ) -> Transform:
     """AdamW (decoupled weight decay), the same update as `torch.optim.AdamW`.
 
@@ -45,12 +45,15 @@ def adamw(
       weight_decay: decoupled decay (multiplied by the learning rate, as torch and optax do).
       mask: which params get weight decay (tree of bools or callable); default all.
       mu_dtype, nu_dtype: storage dtypes of Adam's moments (see `scale_by_adam`).
-      fused: a train step that donates its state runs the update in place through torch's fused
+      fused: True: a train step that donates its state runs the update in place through torch's fused
         AdamW kernel (one pass over the params, as `torch.optim.AdamW(fused=True)`; also after
         `clip_by_global_norm` in a chain): an eager step, and on one process a compiled one after its
         compiled loss (the update then has no graph to compile). Its metrics then have no
         `update_norm` (the kernel does not expose the update). Steps that do not donate or hold
         sharded params run the same math unfused, compiled with the step (see `functrain.optim.fused`).
+        None (default): the kernel in eager steps only (where it takes the tensors: float32 moments, one
+        process), the same math to float32 rounding at a fraction of the unfused passes' time; compiled
+        steps compile the update. False: never the kernel.
 
     Returns:
       A `Transform`.
@@ -72,7 +75,10 @@ def adamw(
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),
     )
-    return opt._replace(traits=opt.traits._replace(fused=fused_lib.adamw_route(learning_rate, mask))) if fused else opt
+    if fused is False:
+        return opt
+    route = fused_lib.adamw_route(learning_rate, mask)
+    return opt._replace(traits=opt.traits._replace(fused=route, fused_compiled=bool(fused)))
 
 
 def adam(

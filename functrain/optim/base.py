@@ -47,7 +47,9 @@ class Traits(NamedTuple):
       leafwise: True, "norm" (leafwise once handed the global norm) or False (module docstring).
       scale: an eager shortcut (`functrain.optim.fused`): `scale(state, norm) -> 0-d tensor` for a
         transform whose update only multiplies every leaf by that one factor (`clip_by_global_norm`).
-      fused: an in-place route through one of torch's fused optimizer kernels (`adamw(fused=True)`).
+      fused: an in-place route through one of torch's fused optimizer kernels (`adamw(fused=...)`).
+      fused_compiled: the route also runs after a compiled loss (`adamw(fused=True)`); False: in eager steps only
+        (`adamw()`'s default), a compiled step compiling the update as written.
       takes_norm: `update` takes the keyword `norm` (the global L2 norm of its `updates`, when the
         caller has it): `call_update` passes it only then.
 
@@ -59,6 +61,7 @@ class Traits(NamedTuple):
     leafwise: bool | str = False
     scale: Callable[[PyTree, Any], Any] | None = None
     fused: Callable[..., Any] | None = None
+    fused_compiled: bool = True
     takes_norm: bool = False
 
 
@@ -210,7 +213,10 @@ def chain(*transforms: Transform) -> Transform:
     fusable = transforms and transforms[-1].fused is not None and all(t.scale is not None for t in transforms[:-1])
     fused = _chain_fused(transforms) if fusable else None
     takes_norm = bool(transforms) and transforms[0].traits.takes_norm
-    return Transform(init, update, Traits(report_all, whole, fused=fused, takes_norm=takes_norm))
+    compiled = not transforms or transforms[-1].traits.fused_compiled
+    return Transform(
+        init, update, Traits(report_all, whole, fused=fused, fused_compiled=compiled, takes_norm=takes_norm)
+    )
 
 
 def _chain_fused(transforms: tuple) -> Callable[..., Any]:

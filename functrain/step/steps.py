@@ -257,7 +257,7 @@ def _step_route(spec: _TrainSpec, options: dict | None) -> Callable[[Layout], Ca
         grads = joint = piece(functools.partial(_loss_and_grads, spec, lay, spec.loss_fn, False, prepare))
         whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, False))
         finish: Callable = _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True)
-        if spec.optimizer.fused is not None and spec.donate:  # torch's precompiled kernel: nothing to compile
+        if _kernel_when_compiled(spec):  # torch's precompiled kernel: nothing to compile
             finish, whole = (functools.partial(_fused_finish, spec, f) for f in (finish, whole))
         if _forward_graph_takes(spec):
             fn = functools.partial(forward_graph.forward, spec.loss_fn, spec.prec, lay)
@@ -320,9 +320,15 @@ def _train_body(spec: _TrainSpec, loss_fn: LossFn, piece: Callable, lay: Layout,
     prepare = piece(functools.partial(_prepare, spec.prec, lay, per_stage))
     whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, per_stage))
     finish = _GroupedFinish(spec, lay, loss_fn, piece, whole) if grouped and (per_stage or not lay.sharded) else whole
-    if grouped and not lay.sharded and spec.optimizer.fused is not None and spec.donate:  # torch's kernel
+    if grouped and not lay.sharded and _kernel_when_compiled(spec):  # torch's kernel
         finish, whole = (functools.partial(_fused_finish, spec, f) for f in (finish, whole))
     return functools.partial(_train_step, spec, lay, loss_fn, per_stage, prepare, finish, whole)
+
+
+def _kernel_when_compiled(spec) -> bool:
+    """Whether a compiled step updates through the optimizer's fused kernel (`adamw(fused=True)`, donating)."""
+    opt = spec.optimizer
+    return opt.fused is not None and opt.traits.fused_compiled and spec.donate
 
 
 def _prepare(prec, lay: Layout, per_stage: bool, state: TrainState, batch: PyTree):

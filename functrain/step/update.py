@@ -180,9 +180,14 @@ def fused_in_place(
     metrics = dict(aux)
     metrics[M.GRAD_NORM] = grad_norm = LOCAL.global_norm(grads)
     ok = update_ok(grad_norm, metrics) if guarded else torch.ones((), dtype=torch.bool, device=grad_norm.device)
+    # `adamw()`'s eager kernel reports the update's norm as the compiled update does (a copy of the params);
+    # `adamw(fused=True)` skips it, as torch.optim.AdamW(fused=True) has none
+    before = None if optimizer.traits.fused_compiled else [p.clone() for p in tree_lib.leaves(state.params)]
     opt_state = fused(state.params, grads, state.opt_state, norm=grad_norm, found_inf=(~ok).float())
     if opt_state is None:  # tensors the kernel does not take: nothing was touched
         return None
+    if before is not None:
+        metrics[M.UPDATE_NORM] = LOCAL.global_norm(foreach.sub(tree_lib.leaves(state.params), before))
     guard = guard_after(state.guard, ok, prec, metrics) if guarded else state.guard
     metrics.update(optim.report(optimizer, opt_state))
     model_state = state.model_state if model_state is None else LOCAL.select(ok, model_state, state.model_state)
@@ -190,14 +195,20 @@ def fused_in_place(
     return LOCAL.write_into(state, new), metrics  # (the counters; params and moments changed in place)
 
 
+def _updated_fields(state: TrainState) -> dict:
+    """The fields of `state` the fused update writes in place."""
+    return {"params": state.params, "opt_state": state.opt_state, "step": state.step, "guard": state.guard}
+
+
 def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, layout: Layout | None = None):
-    """`update(state, aux, grads, model_state=None) -> (state, metrics)`: `apply_gradients`, then donation (in place
-    through
-    the optimizer's fused kernel when it has one, the step runs eagerly and no `layout` is given)."""
+    """`update(state, aux, grads, model_state=None) -> (state, metrics)`: `apply_gradients`, then donation; through
+    the optimizer's fused kernel when it has one, the step runs eagerly and no `layout` is given (in place, on a
+    copy of the params and optimizer state where the step does not donate: the same numbers either way)."""
 
     def update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
-        if donate and optimizer.fused is not None and layout is None:
-            done = fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision, model_state)
+        if optimizer.fused is not None and layout is None and compiler.eager_autograd_ok():
+            own = state if donate else state._replace(**tree_lib.clone(_updated_fields(state)))
+            done = fused_in_place(own, aux, grads, optimizer, skip_nonfinite, precision, model_state)
             if done is not None:
                 return done
         new_state, metrics = apply_gradients(

@@ -123,10 +123,12 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.optim.clip = 1.0  # global-norm clipping; 0 disables
     c.optim.mu_dtype = "float32"  # adamw moment storage: float32 | bfloat16 (halves optimizer memory)
     c.optim.nu_dtype = "float32"
-    # adamw only: True runs the update through torch's fused AdamW kernel after the compiled loss (one
+    # adamw only: True runs the update through torch's fused AdamW kernel after the compiled loss too (one
     # process), as torch.optim.AdamW(fused=True) does: no update graph to compile (this run's first step
     # 53 -> 42 s on 2 cores; docs/results.md), the same math to float rounding, no update_norm metric.
-    c.optim.fused = False
+    # Unset (None): the kernel in eager steps only (compile=False), compiled steps compile the update;
+    # False: never the kernel.
+    c.optim.fused = ml_collections.config_dict.placeholder(bool)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.dp_replicate = 1

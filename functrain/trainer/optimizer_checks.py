@@ -30,7 +30,7 @@ CHECKS: list = [
     ("optim.clip", v.number_at_least(0.0)),
     ("optim.mu_dtype", v.one_of(*DTYPES)),
     ("optim.nu_dtype", v.one_of(*DTYPES)),
-    ("optim.fused", v.boolean()),
+    ("optim.fused", (lambda x: x in (None, True, False), "True, False, or unset (the kernel in eager steps only)")),
     v.relation(
         ("optim.fused", "optim.name"),
         lambda fused, name: not fused or name == "adamw",
