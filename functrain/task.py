@@ -47,7 +47,8 @@ class Task(NamedTuple):
       eval_batches: `() -> iterable of batches`: this rank's part of the fixed evaluation set; or
         `() -> {name: iterable of batches}` for several sets (a data mixture's sources): the loop
         logs `val_loss/<name>` for each, and `val_loss`, the mean over all their batches.
-      tokens_per_step: tokens in one global training batch (for throughput).
+      tokens_per_step: tokens in one global training batch (for throughput), or `batch -> tokens` when
+        batches differ in length (padded supervised rows).
       flops_per_token: training FLOPs per token (for MFU; 0 if unknown).
       finish: `(params, key) -> dict`: called on every process after the last step with the params
         as trained (DTensors when sharded: gather them a stage or a tensor at a time, e.g.
@@ -90,7 +91,7 @@ class Task(NamedTuple):
     loss_fn: Callable
     train_batch: Callable[[int], PyTree]
     eval_batches: Callable[[], Iterable[PyTree]]
-    tokens_per_step: int
+    tokens_per_step: int | Callable[[PyTree], int]
     flops_per_token: float
     finish: Callable[[PyTree, torch.Tensor], dict]
     export: Callable[[PyTree, Any], Any] | None = None

@@ -68,3 +68,18 @@ def test_tiny_run_writes_tensorboard_and_plot(tmp_path):
     assert plot.returncode == 0, plot.stderr
     png = work / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_throughput_counts_the_tokens_of_batches_of_varying_length():
+    """Padded supervised rows: tokens per second from each step's batch (its length), not from the block."""
+    import torch
+
+    from functrain.trainer import metrics
+
+    tp = metrics.Throughput(lambda batch: 8 * batch[0].shape[-1], 1.0, None, 10)
+    tp.add((torch.zeros(8, 128),))  # the first (compiling) step: not in the window
+    tp.start(1)
+    for length in (32, 64, 32):
+        tp.add((torch.zeros(8, length),))
+    out = tp.report(4)
+    assert out["tokens_per_s"] * out["step_time_s"] * 3 == pytest.approx(8 * (32 + 64 + 32), rel=1e-6)

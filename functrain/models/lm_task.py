@@ -84,7 +84,7 @@ def lm_task(
         data_record=dataset.record(),
         count_targets=lm.count_targets(),
         steps_per_epoch=dataset.steps_per_epoch,
-        tokens_per_step=config.batch_size * seq,
+        tokens_per_step=lambda batch: config.batch_size * batch[0].shape[-1],  # (padded rows: the batch's length)
         flops_per_token=lm_lora.flops_per_token(flops_per_token, template, lora_spec),
         finish=finish,
         export=export,

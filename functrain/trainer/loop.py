@@ -238,6 +238,7 @@ def _train(
                     )
                     break
                 done = step + 1
+                throughput.add(batch)
                 if step == start:
                     if graphs and cuda_graphs.skips() > graph_skips:
                         raise validate.ConfigError(

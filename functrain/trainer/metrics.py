@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +163,8 @@ class Throughput:
     """Tokens per second, model FLOP utilization and ETA over the steps since the last report.
 
     Args:
-      tokens_per_step: global tokens processed by one step.
+      tokens_per_step: global tokens processed by one step, or `batch -> tokens` for batches whose length varies
+        (padded supervised rows): then `add(batch)` counts each step's.
       flops_per_token: training FLOPs per token (see `models.gpt.flops_per_token`).
       peak_flops: the hardware's peak FLOP/s for the whole job (all ranks), or None.
       total_steps: the run's length, for the ETA.
@@ -178,7 +179,12 @@ class Throughput:
     """
 
     def __init__(
-        self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None, total_steps: int, probe=None
+        self,
+        tokens_per_step: int | Callable[[Any], int],
+        flops_per_token: float,
+        peak_flops: float | None,
+        total_steps: int,
+        probe=None,
     ):
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
@@ -187,11 +193,18 @@ class Throughput:
         self.probe = probe
         self._t0: float | None = None
         self._step0 = 0
+        self._tokens = 0
 
     def start(self, step: int) -> None:
         """Starts the clock at `step` (call after the first, compiling, step)."""
         self._t0 = time.perf_counter()
         self._step0 = step
+        self._tokens = 0
+
+    def add(self, batch) -> None:
+        """Counts a step's batch (its tokens, where `tokens_per_step` is a function of the batch)."""
+        if callable(self.tokens_per_step):
+            self._tokens += int(self.tokens_per_step(batch))
 
     def report(self, step: int) -> dict[str, float | str]:
         """Throughput since the last call; restarts the window."""
@@ -202,9 +215,10 @@ class Throughput:
         steps = step - self._step0
         dt = max(now - self._t0, 1e-9)
         self._t0, self._step0 = now, step
+        tokens, self._tokens = self._tokens, 0
         if steps <= 0:
             return {}
-        tokens_per_s = steps * self.tokens_per_step / dt
+        tokens_per_s = (tokens if callable(self.tokens_per_step) else steps * self.tokens_per_step) / dt
         out: dict[str, float | str] = {M.TOKENS_PER_S: tokens_per_s, M.STEP_TIME_S: dt / steps}
         if self.peak_flops:
             achieved = tokens_per_s * self.flops_per_token
