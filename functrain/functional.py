@@ -84,10 +84,9 @@ def apply(model: nn.Module, params: Any, *args, model_state: Any = None, train: 
     if model_state is not None:
         state = {name: value.clone() for name, value in model_state.items()}  # the module updates these
         tensors = {**params, **state}
-    if meta_lib.meta_tensors(model):
-        missing = meta_lib.unreplaced(model, tensors.keys())
-        if missing:
-            raise ValueError(meta_lib.refusal(missing, tensors))
+    missing = meta_lib.unreplaced(model, tensors.keys())  # (one walk of the template's tensors)
+    if missing:
+        raise ValueError(meta_lib.refusal(missing, tensors))
     flag = mode_lib.current() if train is None else train
     changed = mode_lib.switched(model, flag) if flag is not None else []
     watched = [] if torch.compiler.is_compiling() else _template_buffers(model, tensors)
