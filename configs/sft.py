@@ -11,10 +11,10 @@ stdlib functions become 3,503 train and 70 val conversations (85 longer than 257
 32, 64, 128 or 256 bytes: 66% of the rows' tokens real); the Qwen2ForCausalLM (0.46M params) compiles
 in ~35 s, then 438 steps (2 epochs) at ~0.09 s/step; the loss per target byte (the assistant's text
 and its `<|im_end|>`) 2.19 at step 50 -> 1.47 at 438, val 2.01 at step 100 -> 1.56 at 438 (as with rows
-of the whole block: padding changes no number). The held-out prompt "What does asyncio.base_events.BaseEventLoop.create_future(self) do?" gets a docstring-like
-answer that starts "Return the ..." and repeats itself (a 0.46M-parameter model trained from
-scratch for 90 s; start from a trained directory for real answers); the expected one is printed
-beside it. The run ends by writing `runs/sft/hf`.
+of the whole block: padding changes no number). The held-out prompt "What does
+asyncio.base_events.BaseEventLoop.create_future(self) do?" gets a docstring-like answer that starts
+"Return the ..." and repeats itself (a 0.46M-parameter model trained from scratch for 90 s; start from
+a trained directory for real answers); the expected one is printed beside it. The run ends by writing `runs/sft/hf`.
 
 Your own data and model: `--config.data.path=sft.jsonl` (records of prompt/completion, messages,
 or instruction/input/output; `--config.data.fields` maps other names) and `--config.model.path=DIR`
