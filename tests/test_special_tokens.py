@@ -213,3 +213,24 @@ def test_template_errors_name_the_file_and_line():
 
 def _chat(messages):
     return {"messages": messages}
+
+
+def test_generate_until_stops_at_every_stop_id_of_the_directory(made):
+    """Qwen2.5's generation_config.json stops at <|endoftext|> as well as at its EOS <|im_end|>: so does
+    generate_until (a model that always predicts <|endoftext|> gives an empty answer, not max_gen_toks tokens)."""
+    import torch
+
+    from functrain import eval as fe
+
+    tok = HFTokenizer(made[("qwen2.5", False)])
+    other = tok.special.stop_ids[1]
+    assert other != tok.eos_id
+
+    def logits(params, model_state, ids):
+        out = torch.zeros(*ids.shape, tok.vocab_size)
+        out[..., other] = 5.0
+        return out
+
+    model = fe.EvalModel(logits, tok, block_size=32, prefix_id=tok.eos_id, eos_id=tok.eos_id)
+    (text,) = fe.generate_until(model, {}, [("hello there", {"max_gen_toks": 8})])
+    assert text == "<|endoftext|>"  # the stop token itself, then no more

@@ -103,7 +103,8 @@ def generate_until(
       model: the `EvalModel`.
       params: its params (DTensors: every rank calls this).
       requests: (context, options) pairs, options as the harness's `gen_kwargs`: `until` (a string or
-        a list; the end-of-text token always stops), `max_gen_toks` (default 256), `do_sample` (with
+        a list; the end-of-text token and the model's other stop ids, generation_config.json's, always
+        stop), `max_gen_toks` (default 256), `do_sample` (with
         `do_sample=True`, which needs `key`, the tokens are sampled at `temperature` (default 1) from the
         `top_k` most likely (0: all) within the `top_p` probability mass, as transformers' logits warpers
         define them; else greedy, as HFLM).
@@ -123,6 +124,7 @@ def generate_until(
     """
     scorer = _scorer(model, scorer)
     tok = model.tokenizer
+    stop_ids = set(getattr(getattr(tok, "special", None), "stop_ids", ())) | ({model.eos_id} - {None})
     options = [_options(o) for _, o in requests]
     sampling = [o["do_sample"] for o in options]  # as transformers' generate: no do_sample, greedy
     if any(sampling) and key is None:
@@ -138,8 +140,8 @@ def generate_until(
         stops = [options[i]["until"] for i in members]
 
         def done(j: int, new: list[int], stops: list = stops) -> bool:
-            """Request j's new tokens end in EOS or hold one of its stop strings."""
-            return (model.eos_id is not None and new[-1] == model.eos_id) or any(s in tok.decode(new) for s in stops[j])
+            """Request j's new tokens end in a stop id (EOS, generation_config.json's) or hold a stop string."""
+            return new[-1] in stop_ids or any(s in tok.decode(new) for s in stops[j])
 
         new = scorer.extend(
             params, prompts, max_new, stop=done, key=key if how else None, sampling=how, model_state=model_state
