@@ -27,6 +27,7 @@ from functrain.data.sampling import permute, stream_hash
 from functrain.data.stdlib_sft import builtin_format, builtin_source
 from functrain.data.supervised import ChatTemplate
 from functrain.data.tokenizer import separator_ids
+from functrain.eval.scorer import default_buckets
 
 __all__ = ["END_MARKS", "ExampleSampler", "SFTData", "padded_length", "row_lengths", "sft_data"]
 
@@ -42,11 +43,7 @@ def row_lengths(block_size: int) -> tuple[int, ...]:
       >>> row_lengths(256)
       (32, 64, 128, 256)
     """
-    out, n = [], SMALLEST_ROW
-    while n < block_size:
-        out.append(n)
-        n *= 2
-    return (*out, block_size)
+    return default_buckets(block_size, SMALLEST_ROW)  # (the evaluation's buckets: the same rule)
 
 
 def padded_length(lengths, block_size: int) -> int:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
+    from functrain.models.hf.export import export_directory, persistent_buffers
     from functrain.models.hf.loss import make_loss_fn
     from functrain.models.hf.model import (
         HFModelError,
@@ -23,11 +24,9 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         build_template,
         check_stages,
         decoder_layers,
-        export_directory,
         head_name,
         init_params,
         load_config,
-        persistent_buffers,
         stages,
         tp_rules,
     )

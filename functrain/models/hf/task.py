@@ -24,12 +24,12 @@ from functrain import functional, parallel
 from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import lm, lm_data, lm_lora
 from functrain.models.hf.checks import CHECKS
+from functrain.models.hf.export import export_directory
 from functrain.models.hf.loss import make_loss_fn
 from functrain.models.hf.model import (
     HFModelError,
     StagingError,
     build_template,
-    export_directory,
     head_name,
     init_params,
     load_config,
