@@ -3,7 +3,8 @@
 `outcome(directory)` builds the family's template and init, compares them with a model transformers
 builds for real (every parameter's mean and standard deviation, every buffer exactly), trains a few
 AdamW steps unstaged and staged, each against the plain PyTorch loop on transformers' own module with
-the same init and batches, and checks that every layer equals the function it shares with the layers
+the same init and batches, checks that the family's export, loaded back by transformers, gives the
+logits of the params it holds, and that every layer equals the function it shares with the layers
 alike. It returns "trains" or "unstaged only: <the one line>" or "refused: <the one line>".
 """
 
@@ -164,11 +165,11 @@ def outcome(directory) -> str:
     data = batches(STEPS)
     want = torch_loop(real, params, data)
     assert_close(torch.tensor(functrain_losses(template, params, data)), torch.tensor(want), TOL)
+    check_export(directory, template, params)
     try:
         staged = functrain_losses(template, params, data, remat="full")
     except hf.HFModelError as exc:
         return f"unstaged only: {one_line(exc)}"
     assert_close(torch.tensor(staged), torch.tensor(want), TOL)
     check_shared(template, params)
-    check_export(directory, template, params)
     return "trains"
