@@ -108,17 +108,27 @@ def apply_gradients(
       model_state: the model state the forward produced (BatchNorm statistics); it replaces
         `state.model_state`, except when the update is skipped. None keeps `state.model_state`.
 
+    An eager call with an optimizer that has a fused route (`optim.adamw()`) runs it on a copy of the params
+    and optimizer state (`fused_in_place`): what `make_train_step`'s eager step computes.
+
     Returns:
       `(new_state, metrics)`: metrics hold `aux`, `grad_norm`, `update_norm` (of the optimizer's
-      update, before a skip), `lr`, and the skip counters when skipping. The params' norm is not
-      taken here (it would cost a pass of its own every step): log `tree.global_norm(state.params)`
-      when you log, as `functrain.trainer.loop` does.
+      update, before a skip; the kernel's route: of the params' change), `lr`, and the skip counters
+      when skipping. The params' norm is not taken here (it would cost a pass of its own every step):
+      log `tree.global_norm(state.params)` when you log, as `functrain.trainer.loop` does.
 
     Example:
       >>> grads = tree.map(lambda g: g + sigma * torch.randn_like(g), clipped_mean_grads)
       >>> state, metrics = apply_gradients(state, grads, opt, aux={"loss": loss})
     """
     prec = precision_lib.get(precision)
+    if layout is None and optimizer.fused is not None and compiler.eager_autograd_ok():
+        own = state._replace(**tree_lib.clone(_updated_fields(state)))
+        done = fused_in_place(
+            own, dict(aux or {}), grads, optimizer, skip_nonfinite or prec.loss_scaling, prec, model_state
+        )
+        if done is not None:
+            return done
     lay = layout_of(state.params) if layout is None else layout
     metrics = dict(aux or {})
     metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
@@ -206,9 +216,8 @@ def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, lay
     copy of the params and optimizer state where the step does not donate: the same numbers either way)."""
 
     def update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
-        if optimizer.fused is not None and layout is None and compiler.eager_autograd_ok():
-            own = state if donate else state._replace(**tree_lib.clone(_updated_fields(state)))
-            done = fused_in_place(own, aux, grads, optimizer, skip_nonfinite, precision, model_state)
+        if donate and optimizer.fused is not None and layout is None:  # (not donating: apply_gradients' copy)
+            done = fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision, model_state)
             if done is not None:
                 return done
         new_state, metrics = apply_gradients(
