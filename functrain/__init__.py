@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain import checkpoint, data, losses, nn, optim, parallel, rng, step, tree
+    from functrain.errors import FunctrainError
     from functrain.functional import apply
     from functrain.state import TrainState, init_state, params_of
     from functrain.step import apply_gradients, make_eval_step, make_train_step, update_step, value_and_grad

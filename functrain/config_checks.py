@@ -15,6 +15,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from functrain.errors import FunctrainError
+
 __all__ = [
     "ConfigError",
     "check_attention_fits",
@@ -38,7 +40,7 @@ __all__ = [
 Check = tuple  # (dotted key, (predicate, valid range in words)); a relation: ((key, ...), (predicate, rule))
 
 
-class ConfigError(ValueError):
+class ConfigError(FunctrainError, ValueError):
     """A config value is invalid; the message is one line naming the key, the value and the fix."""
 
 

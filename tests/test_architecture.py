@@ -116,7 +116,17 @@ _LAYERS = [
             "functrain",
         ),
     ),
-    ("base", ("functrain.tree", "functrain.rng", "functrain.ops", "functrain.config_checks", "functrain._lazy")),
+    (
+        "base",
+        (
+            "functrain.tree",
+            "functrain.rng",
+            "functrain.ops",
+            "functrain.config_checks",
+            "functrain.errors",
+            "functrain._lazy",
+        ),
+    ),
 ]
 
 

@@ -90,6 +90,7 @@ def test_the_top_level_names_are_the_documented_ones():
             "update_step",
             "value_and_grad",
             "Task",
+            "FunctrainError",
         ]
     )
     with pytest.raises(AttributeError, match="has no attribute 'get_batch'"):
@@ -149,3 +150,37 @@ def test_modules_have_one_name_each():
             importlib.import_module(old)
     with pytest.raises(AttributeError):
         functrain.memory  # noqa: B018
+
+
+def test_every_one_line_error_is_a_functrain_error_and_keeps_its_builtin():
+    """The main program prints any `FunctrainError` as one line (no list of types there); each package's error
+    is one, and still the builtin it always was."""
+    import ast
+    from pathlib import Path
+
+    from functrain import FunctrainError
+    from functrain.checkpoint import CheckpointError
+    from functrain.compiler import GraphBreakError
+    from functrain.config_checks import ConfigError
+    from functrain.data import DataError
+    from functrain.interop.hf import HFError
+    from functrain.interop.safetensors import SafetensorsError
+    from functrain.trainer.hooks import TrainingError
+    from functrain.trainer.plot import PlotError
+
+    for error, builtin in [
+        (ConfigError, ValueError),
+        (DataError, ValueError),
+        (CheckpointError, ValueError),
+        (HFError, ValueError),
+        (SafetensorsError, ValueError),
+        (TrainingError, RuntimeError),
+        (GraphBreakError, RuntimeError),
+        (PlotError, RuntimeError),
+    ]:
+        assert issubclass(error, FunctrainError) and issubclass(error, builtin), error
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "functrain" / "trainer" / "main.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    handled = [ast.unparse(h.type) for h in ast.walk(main) if isinstance(h, ast.ExceptHandler) and h.type is not None]
+    calls = [ast.unparse(n.func) for n in ast.walk(main) if isinstance(n, ast.Call)]
+    assert "FunctrainError" in handled and "isinstance" not in calls  # one except, no list of types

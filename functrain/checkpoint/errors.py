@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from functrain.errors import FunctrainError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(FunctrainError, ValueError):
     """A checkpoint is missing, uncommitted, corrupt, or does not fit the template.
 
     The message is a single line that names the checkpoint path, the leaf (when one is

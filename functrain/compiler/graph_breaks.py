@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch._dynamo.exc as dynamo_exc
 
+from functrain.errors import FunctrainError
+
 __all__ = ["GraphBreakError", "explained", "describe"]
 
 _SKIP = (os.path.dirname(torch.__file__ or "") + os.sep,) + (
@@ -23,7 +25,7 @@ _SKIP = (os.path.dirname(torch.__file__ or "") + os.sep,) + (
 )
 
 
-class GraphBreakError(RuntimeError):
+class GraphBreakError(FunctrainError, RuntimeError):
     """A graph break under `fullgraph=True`, as one line (see the module docstring)."""
 
 

@@ -1,5 +1,7 @@
 """The one exception the data package raises for unusable sources."""
 
+from functrain.errors import FunctrainError
+
 __all__ = ["DataError", "SOURCE_HINT"]
 
 SOURCE_HINT = (
@@ -9,7 +11,7 @@ SOURCE_HINT = (
 """The fix named by a data error about the source itself."""
 
 
-class DataError(ValueError):
+class DataError(FunctrainError, ValueError):
     """A data source cannot be used; the message is one line naming the path and the fix.
 
     Example:

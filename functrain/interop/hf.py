@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from functrain.errors import FunctrainError
 from functrain.interop.safetensors import SafetensorsError, open_safetensors, rank_and_world, save_safetensors
 
 __all__ = ["HFDirectory", "HFError", "HFWeights", "save_hf_directory"]
@@ -31,7 +32,7 @@ _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-class HFError(ValueError):
+class HFError(FunctrainError, ValueError):
     """A Hugging Face directory that cannot be used: one line naming the file and the problem."""
 
 

@@ -21,11 +21,12 @@ import safetensors
 import torch
 
 from functrain import tree as tree_lib
+from functrain.errors import FunctrainError
 
 __all__ = ["SafetensorsError", "save_safetensors", "load_safetensors", "safetensors_metadata", "open_safetensors"]
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(FunctrainError, ValueError):
     """A file is not valid safetensors, or does not fit the template it is loaded into."""
 
 

@@ -16,6 +16,7 @@ import torch
 
 import functrain.step.metric_names as M
 from functrain import tree as tree_lib
+from functrain.errors import FunctrainError
 from functrain.state import TrainState
 from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import metrics as metrics_lib
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 
-class TrainingError(RuntimeError):
+class TrainingError(FunctrainError, RuntimeError):
     """A run cannot go on (non-finite loss, skipped updates, bad batch split, ...); the message says
     why and what to do."""
 

@@ -305,7 +305,7 @@ def _family(config: Any, module: str = "task"):
 def main(argv: list[str]) -> None:
     """Loads the config and runs `train`."""
     del argv
-    from functrain.trainer.validate import ConfigError
+    from functrain.errors import FunctrainError
 
     try:
         config = _CONFIG.value
@@ -318,24 +318,11 @@ def main(argv: list[str]) -> None:
             export_hf(config, workdir, _EXPORT_HF.value, _EXPORT_FROM.value)
         else:
             train(config, workdir)
-    except ConfigError as exc:  # also raised before the modules below are loaded
+    except FunctrainError as exc:  # every one-line error (config, data, checkpoint, export, training, graph break)
         _fail(str(exc))
     except KeyboardInterrupt:  # a second Ctrl-C while training, or one before the loop started
         _say("functrain: interrupted; the same command resumes from the last committed checkpoint")
         sys.exit(130)
-    except Exception as exc:
-        from functrain.checkpoint import CheckpointError
-        from functrain.compiler import GraphBreakError
-        from functrain.data import DataError
-        from functrain.interop.hf import HFError
-        from functrain.interop.safetensors import SafetensorsError
-        from functrain.trainer.loop import TrainingError
-
-        if isinstance(exc, (CheckpointError, DataError, TrainingError, HFError, SafetensorsError)):
-            _fail(str(exc))
-        if isinstance(exc, GraphBreakError):
-            _fail(f"{exc}".replace("fullgraph=False (--config.fullgraph=False)", "--config.fullgraph=False"))
-        raise
 
 
 def run() -> None:

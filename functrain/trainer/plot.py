@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from functrain.errors import FunctrainError
+
 __all__ = ["PlotError", "read_metrics", "plot_metrics", "main"]
 
 # (title, [(metric key, label)], y-axis label); a panel is drawn when any of its keys has data.
@@ -28,7 +30,7 @@ _PANELS = [
 ]
 
 
-class PlotError(RuntimeError):
+class PlotError(FunctrainError, RuntimeError):
     """The curves cannot be drawn (no metrics file, nothing to plot, matplotlib missing)."""
 
 
