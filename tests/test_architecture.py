@@ -472,7 +472,7 @@ def test_the_mfu_denominator_is_the_best_2048_cubed_matmul_rate_and_takes_a_devi
 def test_the_config_is_checked_once(tmp_path, monkeypatch):
     """`main.check_config` checks every key; a family's `build` and `loop.run` take that config and
     do not run the key checks again."""
-    from functrain import parallel
+    from functrain import config_checks, parallel
     from functrain.models.gpt import task as gpt_task  # a test may import a model family
     from functrain.trainer import loop, main, validate
 
@@ -480,7 +480,7 @@ def test_the_config_is_checked_once(tmp_path, monkeypatch):
     c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 2, False, 100, 100, False
     c.sample.max_new_tokens = 2
     calls = []
-    real = validate.check_all
+    real = config_checks.check_all
     monkeypatch.setattr(validate, "check_all", lambda config, checks: calls.append(len(checks)) or real(config, checks))
     main.check_config(c, mesh=False)
     assert len(calls) == 1 and calls[0] > 40  # every key of the loop, the optimizer and the family

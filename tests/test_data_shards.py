@@ -399,53 +399,6 @@ def test_a_corrupt_file_is_one_line_on_two_ranks(tmp_path):
         assert len(errors) == 1 and "corrupt.parquet" in errors[0] and "Traceback" not in out, out
 
 
-def test_a_cache_of_the_older_shard_format_still_reads(tmp_path):
-    """A `functrain-token-shards` version 2 directory (each split ending with its separator) reads whole."""
-    out = tmp_path / "old"
-    docs = {"train": [b"alpha doc", b"beta"], "val": [b"gamma"]}
-    shards = []
-    for i, split_docs in enumerate(([docs["train"][0]], [docs["train"][1]])):
-        key = f"{i:012x}-s{i}.jsonl"
-        val = docs["val"] if i == 0 else []
-        for split, items in (("train", split_docs), ("val", val)):
-            (out / split).mkdir(parents=True, exist_ok=True)
-            np.frombuffer(b"".join(d + b"\n" for d in items), np.uint8).astype(np.uint16).tofile(
-                out / split / f"{key}.bin"
-            )
-        shards.append(
-            {
-                "rel": f"s{i}.jsonl",
-                "size": 10,
-                "sha256": "0" * 64,
-                "key": key,
-                "tokens": {"train": len(split_docs[0]) + 1, "val": sum(len(d) + 1 for d in val)},
-            }
-        )
-    (out / "meta.json").write_text(
-        json.dumps(
-            {
-                "format": "functrain-token-shards",
-                "version": 2,
-                "source": "s",
-                "text_field": "text",
-                "val_fraction": 0.1,
-                "tokenizer": "bytes",
-                "tokenizer_name": "bytes",
-                "tokenizer_file": None,
-                "vocab_size": 256,
-                "dtype": "uint16",
-                "tokens": {"train": 15, "val": 6},
-                "documents": 3,
-                "bad_lines": 0,
-                "shards": shards,
-            }
-        )
-    )
-    ds = load_dataset(str(out), tmp_path / "unused")
-    assert bytes(np.asarray(ds.train[:], np.uint8)) == b"alpha doc\nbeta\n" and ds.decode(ds.val[:]) == "gamma\n"
-    assert ds.info["kind"] == "shards" and [c[0] for c in ds.info["content"]] == ["s0.jsonl", "s1.jsonl"]
-
-
 def test_rank_zero_reports_the_records_every_rank_replaced(tmp_path):
     """Two ranks tokenizing one cache (threads standing in for processes): rank 0 prints the replaced record
     of the shard rank 1 tokenized (units go largest first to the least loaded rank: the corpus shard to rank 0,

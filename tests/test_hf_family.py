@@ -19,8 +19,8 @@ import torch
 from _tol import assert_close, rtol
 
 import functrain as ft
+from functrain import config_checks, parallel, rng
 from functrain import data as data_lib
-from functrain import parallel, rng
 from functrain.models import hf
 from functrain.models.hf.tiny import write_tiny
 
@@ -231,12 +231,11 @@ def test_weights_read_from_a_directory_export_back_bit_for_bit_and_load_in_trans
 
 def test_a_mesh_axis_or_plan_the_family_cannot_split_is_one_line(tmp_path):
     from functrain.models.hf import task
-    from functrain.trainer import validate
 
     class Ctx:  # a context as a 2-rank cp mesh would give (no mesh is made)
         tp_world, cp_world, pp_world = 1, 2, 1
 
-    with pytest.raises(validate.ConfigError, match="mesh.cp=2: the hf family .* has no context parallelism yet"):
+    with pytest.raises(config_checks.ConfigError, match="mesh.cp=2: the hf family .* has no context parallelism yet"):
         task._refuse_axes(Ctx, "qwen2")
     for arch, why in (("gpt2", "has no tensor-parallel plan"), ("phi3", "colwise_gather_output")):
         with pytest.raises(hf.HFModelError, match=why):
@@ -441,7 +440,6 @@ def test_a_model_the_family_cannot_stage_samples_and_exports_on_one_process(tmp_
 def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_by_default(tmp_path, capsys):
     """xglm's stages differ from its forward: remat=auto on a mesh falls back (one note), remat=full refuses."""
     from functrain.models.hf import task
-    from functrain.trainer import validate
 
     directory = _dir(tmp_path, "xglm", vocab_size=256)
     template = hf.build_template(hf.load_config(directory))
@@ -452,13 +450,13 @@ def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_
     loss_fn, staged = task._loss(_config(tmp_path, directory, remat="auto"), Mesh, template, template)
     assert not staged and "its stages composed differ" in capsys.readouterr().err
     with pytest.raises(
-        validate.ConfigError,
+        config_checks.ConfigError,
         match="its stages composed differ from the base model's forward by .*; "
         "this family cannot stage it: train it with --config.remat=none$",
     ):
         task._loss(_config(tmp_path, directory, remat="full"), Mesh, template, template)
     with pytest.raises(
-        validate.ConfigError, match="train it with --config.compile_unit=step$"
+        config_checks.ConfigError, match="train it with --config.compile_unit=step$"
     ):  # the flag this run set
         task._loss(_config(tmp_path, directory, remat="auto", compile_unit="blocks"), Mesh, template, template)
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
+from functrain import config_checks, parallel, rng
 from functrain import data as data_lib
-from functrain import parallel, rng
 from functrain.interop.hf import HFDirectory, HFError, HFWeights, save_hf_directory
 from functrain.models import llama
 
@@ -189,7 +189,6 @@ def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_f
     """data.tokenizer=auto, no tokenizer.json: a 256-id model gets bytes; any other is refused before a BPE is
     trained."""
     from functrain.models.llama import task
-    from functrain.trainer import validate
 
     byte_dir, _ = _hf_model(tmp_path, vocab=256, name="bytes")
     with parallel.setup(None) as ctx:
@@ -201,7 +200,7 @@ def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_f
     assert not list((tmp_path / "run_bytes" / "data").glob("**/tokenizer*.json"))  # no BPE was trained
 
     other_dir, _ = _hf_model(tmp_path, vocab=300, name="bpe")
-    with parallel.setup(None) as ctx, pytest.raises(validate.ConfigError) as info:
+    with parallel.setup(None) as ctx, pytest.raises(config_checks.ConfigError) as info:
         task.build(_config(tmp_path, other_dir), ctx, tmp_path / "run_bpe")
     assert str(info.value) == (
         f"init_from: {other_dir} has no tokenizer.json and its model has 300 ids; give the model's tokenizer "
@@ -322,7 +321,7 @@ def test_an_export_onto_a_file_is_one_line_with_the_right_advice(tmp_path):
     """An existing file as the export path: the library and the command line say it is a file (not "free space")."""
     import importlib.util
 
-    from functrain.trainer import main, validate
+    from functrain.trainer import main
 
     target = tmp_path / "taken"
     target.write_text("mine")
@@ -331,13 +330,13 @@ def test_an_export_onto_a_file_is_one_line_with_the_right_advice(tmp_path):
     spec = importlib.util.spec_from_file_location("llama_config", os.path.join(REPO, "configs", "llama.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with pytest.raises(validate.ConfigError, match=r"taken is a file, and the export .* \(--export_hf=.*taken\)$"):
+    with pytest.raises(config_checks.ConfigError, match=r"taken is a file, and the export .* \(--export_hf=.*taken\)$"):
         main.export_hf(module.get_config("tiny"), tmp_path / "run", target)
     assert target.read_text() == "mine"  # nothing lost
     config = module.get_config("tiny")
     config.lora.rank = 4
     free, peft = tmp_path / "free", tmp_path / "free-peft"
     peft.write_text("mine")  # a LoRA export also writes <out>-peft: checked before anything is read
-    with pytest.raises(validate.ConfigError, match=r"free-peft is a file, and the export"):
+    with pytest.raises(config_checks.ConfigError, match=r"free-peft is a file, and the export"):
         main.export_hf(config, tmp_path / "run", free)
     assert peft.read_text() == "mine" and not free.exists()

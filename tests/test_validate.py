@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from functrain import config_checks
 from functrain.models.gpt import task as gpt_task
 from functrain.trainer import optimizer as trainer_optimizer
 from functrain.trainer import validate
@@ -47,19 +48,19 @@ def _bad_value(valid: str, value):
 
 @pytest.mark.parametrize("variant", ["tiny", None, "gpt2"])
 def test_default_configs_pass_every_check(variant):
-    validate.check_all(gpt_config.get_config(variant), ALL)
+    config_checks.check_all(gpt_config.get_config(variant), ALL)
 
 
 @pytest.mark.parametrize("key, check", SINGLE, ids=[k for k, _ in SINGLE])
 def test_every_check_rejects_out_of_range_values_in_one_line(key, check):
     config = gpt_config.get_config("tiny").to_dict()  # plain dicts: ConfigDict would refuse a wrong type itself
     _, valid = check
-    bad = _bad_value(valid, validate.get(config, key))
+    bad = _bad_value(valid, config_checks.get(config, key))
     parent, _, leaf = key.rpartition(".")
-    node = validate.get(config, parent) if parent else config
+    node = config_checks.get(config, parent) if parent else config
     node[leaf] = bad
-    with pytest.raises(validate.ConfigError) as err:
-        validate.check_all(config, ALL)
+    with pytest.raises(config_checks.ConfigError) as err:
+        config_checks.check_all(config, ALL)
     msg = str(err.value)
     assert msg == f"{key}={bad!r} is out of range: {valid} (--config.{key})"
     assert "\n" not in msg
@@ -82,8 +83,8 @@ def _llama_config():
 def _first_error(config, checks):
     """The message of the first check `config` fails, or None."""
     try:
-        validate.check_all(config, checks)
-    except validate.ConfigError as err:
+        config_checks.check_all(config, checks)
+    except config_checks.ConfigError as err:
         return str(err)
     return None
 
@@ -153,32 +154,31 @@ def test_llama_relations_hold_unless_the_shape_comes_from_hugging_face(changes, 
 )
 def test_check_batch_splits_into_ranks_and_micro_batches(batch, accum, dp, ok):
     if ok:
-        validate.check_batch(batch, accum, dp)
+        config_checks.check_batch(batch, accum, dp)
     else:
         with pytest.raises(
-            validate.ConfigError,
+            config_checks.ConfigError,
             match=rf"^batch_size={batch} must divide by data-parallel "
             rf"ranks \({dp}\) x accum_steps \({accum}\);",
         ):
-            validate.check_batch(batch, accum, dp)
+            config_checks.check_batch(batch, accum, dp)
 
 
 def test_a_block_size_whose_attention_cannot_fit_is_refused_before_any_work():
     """block_size=100000 on the CPU: one line naming the scores' size, from the torch-free checks."""
-    from functrain import config_checks as config_lib
     from functrain.trainer import main
 
     c = gpt_config.get_config()
     c.model.block_size = 100_000
     c.device = "cpu"
     with pytest.raises(
-        validate.ConfigError,
+        config_checks.ConfigError,
         match=r"model.block_size=100000: one attention layer's scores alone take "
         r"4768.4 GiB \(32 rows x 4 heads x 100000 x 100000 floats\)",
     ):
         main.check_config(c)
-    config_lib.check_attention_fits(1024, 12, 8, memory=2**30)  # 384 MiB of scores in 1 GiB: fine
-    with pytest.raises(validate.ConfigError, match="raise --config.accum_steps"):
-        config_lib.check_attention_fits(1024, 12, 8, memory=2**28)
+    config_checks.check_attention_fits(1024, 12, 8, memory=2**30)  # 384 MiB of scores in 1 GiB: fine
+    with pytest.raises(config_checks.ConfigError, match="raise --config.accum_steps"):
+        config_checks.check_attention_fits(1024, 12, 8, memory=2**28)
     c.model.block_size = 256
     main.check_config(c)  # the default's block size passes

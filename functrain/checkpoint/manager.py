@@ -191,7 +191,6 @@ class Manager:
         *,
         device: torch.device | str | None = None,
         allow_cast: bool = False,
-        defaults: Any = None,
         strict: bool = False,
     ) -> concurrent.futures.Future:
         """Restores checkpoint ``step`` (default: the latest) onto ``template``; see ``reader.restore``.
@@ -204,12 +203,10 @@ class Manager:
             dtypes and target meshes; None restores everything as plain CPU tensors.
           device: device for meta tensors / ArraySpecs without one (default CPU).
           allow_cast: convert stored dtypes to the template's instead of raising on a mismatch.
-          defaults: take template leaves the checkpoint lacks from this tree (see ``reader.restore``).
           strict: refuse checkpoint leaves the template does not name.
 
         Returns:
-          A concurrent.futures.Future resolving to the restored pytree (``.missing``: the leaves
-          taken from ``defaults``).
+          A concurrent.futures.Future resolving to the restored pytree.
 
         Example:
           >>> state = mgr.restore(template=abstract(state)).result()
@@ -219,9 +216,7 @@ class Manager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointError(f"checkpoint directory {self.directory}: no committed checkpoint to restore")
-        return reader.restore(
-            self.step_path(step), template, device=device, allow_cast=allow_cast, defaults=defaults, strict=strict
-        )
+        return reader.restore(self.step_path(step), template, device=device, allow_cast=allow_cast, strict=strict)
 
     def metadata(self, step: int | None = None) -> dict[str, reader.ArrayInfo]:
         """Shapes/dtypes/chunks of checkpoint ``step`` (default: the latest); see ``read_metadata``."""

@@ -31,11 +31,7 @@ _FIX_CORRUPT = "the checkpoint is corrupt; restore an earlier step"
 
 
 class RestoreFuture(concurrent.futures.Future):
-    """A restore's future; `missing` names the leaves taken from the template (an older checkpoint)."""
-
-    def __init__(self, missing: list[str]):
-        super().__init__()
-        self.missing = missing
+    """A restore's future: it resolves to the restored tree (or raises its CheckpointError)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,21 +254,6 @@ def _check_no_extra(path: str, meta: orbax_format.TreeMetadata, keys: list[orbax
         )
 
 
-def _fill_missing(path, meta, keys, treespec, missing: list[int], defaults) -> dict[int, Any]:
-    """{leaf index: cloned default} for template leaves absent from the checkpoint (or the missing error)."""
-    if defaults is None:
-        raise _missing_error(path, meta, [keys[i] for i in missing])
-    values, spec = optree.tree_flatten(defaults)
-    if spec != treespec:
-        raise ValueError(f"restore: defaults must have the template's structure ({treespec}), got {spec}")
-    out = {}
-    for i in missing:
-        if not isinstance(values[i], torch.Tensor):
-            raise _missing_error(path, meta, [keys[i]])
-        out[i] = values[i].detach().clone()
-    return out
-
-
 def _leaf_error(path: str, name: str, e: BaseException) -> CheckpointError:
     """CheckpointError for a leaf whose bytes could not be read."""
     return CheckpointError(f"checkpoint {path}: leaf {name!r} cannot be read ({one_line(e)}); {_FIX_CORRUPT}")
@@ -292,7 +273,7 @@ def _to_target(arr, t: _Target) -> torch.Tensor:
     return DTensor.from_local(local, t.mesh, t.placements, run_check=False, shape=torch.Size(t.shape), stride=stride)
 
 
-def _finish(path, names, targets, reads, treespec, filled, future: concurrent.futures.Future) -> None:
+def _finish(path, names, targets, reads, treespec, future: concurrent.futures.Future) -> None:
     """Background: waits for the reads, builds the restored tree and resolves ``future``."""
     # Either way the TensorStore futures are dropped before the caller can go on: their dealloc
     # releases the GIL, and a thread that asks for it back while the interpreter is finalizing is
@@ -300,7 +281,7 @@ def _finish(path, names, targets, reads, treespec, filled, future: concurrent.fu
     # called without an active exception" (measured: 13 of 20 runs of restore(...).result() then
     # exit, 400 leaves).
     try:
-        tree = _build(path, names, targets, reads, treespec, filled)
+        tree = _build(path, names, targets, reads, treespec)
     except BaseException as e:  # delivered through the future
         reads.clear()
         future.set_exception(e)
@@ -309,13 +290,10 @@ def _finish(path, names, targets, reads, treespec, filled, future: concurrent.fu
         future.set_result(tree)
 
 
-def _build(path, names, targets, reads, treespec, filled) -> Any:
+def _build(path, names, targets, reads, treespec) -> Any:
     """The restored tree, once every read has finished."""
     out = []
-    for i, (name, t, r) in enumerate(zip(names, targets, reads)):
-        if i in filled:  # not in the checkpoint: the caller's default value
-            out.append(filled[i])
-            continue
+    for name, t, r in zip(names, targets, reads):
         try:
             arr = None if r is None else r.result()
         except Exception as e:
@@ -330,7 +308,6 @@ def restore(
     *,
     device: torch.device | str | None = None,
     allow_cast: bool = False,
-    defaults: Any = None,
     strict: bool = False,
 ) -> RestoreFuture:
     """Restores a checkpoint onto the structure, shapes, dtypes and meshes of ``template``.
@@ -340,13 +317,7 @@ def restore(
     each rank reads only the region its shard needs, whatever mesh or placements wrote the checkpoint.
     Leaves are matched by tree path (NamedTuple fields and dict keys by name, sequences by index), so a
     checkpoint written by stock orbax restores too. Checkpoint leaves absent from the template are
-    ignored unless ``strict``.
-
-    Checkpoints that outlive the code: a checkpoint written before a state field existed lacks its
-    leaves. With ``defaults`` (a tree shaped like the template holding real tensors, e.g. the freshly
-    initialized state) those leaves are taken from it instead of raising; ``future.missing`` lists
-    their names so the caller can say so. ``strict=True`` still refuses leaves the template lacks
-    (a field or optimizer state this code does not know).
+    ignored unless ``strict``; template leaves absent from the checkpoint are a `MismatchError`.
 
     Args:
       path: a checkpoint directory (``<root>/<step>``).
@@ -355,19 +326,14 @@ def restore(
         everything as plain tensors in nested dicts/lists (see ``metadata_tree``).
       device: device for meta tensors / ArraySpecs without one (default CPU).
       allow_cast: convert stored dtypes to the template's instead of raising on a mismatch.
-      defaults: optional tree with the template's structure; template leaves the checkpoint does not
-        have are copies of its leaves (cloned now: it may be donated or changed afterwards).
       strict: raise if the checkpoint holds an array the template does not name.
 
     Returns:
       A concurrent.futures.Future resolving to the restored pytree (same structure as the template);
-      it raises CheckpointError if a chunk is missing or corrupt. Its attribute ``missing`` lists the
-      names of the leaves taken from ``defaults`` (empty if none). A (non-daemon) thread waits for
+      it raises CheckpointError if a chunk is missing or corrupt. A (non-daemon) thread waits for
       the reads: a program that exits without asking for the result exits once they have finished.
 
     Example:
-      >>> fut = restore("/ckpt/100", abstract(fresh_state), defaults=fresh_state, strict=True)
-      >>> fut.missing        # e.g. ['guard.skipped', ...] for a checkpoint older than TrainState.guard
       >>> with torch.device("meta"):
       ...     template = init_state(cfg)
       >>> fut = restore("/ckpt/100", template)
@@ -384,19 +350,13 @@ def restore(
     targets = [_target(key.name, leaf, default_device) for key, leaf in zip(keys, leaves)]
     if strict:
         _check_no_extra(path, meta, keys)
-    missing = [i for i, key in enumerate(keys) if key.path not in meta.leaves]
-    filled = _fill_missing(path, meta, keys, treespec, missing, defaults) if missing else {}
-    present = [i for i in range(len(keys)) if i not in filled]
-    for i in present:
-        _check_value_type(path, meta.leaves[keys[i].path])
-    casts = [targets[i].dtype for i in present] if allow_cast else None
-    opened = _open_all(path, meta, [keys[i] for i in present], ctx, casts)
-    stores: list = [None] * len(keys)
-    for i, store in zip(present, opened):
-        stores[i] = store
+    missing = [key for key in keys if key.path not in meta.leaves]
+    if missing:
+        raise _missing_error(path, meta, missing)
+    for key in keys:
+        _check_value_type(path, meta.leaves[key.path])
+    stores = _open_all(path, meta, keys, ctx, [t.dtype for t in targets] if allow_cast else None)
     for key, t, store in zip(keys, targets, stores):
-        if store is None:
-            continue
         if tuple(store.shape) != t.shape:
             raise MismatchError(
                 f"checkpoint {path}: leaf {key.name!r} has shape {tuple(store.shape)} but the template "
@@ -411,14 +371,11 @@ def restore(
                 "allow_cast=True",
                 [key.name],
             )
-    reads = [
-        None if store is None or t.box is None or t.box.empty else store[t.box.index()].read()
-        for t, store in zip(targets, stores)
-    ]
+    reads = [None if t.box is None or t.box.empty else store[t.box.index()].read() for t, store in zip(targets, stores)]
     names = [k.name for k in keys]
-    future = RestoreFuture([names[i] for i in sorted(filled)])
+    future = RestoreFuture()
     future.set_running_or_notify_cancel()
-    args = (path, names, targets, reads, treespec, filled, future)
+    args = (path, names, targets, reads, treespec, future)
     # Not a daemon: the interpreter joins it before finalizing, so it never meets a finalizing
     # interpreter (a read left unwaited-for delays exit until it finishes; local reads do).
     threading.Thread(target=_finish, args=args, name="functrain-ckpt-restore").start()

@@ -36,9 +36,8 @@ from functrain.data.tokens import ConcatTokens
 __all__ = ["FORMAT", "FORMATS", "POOL_BYTES", "open_token_cache", "tokenize", "tokenizer_id"]
 
 FORMAT = "functrain-tokens"
-VERSION = 3  # 3: one format for every source, split per document (before: text caches and shard caches apart)
-_SHARDS_FORMAT = "functrain-token-shards"  # versions 1 and 2: parquet/jsonl only; still read
-FORMATS = ((FORMAT, VERSION), (_SHARDS_FORMAT, 1), (_SHARDS_FORMAT, 2))
+VERSION = 3  # 3: one format for every source, split per document
+FORMATS = ((FORMAT, VERSION),)
 """The (format, version) pairs of meta.json that `open_token_cache` reads."""
 _PROGRESS_EVERY_S = 5.0
 POOL_BYTES = 64 << 20
@@ -555,14 +554,6 @@ def open_token_cache(out: str | os.PathLike) -> tuple[ConcatTokens, ConcatTokens
         raise DataError(
             f"{out}: not a complete token cache (no valid meta.json); point data.path at the source "
             "to tokenize it again"
-        )
-    if info["format"] == _SHARDS_FORMAT:  # parquet/jsonl only, each split ending with a separator
-        info = dict(
-            info,
-            kind="shards",
-            units=info["shards"],
-            separator=[],
-            content=[[u["rel"], u["size"], u.get("sha256")] for u in info["shards"]],
         )
     dtype = np.dtype(info["dtype"])
     splits = []

@@ -3,12 +3,12 @@ Python, no torch, so `python -m functrain.main` reports a bad value before the h
 A family's own `checks.py` adds its `model.*` keys.
 
 Example:
-    >>> CHECKS = [("model.n_layer", validate.int_at_least(1)), *LM_CHECKS]
+    >>> CHECKS = [("model.n_layer", config_checks.int_at_least(1)), *LM_CHECKS]
 """
 
 from __future__ import annotations
 
-from functrain import config_checks as v
+from functrain import config_checks
 from functrain.step.remat_policy import parse_policy
 
 __all__ = ["DATA_CHECKS", "LM_CHECKS", "REMAT_CHECK", "TOKENIZER_CHECK"]
@@ -66,22 +66,22 @@ def _fields_ok(fields) -> bool:
 DATA_CHECKS: list = [
     ("data.path", (lambda x: isinstance(x, str) and bool(x), "a non-empty path, glob or 'stdlib'")),
     ("data.text_field", (lambda x: isinstance(x, str) and bool(x), "a non-empty name of a parquet column / jsonl key")),
-    ("data.sampling", v.one_of("windows", "epochs")),
+    ("data.sampling", config_checks.one_of("windows", "epochs")),
     (
         "data.val_fraction",
         (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < 1, "a number in (0, 1)"),
     ),
-    ("data.max_bad_line_fraction", v.number_in(0.0, 1.0)),
-    ("data.tokenize_workers", v.int_at_least(0)),
+    ("data.max_bad_line_fraction", config_checks.number_in(0.0, 1.0)),
+    ("data.tokenize_workers", config_checks.int_at_least(0)),
     ("data.mixture", (_weights_ok, "{source name: positive weight}")),
-    ("data.format", v.one_of("auto", "text", "prompt_completion", "messages", "alpaca")),
-    ("data.train_on", v.one_of("auto", "completion", "assistant", "last", "all")),
+    ("data.format", config_checks.one_of("auto", "text", "prompt_completion", "messages", "alpaca")),
+    ("data.train_on", config_checks.one_of("auto", "completion", "assistant", "last", "all")),
     (
         "data.fields",
         (_fields_ok, "{format field: the records' field}, e.g. {'prompt': 'question', 'completion': 'answer'}"),
     ),
-    ("data.packing", v.boolean()),
-    ("data.too_long", v.one_of("drop", "truncate")),
+    ("data.packing", config_checks.boolean()),
+    ("data.too_long", config_checks.one_of("drop", "truncate")),
     (
         "data.chat_template",
         (
@@ -89,7 +89,7 @@ DATA_CHECKS: list = [
             "a non-empty 'auto', 'default', a .jinja file or a directory with a tokenizer_config.json",
         ),
     ),
-    v.relation(
+    config_checks.relation(
         ("data.sources", "data.mixture"),
         _same_names,
         "give every source in data.sources one weight in data.mixture (and no other)",
@@ -98,11 +98,11 @@ DATA_CHECKS: list = [
 """The keys `functrain.data.lm_data` reads."""
 
 LM_CHECKS: list = [
-    ("loss_chunk_size", v.int_at_least(0)),
+    ("loss_chunk_size", config_checks.int_at_least(0)),
     REMAT_CHECK,
-    ("sample.max_new_tokens", v.int_at_least(0)),
-    ("sample.temperature", v.number_at_least(0.0)),
-    ("sample.top_k", v.int_at_least(0)),
+    ("sample.max_new_tokens", config_checks.int_at_least(0)),
+    ("sample.temperature", config_checks.number_at_least(0.0)),
+    ("sample.top_k", config_checks.int_at_least(0)),
     *DATA_CHECKS,
 ]
 """The keys the shared LM loss and sampler read."""

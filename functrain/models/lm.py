@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import functrain.step.staged as remat_lib
-from functrain import config_checks as validate
-from functrain import functional, parallel, rng
+from functrain import config_checks, functional, parallel, rng
 from functrain.eval import EvalModel, of_module
 from functrain.losses import chunked_cross_entropy
 from functrain.step.staged import Stage
@@ -202,7 +201,7 @@ def context_model(model: nn.Module, ctx, block_size: int, kernel: str = "zigzag"
       >>> model = parallel.tensor_parallel(lm.context_model(template, ctx, 1024), ctx.mesh, rules)
     """
     split = parallel.context.split_of(ctx.mesh, kernel)
-    validate.check_context(block_size, 1 if split is None else split.world)
+    config_checks.check_context(block_size, 1 if split is None else split.world)
     return parallel.context.context_parallel(model, split)
 
 

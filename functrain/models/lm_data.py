@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from functrain import config_checks as validate
+from functrain import config_checks
 from functrain import data as data_lib
 
 __all__ = [
@@ -151,7 +151,7 @@ def chat_template(config, model_dir, tokenizer) -> data_lib.ChatTemplate:
         if path.is_file():
             return data_lib.ChatTemplate(path.read_text(), special, name=str(path))
         if not path.is_dir():
-            raise validate.ConfigError(
+            raise config_checks.ConfigError(
                 f"data.chat_template={spec!r} is neither a .jinja file nor a directory; give one, or 'auto' / 'default'"
             )
         return data_lib.chat_template_of(path, special)
@@ -192,7 +192,7 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
         vocab = hf.config.get("vocab_size")
         if vocab == 256:  # a byte-level model (what functrain exports after a run on bytes)
             return None
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             f"{key}: {hf.path} has no tokenizer.json and its model has {vocab} ids; give the model's tokenizer "
             f"(--config.data.tokenizer=<path to tokenizer.json>) or train a new one of its size "
             f"(--config.data.tokenizer=bpe:{vocab})"
@@ -204,7 +204,7 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
     if spec.startswith("bpe:"):
         paths = [path for _, path, _ in data_lib.parse_mixture(config.data)]
         if len(paths) > 1:
-            raise validate.ConfigError(
+            raise config_checks.ConfigError(
                 "data.tokenizer=bpe:N trains on one source; with data.sources give a "
                 "tokenizer.json (--config.data.tokenizer=<path>) or train one on a single "
                 "source first"
@@ -229,7 +229,7 @@ def check_packing(config, ctx) -> None:
       >>> lm_data.check_packing(config, ctx)
     """
     if config.data.get("packing", False) and ctx.cp_world > 1:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             "data.packing=True: context parallelism splits each row over the cp ranks and its "
             "attention has no document mask; set --config.data.packing=False or mesh.cp=1"
         )

@@ -18,8 +18,7 @@ from typing import Any, overload
 
 from torch import nn
 
-from functrain import config_checks as validate
-from functrain import rng
+from functrain import config_checks, rng
 from functrain.interop.safetensors import load_safetensors, rank_and_world, save_safetensors
 from functrain.nn import lora
 
@@ -53,7 +52,7 @@ def spec_of(config: Any) -> lora.LoraSpec | None:
             rslora=bool(c.rslora),
         )
     except ValueError as exc:
-        raise validate.ConfigError(f"{exc} (--config.lora.*)") from None
+        raise config_checks.ConfigError(f"{exc} (--config.lora.*)") from None
 
 
 def wrap(template: nn.Module, config: Any, ctx) -> tuple[nn.Module, lora.LoraSpec | None]:
@@ -79,7 +78,7 @@ def wrap(template: nn.Module, config: Any, ctx) -> tuple[nn.Module, lora.LoraSpe
     try:
         return lora.wrap(template, spec), spec
     except ValueError as exc:
-        raise validate.ConfigError(f"{exc} (--config.lora.targets)") from None
+        raise config_checks.ConfigError(f"{exc} (--config.lora.targets)") from None
 
 
 def flops_per_token(flops: float, model: nn.Module, spec: lora.LoraSpec | None) -> float:
@@ -183,7 +182,7 @@ def read_peft(
     """
     key = f"lora.init_from={directory}"
     if hf_name is None:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             f"{key}: this family's layers are not transformers' one for one (GPT-2 fuses q, k and v), so it "
             "reads no PEFT directory; drop --config.lora.init_from (start from a checkpoint: checkpoint.init_from)"
         )
@@ -192,26 +191,26 @@ def read_peft(
         cfg = json.loads((d / "adapter_config.json").read_text())
         stored = load_safetensors(d / "adapter_model.safetensors")
     except (OSError, ValueError) as exc:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             f"{key}: not a PEFT adapter directory ({exc}); give the directory PEFT's save_pretrained wrote"
         ) from None
     want = {"r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.rslora}
     flags = {"r": "lora.rank", "lora_alpha": "lora.alpha", "use_rslora": "lora.rslora"}
     off = [f"{k} {cfg.get(k)!r} (set --config.{flags[k]}={cfg.get(k)})" for k, v in want.items() if cfg.get(k, v) != v]
     if cfg.get("peft_type", "LORA") != "LORA" or off:
-        raise validate.ConfigError(f"{key}: the adapters were made with {'; '.join(off) or cfg.get('peft_type')}")
+        raise config_checks.ConfigError(f"{key}: the adapters were made with {'; '.join(off) or cfg.get('peft_type')}")
     ours = {hf_name(n): n for n in lora.adapter_names(model)}
     theirs = {n.removeprefix(lora.PEFT_PREFIX).replace(".default.", "."): t for n, t in stored.items()}
     if set(theirs) != set(ours):
         only = sorted(set(theirs) - set(ours))[:2] + sorted(set(ours) - set(theirs))[:2]
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             f"{key}: its {len(theirs) // 2} adapted layers are not the {len(ours) // 2} lora.targets picks here (e.g. "
             f"{', '.join(only)}); set --config.lora.targets to the layers of its adapter_config.json"
         )
     for name, t in theirs.items():
         shape = tuple(model.get_parameter(ours[name]).shape)
         if tuple(t.shape) != shape:
-            raise validate.ConfigError(f"{key}: {name} is {tuple(t.shape)}, this model's adapter is {shape}")
+            raise config_checks.ConfigError(f"{key}: {name} is {tuple(t.shape)}, this model's adapter is {shape}")
     _check_base(key, cfg.get("base_model_name_or_path") or "", base_model)
     return {ours[name]: t.float() for name, t in theirs.items()}
 
@@ -228,7 +227,7 @@ def _check_base(key: str, theirs: str, ours: str) -> None:
     )
     if a != b:
         differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))[:4]
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             f"{key}: its base {theirs} is another model than this run's {ours} (config.json differs in "
             f"{', '.join(differ)}); point model.path at the adapters' base"
         )

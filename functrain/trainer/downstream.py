@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from functrain import config_checks
 from functrain import data as data_lib
 from functrain.eval import Scorer, choice, next_lines
 from functrain.eval.scorer import Interrupted, default_buckets
 from functrain.task import Task
 from functrain.trainer import frozen as frozen_lib
-from functrain.trainer import validate
 from functrain.trainer.hooks import Hook
 
 __all__ = ["MultipleChoice", "Scoring", "hook", "load_tasks"]
@@ -111,7 +111,7 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         if name == "next_lines":
             if task.validation_text is None:
-                raise validate.ConfigError(
+                raise config_checks.ConfigError(
                     "eval.tasks=next_lines is made from the run's validation text, and this "
                     "run's data has none (supervised examples); give multiple-choice files"
                 )
@@ -130,7 +130,7 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
             key = Path(name).name.removesuffix(".jsonl").removesuffix(".json")
             examples = choice.load(name, limit=limit)
         if key in out:
-            raise validate.ConfigError(f"eval.tasks names two tasks called {key!r}; rename one file")
+            raise config_checks.ConfigError(f"eval.tasks names two tasks called {key!r}; rename one file")
         out[key] = examples
     return out
 
@@ -138,12 +138,12 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
 def _checked_tasks(names: str, task: Task, ev, whole: bool) -> dict[str, list]:
     """`load_tasks` after the run's own checks, every example checked against the block."""
     if task.eval_model is None:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             "eval.tasks: this model family gives no eval_model (Task.eval_model) to score "
             "with; drop --config.eval.tasks"
         )
     if not whole:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             "eval.tasks with mesh.pp > 1: a pipeline rank holds only its stages, and scoring "
             "needs every stage; evaluate the checkpoint on mesh.pp=1 (functrain.eval.harness)"
         )
@@ -192,7 +192,7 @@ def hook(
         return None
     try:
         tasks = _checked_tasks("next_lines" if names == AUTO else names, task, ev, whole)
-    except (validate.ConfigError, data_lib.DataError) as exc:
+    except (config_checks.ConfigError, data_lib.DataError) as exc:
         if names != AUTO:
             raise
         print_fn(

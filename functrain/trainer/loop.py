@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import functrain.step.metric_names as M
-from functrain import parallel
+from functrain import config_checks, parallel
 from functrain import tree as tree_lib
 from functrain.compiler import cache as compile_cache
 from functrain.compiler import cuda_graphs
@@ -86,7 +86,7 @@ def run(
     """
     t_program = time.perf_counter() if t_program is None else t_program
     key, micro = route_lib.microbatching(config, ctx)
-    validate.check_batch(config.batch_size, micro, ctx.dp_world, key)  # (the mesh at hand)
+    config_checks.check_batch(config.batch_size, micro, ctx.dp_world, key)  # (the mesh at hand)
     print_fn = print_fn if ctx.is_main_process else _silent
     # One run per workdir; from here on SIGTERM or Ctrl-C is a flag (during the setup too: a signal
     # then stops the run before its first step, cleanly).
@@ -108,7 +108,7 @@ def _train(
     """`run`'s body, once the config is checked, the workdir is this run's and signals are flagged."""
     main = ctx.is_main_process
     if config.get("lora", {}).get("rank", 0) and task.frozen is None:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             "lora.rank > 0, but this model's Task holds no params frozen (Task.frozen): its "
             "family does not apply lora.*; wrap your module with functrain.nn.lora and set "
             "Task.frozen=functrain.nn.lora.is_base, or drop --config.lora.rank"
@@ -123,7 +123,7 @@ def _train(
     try:  # before anything is compiled: where compiled graphs are cached across runs
         compile_dir = compile_cache.setup(config.compile_cache, workdir)
     except ValueError as exc:
-        raise validate.ConfigError(f"{exc} (--config.compile_cache)") from None
+        raise config_checks.ConfigError(f"{exc} (--config.compile_cache)") from None
     # The MFU denominator: the config's, else the data sheet's (GPUs), else measured (CPUs): before
     # anything runs beside it (the ISA probe's g++ below once took a core from it: MFU 107.7%), and
     # again after each log window, keeping the best (a busy machine slows some probes, not all).
@@ -241,7 +241,7 @@ def _train(
                 throughput.add(batch)
                 if step == start:
                     if graphs and cuda_graphs.skips() > graph_skips:
-                        raise validate.ConfigError(
+                        raise config_checks.ConfigError(
                             "cuda_graphs=True, but inductor could not record the train step as a CUDA graph "
                             "(TORCH_LOGS=perf_hints prints why); drop --config.cuda_graphs"
                         )
@@ -367,24 +367,24 @@ def resolve_device(config: Any, ctx: parallel.ParallelContext) -> torch.device:
     try:
         device = torch.device(config.device)
     except RuntimeError:
-        raise validate.fail("device", config.device, "'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        raise config_checks.fail("device", config.device, "'auto', 'cpu', 'cuda' or 'cuda:N'") from None
     if device.type not in ("cpu", "cuda"):
         try:
             torch.empty(0, device=device)
         except (RuntimeError, NotImplementedError, AssertionError):
-            raise validate.ConfigError(
+            raise config_checks.ConfigError(
                 f"device={config.device!r} but this torch ({torch.__version__}) has no "
                 f"{device.type} device; use 'auto', 'cpu' or 'cuda' (--config.device)"
             ) from None
     if device.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise validate.ConfigError(
+            raise config_checks.ConfigError(
                 f"device={config.device!r} but this torch ({torch.__version__}) sees no CUDA "
                 "device; use 'auto' or 'cpu' (--config.device)"
             )
         if (device.index or 0) >= n:
-            raise validate.ConfigError(
+            raise config_checks.ConfigError(
                 f"device={config.device!r} but this torch sees {n} CUDA device(s); use "
                 f"'auto' or 'cuda:N' with N < {n} (--config.device)"
             )

@@ -19,6 +19,8 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
+from functrain import config_checks
+
 _DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "gpt.py")
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -128,14 +130,14 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
     try:  # before any data is prepared in it
         Path(workdir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             f"workdir {workdir}: cannot be created ({exc.strerror or exc}); pass a writable --workdir"
         ) from None
     try:
         # torchrun env -> process group + mesh; plain python: none
         ctx = parallel.setup(config.mesh, timeout_s=config.dist_timeout_s or None)
     except ValueError as exc:
-        raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
+        raise config_checks.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     with ctx:
         loop.resolve_device(config, ctx)  # a device this torch lacks fails before any data is prepared
         task = family.build(config, ctx, workdir)
@@ -150,7 +152,7 @@ def _steps_from_epochs(config: Any, task, validate) -> None:
     if not epochs:
         return
     if task.steps_per_epoch is None:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             f"epochs={epochs:g}: this data has no epochs (random windows of text); set "
             "--config.steps, or use supervised examples / --config.data.sampling=epochs"
         )
@@ -188,7 +190,7 @@ def export_hf(
     check_config(config, mesh=_launched())  # every key, once, before the heavy modules load
     from functrain import checkpoint as ckpt_lib
     from functrain import parallel
-    from functrain.trainer import exports, loop, validate
+    from functrain.trainer import exports, loop
 
     family = _family(config)
     lora = bool(config.get("lora", {}).get("rank", 0))
@@ -200,7 +202,7 @@ def export_hf(
     with parallel.setup(mesh, timeout_s=config.dist_timeout_s or None) as ctx:
         task = family.build(config, ctx, workdir)
         if task.export is None:
-            raise validate.ConfigError(f"model family {config.model.name!r} has no export format")
+            raise config_checks.ConfigError(f"model family {config.model.name!r} has no export format")
         params = ckpt_lib.restore(step_dir, {"params": ckpt_lib.metadata_tree(step_dir)["params"]}).result()["params"]
         if task.frozen is not None:  # a LoRA checkpoint holds the adapters: the base is made again, and checked
             from functrain.trainer import frozen as frozen_lib
@@ -241,28 +243,27 @@ def check_config(config: Any, mesh: bool = True) -> None:
     Example:
       >>> check_config(gpt_config.get_config("tiny"))
     """
-    from functrain import config_checks as mesh_config
     from functrain.trainer import validate
     from functrain.trainer.optimizer_checks import CHECKS as optim_checks
 
-    validate.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
+    config_checks.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
     validate.check_cuda_graphs(config)
     dist = sys.modules.get("torch.distributed")
     if not mesh or (dist is not None and dist.is_available() and dist.is_initialized()):
         return  # no mesh, or a caller's own process group: parallel.setup checks the mesh against it
     world = int(os.environ["WORLD_SIZE"]) if _launched() else 1
     try:
-        shape = mesh_config.mesh_shape(config.mesh, world)
+        shape = config_checks.mesh_shape(config.mesh, world)
     except ValueError as exc:
-        raise validate.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
+        raise config_checks.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     pp = config.mesh.get("pp", 1)
-    validate.check_pipeline(pp, config.accum_steps, config.model.get("n_layer", 0))
+    config_checks.check_pipeline(pp, config.accum_steps, config.model.get("n_layer", 0))
     micro = ("pp.microbatches", config.pp.microbatches) if pp > 1 else ("accum_steps", config.accum_steps)
-    validate.check_batch(config.batch_size, micro[1], mesh_config.dp_world(shape) if world > 1 else 1, micro[0])
-    validate.check_context(config.model.get("block_size", 0), shape["cp"])
+    config_checks.check_batch(config.batch_size, micro[1], config_checks.dp_world(shape) if world > 1 else 1, micro[0])
+    config_checks.check_context(config.model.get("block_size", 0), shape["cp"])
     if config.get("device", "auto") == "cpu" or (config.get("device", "auto") == "auto" and not _has_gpu()):
-        rows = config.batch_size // micro[1] // (mesh_config.dp_world(shape) if world > 1 else 1)
-        mesh_config.check_attention_fits(
+        rows = config.batch_size // micro[1] // (config_checks.dp_world(shape) if world > 1 else 1)
+        config_checks.check_attention_fits(
             config.model.get("block_size", 0), config.model.get("n_head", 0), rows, shape["cp"]
         )
 
@@ -288,7 +289,6 @@ def _check_init_from(config: Any, workdir: str | Path, loop) -> None:
 
 def _family(config: Any, module: str = "task"):
     """The `task` (or `checks`) module of the model family `config.model.name`."""
-    from functrain.trainer import validate
 
     name = config.model.get("name", "gpt")
     try:
@@ -299,7 +299,7 @@ def _family(config: Any, module: str = "task"):
             raise  # a module the family imports is missing, not the family
     families = Path(__file__).resolve().parents[1] / "models"
     known = sorted(p.name for p in families.iterdir() if (p / "task.py").exists() and (p / "checks.py").exists())
-    raise validate.fail("model.name", name, "one of " + ", ".join(repr(k) for k in known))
+    raise config_checks.fail("model.name", name, "one of " + ", ".join(repr(k) for k in known))
 
 
 def main(argv: list[str]) -> None:

@@ -3,7 +3,7 @@
 Internals: docs/internals.md "functrain.trainer.optimizer".
 
 Example:
-    >>> validate.check_all(config, optimizer.CHECKS)
+    >>> config_checks.check_all(config, optimizer.CHECKS)
     >>> opt = optimizer.from_config(config.optim, config.steps)
 """
 

@@ -139,18 +139,11 @@ def _restore(
 ) -> TrainState:
     """`maybe_restore`'s restore of step `latest` (MismatchError when the state does not fit)."""
     t0 = time.perf_counter()
-    # Leaves a checkpoint written by older code lacks (e.g. a state field added since) come from the
-    # fresh state; leaves this code does not know are an error (strict).
     held = frozen_lib.saved(state)  # what the checkpoint holds: no frozen params
-    future = manager.restore(latest, ckpt_lib.abstract(held), defaults=held, strict=whole)
+    future = manager.restore(latest, ckpt_lib.abstract(held), strict=whole)
     read_done: list[float] = []  # when the bytes were in (the compile below may take longer)
     future.add_done_callback(lambda _: read_done.append(time.perf_counter()))
     configured = optim_lib.get_hyperparams(state)  # read now: the compile below consumes `state`
-    if future.missing:
-        print_fn(
-            f"checkpoint step {latest} has no {', '.join(future.missing)} (written by an older version): "
-            "taken from the fresh state"
-        )
     if not config.checkpoint.async_restore:
         future.result()  # blocking restore: the bytes first, compilation after (for comparison)
     elif config.compile:

@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from functrain import parallel
+from functrain import config_checks, parallel
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.optim.base import Transform
@@ -23,7 +23,6 @@ from functrain.state import TrainState, init_state
 from functrain.step import make_eval_step, make_train_step
 from functrain.task import Task
 from functrain.trainer import frozen as frozen_lib
-from functrain.trainer import validate
 
 __all__ = ["Route", "choose", "microbatching"]
 
@@ -80,7 +79,7 @@ def choose(
       `(state, route)`: the fresh `TrainState` (this rank's params, sharded on the mesh) and the `Route`.
 
     Raises:
-      validate.ConfigError: a pipeline asked of a run it cannot carry (CUDA graphs, model state, too
+      config_checks.ConfigError: a pipeline asked of a run it cannot carry (CUDA graphs, model state, too
         many stages), in one line.
 
     Example:
@@ -124,12 +123,12 @@ def _pipeline(
 ) -> tuple[TrainState, Route]:
     """A pipeline rank's route: only its stages' params are drawn, sharded over the stage's mesh."""
     if config.get("cuda_graphs", False):
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             "cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
             "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1"
         )
     if task.init_model_state is not None:
-        raise validate.ConfigError(
+        raise config_checks.ConfigError(
             "this model has model state (buffers such as BatchNorm statistics) and the "
             "pipeline's stages carry params only: set --config.mesh.pp=1"
         )
@@ -137,7 +136,7 @@ def _pipeline(
     try:
         pipe = pipeline.place(task.loss_fn, pipeline.param_shapes(task.init_params, key), group=ctx.pp_group)
     except ValueError as exc:
-        raise validate.ConfigError(f"{exc} (--config.mesh.pp)") from None
+        raise config_checks.ConfigError(f"{exc} (--config.mesh.pp)") from None
     params, frozen = frozen_lib.split(
         task, parallel.init_sharded(task.init_params, key, ctx.mesh, task.shard_rules, device=device, names=pipe.names)
     )

@@ -1,8 +1,8 @@
-"""The trainer's own config checks: the loop's keys (`LOOP_CHECKS`) and CUDA graphs' needs, over the
-check helpers of `functrain.config_checks` (re-exported here, the names `functrain.trainer.validate` had).
+"""The trainer's own config checks: the loop's keys (`LOOP_CHECKS`) and CUDA graphs' needs (the check helpers
+and `ConfigError` are `functrain.config_checks`').
 
 Example:
-    >>> validate.check_all(config, validate.LOOP_CHECKS)
+    >>> config_checks.check_all(config, validate.LOOP_CHECKS)
 """
 
 from __future__ import annotations
@@ -13,37 +13,13 @@ from functrain.config_checks import (
     Check,
     ConfigError,
     boolean,
-    check_all,
-    check_batch,
-    check_context,
-    check_pipeline,
-    fail,
-    get,
     int_at_least,
     number_at_least,
     number_in,
     one_of,
-    relation,
 )
 
-__all__ = [
-    "ConfigError",
-    "Check",
-    "check_all",
-    "fail",
-    "get",
-    "int_at_least",
-    "number_at_least",
-    "number_in",
-    "one_of",
-    "boolean",
-    "relation",
-    "check_batch",
-    "check_pipeline",
-    "check_context",
-    "check_cuda_graphs",
-    "LOOP_CHECKS",
-]
+__all__ = ["LOOP_CHECKS", "check_cuda_graphs"]
 
 
 def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:

@@ -15,8 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from functrain import config_checks as v
-from functrain import parallel
+from functrain import config_checks, parallel
 from functrain.interop.hf import save_hf_directory
 from functrain.models import lm, lm_data, lm_lora
 from functrain.models.gpt import model as gpt_lib
@@ -60,9 +59,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             bias=m.bias,
         )
     except ValueError as exc:
-        raise v.ConfigError(f"model: {exc} (--config.model.n_embd / --config.model.n_head)") from None
+        raise config_checks.ConfigError(f"model: {exc} (--config.model.n_embd / --config.model.n_head)") from None
     if ctx.tp_world > 1 and m.n_head % ctx.tp_world:
-        raise v.ConfigError(
+        raise config_checks.ConfigError(
             f"model.n_head={m.n_head} must divide by the tensor-parallel size {ctx.tp_world} (each rank "
             "computes whole heads); change --config.model.n_head or --config.mesh.tp"
         )
@@ -70,7 +69,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     dataset = lm_data.load_data(config, ctx, cache_dir, block_size=m.block_size, vocab_size=m.vocab_size or None)
     vocab = m.vocab_size or dataset.vocab_size
     if vocab < dataset.vocab_size:
-        raise v.ConfigError(
+        raise config_checks.ConfigError(
             f"model.vocab_size={vocab} is smaller than the data's vocabulary ({dataset.vocab_size}); set "
             "model.vocab_size=0 to take it from the data (--config.model.vocab_size)"
         )

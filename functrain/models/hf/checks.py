@@ -2,12 +2,12 @@
 torch, so `python -m functrain.main` reports a bad value before the heavy modules load.
 
 Example:
-    >>> validate.check_all(config, CHECKS)
+    >>> config_checks.check_all(config, CHECKS)
 """
 
 from __future__ import annotations
 
-from functrain import config_checks as v
+from functrain import config_checks
 from functrain.models.checks import LM_CHECKS, TOKENIZER_CHECK
 
 __all__ = ["CHECKS"]
@@ -21,10 +21,10 @@ CHECKS: list = [
             "a transformers model directory (config.json; weights and tokenizer.json optional), or 'tiny:<model type>'",
         ),
     ),
-    ("model.block_size", v.int_at_least(1)),
-    ("model.weights", v.boolean()),
+    ("model.block_size", config_checks.int_at_least(1)),
+    ("model.weights", config_checks.boolean()),
     TOKENIZER_CHECK,
-    ("export_hf", v.boolean()),
+    ("export_hf", config_checks.boolean()),
     *LM_CHECKS,
 ]
 """The checks of the keys the Hugging Face family reads."""

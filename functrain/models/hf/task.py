@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from functrain import config_checks as v
+from functrain import config_checks, functional, parallel
 from functrain import data as data_lib
-from functrain import functional, parallel
 from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import lm, lm_data, lm_lora
 from functrain.models.hf.checks import CHECKS
@@ -46,7 +45,7 @@ __all__ = ["CHECKS", "build"]
 def _refuse_axes(ctx, model_type: str) -> None:
     """One line for a mesh axis this family cannot split (the sequence: the attention is transformers')."""
     if ctx.cp_world > 1:
-        raise v.ConfigError(
+        raise config_checks.ConfigError(
             f"mesh.cp={ctx.cp_world}: the hf family ({model_type}) has no context parallelism yet; "
             "shard it with FSDP (--config.mesh.dp_shard) and set mesh.cp=1"
         )
@@ -135,7 +134,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         has_weights = any(directory.path.glob("*.safetensors"))
         weights = directory.weights if has_weights and config.model.weights else None  # a bad shard fails now
     except (HFModelError, HFError) as exc:
-        raise v.ConfigError(f"model.path: {exc}") from None
+        raise config_checks.ConfigError(f"model.path: {exc}") from None
     _refuse_axes(ctx, hf_config.model_type)
     cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
     tokenizer = lm_data.tokenizer_of(config, directory, cache_dir, fresh_vocab=hf_config.vocab_size, key="model.path")
@@ -149,7 +148,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     seq = config.model.block_size
     longest = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
     if longest and seq > longest:
-        raise v.ConfigError(
+        raise config_checks.ConfigError(
             f"model.block_size={seq} exceeds {directory.path / 'config.json'}'s {longest} positions; "
             "lower --config.model.block_size"
         )
@@ -167,7 +166,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = _loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
     except HFModelError as exc:
-        raise v.ConfigError(f"model.path: {exc}") from None
+        raise config_checks.ConfigError(f"model.path: {exc}") from None
     dataset = lm_data.load_data(
         config,
         ctx,

@@ -3,12 +3,12 @@ torch, so `python -m functrain.main` reports a bad value before the heavy module
 `task.build` checks them again (a Task built from Python gets the same errors).
 
 Example:
-    >>> validate.check_all(config, CHECKS)
+    >>> config_checks.check_all(config, CHECKS)
 """
 
 from __future__ import annotations
 
-from functrain import config_checks as v
+from functrain import config_checks
 from functrain.models.checks import LM_CHECKS, TOKENIZER_CHECK
 
 __all__ = ["CHECKS"]
@@ -27,30 +27,30 @@ def _head_dim(embd: int, heads: int, head_dim: int) -> int:
 
 
 CHECKS: list = [
-    ("model.vocab_size", v.int_at_least(0)),
-    ("model.block_size", v.int_at_least(1)),
-    ("model.n_layer", v.int_at_least(1)),
-    ("model.n_head", v.int_at_least(1)),
-    ("model.n_kv_head", v.int_at_least(1)),
-    ("model.n_embd", v.int_at_least(1)),
-    ("model.intermediate_size", v.int_at_least(0)),
-    ("model.head_dim", v.int_at_least(0)),
-    ("model.rope_theta", v.number_at_least(1.0)),
-    ("model.norm_eps", v.number_at_least(0.0)),
-    ("model.tie_embeddings", v.boolean()),
-    ("model.dropout", v.number_in(0.0, 1.0)),
+    ("model.vocab_size", config_checks.int_at_least(0)),
+    ("model.block_size", config_checks.int_at_least(1)),
+    ("model.n_layer", config_checks.int_at_least(1)),
+    ("model.n_head", config_checks.int_at_least(1)),
+    ("model.n_kv_head", config_checks.int_at_least(1)),
+    ("model.n_embd", config_checks.int_at_least(1)),
+    ("model.intermediate_size", config_checks.int_at_least(0)),
+    ("model.head_dim", config_checks.int_at_least(0)),
+    ("model.rope_theta", config_checks.number_at_least(1.0)),
+    ("model.norm_eps", config_checks.number_at_least(0.0)),
+    ("model.tie_embeddings", config_checks.boolean()),
+    ("model.dropout", config_checks.number_in(0.0, 1.0)),
     TOKENIZER_CHECK,
     ("init_from", (_init_from_ok, "'' or 'hf:<Hugging Face model directory>'")),
-    ("export_hf", v.boolean()),
+    ("export_hf", config_checks.boolean()),
     *LM_CHECKS,
     # With init_from the model's shape comes from the Hugging Face config.json, not these keys.
-    v.relation(
+    config_checks.relation(
         ("init_from", "model.n_head", "model.n_kv_head"),
         lambda src, heads, kv: bool(src) or heads % kv == 0,
         "n_kv_head must divide n_head (grouped-query attention shares each kv head among n_head / "
         "n_kv_head query heads); change either",
     ),
-    v.relation(
+    config_checks.relation(
         ("init_from", "model.n_embd", "model.n_head", "model.head_dim"),
         lambda src, embd, heads, hd: bool(src) or _head_dim(embd, heads, hd) % 2 == 0,
         "each head needs an even number of channels (rotary embeddings rotate pairs): set head_dim to an "

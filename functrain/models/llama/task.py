@@ -17,9 +17,8 @@ from typing import Any, cast
 
 import torch
 
-from functrain import config_checks as v
+from functrain import config_checks, parallel
 from functrain import data as data_lib
-from functrain import parallel
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import lm, lm_data, lm_lora
 from functrain.models.llama import hf as hf_lib
@@ -37,7 +36,7 @@ def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.
     if hf is not None:
         cfg = hf_lib.config_from_hf(hf.config, hf.path / "config.json")
         if config.model.block_size > cfg.block_size:
-            raise v.ConfigError(
+            raise config_checks.ConfigError(
                 f"model.block_size={config.model.block_size} exceeds {hf.path / 'config.json'}'s "
                 f"max_position_embeddings={cfg.block_size}; lower --config.model.block_size"
             )
@@ -59,7 +58,7 @@ def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.
             dropout=m.dropout,
         )
     except ValueError as exc:
-        raise v.ConfigError(f"model: {exc} (--config.model.*)") from None
+        raise config_checks.ConfigError(f"model: {exc} (--config.model.*)") from None
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
@@ -91,7 +90,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
         cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
     except HFError as exc:
-        raise v.ConfigError(f"init_from: {exc}") from None
+        raise config_checks.ConfigError(f"init_from: {exc}") from None
     if tok_vocab > cfg.vocab_size:
         where = getattr(tokenizer, "path", "the byte tokenizer")
         raise data_lib.DataError(
@@ -99,7 +98,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             "tokenizer (--config.data.tokenizer) or a larger --config.model.vocab_size"
         )
     if ctx.tp_world > 1 and (cfg.n_head % ctx.tp_world or cfg.n_kv_head % ctx.tp_world):
-        raise v.ConfigError(
+        raise config_checks.ConfigError(
             f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
             f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp"
         )
