@@ -29,7 +29,8 @@ def is_frozen(name):  # the lower layers; fine-tune the rest (not wte: it is als
 
 
 frozen, trainable = ({k: v for k, v in params.items() if is_frozen(k) is want} for want in (True, False))
-adamw = optim.adamw(optim.warmup_cosine(3e-3, 5, args.steps), weight_decay=0.1)
+# fused=False: both styles run the same update math (adamw()'s eager kernel would round otherwise than masked's chain)
+adamw = optim.adamw(optim.warmup_cosine(3e-3, 5, args.steps), weight_decay=0.1, fused=False)
 mask_opt = optim.chain(
     optim.masked(adamw, lambda p: {k: not is_frozen(k) for k in p}),
     optim.masked(optim.scale(0.0), lambda p: {k: is_frozen(k) for k in p}),

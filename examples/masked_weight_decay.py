@@ -22,7 +22,7 @@ model, ds = common.tiny_gpt(), common.corpus(args)
 params, lr, wd = gpt.init_params(model, rng.key(0)), 1e-2, 0.1
 decay_mask = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731
 optimizers = [
-    optim.adamw(lr, weight_decay=wd, mask=decay_mask),
+    optim.adamw(lr, weight_decay=wd, mask=decay_mask, fused=False),  # (the chain's math, as the hand-built one's)
     optim.chain(
         optim.scale_by_adam(), optim.masked(optim.add_decayed_weights(wd), decay_mask), optim.scale_by_learning_rate(lr)
     ),

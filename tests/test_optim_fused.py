@@ -159,3 +159,19 @@ def test_fused_route_reads_hyperparameters_once_and_sees_new_values():
     atol = _atol(params) / (1 - 0.5)  # b2 = 0.5 for the last steps: the kernel's float32 bias correction
     for k in params:
         torch.testing.assert_close(state.params[k], ref_state.params[k], rtol=0, atol=atol, msg=k)
+
+
+def test_the_kernel_takes_the_expanded_gradients_autograd_hands_out():
+    """A sum's gradient is an expanded view (stride 0): the kernel got it dense, so a step whose gradients are all
+    zero decays the matrices and leaves everything else as the chain does (it misread them: -lr on some entries)."""
+    params = {"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), "b": torch.randn(8)}
+    decay = lambda p: {k: v.ndim == 2 for k, v in p.items()}  # noqa: E731
+    loss = lambda p, batch, key: (sum(v.sum() for v in p.values()) * 0.0, {})  # noqa: E731
+    out = {}
+    for fused in (None, False):
+        opt = optim.adamw(1e-2, weight_decay=0.1, mask=decay, fused=fused)
+        state, _ = make_train_step(loss, opt, compile=False)(init_state(params, opt), torch.zeros(1))
+        out[fused] = state.params
+    torch.testing.assert_close(out[None]["w"], params["w"] * (1 - 1e-3), rtol=2e-7, atol=0)
+    assert torch.equal(out[None]["b"], params["b"]) and torch.equal(out[False]["b"], params["b"])
+    torch.testing.assert_close(out[None]["w"], out[False]["w"], rtol=2e-7, atol=0)

@@ -68,7 +68,8 @@ def adamw_route(learning_rate: Any, mask: PyTree | Callable[[PyTree], PyTree] | 
     def fused(params: PyTree, grads: PyTree, state: Any, *, norm: Any, found_inf: Any, grad_scale: Any = None) -> Any:
         adam, decay, lr_state = state  # chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)
         p, spec = tree_lib.flatten(params)
-        g = spec.flatten_up_to(grads)
+        # dense grads: autograd hands out expanded views (a sum's gradient: stride 0), which the kernel misreads
+        g = [x if x.is_contiguous() else x.contiguous() for x in spec.flatten_up_to(grads)]
         m = spec.flatten_up_to(adam.mu)
         v = spec.flatten_up_to(adam.nu)
         if not kernel_takes(p + g + m + v):
