@@ -161,9 +161,18 @@ def test_fused_route_reads_hyperparameters_once_and_sees_new_values():
         torch.testing.assert_close(state.params[k], ref_state.params[k], rtol=0, atol=atol, msg=k)
 
 
-def test_the_kernel_takes_the_expanded_gradients_autograd_hands_out():
-    """A sum's gradient is an expanded view (stride 0): the kernel got it dense, so a step whose gradients are all
-    zero decays the matrices and leaves everything else as the chain does (it misread them: -lr on some entries)."""
+def test_the_kernel_takes_the_expanded_gradients_autograd_hands_out(monkeypatch):
+    """A sum's gradient is an expanded view (stride 0): the kernel gets it dense (it read past the one stored
+    number: -lr on some entries of a zero-gradient step), so the step decays the matrices and leaves everything else
+    as the chain does."""
+    kernel = torch._fused_adamw_
+    seen = []
+
+    def spy(params, grads, *args, **kwargs):
+        seen.extend(g.is_contiguous() for g in grads)
+        return kernel(params, grads, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
     params = {"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(0)), "b": torch.randn(8)}
     decay = lambda p: {k: v.ndim == 2 for k, v in p.items()}  # noqa: E731
     loss = lambda p, batch, key: (sum(v.sum() for v in p.values()) * 0.0, {})  # noqa: E731
@@ -175,3 +184,4 @@ def test_the_kernel_takes_the_expanded_gradients_autograd_hands_out():
     torch.testing.assert_close(out[None]["w"], params["w"] * (1 - 1e-3), rtol=2e-7, atol=0)
     assert torch.equal(out[None]["b"], params["b"]) and torch.equal(out[False]["b"], params["b"])
     torch.testing.assert_close(out[None]["w"], out[False]["w"], rtol=2e-7, atol=0)
+    assert seen and all(seen)
