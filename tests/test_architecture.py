@@ -474,14 +474,16 @@ def test_the_config_is_checked_once(tmp_path, monkeypatch):
     do not run the key checks again."""
     from functrain import config_checks, parallel
     from functrain.models.gpt import task as gpt_task  # a test may import a model family
-    from functrain.trainer import loop, main, validate
+    from functrain.trainer import loop, main
 
     c = _tiny_config(tmp_path)
     c.steps, c.compile, c.log_every, c.eval_every, c.tensorboard = 2, False, 100, 100, False
     c.sample.max_new_tokens = 2
     calls = []
     real = config_checks.check_all
-    monkeypatch.setattr(validate, "check_all", lambda config, checks: calls.append(len(checks)) or real(config, checks))
+    monkeypatch.setattr(
+        config_checks, "check_all", lambda config, checks: calls.append(len(checks)) or real(config, checks)
+    )
     main.check_config(c, mesh=False)
     assert len(calls) == 1 and calls[0] > 40  # every key of the loop, the optimizer and the family
     with parallel.setup(c.mesh) as ctx:

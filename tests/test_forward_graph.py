@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from functrain import init_state, make_train_step, optim, tree
+from functrain import config_checks, init_state, make_train_step, optim, tree
 from functrain.models import lm
 from functrain.step import forward_graph
 from functrain.step import steps as steps_lib
@@ -145,11 +145,11 @@ def test_the_config_key_checks_its_optimizer_and_moments():
     c.optim.fused = False
     assert trainer_optimizer.from_config(c.optim, 10).fused is None
     c.optim.fused = True
-    optimizer_checks.v.check_all(c, optimizer_checks.CHECKS)  # adamw, float32 moments: fine
+    config_checks.check_all(c, optimizer_checks.CHECKS)  # adamw, float32 moments: fine
     assert trainer_optimizer.from_config(c.optim, 10).fused is not None  # the chain ends in the fused kernel
     c.optim.name = "sgd"
     with pytest.raises(ValueError, match=r"^optim.fused=True, optim.name='sgd': the fused update is torch's AdamW"):
-        optimizer_checks.v.check_all(c, optimizer_checks.CHECKS)
+        config_checks.check_all(c, optimizer_checks.CHECKS)
     c.optim.name, c.optim.nu_dtype = "adamw", "bfloat16"
     with pytest.raises(ValueError, match=r"optim.nu_dtype='bfloat16': torch's fused AdamW kernel keeps the moments"):
-        optimizer_checks.v.check_all(c, optimizer_checks.CHECKS)
+        config_checks.check_all(c, optimizer_checks.CHECKS)
