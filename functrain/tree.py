@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import builtins
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -24,6 +24,9 @@ __all__ = [
     "map",
     "leaves",
     "flatten",
+    "copy_pairs",
+    "nodes",
+    "rebuild",
     "named_leaves",
     "path_name",
     "zeros_like",
@@ -274,10 +277,47 @@ def flatten(tree: PyTree) -> tuple[list, Any]:
     return list(flat), spec
 
 
-def _copy_pairs(old: PyTree, new: PyTree) -> list:
-    """(old leaf, new leaf) at every leaf position where the two are not one tensor: what a donation copies."""
+def copy_pairs(old: PyTree, new: PyTree) -> list:
+    """(old leaf, new leaf) at every leaf position where the two are not one tensor: what a donation copies.
+
+    Args:
+      old: the tree whose buffers are reused.
+      new: a tree of its structure (or with subtrees where `old` has leaves).
+
+    Returns:
+      The pairs, in flattening order.
+
+    Example:
+      >>> foreach.copy_([o for o, _ in copy_pairs(state, new)], [n for _, n in copy_pairs(state, new)])
+    """
     olds, spec = flatten(old)
     return [(o, n) for o, n in zip(olds, spec.flatten_up_to(new)) if o is not n]
+
+
+def nodes(tree: PyTree, stop: Callable[[Any], bool]) -> list | None:
+    """The tree's leaves in optree's order, a subtree `stop` accepts taken whole as one node.
+
+    Args:
+      tree: a tree of dicts, lists, tuples and NamedTuples.
+      stop: which subtrees are nodes (e.g. "a dict keyed by parameter names").
+
+    Returns:
+      The nodes, or None at a node type this walk does not know (then use optree with `is_leaf`).
+
+    Example:
+      >>> nodes(opt_state, lambda x: isinstance(x, dict))    # each moment dict as one node
+    """
+    out: list = []
+    return out if _gather_leaves(tree, out, stop) else None
+
+
+def rebuild(template: PyTree, leaves: list, stop: Callable[[Any], bool]) -> PyTree:
+    """`template`'s structure with `leaves` at the positions `nodes(template, stop)` found.
+
+    Example:
+      >>> rebuild(opt_state, [split(d) for d in nodes(opt_state, stop)], stop)
+    """
+    return _rebuild(template, leaves, 0, stop)[0]
 
 
 def path_name(path: tuple) -> str:

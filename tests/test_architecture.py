@@ -241,6 +241,34 @@ def test_no_private_name_crosses_modules():
     assert not crossings, crossings
 
 
+_NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}
+
+
+def test_no_private_attribute_of_another_module_is_read():
+    """Nor reached as an attribute: `tree_lib._rebuild` or `optim_base._MASK_LOG` from another module is a private
+    name crossing (a NamedTuple's own API, `TrainState._fields`, is public)."""
+    crossings = []
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        bound = set()  # names this file binds to functrain's modules and classes by import
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                bound |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("functrain")}
+            elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("functrain")):
+                bound |= {a.asname or a.name for a in node.names}
+        crossings += [
+            f"{path.relative_to(PKG.parent)}:{node.lineno} {node.value.id}.{node.attr}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.attr not in _NAMEDTUPLE_API
+        ]
+    assert not crossings, crossings
+
+
 def test_no_import_cycles():
     """Each module imports in a fresh interpreter on its own (a cycle fails on one of them)."""
     code = (

@@ -11,7 +11,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "identity",
     "MaskedState",
     "resolve_mask",
+    "recording_masks",
     "is_leafwise",
     "Traits",
 ]
@@ -254,7 +256,24 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     return spec.unflatten(foreach.add(p_leaves, u_leaves))
 
 
-_MASK_LOG: list | None = None  # {leaf name: flag} per resolve_mask call while a mask is probed
+_MASK_LOG: list | None = None  # {leaf name: flag} per resolve_mask call inside `recording_masks`
+
+
+@contextlib.contextmanager
+def recording_masks() -> Iterator[list]:
+    """Within it, every `resolve_mask` call appends {leaf name: flag} to the list it yields (a grouped update
+    checks that masks resolved on a group of leaves give each leaf its flag on the whole tree).
+
+    Example:
+      >>> with recording_masks() as log:
+      ...     opt.init(params)
+    """
+    global _MASK_LOG
+    before, _MASK_LOG = _MASK_LOG, []
+    try:
+        yield _MASK_LOG
+    finally:
+        _MASK_LOG = before
 
 
 def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> list[bool]:

@@ -123,7 +123,7 @@ class Local(Layout):
         return spec.unflatten(out)
 
     def write_into(self, old, new):
-        pairs = tree_lib._copy_pairs(old, new)
+        pairs = tree_lib.copy_pairs(old, new)
         if pairs:
             foreach.copy_([o for o, _ in pairs], [n for _, n in pairs])
         return old

@@ -403,7 +403,7 @@ class Spmd(Layout):
 
     def write_into(self, old: PyTree, new: PyTree) -> PyTree:
         """Copies the local shard of every leaf of `new` into `old`'s (donation); returns `old`."""
-        pairs = tree_lib._copy_pairs(old, new)
+        pairs = tree_lib.copy_pairs(old, new)
         if pairs:
             torch._foreach_copy_([_local(o) for o, _ in pairs], [_local(n, like=o) for o, n in pairs])
         return old

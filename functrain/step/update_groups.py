@@ -142,13 +142,9 @@ def _meta(params: dict, names: Sequence[str], as_names: Sequence[str]) -> dict:
 
 def _mask_log(optimizer: optim.Transform, params: dict) -> list:
     """The masks the optimizer resolves on `params` (meta tensors) in its init and one update."""
-    log: list = []
-    optim_base._MASK_LOG = log
-    try:
+    with optim_base.recording_masks() as log:
         state = optimizer.init(params)
         optim.call_update(optimizer, params, state, params, norm=torch.ones((), device="meta"))
-    finally:
-        optim_base._MASK_LOG = None
     return log
 
 
@@ -200,7 +196,7 @@ class _NodesSpec(NamedTuple):
 
     def unflatten(self, nodes: list) -> PyTree:
         """The template's structure with `nodes` in place of its nodes."""
-        return tree_lib._rebuild(self.template, nodes, 0, self.stop)[0]
+        return tree_lib.rebuild(self.template, nodes, self.stop)
 
 
 class _Split:
@@ -216,8 +212,8 @@ class _Split:
 
     def flatten(self, tree: PyTree) -> tuple[list, Any]:
         """(the param dicts and shared leaves of a state tree in order, its structure down to them)."""
-        out: list = []
-        if tree_lib._gather_leaves(tree, out, self._stop):
+        out = tree_lib.nodes(tree, self._stop)
+        if out is not None:
             return out, _NodesSpec(self._stop, tree)
         return optree.tree_flatten(tree, is_leaf=self.is_dict, none_is_leaf=True)  # (a node type of its own)
 
