@@ -148,7 +148,7 @@ def check_export(directory, template, params) -> None:
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ids = torch.arange(T)[None] * 5 % V
     with torch.no_grad():
-        theirs = loaded(input_ids=ids).logits
+        theirs = loaded(input_ids=ids, use_cache=False).logits  # (logits only: recurrent_gemma's cache fails here)
     ours = ft.apply(template, params, input_ids=ids, train=False).logits
     assert_close(ours, theirs, rtol(T * 64)), "export logits"
 

@@ -114,7 +114,7 @@ def verify(path: Path, model: EvalModel, params) -> str | None:
         try:
             loaded = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
             with torch.no_grad():
-                theirs = loaded.eval()(input_ids=ids).logits.float()
+                theirs = loaded.eval()(input_ids=ids, use_cache=False).logits.float()  # (no cache: logits only)
             diff = float((theirs[..., : ours.shape[-1]] - ours).abs().max())
             verdict[:] = torch.tensor([float(diff > 1e-3 * (1.0 + float(ours.abs().max()))), diff])
         except Exception as exc:  # noqa: BLE001 - transformers' own failures to load, in one line
