@@ -1,7 +1,9 @@
-"""The single-process routes the config can reach, compiled, against the eager step: compile unit
-("step": the loss one graph, the update a graph per block kind; "blocks": a graph per stage kind) x
-precision (fp32, bf16, fp16 with loss scaling) x gradient accumulation (1, 2 unrolled microbatches):
-every value pair in 6 cells, the whole product under `pytest -m exhaustive`. The sharded routes (FSDP,
+"""The single-process routes the config can reach, compiled, against the eager step: route
+("default": compile="step" with a plain loss, its forward one graph and autograd's backward between it and
+the update, `functrain.step.forward_graph`; "step": a staged loss, the loss and its gradients one graph;
+both with the update a graph per block kind; "blocks": a graph per stage kind) x precision (fp32, bf16,
+fp16 with loss scaling) x gradient accumulation (1, 2 unrolled microbatches): every value pair in 9
+cells, the whole product under `pytest -m exhaustive`. The sharded routes (FSDP,
 TP) are the compiled2 and matrix2 suites of tests/test_parallel_dist.py.
 
 The compiled side uses the "aot_eager" backend: Dynamo and AOTAutograd trace the same graphs the
@@ -22,13 +24,15 @@ from torch._dynamo.utils import counters
 
 from functrain import init_state, make_train_step, optim
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
+from functrain.step import forward_graph
 
 pytestmark = pytest.mark.numeric
 
 LR, MOMENTUM, STEPS = 0.05, 0.9, 3
-# step: the loss and its grads; per kind of update group (the blocks', the rest's) the grads' squared norms and the
-# update; the grad norm. blocks, remat none: prepare, embedding, block, head, the blocks' update, the rest's
-GRAPHS = {"step": 6, "blocks": 6}
+# default: the loss's forward, step: the loss and its grads; then per kind of update group (the blocks', the rest's)
+# the grads' squared norms and the update, and the grad norm. blocks, remat none: prepare, embedding, block, head,
+# the blocks' update, the rest's
+GRAPHS = {"default": 6, "step": 6, "blocks": 6}
 
 
 def _opt():
@@ -36,9 +40,10 @@ def _opt():
     return optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(LR, momentum=MOMENTUM))
 
 
-def _run(model, data, *, compile, precision, accum):
-    """Per-step metrics and the final state of `STEPS` steps."""
-    loss_fn = make_gpt_loss_fn(model, remat="none", staged=True)
+def _run(model, data, *, route, precision, accum):
+    """Per-step metrics and the final state of `STEPS` steps (route None: eager, the staged loss)."""
+    loss_fn = make_gpt_loss_fn(model, remat="none", staged=route != "default")
+    compile = {None: False, "default": "step"}.get(route, route)
     step = make_train_step(
         loss_fn,
         _opt(),
@@ -54,10 +59,13 @@ def _run(model, data, *, compile, precision, accum):
     return hist, state
 
 
-UNITS, PRECISIONS, ACCUMS = ("step", "blocks"), ("fp32", "bf16", "fp16"), (1, 2)
-# Every value pair of the three axes in 6 cells (the fewest: unit x precision alone has 6 pairs);
-# the full product (12 cells) under `pytest -m exhaustive`.
+UNITS, PRECISIONS, ACCUMS = ("default", "step", "blocks"), ("fp32", "bf16", "fp16"), (1, 2)
+# Every value pair of the three axes in 9 cells (the fewest: route x precision alone has 9 pairs);
+# the full product (18 cells) under `pytest -m exhaustive`.
 PAIRWISE = [
+    ("default", "fp32", 2),
+    ("default", "bf16", 1),
+    ("default", "fp16", 2),
     ("step", "fp32", 1),
     ("step", "bf16", 2),
     ("step", "fp16", 1),
@@ -81,13 +89,17 @@ def test_the_cells_hold_every_value_pair():
 @pytest.mark.parametrize(
     "unit,precision,accum", CELLS, ids=[f"{u}-{p}-accum{a}" for u, p, a in (getattr(c, "values", c) for c in CELLS)]
 )
-def test_compiled_route_equals_eager(tiny_gpt, batches, unit, precision, accum):
+def test_compiled_route_equals_eager(tiny_gpt, batches, monkeypatch, unit, precision, accum):
     model = tiny_gpt(n_layer=2, n_embd=32, block_size=16)
     data = batches(model.cfg, STEPS, batch_size=4)
-    want, w_state = _run(model, data, compile=False, precision=precision, accum=accum)
+    want, w_state = _run(model, data, route=None, precision=precision, accum=accum)
     torch._dynamo.reset()
     counters.clear()
-    got, g_state = _run(model, data, compile=unit, precision=precision, accum=accum)
+    forwards: list = []  # the default route's steps: the compiled forward, then autograd
+    real = forward_graph.loss_and_grads
+    monkeypatch.setattr(forward_graph, "loss_and_grads", lambda *a: forwards.append(1) or real(*a))
+    got, g_state = _run(model, data, route=unit, precision=precision, accum=accum)
+    assert len(forwards) == (STEPS if unit == "default" else 0)
     assert counters["stats"]["unique_graphs"] == GRAPHS[unit], dict(counters["stats"])
     assert not counters["recompiles"] and not counters["graph_break"], (
         dict(counters["recompiles"]),

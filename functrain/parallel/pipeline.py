@@ -29,8 +29,8 @@ from functrain.parallel.layout import Layout
 from functrain.parallel.pipeline_schedule import Action, bubble_fraction, partition
 from functrain.parallel.pipeline_schedule import schedule as make_schedule
 from functrain.state import TrainState
-from functrain.step.grads import microbatch_counts, split_microbatches
 from functrain.step.loss_contract import loss_and_aux
+from functrain.step.microbatches import Microbatches
 from functrain.step.staged import StagedLoss, cotangent_seed
 from functrain.step.update import make_update, to_master
 
@@ -478,23 +478,15 @@ def make_pipeline_step(
         params = lay.gather(params)  # this rank's stages, whole on the dp axes (tp slices stay slices)
         both = _with_frozen(lay, prec, state, params)  # what the stages read (a LoRA base too)
         key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
-        cut = split_microbatches(batch, microbatches, "pp.microbatches")  # (M, B/M, ...) each leaf
-        micro = [tree_lib.map(lambda x, i=i: x[i], cut) for i in range(microbatches)]
-        keys = rng_lib.split(key, microbatches) if microbatches > 1 else key[None]
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
-        weights = total = None
-        if count_targets is not None:  # every rank holds the batch: the same counts on every stage
-            weights, total = lay.token_weights(microbatch_counts(count_targets, batch, microbatches))
+        # every rank holds the batch: the same counts on every stage
+        mbs = Microbatches(
+            batch, key, microbatches, lay, count_targets=count_targets, loss_scale=loss_scale, what="pp.microbatches"
+        )
         stages = _Rank(pipe, loss_fn, wire, _signature(batch))
-        grads: Params = {}
-        wide = microbatches > 1  # accumulate in float32, as accum_steps does
 
         def add(stage, g):
-            for n, x in g.items():
-                if n not in params:  # frozen (TrainState.frozen): no gradient kept
-                    continue
-                x = x.float() if wide else x
-                grads[n] = x if n not in grads else grads[n] + x
+            mbs.add_grads({n: x for n, x in g.items() if n in params})  # (frozen, TrainState.frozen: none kept)
 
         held, losses, auxes = {}, [], []
         with torch.profiler.record_function(RANGE_SCHEDULE):
@@ -502,25 +494,18 @@ def make_pipeline_step(
                 i = act.micro
                 with torch.profiler.record_function(f"{_RANGE_ACTION}{act.kind}{i}"):
                     if act.kind == "F":
-                        held[i], loss, aux = stages.forward(both, micro[i], keys[i], i)
+                        held[i], loss, aux = stages.forward(both, mbs.batches[i], mbs.keys[i], i)
                         if pipe.last:
                             losses.append(loss.detach())
                             auxes.append({k: v.detach() for k, v in (aux or {}).items()})
                     else:
-                        scale = loss_scale  # times the microbatch's weight, when weighted
-                        if weights is not None:
-                            scale = weights[i] if loss_scale is None else loss_scale * weights[i]
-                        stages.backward(both, held.pop(i), keys[i], i, scale, add)
+                        stages.backward(both, held.pop(i), mbs.keys[i], i, mbs.factor(i), add)
             wire.flush()
-        mean = wide and weights is None  # weighted: the sum is the mean over every target already
-        grads = {
-            n: (grads[n] / microbatches if mean else grads[n]) if n in grads else torch.zeros_like(p)
-            for n, p in params.items()
-        }
+        grads = mbs.grads(params)
         grads = _sum_tied(grads, pipe)
-        metrics = _metrics(losses, auxes, pipe, _device(params), aux_names, weights)
-        if total is not None:
-            metrics[M.TARGETS] = total
+        metrics = _metrics(losses, auxes, pipe, _device(params), aux_names, mbs.weights)
+        if mbs.total is not None:
+            metrics[M.TARGETS] = mbs.total
         grads = lay.reduce_grads(to_master(grads, state.params, loss_scale), state.params)  # dp mean, placements
         return update(state, lay.mean_over_dp(metrics), grads)
 
@@ -617,8 +602,9 @@ def make_pipeline_eval_step(
         losses, auxes = [], []
         forwards = wire.ahead([Action("F", i) for i in range(microbatches)], stages.sig, _device(params))
         with torch.no_grad():
-            cut = split_microbatches(batch, microbatches, "pp.microbatches")  # (M, B/M, ...) each leaf
-            for act, mb in zip(forwards, (tree_lib.map(lambda x, i=i: x[i], cut) for i in range(microbatches))):
+            what = "pp.microbatches"
+            mbs = Microbatches(batch, None, microbatches, lay, count_targets=None, loss_scale=None, what=what)
+            for act, mb in zip(forwards, mbs.batches):
                 _, loss, aux = stages.forward(params, mb, None, act.micro, grad=False)
                 if pipe.last:
                     losses.append(loss)

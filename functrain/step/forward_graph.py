@@ -21,10 +21,10 @@ import functrain.step.precision as precision_lib
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.nn.model_state import has_model_state, restore_dtypes
-from functrain.ops import foreach
 from functrain.parallel.layout import Layout
 from functrain.state import TrainState
-from functrain.step.grads import microbatch_counts, scaled_loss, split_microbatches, with_frozen
+from functrain.step.grads import scaled_loss, with_frozen
+from functrain.step.microbatches import Microbatches
 
 __all__ = ["Forward", "Plan", "compute_model_state", "forward", "loss_and_grads"]
 
@@ -157,37 +157,15 @@ def loss_and_grads(forward_fn: Callable, plan: Plan, lay: Layout, state: TrainSt
     leaves, spec = tree_lib.flatten(state.params)
     leaves = [x.detach().requires_grad_() for x in leaves]
     params = spec.unflatten(leaves)
-    k = plan.accum_steps
     key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
     loss_scale = state.guard.loss_scale if plan.prec.loss_scaling else None
-    weights = total = None
-    if plan.count_targets is not None:  # counted before the forward, over every microbatch
-        weights, total = lay.token_weights(microbatch_counts(plan.count_targets, batch, k))
-    micro: list = [batch]
-    keys: Any = [key]
-    if k > 1:
-        parts = split_microbatches(batch, k)
-        micro, keys = [tree_lib.map(lambda x, i=i: x[i], parts) for i in range(k)], rng_lib.split(key, k)
+    mbs = Microbatches(batch, key, plan.accum_steps, lay, count_targets=plan.count_targets, loss_scale=loss_scale)
     model_state = state.model_state
-    gsum: list[torch.Tensor] = []
-    asum: Any = {}
-    for i, (mb, mb_key) in enumerate(zip(micro, keys)):
-        w = None if weights is None else weights[i]
-        factor = loss_scale if w is None else (w if loss_scale is None else loss_scale * w)
+    for i, (mb, mb_key) in enumerate(mbs):
         with torch.enable_grad():
-            scaled, aux, model_state = forward_fn(params, state.frozen, mb, mb_key, factor, model_state)
+            scaled, aux, model_state = forward_fn(params, state.frozen, mb, mb_key, mbs.factor(i), model_state)
             found = torch.autograd.grad(scaled, leaves, allow_unused=True)
-        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)]  # unused: zeros
-        aux = aux if w is None else tree_lib.map(lambda a, w=w: a * w, aux)
-        if k > 1:
-            grads = [g.float() for g in grads]
-        gsum = foreach.add(gsum, grads) if i else grads
-        asum = tree_lib.map(torch.add, asum, aux) if i else aux
-    if weights is None and k > 1:  # weighted already: their sum is the mean over every target
-        asum = tree_lib.map(lambda a: a * (1.0 / k), asum)
-        gsum = foreach.mul(gsum, 1.0 / k)
-    if total is not None:
-        asum[M.TARGETS] = total
+        mbs.add(i, aux, {j: torch.zeros_like(x) if g is None else g for j, (x, g) in enumerate(zip(leaves, found))})
     if has_model_state(model_state):
         model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), plan.model_state_sync)
-    return asum, spec.unflatten(gsum), model_state
+    return (*mbs.result(state.params), model_state)

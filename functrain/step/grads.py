@@ -16,17 +16,15 @@ import torch
 
 import functrain.step.metric_names as M
 from functrain import compiler
-from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.nn import randomness
 from functrain.nn.model_state import call_loss, has_model_state
+from functrain.step.microbatches import Microbatches, by_position
 from functrain.step.staged import StagedLoss
 
 __all__ = [
     "accumulated_value_and_grad",
-    "microbatch_counts",
     "scaled_loss",
-    "split_microbatches",
     "value_and_grad",
     "with_frozen",
 ]
@@ -158,111 +156,41 @@ def _metrics_and_grads(
     return {M.LOSS: loss, **aux}, grads, model_state
 
 
-def split_microbatches(batch: PyTree, k: int, what: str = "accum_steps") -> PyTree:
-    """Every batch leaf (B, ...) reshaped to (k, B // k, ...): the microbatches of accumulation and of
-    pipeline stages.
-
-    Args:
-      batch: a pytree of tensors sharing dim 0.
-      k: the number of microbatches.
-      what: the config key that set `k`, for the error.
-
-    Returns:
-      The same tree, each leaf (k, B // k, ...).
-
-    Raises:
-      ValueError: B is not divisible by k (one line naming `what`).
-
-    Example:
-      >>> split_microbatches((x, y), 4)[0].shape   # x: (32, T)
-      torch.Size([4, 8, T])
-    """
-
-    def split(x):
-        if x.shape[0] % k:
-            raise ValueError(
-                f"batch dimension {x.shape[0]} is not divisible by {what}={k}; make the batch size a multiple of {what}"
-            )
-        return x.reshape(k, x.shape[0] // k, *x.shape[1:])  # (K, B/K, ...)
-
-    return tree_lib.map(split, batch)
-
-
 def accumulated_value_and_grad(
-    loss_fn,
-    params,
-    batch,
-    key,
-    accum_steps: int,
-    impl: str,
-    loss_scale=None,
-    layout=None,
-    model_state=None,
-    fullgraph=True,
-    weights=None,
+    loss_fn, params, mbs: Microbatches, impl: str, layout=None, model_state=None, fullgraph=True
 ):
-    """Loss/aux/grads over `accum_steps` microbatches, inside one graph: their mean, or with `weights` (K,)
-    (`Layout.token_weights`) their sum weighted by them (grads summed in float32 when accumulating, else in
-    the compute dtype; the caller casts them to the masters'), and the model state after the last one
-    (each microbatch updates it, as torch's loop would). With `layout`, params are sharded and the loss
-    gathers them stage by stage."""
-    if accum_steps == 1:
-        w = None if weights is None else weights[0]
+    """`(aux, grads, model_state)` over the step's microbatches, inside one graph: their sum in `mbs` (a traced
+    Python loop, or torch's scan with `impl="scan"`), and the model state after the last one (each microbatch
+    updates it, as torch's loop would). With `layout`, params are sharded and the loss gathers them stage by
+    stage."""
+    if impl == "scan" and mbs.k > 1:
+        return _scanned(loss_fn, params, mbs, model_state)
+    for i, (mb, key) in enumerate(mbs):
         aux, grads, model_state = _metrics_and_grads(
-            loss_fn, params, batch, key, _times(loss_scale, w), layout, model_state, fullgraph
+            loss_fn, params, mb, key, mbs.factor(i), layout, model_state, fullgraph
         )
-        return (aux if w is None else tree_lib.map(lambda a: a * w, aux)), grads, model_state
-    micro = split_microbatches(batch, accum_steps)
-    keys = rng_lib.split(key, accum_steps)  # (K, 2)
-    if impl == "scan":
-
-        def body(carry, xs):
-            mb, k, w = xs
-            sums, ms = carry
-            aux, grads, ms = _metrics_and_grads(
-                loss_fn, params, mb, k, _times(loss_scale, w), model_state=ms, keyed=False
-            )
-            aux = tree_lib.map(lambda a: a * w, aux)
-            step: Any = (grads, aux)
-            return (tree_lib.map(torch.add, sums, step), ms), torch.zeros(())
-
-        probe_aux = _zeros_aux(loss_fn, params, micro, keys, model_state)
-        init = ((tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux), model_state)
-        ones = torch.ones(accum_steps, device=keys.device)  # (the mean's 1/K comes after the sum)
-        ((gsum, asum), model_state), _ = compiler.scan(body, init, (micro, keys, ones if weights is None else weights))
-    else:  # "unroll": a Python loop traced into the same graph
-        gsum = asum = None
-        for i in range(accum_steps):
-            mb = tree_lib.map(lambda x, i=i: x[i], micro)
-            w = None if weights is None else weights[i]
-            aux, grads, model_state = _metrics_and_grads(
-                loss_fn, params, mb, keys[i], _times(loss_scale, w), layout, model_state, fullgraph
-            )
-            grads = tree_lib.map(lambda g: g.float(), grads)
-            aux = aux if w is None else tree_lib.map(lambda a, w=w: a * w, aux)
-            gsum = grads if gsum is None else tree_lib.map(torch.add, gsum, grads)
-            asum = aux if asum is None else tree_lib.map(torch.add, asum, aux)
-    if weights is not None:  # weighted already: their sum is the mean over every target
-        return asum, gsum, model_state
-    scale = 1.0 / accum_steps
-    return tree_lib.map(lambda a: a * scale, asum), tree_lib.map(lambda g: g * scale, gsum), model_state
+        mbs.add(i, aux, by_position(grads))
+    return (*mbs.result(params), model_state)
 
 
-def _times(scale, w):
-    """`scale * w`, either of them None (no factor)."""
-    if w is None or scale is None:
-        return scale if w is None else w
-    return scale * w
+def _scanned(loss_fn, params, mbs: Microbatches, model_state):
+    """`accumulated_value_and_grad` as torch's scan over the stacked microbatches (one body graph)."""
 
+    def body(carry, xs):
+        mb, k, w = xs
+        sums, ms = carry
+        aux, grads, ms = _metrics_and_grads(loss_fn, params, mb, k, mbs.scaled(w), model_state=ms, keyed=False)
+        aux = tree_lib.map(lambda a: a * w, aux)
+        step: Any = (grads, aux)
+        return (tree_lib.map(torch.add, sums, step), ms), torch.zeros(())
 
-def microbatch_counts(count_targets: Callable, batch: PyTree, accum_steps: int) -> torch.Tensor:
-    """`count_targets` of each of the `accum_steps` microbatches of `batch`, as a float32 (K,) tensor."""
-    if accum_steps == 1:
-        counts = [count_targets(batch)]
-    else:
-        micro = split_microbatches(batch, accum_steps)
-        counts = [count_targets(tree_lib.map(lambda x, i=i: x[i], micro)) for i in range(accum_steps)]
-    return torch.stack([torch.as_tensor(c).to(torch.float32).reshape(()) for c in counts])
+    probe_aux = _zeros_aux(loss_fn, params, mbs.stacked, mbs.keys, model_state)
+    init = ((tree_lib.map(lambda p: torch.zeros_like(p, dtype=torch.float32), params), probe_aux), model_state)
+    ones = torch.ones(mbs.k, device=mbs.keys.device)  # (the mean's 1/K comes after the sum)
+    xs = (mbs.stacked, mbs.keys, ones if mbs.weights is None else mbs.weights)
+    ((gsum, asum), model_state), _ = compiler.scan(body, init, xs)
+    mbs.add_sums(asum, by_position(gsum))
+    return (*mbs.result(params), model_state)
 
 
 def _zeros_aux(loss_fn, params, micro, keys, model_state):

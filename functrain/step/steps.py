@@ -36,11 +36,11 @@ from functrain.step.grads import (
     LossFn,
     PyTree,
     accumulated_value_and_grad,
-    microbatch_counts,
     value_and_grad,
     with_frozen,
 )
 from functrain.step.loss_contract import loss_and_aux
+from functrain.step.microbatches import Microbatches
 from functrain.step.staged import StagedLoss
 from functrain.step.update import apply_gradients, fused_in_place, make_update, to_master, update_step
 
@@ -415,24 +415,16 @@ def _loss_and_grads(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, 
     params, frozen, batch, key = prepare(state, batch)
     loss_scale = state.guard.loss_scale if spec.prec.loss_scaling else None
     model_state = compute_model_state(state.model_state, lay, spec.prec)
-    weights = total = None
-    if spec.count_targets is not None:  # counted before the forward, over every microbatch and rank
-        weights, total = lay.token_weights(microbatch_counts(spec.count_targets, batch, spec.accum_steps))
+    mbs = Microbatches(batch, key, spec.accum_steps, lay, count_targets=spec.count_targets, loss_scale=loss_scale)
     aux, grads, model_state = accumulated_value_and_grad(
         with_frozen(loss_fn, frozen),
         params,
-        batch,
-        key,
-        spec.accum_steps,
+        mbs,
         spec.accum_impl,
-        loss_scale,
         layout=lay if per_stage else None,
         model_state=model_state,
         fullgraph=spec.fullgraph,
-        weights=weights,
     )
-    if total is not None:
-        aux[M.TARGETS] = total  # the same on every rank: its mean over them is itself
     if has_model_state(model_state):
         model_state = lay.sync_model_state(restore_dtypes(model_state, state.model_state), spec.model_state_sync)
     return aux, grads, model_state
@@ -557,8 +549,9 @@ def make_eval_step(
                 metrics = {M.LOSS: loss, **aux}
                 if count_targets is None:
                     return lay.mean_over_dp(metrics)
-                (w,), total = lay.token_weights(microbatch_counts(count_targets, batch, 1))
-                return {**lay.mean_over_dp({k: v * w for k, v in metrics.items()}), M.TARGETS: total}
+                one = Microbatches(batch, None, 1, lay, count_targets=count_targets, loss_scale=None)
+                w = one.weight(0)
+                return {**lay.mean_over_dp({k: v * w for k, v in metrics.items()}), M.TARGETS: one.total}
 
         return eval_step
 
