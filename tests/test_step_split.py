@@ -8,13 +8,12 @@ tests/test_route_matrix.py's "step" cells and the compile-contract tests (tests/
 
 from __future__ import annotations
 
-import functools
-
 import _tol
 import pytest
 import torch
 
 from functrain import init_state, make_train_step, optim, tree
+from functrain.parallel import LOCAL
 from functrain.step import steps as steps_lib
 from functrain.step import update_groups
 
@@ -55,9 +54,10 @@ def _whole_one_graph(loss_fn, opt):
         fullgraph=True,
         model_state_sync="broadcast",
         count_targets=None,
+        compile=True,
+        compile_options=None,
     )
-    build, wrap = steps_lib._one_graph_route(spec, None, compiled=True)
-    return functools.partial(steps_lib._checked_step, loss_fn, steps_lib._PerLayout(build, wrap))
+    return steps_lib._InTrainMode(steps_lib._whole_graph(spec, LOCAL))
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -71,84 +70,29 @@ def make_train_step(
     model_state_sync: str = "broadcast",
     count_targets: Callable[[PyTree], torch.Tensor] | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
-    """Builds `step(state, batch) -> (new_state, metrics)`.
+    """Builds `step(state, batch) -> (new_state, metrics)`: forward, backward, the update, compiled together.
 
-    Args:
-      loss_fn: `(params, batch, key) -> (loss, aux)`: a scalar loss and a dict of scalar tensors
-        to report. `key` is this step's (and microbatch's) RNG key, for dropout.
-      optimizer: a `functrain.optim.Transform` (e.g. `optim.adamw(...)`).
-      accum_steps: split the batch into this many microbatches and average their gradients
-        inside the one call (the batch dimension must divide by it).
-      compile: True (or "step"): compiled with `torch.compile(fullgraph=True)`: on one process the
-        loss's forward is one graph, its backward AOTAutograd's (the gradients by autograd between
-        them, as `torch.compile(model)` trains; `functrain.step.forward_graph`), and the update runs
-        after it: through the optimizer's fused kernel when it has one (`optim.adamw(..., fused=True)`:
-        1 graph in all), else group by group, the params' alike numbered blocks sharing one graph of
-        the grads' squared norms and one update graph (`functrain.step.update_groups.blocks_by_name`),
-        the other params one of each, the grad norm one more: 6 graphs at any depth, the numbers of
-        the whole step compiled as one graph bit for bit (2: the loss and the whole update, without two
-        alike blocks or for an optimizer that is not leafwise or a model with model state). A staged
-        loss and `accum_impl="scan"` take the loss and its gradients as one graph. Sharded params,
-        CUDA graphs and `fullgraph=False` compile the whole step as one graph.
-        "blocks": for a staged loss (`functrain.step.staged.staged_loss`, e.g. `gpt.make_loss_fn(...,
-        staged=True)`): each stage kind is its own graph, every block running the same one, so
-        neither the number of graphs nor the cold compile grows with depth (README "Compile
-        unit"); graphs: the step's prepare (cast, key), the embedding, the block (a second one
-        for a recomputed block's no-grad forward), the head (see `step.staged.staged_loss`'s
-        `compile_stages`), and the optimizer update block by block: one graph for every block, one
-        for the rest (`functrain.step.update_groups`; one finish graph over every tensor when the
-        optimizer is not leafwise; none with a fused optimizer on one process). False: eager.
-      donate: reuse the input state's buffers for the output state (the input is consumed).
-      accum_impl: "unroll" (a traced Python loop; one graph) or "scan" (torch's scan higher-order
-        op; one graph, compile time independent of accum_steps). torch's scan body cannot enter a
-        torch function mode, so under "scan" only the loss's own use of `key` is keyed: a module's
-        `nn.Dropout` would draw from torch's generator there, so a step whose loss draws under "scan"
-        stops with one line (use "unroll" for keyed module dropout).
-      precision: "fp32" (default), "bf16" or "fp16" (with dynamic loss scaling), or a
-        `functrain.step.precision.Precision`: forward and backward run in that dtype on a cast copy of
-        the params; the state keeps its fp32 master params and optimizer state.
-      skip_nonfinite: when the loss or the gradient norm is not finite, skip the update: params
-        and optimizer state come back bit-identical, `step` still advances (the next batch is a
-        new one) and `state.guard` counts the skip. Always on under fp16 loss scaling.
-      compile_options: extra keyword arguments for `torch.compile`. For the one-graph step a
-        `mode` is passed as the inductor options it stands for, with functrain's post-grad
-        passes added (`options` are extended the same way).
-      layout: build the step for params laid out this way only (e.g. `parallel.LOCAL`), instead of
-        looking the layout up from the params at each call: for a step run inside another
-        transform, such as the population's `torch.func.vmap`.
-      fullgraph: True (default): the compiled step must be one graph, and a graph break in the
-        loss or the model stops with one line naming it (`functrain.compiler.GraphBreakError`).
-        False: torch.compile compiles around graph breaks (several graphs, gradients by plain
-        autograd; still no recompiles from step to step), for modules that cannot be one graph.
-      model_state_sync: what a data-parallel run keeps of the model state (BatchNorm statistics,
-        which each rank updates from its own rows): "broadcast" (default) keeps dp rank 0's, as
-        DDP's `broadcast_buffers` does; "mean" averages the floating buffers over the dp ranks
-        (integer counters agree anyway), as flax's cross-replica `batch_stats` mean does.
-        Normalization itself always uses each rank's own batch statistics (no SyncBatchNorm).
-      count_targets: `batch -> number of target tokens` (a 0-d tensor, e.g. `models.lm.count_targets()`)
-        for a loss that is a mean over target tokens: the step's loss and gradient are then the mean
-        over every target token of the step, whatever `accum_steps` and the number of data-parallel
-        and context-parallel ranks (as one process would compute the sum of the losses of all the
-        global batch's targets divided by their count), instead of the mean of the microbatches'
-        means. The counts are taken from the batch before the forward and summed over the ranks (one
-        all-reduce of a scalar); each microbatch's loss is weighted by its share. A microbatch with no
-        target adds nothing (the loss must then be finite, e.g. 0, as `models.lm.cross_entropy` is). None:
-        every microbatch weighs the same (a loss that is not a mean over tokens).
-
-    The train step runs the model in training mode (`functrain.apply` sets it for the call,
-    whatever mode the template is in), and every dropout inside any module draws from the step's key
-    (`functrain.nn.randomness`). A state with model state (`TrainState.model_state`, e.g. from
-    `init_state(module, ...)`) passes it to `loss_fn` as a fourth argument; the loss returns the
-    updated one third (see `functrain.nn.model_state`), and the step keeps it (the old one when it
-    skips a non-finite update).
+    Args (each in full: docs/internals.md "make_train_step's arguments"; the routes: docs/compiler.md "Compile units"):
+      loss_fn: `(params, batch, key) -> (loss, aux)` (with model state a fourth argument, returned third).
+      optimizer: a `functrain.optim.Transform`, e.g. `optim.adamw(3e-4)`.
+      accum_steps: microbatches per step, their gradients averaged inside the one call.
+      compile: True/"step" (the default route), "blocks" (a graph per stage kind of a staged loss), False (eager).
+      donate: write the new state into the input's buffers (the input is consumed).
+      accum_impl: "unroll" (a traced loop) or "scan" (torch's scan: compile time flat in `accum_steps`).
+      precision: "fp32", "bf16", "fp16" (loss-scaled) or a `Precision`; the state keeps fp32 masters.
+      skip_nonfinite: skip the update (params and optimizer state kept, `state.guard` counts) on a non-finite
+        loss or grad norm.
+      compile_options: extra keyword arguments for `torch.compile`.
+      layout: build for this params layout only (a step run inside another transform, e.g. `vmap`).
+      fullgraph: False compiles around graph breaks (several graphs, still no recompiles).
+      model_state_sync: "broadcast" (dp rank 0's buffers, as DDP) or "mean" (their mean over dp ranks).
+      count_targets: `batch -> target count`: the loss and gradients become the mean over every target token of
+        the step, whatever `accum_steps` and the ranks; None: every microbatch weighs the same.
 
     Returns:
-      The step function. Metrics (0-d tensors): `loss`, `grad_norm` (before clipping),
-      `update_norm`, `lr` (when the optimizer has a learning rate), plus the
-      loss_fn's aux entries (averaged over microbatches); with skipping, `skipped` (1 when this
-      step's update was skipped), `consecutive_skips` and `skipped_total`; under fp16,
-      `loss_scale` (the scale this step used); with `count_targets`, `targets` (the step's count over
-      every microbatch and rank), and the loss and aux are weighted by it.
+      The step. Its metrics (0-d tensors): `loss`, `grad_norm`, `update_norm`, `lr`, the aux (averaged over
+      microbatches); with skipping `skipped`, `consecutive_skips`, `skipped_total`; under fp16 `loss_scale`;
+      with `count_targets` `targets`.
 
     Example:
       >>> step = make_train_step(loss_fn, optim.adamw(3e-4), accum_steps=4)
@@ -165,18 +109,12 @@ def make_train_step(
         fullgraph=fullgraph,
         model_state_sync=model_state_sync,
         count_targets=count_targets,
+        compile=compile,
+        compile_options=compile_options,
     )
-    mode = _compile_mode(compile)
-    options = _with_fullgraph(compile_options, fullgraph, mode)
-    if mode == "blocks":
-        build, wrap = _blocks_route(spec, options)
-    elif mode == "step":
-        build, wrap = _step_route(spec, options), _as_is
-    else:
-        build, wrap = _one_graph_route(spec, None, compiled=False)
     if layout is not None:  # one layout, resolved now; run inside another transform, whose caller checks
-        return functools.partial(_in_train_mode, wrap(build(layout)))
-    return functools.partial(_checked_step, spec.loss_fn, _PerLayout(build, wrap))
+        return _InTrainMode(choose_route(spec, layout))
+    return _TrainStep(spec)
 
 
 class _TrainSpec(NamedTuple):
@@ -193,6 +131,9 @@ class _TrainSpec(NamedTuple):
     fullgraph: bool
     model_state_sync: str
     count_targets: Callable[[PyTree], torch.Tensor] | None
+    mode: str | None  # "step", "blocks" or None (eager)
+    options: dict | None  # torch.compile's options (fullgraph=False added when asked)
+    stage_loss: LossFn | None  # compile="blocks": the loss with each stage compiled
 
 
 def _train_spec(
@@ -207,6 +148,8 @@ def _train_spec(
     fullgraph: bool,
     model_state_sync: str,
     count_targets: Callable | None,
+    compile: bool | str,
+    compile_options: dict | None,
 ) -> _TrainSpec:
     """`make_train_step`'s arguments checked (one line each) and resolved."""
     if accum_steps < 1:
@@ -218,6 +161,13 @@ def _train_spec(
     prec = precision_lib.get(precision)
     guarded = skip_nonfinite or prec.loss_scaling
     update = make_update(optimizer, donate=donate, skip_nonfinite=guarded, precision=prec)
+    mode = _compile_mode(compile)
+    options = _with_fullgraph(compile_options, fullgraph, mode)
+    stage_loss = None
+    if mode == "blocks":
+        if accum_impl == "scan":
+            raise ValueError("compile='blocks' runs the microbatches as a Python loop: use accum_impl='unroll'")
+        stage_loss = _stage_compiled(loss_fn, options)
     return _TrainSpec(
         loss_fn,
         optimizer,
@@ -230,43 +180,66 @@ def _train_spec(
         fullgraph,
         model_state_sync,
         count_targets,
+        mode,
+        options,
+        stage_loss,
     )
 
 
-def _one_graph_route(spec: _TrainSpec, options: dict | None, compiled: bool):
-    """The whole step one graph, or eager: `(build(layout) -> step, wrap)`."""
-    options = compiler.with_step_passes(options) if compiled else None
-    build = functools.partial(_train_body, spec, spec.loss_fn, _as_is, grouped=False)
-    return build, functools.partial(compiler.maybe_compile, compile=compiled, options=options)
+def choose_route(spec: _TrainSpec, lay: Layout) -> Callable[[TrainState, PyTree], tuple[TrainState, dict]]:
+    """The train step for params laid out as `lay`: its route, chosen once (docs/compiler.md "Compile units").
+
+    Eager: prepare, the loss and grads over the microbatches, the update, in Python. compile="step" on one
+    process: the split step (`_split_step`). compile="step" on sharded params, around graph breaks or under CUDA
+    graphs: the eager body compiled as one graph. compile="blocks": the staged loss's stage graphs run from
+    Python, prepare and the update compiled, the update group by group.
+    """
+    if spec.mode is None:
+        return _Body(spec, lay, spec.loss_fn, _as_is, grouped=False)
+    if spec.mode == "blocks":
+        return _Body(spec, lay, spec.stage_loss, _compiler(spec.options), grouped=True)
+    options = compiler.with_step_passes(spec.options)
+    if lay.sharded or not spec.fullgraph or compiler.records_cuda_graphs(options):
+        return _whole_graph(spec, lay)
+    return _split_step(spec, lay, _compiler(options))
 
 
-def _step_route(spec: _TrainSpec, options: dict | None) -> Callable[[Layout], Callable]:
-    """compile="step": `build(layout) -> step`. On one process the loss's forward is one graph (its backward
-    AOTAutograd's, the gradients by autograd; `forward_graph`) and the update runs after it: group by group
-    (`update_groups`, the grad norm summed as the one graph sums it: the same bits), or through the optimizer's
-    fused kernel. Sharded params, a step compiled around graph breaks and CUDA graphs keep the whole step one
-    graph."""
-    whole_route, wrap = _one_graph_route(spec, options, compiled=True)
-    options = compiler.with_step_passes(options)
+def _whole_graph(spec: _TrainSpec, lay: Layout):
+    """compile="step", the whole step one graph: the eager body compiled."""
+    return compiler.maybe_compile(
+        _Body(spec, lay, spec.loss_fn, _as_is, grouped=False), True, compiler.with_step_passes(spec.options)
+    )
 
-    def build(lay: Layout):
-        if lay.sharded or not spec.fullgraph or compiler.records_cuda_graphs(options):
-            return wrap(whole_route(lay))
-        piece = functools.partial(compiler.maybe_compile, compile=True, options=options)
-        prepare = functools.partial(_prepare, spec.prec, lay, False)
-        grads = joint = piece(functools.partial(_loss_and_grads, spec, lay, spec.loss_fn, False, prepare))
-        whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, False))
-        finish: Callable = _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True)
-        if _kernel_when_compiled(spec):  # torch's precompiled kernel: nothing to compile
-            finish, whole = (functools.partial(_fused_finish, spec, f) for f in (finish, whole))
-        if _forward_graph_takes(spec):
-            fn = functools.partial(forward_graph.forward, spec.loss_fn, spec.prec, lay)
-            forward = forward_graph.Forward(fn, piece(fn))
-            plan = forward_graph.Plan(spec.prec, spec.accum_steps, spec.count_targets, spec.model_state_sync)
-            grads = functools.partial(_forward_then_autograd, forward, plan, lay, joint)
-        return functools.partial(_split_step, grads, finish, whole)
 
-    return build
+def _split_step(spec: _TrainSpec, lay: Layout, piece: Callable):
+    """compile="step" on one process: the loss's forward one graph (its backward AOTAutograd's, the gradients by
+    autograd; `forward_graph`), or the loss and its gradients as one graph (a staged loss, torch's scan); then the
+    update group by group (`update_groups`, the grad norm summed as the one graph sums it: the same bits), or
+    through the optimizer's fused kernel."""
+    prepare = _prepare_for(spec.prec, lay, per_stage=False)
+    joint = piece(_joint_for(spec, lay, prepare))
+    whole = piece(_whole_finish_for(spec.update, spec.prec, lay, per_stage=False))
+    finish = _Finish(spec, _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True), whole, fused=True)
+    grads = _ForwardThenAutograd(spec, lay, piece, joint) if _forward_graph_takes(spec) else joint
+
+    def step(state: TrainState, batch: PyTree):
+        return finish(state, *grads(state, batch))
+
+    return step
+
+
+def _compiler(options: dict | None) -> Callable:
+    """`piece(fn)`: `fn` compiled with `options` (a piece of a step)."""
+
+    def piece(fn):
+        return compiler.maybe_compile(fn, True, options)
+
+    return piece
+
+
+def _as_is(fn):
+    """`fn` itself (no compile)."""
+    return fn
 
 
 def _forward_graph_takes(spec: _TrainSpec) -> bool:
@@ -275,54 +248,51 @@ def _forward_graph_takes(spec: _TrainSpec) -> bool:
     return not isinstance(spec.loss_fn, StagedLoss) and (spec.accum_steps == 1 or spec.accum_impl == "unroll")
 
 
-def _forward_then_autograd(forward, plan: forward_graph.Plan, lay: Layout, joint, state: TrainState, batch: PyTree):
-    """`(aux, grads, model_state)`: the compiled forward and autograd's backward, or the loss and its gradients
-    as one graph (`joint`) inside a transform or a trace, where plain autograd cannot run."""
-    if not compiler.eager_autograd_ok():
-        return joint(state, batch)
-    return forward_graph.loss_and_grads(forward, plan, lay, state, batch)
+class _ForwardThenAutograd:
+    """`(aux, grads, model_state)`: the compiled forward and autograd's backward (`forward_graph`), or the loss and
+    its gradients as one graph (`joint`) inside a transform or a trace, where plain autograd cannot run."""
+
+    def __init__(self, spec: _TrainSpec, lay: Layout, piece: Callable, joint: Callable):
+        loss_fn, prec = spec.loss_fn, spec.prec  # (what the forward's graph computes with, alone)
+
+        def forward(*args):
+            return forward_graph.forward(loss_fn, prec, lay, *args)
+
+        self.forward, self.lay, self.joint = forward_graph.Forward(forward, piece(forward)), lay, joint
+        self.plan = forward_graph.Plan(prec, spec.accum_steps, spec.count_targets, spec.model_state_sync)
+
+    def __call__(self, state: TrainState, batch: PyTree):
+        if not compiler.eager_autograd_ok():
+            return self.joint(state, batch)
+        return forward_graph.loss_and_grads(self.forward, self.plan, self.lay, state, batch)
 
 
-def _fused_finish(spec: _TrainSpec, compiled, state: TrainState, aux: dict, grads: PyTree, *model_state):
-    """The update through the optimizer's fused kernel, eagerly; `compiled` where the kernel does not take
-    these tensors."""
-    loss_scale = state.guard.loss_scale if spec.prec.loss_scaling else None
-    master = to_master(grads, state.params, loss_scale)
-    done = fused_in_place(state, aux, master, spec.optimizer, spec.guarded, spec.prec, *model_state)
-    return compiled(state, aux, grads, *model_state) if done is None else done
+class _Body:
+    """The train step as one body: prepare (cast, gather, key), the loss and grads over the microbatches, the
+    update. Eager or compiled whole (`piece` as is), or its prepare and update compiled by `piece` around a staged
+    loss's stage graphs (compile="blocks"); `grouped`: the update group by group."""
 
+    def __init__(self, spec: _TrainSpec, lay: Layout, loss_fn, piece: Callable, *, grouped: bool):
+        if lay.sharded and spec.accum_impl == "scan" and spec.accum_steps > 1:
+            raise ValueError(
+                "accum_impl='scan' runs on one process only (its carry holds plain tensors): "
+                "use accum_impl='unroll' on sharded params"
+            )
+        # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters its
+        # own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
+        per_stage = lay.sharded and isinstance(loss_fn, StagedLoss)
+        self.spec, self.lay, self.loss_fn, self.per_stage = spec, lay, loss_fn, per_stage
+        self.prepare = piece(_prepare_for(spec.prec, lay, per_stage))
+        whole = piece(_whole_finish_for(spec.update, spec.prec, lay, per_stage))
+        grouped = grouped and (per_stage or not lay.sharded)
+        finish = _GroupedFinish(spec, lay, loss_fn, piece, whole) if grouped else whole
+        self.finish = _Finish(spec, finish, whole, fused=grouped and not lay.sharded)
 
-def _blocks_route(spec: _TrainSpec, options: dict | None):
-    """compile="blocks": prepare and the update are graphs of their own, and the loss runs its stages'
-    graphs from eager code: `(build(layout) -> step, wrap)`."""
-    if spec.accum_impl == "scan":
-        raise ValueError("compile='blocks' runs the microbatches as a Python loop: use accum_impl='unroll'")
-    piece = functools.partial(compiler.maybe_compile, compile=True, options=options)
-    return functools.partial(_train_body, spec, _stage_compiled(spec.loss_fn, options), piece, grouped=True), _as_is
-
-
-def _as_is(fn):
-    """`fn` itself (no compile)."""
-    return fn
-
-
-def _train_body(spec: _TrainSpec, loss_fn: LossFn, piece: Callable, lay: Layout, *, grouped: bool):
-    """The train step for params laid out as `lay` (one body: `parallel.LOCAL` or a mesh's Spmd); `piece`
-    compiles its prepare and finish (compile="blocks"), `grouped` runs the update group by group."""
-    if lay.sharded and spec.accum_impl == "scan" and spec.accum_steps > 1:
-        raise ValueError(
-            "accum_impl='scan' runs on one process only (its carry holds plain tensors): "
-            "use accum_impl='unroll' on sharded params"
+    def __call__(self, state: TrainState, batch: PyTree):
+        aux, grads, model_state = _loss_and_grads(
+            self.spec, self.lay, self.loss_fn, self.per_stage, self.prepare, state, batch
         )
-    # Sharded params and a staged loss: each stage gathers its own params and reduce-scatters its
-    # own grads (FSDP's per-block schedule); otherwise the whole model is gathered first.
-    per_stage = lay.sharded and isinstance(loss_fn, StagedLoss)
-    prepare = piece(functools.partial(_prepare, spec.prec, lay, per_stage))
-    whole = piece(functools.partial(_whole_finish, spec.update, spec.prec, lay, per_stage))
-    finish = _GroupedFinish(spec, lay, loss_fn, piece, whole) if grouped and (per_stage or not lay.sharded) else whole
-    if grouped and not lay.sharded and _kernel_when_compiled(spec):  # torch's kernel
-        finish, whole = (functools.partial(_fused_finish, spec, f) for f in (finish, whole))
-    return functools.partial(_train_step, spec, lay, loss_fn, per_stage, prepare, finish, whole)
+        return self.finish(state, aux, grads, model_state)
 
 
 def _kernel_when_compiled(spec) -> bool:
@@ -331,24 +301,61 @@ def _kernel_when_compiled(spec) -> bool:
     return opt.fused is not None and opt.traits.fused_compiled and spec.donate
 
 
-def _prepare(prec, lay: Layout, per_stage: bool, state: TrainState, batch: PyTree):
-    """The params, frozen params and batch to compute with (cast before the gather: half the bytes on the
-    wire), and this step's key (per step, per dp rank)."""
-    params, batch = precision_lib.to_compute(prec, state.params, batch)
-    frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
-    if not per_stage:
-        params, frozen = lay.gather(params), lay.gather(frozen)
-    return params, frozen, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
+def _prepare_for(prec, lay: Layout, per_stage: bool) -> Callable:
+    """`prepare(state, batch)`: the params, frozen params and batch to compute with (cast before the gather: half
+    the bytes on the wire), and this step's key (per step, per dp rank)."""
+
+    def prepare(state: TrainState, batch: PyTree):
+        params, batch = precision_lib.to_compute(prec, state.params, batch)
+        frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
+        if not per_stage:
+            params, frozen = lay.gather(params), lay.gather(frozen)
+        return params, frozen, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
+
+    return prepare
 
 
-def _whole_finish(update, prec, lay: Layout, per_stage: bool, state, aux: dict, grads, model_state=None):
-    """Grads to the masters' dtypes and placements, metrics averaged over dp ranks, the update (with the
-    new model state, kept unless the update is skipped). (Not the loss: a compiled finish's key holds
-    only what it computes with, so another model of the same shapes loads it.)"""
-    grads = to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
-    if not per_stage:  # grads back to the params' placements (per stage: done already)
-        grads = lay.reduce_grads(grads, state.params)
-    return update(state, lay.mean_over_dp(aux), grads, model_state)
+def _whole_finish_for(update, prec, lay: Layout, per_stage: bool) -> Callable:
+    """`finish(state, aux, grads, model_state=None)`: grads to the masters' dtypes and placements, metrics averaged
+    over dp ranks, the update (with the new model state, kept unless the update is skipped). (Not the loss: a
+    compiled finish's key holds only what it computes with, so another model of the same shapes loads it.)"""
+
+    def finish(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
+        grads = to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
+        if not per_stage:  # grads back to the params' placements (per stage: done already)
+            grads = lay.reduce_grads(grads, state.params)
+        return update(state, lay.mean_over_dp(aux), grads, model_state)
+
+    return finish
+
+
+def _joint_for(spec: _TrainSpec, lay: Layout, prepare: Callable) -> Callable:
+    """`loss_and_grads(state, batch)`: prepare and the loss's gradients, to compile as one graph."""
+
+    def loss_and_grads(state: TrainState, batch: PyTree):
+        return _loss_and_grads(spec, lay, spec.loss_fn, False, prepare, state, batch)
+
+    return loss_and_grads
+
+
+class _Finish:
+    """The step's update: `finish` (group by group, or the whole one), `whole` with a model state; first through
+    the optimizer's fused kernel, eagerly, where `fused` and the optimizer has one (`adamw(fused=True)`)."""
+
+    def __init__(self, spec: _TrainSpec, finish: Callable, whole: Callable, *, fused: bool):
+        self.spec, self.finish, self.whole, self.fused = spec, finish, whole, fused and _kernel_when_compiled(spec)
+
+    def __call__(self, state: TrainState, aux: dict, grads: PyTree, model_state: PyTree):
+        spec, with_state = self.spec, has_model_state(model_state)
+        if self.fused:  # torch's precompiled kernel: nothing to compile
+            master = to_master(grads, state.params, state.guard.loss_scale if spec.prec.loss_scaling else None)
+            ms = model_state if with_state else None
+            done = fused_in_place(state, aux, master, spec.optimizer, spec.guarded, spec.prec, ms)
+            if done is not None:
+                return done
+        if not with_state:
+            return self.finish(state, aux, grads)
+        return self.whole(state, aux, grads, model_state)
 
 
 class _GroupedFinish:
@@ -392,23 +399,6 @@ class _GroupedFinish:
         )
 
 
-def _train_step(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, finish, whole, state, batch):
-    """One train step: prepare, the accumulated loss and grads, the finish (with the model state if any)."""
-    return _finish(finish, whole, state, *_loss_and_grads(spec, lay, loss_fn, per_stage, prepare, state, batch))
-
-
-def _split_step(loss_and_grads, finish, whole, state: TrainState, batch: PyTree):
-    """compile="step" on one process: the compiled loss and grads, then the finish."""
-    return _finish(finish, whole, state, *loss_and_grads(state, batch))
-
-
-def _finish(finish, whole, state: TrainState, aux: dict, grads: PyTree, model_state: PyTree):
-    """The step's finish: `whole` with the model state when there is one."""
-    if not has_model_state(model_state):
-        return finish(state, aux, grads)
-    return whole(state, aux, grads, model_state)
-
-
 def _loss_and_grads(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, state, batch):
     """`(aux, grads, model_state)`: prepare, the accumulated loss and grads, the model state made one over the
     ranks."""
@@ -430,20 +420,30 @@ def _loss_and_grads(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, 
     return aux, grads, model_state
 
 
-def _in_train_mode(step, state: TrainState, batch: PyTree):
+class _InTrainMode:
     """`step(state, batch)` with the modules in training mode."""
-    with mode_lib.running(train=True):
-        return step(state, batch)
+
+    def __init__(self, step: Callable):
+        self.step = step
+
+    def __call__(self, state: TrainState, batch: PyTree):
+        with mode_lib.running(train=True):
+            return self.step(state, batch)
 
 
-def _checked_step(loss_fn, steps: _PerLayout, state: TrainState, batch: PyTree):
-    """The step for the state's layout, in train mode, after a one-line check that the loss takes the
-    state's model state."""
-    check_loss(loss_fn, state.model_state)
-    with mode_lib.running(train=True):
-        out = steps.get(state.params)(state, batch)
-    randomness.warn_unkeyed()
-    return out
+class _TrainStep:
+    """`make_train_step`'s step: the route for the state's layout (chosen at its first call), in train mode, after
+    a one-line check that the loss takes the state's model state."""
+
+    def __init__(self, spec: _TrainSpec):
+        self.spec, self.steps = spec, _PerLayout(lambda lay: choose_route(spec, lay))
+
+    def __call__(self, state: TrainState, batch: PyTree):
+        check_loss(self.spec.loss_fn, state.model_state)
+        with mode_lib.running(train=True):
+            out = self.steps.get(state.params)(state, batch)
+        randomness.warn_unkeyed()
+        return out
 
 
 SYNCS = ("broadcast", "mean")
@@ -555,7 +555,7 @@ def make_eval_step(
 
         return eval_step
 
-    fns = _PerLayout(build, lambda f: compiler.maybe_compile(f, mode == "step", compile_options))
+    fns = _PerLayout(lambda lay: compiler.maybe_compile(build(lay), mode == "step", compile_options))
 
     def evaluate(state: TrainState, batch: PyTree):
         check_loss(loss_fn, state.model_state)
@@ -566,10 +566,10 @@ def make_eval_step(
 
 
 class _PerLayout:
-    """`wrap(build(layout))` made once per params layout (`LOCAL`, or one per mesh)."""
+    """`build(layout)` made once per params layout (`LOCAL`, or one per mesh)."""
 
-    def __init__(self, build, wrap):
-        self.build, self.wrap, self.fns = build, wrap, {}
+    def __init__(self, build):
+        self.build, self.fns = build, {}
 
     def get(self, params: PyTree):
         """The function for `params`' layout."""
@@ -579,5 +579,5 @@ class _PerLayout:
         """The function for layout `lay` (built on first use)."""
         fn = self.fns.get(id(lay))
         if fn is None:
-            fn = self.fns[id(lay)] = self.wrap(self.build(lay))
+            fn = self.fns[id(lay)] = self.build(lay)
         return fn
