@@ -32,9 +32,9 @@ from functrain import init_state, make_eval_step, optim, rng
 from functrain.eval import choice, next_lines
 from functrain.interop.hf import save_hf_directory
 from functrain.models import lm
+from functrain.models.gpt import make_loss_fn
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
-from functrain.models.gpt.loss import make_loss_fn
 
 BLOCK = 128
 

@@ -1,4 +1,4 @@
-"""The GPT family: the model (`model.py`), its loss (`loss.py`), Hugging Face GPT-2 interop
+"""The GPT family: the model and its loss (`model.py`), Hugging Face GPT-2 interop
 (`hf.py`) and the Task the training loop runs (`task.py`, imported on its own by `functrain.main`).
 The names below load on first use (`functrain._lazy`), so `checks.py` imports without torch.
 
@@ -16,7 +16,6 @@ from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config, import_hf_gpt2
-    from functrain.models.gpt.loss import gpt_hidden, gpt_loss, make_loss_fn
     from functrain.models.gpt.model import (
         GPT,
         TP_RULES,
@@ -25,7 +24,10 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         cross_entropy,
         flops_per_token,
         generate,
+        gpt_hidden,
+        gpt_loss,
         init_params,
+        make_loss_fn,
         num_params,
         stages,
     )

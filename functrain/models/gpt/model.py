@@ -15,6 +15,7 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -22,7 +23,17 @@ import torch.nn.functional as F
 from einops.layers.torch import Rearrange
 
 from functrain import functional, ops, rng
-from functrain.models.lm import LMStages, cross_entropy, generate, init_blocks, repeated_stages, submodule_stage
+from functrain.models.lm import (
+    LMStages,
+    cross_entropy,
+    generate,
+    init_blocks,
+    lm_hidden,
+    lm_loss,
+    make_lm_loss_fn,
+    repeated_stages,
+    submodule_stage,
+)
 from functrain.step.staged import Stage
 
 __all__ = [
@@ -33,7 +44,11 @@ __all__ = [
     "cross_entropy",
     "flops_per_token",
     "generate",
+    "gpt_hidden",
+    "gpt_loss",
+    "head_name",
     "init_params",
+    "make_loss_fn",
     "num_params",
     "stages",
 ]
@@ -407,3 +422,93 @@ def flops_per_token(cfg: GPTConfig) -> float:
     """
     n = num_params(cfg, non_embedding=True)
     return float(6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size)
+
+
+def gpt_hidden(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    idx: torch.Tensor,
+    dropout_key: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Final hidden states (after `ln_f`) of a `functrain.models.gpt.GPT`, with `params` functionally.
+
+    The same computation as the model's forward (dropout sites and keys included) minus the
+    lm_head, so `gpt_hidden(...) @ params["wte.weight"].T` equals `apply(model, params, idx, ...)`.
+
+    Args:
+      model: a `GPT` (a meta-device template is fine).
+      params: its parameters, {name: tensor} as for `functrain.apply`.
+      idx: int64 token ids (B, T), T <= block_size.
+      dropout_key: an `rng` key for dropout, or None.
+
+    Returns:
+      (B, T, n_embd) hidden states.
+
+    Example:
+      >>> h = gpt_hidden(template, state.params, x, key)
+    """
+    return lm_hidden(model, params, idx, dropout_key)  # (B, T, C)
+
+
+def head_name(names) -> str:
+    """The lm_head weight's name: its own entry when untied, else the tied token embedding."""
+    return "lm_head.weight" if "lm_head.weight" in names else "wte.weight"
+
+
+def gpt_loss(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    key: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 0,
+    ignore_index: int = -1,
+) -> torch.Tensor:
+    """Next-token cross-entropy of a GPT; with `chunk_size > 0` the (B, T, V) logits never exist.
+
+    Args:
+      model: a `functrain.models.gpt.GPT` (meta template is fine).
+      params: its parameters.
+      x: int64 input ids (B, T).
+      y: int64 targets (B, T); `ignore_index` entries are skipped.
+      key: dropout key (or None).
+      chunk_size: 0 = plain loss over the full logits (`models.gpt.cross_entropy`);
+        > 0 = `chunked_cross_entropy` with this many tokens per chunk.
+      ignore_index: target value to ignore.
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> loss = gpt_loss(template, params, x, y, key, chunk_size=2048)
+    """
+    return lm_loss(model, params, x, y, key, head=head_name(params), chunk_size=chunk_size, ignore_index=ignore_index)
+
+
+def make_loss_fn(
+    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: str | int = "none", staged: bool = False
+) -> Callable:
+    """`loss_fn(params, (x, y), key) -> (loss, {})` of a GPT: `functrain.models.lm.make_lm_loss_fn` over its stages
+    and tied head (its arguments: chunked cross-entropy, recomputed blocks, stages for per-block gathers).
+
+    Args:
+      model: the (meta-device) GPT template, or its tensor-parallel copy.
+      chunk_size, ignore_index, remat, staged: as `functrain.models.lm.make_lm_loss_fn`'s.
+
+    Returns:
+      The loss function.
+
+    Example:
+      >>> step = make_train_step(make_loss_fn(template, chunk_size=1024, remat=2), optim.adamw(3e-4))
+    """
+    head = head_name({n for n, _ in model.named_parameters()})
+    return make_lm_loss_fn(
+        model,
+        stages(cast(GPT, model)),
+        head=head,
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        remat=remat,
+        staged=staged,
+    )

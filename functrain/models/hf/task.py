@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 from functrain import config_checks, functional, parallel
 from functrain import data as data_lib
 from functrain.interop.hf import HFDirectory, HFError
-from functrain.models import lm, lm_data, lm_lora
+from functrain.models import decoder, lm, lm_data
 from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.export import export_directory
 from functrain.models.hf.loss import make_loss_fn
@@ -36,7 +35,6 @@ from functrain.models.hf.model import (
     tp_rules,
 )
 from functrain.models.hf.tiny import model_directory
-from functrain.models.lm_task import lm_task
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -153,20 +151,12 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             "lower --config.model.block_size"
         )
     base = build_template(hf_config, device=ctx.device)
-    template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
-    try:
-        rules = parallel.default_rules(tp_rules(template) if ctx.tp_world > 1 else None)
-        rules = parallel.adapter_rules(template, rules)  # (LoRA adapters follow their layer's plan)
-        heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
-        if ctx.tp_world > 1 and any(h % ctx.tp_world for h in heads if h):
-            raise HFModelError(
-                f"{hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
-                f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp"
-            )
-        model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
-        loss_fn, staged = _loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
-    except HFModelError as exc:
-        raise config_checks.ConfigError(f"model.path: {exc}") from None
+    heads = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")]
+    if ctx.tp_world > 1 and any(h % ctx.tp_world for h in heads if h):
+        raise config_checks.ConfigError(
+            f"model.path: {hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
+            f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp"
+        )
     dataset = lm_data.load_data(
         config,
         ctx,
@@ -176,17 +166,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         tokenizer=tokenizer,
         model_dir=directory.path,
     )
-    head = head_name(template)
     tokenizer_file = getattr(tokenizer, "path", None)
-    if ctx.is_main_process:
-        Path(workdir).mkdir(parents=True, exist_ok=True)
-        info = {
-            "model": hf_config.to_dict(),
-            "path": str(directory.path),
-            "weights": weights is not None,
-            "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
-        }
-        (Path(workdir) / "model.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
 
     def init(key, device, where=None):
         """Fresh params from `key`, or the directory's (only this rank's block of each with `where`)."""
@@ -194,67 +174,42 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             return init_params(base, key, device=device, where=where)
         return {name: _load(weights, base, name, device, where) for name, _ in base.named_parameters()}
 
-    def export_base(params, out):
-        """Writes `params` (full or sharded) as a directory transformers loads: config, weights, tokenizer."""
-        return export_directory(out, hf_config, base, params, tokenizer_file=tokenizer_file)
+    def build_model(template, rules) -> decoder.Built:
+        """The tensor-parallel copy (with the template's buffers) and the loss, staged where the family can."""
+        model = _with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
+        loss_fn, staged = _loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
+        return decoder.Built(model, loss_fn, stages(template) if staged else None, _hf_logits(template), seq)
 
-    # LoRA: the merged model, and the adapters as a PEFT directory over the model directory's weights
-    export = lm_lora.exporter(
-        export_base, template, lora_spec, hf_name=str, base_model=str(directory.path) if weights is not None else ""
-    )
-
-    def finish(params, key):
-        """A text sample from the prompt, or the answer to a held-out prompt (sharded params: gathered a layer at a
-        time)."""
-        sample = config.sample
-        if not staged and any(parallel.is_dtensor(t) for t in params.values()):
-            params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
-        return lm_data.finish_text(
-            dataset,
-            sample,
-            lambda prompt, n: lm.generate(
-                template,
-                params,
-                prompt,
-                n,
-                temperature=sample.temperature,
-                top_k=sample.top_k or None,
-                key=key,
-                stages=stages(template) if staged else None,
-                head=head,
-                block_size=seq,
-                logits_fn=_hf_logits(template),
-            ),
-            ctx.device,
-        )
-
-    n_params = sum(p.numel() for p in base.parameters())
-    layers = getattr(hf_config, "num_hidden_layers", 0)
-    width = getattr(hf_config, "hidden_size", 0)
-    origin = "its weights" if weights is not None else "fresh"
-    return lm_task(
-        config,
-        dataset,
-        template,
-        lora_spec,
-        describe=(
-            f"{type(template).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
-            f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')})"
-        ),
+    spec = decoder.ModelSpec(
+        base=base,
+        tp_rules=lambda template: tp_rules(template) if ctx.tp_world > 1 else None,
+        stages=stages,
+        head=head_name,
         init_params=init,
-        shard_rules=rules,
-        loss_fn=loss_fn,
-        seq=seq,
-        # weights, and attention over the trained length (a LoRA run: no gradient of the frozen weights)
-        flops_per_token=6 * n_params + 12 * layers * width * seq,
-        finish=finish,
-        export=export,
-        stages=stages(template) if staged else None,
-        head=head,
-        logits_fn=_hf_logits(template),
+        # LoRA: the merged model, and the adapters as a PEFT directory over the model directory's weights
+        export=lambda params, out: export_directory(out, hf_config, base, params, tokenizer_file=tokenizer_file),
         hf_name=str,
-        base_model=str(directory.path),
+        base_model=str(directory.path) if weights is not None else "",
     )
+    n_params = sum(p.numel() for p in base.parameters())
+    layers, width = getattr(hf_config, "num_hidden_layers", 0), getattr(hf_config, "hidden_size", 0)
+    origin = "its weights" if weights is not None else "fresh"
+    describe = (
+        f"{type(base).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
+        f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')})"
+    )
+    # weights, and attention over the trained length (a LoRA run: no gradient of the frozen weights)
+    flops = 6 * n_params + 12 * layers * width * seq
+    info = {
+        "model": hf_config.to_dict(),
+        "path": str(directory.path),
+        "weights": weights is not None,
+        "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
+    }
+    try:
+        return decoder.task(config, ctx, workdir, spec, dataset, decoder.Facts(describe, seq, flops, info), build_model)
+    except HFModelError as exc:
+        raise config_checks.ConfigError(f"model.path: {exc}") from None
 
 
 def _hf_logits(template):

@@ -1,6 +1,6 @@
-"""The Llama family: the model (`model.py`: RMSNorm, rotary embeddings, SwiGLU, grouped-query
-attention, optional tied head), its loss (`loss.py`), Hugging Face interop (`hf.py`) and the Task
-the training loop runs (`task.py`, imported on its own by `functrain.main`).
+"""The Llama family: the model and its loss (`model.py`: RMSNorm, rotary embeddings, SwiGLU, grouped-query
+attention, optional tied head), Hugging Face interop (`hf.py`) and the Task the training loop runs
+(`task.py`, imported on its own by `functrain.main`).
 The names below load on first use (`functrain._lazy`), so `checks.py` imports without torch.
 
 Example:
@@ -17,13 +17,13 @@ from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain.models.llama.hf import config_from_hf, export_hf_llama, hf_llama_config, hf_name, load_hf_params
-    from functrain.models.llama.loss import make_loss_fn
     from functrain.models.llama.model import (
         TP_RULES,
         Llama,
         LlamaConfig,
         flops_per_token,
         init_params,
+        make_loss_fn,
         num_params,
         stages,
     )

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -23,10 +24,20 @@ import torch.nn.functional as F
 from einops.layers.torch import Rearrange
 
 from functrain import functional, ops, rng
-from functrain.models.lm import LMStages, init_blocks, repeated_stages, submodule_stage
+from functrain.models.lm import LMStages, init_blocks, make_lm_loss_fn, repeated_stages, submodule_stage
 from functrain.step.staged import Stage
 
-__all__ = ["LlamaConfig", "Llama", "TP_RULES", "flops_per_token", "init_params", "num_params", "stages"]
+__all__ = [
+    "LlamaConfig",
+    "Llama",
+    "TP_RULES",
+    "flops_per_token",
+    "head_name",
+    "init_params",
+    "make_loss_fn",
+    "num_params",
+    "stages",
+]
 
 
 @dataclasses.dataclass
@@ -390,3 +401,35 @@ def flops_per_token(cfg: LlamaConfig) -> float:
     """
     n = num_params(cfg, non_embedding=True)
     return float(6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.block_size)
+
+
+def head_name(cfg) -> str:
+    """The output projection's weight: the token embedding when tied, else `lm_head.weight`."""
+    return "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+
+
+def make_loss_fn(
+    model: nn.Module, *, chunk_size: int = 0, ignore_index: int = -1, remat: str | int = "none", staged: bool = False
+) -> Callable:
+    """`loss_fn(params, (x, y), key) -> (loss, {})` of a `Llama`: `functrain.models.lm.make_lm_loss_fn` over its
+    stages and head (the tied embedding or `lm_head`).
+
+    Args:
+      model: the (meta-device) Llama template, or its tensor-parallel copy.
+      chunk_size, ignore_index, remat, staged: as `functrain.models.lm.make_lm_loss_fn`'s.
+
+    Returns:
+      The loss function.
+
+    Example:
+      >>> loss, aux = make_loss_fn(template, remat="full")(params, (x, y), None)
+    """
+    return make_lm_loss_fn(
+        model,
+        stages(cast(Llama, model)),
+        head=head_name(model.cfg),
+        chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        remat=remat,
+        staged=staged,
+    )

@@ -1,5 +1,5 @@
-"""The Llama as a `functrain.task.Task`: config -> tokenizer, data, model (fresh or from a Hugging
-Face directory), loss, batches, FLOPs, a text sample and the Hugging Face export.
+"""The Llama as a `functrain.task.Task`: config -> tokenizer, data, and its `decoder.ModelSpec` (fresh or from
+a Hugging Face directory, exported as one); `decoder.task` does the rest.
 
 Internals: docs/internals.md "functrain.models.llama.task".
 
@@ -11,21 +11,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from functrain import config_checks, parallel
 from functrain import data as data_lib
 from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
-from functrain.models import lm, lm_data, lm_lora
+from functrain.models import decoder, lm_data
 from functrain.models.llama import hf as hf_lib
 from functrain.models.llama import model as llama_lib
 from functrain.models.llama.checks import CHECKS
-from functrain.models.llama.loss import head_name, make_loss_fn
-from functrain.models.lm_task import lm_task
 from functrain.task import Task
 
 __all__ = ["CHECKS", "build"]
@@ -114,23 +111,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     )
     with torch.device("meta"):
         base = llama_lib.Llama(cfg)  # shapes only
-    template, lora_spec = lm_lora.wrap(base, config, ctx)  # with adapters under --config.lora.rank
-    rules = parallel.adapter_rules(template, parallel.default_rules(llama_lib.TP_RULES))  # (adapters: their layer's)
-    model = lm.context_model(template, ctx, seq, config.get("cp_attention", "zigzag"))
-    model = parallel.tensor_parallel(model, ctx.mesh, rules)
-    remat = lm.resolve_remat(config.remat, ctx.mesh)
-    lm_data.check_packing(config, ctx)
-    loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=lm.wants_stages(config, ctx))
-    sample = config.sample
     tokenizer_file = getattr(tokenizer, "path", None)
-    if ctx.is_main_process:
-        Path(workdir).mkdir(parents=True, exist_ok=True)
-        info = {
-            "model": vars(cfg),
-            "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
-            "init_from": config.init_from,
-        }
-        (Path(workdir) / "model.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def init_params(key, device, where=None):
         """Fresh params from `key`, or the Hugging Face directory's (only this rank's blocks with `where`)."""
@@ -138,60 +119,32 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             return hf_lib.load_hf_params(weights, base, device=device, where=where)
         return llama_lib.init_params(base, key, device=device, where=where)
 
-    def export_base(params, out):
+    def export(params, out):
         """Writes `params` as a Hugging Face directory `out` (config, weights, tokenizer)."""
         eos = getattr(tokenizer, "eos_id", None)
-        return save_hf_directory(
-            out,
-            hf_lib.export_hf_llama(params, cfg),
-            hf_lib.hf_llama_config(cfg, bos_token_id=eos, eos_token_id=eos),
-            tokenizer_file=tokenizer_file,
-        )
+        hf_config = hf_lib.hf_llama_config(cfg, bos_token_id=eos, eos_token_id=eos)
+        return save_hf_directory(out, hf_lib.export_hf_llama(params, cfg), hf_config, tokenizer_file=tokenizer_file)
 
-    # LoRA: the merged model, and the adapters as a PEFT directory (transformers' Llama names)
-    export = lm_lora.exporter(
-        export_base, template, lora_spec, hf_name=hf_lib.hf_name, base_model=str(hf.path) if hf is not None else ""
-    )
-
-    def finish(params, key):
-        """A text sample from the prompt (sharded params: gathered a stage at a time)."""
-        return lm_data.finish_text(
-            dataset,
-            sample,
-            lambda prompt, n: lm.generate(
-                template,
-                params,
-                prompt,
-                n,
-                temperature=sample.temperature,
-                top_k=sample.top_k or None,
-                key=key,
-                stages=llama_lib.stages(cast(llama_lib.Llama, template)),
-                head=head_name(cfg),
-            ),
-            ctx.device,
-        )
-
-    n_params = llama_lib.num_params(cfg)
-    origin = f"from {config.init_from}" if hf is not None else "fresh"
-    return lm_task(
-        config,
-        dataset,
-        template,
-        lora_spec,
-        describe=(
-            f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
-            f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')})"
-        ),
+    spec = decoder.ModelSpec(
+        base=base,
+        tp_rules=lambda template: llama_lib.TP_RULES,
+        stages=llama_lib.stages,
+        head=lambda template: llama_lib.head_name(cfg),
         init_params=init_params,
-        shard_rules=rules,
-        loss_fn=loss_fn,
-        seq=seq,
-        flops_per_token=llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq)),  # (the trained length)
-        finish=finish,
         export=export,
-        stages=llama_lib.stages(cast(llama_lib.Llama, template)),
-        head=head_name(cfg),
         hf_name=hf_lib.hf_name,
         base_model=str(hf.path) if hf is not None else "",
     )
+    n_params = llama_lib.num_params(cfg)
+    origin = f"from {config.init_from}" if hf is not None else "fresh"
+    describe = (
+        f"Llama {n_params / 1e6:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}, {cfg.n_head}/"
+        f"{cfg.n_kv_head} heads, {origin}), vocab {cfg.vocab_size} ({getattr(tokenizer, 'name', 'bytes')})"
+    )
+    info = {
+        "model": vars(cfg),
+        "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
+        "init_from": config.init_from,
+    }
+    flops = llama_lib.flops_per_token(dataclasses.replace(cfg, block_size=seq))  # (the trained length)
+    return decoder.task(config, ctx, workdir, spec, dataset, decoder.Facts(describe, seq, flops, info))

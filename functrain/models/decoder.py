@@ -1,0 +1,193 @@
+"""One builder for every decoder-only family: a family states its model as a `ModelSpec` (torchtitan's
+`ModelSpec`), and `task` makes the run's `Task` from it and the run's data: the LoRA adapters, the
+sharding, the loss, the end-of-run sample, the export, the evaluation model.
+
+Example:
+    >>> spec = ModelSpec(base=template, tp_rules=lambda t: gpt.TP_RULES, stages=gpt.stages,
+    ...                  head=lambda t: "wte.weight", init_params=init, export=export)
+    >>> task = decoder.task(config, ctx, workdir, spec, dataset, Facts("GPT 0.84M params", 256, flops))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from torch import nn
+
+from functrain import parallel
+from functrain.models import lm, lm_data, lm_lora
+from functrain.task import Task
+
+__all__ = ["Built", "Facts", "ModelSpec", "task"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What a decoder family brings to the one builder.
+
+    Attributes:
+      base: the model on the meta device (shapes only: the state holds the real tensors).
+      tp_rules: `template -> rules` for `parallel.default_rules` (the template carries the run's adapters).
+      stages: `model -> lm.LMStages` (embedding, blocks, head) for the staged loss, sharded sampling and
+        evaluation.
+      head: `template -> the output projection's weight name` (the template carries the run's adapters).
+      init_params: `(key, device, where=None) -> params` of the base: fresh, or a directory's weights.
+      export: `(params, out)` writing a directory transformers loads, or None.
+      hf_name: a param's name in the transformers model (LoRA's PEFT files), or None where the layers differ.
+      base_model: the directory of the base's weights ("" when fresh), for PEFT's adapter config.
+    """
+
+    base: nn.Module
+    tp_rules: Callable[[nn.Module], Any]
+    stages: Callable[[Any], lm.LMStages]
+    head: Callable[[nn.Module], str]
+    init_params: Callable
+    export: Callable | None
+    hf_name: Callable[[str], str] | None = None
+    base_model: str = ""
+
+
+class Facts(NamedTuple):
+    """What the run reports of its model: the summary line, the trained length, FLOPs, `<workdir>/model.json`."""
+
+    describe: str
+    seq: int
+    flops_per_token: float
+    info: dict | None = None
+
+
+class Built(NamedTuple):
+    """A family's own model and loss where the builder's defaults do not fit (the hf family's)."""
+
+    model: nn.Module  # the copy the loss runs (tensor-parallel)
+    loss_fn: Callable
+    stages: lm.LMStages | None  # None: the loss is not staged (sampling and evaluation gather the whole model)
+    logits_fn: Callable | None = None  # `(params, idx) -> logits` where the model's forward is not the stages'
+    window: int | None = None  # the sample's context (None: the model's `cfg.block_size`)
+
+
+def task(
+    config: Any,
+    ctx: parallel.ParallelContext,
+    workdir: str | Path,
+    spec: ModelSpec,
+    dataset: Any,
+    facts: Facts,
+    build: Callable[[nn.Module, Any], Built] | None = None,
+) -> Task:
+    """The run's `Task` for a decoder family.
+
+    Args:
+      config: the run config.
+      ctx: the parallel context.
+      workdir: the run directory (`model.json` is written there when `facts.info`).
+      spec: the family's `ModelSpec`.
+      dataset: the run's data (`lm_data.load_data`).
+      facts: the summary line, trained length, FLOPs per token and `model.json`'s contents.
+      build: `(template, rules) -> Built`, the family's own model copies and loss (None: the context- and
+        tensor-parallel copies and `lm.make_lm_loss_fn` over `spec.stages`).
+
+    Returns:
+      The `Task`.
+
+    Example:
+      >>> task = decoder.task(config, ctx, "runs/gpt", spec, dataset, Facts("GPT", 256, 6e6))
+    """
+    template, lora_spec = lm_lora.wrap(spec.base, config, ctx)  # with adapters under --config.lora.rank
+    rules = parallel.adapter_rules(template, parallel.default_rules(spec.tp_rules(template)))
+    lm_data.check_packing(config, ctx)
+    head = spec.head(template)
+    built = (build or _default_build(config, ctx, spec, facts.seq, head))(template, rules)
+    if ctx.is_main_process and facts.info is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        (Path(workdir) / "model.json").write_text(json.dumps(facts.info, indent=2, default=str) + "\n")
+    text = lm_data.supervised_format(config.data) == "text"
+    return Task(
+        describe=f"{facts.describe}, {dataset.describe()}",
+        init_params=lm_lora.with_adapters(
+            spec.init_params,
+            template,
+            lora_spec,
+            init_from=config.lora.init_from,
+            hf_name=spec.hf_name,
+            base_model=spec.base_model,
+        ),
+        shard_rules=rules,
+        loss_fn=built.loss_fn,
+        train_batch=dataset.train_batch,
+        eval_batches=dataset.eval_sets,
+        data_position=dataset.position,
+        data_record=dataset.record(),
+        count_targets=lm.count_targets(),
+        steps_per_epoch=dataset.steps_per_epoch,
+        tokens_per_step=lambda batch: config.batch_size * batch[0].shape[-1],  # (padded rows: the batch's length)
+        flops_per_token=lm_lora.flops_per_token(facts.flops_per_token, template, lora_spec),
+        finish=_sampler(config, ctx, dataset, template, head, built),
+        export=lm_lora.exporter(spec.export, template, lora_spec, hf_name=spec.hf_name, base_model=spec.base_model),
+        frozen=lm_lora.frozen(lora_spec),
+        eval_model=lm.eval_model(
+            template,
+            dataset.tokenizer,
+            block_size=facts.seq,
+            stages=built.stages,
+            head=head,
+            logits_fn=built.logits_fn,
+        ),
+        validation_text=lm_data.validation_text(config) if text else None,
+    )
+
+
+def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callable:
+    """`build(template, rules)`: the context-parallel copy (this rank's tokens), then the tensor-parallel one, and
+    the family's staged loss (stages where the run shards, recomputes or pipelines)."""
+
+    def build(template: nn.Module, rules) -> Built:
+        model = lm.context_model(template, ctx, seq, config.cp_attention)
+        model = parallel.tensor_parallel(model, ctx.mesh, rules)
+        # sharded: staged, so each block is gathered just before it runs; "auto" recomputes the blocks on
+        # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
+        loss_fn = lm.make_lm_loss_fn(
+            model,
+            spec.stages(model),
+            head=head,
+            chunk_size=config.loss_chunk_size,
+            remat=lm.resolve_remat(config.remat, ctx.mesh),
+            staged=lm.wants_stages(config, ctx),
+        )
+        return Built(model, loss_fn, spec.stages(template))
+
+    return build
+
+
+def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built) -> Callable:
+    """`finish(params, key)`: a text sample from the prompt (or the answer to a held-out prompt), drawn from `key`
+    (sharded params: gathered a stage at a time, or whole where the loss is not staged)."""
+    sample = config.sample
+
+    def finish(params, key):
+        if built.stages is None and any(parallel.is_dtensor(t) for t in params.values()):
+            params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
+        return lm_data.finish_text(
+            dataset,
+            sample,
+            lambda prompt, n: lm.generate(
+                template,
+                params,
+                prompt,
+                n,
+                temperature=sample.temperature,
+                top_k=sample.top_k or None,
+                key=key,
+                stages=built.stages,
+                head=head,
+                block_size=built.window,
+                logits_fn=built.logits_fn,
+            ),
+            ctx.device,
+        )
+
+    return finish
