@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -91,212 +91,269 @@ def run(
     # One run per workdir; from here on SIGTERM or Ctrl-C is a flag (during the setup too: a signal
     # then stops the run before its first step, cleanly).
     with workdir_lock.hold(workdir, ctx.is_main_process), PreemptionFlag(print_fn) as preemption:
-        return _train(task, optimizer, config, Path(workdir), ctx, hooks, print_fn, t_program, preemption)
+        return _train(task, optimizer, config, _Env(Path(workdir), ctx, print_fn, t_program, preemption), hooks)
 
 
-def _train(
-    task: Task,
-    optimizer: Transform,
-    config: Any,
-    workdir: Path,
-    ctx: parallel.ParallelContext,
-    hooks: Sequence[Hook],
-    print_fn: Callable[..., None],
-    t_program: float,
-    preemption: PreemptionFlag,
-) -> dict[str, Any]:
+class _Env(NamedTuple):
+    """Where a run happens: its workdir, its place in the mesh, its console and signals, when the program began."""
+
+    workdir: Path
+    ctx: parallel.ParallelContext
+    print_fn: Callable[..., None]
+    t_program: float
+    preemption: PreemptionFlag
+
+
+def _train(task: Task, optimizer: Transform, config: Any, env: _Env, hooks: Sequence[Hook]) -> dict[str, Any]:
     """`run`'s body, once the config is checked, the workdir is this run's and signals are flagged."""
-    main = ctx.is_main_process
-    if config.get("lora", {}).get("rank", 0) and task.frozen is None:
+    if config.lora.rank and task.frozen is None:
         raise config_checks.ConfigError(
             "lora.rank > 0, but this model's Task holds no params frozen (Task.frozen): its "
             "family does not apply lora.*; wrap your module with functrain.nn.lora and set "
             "Task.frozen=functrain.nn.lora.is_base, or drop --config.lora.rank"
         )
-    device = resolve_device(config, ctx)
-    validate.check_cuda_graphs(config, device.type)
-    graphs = bool(config.get("cuda_graphs", False))
-    if config.deterministic:
-        torch.use_deterministic_algorithms(True)
-    if config.host_memory == "keep" and device.type == "cpu":
-        memory.keep_freed_memory()
-    try:  # before anything is compiled: where compiled graphs are cached across runs
-        compile_dir = compile_cache.setup(config.compile_cache, workdir)
-    except ValueError as exc:
-        raise config_checks.ConfigError(f"{exc} (--config.compile_cache)") from None
-    # The MFU denominator: the config's, else the data sheet's (GPUs), else measured (CPUs): before
-    # anything runs beside it (the ISA probe's g++ below once took a core from it: MFU 107.7%), and
-    # again after each log window, keeping the best (a busy machine slows some probes, not all).
-    peak, probe = _peak_flops(config, device, ctx.world_size)
-    if _compile(config) and device.type == "cpu":
-        compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
-    compile_before = compile_cache.stats()
+    training = _Training(task, optimizer, config, env, hooks)
+    return training.end(training.steps())
 
-    state, route = route_lib.choose(
-        task, optimizer, config, ctx, device, _compile(config), cuda_graphs.options() if graphs else None
-    )
 
-    export_to = workdir / "hf" if config.get("export_hf") and task.export is not None and route.whole else None
-    if export_to is not None:  # before anything trains: an export that cannot be written fails now, not at the end
-        exports.check_targets(exports.targets(export_to, lora=state.frozen is not None and bool(state.frozen)))
-    counts = _param_counts(state)
-    print_fn(
-        f"functrain: {task.describe}, device {device}, compile={_compile_label(config)}, "
-        f"precision {config.precision}, mesh {dict(ctx.shape)}" + route.banner
-    )
-    if state.frozen:
-        print_fn(
-            f"trains {counts['params_trained']:,} of {counts['params_total']:,} params "
-            f"({100 * counts['params_trained'] / counts['params_total']:.2f}%); the rest frozen"
+class _Training:
+    """One run of the loop in its phases: the machine, the state and the hooks (`__init__`), the steps (`steps`),
+    the end (`end`)."""
+
+    def __init__(self, task: Task, optimizer: Transform, config: Any, env: _Env, hooks: Sequence[Hook]):
+        self.task, self.config, self.env, self.print = task, config, env, env.print_fn
+        self._machine()
+        self._state(optimizer)
+        self._hooks(hooks)
+
+    def _machine(self) -> None:
+        """The device, CUDA graphs, the compile cache and the MFU denominator, before anything compiles."""
+        config, ctx = self.config, self.env.ctx
+        self.device = device = resolve_device(config, ctx)
+        validate.check_cuda_graphs(config, device.type)
+        self.graphs = bool(config.cuda_graphs)
+        if config.deterministic:
+            torch.use_deterministic_algorithms(True)
+        if config.host_memory == "keep" and device.type == "cpu":
+            memory.keep_freed_memory()
+        try:  # before anything is compiled: where compiled graphs are cached across runs
+            self.compile_dir = compile_cache.setup(config.compile_cache, self.env.workdir)
+        except ValueError as exc:
+            raise config_checks.ConfigError(f"{exc} (--config.compile_cache)") from None
+        # The MFU denominator: the config's, else the data sheet's (GPUs), else measured (CPUs): before
+        # anything runs beside it (the ISA probe's g++ below once took a core from it: MFU 107.7%), and
+        # again after each log window, keeping the best (a busy machine slows some probes, not all).
+        self.peak, self.probe = _peak_flops(config, device, ctx.world_size)
+        if _compile(config) and device.type == "cpu":
+            compile_cache.start_isa_probe()  # overlaps Dynamo's trace of the step (8 s cold on 2 cores)
+        self.compile_before = compile_cache.stats()
+
+    def _state(self, optimizer: Transform) -> None:
+        """The route and the state: fresh, from `checkpoint.init_from`, or restored; the run's banner and writers."""
+        task, config, env, graphs = self.task, self.config, self.env, self.graphs
+        options = cuda_graphs.options() if graphs else None
+        state, self.route = route_lib.choose(task, optimizer, config, env.ctx, self.device, _compile(config), options)
+        export = config.get("export_hf") and task.export is not None and self.route.whole
+        self.export_to = env.workdir / "hf" if export else None
+        if self.export_to is not None:  # before anything trains: an export that cannot be written fails now
+            exports.check_targets(exports.targets(self.export_to, lora=state.frozen is not None and bool(state.frozen)))
+        self.counts = _param_counts(state)
+        self._banner(state)
+        self.throughput = metrics_lib.Throughput(
+            task.tokens_per_step, task.flops_per_token, self.peak, config.steps, probe=self.probe
         )
-    throughput = metrics_lib.Throughput(task.tokens_per_step, task.flops_per_token, peak, config.steps, probe=probe)
-    writers = [metrics_lib.ConsoleWriter(config.steps, print_fn)]
-    if main:
-        workdir.mkdir(parents=True, exist_ok=True)
-        _write_run_info(config, workdir)
-        writers += _writers(config.tensorboard, workdir, print_fn)
-    writer = metrics_lib.MultiWriter(writers)
+        self.writer = _writer(config, env)
+        self.manager = make_manager(config, env.workdir)
+        self.t_start = time.perf_counter()
+        latest = self.manager.latest_step() if self.manager is not None else None
+        if config.checkpoint.init_from and (latest is None or state.frozen):
+            state = init_params_from(config.checkpoint.init_from, state, self.print)  # a resume wins (a base: not)
+        self.frozen_record = frozen_lib.record(state.frozen, frozen_lib.source_of(config))
+        self.graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
+        if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
+            state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
+        state = maybe_restore(
+            self.manager,
+            state,
+            self.route.train_step,
+            task.train_batch,
+            config,
+            self.print,
+            whole=self.route.whole,
+            data_record=task.data_record,
+            frozen_record=self.frozen_record,
+        )
+        self.state = cuda_graphs.prepare(state) if graphs else state  # (restored tensors: re-recorded once)
 
-    manager = make_manager(config, workdir)
-    t_start = time.perf_counter()
-    if config.checkpoint.init_from and (manager is None or manager.latest_step() is None or state.frozen):
-        state = init_params_from(config.checkpoint.init_from, state, print_fn)  # a resume wins over it (a base: not)
-    frozen_record = frozen_lib.record(state.frozen, frozen_lib.source_of(config))
-    graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
-    if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
-        state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
-    state = maybe_restore(
-        manager,
-        state,
-        route.train_step,
-        task.train_batch,
-        config,
-        print_fn,
-        whole=route.whole,
-        data_record=task.data_record,
-        frozen_record=frozen_record,
-    )
-    if graphs:
-        state = cuda_graphs.prepare(state)  # the restored tensors (new buffers: the graphs re-record once)
+    def _banner(self, state: TrainState) -> None:
+        """The run's first lines: the model, device, compile, precision, mesh; the trained share under LoRA."""
+        config, counts = self.config, self.counts
+        self.print(
+            f"functrain: {self.task.describe}, device {self.device}, compile={_compile_label(config)}, "
+            f"precision {config.precision}, mesh {dict(self.env.ctx.shape)}" + self.route.banner
+        )
+        if state.frozen:
+            self.print(
+                f"trains {counts['params_trained']:,} of {counts['params_total']:,} params "
+                f"({100 * counts['params_trained'] / counts['params_total']:.2f}%); the rest frozen"
+            )
 
-    skips_enabled = config.max_consecutive_skips > 0
-    start = int(state.step)
-    batches = Prefetcher(task.train_batch, start, depth=config.prefetch, device=device) if config.prefetch else None
-    log = Log(
-        config.log_every, writer, throughput, device, skips_enabled, task.data_position, batches, route.param_norm
-    )
-    eval_sets = task.eval_batches()
-    eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
-    evaluation = Eval(config.eval_every, route.eval_step, eval_sets, writer)
-    choices = downstream.hook(
-        task,
-        config,
-        writer,
-        compile=_compile(config) is not False,
-        whole=route.whole,
-        print_fn=print_fn,
-        interrupt=preemption.requested,
-    )
-    # In this order: a run that stops on skipped updates neither logs nor saves that step.
-    builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, manager)] if skips_enabled else []
-    builtin += [log, evaluation] + ([choices] if choices is not None else [])
-    if manager is not None:
-        builtin.append(SaveCheckpoints(manager, task.data_record, frozen_record))
-    builtin.append(Profiler(config.profile.start, config.profile.stop, workdir, print_fn))
-    if config.gc_every > 0:
-        builtin.append(GarbageCollection(config.gc_every))
-    all_hooks = builtin + list(hooks)
+    def _hooks(self, hooks: Sequence[Hook]) -> None:
+        """The batches (prefetched), and the hooks in their order: a run that stops on skipped updates neither
+        logs nor saves that step; the user's hooks last."""
+        task, config, route = self.task, self.config, self.route
+        skips = config.max_consecutive_skips > 0
+        self.start = start = int(self.state.step)
+        prefetch = config.prefetch
+        self.batches = Prefetcher(task.train_batch, start, depth=prefetch, device=self.device) if prefetch else None
+        self.log = Log(
+            config.log_every,
+            self.writer,
+            self.throughput,
+            self.device,
+            skips,
+            task.data_position,
+            self.batches,
+            route.param_norm,
+        )
+        eval_sets = task.eval_batches()
+        eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
+        self.evaluation = Eval(config.eval_every, route.eval_step, eval_sets, self.writer)
+        self.choices = downstream.hook(
+            task,
+            config,
+            self.writer,
+            compile=_compile(config) is not False,
+            whole=route.whole,
+            print_fn=self.print,
+            interrupt=self.env.preemption.requested,
+        )
+        builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, self.manager)] if skips else []
+        builtin += [self.log, self.evaluation] + ([self.choices] if self.choices is not None else [])
+        if self.manager is not None:
+            builtin.append(SaveCheckpoints(self.manager, task.data_record, self.frozen_record))
+        builtin.append(Profiler(config.profile.start, config.profile.stop, self.env.workdir, self.print))
+        if config.gc_every > 0:
+            builtin.append(GarbageCollection(config.gc_every))
+        self.hooks = builtin + list(hooks)
 
-    if start >= config.steps:
-        print_fn(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to train on)")
-    stopped = None
-    with manager or contextlib.nullcontext():
-        try:
-            if choices is not None and start == 0 < config.steps:
-                choices.evaluate(0, state)  # the scores before training: the chance level of the tasks
-            if start < config.steps and preemption.agree():  # signalled during the setup or those scores
-                stopped = preemption.reason
-                print_fn(
-                    f"stopped ({stopped}) before step {start + 1}: no step taken, nothing to save; "
-                    "the same command starts again"
-                )
-            for step in range(start, config.steps if stopped is None else start):
-                for h in all_hooks:
-                    h.before(step)
-                batch = batches.get(step) if batches is not None else task.train_batch(step)
-                if graphs:
-                    cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
-                try:
-                    state, m = route.train_step(state, batch)
-                except Exception:  # a signal that interrupted the first compile (its compiler jobs killed)
-                    if step != start or not preemption.signalled():
-                        raise
+    def steps(self) -> str | None:
+        """Trains from the state's step to `config.steps`; returns why it stopped early (None: it did not)."""
+        config, start, preemption = self.config, self.start, self.env.preemption
+        if start >= config.steps:
+            self.print(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps)")
+        stopped = None
+        with self.manager or contextlib.nullcontext():
+            try:
+                if self.choices is not None and start == 0 < config.steps:
+                    self.choices.evaluate(0, self.state)  # the scores before training: the chance level of the tasks
+                if start < config.steps and preemption.agree():  # signalled during the setup or those scores
                     stopped = preemption.reason
-                    print_fn(
-                        f"stopped ({stopped}) while the first step compiled: no step taken, nothing to save; "
+                    self.print(
+                        f"stopped ({stopped}) before step {start + 1}: no step taken, nothing to save; "
                         "the same command starts again"
                     )
-                    break
-                done = step + 1
-                throughput.add(batch)
-                if step == start:
-                    if graphs and cuda_graphs.skips() > graph_skips:
-                        raise config_checks.ConfigError(
-                            "cuda_graphs=True, but inductor could not record the train step as a CUDA graph "
-                            "(TORCH_LOGS=perf_hints prints why); drop --config.cuda_graphs"
-                        )
-                    print_fn(
-                        f"first step (compile + run) took {time.perf_counter() - t_start:.1f}s; "
-                        f"time to first step {time.perf_counter() - t_program:.1f}s"
-                    )
-                    if config.compile:
-                        print_fn(compile_cache.report(compile_dir, since=compile_before))
-                    throughput.start(done)
-                if preemption.requested():
-                    stopped = preemption.reason
-                elif done == config.stop_at:
-                    stopped = "stop_at"
-                info = StepInfo(done, state, m, final=stopped is not None or done == config.steps)
-                for h in all_hooks:
-                    if done % h.every == 0 or (info.final and h.at_end):
-                        h.after(info)
-                if info.final and stopped is None and preemption.agree():  # a signal during the last step's hooks
-                    stopped = preemption.reason
-                if stopped:
-                    print_fn(f"stopped ({stopped}) at step {done}; checkpoint saved, exiting")
-                    break
-        finally:
-            if batches is not None:
-                batches.close()
-            for h in all_hooks:
-                h.close()
-            writer.close()
-    summary = _summary(
-        workdir, int(state.step), log.last.get(M.LOSS), evaluation.val_loss, trained=start < config.steps
-    )
-    if choices is not None:
-        summary.update(choices.last)
-    if state.frozen:
-        summary.update(counts)
-    if stopped:
-        summary["preempted"] = True
+                for step in range(start, config.steps if stopped is None else start):
+                    stopped = self._step(step)
+                    if stopped:
+                        break
+            finally:
+                if self.batches is not None:
+                    self.batches.close()
+                for h in self.hooks:
+                    h.close()
+                self.writer.close()
+        return stopped
+
+    def _step(self, step: int) -> str | None:
+        """One step with its hooks; why the run stops after it (None: it goes on)."""
+        config, preemption, graphs = self.config, self.env.preemption, self.graphs
+        for h in self.hooks:
+            h.before(step)
+        batch = self.batches.get(step) if self.batches is not None else self.task.train_batch(step)
+        if graphs:
+            cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
+        try:
+            self.state, m = self.route.train_step(self.state, batch)
+        except Exception:  # a signal that interrupted the first compile (its compiler jobs killed)
+            if step != self.start or not preemption.signalled():
+                raise
+            self.print(
+                f"stopped ({preemption.reason}) while the first step compiled: no step taken, nothing to save; "
+                "the same command starts again"
+            )
+            return preemption.reason
+        done = step + 1
+        self.throughput.add(batch)
+        if step == self.start:
+            self._first_step_report(done)
+        stopped = preemption.reason if preemption.requested() else "stop_at" if done == config.stop_at else None
+        info = StepInfo(done, self.state, m, final=stopped is not None or done == config.steps)
+        for h in self.hooks:
+            if done % h.every == 0 or (info.final and h.at_end):
+                h.after(info)
+        if info.final and stopped is None and preemption.agree():  # a signal during the last step's hooks
+            stopped = preemption.reason
+        if stopped:
+            self.print(f"stopped ({stopped}) at step {done}; checkpoint saved, exiting")
+        return stopped
+
+    def _first_step_report(self, done: int) -> None:
+        """After the first step: CUDA graphs recorded (or one line), its time with the compile, the cache's report."""
+        if self.graphs and cuda_graphs.skips() > self.graph_skips:
+            raise config_checks.ConfigError(
+                "cuda_graphs=True, but inductor could not record the train step as a CUDA graph "
+                "(TORCH_LOGS=perf_hints prints why); drop --config.cuda_graphs"
+            )
+        now = time.perf_counter()
+        self.print(
+            f"first step (compile + run) took {now - self.t_start:.1f}s; "
+            f"time to first step {now - self.env.t_program:.1f}s"
+        )
+        if self.config.compile:
+            self.print(compile_cache.report(self.compile_dir, since=self.compile_before))
+        self.throughput.start(done)
+
+    def end(self, stopped: str | None) -> dict[str, Any]:
+        """The run's summary (`summary.json`), and after a run to the end the task's finish and the export."""
+        state, workdir, main = self.state, self.env.workdir, self.env.ctx.is_main_process
+        trained = self.start < self.config.steps
+        summary = _summary(
+            workdir, int(state.step), self.log.last.get(M.LOSS), self.evaluation.val_loss, trained=trained
+        )
+        if self.choices is not None:
+            summary.update(self.choices.last)
+        if state.frozen:
+            summary.update(self.counts)
+        if stopped:
+            summary["preempted"] = True
+            return summary
+        if main:  # (again below with what the end adds: a failed export leaves this one)
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        finished, note = self.route.finish(state)
+        if note:
+            self.print(note)
+        if self.export_to is not None:
+            path, unchecked = exports.write(self.task, frozen_lib.merged(state), self.export_to)
+            finished["hf_export"] = str(path)
+            if unchecked:
+                self.print(unchecked)
+        if main:
+            for name, value in finished.items():
+                self.print(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
+            summary.update(finished)
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-    if main:  # (again below with what the end adds: a failed export leaves this one)
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    finished, note = route.finish(state)
-    if note:
-        print_fn(note)
-    if export_to is not None:
-        path, unchecked = exports.write(task, frozen_lib.merged(state), export_to)
-        finished["hf_export"] = str(path)
-        if unchecked:
-            print_fn(unchecked)
-    if main:
-        for name, value in finished.items():
-            print_fn(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
-        summary.update(finished)
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+
+
+def _writer(config: Any, env: _Env) -> metrics_lib.MultiWriter:
+    """The console, and on the main process `config.json`, `run.json` and the metrics files in the workdir."""
+    writers = [metrics_lib.ConsoleWriter(config.steps, env.print_fn)]
+    if env.ctx.is_main_process:
+        env.workdir.mkdir(parents=True, exist_ok=True)
+        _write_run_info(config, env.workdir)
+        writers += _writers(config.tensorboard, env.workdir, env.print_fn)
+    return metrics_lib.MultiWriter(writers)
 
 
 def _param_counts(state: TrainState) -> dict[str, int]:
