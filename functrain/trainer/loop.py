@@ -241,7 +241,9 @@ class _Training:
         """Trains from the state's step to `config.steps`; returns why it stopped early (None: it did not)."""
         config, start, preemption = self.config, self.start, self.env.preemption
         if start >= config.steps:
-            self.print(f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps)")
+            self.print(
+                f"step {start} has reached steps={config.steps}: nothing to train (raise --config.steps to train on)"
+            )
         stopped = None
         with self.manager or contextlib.nullcontext():
             try:
