@@ -9,8 +9,8 @@ bench/sharded.py --remat none, numbers in README "Sharded training".
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from functrain.compiler.marks import mark_forward_done
 from functrain.compiler.recompute import RecomputePass, recompute_cheap
-from functrain.compiler.regather import mark_forward_done
 
 MARK = torch.ops.functrain.forward_done.default
 

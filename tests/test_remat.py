@@ -16,7 +16,8 @@ from functrain.models import gpt
 from functrain.models.gpt import gpt_hidden
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 from functrain.step import value_and_grad
-from functrain.step.staged import Stage, parse_policy, staged_loss
+from functrain.step.remat_policy import parse_policy
+from functrain.step.staged import Stage, staged_loss
 
 pytestmark = pytest.mark.numeric
 

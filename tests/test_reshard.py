@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from functrain.compiler.regather import RegatherPass, mark_forward_done, regather
+from functrain.compiler.marks import mark_forward_done
+from functrain.compiler.regather import RegatherPass, regather
 
 GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 BARRIER = torch.ops.functrain.remat_barrier.default

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from functrain import config_checks
-from functrain.models.gpt import task as gpt_task
-from functrain.trainer import optimizer as trainer_optimizer
-from functrain.trainer import validate
+from functrain.models.gpt import checks as gpt_checks
+from functrain.trainer import optimizer_checks, validate
 
 _spec = importlib.util.spec_from_file_location(
     "gpt_config", Path(__file__).resolve().parent.parent / "configs" / "gpt.py"
@@ -19,7 +18,7 @@ _spec = importlib.util.spec_from_file_location(
 gpt_config = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpt_config)
 
-ALL = [*validate.LOOP_CHECKS, *trainer_optimizer.CHECKS, *gpt_task.CHECKS]
+ALL = [*validate.LOOP_CHECKS, *optimizer_checks.CHECKS, *gpt_checks.CHECKS]
 SINGLE = [c for c in ALL if isinstance(c[0], str)]  # one key each; relations (several keys) below
 
 
@@ -107,7 +106,7 @@ def _first_error(config, checks):
 def test_gpt_relations_name_every_key_in_one_line(changes, expected):
     config = gpt_config.get_config("tiny").to_dict()
     config["model"].update(changes)
-    assert _first_error(config, gpt_task.CHECKS) == expected
+    assert _first_error(config, gpt_checks.CHECKS) == expected
 
 
 @pytest.mark.parametrize(

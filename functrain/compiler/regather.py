@@ -17,7 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from functrain.compiler.marks import mark_forward_done, remat_barrier  # noqa: F401 - the ops `regather` reads and inserts
 
-__all__ = ["RegatherPass", "gathered_in_flight", "mark_forward_done", "regather"]
+__all__ = ["RegatherPass", "gathered_in_flight", "regather"]
 
 _log = logging.getLogger(__name__)  # INFO: each compiled graph's gathered-params model (bench/sharded.py)
 

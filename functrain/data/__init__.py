@@ -12,8 +12,8 @@ from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from functrain.data.batches import eval_batches, get_batch
-    from functrain.data.corpus import DEFAULT_VAL_FRACTION, Dataset, load_dataset, stdlib_files, train_tokenizer
-    from functrain.data.documents import is_val, train_documents, validation_documents
+    from functrain.data.corpus import Dataset, load_dataset, train_tokenizer
+    from functrain.data.documents import is_val, stdlib_files, train_documents, validation_documents
     from functrain.data.errors import DataError
     from functrain.data.examples import ExampleSet, ExampleSpec, load_examples
     from functrain.data.mixture import LMData, lm_data, parse_mixture

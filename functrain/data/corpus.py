@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 
 from functrain.data.digests import file_digests
-from functrain.data.documents import digests_memo, source_content, stdlib_files, train_documents
+from functrain.data.documents import digests_memo, source_content, train_documents
 from functrain.data.errors import DataError
 from functrain.data.token_cache import FORMATS as TOKEN_CACHE_FORMATS
 from functrain.data.token_cache import open_token_cache, tokenize, tokenizer_id
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, slug
-from functrain.data.tokenizer import SEPARATOR, ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
+from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, IdTokenizer, VocabTokenizer, train_bpe
 from functrain.data.tokens import ConcatTokens
 
-__all__ = ["Dataset", "load_dataset", "stdlib_files", "train_tokenizer", "SEPARATOR", "DEFAULT_VAL_FRACTION"]
+__all__ = ["Dataset", "load_dataset", "train_tokenizer"]
 
 
 @dataclasses.dataclass

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from functrain.data.batches import eval_batches as eval_windows
-from functrain.data.corpus import DEFAULT_VAL_FRACTION, Dataset, load_dataset
+from functrain.data.corpus import Dataset, load_dataset
 from functrain.data.errors import DataError
 from functrain.data.record import source_record
 from functrain.data.sampling import Sampler
+from functrain.data.token_files import DEFAULT_VAL_FRACTION
 
 __all__ = ["LMData", "lm_data", "parse_mixture"]
 

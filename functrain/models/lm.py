@@ -22,6 +22,7 @@ import functrain.step.staged as remat_lib
 from functrain import config_checks, functional, parallel, rng
 from functrain.eval import EvalModel, of_module
 from functrain.losses import chunked_cross_entropy
+from functrain.step.remat_policy import parse_policy
 from functrain.step.staged import Stage
 
 __all__ = [
@@ -386,7 +387,7 @@ def make_lm_loss_fn(
       head: the output projection's parameter name (see `lm_loss`).
       chunk_size: see `lm_loss`.
       ignore_index: target value to ignore.
-      remat: activation checkpointing of the blocks (`functrain.step.staged.parse_policy`): "none", "full"
+      remat: activation checkpointing of the blocks (`functrain.step.remat_policy.parse_policy`): "none", "full"
         or an int N (every N-th block). Other than "none" the loss is a `step.staged.staged_loss` whose
         `value_and_grad` the train step uses; loss and gradients are unchanged (to float rounding).
       staged: build the staged loss even with remat "none": on sharded (DTensor) params the train
@@ -407,7 +408,7 @@ def make_lm_loss_fn(
     Example:
       >>> loss_fn = make_lm_loss_fn(template, llama.stages(template), head="lm_head.weight", remat="full")
     """
-    remat = remat_lib.parse_policy(remat)
+    remat = parse_policy(remat)
     split = getattr(model, "context", None)
     mine = (lambda t: t) if split is None else split.shard  # this rank's tokens (B, T) -> (B, T / cp)
 

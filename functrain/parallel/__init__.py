@@ -12,6 +12,7 @@ Example:
     >>> parallel.teardown()
 """
 
+from functrain.config_checks import mesh_shape
 from functrain.parallel import (
     context,  # context-parallel attention (sequence split over ranks)
     gloo,  # gloo groups with one worker thread (a torch heap-corruption bug)
@@ -32,7 +33,6 @@ from functrain.parallel.mesh import (
     barrier,
     dp_coordinates,
     is_main_process,
-    mesh_shape,
     rank,
     setup,
     teardown,

@@ -32,7 +32,6 @@ __all__ = [
     "GRAD_AXES",
     "TP_AXIS",
     "ParallelContext",
-    "mesh_shape",
     "setup",
     "teardown",
     "is_main_process",

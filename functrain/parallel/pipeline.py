@@ -26,7 +26,7 @@ from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
-from functrain.parallel.pipeline_schedule import Action, bubble_fraction, partition
+from functrain.parallel.pipeline_schedule import Action, partition
 from functrain.parallel.pipeline_schedule import schedule as make_schedule
 from functrain.state import TrainState
 from functrain.step.loss_contract import loss_and_aux
@@ -40,7 +40,6 @@ __all__ = [
     "Pipeline",
     "Stages",
     "action_ranges",
-    "bubble_fraction",
     "global_norm",
     "make_pipeline_eval_step",
     "make_pipeline_step",

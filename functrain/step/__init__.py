@@ -23,14 +23,9 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         update,
         update_groups,
     )
-    from functrain.step.steps import (
-        apply_gradients,
-        loss_and_aux,
-        make_eval_step,
-        make_train_step,
-        update_step,
-        value_and_grad,
-        with_frozen,
-    )
+    from functrain.step.grads import value_and_grad, with_frozen
+    from functrain.step.loss_contract import loss_and_aux
+    from functrain.step.steps import make_eval_step, make_train_step
+    from functrain.step.update import apply_gradients, update_step
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

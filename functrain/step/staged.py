@@ -24,7 +24,7 @@ from functrain.compiler.marks import mark_forward_done, remat_barrier
 from functrain.step.loss_contract import loss_and_aux
 from functrain.step.remat_policy import parse_policy, recomputed_blocks
 
-__all__ = ["Stage", "StagedLoss", "parse_policy", "recomputed_blocks", "remat_barrier", "staged_loss"]
+__all__ = ["Stage", "StagedLoss", "staged_loss"]
 
 
 Params = dict[str, torch.Tensor]

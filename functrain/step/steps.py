@@ -35,23 +35,13 @@ from functrain.step.grads import (
     LossFn,
     PyTree,
     accumulated_value_and_grad,
-    value_and_grad,
     with_frozen,
 )
-from functrain.step.loss_contract import loss_and_aux
 from functrain.step.microbatches import Microbatches
 from functrain.step.staged import StagedLoss
-from functrain.step.update import apply_gradients, fused_in_place, make_update, to_master, update_step
+from functrain.step.update import fused_in_place, make_update, to_master
 
-__all__ = [
-    "apply_gradients",
-    "loss_and_aux",
-    "make_train_step",
-    "make_eval_step",
-    "update_step",
-    "value_and_grad",
-    "with_frozen",
-]
+__all__ = ["make_train_step", "make_eval_step"]
 
 
 def make_train_step(

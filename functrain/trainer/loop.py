@@ -479,7 +479,7 @@ def _writers(tensorboard: bool, workdir: Path, print_fn) -> list:
     """The main process's file writers: metrics.jsonl always, TensorBoard events when asked and installed."""
     out: list = [metrics_lib.JsonlWriter(workdir / "metrics.jsonl")]
     if tensorboard and tensorboard_lib.available():
-        out.append(metrics_lib.TensorBoardWriter(workdir / "tb"))
+        out.append(tensorboard_lib.TensorBoardWriter(workdir / "tb"))
     elif tensorboard:
         print_fn(tensorboard_lib.MISSING)
     return out

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 import functrain.step.metric_names as M
-from functrain.trainer.tensorboard import TensorBoardWriter
 
 __all__ = [
     "ConsoleWriter",
@@ -30,7 +29,6 @@ __all__ = [
     "peak_flops",
     "format_eta",
     "to_python",
-    "TensorBoardWriter",
 ]
 
 

@@ -3,7 +3,7 @@
 Internals: docs/internals.md "functrain.trainer.optimizer".
 
 Example:
-    >>> config_checks.check_all(config, optimizer.CHECKS)
+    >>> config_checks.check_all(config, optimizer_checks.CHECKS)
     >>> opt = optimizer.from_config(config.optim, config.steps)
 """
 
@@ -16,9 +16,8 @@ from functrain.optim.aliases import adamw, sgd
 from functrain.optim.base import Transform, chain
 from functrain.optim.schedules import Schedule, linear_warmup, warmup_cosine, warmup_linear
 from functrain.optim.transforms import clip_by_global_norm
-from functrain.trainer.optimizer_checks import CHECKS
 
-__all__ = ["CHECKS", "decay_mask", "from_config", "schedule_from_config"]
+__all__ = ["decay_mask", "from_config", "schedule_from_config"]
 
 
 def schedule_from_config(c: Any, steps: int) -> Schedule:

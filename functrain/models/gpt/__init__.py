@@ -21,9 +21,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         TP_RULES,
         GPTConfig,
         GPTStages,
-        cross_entropy,
         flops_per_token,
-        generate,
         gpt_hidden,
         gpt_loss,
         init_params,
@@ -31,5 +29,6 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         num_params,
         stages,
     )
+    from functrain.models.lm import cross_entropy, generate
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -25,8 +25,6 @@ from einops.layers.torch import Rearrange
 from functrain import functional, ops, rng
 from functrain.models.lm import (
     LMStages,
-    cross_entropy,
-    generate,
     init_blocks,
     lm_hidden,
     lm_loss,
@@ -41,9 +39,7 @@ __all__ = [
     "GPT",
     "GPTStages",
     "TP_RULES",
-    "cross_entropy",
     "flops_per_token",
-    "generate",
     "gpt_hidden",
     "gpt_loss",
     "head_name",

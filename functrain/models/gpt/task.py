@@ -16,11 +16,10 @@ from functrain import config_checks, parallel
 from functrain.interop.hf import save_hf_directory
 from functrain.models import decoder, lm_data
 from functrain.models.gpt import model as gpt_lib
-from functrain.models.gpt.checks import CHECKS
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 from functrain.task import Task
 
-__all__ = ["CHECKS", "build"]
+__all__ = ["build"]
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:

@@ -21,7 +21,6 @@ from functrain import config_checks, functional, parallel
 from functrain import data as data_lib
 from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import decoder, lm, lm_data
-from functrain.models.hf.checks import CHECKS
 from functrain.models.hf.export import export_directory
 from functrain.models.hf.loss import make_loss_fn
 from functrain.models.hf.model import (
@@ -37,7 +36,7 @@ from functrain.models.hf.model import (
 from functrain.models.hf.tiny import model_directory
 from functrain.task import Task
 
-__all__ = ["CHECKS", "build"]
+__all__ = ["build"]
 
 
 def _refuse_axes(ctx, model_type: str) -> None:

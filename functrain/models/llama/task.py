@@ -22,10 +22,9 @@ from functrain.interop.hf import HFDirectory, HFError, save_hf_directory
 from functrain.models import decoder, lm_data
 from functrain.models.llama import hf as hf_lib
 from functrain.models.llama import model as llama_lib
-from functrain.models.llama.checks import CHECKS
 from functrain.task import Task
 
-__all__ = ["CHECKS", "build"]
+__all__ = ["build"]
 
 
 def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.LlamaConfig:
