@@ -269,6 +269,31 @@ def test_no_private_attribute_of_another_module_is_read():
     assert not crossings, crossings
 
 
+# The loop's hook names are its documented API (`loop.every(n, fn)`, README "Features"): the one exception.
+_REEXPORTS = {"trainer/loop.py": {"Hook", "StepInfo", "TrainingError", "checkpoint_path", "every"}}
+
+
+def test_a_module_exports_only_names_it_defines():
+    """A module's `__all__` names what it defines; a package's `__init__` re-exports each public name once, from
+    the module that defines it (no module-level re-export a reader must follow)."""
+    found = {}
+    for path in PKG.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        imported, exported = set(), set()
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                imported |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                exported = {e.value for e in getattr(node.value, "elts", [])}
+        name = str(path.relative_to(PKG))
+        reexported = (exported & imported) - _REEXPORTS.get(name, set())
+        if reexported:
+            found[name] = sorted(reexported)
+    assert not found, found
+
+
 def test_no_import_cycles():
     """Each module imports in a fresh interpreter on its own (a cycle fails on one of them)."""
     code = (
