@@ -52,7 +52,7 @@ def _clone(tree):
 
 
 def _finish(opt, groups, *, donate=True, prec="fp32"):
-    return update_groups.make_finish(
+    return update_groups.grouped_update(
         opt, groups, LOCAL, donate=donate, guarded=True, prec=precision_lib.get(prec), piece=lambda f: f
     )
 

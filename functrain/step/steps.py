@@ -208,12 +208,12 @@ def _split_step(spec: _TrainSpec, lay: Layout, piece: Callable):
     through the optimizer's fused kernel."""
     prepare = _prepare_for(spec.prec, lay, per_stage=False)
     joint = piece(_joint_for(spec, lay, prepare))
-    whole = piece(_whole_finish_for(spec.update, spec.prec, lay, per_stage=False))
-    finish = _Finish(spec, _GroupedFinish(spec, lay, None, piece, whole, exact_norms=True), whole, fused=True)
+    whole = piece(_whole_update_for(spec.update, spec.prec, lay, per_stage=False))
+    update = _Update(spec, _GroupedUpdate(spec, lay, None, piece, whole, exact_norms=True), whole, fused=True)
     grads = _ForwardThenAutograd(spec, lay, piece, joint) if _forward_graph_takes(spec) else joint
 
     def step(state: TrainState, batch: PyTree):
-        return finish(state, *grads(state, batch))
+        return update(state, *grads(state, batch))
 
     return step
 
@@ -273,16 +273,16 @@ class _Body:
         per_stage = lay.sharded and isinstance(loss_fn, StagedLoss)
         self.spec, self.lay, self.loss_fn, self.per_stage = spec, lay, loss_fn, per_stage
         self.prepare = piece(_prepare_for(spec.prec, lay, per_stage))
-        whole = piece(_whole_finish_for(spec.update, spec.prec, lay, per_stage))
+        whole = piece(_whole_update_for(spec.update, spec.prec, lay, per_stage))
         grouped = grouped and (per_stage or not lay.sharded)
-        finish = _GroupedFinish(spec, lay, loss_fn, piece, whole) if grouped else whole
-        self.finish = _Finish(spec, finish, whole, fused=grouped and not lay.sharded)
+        by_groups = _GroupedUpdate(spec, lay, loss_fn, piece, whole) if grouped else whole
+        self.update = _Update(spec, by_groups, whole, fused=grouped and not lay.sharded)
 
     def __call__(self, state: TrainState, batch: PyTree):
         aux, grads, model_state = _loss_and_grads(
             self.spec, self.lay, self.loss_fn, self.per_stage, self.prepare, state, batch
         )
-        return self.finish(state, aux, grads, model_state)
+        return self.update(state, aux, grads, model_state)
 
 
 def _kernel_when_compiled(spec) -> bool:
@@ -305,18 +305,18 @@ def _prepare_for(prec, lay: Layout, per_stage: bool) -> Callable:
     return prepare
 
 
-def _whole_finish_for(update, prec, lay: Layout, per_stage: bool) -> Callable:
-    """`finish(state, aux, grads, model_state=None)`: grads to the masters' dtypes and placements, metrics averaged
-    over dp ranks, the update (with the new model state, kept unless the update is skipped). (Not the loss: a
-    compiled finish's key holds only what it computes with, so another model of the same shapes loads it.)"""
+def _whole_update_for(update, prec, lay: Layout, per_stage: bool) -> Callable:
+    """`whole_update(state, aux, grads, model_state=None)`: grads to the masters' dtypes and placements, metrics
+    averaged over dp ranks, the update (with the new model state, kept unless the update is skipped). (Not the loss: a
+    compiled update's key holds only what it computes with, so another model of the same shapes loads it.)"""
 
-    def finish(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
+    def whole_update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
         grads = to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
         if not per_stage:  # grads back to the params' placements (per stage: done already)
             grads = lay.reduce_grads(grads, state.params)
         return update(state, lay.mean_over_dp(aux), grads, model_state)
 
-    return finish
+    return whole_update
 
 
 def _joint_for(spec: _TrainSpec, lay: Layout, prepare: Callable) -> Callable:
@@ -328,12 +328,13 @@ def _joint_for(spec: _TrainSpec, lay: Layout, prepare: Callable) -> Callable:
     return loss_and_grads
 
 
-class _Finish:
-    """The step's update: `finish` (group by group, or the whole one), `whole` with a model state; first through
+class _Update:
+    """The step's update: `by_groups` (group by group, or the whole one), `whole` with a model state; first through
     the optimizer's fused kernel, eagerly, where `fused` and the optimizer has one (`adamw(fused=True)`)."""
 
-    def __init__(self, spec: _TrainSpec, finish: Callable, whole: Callable, *, fused: bool):
-        self.spec, self.finish, self.whole, self.fused = spec, finish, whole, fused and _kernel_when_compiled(spec)
+    def __init__(self, spec: _TrainSpec, by_groups: Callable, whole: Callable, *, fused: bool):
+        self.spec, self.by_groups, self.whole = spec, by_groups, whole
+        self.fused = fused and _kernel_when_compiled(spec)
 
     def __call__(self, state: TrainState, aux: dict, grads: PyTree, model_state: PyTree):
         spec, with_state = self.spec, has_model_state(model_state)
@@ -344,12 +345,12 @@ class _Finish:
             if done is not None:
                 return done
         if not with_state:
-            return self.finish(state, aux, grads)
+            return self.by_groups(state, aux, grads)
         return self.whole(state, aux, grads, model_state)
 
 
-class _GroupedFinish:
-    """The update group by group (`functrain.step.update_groups`) when the plan allows, else the whole finish;
+class _GroupedUpdate:
+    """The update group by group (`functrain.step.update_groups`) when the plan allows, else the whole update;
     chosen at the first call, eagerly (the plan runs the optimizer on meta tensors). The groups are a staged
     loss's blocks (compile="blocks"; `loss_fn` None: the params' numbered blocks, `update_groups.blocks_by_name`,
     with `exact_norms`)."""
@@ -365,7 +366,7 @@ class _GroupedFinish:
         return self.chosen(state, aux, grads)
 
     def _choose(self, state: TrainState):
-        """The finish for these params and this optimizer."""
+        """The update for these params and this optimizer."""
         spec = self.spec
         blocks = update_groups.blocks_by_name(state.params) if self.blocks is None else self.blocks
         groups, why = update_groups.plan(state.params, blocks, spec.optimizer)
@@ -377,7 +378,7 @@ class _GroupedFinish:
             )
         if not groups:
             return self.whole
-        return update_groups.make_finish(
+        return update_groups.grouped_update(
             spec.optimizer,
             groups,
             self.lay,

@@ -21,7 +21,7 @@ from functrain.parallel import Layout
 from functrain.state import TrainState
 from functrain.step.update import guard_after, to_master, update_ok
 
-__all__ = ["Block", "Group", "blocks_by_name", "plan", "make_finish"]
+__all__ = ["Block", "Group", "blocks_by_name", "plan", "grouped_update"]
 
 PyTree = Any
 
@@ -246,7 +246,7 @@ class _Split:
         return spec.unflatten(out)
 
 
-def make_finish(
+def grouped_update(
     optimizer: optim.Transform,
     groups: list[Group],
     lay: Layout,
@@ -257,7 +257,7 @@ def make_finish(
     piece: Callable,
     exact_norms: bool = False,
 ) -> Callable:
-    """The step's finish `(state, aux, grads) -> (state, metrics)`, updating group by group.
+    """The step's update `(state, aux, grads) -> (state, metrics)`, group by group.
 
     Args:
       optimizer: the leafwise transform.
@@ -272,11 +272,11 @@ def make_finish(
         a `piece` of its own (compile="step"); False: a fused foreach norm per group, eagerly.
 
     Returns:
-      The finish function; the same new state and metrics as the whole-tree update (with
+      The update function; the same new state and metrics as the whole-tree update (with
       `exact_norms` the same bits but the update norm's; else to float32 rounding of the norms).
 
     Example:
-      >>> finish = update_groups.make_finish(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
+      >>> update = update_groups.grouped_update(opt, groups, LOCAL, donate=True, guarded=True, prec=prec,
       ...                                    piece=torch.compile)
     """
 
@@ -336,7 +336,7 @@ def make_finish(
         lay.write_into((params, [o for o, _ in moments]), (new_params, [n for _, n in moments]))
         return params, spec.unflatten([o if d else n for o, n, d in zip(old, new, split.dicts)])
 
-    def finish_phase(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
+    def epilogue(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
         """Update norm, skip guard and step counter; the shared optimizer leaves written back."""
         metrics = dict(metrics)
         metrics[M.UPDATE_NORM] = torch.stack(squares).sum().sqrt()
@@ -363,7 +363,7 @@ def make_finish(
             made[structure] = (split, {k: piece(update_phase_for(split)) for k in kinds})
         return made[structure]
 
-    def finish(state: TrainState, aux: dict, grads: dict):
+    def update(state: TrainState, aux: dict, grads: dict):
         loss_scale = state.guard.loss_scale if prec.loss_scaling else None
         # masters' dtypes, unscaled
         master = [to_master(_pick(grads, g), _pick(state.params, g), loss_scale) for g in groups]
@@ -381,7 +381,7 @@ def make_finish(
             parts.append(o)
             usq.append(u)
         new_shared = split.shared(split.nodes(parts[0]))  # every group computed the same ones
-        step, guard, shared, metrics = finish_phase(state, split.shared(nodes), new_shared, usq, metrics, ok)
+        step, guard, shared, metrics = epilogue(state, split.shared(nodes), new_shared, usq, metrics, ok)
         opt_state = split.merge(nodes, spec, parts, groups, shared)
         params = {n: params[n] for n in state.params}  # the input's key order
         # reported values (e.g. the learning rate) are copied: with donation the state's buffers
@@ -389,7 +389,7 @@ def make_finish(
         metrics.update({k: v.clone() for k, v in optim.report(optimizer, opt_state).items()})
         return state._replace(params=params, opt_state=opt_state, step=step, guard=guard), metrics
 
-    return finish
+    return update
 
 
 def _pick(tree: dict, g: Group) -> dict:
