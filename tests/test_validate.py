@@ -181,3 +181,30 @@ def test_a_block_size_whose_attention_cannot_fit_is_refused_before_any_work():
         config_checks.check_attention_fits(1024, 12, 8, memory=2**28)
     c.model.block_size = 256
     main.check_config(c)  # the default's block size passes
+
+
+def test_config_dump_prints_the_resolved_checked_config_and_runs_nothing(tmp_path):
+    """`--config_dump`: the file, its variant and the flags resolved, every key the run reads, as JSON; a bad
+    value is the run's one line; no workdir is made."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+
+    def dump(*flags):
+        cmd = [sys.executable, "-m", "functrain.main", "--config=configs/gpt.py:tiny", "--config_dump", *flags]
+        return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+
+    out = dump(f"--workdir={tmp_path / 'run'}", "--config.steps=7", "--config.optim.lr=0.002")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    want = gpt_config.get_config("tiny")
+    assert got["steps"] == 7 and got["optim"]["lr"] == 0.002
+    assert set(got) == set(want.keys()) and set(got["data"]) == set(want.data.keys())
+    assert got["model"] == want.model.to_dict()
+    assert not (tmp_path / "run").exists()
+    bad = dump("--config.steps=-3")
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
+        "functrain: error: steps=-3 is out of range: an integer >= 1 (--config.steps)"
+    )

@@ -30,6 +30,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default: runs/<c
 _EXPORT_HF = flags.DEFINE_string(
     "export_hf", None, "Instead of training: write a checkpoint's params as a Hugging Face directory here."
 )
+_CONFIG_DUMP = flags.DEFINE_bool(
+    "config_dump", False, "Instead of training: print the resolved config (file, variant and flags), checked, as JSON."
+)
 _EXPORT_FROM = flags.DEFINE_string(
     "export_from", None, "With --export_hf: a step directory, checkpoints directory or workdir (default: --workdir)."
 )
@@ -314,7 +317,10 @@ def main(argv: list[str]) -> None:
         _fail(_explain_config_error(exc))
     workdir = _WORKDIR.value or _default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[-1])
     try:
-        if _EXPORT_HF.value:
+        if _CONFIG_DUMP.value:
+            check_config(config, mesh=False)
+            print(config.to_json_best_effort(indent=2, sort_keys=True))
+        elif _EXPORT_HF.value:
             export_hf(config, workdir, _EXPORT_HF.value, _EXPORT_FROM.value)
         else:
             train(config, workdir)
