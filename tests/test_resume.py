@@ -320,7 +320,6 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
     """With async restore and a compiled step the restore line gives the whole wait (the compile)
     and, apart, when the bytes were in: the step compiling on the fresh state must not read as a
     slow restore."""
-    import ml_collections
 
     from functrain import init_state, optim
     from functrain.trainer import restore
@@ -331,9 +330,7 @@ def test_overlapped_restore_reports_its_read_time_apart_from_the_compile(tmp_pat
         mgr.save(3, saved)
         mgr.wait()
         fresh = init_state({k: torch.zeros_like(v) for k, v in params.items()}, optim.adamw(1e-3), seed=2)
-        config = ml_collections.ConfigDict(
-            {"compile": True, "checkpoint": {"async_restore": True, "resume_hyperparams": "config"}}
-        )
+        config = _run_config(compile=True, async_restore=True)
         compiles = []
 
         def slow_compile(state, batch):  # stands in for the first call of a compiled step
@@ -430,6 +427,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path, monkeypatch, caps
     monkeypatch.setattr(main, "_CONFIG", type("Flag", (), {"value": {}})())  # a loaded config: it has keys()
     monkeypatch.setattr(main, "_WORKDIR", type("Flag", (), {"value": str(tmp_path)})())
     monkeypatch.setattr(main, "_EXPORT_HF", type("Flag", (), {"value": None})())
+    monkeypatch.setattr(main, "_CONFIG_DUMP", type("Flag", (), {"value": False})())
     with pytest.raises(SystemExit) as exit_:
         main.main([])
     assert exit_.value.code == 130
@@ -468,15 +466,12 @@ def test_the_ranks_agree_on_a_signal_before_the_first_step(tmp_path):
 def test_a_corrupt_latest_step_names_the_command_that_resumes_from_the_one_before(tmp_path):
     """A corrupt newest checkpoint: one line with the `mv` that lets the same command resume from the step before;
     run as said, the resume takes that step."""
-    import ml_collections
 
     from functrain import init_state, optim
     from functrain.trainer import restore
 
     params = {"w": torch.arange(6.0).reshape(2, 3)}
-    config = ml_collections.ConfigDict(
-        {"compile": False, "checkpoint": {"async_restore": False, "resume_hyperparams": "config"}}
-    )
+    config = _run_config(compile=False, async_restore=False)
     root = tmp_path / "checkpoints"
     with ckpt.Manager(str(root), every=1, keep=3) as mgr:
         for step in (2, 4):
@@ -497,3 +492,17 @@ def test_a_corrupt_latest_step_names_the_command_that_resumes_from_the_one_befor
         restored = restore.maybe_restore(mgr, fresh, None, lambda s: s, config, lambda _: None)
     assert torch.equal(restored.params["w"], params["w"] * 2)
     assert (root / "4.corrupt" / "default").is_dir()  # nothing lost
+
+
+def _run_config(*, compile: bool, async_restore: bool):
+    """A run's whole config (the trainer's keys and the data's), as `restore.maybe_restore` reads it."""
+    from functrain.trainer.defaults import data_config, trainer_config
+
+    config = trainer_config()
+    config.data = data_config()
+    config.compile, config.checkpoint.async_restore, config.checkpoint.resume_hyperparams = (
+        compile,
+        async_restore,
+        "config",
+    )
+    return config

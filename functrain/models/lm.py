@@ -239,7 +239,7 @@ def wants_stages(config, ctx) -> bool:
     Example:
       >>> loss_fn = make_loss_fn(model, remat=remat, staged=lm.wants_stages(config, ctx))
     """
-    return ctx.mesh is not None or config.get("compile_unit", "step") == "blocks" or ctx.pp_world > 1
+    return ctx.mesh is not None or config.compile_unit == "blocks" or ctx.pp_world > 1
 
 
 def lm_hidden(

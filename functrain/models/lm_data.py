@@ -142,7 +142,7 @@ def chat_template(config, model_dir, tokenizer) -> data_lib.ChatTemplate:
     """The chat template `data.chat_template` names: "auto": the model directory's, else the tokenizer file's
     directory's, else the default; "default"; a .jinja file; a directory with a tokenizer_config.json. It
     renders with the tokenizer's special tokens (`bos_token`, `eos_token`, ...), as transformers renders it."""
-    spec = config.data.get("chat_template", "auto")
+    spec = config.data.chat_template
     special = (tokenizer.special.template_vars() or None) if tokenizer is not None else None
     if spec == "default":
         return data_lib.chat_template_of(None, special)
@@ -188,7 +188,7 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
     spec = config.data.tokenizer
     if spec == "auto" and hf is not None:
         if hf.tokenizer_file is not None:
-            return data_lib.HFTokenizer(hf.tokenizer_file, config.data.get("eos_token") or None)
+            return data_lib.HFTokenizer(hf.tokenizer_file, config.data.eos_token or None)
         vocab = hf.config.get("vocab_size")
         if vocab == 256:  # a byte-level model (what functrain exports after a run on bytes)
             return None
@@ -212,7 +212,7 @@ def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
         return data_lib.train_tokenizer(
             paths[0], cache_dir, int(spec[4:]), text_field=config.data.text_field, val_fraction=config.data.val_fraction
         )
-    return data_lib.HFTokenizer(spec, config.data.get("eos_token") or None)
+    return data_lib.HFTokenizer(spec, config.data.eos_token or None)
 
 
 def check_packing(config, ctx) -> None:
@@ -228,7 +228,7 @@ def check_packing(config, ctx) -> None:
     Example:
       >>> lm_data.check_packing(config, ctx)
     """
-    if config.data.get("packing", False) and ctx.cp_world > 1:
+    if config.data.packing and ctx.cp_world > 1:
         raise config_checks.ConfigError(
             "data.packing=True: context parallelism splits each row over the cp ranks and its "
             "attention has no document mask; set --config.data.packing=False or mesh.cp=1"
@@ -265,8 +265,8 @@ def validation_text(config) -> Callable[[], list[str]]:
                 )
             out += data_lib.validation_documents(
                 path,
-                text_field=config.data.get("text_field", "text"),
-                val_fraction=config.data.get("val_fraction", 0.015),
+                text_field=config.data.text_field,
+                val_fraction=config.data.val_fraction,
             )
         return out
 

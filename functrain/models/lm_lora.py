@@ -39,9 +39,9 @@ ADAPTER_STREAM = 0x10AA
 
 
 def spec_of(config: Any) -> lora.LoraSpec | None:
-    """The run's `LoraSpec` (`config.lora`), or None when `lora.rank` is 0 (or the config has no `lora`)."""
-    c = config.get("lora")
-    if not c or not c.get("rank", 0):
+    """The run's `LoraSpec` (`config.lora`), or None when `lora.rank` is 0."""
+    c = config.lora
+    if not c.rank:
         return None
     try:
         return lora.LoraSpec(

@@ -186,8 +186,8 @@ def hook(
     Example:
       >>> mc = hook(task, config, writer, compile=True, whole=True, print_fn=print)
     """
-    ev = config.get("eval", {})
-    names = ev.get("tasks", "") if ev else ""
+    ev = config.eval
+    names = ev.tasks
     if not names:
         return None
     try:
@@ -205,8 +205,8 @@ def hook(
     scorer = Scorer(
         model,
         batch_size=ev.batch_size,
-        compile=compile and ev.get("compile", True),
+        compile=compile and ev.compile,
         buckets=default_buckets(model.block_size, smallest=max(32, model.block_size // 4)),
     )
-    how = Scoring(ev.get("mean_token", "nanogpt"), ev.truncate, interrupt, print_fn)
+    how = Scoring(ev.mean_token, ev.truncate, interrupt, print_fn)
     return MultipleChoice(config.eval_every, tasks, model, scorer, writer, how)

@@ -101,7 +101,7 @@ def _pooled(params: dict) -> dict[str, tuple[str, int]]:
 def source_of(config: Any) -> str:
     """Where the run's frozen params come from, in words: `checkpoint.init_from`, else the model directory
     (`model.path`, or the llama family's `init_from`), else the family's init from the run's seed."""
-    init_from = config.get("checkpoint", {}).get("init_from", "")
+    init_from = config.checkpoint.init_from
     if init_from:
         return f"checkpoint {init_from}"
     path = config.get("model", {}).get("path", "") or config.get("init_from", "")

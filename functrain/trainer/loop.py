@@ -380,7 +380,7 @@ def _summary(workdir: Path, steps: int, loss, val_loss: float, *, trained: bool)
 def _peak_flops(config, device: torch.device, world: int):
     """(peak FLOP/s of the job, probe or None): `config.peak_flops` per device when set, else the data
     sheet's, else a measurement that is taken again at each log step (`metrics.Throughput`'s probe)."""
-    per_device = float(config.get("peak_flops", 0.0)) or metrics_lib.peak_flops(device)
+    per_device = float(config.peak_flops) or metrics_lib.peak_flops(device)
     if per_device:
         return world * per_device, None
     return world * metrics_lib.measure_peak_flops(

@@ -151,7 +151,7 @@ def train(config: Any, workdir: str | Path, *, print_fn: Callable[..., None] = p
 
 def _steps_from_epochs(config: Any, task, validate) -> None:
     """`config.steps` from `config.epochs` when it is set (the task knows its steps per epoch)."""
-    epochs = config.get("epochs", 0.0)
+    epochs = config.epochs
     if not epochs:
         return
     if task.steps_per_epoch is None:
@@ -196,7 +196,7 @@ def export_hf(
     from functrain.trainer import exports, loop
 
     family = _family(config)
-    lora = bool(config.get("lora", {}).get("rank", 0))
+    lora = bool(config.lora.rank)
     exports.check_targets(exports.targets(Path(out), lora=lora), flag=f"--export_hf={out}")
     step_dir = loop.checkpoint_path(source or str(workdir), key="--export_from")
     # One process reads the params whole, whatever mesh trained them: the training run's mesh flags
@@ -259,12 +259,12 @@ def check_config(config: Any, mesh: bool = True) -> None:
         shape = config_checks.mesh_shape(config.mesh, world)
     except ValueError as exc:
         raise config_checks.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
-    pp = config.mesh.get("pp", 1)
+    pp = config.mesh.pp
     config_checks.check_pipeline(pp, config.accum_steps, config.model.get("n_layer", 0))
     micro = ("pp.microbatches", config.pp.microbatches) if pp > 1 else ("accum_steps", config.accum_steps)
     config_checks.check_batch(config.batch_size, micro[1], config_checks.dp_world(shape) if world > 1 else 1, micro[0])
     config_checks.check_context(config.model.get("block_size", 0), shape["cp"])
-    if config.get("device", "auto") == "cpu" or (config.get("device", "auto") == "auto" and not _has_gpu()):
+    if config.device == "cpu" or (config.device == "auto" and not _has_gpu()):
         rows = config.batch_size // micro[1] // (config_checks.dp_world(shape) if world > 1 else 1)
         config_checks.check_attention_fits(
             config.model.get("block_size", 0), config.model.get("n_head", 0), rows, shape["cp"]

@@ -97,7 +97,7 @@ def maybe_restore(
         meta = manager.custom_metadata(latest).get("functrain", {})
         frozen_lib.check(meta.get(frozen_lib.KEY), frozen_record, manager.step_path(latest))
         saved = meta.get("data")
-        allow = bool(config.get("data", {}).get("allow_changed"))
+        allow = bool(config.data.allow_changed)
         changed = data_record_lib.check_resume(saved, data_record, latest, allow)
         if changed:
             print_fn(changed)

@@ -93,7 +93,7 @@ def choose(
     # frozen params (a LoRA base) are sharded like the params, with no optimizer state
     state = init_state(params, optimizer, seed=config.seed, copy=False, model_state=model_state, frozen=frozen)
     del params, model_state, frozen
-    fullgraph = bool(config.get("fullgraph", True))
+    fullgraph = bool(config.fullgraph)
     train_step = make_train_step(
         task.loss_fn,
         optimizer,
@@ -104,7 +104,7 @@ def choose(
         skip_nonfinite=config.max_consecutive_skips > 0,
         compile_options=compile_options,
         fullgraph=fullgraph,
-        model_state_sync=config.get("model_state_sync", "broadcast"),
+        model_state_sync=config.model_state_sync,
         count_targets=task.count_targets,
     )
     eval_step = make_eval_step(
@@ -122,7 +122,7 @@ def _pipeline(
     task: Task, optimizer: Transform, config: Any, ctx: parallel.ParallelContext, device, compile: bool | str
 ) -> tuple[TrainState, Route]:
     """A pipeline rank's route: only its stages' params are drawn, sharded over the stage's mesh."""
-    if config.get("cuda_graphs", False):
+    if config.cuda_graphs:
         raise config_checks.ConfigError(
             "cuda_graphs=True records one step graph; a pipeline runs a schedule of stage "
             "graphs: drop --config.cuda_graphs or set --config.mesh.pp=1"

@@ -35,7 +35,7 @@ def check_cuda_graphs(config: Any, device_type: str | None = None) -> None:
     Example:
       >>> check_cuda_graphs(config, "cuda")
     """
-    if not config.get("cuda_graphs", False):
+    if not config.cuda_graphs:
         return
     if not config.compile:
         raise ConfigError(

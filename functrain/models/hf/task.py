@@ -87,7 +87,7 @@ def _loss(config, ctx, model, template):
             flag
             for flag, on in (
                 ("--config.remat=none", config.remat not in ("auto", "none")),
-                ("--config.compile_unit=step", config.get("compile_unit", "step") == "blocks"),
+                ("--config.compile_unit=step", config.compile_unit == "blocks"),
                 ("--config.mesh.pp=1", ctx.pp_world > 1),
             )
             if on
