@@ -6,9 +6,9 @@ eager loop, torch's scan (`stacked`) and the pipeline's schedule.
 Example:
     >>> mbs = Microbatches(batch, key, 4, LOCAL, count_targets=None, loss_scale=None)
     >>> for i, (mb, k) in enumerate(mbs):
-    ...     aux, grads = one(mb, k, mbs.factor(i))
-    ...     mbs.add(i, aux, grads)
-    >>> aux, grads = mbs.result()
+    ...     aux, grads = one(mb, k, mbs.factor(i))       # grads shaped like params
+    ...     mbs.add(i, aux, by_position(grads))
+    >>> aux, grads = mbs.result(params)
 """
 
 from __future__ import annotations
