@@ -43,7 +43,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from functrain.data import Sampler, load_dataset, train_bpe  # noqa: E402
+from functrain.data import Placement, Sampler, load_dataset, train_bpe  # noqa: E402
 
 _WORDS = (
     "def return class import self if else for while in not and or None True False raise "
@@ -69,10 +69,11 @@ def _corpus(root: Path, mb: int, shards: int) -> int:
 
 _TIMED = """
 import sys, time
-from functrain.data import HFTokenizer, tokenize
+from functrain.data import HFTokenizer, Placement, TextOptions, tokenize
 tok = HFTokenizer(sys.argv[4]) if sys.argv[4] else None
 t0 = time.perf_counter()
-tokenize(sys.argv[1], sys.argv[2], tokenizer=tok, workers=int(sys.argv[3]), log=lambda line: None)
+place = Placement(sys.argv[2], log=lambda line: None)
+tokenize(sys.argv[1], place, TextOptions(workers=int(sys.argv[3])), tokenizer=tok)
 print(time.perf_counter() - t0)
 """
 
@@ -93,10 +94,10 @@ def _tokenize(src: Path, cache: Path, workers: int, tokenizer_file: str) -> floa
 
 _MEMORY_PROBE = """
 import sys
-from functrain.data import tokenize
+from functrain.data import Placement, TextOptions, tokenize
 import pathlib
 rss_now = int(pathlib.Path('/proc/self/statm').read_text().split()[1]) * 4096 // 1024
-tokenize(sys.argv[1], sys.argv[2], workers=1, log=lambda line: None)
+tokenize(sys.argv[1], Placement(sys.argv[2], log=lambda line: None), TextOptions(workers=1))
 hwm = [l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')]
 print(rss_now, int(hwm[0].split()[1]))  # VmHWM: this program's peak (ru_maxrss would keep the forking parent's)
 """
@@ -203,7 +204,7 @@ def main() -> None:
             f"memory: RSS {before:.0f} MB before tokenizing, peak {peak:.0f} MB: +{peak - before:.0f} MB for a "
             f"{size / 1e6:.0f} MB corpus ({result['corpus_over_growth']:.0f}x the growth)"
         )
-        stdlib = load_dataset("stdlib", tmp / "stdlib")
+        stdlib = load_dataset("stdlib", Placement(tmp / "stdlib"))
         default = Sampler([("stdlib", stdlib.train, 1.0)], batch_size=32, block_size=128, seed=0)
         result["batch_ms_default"] = _batch_ms(default)
         big = np.memmap(tmp / "big.bin", dtype=np.uint16, mode="w+", shape=(100_000_000,))

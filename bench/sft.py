@@ -30,28 +30,24 @@ import time
 from pathlib import Path
 
 import torch
-from ml_collections import ConfigDict
 
 from functrain import init_state, make_train_step, optim, rng
-from functrain.data import ByteTokenizer, HFTokenizer, chat_template_of, sft_data
+from functrain.data import Batching, ByteTokenizer, HFTokenizer, Placement, chat_template_of, sft_data
 from functrain.interop.hf import HFDirectory
 from functrain.models import hf, lm
 from functrain.models.hf.tiny import TINY, write_tiny
+from functrain.trainer.defaults import data_config
 
 
 def _measure(packing: bool, args, cache: str, model_dir: str) -> dict:
     """One layout's steps per epoch, fill, step time and target tokens per second."""
-    cfg = ConfigDict({"path": "stdlib:messages", "packing": packing, "val_fraction": 0.02})
+    cfg = data_config(path="stdlib:messages", packing=packing, val_fraction=0.02)
     data = sft_data(
         cfg,
-        cache_dir=cache,
+        Placement(cache, log=lambda line: None),
+        Batching(args.batch, args.block, seed=0, eval_batches=1),
         tokenizer=ByteTokenizer(),
         template=chat_template_of(None),
-        batch_size=args.batch,
-        block_size=args.block,
-        seed=0,
-        eval_batches=1,
-        log=lambda line: None,
     )
     template = hf.build_template(hf.load_config(model_dir))
     opt = optim.adamw(1e-3)
@@ -101,15 +97,11 @@ def _functrain_padded(args, tok_dir: str, model_dir: str, records: list[dict], t
     with open(src, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     data = sft_data(
-        ConfigDict({"path": src, "val_fraction": 0.02}),
-        cache_dir=f"{tmp}/data",
+        data_config(path=src, val_fraction=0.02),
+        Placement(f"{tmp}/data", log=lambda line: None),
+        Batching(args.batch, args.block, seed=0, eval_batches=1),
         tokenizer=HFTokenizer(tok_dir),
         template=None,
-        batch_size=args.batch,
-        block_size=args.block,
-        seed=0,
-        eval_batches=1,
-        log=lambda line: None,
     )
     template = hf.build_template(hf.load_config(model_dir))
     weights = HFDirectory(model_dir).weights

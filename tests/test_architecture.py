@@ -294,6 +294,21 @@ def test_a_module_exports_only_names_it_defines():
     assert not found, found
 
 
+def test_no_package_name_is_both_a_function_and_a_module():
+    """A package's public name that is also one of its modules' names must be that module: importing the
+    module (`import functrain.data.x`) sets the package attribute `x` to it, hiding a function `x`."""
+    clashes = []
+    for init in PKG.rglob("__init__.py"):
+        package = ".".join(("functrain",) + init.parent.relative_to(PKG).parts)
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != package:
+                for alias in node.names:
+                    name = alias.asname or alias.name
+                    if (init.parent / f"{name}.py").exists() or (init.parent / name).is_dir():
+                        clashes.append(f"{package}.{name} is a module and {node.module}.{alias.name}")
+    assert not clashes, clashes
+
+
 def test_no_import_cycles():
     """Each module imports in a fresh interpreter on its own (a cycle fails on one of them)."""
     code = (

@@ -15,6 +15,8 @@ from functrain.data import (
     ByteTokenizer,
     ConcatTokens,
     DataError,
+    Placement,
+    TextOptions,
     eval_batches,
     get_batch,
     load_dataset,
@@ -31,7 +33,7 @@ def stdlib_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stdlib(stdlib_cache):
-    return load_dataset("stdlib", stdlib_cache, block_size=256)
+    return load_dataset("stdlib", Placement(stdlib_cache), block_size=256)
 
 
 def _text_dir(root, n=40):
@@ -56,7 +58,7 @@ def test_stdlib_corpus_builds_and_is_cached(stdlib, stdlib_cache):
     out = stdlib.info["cache_dir"]
     before = _cache_files(out)
     assert "meta.json" in before and any(f.startswith("train/") for f in before)
-    again = load_dataset("stdlib", stdlib_cache)
+    again = load_dataset("stdlib", Placement(stdlib_cache))
     assert _cache_files(out) == before  # reused, not rewritten
     assert again.info["cache_dir"] == out and np.array_equal(again.val[:], stdlib.val[:])
     meta = json.loads((Path(out) / "meta.json").read_text())
@@ -129,7 +131,7 @@ def test_text_dir_split_by_file(tmp_path):
     root = _text_dir(tmp_path / "corpus")
     (root / ".hidden.txt").write_text("HIDDEN")
     (root / "blob.dat").write_bytes(b"\0\1\2BINARY")
-    ds = load_dataset(str(root), tmp_path / "cache", val_fraction=0.1)
+    ds = load_dataset(str(root), Placement(tmp_path / "cache"), TextOptions(val_fraction=0.1))
     train, val = ds.decode(ds.train), ds.decode(ds.val)
     assert "HIDDEN" not in train + val and "BINARY" not in train + val
     n_val = 0
@@ -139,19 +141,19 @@ def test_text_dir_split_by_file(tmp_path):
         n_val += whole in val
     assert 1 <= n_val < 40 and n_val == len(ds.info["val_files"])
     # deterministic: a second cache dir gives the same split
-    ds2 = load_dataset(str(root), tmp_path / "cache2", val_fraction=0.1)
+    ds2 = load_dataset(str(root), Placement(tmp_path / "cache2"), TextOptions(val_fraction=0.1))
     assert np.array_equal(ds2.val, ds.val)
 
 
 def test_text_cache_retokenizes_the_pack_of_a_changed_file(tmp_path, monkeypatch):
     monkeypatch.setattr("functrain.data.documents.PACK_BYTES", 300)  # several packs of a few files
     root = _text_dir(tmp_path / "corpus", n=12)
-    ds1 = load_dataset(str(root), tmp_path / "cache", log=lambda line: None)
+    ds1 = load_dataset(str(root), Placement(tmp_path / "cache", log=lambda line: None))
     out = ds1.info["cache_dir"]
     assert ds1.info["units"] > 2
     before = _cache_files(out)
     (root / "d0" / "f000.txt").write_text("CHANGED " * 10)  # the first file: its pack only
-    ds2 = load_dataset(str(root), tmp_path / "cache", log=lambda line: None)
+    ds2 = load_dataset(str(root), Placement(tmp_path / "cache", log=lambda line: None))
     assert ds2.info["cache_dir"] == out
     assert "CHANGED" in ds2.decode(ds2.train[:]) + ds2.decode(ds2.val[:])
     after = _cache_files(out)
@@ -159,7 +161,7 @@ def test_text_cache_retokenizes_the_pack_of_a_changed_file(tmp_path, monkeypatch
     assert changed and {f[len("done/") : -len(".json")] for f in changed if f.startswith("done/")} == {
         next(u["key"] for u in text_units(ds2.info["content"], 0.015) if u["rel"] == "d0/f000.txt")
     }
-    fresh = load_dataset(str(root), tmp_path / "fresh", log=lambda line: None)
+    fresh = load_dataset(str(root), Placement(tmp_path / "fresh", log=lambda line: None))
     assert np.array_equal(fresh.train[:], ds2.train[:]) and np.array_equal(fresh.val[:], ds2.val[:])
 
 
@@ -176,7 +178,7 @@ def test_single_text_file_split_by_position(tmp_path):
     text = "".join(f"line {i}\n" for i in range(2000))
     path = tmp_path / "input.txt"
     path.write_text(text)
-    ds = load_dataset(str(path), tmp_path / "cache", val_fraction=0.01, block_size=8)
+    ds = load_dataset(str(path), Placement(tmp_path / "cache"), TextOptions(val_fraction=0.01), block_size=8)
     assert ds.decode(ds.train) + ds.decode(ds.val) == text
     assert len(ds.val) == int(len(text) * 0.01)
 
@@ -188,34 +190,34 @@ def test_bin_source_with_meta(tmp_path):
     chars = [chr(ord("A") + i) for i in range(65)]
     with open(tmp_path / "meta.pkl", "wb") as f:  # nanoGPT shakespeare_char style
         pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
-    ds = load_dataset(str(tmp_path), tmp_path / "unused")
+    ds = load_dataset(str(tmp_path), Placement(tmp_path / "unused"))
     assert ds.vocab_size == 65 and len(ds.train) == 5000 and isinstance(ds.train, np.memmap)
     assert ds.decode(ds.encode("HELLO")) == "HELLO"
     x, y = get_batch(ds.train, batch_size=4, block_size=16, seed=0, step=0)
     assert int(x.max()) < 65
-    assert load_dataset(str(tmp_path / "train.bin"), tmp_path / "unused").vocab_size == 65
+    assert load_dataset(str(tmp_path / "train.bin"), Placement(tmp_path / "unused")).vocab_size == 65
 
 
 def test_bin_source_vocab_from_config_or_error(tmp_path):
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
     with pytest.raises(DataError, match="vocab_size"):
-        load_dataset(str(tmp_path), tmp_path / "c")
-    ds = load_dataset(str(tmp_path), tmp_path / "c", vocab_size=50304)
+        load_dataset(str(tmp_path), Placement(tmp_path / "c"))
+    ds = load_dataset(str(tmp_path), Placement(tmp_path / "c"), vocab_size=50304)
     assert ds.vocab_size == 50304 and ds.decode([15496, 995]) == "15496 995"
     (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 1000}))
-    assert load_dataset(str(tmp_path), tmp_path / "c").vocab_size == 1000
+    assert load_dataset(str(tmp_path), Placement(tmp_path / "c")).vocab_size == 1000
 
 
 def test_cache_dir_is_itself_a_bin_source(stdlib):
-    ds = load_dataset(stdlib.info["cache_dir"], "/nonexistent-unused")
+    ds = load_dataset(stdlib.info["cache_dir"], Placement("/nonexistent-unused"))
     assert ds.vocab_size == 256 and isinstance(ds.tokenizer, ByteTokenizer)
     assert len(ds.train) == len(stdlib.train) and np.array_equal(ds.val[:], stdlib.val[:])
 
 
 def test_missing_path_is_one_clear_line():
     with pytest.raises(DataError) as e:
-        load_dataset("/nope/nothing-here", "/tmp/unused")
+        load_dataset("/nope/nothing-here", Placement("/tmp/unused"))
     msg = str(e.value)
     assert "'/nope/nothing-here' does not exist" in msg and "train.bin" in msg and "\n" not in msg
     assert isinstance(e.value, ValueError)
@@ -224,11 +226,11 @@ def test_missing_path_is_one_clear_line():
 def test_empty_and_too_short_sources(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no text"):
-        load_dataset(str(tmp_path / "empty"), tmp_path / "c")
+        load_dataset(str(tmp_path / "empty"), Placement(tmp_path / "c"))
     short = tmp_path / "short.txt"
     short.write_text("x" * 300)
     with pytest.raises(DataError, match=r"val split has \d+ tokens, fewer than block_size \+ 1 = 65"):
-        load_dataset(str(short), tmp_path / "c", block_size=64)
+        load_dataset(str(short), Placement(tmp_path / "c"), block_size=64)
     with pytest.raises(DataError, match="block_size"):
         get_batch(np.zeros(10, np.uint16), batch_size=2, block_size=10, seed=0, step=0)
 
@@ -243,11 +245,11 @@ def test_killed_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(token_cache, "read_unit", killed)
     with pytest.raises(KeyboardInterrupt):
-        load_dataset(str(root), tmp_path / "cache", log=lambda line: None)
+        load_dataset(str(root), Placement(tmp_path / "cache", log=lambda line: None))
     (out,) = [p for p in (tmp_path / "cache").iterdir() if p.name != "digests"]  # (digests: the files' sha256 memo)
     assert not [f for f in _cache_files(out)]  # no meta.json, no marker, no half token file
     monkeypatch.undo()
-    ds = load_dataset(str(root), tmp_path / "cache", log=lambda line: None)  # the next run rebuilds
+    ds = load_dataset(str(root), Placement(tmp_path / "cache", log=lambda line: None))  # the next run rebuilds
     assert "meta.json" in _cache_files(out) and len(ds.val) > 0
 
 
@@ -257,7 +259,9 @@ def test_one_document_per_split_at_least(tmp_path):
     (root / "a.txt").write_text("first file " * 30)
     (root / "b.txt").write_text("second file " * 30)
     for fraction in (1e-9, 1.0):  # no file draws into val / every file does: the first moves across
-        ds = load_dataset(str(root), tmp_path / "c", val_fraction=fraction, log=lambda line: None)
+        ds = load_dataset(
+            str(root), Placement(tmp_path / "c", log=lambda line: None), TextOptions(val_fraction=fraction)
+        )
         assert ds.info["val_files"] == (["a.txt"] if fraction < 0.5 else ["b.txt"])
         assert len(ds.train) and len(ds.val)
 
@@ -273,7 +277,7 @@ def test_bpe_is_deterministic_round_trips_and_keeps_val_unseen(tmp_path):
     text = "déjà vu: ∑ x_i\n\tdef f():  return 1\n"
     assert a.decode(a.encode(text)) == text  # byte-level: any text round-trips
     assert a.eos_id == 0 and a.decode([a.eos_id]) == END_OF_TEXT
-    ds = load_dataset(str(root), tmp_path / "c1", val_fraction=0.3, tokenizer=a)
+    ds = load_dataset(str(root), Placement(tmp_path / "c1"), TextOptions(val_fraction=0.3), tokenizer=a)
     assert (
         ds.train.dtype == np.uint16
         and ds.vocab_size == a.vocab_size
@@ -284,9 +288,14 @@ def test_bpe_is_deterministic_round_trips_and_keeps_val_unseen(tmp_path):
     train_files = [p for p in sorted(root.rglob("*.txt")) if p.relative_to(root).as_posix() not in ds.info["val_files"]]
     alone = train_bpe([p.read_text() for p in train_files], 300, tmp_path / "alone.json")
     assert alone.path.read_text() == a.path.read_text()
-    again = load_dataset(str(root), tmp_path / "c1", val_fraction=0.3, tokenizer=HFTokenizer(a.path))
+    again = load_dataset(
+        str(root), Placement(tmp_path / "c1"), TextOptions(val_fraction=0.3), tokenizer=HFTokenizer(a.path)
+    )
     assert again.info["cache_dir"] == ds.info["cache_dir"] and np.array_equal(again.train, ds.train)
-    assert load_dataset(str(root), tmp_path / "c1", val_fraction=0.3).info["cache_dir"] != ds.info["cache_dir"]
+    assert (
+        load_dataset(str(root), Placement(tmp_path / "c1"), TextOptions(val_fraction=0.3)).info["cache_dir"]
+        != ds.info["cache_dir"]
+    )
 
 
 def test_large_vocabularies_are_stored_as_uint32(tmp_path):
@@ -301,7 +310,9 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     text = tmp_path / "doc.txt"
     text.write_text(" ".join(f"w{(i * 7919) % 70_000}" for i in range(3000)))
-    ds = load_dataset(str(text), tmp_path / "cache", val_fraction=0.1, tokenizer=HFTokenizer(tmp_path))
+    ds = load_dataset(
+        str(text), Placement(tmp_path / "cache"), TextOptions(val_fraction=0.1), tokenizer=HFTokenizer(tmp_path)
+    )
     assert ds.train.dtype == np.uint32 and ds.vocab_size == 70_001
     assert int(np.max(ds.train)) > 65_535  # ids above uint16 survive
     assert ds.train[:3].tolist() == [0, 7919, 15838]
@@ -327,8 +338,8 @@ def test_a_script_that_loads_data_at_import_time_needs_no_main_guard(tmp_path):
     root = _text_dir(tmp_path / "corpus", n=6)
     script = tmp_path / "script.py"
     script.write_text(
-        "from functrain.data import load_dataset\n"
-        f"ds = load_dataset({str(root)!r}, {str(tmp_path / 'cache')!r}, log=lambda line: None)\n"
+        "from functrain.data import Placement, load_dataset\n"
+        f"ds = load_dataset({str(root)!r}, Placement({str(tmp_path / 'cache')!r}, log=lambda line: None))\n"
         "print(len(ds.train) > 0)\n"
     )
     repo = Path(__file__).resolve().parents[1]

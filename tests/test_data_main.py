@@ -140,7 +140,7 @@ def test_every_rank_count_reads_the_same_global_batches_from_the_shards(mixture_
 
     import torch
 
-    from functrain.data import lm_data
+    from functrain.data import Batching, Placement, lm_data
 
     spec = importlib.util.spec_from_file_location("mix_config", mixture_config)
     module = importlib.util.module_from_spec(spec)
@@ -154,14 +154,8 @@ def test_every_rank_count_reads_the_same_global_batches_from_the_shards(mixture_
     def data(rank, world):
         return lm_data(
             config.data,
-            cache_dir=str(tmp_path / "cache"),
-            batch_size=16,
-            block_size=64,
-            seed=0,
-            eval_batches=1,
-            dp_rank=rank,
-            dp_world=world,
-            log=lambda line: None,
+            Placement(str(tmp_path / "cache"), dp_rank=rank, dp_world=world, log=lambda line: None),
+            Batching(16, 64, seed=0, eval_batches=1),
         )
 
     one = data(0, 1)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from functrain import checkpoint as ckpt
-from functrain.data import digests, load_dataset, open_token_cache, tokenize
+from functrain.data import Placement, TextOptions, digests, load_dataset, open_token_cache, tokenize
 from functrain.data.errors import DataError
 from functrain.data.record import changes, check_resume, source_record
 
@@ -69,21 +69,21 @@ def test_digests_see_an_edit_that_keeps_size_and_mtime_and_hash_only_what_change
 
 def test_shard_cache_is_keyed_by_content(tmp_path):
     src = _shards(tmp_path / "src")
-    out = tokenize(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=_quiet)
+    out = tokenize(str(src), Placement(tmp_path / "cache", log=_quiet), TextOptions(val_fraction=0.1, workers=1))
     before_train, _, _ = open_token_cache(out)
     bins = {p: p.stat().st_mtime_ns for p in (out / "train").glob("*.bin")}
 
     os.utime(src / "w1.jsonl")  # touched: same bytes, so the tokens are kept, not written again
-    out2 = tokenize(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=_quiet)
+    out2 = tokenize(str(src), Placement(tmp_path / "cache", log=_quiet), TextOptions(val_fraction=0.1, workers=1))
     assert out2 == out and {p: p.stat().st_mtime_ns for p in bins} == bins
 
     _edit_in_place(src / "w0.jsonl")
     lines = []
-    tokenize(str(src), tmp_path / "cache", val_fraction=0.1, workers=1, log=lines.append)
+    tokenize(str(src), Placement(tmp_path / "cache", log=lines.append), TextOptions(val_fraction=0.1, workers=1))
     assert any("1 of 3 shards" in line for line in lines), lines  # only the edited shard again
     train, val, info = open_token_cache(out)
     fresh_train, fresh_val, _ = open_token_cache(
-        tokenize(str(src), tmp_path / "fresh", val_fraction=0.1, workers=1, log=_quiet)
+        tokenize(str(src), Placement(tmp_path / "fresh", log=_quiet), TextOptions(val_fraction=0.1, workers=1))
     )
     assert np.array_equal(train[0 : len(train)], fresh_train[0 : len(fresh_train)])
     assert np.array_equal(val[0 : len(val)], fresh_val[0 : len(fresh_val)])
@@ -96,14 +96,14 @@ def test_text_cache_is_keyed_by_content(tmp_path):
     root.mkdir()
     for i in range(4):
         (root / f"f{i}.py").write_text("\n".join(_docs(30, i)))
-    first = load_dataset(str(root), tmp_path / "cache")
+    first = load_dataset(str(root), Placement(tmp_path / "cache"))
     old = np.array(first.train)
     target = next(
         f for f in sorted(root.iterdir()) if b"return" in f.read_bytes() and f.name not in first.info["val_files"]
     )
     _edit_in_place(target)
-    again = load_dataset(str(root), tmp_path / "cache")
-    fresh = load_dataset(str(root), tmp_path / "fresh")
+    again = load_dataset(str(root), Placement(tmp_path / "cache"))
+    fresh = load_dataset(str(root), Placement(tmp_path / "fresh"))
     assert np.array_equal(np.asarray(again.train), np.asarray(fresh.train))
     assert not np.array_equal(np.asarray(again.train), old)
     assert again.info["content"] != first.info["content"]

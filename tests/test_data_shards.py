@@ -17,7 +17,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from functrain.data import ConcatTokens, DataError, load_dataset, open_token_cache, tokenize, train_bpe
+from functrain.data import (
+    ConcatTokens,
+    DataError,
+    Placement,
+    TextOptions,
+    load_dataset,
+    open_token_cache,
+    tokenize,
+    train_bpe,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 _WORDS = "the of and to in is was for on that with by as at from def return class import é ß 中".split()
@@ -71,27 +80,31 @@ def _documents(tokens) -> list[str]:
 
 def test_shards_tokenize_to_every_document_once_split_between_train_and_val(tmp_path):
     docs = _corpus(tmp_path / "src")
-    ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", val_fraction=0.1, workers=2, log=_quiet)
+    ds = load_dataset(
+        str(tmp_path / "src"), Placement(tmp_path / "cache", log=_quiet), TextOptions(val_fraction=0.1, workers=2)
+    )
     assert isinstance(ds.train, ConcatTokens) and ds.vocab_size == 256
     train, val = _documents(ds.train), _documents(ds.val)
     assert sorted(train + val) == sorted(docs)  # every document exactly once, byte for byte
     assert 0.03 < len(val) / len(docs) < 0.2  # ~10% by document
     assert ds.info["documents"] == len(docs) and ds.info["units"] == 4
     # a glob of the same files, and the cache directory itself, read the same tokens
-    again = load_dataset(str(tmp_path / "src" / "part*"), tmp_path / "cache2", val_fraction=0.1, log=_quiet)
+    again = load_dataset(
+        str(tmp_path / "src" / "part*"), Placement(tmp_path / "cache2", log=_quiet), TextOptions(val_fraction=0.1)
+    )
     assert np.array_equal(again.train[0 : len(again.train)], ds.train[0 : len(ds.train)])
-    direct = load_dataset(ds.info["cache_dir"], tmp_path / "unused")
+    direct = load_dataset(ds.info["cache_dir"], Placement(tmp_path / "unused"))
     assert np.array_equal(direct.val[0 : len(direct.val)], ds.val[0 : len(ds.val)])
 
 
 def test_parallel_and_multi_rank_tokenizing_write_the_same_cache_as_one_process(tmp_path):
     _corpus(tmp_path / "src", n_shards=6)
-    one = tokenize(str(tmp_path / "src"), tmp_path / "one", workers=1, log=_quiet)
-    two = tokenize(str(tmp_path / "src"), tmp_path / "two", workers=2, log=_quiet)
+    one = tokenize(str(tmp_path / "src"), Placement(tmp_path / "one", log=_quiet), TextOptions(workers=1))
+    two = tokenize(str(tmp_path / "src"), Placement(tmp_path / "two", log=_quiet), TextOptions(workers=2))
     # two ranks sharing the work, each its own process with 1 worker
     code = (
-        "import sys; from functrain.data import tokenize; "
-        "tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2)"
+        "import sys; from functrain.data import Placement, TextOptions, tokenize; "
+        "tokenize(sys.argv[1], Placement(sys.argv[2], rank=int(sys.argv[3]), world=2), TextOptions(workers=1))"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [
@@ -119,7 +132,10 @@ def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_
     src.mkdir()
     for i in range(12):
         _jsonl(src / f"s{i:02d}.jsonl", _docs(3000, i))
-    code = "import sys; from functrain.data import tokenize; tokenize(sys.argv[1], sys.argv[2], workers=1)"
+    code = (
+        "import sys; from functrain.data import Placement, TextOptions, tokenize; "
+        "tokenize(sys.argv[1], Placement(sys.argv[2]), TextOptions(workers=1))"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(src), str(tmp_path / "cache")],
         env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -134,11 +150,11 @@ def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_
     done = len(list((out / "done").glob("*.json")))
     assert 1 <= done < 12 and not (out / "meta.json").exists()  # killed midway: not complete-looking
     lines = []
-    again = tokenize(str(src), tmp_path / "cache", workers=2, log=lines.append)
+    again = tokenize(str(src), Placement(tmp_path / "cache", log=lines.append), TextOptions(workers=2))
     assert again == out
     assert f"({done} done earlier)" in lines[0] or f"({done + 1} done earlier)" in lines[0], lines
     assert not list(out.rglob(".*tmp*"))  # the killed run's temporaries are gone
-    fresh = tokenize(str(src), tmp_path / "fresh", workers=1, log=_quiet)
+    fresh = tokenize(str(src), Placement(tmp_path / "fresh", log=_quiet), TextOptions(workers=1))
     a, b = open_token_cache(out), open_token_cache(fresh)
     for i in (0, 1):
         assert np.array_equal(a[i][0 : len(a[i])], b[i][0 : len(b[i])])
@@ -147,20 +163,22 @@ def test_a_killed_tokenization_keeps_finished_shards_and_completes_on_rerun(tmp_
 def test_tokenizing_with_a_bpe_uses_its_end_of_text_and_refuses_another_tokenizers_cache(tmp_path):
     docs = _corpus(tmp_path / "src", n_shards=3)
     tok = train_bpe(docs, 300, tmp_path / "bpe.json")
-    ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", tokenizer=tok, val_fraction=0.1, log=_quiet)
+    ds = load_dataset(
+        str(tmp_path / "src"), Placement(tmp_path / "cache", log=_quiet), TextOptions(val_fraction=0.1), tokenizer=tok
+    )
     ids = np.asarray(ds.train[0 : len(ds.train)]).astype(np.int64)
     assert ids[-1] != tok.eos_id and (ids == tok.eos_id).sum() > 100  # between documents, none after the last
     first = ids[: int(np.flatnonzero(ids == tok.eos_id)[0])]
     assert tok.decode(first) in docs
     other = train_bpe(docs, 280, tmp_path / "bpe2.json")
     with pytest.raises(DataError) as err:
-        load_dataset(ds.info["cache_dir"], tmp_path / "x", tokenizer=other)
+        load_dataset(ds.info["cache_dir"], Placement(tmp_path / "x"), tokenizer=other)
     assert "written by" in str(err.value) and "\n" not in str(err.value)
 
 
-def _error(tmp_path, src, **kw) -> str:
+def _error(tmp_path, src) -> str:
     with pytest.raises(DataError) as err:
-        load_dataset(str(src), tmp_path / "cache", log=_quiet, **kw)
+        load_dataset(str(src), Placement(tmp_path / "cache", log=_quiet))
     message = str(err.value)
     assert "\n" not in message
     return message
@@ -177,7 +195,9 @@ def test_bad_shards_are_one_line_each_and_leave_nothing_half_written(tmp_path):
     assert "no field 'text' (fields: body, id)" in _error(tmp_path, tmp_path / "body.jsonl")
     pq.write_table(pa.table({"content": _docs(5, 2)}), tmp_path / "c.parquet")
     assert "no column 'text' (columns: content)" in _error(tmp_path, tmp_path / "c.parquet")
-    ok = load_dataset(str(tmp_path / "c.parquet"), tmp_path / "cache", text_field="content", log=_quiet)
+    ok = load_dataset(
+        str(tmp_path / "c.parquet"), Placement(tmp_path / "cache", log=_quiet), TextOptions(text_field="content")
+    )
     assert len(ok.train) > 0
     # a file named .parquet that is not one
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
@@ -198,7 +218,9 @@ def test_bad_shards_are_one_line_each_and_leave_nothing_half_written(tmp_path):
     for cache in (tmp_path / "cache").iterdir():  # (and the digests memo) nothing of the failed shards left behind
         assert not list(cache.rglob(".*tmp*"))
     logged = []
-    ds = load_dataset(str(tmp_path / "b"), tmp_path / "cache", max_bad_line_fraction=0.02, log=logged.append)
+    ds = load_dataset(
+        str(tmp_path / "b"), Placement(tmp_path / "cache", log=logged.append), TextOptions(max_bad_line_fraction=0.02)
+    )
     assert len(_documents(ds.train)) + len(_documents(ds.val)) == 198
     assert any("skipped 2 jsonl lines" in line for line in logged), logged
 
@@ -209,7 +231,7 @@ def test_a_failed_shard_writes_no_token_file_or_marker(tmp_path):
     _jsonl(src / "good.jsonl", _docs(50, 0))
     (src / "zbad.jsonl").write_text("oops\n" * 10)
     with pytest.raises(DataError):
-        tokenize(str(src), tmp_path / "cache", workers=2, log=_quiet)
+        tokenize(str(src), Placement(tmp_path / "cache", log=_quiet), TextOptions(workers=2))
     out = _cache_dir(tmp_path / "cache")
     names = [p.name for p in out.rglob("*") if p.is_file()]
     assert not any("zbad" in n for n in names), names
@@ -224,9 +246,10 @@ def test_missing_pyarrow_is_one_line(tmp_path, monkeypatch):
 
 _PEAK = """
 import pathlib, sys
-from functrain.data import tokenize
+from functrain.data import Placement, TextOptions, tokenize
 rss = int(pathlib.Path('/proc/self/statm').read_text().split()[1]) * 4096 // 1024
-tokenize(sys.argv[1], sys.argv[2], workers=1, chunk_bytes=int(sys.argv[3]), log=lambda line: None)
+place = Placement(sys.argv[2], log=lambda line: None)
+tokenize(sys.argv[1], place, TextOptions(workers=1), chunk_bytes=int(sys.argv[3]))
 hwm = [l for l in pathlib.Path('/proc/self/status').read_text().splitlines() if l.startswith('VmHWM:')]
 print(rss, int(hwm[0].split()[1]))  # VmHWM: this program's peak (ru_maxrss would keep the forking parent's)
 """
@@ -278,7 +301,7 @@ def test_dictionary_encoded_and_large_string_columns_are_text(tmp_path):
     pq.write_table(pa.table({"text": pa.array(docs).dictionary_encode()}), src / "dict.parquet")
     pq.write_table(pa.table({"text": pa.array(docs, type=pa.large_string())}), src / "large.parquet")
     assert pq.read_schema(src / "dict.parquet").field("text").type == pa.dictionary(pa.int32(), pa.string())
-    ds = load_dataset(str(src), tmp_path / "cache", val_fraction=0.1, log=_quiet)
+    ds = load_dataset(str(src), Placement(tmp_path / "cache", log=_quiet), TextOptions(val_fraction=0.1))
     assert sorted(_documents(ds.train) + _documents(ds.val)) == sorted(docs + docs)
 
 
@@ -287,7 +310,9 @@ def test_files_that_are_not_shards_are_listed_once_and_the_progress_names_its_by
     (tmp_path / "src" / "README.md").write_text("about this data\n")
     (tmp_path / "src" / "notes.json").write_text("{}\n")
     logs = []
-    ds = load_dataset(str(tmp_path / "src"), tmp_path / "cache", val_fraction=0.1, log=logs.append)
+    ds = load_dataset(
+        str(tmp_path / "src"), Placement(tmp_path / "cache", log=logs.append), TextOptions(val_fraction=0.1)
+    )
     assert sorted(_documents(ds.train) + _documents(ds.val)) == sorted(docs)
     skipped = [line for line in logs if "not shards" in line]
     assert len(skipped) == 1 and "2 file(s)" in skipped[0] and "README.md, notes.json" in skipped[0], logs
@@ -302,17 +327,19 @@ def test_a_small_shard_source_still_gets_a_validation_document(tmp_path):
     _jsonl(src / "a.jsonl", docs[:60])
     _jsonl(src / "b.jsonl", docs[60:])
     logs = []
-    ds = load_dataset(str(src), tmp_path / "cache", val_fraction=1e-6, log=logs.append)
+    ds = load_dataset(str(src), Placement(tmp_path / "cache", log=logs.append), TextOptions(val_fraction=1e-6))
     train, val = _documents(ds.train), _documents(ds.val)
     assert val == [docs[0]] and sorted(train + val) == sorted(docs)  # the first train document, moved
     assert any("moved there" in line for line in logs), logs
-    again = load_dataset(str(src), tmp_path / "cache", val_fraction=1e-6, log=logs.append)  # the cache as written
+    again = load_dataset(
+        str(src), Placement(tmp_path / "cache", log=logs.append), TextOptions(val_fraction=1e-6)
+    )  # the cache as written
     assert _documents(again.val) == val
     one = tmp_path / "one"
     one.mkdir()
     _jsonl(one / "x.jsonl", docs[:1])
     with pytest.raises(DataError, match="1 document: a validation split needs a second one"):
-        load_dataset(str(one), tmp_path / "cache1", log=_quiet)
+        load_dataset(str(one), Placement(tmp_path / "cache1", log=_quiet))
 
 
 def _bad_text_files(root):
@@ -356,7 +383,11 @@ def test_bad_text_is_replaced_and_counted_and_a_corrupt_file_is_one_line(tmp_pat
             _corpus(src, n_shards=2, docs=20)
             os.replace(files[case], src / files[case].name)
         logs = []
-        ds = load_dataset(str(src), tmp_path / f"cache-{case}", val_fraction=0.0, workers=workers, log=logs.append)
+        ds = load_dataset(
+            str(src),
+            Placement(tmp_path / f"cache-{case}", log=logs.append),
+            TextOptions(val_fraction=0.0, workers=workers),
+        )
         text = np.asarray(ds.train[0 : len(ds.train)]).astype(np.uint8).tobytes().decode("utf-8")
         assert "\ufffd" in text, case
         line = [x for x in logs if "by U+FFFD in 1 records" in x]
@@ -366,7 +397,7 @@ def test_bad_text_is_replaced_and_counted_and_a_corrupt_file_is_one_line(tmp_pat
         _corpus(src, n_shards=2, docs=20)
         os.replace(files["corrupt"], src / "corrupt.parquet")
     with pytest.raises(DataError) as e:
-        load_dataset(str(src), tmp_path / "cache-corrupt", workers=workers, log=_quiet)
+        load_dataset(str(src), Placement(tmp_path / "cache-corrupt", log=_quiet), TextOptions(workers=workers))
     msg = str(e.value)
     assert "\n" not in msg and "corrupt.parquet" in msg and "rows after" in msg and "replace it or remove it" in msg
 
@@ -377,8 +408,9 @@ def test_a_corrupt_file_is_one_line_on_two_ranks(tmp_path):
     _corpus(src, n_shards=3, docs=20)
     os.replace(files["corrupt"], src / "corrupt.parquet")
     code = (
-        "import sys; from functrain.data import tokenize, DataError\n"
-        "try:\n    tokenize(sys.argv[1], sys.argv[2], workers=1, rank=int(sys.argv[3]), world=2, poll_s=0.05)\n"
+        "import sys; from functrain.data import DataError, Placement, TextOptions, tokenize\n"
+        "place = Placement(sys.argv[2], rank=int(sys.argv[3]), world=2)\n"
+        "try:\n    tokenize(sys.argv[1], place, TextOptions(workers=1), poll_s=0.05)\n"
         "except DataError as e:\n    print('ERROR', e)\n    raise SystemExit(2)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -418,12 +450,8 @@ def test_rank_zero_reports_the_records_every_rank_replaced(tmp_path):
         try:
             tokenize(
                 str(src),
-                tmp_path / "cache",
-                val_fraction=0.0,
-                workers=1,
-                rank=rank,
-                world=2,
-                log=logs[rank].append,
+                Placement(tmp_path / "cache", rank=rank, world=2, log=logs[rank].append),
+                TextOptions(val_fraction=0.0, workers=1),
                 poll_s=0.05,
             )
         except Exception as exc:  # noqa: BLE001 - reported below

@@ -11,11 +11,12 @@ import pytest
 import torch
 from ml_collections import ConfigDict
 
-from functrain.data import sft
+from functrain.data import Batching, Placement, sft, supervised_format
 from functrain.data import supervised as S
 from functrain.data.errors import DataError
 from functrain.data.examples import ExampleSpec, load_examples
 from functrain.data.tokenizer import ByteTokenizer, train_bpe
+from functrain.trainer.defaults import data_config
 
 BYTES = ByteTokenizer()
 CHAT = [
@@ -99,14 +100,11 @@ def test_the_eos_is_learned_when_pad_is_eos(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "completion": str(2 * i)}) + "\n" for i in range(8)))
     data = sft.sft_data(
-        ConfigDict({"path": str(path), "val_fraction": 0.2}),
-        cache_dir=str(tmp_path / "c"),
+        data_config(path=str(path), val_fraction=0.2),
+        Placement(str(tmp_path / "c")),
+        Batching(2, 16, seed=0, eval_batches=1),
         tokenizer=tok,
         template=None,
-        batch_size=2,
-        block_size=16,
-        seed=0,
-        eval_batches=1,
     )
     assert data.sampler.pad_id == tok.eos_id
     x, y = data.train_batch(0)
@@ -223,17 +221,13 @@ def test_the_cache_is_reused_and_keyed_by_content(tmp_path, monkeypatch):
 
 def _sft(tmp_path, packing, n=40, batch_size=8):
     src = _write(tmp_path, [{"prompt": f"q{i}:", "completion": "z" * (i % 9 + 1)} for i in range(n)])
-    cfg = ConfigDict({"path": src, "packing": packing, "val_fraction": 0.1})
+    cfg = data_config(path=src, packing=packing, val_fraction=0.1)
     return sft.sft_data(
         cfg,
-        cache_dir=str(tmp_path / "c"),
+        Placement(str(tmp_path / "c"), log=lambda line: None),
+        Batching(batch_size, 32, seed=3, eval_batches=8),
         tokenizer=BYTES,
         template=None,
-        batch_size=batch_size,
-        block_size=32,
-        seed=3,
-        eval_batches=8,
-        log=lambda line: None,
     )
 
 
@@ -281,15 +275,11 @@ def test_the_data_record_names_the_files_and_changes_with_them(tmp_path):
     assert before["sources"]["data"]["kind"].startswith("examples:prompt_completion:completion")
     src = _write(tmp_path, [{"prompt": "other", "completion": "z"}] * 40)
     again = sft.sft_data(
-        ConfigDict({"path": src}),
-        cache_dir=str(tmp_path / "c"),
+        data_config(path=src),
+        Placement(str(tmp_path / "c"), log=lambda line: None),
+        Batching(8, 32, seed=3, eval_batches=1),
         tokenizer=BYTES,
         template=None,
-        batch_size=8,
-        block_size=32,
-        seed=3,
-        eval_batches=1,
-        log=lambda line: None,
     )
     assert again.record() != before  # a resume on it stops in one line (trainer.restore)
 
@@ -329,12 +319,10 @@ def test_packing_under_context_parallelism_is_one_line():
 
 def test_messages_that_name_the_real_problem(tmp_path):
     """An empty file, a null field and examples with nothing to learn: each says what it is, not something else."""
-    from functrain.models import lm_data
-
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(DataError, match="holds no record") as err:
-        lm_data.supervised_format(ConfigDict({"path": str(empty), "format": "auto"}))
+        supervised_format(data_config(path=str(empty)))
     assert "text" not in str(err.value).split(";")[0]
     with pytest.raises(DataError, match=r"ex: field 'completion' is null"):
         S.render({"prompt": "p", "completion": None}, "prompt_completion", BYTES, train_on="completion", where="ex")
@@ -355,17 +343,13 @@ def _spread(tmp_path, n=64):
     return _write(tmp_path, [{"prompt": f"q{i}: ", "completion": "x" * k} for i, k in enumerate(size)])
 
 
-def _padded(tmp_path, src, **kw):
+def _padded(tmp_path, src):
     return sft.sft_data(
-        ConfigDict({"path": src, "val_fraction": 0.1, "packing": False}),
-        cache_dir=str(tmp_path / "c"),
+        data_config(path=src, val_fraction=0.1, packing=False),
+        Placement(str(tmp_path / "c")),
+        Batching(4, 128, seed=0, eval_batches=2),
         tokenizer=BYTES,
         template=None,
-        batch_size=4,
-        block_size=128,
-        seed=0,
-        eval_batches=2,
-        **kw,
     )
 
 

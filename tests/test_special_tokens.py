@@ -9,13 +9,12 @@ import tempfile
 
 import _tokenizer_dirs as dirs
 import pytest
-from ml_collections import ConfigDict
 
-from functrain.data import sft
+from functrain.data import Batching, Placement, chat_template, sft
 from functrain.data import supervised as S
 from functrain.data.errors import DataError
 from functrain.data.tokenizer import ByteTokenizer, HFTokenizer
-from functrain.models import lm_data
+from functrain.trainer.defaults import data_config
 
 transformers = pytest.importorskip("transformers")
 BYTES = ByteTokenizer()
@@ -149,9 +148,8 @@ def test_a_template_file_renders_with_the_tokenizers_special_tokens(made, tmp_pa
     d = made[("llama3", True)]
     path = tmp_path / "llama3_training.jinja"
     path.write_text(dirs.trl_template("llama3", training=True))
-    config = ConfigDict({"data": {"chat_template": str(path)}})
     tok = HFTokenizer(d)
-    template = lm_data.chat_template(config, None, tok)
+    template = chat_template(data_config(chat_template=str(path)), None, tok)
     assert template.render(CHATS[0]).startswith("<|begin_of_text|><|start_header_id|>user")
     assert template.has_generation and template.name == str(path)
     ex = S.render({"messages": CHATS[0]}, "messages", tok, train_on="assistant", template=template)
@@ -181,15 +179,11 @@ def test_the_sft_data_pads_with_pad_and_stops_at_every_eos(made, tmp_path):
     path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS * 4))
     lines = []
     data = sft.sft_data(
-        ConfigDict({"path": str(path), "val_fraction": 0.2}),
-        cache_dir=str(tmp_path / "c"),
+        data_config(path=str(path), val_fraction=0.2),
+        Placement(str(tmp_path / "c"), log=lines.append),
+        Batching(2, 32, seed=0, eval_batches=1),
         tokenizer=tok,
         template=None,
-        batch_size=2,
-        block_size=32,
-        seed=0,
-        eval_batches=1,
-        log=lines.append,
     )
     assert data.sampler.pad_id == tok.special.pad_id != tok.eos_id  # <|endoftext|>, not the <|im_end|> learned
     assert any("ends with <|im_end|>" in line and "tokenizer_config.json" in line for line in lines)

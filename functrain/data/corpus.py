@@ -4,7 +4,7 @@ train/val tokens.
 Internals: docs/internals.md "functrain.data.corpus".
 
 Example:
-    >>> ds = load_dataset("stdlib", "/tmp/functrain-data")
+    >>> ds = load_dataset("stdlib", Placement("/tmp/functrain-data"))
     >>> ds.vocab_size, len(ds.train) > len(ds.val) > 0
     (256, True)
 """
@@ -17,7 +17,6 @@ import json
 import os
 import pickle
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from functrain.data.digests import file_digests
 from functrain.data.documents import digests_memo, source_content, train_documents
 from functrain.data.errors import DataError
+from functrain.data.placement import Placement, TextOptions
 from functrain.data.token_cache import FORMATS as TOKEN_CACHE_FORMATS
 from functrain.data.token_cache import open_token_cache, tokenize, tokenizer_id
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, slug
@@ -51,7 +51,7 @@ class Dataset:
       (dataclass) use `.train`, `.val`, `.vocab_size`, `.encode(text)`, `.decode(tokens)`.
 
     Example:
-      >>> ds = load_dataset("stdlib", "/tmp/data")
+      >>> ds = load_dataset("stdlib", Placement("/tmp/data"))
       >>> ds.decode(ds.train[:40])
     """
 
@@ -98,38 +98,28 @@ class Dataset:
 
 def load_dataset(
     source: str,
-    cache_dir: str | os.PathLike,
+    place: Placement,
+    options: TextOptions = TextOptions(),
     *,
+    tokenizer: Any = None,
     vocab_size: int | None = None,
     block_size: int | None = None,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
-    tokenizer: Any = None,
-    text_field: str = "text",
-    max_bad_line_fraction: float = 0.0,
-    workers: int = 0,
-    rank: int = 0,
-    world: int = 1,
-    log: Callable[[str], None] = print,
 ) -> Dataset:
     """Loads (building and caching on first use) the train/val tokens of a data source.
 
     Args:
       source: "stdlib", a text file, a directory of text files, or a directory with
         train.bin/val.bin (a path to its train.bin also works). See the module docstring.
-      cache_dir: where text sources are tokenized to (created if needed); unused for .bin sources.
-      vocab_size: vocabulary of .bin sources without meta.json/meta.pkl; ignored otherwise.
-      block_size: when given, each split must hold at least block_size + 1 tokens.
-      val_fraction: share of files (or, for a single file, of bytes) that goes to val.
+      place: where text sources are tokenized to (`cache_dir`; unused for .bin sources) and, for
+        shards, this process's `rank` among the `world` processes that share the tokenizing (every one
+        of them must call `load_dataset`) and where the progress lines go (`log`).
+      options: how text is read and split (`TextOptions`: text field, validation fraction, bad jsonl
+        lines allowed, tokenizing workers).
       tokenizer: for text sources: an `HFTokenizer` (e.g. from `train_tokenizer`, or a model's
         tokenizer.json) to tokenize with instead of bytes; the cache is keyed by its file's hash,
         and tokens are stored as uint16, or uint32 when the vocabulary needs it.
-      text_field: parquet/jsonl shards: the column or key holding the text.
-      max_bad_line_fraction: jsonl shards: the share of lines that may be skipped as not JSON.
-      workers: shards: tokenizing processes on this rank (0: its share of the cores).
-      rank: shards: this process's rank among the `world` processes that share the tokenizing
-        (every one of them must call `load_dataset`).
-      world: shards: the number of such processes.
-      log: shards: where the progress lines go.
+      vocab_size: vocabulary of .bin sources without meta.json/meta.pkl; ignored otherwise.
+      block_size: when given, each split must hold at least block_size + 1 tokens.
 
     Returns:
       A `Dataset`.
@@ -138,26 +128,15 @@ def load_dataset(
       DataError: one line naming the path and the fix (missing path, no text, split too short, ...).
 
     Example:
-      >>> ds = load_dataset("data/shakespeare", "/tmp/data", block_size=256)
+      >>> ds = load_dataset("data/shakespeare", Placement("/tmp/data"), block_size=256)
     """
     path = Path(source).expanduser()
     if source != "stdlib" and (path / "meta.json").is_file() and _is_token_cache(source):
         ds = _load_token_cache(path, source, tokenizer)
     elif source != "stdlib" and ((path.is_file() and path.suffix == ".bin") or (path / "train.bin").exists()):
-        ds = _load_bin(path.parent if path.is_file() else path, source, vocab_size, cache_dir)
+        ds = _load_bin(path.parent if path.is_file() else path, source, vocab_size, place.cache_dir)
     else:
-        out = tokenize(
-            source,
-            cache_dir,
-            tokenizer=tokenizer,
-            text_field=text_field,
-            val_fraction=val_fraction,
-            max_bad_line_fraction=max_bad_line_fraction,
-            workers=workers,
-            rank=rank,
-            world=world,
-            log=log,
-        )
+        out = tokenize(source, place, options, tokenizer=tokenizer)
         ds = _load_token_cache(out, source, tokenizer)
     if block_size is not None:
         for split in ("train", "val"):
@@ -199,7 +178,7 @@ def train_tokenizer(
 
     Example:
       >>> tok = train_tokenizer("stdlib", "runs/llama/data", 4096)
-      >>> ds = load_dataset("stdlib", "runs/llama/data", tokenizer=tok)
+      >>> ds = load_dataset("stdlib", Placement("runs/llama/data"), tokenizer=tok)
     """
     kind, root, name, content = source_content(source, cache_dir, log=lambda line: None)
     fingerprint = hashlib.sha256(

@@ -4,8 +4,7 @@ sampled by random windows or by epochs, with a validation set per source.
 Internals: docs/internals.md "functrain.data.mixture".
 
 Example:
-    >>> d = lm_data(config.data, cache_dir="runs/x/data", batch_size=32, block_size=256, seed=0,
-    ...             eval_batches=20, dp_rank=0, dp_world=1)
+    >>> d = lm_data(config.data, Placement("runs/x/data"), Batching(32, 256, seed=0, eval_batches=20))
     >>> x, y = d.train_batch(0)
     >>> d.position(500)         # {"epoch": 1, "epoch_fraction": 0.2} with data.sampling="epochs"
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,9 +20,9 @@ import torch
 from functrain.data.batches import eval_batches as eval_windows
 from functrain.data.corpus import Dataset, load_dataset
 from functrain.data.errors import DataError
+from functrain.data.placement import Batching, Placement, TextOptions
 from functrain.data.record import source_record
 from functrain.data.sampling import Sampler
-from functrain.data.token_files import DEFAULT_VAL_FRACTION
 
 __all__ = ["LMData", "lm_data", "parse_mixture"]
 
@@ -46,8 +44,7 @@ def parse_mixture(data: Any) -> list[tuple[str, str, float]]:
       >>> parse_mixture(config.data)
       [('web', '/data/web', 0.7), ('code', '/data/code', 0.3)]
     """
-    sources = dict(data.get("sources") or {})
-    mixture = dict(data.get("mixture") or {})
+    sources, mixture = dict(data.sources), dict(data.mixture)
     if not sources and not mixture:
         return [("data", data.path, 1.0)]
     if set(sources) != set(mixture):
@@ -166,39 +163,17 @@ class LMData:
 
 
 def lm_data(
-    data: Any,
-    *,
-    cache_dir: str,
-    batch_size: int,
-    block_size: int,
-    seed: int,
-    eval_batches: int,
-    dp_rank: int = 0,
-    dp_world: int = 1,
-    device: torch.device | str | None = None,
-    rank: int = 0,
-    world: int = 1,
-    vocab_size: int | None = None,
-    tokenizer: Any = None,
-    log: Callable[[str], None] = print,
+    data: Any, place: Placement, batching: Batching, *, tokenizer: Any = None, vocab_size: int | None = None
 ) -> LMData:
     """Loads the sources `data` names and builds their training sampler.
 
     Args:
       data: the run config's `data` (`functrain.trainer.defaults.data_config()`'s keys).
-      cache_dir: where text and shard sources are tokenized to.
-      batch_size: the global batch size.
-      block_size: the window length T.
-      seed: the data seed.
-      eval_batches: validation batches per source.
-      dp_rank: this process's data-parallel rank.
-      dp_world: the number of data-parallel ranks.
-      device: where batches go.
-      rank: this process's global rank (every process shares the tokenizing).
-      world: the number of processes.
-      vocab_size: the vocabulary of `.bin` sources without a meta.json.
+      place: where sources are tokenized to, this process's ranks (every process shares the
+        tokenizing; the data-parallel ones take their rows), where batches go and progress lines.
+      batching: the global batch size, window length, seed and validation batches per source.
       tokenizer: an `HFTokenizer` to tokenize text with (None: bytes, or the cache's own).
-      log: where tokenizing progress lines go.
+      vocab_size: the vocabulary of `.bin` sources without a meta.json.
 
     Returns:
       An `LMData`.
@@ -207,25 +182,16 @@ def lm_data(
       DataError: a missing or bad source, sources with different tokenizers (one line).
 
     Example:
-      >>> d = lm_data(config.data, cache_dir="runs/x/data", batch_size=32, block_size=128, seed=0, eval_batches=5)
+      >>> d = lm_data(config.data, Placement("runs/x/data"), Batching(32, 128, seed=0, eval_batches=5))
     """
     sources = parse_mixture(data)
-    datasets = {}
-    for name, path, _ in sources:
-        datasets[name] = load_dataset(
-            path,
-            cache_dir,
-            vocab_size=vocab_size,
-            block_size=block_size,
-            val_fraction=data.get("val_fraction", DEFAULT_VAL_FRACTION),
-            tokenizer=tokenizer,
-            text_field=data.get("text_field", "text"),
-            max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0),
-            workers=data.get("tokenize_workers", 0),
-            rank=rank,
-            world=world,
-            log=log,
+    options = TextOptions.of(data)
+    datasets = {
+        name: load_dataset(
+            path, place, options, tokenizer=tokenizer, vocab_size=vocab_size, block_size=batching.block_size
         )
+        for name, path, _ in sources
+    }
     first = next(iter(datasets.values()))
     names = {getattr(ds.tokenizer, "name", "?") for ds in datasets.values()}
     if len(names) > 1:
@@ -235,16 +201,10 @@ def lm_data(
         )
     sampler = Sampler(
         [(name, datasets[name].train, w) for name, _, w in sources],
-        batch_size=batch_size,
-        block_size=block_size,
-        seed=seed,
-        sampling=data.get("sampling", "windows"),
+        batch_size=batching.batch_size,
+        block_size=batching.block_size,
+        seed=batching.seed,
+        sampling=data.sampling,
     )
-    return LMData(
-        datasets,
-        sampler,
-        first.tokenizer,
-        max(ds.vocab_size for ds in datasets.values()),
-        eval_batches,
-        {"rank": dp_rank, "world": dp_world, "device": device},
-    )
+    tokens = max(ds.vocab_size for ds in datasets.values())
+    return LMData(datasets, sampler, first.tokenizer, tokens, batching.eval_batches, place.dp)

@@ -3,8 +3,8 @@
 Internals: docs/internals.md "functrain.data.sft".
 
 Example:
-    >>> d = sft_data(config.data, cache_dir="runs/sft/data", tokenizer=tok, template=t, batch_size=8,
-    ...              block_size=512, seed=0, eval_batches=4)
+    >>> d = sft_data(config.data, Placement("runs/sft/data"), Batching(8, 512, seed=0, eval_batches=4),
+    ...              tokenizer=tok, template=t)
     >>> x, y, pos = d.train_batch(0)        # with data.packing=True
     >>> d.steps_per_epoch
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ import torch
 from functrain.data.errors import DataError
 from functrain.data.examples import ExampleSet, ExampleSpec, load_examples
 from functrain.data.packing import assemble, best_fit_decreasing, efficiency
+from functrain.data.placement import Batching, Placement
 from functrain.data.record import source_record
 from functrain.data.sampling import permute, stream_hash
 from functrain.data.stdlib_sft import builtin_format, builtin_source
@@ -278,37 +278,17 @@ class SFTData:
         )
 
 
-def sft_data(
-    data: Any,
-    *,
-    cache_dir: str,
-    tokenizer,
-    template: ChatTemplate | None,
-    batch_size: int,
-    block_size: int,
-    seed: int,
-    eval_batches: int,
-    dp_rank: int = 0,
-    dp_world: int = 1,
-    device=None,
-    rank: int = 0,
-    log: Callable[[str], None] = print,
-) -> SFTData:
+def sft_data(data: Any, place: Placement, batching: Batching, *, tokenizer, template: ChatTemplate | None) -> SFTData:
     """Loads `data.path`'s supervised examples and builds their sampler.
 
     Args:
       data: the run config's `data` (`format`, `train_on`, `fields`, `packing`, `too_long`, `val_fraction`,
-        `max_bad_line_fraction` are read).
-      cache_dir: where the rendered examples are cached.
+        `max_bad_line_fraction` are read: `functrain.trainer.defaults.data_config()`'s keys).
+      place: where the rendered examples are cached, this process's rank (0 renders the examples) and
+        data-parallel place, and where the counts and the packing efficiency are logged.
+      batching: the global batch size, the row length, the seed and the most validation batches.
       tokenizer: the functrain tokenizer.
       template: the chat template (the messages format).
-      batch_size: the global batch size.
-      block_size: the row length.
-      seed: the data seed.
-      eval_batches: the most validation batches.
-      dp_rank, dp_world, device: this process's data-parallel place.
-      rank: this process's global rank (0 renders the examples).
-      log: where the counts and the packing efficiency go.
 
     Returns:
       An `SFTData`.
@@ -317,47 +297,38 @@ def sft_data(
       DataError: see `load_examples`; mixtures are not supported (one line).
 
     Example:
-      >>> d = sft_data(config.data, cache_dir="runs/x/data", tokenizer=tok, template=t, batch_size=8, block_size=256,
-      ...              seed=0, eval_batches=4)
+      >>> d = sft_data(config.data, Placement("runs/x/data"), Batching(8, 256, seed=0, eval_batches=4), tokenizer=tok,
+      ...              template=t)
     """
-    if data.get("sources"):
+    if data.sources:
         raise DataError("supervised examples come from one source (data.path); data.sources mixes text sources")
     spec = ExampleSpec(
-        fmt=builtin_format(str(data.path)) or data.get("format", "auto"),
-        train_on=data.get("train_on", "auto"),
-        fields=tuple(sorted(dict(data.get("fields") or {}).items())),
+        fmt=builtin_format(str(data.path)) or data.format,
+        train_on=data.train_on,
+        fields=tuple(sorted(dict(data.fields).items())),
         template=template,
-        block_size=block_size,
-        too_long=data.get("too_long", "drop"),
-        val_fraction=data.get("val_fraction", 0.05),
-        max_bad_line_fraction=data.get("max_bad_line_fraction", 0.0),
+        block_size=batching.block_size,
+        too_long=data.too_long,
+        val_fraction=data.val_fraction,
+        max_bad_line_fraction=data.max_bad_line_fraction,
     )
-    source = builtin_source(str(data.path), cache_dir)  # "stdlib:messages": the stdlib's functions
-    train, val, info = load_examples(source, cache_dir, tokenizer, spec, rank=rank, log=log)
+    source = builtin_source(str(data.path), place.cache_dir)  # "stdlib:messages": the stdlib's functions
+    train, val, info = load_examples(source, place.cache_dir, tokenizer, spec, rank=place.rank, log=place.log)
     special = tokenizer.special
     pad = next((i for i in (special.pad_id, special.eos_id) if i is not None), separator_ids(tokenizer)[-1])
-    log(_ends(tokenizer, info["fmt"], template))
+    place.log(_ends(tokenizer, info["fmt"], template))
     sampler = ExampleSampler(
         train,
-        batch_size=batch_size,
-        block_size=block_size,
-        seed=seed,
-        packing=bool(data.get("packing", False)),
+        batch_size=batching.batch_size,
+        block_size=batching.block_size,
+        seed=batching.seed,
+        packing=bool(data.packing),
         pad_id=pad,
     )
-    out = SFTData(
-        train,
-        val,
-        sampler,
-        tokenizer,
-        int(getattr(tokenizer, "vocab_size", 256)),
-        eval_batches,
-        {"rank": dp_rank, "world": dp_world, "device": device},
-        info,
-        template,
-    )
+    vocab = int(getattr(tokenizer, "vocab_size", 256))
+    out = SFTData(train, val, sampler, tokenizer, vocab, batching.eval_batches, place.dp, info, template)
     targets, real = out.efficiency()
-    log(
+    place.log(
         f"examples: {info['examples'][0]:,} train, {info['examples'][1]:,} val; rows {100 * real:.0f}% tokens, "
         f"{100 * targets:.0f}% targets ({'packed' if sampler.packing else 'padded'}), "
         f"{out.steps_per_epoch:.1f} steps per epoch"

@@ -28,8 +28,9 @@ import numpy as np
 
 from functrain.data.documents import read_unit, shard_units, source_content, text_units
 from functrain.data.errors import DataError
+from functrain.data.placement import Placement, TextOptions
 from functrain.data.shards import BadLines
-from functrain.data.token_files import DEFAULT_VAL_FRACTION, atomic_write, token_dtype
+from functrain.data.token_files import atomic_write, token_dtype
 from functrain.data.tokenizer import ByteTokenizer, HFTokenizer, separator_ids
 from functrain.data.tokens import ConcatTokens
 
@@ -72,16 +73,10 @@ def _default_workers(nbytes: int) -> int:
 
 def tokenize(
     source: str,
-    cache_dir: str | os.PathLike,
+    place: Placement,
+    options: TextOptions = TextOptions(),
     *,
     tokenizer: Any = None,
-    text_field: str = "text",
-    val_fraction: float = DEFAULT_VAL_FRACTION,
-    max_bad_line_fraction: float = 0.0,
-    workers: int = 0,
-    rank: int = 0,
-    world: int = 1,
-    log: Callable[[str], None] = print,
     poll_s: float = 0.2,
     chunk_bytes: int = 4 << 20,
 ) -> Path:
@@ -90,17 +85,10 @@ def tokenize(
     Args:
       source: "stdlib", a text file, a directory of text files, or parquet/jsonl(.gz) shards (a
         file, a directory or a glob).
-      cache_dir: where the token cache directory goes (created if needed).
+      place: where the token cache directory goes (`cache_dir`, created if needed), this process's
+        `rank` among the `world` processes that share the work (all must call this), and `log`.
+      options: the text field, validation fraction, bad-line allowance and workers (`TextOptions`).
       tokenizer: an `HFTokenizer`, or None for bytes.
-      text_field: shards: the column / JSON key holding each document's text.
-      val_fraction: the share of documents that go to the validation split (of bytes, for one file).
-      max_bad_line_fraction: jsonl lines that are not JSON objects a shard may have (skipped, and
-        reported); above it the run stops with a `DataError`.
-      workers: tokenizing processes on this rank; 0 = this rank's share of the cores, or this process
-        alone for less than `POOL_BYTES` (64 MiB) of files.
-      rank: this process's rank among `world` processes that share the work (all must call this).
-      world: how many processes share it.
-      log: where progress lines go (pass a no-op on ranks that should not print).
       poll_s: how often a rank that finished its share looks for the others'.
       chunk_bytes: text a worker holds (and tokenizes) at a time: its memory is a small multiple.
 
@@ -112,8 +100,10 @@ def tokenize(
         half-written is left.
 
     Example:
-      >>> out = tokenize("/data/code", "/tmp/cache", workers=2)
+      >>> out = tokenize("/data/code", Placement("/tmp/cache"), TextOptions(workers=2))
     """
+    cache_dir, rank, world, log = place.cache_dir, place.rank, place.world, place.log
+    text_field, val_fraction = options.text_field, options.val_fraction
     tokenizer = tokenizer or ByteTokenizer()
     tok = tokenizer_id(tokenizer)
     kind, root, name, content = source_content(source, cache_dir, log)
@@ -154,10 +144,12 @@ def tokenize(
         "tok": tok,
         "text_field": text_field,
         "val_fraction": val_fraction,
-        "max_bad": max_bad_line_fraction,
+        "max_bad": options.max_bad_line_fraction,
         "run": uuid.uuid4().hex[:8],
         "chunk_bytes": chunk_bytes,
         "units": "shards" if kind == "shards" else "packs of files",
+        "kind": kind,
+        "source": source,
     }
     label = source if len(source) <= 60 else "..." + source[-57:]
     if mine:
@@ -167,13 +159,13 @@ def tokenize(
             f"{sum(u['size'] for u in mine) / 1e6:.1f} MB of files on disk ({sum(done)} done earlier)"
         )
         try:
-            _run_share(mine, job, workers or _default_workers(sum(u["size"] for u in mine)), log, label)
+            _run_share(mine, job, options.workers or _default_workers(sum(u["size"] for u in mine)), log, label)
         except DataError as exc:
             (out / "errors" / f"{rank}.txt").write_text(str(exc))
             raise
     _wait_for_others(out, units, tok, rank, poll_s)
     if rank == 0:
-        _finish(out, units, content, kind, tok, tokenizer, text_field, val_fraction, source, log)
+        _finish(job, units, content, tokenizer, log)
     else:
         _wait_for(lambda: _read_meta(out) is not None, out, rank, poll_s)
     return out
@@ -458,8 +450,9 @@ def _wait_for_others(out: Path, units: list[dict], tok: str, rank: int, poll_s: 
     _wait_for(ready, out, rank, poll_s)
 
 
-def _finish(out, units, content, kind, tok, tokenizer, text_field, val_fraction, source, log) -> None:
+def _finish(job: dict, units: list[dict], content: list, tokenizer, log) -> None:
     """Rank 0, once every unit is done: both splits non-empty, temporaries removed, meta.json written (last)."""
+    out, tok, kind, source = Path(job["out"]), job["tok"], job["kind"], job["source"]
     _remove_temporaries(out)
     found = [_marker(out, u, tok) for u in units]
     markers = [m for m in found if m is not None]
@@ -470,14 +463,14 @@ def _finish(out, units, content, kind, tok, tokenizer, text_field, val_fraction,
     _report_bad(markers, log)
     for empty, full in (("val", "train"), ("train", "val")):
         if not sum(m["tokens"][empty] for m in markers):
-            _move_first_document(out, markers, full, empty, source, val_fraction, log)
+            _move_first_document(job, markers, full, empty, log)
     info = {
         "format": FORMAT,
         "version": VERSION,
         "kind": kind,
         "source": source,
-        "text_field": text_field,
-        "val_fraction": val_fraction,
+        "text_field": job["text_field"],
+        "val_fraction": job["val_fraction"],
         "tokenizer": tok,
         "tokenizer_name": tokenizer.name,
         "tokenizer_file": str(getattr(tokenizer, "path", "")) or None,
@@ -497,11 +490,10 @@ def _finish(out, units, content, kind, tok, tokenizer, text_field, val_fraction,
     _atomic_json(out / "meta.json", info)
 
 
-def _move_first_document(
-    out: Path, markers: list[dict], src: str, dst: str, source: str, val_fraction: float, log
-) -> None:
+def _move_first_document(job: dict, markers: list[dict], src: str, dst: str, log) -> None:
     """No shard's document drew into `dst`: the first `src` document of the first unit that can spare it moves
     there (text files were given both splits when packed)."""
+    out, source = Path(job["out"]), job["source"]
     total = sum(m["tokens"][src] for m in markers)
     if sum(m["documents"] for m in markers) < 2:
         if dst == "train":
@@ -517,7 +509,7 @@ def _move_first_document(
     else:
         raise DataError(
             f"data.path {source}: no document went to the {dst} split; change "
-            f"--config.data.val_fraction (now {val_fraction:g})"
+            f"--config.data.val_fraction (now {job['val_fraction']:g})"
         )
     dtype = np.dtype(m["dtype"])
     tokens = np.fromfile(out / src / f"{m['key']}.bin", dtype=dtype)
@@ -527,7 +519,7 @@ def _move_first_document(
     m["first_tokens"] = {src: 0, dst: n}  # (moved: a rerun's _finish finds both splits)
     _atomic_json(out / "done" / f"{m['key']}.json", m)
     log(
-        f"no document of {source} drew into the {dst} split (val_fraction={val_fraction:g}): the first {src} "
+        f"no document of {source} drew into the {dst} split (val_fraction={job['val_fraction']:g}): the first {src} "
         f"document of {m['rel']} ({n} tokens) moved there"
     )
 

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from functrain import data as data_lib
 from functrain import parallel
 from functrain.models import lm, lm_data, lm_lora
 from functrain.task import Task
@@ -86,7 +87,7 @@ def task(
       ctx: the parallel context.
       workdir: the run directory (`model.json` is written there when `facts.info`).
       spec: the family's `ModelSpec`.
-      dataset: the run's data (`lm_data.load_data`).
+      dataset: the run's data (`functrain.data.run_data`).
       facts: the summary line, trained length, FLOPs per token and `model.json`'s contents.
       build: `(template, rules) -> Built`, the family's own model copies and loss (None: the context- and
         tensor-parallel copies and `lm.make_lm_loss_fn` over `spec.stages`).
@@ -105,7 +106,7 @@ def task(
     if ctx.is_main_process and facts.info is not None:
         Path(workdir).mkdir(parents=True, exist_ok=True)
         (Path(workdir) / "model.json").write_text(json.dumps(facts.info, indent=2, default=str) + "\n")
-    text = lm_data.supervised_format(config.data) == "text"
+    text = data_lib.supervised_format(config.data) == "text"
     return Task(
         describe=f"{facts.describe}, {dataset.describe()}",
         init_params=lm_lora.with_adapters(

@@ -1,9 +1,9 @@
-"""The data side every decoder-LM family shares: the run's data from its config (text windows or supervised
-examples), the tokenizer and chat template it names, what a run prints at its end, and the packing check.
+"""The data side every decoder-LM family shares: where its data goes, the tokenizer it names, what a run
+prints at its end, and the packing check (the data itself: `functrain.data.run_data`).
 
 Example:
-    >>> tok = lm_data.tokenizer_of(config, None, "runs/llama/data", fresh_vocab=2048, key="init_from")
-    >>> data = lm_data.load_data(config, ctx, "runs/llama/data", block_size=256, vocab_size=None, tokenizer=tok)
+    >>> place = lm_data.placement(config, ctx, "runs/llama")
+    >>> tok = lm_data.tokenizer_of(config, None, place.cache_dir, fresh_vocab=2048, key="init_from")
 """
 
 from __future__ import annotations
@@ -17,70 +17,21 @@ from functrain import config_checks
 from functrain import data as data_lib
 
 __all__ = [
-    "chat_template",
     "check_packing",
     "finish_text",
-    "load_data",
-    "supervised_format",
+    "placement",
     "tokenizer_of",
     "validation_text",
 ]
 
 
-def load_data(config, ctx, cache_dir: str, *, block_size: int, vocab_size: int | None, tokenizer=None, model_dir=None):
-    """The run's data (`config.data`: one source, a mixture, or supervised examples) on this process's place in `ctx`.
-
-    Args:
-      config: the run config (data.*, batch_size, seed, eval_batches are read).
-      ctx: the parallel context (data-parallel rank/world for the batches; every rank shares the
-        tokenizing of shard sources; rank 0 prints the progress).
-      cache_dir: where text and shards are tokenized to.
-      block_size: the window length.
-      vocab_size: the vocabulary of `.bin` sources without a meta.json (None: theirs).
-      tokenizer: an `HFTokenizer` for text (None: bytes, or a token cache's own).
-      model_dir: the model's directory: its chat template renders `messages` examples.
-
-    Returns:
-      A `functrain.data.LMData`, or for supervised examples (`data.format`, or records with
-      prompt/completion, messages or instruction fields) a `functrain.data.SFTData`.
+def placement(config, ctx, workdir) -> data_lib.Placement:
+    """This process's `functrain.data.Placement` in `ctx`, its cache `data.cache_dir` or `<workdir>/data`.
 
     Example:
-      >>> data = lm_data.load_data(config, ctx, "runs/gpt/data", block_size=128, vocab_size=None)
+      >>> place = lm_data.placement(config, ctx, "runs/llama")
     """
-    log = print if ctx.is_main_process else (lambda line: None)
-    if supervised_format(config.data) != "text":
-        tok = tokenizer if tokenizer is not None else data_lib.ByteTokenizer()
-        return data_lib.sft_data(
-            config.data,
-            cache_dir=cache_dir,
-            tokenizer=tok,
-            template=chat_template(config, model_dir, tok),
-            batch_size=config.batch_size,
-            block_size=block_size,
-            seed=config.seed,
-            eval_batches=config.eval_batches,
-            dp_rank=ctx.dp_rank,
-            dp_world=ctx.dp_world,
-            device=ctx.device,
-            rank=ctx.rank,
-            log=log,
-        )
-    return data_lib.lm_data(
-        config.data,
-        cache_dir=cache_dir,
-        batch_size=config.batch_size,
-        block_size=block_size,
-        seed=config.seed,
-        eval_batches=config.eval_batches,
-        dp_rank=ctx.dp_rank,
-        dp_world=ctx.dp_world,
-        device=ctx.device,
-        rank=ctx.rank,
-        world=ctx.world_size,
-        vocab_size=vocab_size,
-        tokenizer=tokenizer,
-        log=log,
-    )
+    return data_lib.Placement.of(ctx, config.data.cache_dir or str(Path(workdir) / "data"))
 
 
 def finish_text(dataset, sample, generate: Callable, device) -> dict:
@@ -110,55 +61,6 @@ def finish_text(dataset, sample, generate: Callable, device) -> dict:
         }
     ids = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
     return {"sample": dataset.decode(generate(ids, sample.max_new_tokens)[0].tolist())}
-
-
-def supervised_format(data) -> str:
-    """`data.format`, or (auto) the format of the first record of a jsonl/parquet `data.path` ("text" otherwise).
-
-    Example:
-      >>> supervised_format(config.data)        # data.path = "sft.jsonl" of prompt/completion records
-      'prompt_completion'
-    """
-    fmt = data.get("format", "auto")
-    if fmt != "auto":
-        return fmt
-    builtin = data_lib.builtin_format(str(data.path))
-    if builtin:  # "stdlib:messages", "stdlib:prompt_completion"
-        return builtin
-    if data.get("sources") or not data_lib.is_shard_source(str(data.path)):
-        return "text"
-    record = data_lib.first_record(str(data.path))
-    if record is None:
-        raise data_lib.DataError(
-            f"data.path {data.path!r} holds no record (empty files); add examples, one JSON object per line "
-            "(prompt/completion, messages, instruction/output or text)"
-        )
-    if data.get("text_field", "text") in record:
-        return "text"
-    return data_lib.detect_format(record, dict(data.get("fields") or {}))
-
-
-def chat_template(config, model_dir, tokenizer) -> data_lib.ChatTemplate:
-    """The chat template `data.chat_template` names: "auto": the model directory's, else the tokenizer file's
-    directory's, else the default; "default"; a .jinja file; a directory with a tokenizer_config.json. It
-    renders with the tokenizer's special tokens (`bos_token`, `eos_token`, ...), as transformers renders it."""
-    spec = config.data.chat_template
-    special = (tokenizer.special.template_vars() or None) if tokenizer is not None else None
-    if spec == "default":
-        return data_lib.chat_template_of(None, special)
-    if spec != "auto":
-        path = Path(spec).expanduser()
-        if path.is_file():
-            return data_lib.ChatTemplate(path.read_text(), special, name=str(path))
-        if not path.is_dir():
-            raise config_checks.ConfigError(
-                f"data.chat_template={spec!r} is neither a .jinja file nor a directory; give one, or 'auto' / 'default'"
-            )
-        return data_lib.chat_template_of(path, special)
-    for d in (model_dir, getattr(tokenizer, "path", None) and Path(tokenizer.path).parent):
-        if d is not None and data_lib.has_chat_template(d):
-            return data_lib.chat_template_of(d, special)
-    return data_lib.chat_template_of(None, special)
 
 
 def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):

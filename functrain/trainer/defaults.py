@@ -9,6 +9,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_collections
 
 __all__ = ["data_config", "trainer_config"]
@@ -169,14 +171,17 @@ def trainer_config() -> ml_collections.ConfigDict:
     return c
 
 
-def data_config() -> ml_collections.ConfigDict:
-    """The keys of the data a language-model family reads (`functrain.data.lm_data`), with defaults.
+def data_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The keys of the data a language-model family reads (`functrain.data.run_data`), with defaults.
+
+    Args:
+      **overrides: keys to set instead of their defaults (each must be one of them).
 
     Returns:
       A ConfigDict for `config.data`; a family adds its own keys (e.g. `tokenizer`).
 
     Example:
-      >>> c.data = data_config(); c.data.path = "/data/web/*.parquet"; c.data.sampling = "epochs"
+      >>> c.data = data_config(path="/data/web/*.parquet", sampling="epochs")
     """
     d = ml_collections.ConfigDict()
     # "stdlib", a text file, a directory of text, a dir with train.bin/val.bin, parquet/jsonl(.gz)
@@ -212,4 +217,8 @@ def data_config() -> ml_collections.ConfigDict:
     # A resume whose data differs from its checkpoint's (files, sizes, sha256, tokenizer) stops;
     # True goes on with the data as it is and logs what changed
     d.allow_changed = False
+    for key, value in overrides.items():
+        if key not in d:
+            raise KeyError(f"data_config: no key {key!r}; the keys are {sorted(d)}")
+        d[key] = value
     return d

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from functrain import config_checks, parallel
+from functrain import data as data_lib
 from functrain.interop.hf import save_hf_directory
 from functrain.models import decoder, lm_data
 from functrain.models.gpt import model as gpt_lib
@@ -36,8 +37,8 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"model.n_head={m.n_head} must divide by the tensor-parallel size {ctx.tp_world} (each rank "
             "computes whole heads); change --config.model.n_head or --config.mesh.tp"
         )
-    cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-    dataset = lm_data.load_data(config, ctx, cache_dir, block_size=m.block_size, vocab_size=m.vocab_size or None)
+    place, batching = lm_data.placement(config, ctx, workdir), data_lib.Batching.of(config, m.block_size)
+    dataset = data_lib.run_data(config.data, place, batching, vocab_size=m.vocab_size or None)
     cfg = _config(m, m.vocab_size or dataset.vocab_size)
     if cfg.vocab_size < dataset.vocab_size:
         raise config_checks.ConfigError(

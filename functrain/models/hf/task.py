@@ -133,8 +133,10 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     except (HFModelError, HFError) as exc:
         raise config_checks.ConfigError(f"model.path: {exc}") from None
     _refuse_axes(ctx, hf_config.model_type)
-    cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
-    tokenizer = lm_data.tokenizer_of(config, directory, cache_dir, fresh_vocab=hf_config.vocab_size, key="model.path")
+    place = lm_data.placement(config, ctx, workdir)
+    tokenizer = lm_data.tokenizer_of(
+        config, directory, place.cache_dir, fresh_vocab=hf_config.vocab_size, key="model.path"
+    )
     tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
     if tok_vocab > hf_config.vocab_size:
         where = getattr(tokenizer, "path", "the byte tokenizer")
@@ -156,14 +158,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"model.path: {hf_config.model_type}: {heads[0]} query and {heads[1]} key/value heads do not divide "
             f"by mesh.tp={ctx.tp_world} (each rank computes whole heads); change mesh.tp"
         )
-    dataset = lm_data.load_data(
-        config,
-        ctx,
-        cache_dir,
-        block_size=seq,
-        vocab_size=hf_config.vocab_size,
-        tokenizer=tokenizer,
-        model_dir=directory.path,
+    batching = data_lib.Batching.of(config, seq)
+    dataset = data_lib.run_data(
+        config.data, place, batching, tokenizer=tokenizer, vocab_size=hf_config.vocab_size, model_dir=directory.path
     )
     tokenizer_file = getattr(tokenizer, "path", None)
 

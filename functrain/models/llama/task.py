@@ -79,9 +79,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     try:
         hf = HFDirectory(config.init_from[3:]) if config.init_from else None
         weights = hf.weights if hf is not None else None  # opened now: a missing shard fails before anything else
-        cache_dir = config.data.cache_dir or str(Path(workdir) / "data")
+        place = lm_data.placement(config, ctx, workdir)
         tokenizer = lm_data.tokenizer_of(
-            config, hf, cache_dir, fresh_vocab=config.model.vocab_size or 2048, key="init_from"
+            config, hf, place.cache_dir, fresh_vocab=config.model.vocab_size or 2048, key="init_from"
         )
         tok_vocab = tokenizer.vocab_size if tokenizer is not None else 256
         cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
@@ -99,13 +99,12 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
             f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp"
         )
     seq = config.model.block_size
-    dataset = lm_data.load_data(
-        config,
-        ctx,
-        cache_dir,
-        block_size=seq,
-        vocab_size=cfg.vocab_size,
+    dataset = data_lib.run_data(
+        config.data,
+        place,
+        data_lib.Batching.of(config, seq),
         tokenizer=tokenizer,
+        vocab_size=cfg.vocab_size,
         model_dir=hf.path if hf is not None else None,
     )
     with torch.device("meta"):
