@@ -351,7 +351,7 @@ class _Walker:
         self.alive.append(x)
         self._walk_new(x)
 
-    def _walk_new(self, x: Any) -> None:
+    def _walk_new(self, x: Any) -> None:  # noqa: C901
         """Adds an object not seen before."""
         if isinstance(x, torch.Tensor):
             # (by metadata only: Dynamo passes a tensor in as a graph input, never its values as constants)

@@ -14,13 +14,13 @@ if TYPE_CHECKING:
     from functrain.data.batches import eval_batches, get_batch
     from functrain.data.corpus import Dataset, load_dataset, train_tokenizer
     from functrain.data.documents import is_val, stdlib_files, train_documents, validation_documents
+    from functrain.data.entry import chat_template, run_data, supervised_format
     from functrain.data.errors import DataError
     from functrain.data.examples import ExampleSet, ExampleSpec, load_examples
     from functrain.data.mixture import LMData, lm_data, parse_mixture
     from functrain.data.packing import assemble, best_fit_decreasing
     from functrain.data.placement import Batching, Placement, TextOptions
     from functrain.data.prefetch import Prefetcher
-    from functrain.data.entry import chat_template, run_data, supervised_format
     from functrain.data.sampling import SAMPLINGS, Sampler, mixture_rows, permute
     from functrain.data.sft import ExampleSampler, SFTData, sft_data
     from functrain.data.shards import is_shard_source, shard_files

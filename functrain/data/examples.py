@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -224,7 +225,7 @@ def _wait(out: Path, poll_s: float = 0.2) -> None:
 
 def load_examples(
     source: str,
-    cache_dir: str | Path,
+    cache_dir: str | os.PathLike,
     tokenizer,
     spec: ExampleSpec,
     *,

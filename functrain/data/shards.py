@@ -296,7 +296,7 @@ def skipped_files(source: str) -> list[Path]:
     return [p for p in _walk(path) if shard_kind(p) is None]
 
 
-def _read_jsonl(path: Path, field: str, bad_lines: BadLines, chunk_bytes: int):
+def _read_jsonl(path: Path, field: str, bad_lines: BadLines, chunk_bytes: int):  # noqa: C901
     """(texts, bytes) groups of a jsonl file's `field` values, a line at a time."""
     texts: list[str] = []
     held = 0

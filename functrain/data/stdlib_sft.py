@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -108,7 +109,7 @@ def _record(pair: dict, fmt: str) -> dict:
     return {"prompt": f'def {pair["signature"]}:\n    """', "completion": pair["summary"] + '"""'}
 
 
-def builtin_source(path: str, cache_dir: str | Path) -> str:
+def builtin_source(path: str, cache_dir: str | os.PathLike) -> str:
     """The jsonl file of a built-in source (written once into `cache_dir`), or `path` itself for any other.
 
     Args:

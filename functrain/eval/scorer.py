@@ -219,7 +219,7 @@ class Scorer:
         out = layout.sum_over_dp(out.to(device)).cpu()
         return [out[i, 1 : 1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
 
-    def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, sampling, layout, device):
+    def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, sampling, layout, device):  # noqa: PLR0913
         """One batch's generation: a step per token until every rank's rows are done (collective count)."""
         block = self.model.block_size
         seqs = [list(prompts[i])[-(block - 1) :] if block > 1 else [] for i in members]

@@ -89,7 +89,7 @@ def _header(items: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str] |
     return struct.pack("<Q", len(raw)) + raw
 
 
-def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+def save_safetensors(params: Any, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:  # noqa: C901
     """Writes tensors to a `.safetensors` file, streaming: one whole tensor in memory at a time.
 
     Tensors are written in the dict's order (a nested tree: flattening order, names are dotted

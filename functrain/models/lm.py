@@ -334,7 +334,7 @@ def _head_loss(hidden, weight, y, chunk_size: int, ignore_index: int) -> torch.T
     return cross_entropy(F.linear(hidden, weight), y, ignore_index=ignore_index)
 
 
-def lm_loss(
+def lm_loss(  # noqa: PLR0913
     model: nn.Module,
     params: dict[str, torch.Tensor],
     x: torch.Tensor,
@@ -466,7 +466,7 @@ def make_lm_loss_fn(
 
 
 @torch.no_grad()
-def generate(
+def generate(  # noqa: PLR0913
     model: nn.Module,
     params: dict[str, torch.Tensor],
     prompt_idx: torch.Tensor,

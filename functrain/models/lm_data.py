@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def finish_text(dataset, sample, generate: Callable, device) -> dict:
     return {"sample": dataset.decode(generate(ids, sample.max_new_tokens)[0].tolist())}
 
 
-def tokenizer_of(config, hf, cache_dir: str, *, fresh_vocab: int, key: str):
+def tokenizer_of(config, hf, cache_dir: str | os.PathLike, *, fresh_vocab: int, key: str):
     """The tokenizer `config.data.tokenizer` names (None: bytes, the data layer's default).
 
     Args:

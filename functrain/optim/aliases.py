@@ -22,7 +22,7 @@ __all__ = ["adamw", "adam", "sgd"]
 PyTree = Any
 
 
-def adamw(
+def adamw(  # noqa: PLR0913
     learning_rate: ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,

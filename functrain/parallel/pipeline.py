@@ -22,7 +22,6 @@ import torch.distributed._functional_collectives as funcol
 import functrain.step.metric_names as M
 import functrain.step.precision as precision_lib
 from functrain import compiler
-from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
@@ -30,7 +29,7 @@ from functrain.parallel.pipeline_schedule import Action, partition
 from functrain.parallel.pipeline_schedule import schedule as make_schedule
 from functrain.state import TrainState
 from functrain.step.loss_contract import loss_and_aux
-from functrain.step.microbatches import Microbatches
+from functrain.step.microbatches import Microbatches, step_key
 from functrain.step.staged import StagedLoss, cotangent_seed
 from functrain.step.update import make_update, to_master
 
@@ -406,7 +405,7 @@ def _device(p: Params) -> torch.device:
     return x.to_local().device if hasattr(x, "to_local") else x.device
 
 
-def make_pipeline_step(
+def make_pipeline_step(  # noqa: PLR0913
     pipe: Pipeline,
     optimizer,
     *,
@@ -476,8 +475,7 @@ def make_pipeline_step(
         params, batch = precision_lib.to_compute(prec, state.params, batch)
         params = lay.gather(params)  # this rank's stages, whole on the dp axes (tp slices stay slices)
         both = _with_frozen(lay, prec, state, params)  # what the stages read (a LoRA base too)
-        key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
-        loss_scale = state.guard.loss_scale if prec.loss_scaling else None
+        key, loss_scale = step_key(state, lay), prec.scale_of(state.guard)
         # every rank holds the batch: the same counts on every stage
         mbs = Microbatches(
             batch, key, microbatches, lay, count_targets=count_targets, loss_scale=loss_scale, what="pp.microbatches"

@@ -18,13 +18,12 @@ import torch
 
 import functrain.step.metric_names as M
 import functrain.step.precision as precision_lib
-from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.nn.model_state import has_model_state, restore_dtypes
 from functrain.parallel.layout import Layout
 from functrain.state import TrainState
 from functrain.step.grads import scaled_loss, with_frozen
-from functrain.step.microbatches import Microbatches
+from functrain.step.microbatches import Microbatches, step_key
 
 __all__ = ["Forward", "Plan", "compute_model_state", "forward", "loss_and_grads"]
 
@@ -67,7 +66,7 @@ def compute_model_state(model_state: PyTree, lay: Layout, prec: precision_lib.Pr
     return precision_lib.cast_floating(local, prec.compute_dtype) if prec.casts else local
 
 
-def forward(
+def forward(  # noqa: PLR0913
     loss_fn: Callable,
     prec: precision_lib.Precision,
     lay: Layout,
@@ -157,9 +156,10 @@ def loss_and_grads(forward_fn: Callable, plan: Plan, lay: Layout, state: TrainSt
     leaves, spec = tree_lib.flatten(state.params)
     leaves = [x.detach().requires_grad_() for x in leaves]
     params = spec.unflatten(leaves)
-    key = lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
-    loss_scale = state.guard.loss_scale if plan.prec.loss_scaling else None
-    mbs = Microbatches(batch, key, plan.accum_steps, lay, count_targets=plan.count_targets, loss_scale=loss_scale)
+    scale = plan.prec.scale_of(state.guard)
+    mbs = Microbatches(
+        batch, step_key(state, lay), plan.accum_steps, lay, count_targets=plan.count_targets, loss_scale=scale
+    )
     model_state = state.model_state
     for i, (mb, mb_key) in enumerate(mbs):
         with torch.enable_grad():

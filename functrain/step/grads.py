@@ -33,7 +33,7 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree, "torch.Tensor | None"], "tuple[torch.Tensor, dict]"]
 
 
-def value_and_grad(
+def value_and_grad(  # noqa: PLR0913
     loss_fn: LossFn,
     params: PyTree,
     batch: PyTree,
@@ -138,7 +138,7 @@ def _autograd_value_and_grad(f, params: PyTree):
     return loss, tree_lib.map(lambda a: a.detach() if torch.is_tensor(a) else a, aux), spec.unflatten(grads)
 
 
-def _metrics_and_grads(
+def _metrics_and_grads(  # noqa: PLR0913
     loss_fn, params, batch, key, loss_scale=None, layout=None, model_state=None, fullgraph=True, keyed=True
 ):
     """({"loss": loss, **aux}, grads, new model state) for one (micro)batch (per-stage gathers with a `layout`)."""

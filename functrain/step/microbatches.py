@@ -22,9 +22,25 @@ import functrain.step.metric_names as M
 from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 
-__all__ = ["Microbatches", "by_position", "split_microbatches"]
+__all__ = ["Microbatches", "by_position", "split_microbatches", "step_key"]
 
 PyTree = Any
+
+
+def step_key(state, lay) -> torch.Tensor:
+    """This step's key on this data-parallel rank: `state.rng` folded with the step, then with the dp rank.
+
+    Args:
+      state: the `TrainState` (its `rng` and `step`).
+      lay: the params' `functrain.parallel.Layout` (`fold_in_dp`).
+
+    Returns:
+      The key the step's microbatches draw from.
+
+    Example:
+      >>> mbs = Microbatches(batch, step_key(state, lay), 4, lay, count_targets=None, loss_scale=None)
+    """
+    return lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
 
 
 def split_microbatches(batch: PyTree, k: int, what: str = "accum_steps") -> PyTree:

@@ -57,6 +57,10 @@ class Precision:
         """Whether params/inputs are cast (compute dtype other than float32)."""
         return self.compute_dtype != torch.float32
 
+    def scale_of(self, guard) -> torch.Tensor | None:
+        """The loss scale a step multiplies its loss by: the guard's dynamic scale, None without loss scaling."""
+        return guard.loss_scale if self.loss_scaling else None
+
 
 def get(spec: str | torch.dtype | Precision | None) -> Precision:
     """The `Precision` named by `spec`.

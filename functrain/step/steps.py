@@ -23,7 +23,6 @@ import functrain.step.metric_names as M
 import functrain.step.precision as precision_lib
 import functrain.step.update_groups as update_groups
 from functrain import compiler, optim
-from functrain import rng as rng_lib
 from functrain.nn import mode as mode_lib
 from functrain.nn import randomness
 from functrain.nn.model_state import call_loss, check_loss, has_model_state, restore_dtypes
@@ -37,14 +36,14 @@ from functrain.step.grads import (
     accumulated_value_and_grad,
     with_frozen,
 )
-from functrain.step.microbatches import Microbatches
+from functrain.step.microbatches import Microbatches, step_key
 from functrain.step.staged import StagedLoss
 from functrain.step.update import fused_in_place, make_update, to_master
 
 __all__ = ["make_train_step", "make_eval_step"]
 
 
-def make_train_step(
+def make_train_step(  # noqa: PLR0913
     loss_fn: LossFn,
     optimizer: optim.Transform,
     *,
@@ -126,7 +125,7 @@ class _TrainSpec(NamedTuple):
     stage_loss: LossFn | None  # compile="blocks": the loss with each stage compiled
 
 
-def _train_spec(
+def _train_spec(  # noqa: PLR0913
     loss_fn: LossFn,
     optimizer: optim.Transform,
     *,
@@ -300,7 +299,7 @@ def _prepare_for(prec, lay: Layout, per_stage: bool) -> Callable:
         frozen, _ = precision_lib.to_compute(prec, state.frozen, None)
         if not per_stage:
             params, frozen = lay.gather(params), lay.gather(frozen)
-        return params, frozen, batch, lay.fold_in_dp(rng_lib.fold_in(state.rng, state.step))
+        return params, frozen, batch, step_key(state, lay)
 
     return prepare
 
@@ -311,7 +310,7 @@ def _whole_update_for(update, prec, lay: Layout, per_stage: bool) -> Callable:
     compiled update's key holds only what it computes with, so another model of the same shapes loads it.)"""
 
     def whole_update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
-        grads = to_master(grads, state.params, state.guard.loss_scale if prec.loss_scaling else None)
+        grads = to_master(grads, state.params, prec.scale_of(state.guard))
         if not per_stage:  # grads back to the params' placements (per stage: done already)
             grads = lay.reduce_grads(grads, state.params)
         return update(state, lay.mean_over_dp(aux), grads, model_state)
@@ -339,7 +338,7 @@ class _Update:
     def __call__(self, state: TrainState, aux: dict, grads: PyTree, model_state: PyTree):
         spec, with_state = self.spec, has_model_state(model_state)
         if self.fused:  # torch's precompiled kernel: nothing to compile
-            master = to_master(grads, state.params, state.guard.loss_scale if spec.prec.loss_scaling else None)
+            master = to_master(grads, state.params, spec.prec.scale_of(state.guard))
             ms = model_state if with_state else None
             done = fused_in_place(state, aux, master, spec.optimizer, spec.guarded, spec.prec, ms)
             if done is not None:
@@ -394,9 +393,9 @@ def _loss_and_grads(spec: _TrainSpec, lay: Layout, loss_fn, per_stage, prepare, 
     """`(aux, grads, model_state)`: prepare, the accumulated loss and grads, the model state made one over the
     ranks."""
     params, frozen, batch, key = prepare(state, batch)
-    loss_scale = state.guard.loss_scale if spec.prec.loss_scaling else None
     model_state = compute_model_state(state.model_state, lay, spec.prec)
-    mbs = Microbatches(batch, key, spec.accum_steps, lay, count_targets=spec.count_targets, loss_scale=loss_scale)
+    scale = spec.prec.scale_of(state.guard)
+    mbs = Microbatches(batch, key, spec.accum_steps, lay, count_targets=spec.count_targets, loss_scale=scale)
     aux, grads, model_state = accumulated_value_and_grad(
         with_frozen(loss_fn, frozen),
         params,

@@ -246,7 +246,7 @@ class _Split:
         return spec.unflatten(out)
 
 
-def grouped_update(
+def grouped_update(  # noqa: C901
     optimizer: optim.Transform,
     groups: list[Group],
     lay: Layout,
@@ -364,7 +364,7 @@ def grouped_update(
         return made[structure]
 
     def update(state: TrainState, aux: dict, grads: dict):
-        loss_scale = state.guard.loss_scale if prec.loss_scaling else None
+        loss_scale = prec.scale_of(state.guard)
         # masters' dtypes, unscaled
         master = [to_master(_pick(grads, g), _pick(state.params, g), loss_scale) for g in groups]
         if exact_norms:

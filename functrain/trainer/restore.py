@@ -75,7 +75,7 @@ def init_params_from(path: str, state: TrainState, print_fn) -> TrainState:
     return state.replace(params=params)
 
 
-def maybe_restore(
+def maybe_restore(  # noqa: PLR0913
     manager,
     state: TrainState,
     train_step,

@@ -83,7 +83,7 @@ def _is_buffer(name: str) -> bool:
     return len(parts) == 4 and parts[0] == "h" and parts[2] == "attn" and parts[3] in ("bias", "masked_bias")
 
 
-def import_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+def import_hf_gpt2(state_dict: Mapping[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:  # noqa: C901
     """A Hugging Face GPT-2 state dict as params for `GPT(cfg)`, in `GPT(cfg).named_parameters()` order.
 
     Accepts `GPT2LMHeadModel` names (`transformer.` prefix) and `GPT2Model` names (no prefix, as in
