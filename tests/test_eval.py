@@ -298,11 +298,11 @@ def test_auto_skips_in_one_line_where_an_explicit_task_stops():
     """eval.tasks=auto (the GPT configs' default) goes on without next_lines where the run cannot make it,
     saying why in one line; the same task named explicitly stops the run."""
     from functrain import config_checks
-    from functrain.task import Task
+    from functrain.task import Batches, Task
     from functrain.trainer import defaults, downstream
 
     config = defaults.trainer_config()
-    task = Task("t", None, (), None, None, None, 0, 0.0, None)  # no eval_model, no validation text
+    task = Task("t", None, (), None, Batches(None, None), 0, 0.0, None)  # no eval_model, no validation text
     lines = []
     config.eval.tasks = "auto"
     assert downstream.hook(task, config, None, compile=False, whole=True, print_fn=lines.append) is None
@@ -310,7 +310,7 @@ def test_auto_skips_in_one_line_where_an_explicit_task_stops():
     config.eval.tasks = "next_lines"
     with pytest.raises(config_checks.ConfigError, match="gives no eval_model"):
         downstream.hook(task, config, None, compile=False, whole=True, print_fn=lines.append)
-    model_task = task._replace(eval_model=UNIGRAM, validation_text=lambda: ["x = 1\n"] * 3)
+    model_task = task._replace(eval_model=UNIGRAM, data=Batches(None, None, validation_text=lambda: ["x = 1\n"] * 3))
     with pytest.raises(data_lib.DataError, match="next_lines needs 2 or more"):
         downstream.hook(model_task, config, None, compile=False, whole=True, print_fn=lines.append)
     config.eval.tasks = "auto"

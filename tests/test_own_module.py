@@ -504,7 +504,7 @@ def test_two_data_parallel_ranks_keep_the_statistics_each_sync_promises(tmp_path
 
 def _bn_task(template):
     from functrain import parallel
-    from functrain.task import Task
+    from functrain.task import Batches, Task
 
     data = batches(20)
     return Task(
@@ -512,8 +512,7 @@ def _bn_task(template):
         init_params=lambda key, device: {k: v.clone() for k, v in ft.params_of(template).items()},
         shard_rules=parallel.FSDP_RULES,
         loss_fn=loss_fn_for(template),
-        train_batch=lambda step: data[step % len(data)],
-        eval_batches=lambda: data[:2],
+        data=Batches(lambda step: data[step % len(data)], lambda: data[:2]),
         tokens_per_step=16,
         flops_per_token=0.0,
         finish=lambda params, key: {},

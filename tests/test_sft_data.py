@@ -286,14 +286,18 @@ def test_the_data_record_names_the_files_and_changes_with_them(tmp_path):
 
 def test_epochs_set_the_steps_from_the_tasks_steps_per_epoch():
     from functrain import config_checks
+    from functrain.task import Batches
     from functrain.trainer import main, validate
 
+    def task(per_epoch):
+        return type("T", (), {"data": Batches(None, None, steps_per_epoch=per_epoch)})()
+
     config = ConfigDict({"epochs": 2.5, "steps": 1})
-    main._steps_from_epochs(config, type("T", (), {"steps_per_epoch": 10.2})(), validate)
+    main._steps_from_epochs(config, task(10.2), validate)
     assert config.steps == 26  # ceil(2.5 x 10.2)
     config = ConfigDict({"epochs": 1.0, "steps": 1})
     with pytest.raises(config_checks.ConfigError, match="this data has no epochs"):
-        main._steps_from_epochs(config, type("T", (), {"steps_per_epoch": None})(), validate)
+        main._steps_from_epochs(config, task(None), validate)
 
 
 def test_a_template_that_renders_the_bos_gives_one_bos(tmp_path):

@@ -108,20 +108,22 @@ def _poisoned_run(tmp_path, config, bad_steps, print_fn):
     batches of `bad_steps` (0-based): its batches carry a flag tensor, so the loss stays pure."""
     from functrain import parallel
     from functrain.models.gpt import task as gpt_task
+    from functrain.task import Batches
     from functrain.trainer import loop
 
     with parallel.setup(config.mesh) as ctx:
         task = gpt_task.build(config, ctx, tmp_path / "run")
 
         def train_batch(step):
-            x, y = task.train_batch(step)
+            x, y = task.data.train_batch(step)
             return x, y, torch.tensor(step in bad_steps)
 
         def loss_fn(params, batch, key):
             loss, aux = task.loss_fn(params, batch[:2], key)
             return (torch.where(batch[2], float("nan"), loss) if len(batch) > 2 else loss), aux
 
-        bad = task._replace(train_batch=train_batch, loss_fn=loss_fn)
+        data = Batches(train_batch, task.data.eval_sets, task.data.position, task.data.record)
+        bad = task._replace(data=data, loss_fn=loss_fn)
         opt = trainer_optimizer.from_config(config.optim, config.steps)
         return loop.run(bad, opt, config, tmp_path / "run", ctx, print_fn=print_fn)
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from functrain.data.batches import eval_batches as eval_windows
 from functrain.data.corpus import Dataset, load_dataset
+from functrain.data.documents import validation_documents
 from functrain.data.errors import DataError
 from functrain.data.placement import Batching, Placement, TextOptions
 from functrain.data.record import source_record
@@ -70,6 +72,7 @@ class LMData:
       vocab_size: the largest vocabulary among the sources.
       eval_batches: evaluation batches per source.
       dp: {"rank", "world", "device"}: this process's data-parallel place.
+      options: how the sources' text was read and split (their validation text is read alike).
     """
 
     datasets: dict[str, Dataset]
@@ -78,6 +81,7 @@ class LMData:
     vocab_size: int
     eval_batches: int
     dp: dict
+    options: TextOptions = TextOptions()
 
     def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the training batch of `step` (a pure function of seed and step).
@@ -119,6 +123,30 @@ class LMData:
     def position(self, step: int) -> dict[str, float]:
         """The epoch and the fraction of it consumed after `step` steps (`Sampler.position`)."""
         return self.sampler.position(step)
+
+    def validation_text(self) -> list[str]:
+        """Every source's held-out documents, in order (the built-in `next_lines` task is made of them).
+
+        Raises:
+          DataError: a source that is token files (train.bin / val.bin, a token cache): their documents'
+            text is not kept; one line.
+
+        Example:
+          >>> docs = data.validation_text()
+        """
+        out: list[str] = []
+        for ds in self.datasets.values():
+            source = str(ds.info.get("requested", ds.info.get("source")))  # (the path as given: maybe a cache)
+            here = Path(source).expanduser()
+            if source != "stdlib" and here.is_dir() and ((here / "val.bin").exists() or (here / "meta.json").exists()):
+                raise DataError(
+                    f"data.path {source}: token files keep no document text, so the built-in "
+                    "next_lines task cannot be made from them; evaluate on a multiple-choice file "
+                    "(--config.eval.tasks=<file.jsonl>) or train on text"
+                )
+            opts = self.options
+            out += validation_documents(source, text_field=opts.text_field, val_fraction=opts.val_fraction)
+        return out
 
     @property
     def steps_per_epoch(self) -> float | None:
@@ -207,4 +235,4 @@ def lm_data(
         sampling=data.sampling,
     )
     tokens = max(ds.vocab_size for ds in datasets.values())
-    return LMData(datasets, sampler, first.tokenizer, tokens, batching.eval_batches, place.dp)
+    return LMData(datasets, sampler, first.tokenizer, tokens, batching.eval_batches, place.dp, options)

@@ -224,6 +224,10 @@ class SFTData:
         """Steps per epoch over the training examples."""
         return self.sampler.steps_per_epoch
 
+    def validation_text(self) -> None:
+        """None: supervised examples give no validation documents (`next_lines` is made from text)."""
+        return None
+
     def efficiency(self) -> tuple[float, float]:
         """(target tokens, real tokens) over all tokens of an epoch's rows."""
         return efficiency(self.train, self.sampler.epoch_tokens())

@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from functrain import data as data_lib
 from functrain import parallel
 from functrain.models import lm, lm_data, lm_lora
 from functrain.task import Task
@@ -106,7 +105,6 @@ def task(
     if ctx.is_main_process and facts.info is not None:
         Path(workdir).mkdir(parents=True, exist_ok=True)
         (Path(workdir) / "model.json").write_text(json.dumps(facts.info, indent=2, default=str) + "\n")
-    text = data_lib.supervised_format(config.data) == "text"
     return Task(
         describe=f"{facts.describe}, {dataset.describe()}",
         init_params=lm_lora.with_adapters(
@@ -119,12 +117,8 @@ def task(
         ),
         shard_rules=rules,
         loss_fn=built.loss_fn,
-        train_batch=dataset.train_batch,
-        eval_batches=dataset.eval_sets,
-        data_position=dataset.position,
-        data_record=dataset.record(),
+        data=dataset,
         count_targets=lm.count_targets(),
-        steps_per_epoch=dataset.steps_per_epoch,
         tokens_per_step=lambda batch: config.batch_size * batch[0].shape[-1],  # (padded rows: the batch's length)
         flops_per_token=lm_lora.flops_per_token(facts.flops_per_token, template, lora_spec),
         finish=_sampler(config, ctx, dataset, template, head, built),
@@ -138,7 +132,6 @@ def task(
             head=head,
             logits_fn=built.logits_fn,
         ),
-        validation_text=lm_data.validation_text(config) if text else None,
     )
 
 

@@ -22,7 +22,6 @@ __all__ = [
     "finish_text",
     "placement",
     "tokenizer_of",
-    "validation_text",
 ]
 
 
@@ -136,41 +135,3 @@ def check_packing(config, ctx) -> None:
             "data.packing=True: context parallelism splits each row over the cp ranks and its "
             "attention has no document mask; set --config.data.packing=False or mesh.cp=1"
         )
-
-
-def validation_text(config) -> Callable[[], list[str]]:
-    """`() -> texts`: the validation documents of the run's text sources (`Task.validation_text`).
-
-    Args:
-      config: the run config (data.path or data.sources, text_field, val_fraction are read).
-
-    Returns:
-      The function (it reads the files when called): every source's held-out documents, in order.
-
-    Raises:
-      DataError (when called): a source that is token files (train.bin / val.bin, a token cache): their
-        documents' text is not kept; one line.
-
-    Example:
-      >>> docs = lm_data.validation_text(config)()
-    """
-
-    def read() -> list[str]:
-        """The held-out documents of every text source."""
-        out: list[str] = []
-        for _, path, _ in data_lib.parse_mixture(config.data):
-            here = Path(path).expanduser()
-            if path != "stdlib" and (here.is_dir() and ((here / "val.bin").exists() or (here / "meta.json").exists())):
-                raise data_lib.DataError(
-                    f"data.path {path}: token files keep no document text, so the built-in "
-                    "next_lines task cannot be made from them; evaluate on a multiple-choice file "
-                    "(--config.eval.tasks=<file.jsonl>) or train on text"
-                )
-            out += data_lib.validation_documents(
-                path,
-                text_field=config.data.text_field,
-                val_fraction=config.data.val_fraction,
-            )
-        return out
-
-    return read

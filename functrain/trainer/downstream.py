@@ -93,7 +93,7 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
 
     Args:
       names: comma-separated jsonl paths and/or "next_lines".
-      task: the run's `Task` (its `eval_model` and `validation_text`).
+      task: the run's `Task` (its `eval_model` and `data.validation_text()`).
       limit: examples per task (0: all).
 
     Returns:
@@ -110,14 +110,15 @@ def load_tasks(names: str, task: Task, *, limit: int) -> dict[str, list]:
     out: dict[str, list] = {}
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         if name == "next_lines":
-            if task.validation_text is None:
+            texts = task.data.validation_text()
+            if texts is None:
                 raise config_checks.ConfigError(
                     "eval.tasks=next_lines is made from the run's validation text, and this "
                     "run's data has none (supervised examples); give multiple-choice files"
                 )
             try:
                 examples = next_lines.build(
-                    task.validation_text(),
+                    texts,
                     task.eval_model.tokenizer,
                     block_size=task.eval_model.block_size,
                     seed=NEXT_LINES_SEED,

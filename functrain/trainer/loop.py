@@ -169,6 +169,7 @@ class _Training:
         if config.checkpoint.init_from and (latest is None or state.frozen):
             state = init_params_from(config.checkpoint.init_from, state, self.print)  # a resume wins (a base: not)
         self.frozen_record = frozen_lib.record(state.frozen, frozen_lib.source_of(config))
+        self.data_record = task.data.record()
         self.graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
         if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
             state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
@@ -176,11 +177,11 @@ class _Training:
             self.manager,
             state,
             self.route.train_step,
-            task.train_batch,
+            task.data.train_batch,
             config,
             self.print,
             whole=self.route.whole,
-            data_record=task.data_record,
+            data_record=self.data_record,
             frozen_record=self.frozen_record,
         )
         self.state = cuda_graphs.prepare(state) if graphs else state  # (restored tensors: re-recorded once)
@@ -205,18 +206,20 @@ class _Training:
         skips = config.max_consecutive_skips > 0
         self.start = start = int(self.state.step)
         prefetch = config.prefetch
-        self.batches = Prefetcher(task.train_batch, start, depth=prefetch, device=self.device) if prefetch else None
+        self.batches = (
+            Prefetcher(task.data.train_batch, start, depth=prefetch, device=self.device) if prefetch else None
+        )
         self.log = Log(
             config.log_every,
             self.writer,
             self.throughput,
             self.device,
             skips,
-            task.data_position,
+            task.data.position,
             self.batches,
             route.param_norm,
         )
-        eval_sets = task.eval_batches()
+        eval_sets = task.data.eval_sets()
         eval_sets = {k: list(v) for k, v in eval_sets.items()} if isinstance(eval_sets, Mapping) else list(eval_sets)
         self.evaluation = Eval(config.eval_every, route.eval_step, eval_sets, self.writer)
         self.choices = downstream.hook(
@@ -231,7 +234,7 @@ class _Training:
         builtin: list[Hook] = [SkipWatch(config.max_consecutive_skips, config.log_every, self.manager)] if skips else []
         builtin += [self.log, self.evaluation] + ([self.choices] if self.choices is not None else [])
         if self.manager is not None:
-            builtin.append(SaveCheckpoints(self.manager, task.data_record, self.frozen_record))
+            builtin.append(SaveCheckpoints(self.manager, self.data_record, self.frozen_record))
         builtin.append(Profiler(config.profile.start, config.profile.stop, self.env.workdir, self.print))
         if config.gc_every > 0:
             builtin.append(GarbageCollection(config.gc_every))
@@ -272,7 +275,7 @@ class _Training:
         config, preemption, graphs = self.config, self.env.preemption, self.graphs
         for h in self.hooks:
             h.before(step)
-        batch = self.batches.get(step) if self.batches is not None else self.task.train_batch(step)
+        batch = self.batches.get(step) if self.batches is not None else self.task.data.train_batch(step)
         if graphs:
             cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
         try:

@@ -154,13 +154,14 @@ def _steps_from_epochs(config: Any, task, validate) -> None:
     epochs = config.epochs
     if not epochs:
         return
-    if task.steps_per_epoch is None:
+    per_epoch = task.data.steps_per_epoch
+    if per_epoch is None:
         raise config_checks.ConfigError(
             f"epochs={epochs:g}: this data has no epochs (random windows of text); set "
             "--config.steps, or use supervised examples / --config.data.sampling=epochs"
         )
     with config.unlocked() if hasattr(config, "unlocked") else contextlib.nullcontext():
-        config.steps = max(1, math.ceil(epochs * task.steps_per_epoch))
+        config.steps = max(1, math.ceil(epochs * per_epoch))
 
 
 def export_hf(
