@@ -129,7 +129,7 @@ def test_hf_weights_load_onto_two_ranks(corpus, tmp_path):
     c.init_from, c.data.path, c.data.cache_dir = f"hf:{hf}", str(corpus), str(corpus.parent / "cache")
     c.model.block_size = 64
     with parallel.setup(None) as ctx:
-        x, y = llama_task.build(c, ctx, tmp_path / "probe").train_batch(0)
+        x, y = llama_task.build(c, ctx, tmp_path / "probe").data.train_batch(0)
     with torch.no_grad():
         expected = float(torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()))
     assert abs(rows[0]["loss"] - expected) <= _tol.rtol(16 * 64 * 48) * expected, (rows[0]["loss"], expected)

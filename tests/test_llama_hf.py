@@ -193,7 +193,7 @@ def test_a_directory_without_a_tokenizer_is_sized_from_its_model_or_refused_up_f
     byte_dir, _ = _hf_model(tmp_path, vocab=256, name="bytes")
     with parallel.setup(None) as ctx:
         t = task.build(_config(tmp_path, byte_dir), ctx, tmp_path / "run_bytes")
-        x, _ = t.train_batch(0)
+        x, _ = t.data.train_batch(0)
     assert (
         int(x.max()) < 256 and json.loads((tmp_path / "run_bytes" / "model.json").read_text())["tokenizer"] == "bytes"
     )
@@ -248,7 +248,7 @@ def test_train_from_hf_export_at_the_end_and_from_a_checkpoint(tmp_path):
 
     with parallel.setup(None) as ctx:
         t = llama_task.build(_config(tmp_path, directory), ctx, tmp_path / "probe")
-        x, y = t.train_batch(0)
+        x, y = t.data.train_batch(0)
     with torch.no_grad():
         logits = theirs(x).logits
     hf_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
