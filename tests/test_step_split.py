@@ -13,8 +13,6 @@ import pytest
 import torch
 
 from functrain import init_state, make_train_step, optim, tree
-from functrain.parallel import LOCAL
-from functrain.step import steps as steps_lib
 from functrain.step import update_groups
 
 
@@ -42,22 +40,9 @@ def _opt(clip: float = 0.05):
 
 
 def _whole_one_graph(loss_fn, opt):
-    """The step compiled as one graph, as compile=True did before the update was split off."""
-    spec = steps_lib._train_spec(
-        loss_fn,
-        opt,
-        accum_steps=1,
-        accum_impl="unroll",
-        precision=None,
-        skip_nonfinite=True,
-        donate=True,
-        fullgraph=True,
-        model_state_sync="broadcast",
-        count_targets=None,
-        compile=True,
-        compile_options=None,
-    )
-    return steps_lib._InTrainMode(steps_lib._whole_graph(spec, LOCAL))
+    """The step compiled as one graph, as compile=True did before the update was split off: the route
+    fullgraph=False takes (graph breaks allowed; this model has none, so it is one graph)."""
+    return make_train_step(loss_fn, opt, fullgraph=False)
 
 
 @pytest.mark.slow
