@@ -93,6 +93,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     # a non-finite loss or grad norm skips the update; stop after this many in a row, checked at log steps (0 = never)
     c.max_consecutive_skips = 10
     c.tensorboard = True  # event files in <workdir>/tb (with the tensorboard package; JSONL always)
+    c.export_hf = False  # write <workdir>/hf at the end (a family with an export: a transformers directory)
     c.device = "auto"  # "auto" = cuda if available, else cpu
     # keep: freed host memory stays in the process (functrain/trainer/memory.py: page faults on fresh
     # buffers cost 17% of the default step on CPU); default: glibc's own policy.

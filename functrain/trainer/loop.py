@@ -153,7 +153,7 @@ class _Training:
         task, config, env, graphs = self.task, self.config, self.env, self.graphs
         options = cuda_graphs.options() if graphs else None
         state, self.route = route_lib.choose(task, optimizer, config, env.ctx, self.device, _compile(config), options)
-        export = config.get("export_hf") and task.export is not None and self.route.whole
+        export = config.export_hf and task.export is not None and self.route.whole
         self.export_to = env.workdir / "hf" if export else None
         if self.export_to is not None:  # before anything trains: an export that cannot be written fails now
             exports.check_targets(exports.targets(self.export_to, lora=state.frozen is not None and bool(state.frozen)))

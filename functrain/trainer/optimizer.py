@@ -78,7 +78,7 @@ def from_config(c: Any, steps: int) -> Transform:
     """
     lr = schedule_from_config(c, steps)
     if c.name == "adamw":
-        fused = c.get("fused")  # None: the kernel in eager steps only (checked: True keeps the moments float32)
+        fused = c.fused  # None: the kernel in eager steps only (checked: True keeps the moments float32)
         mu_dtype, nu_dtype = (None if fused else precision_lib.parse_dtype(c[k]) for k in ("mu_dtype", "nu_dtype"))
         base = adamw(
             lr, c.b1, c.b2, c.eps, c.weight_decay, mask=decay_mask, mu_dtype=mu_dtype, nu_dtype=nu_dtype, fused=fused

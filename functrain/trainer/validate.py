@@ -85,6 +85,7 @@ LOOP_CHECKS: list[Check] = [
     ("precision", one_of("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),
     ("max_consecutive_skips", int_at_least(0)),
     ("tensorboard", boolean()),
+    ("export_hf", boolean()),
     ("host_memory", one_of("keep", "default")),
     ("gc_every", int_at_least(0)),
     ("prefetch", int_at_least(0)),

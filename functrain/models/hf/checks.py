@@ -24,7 +24,6 @@ CHECKS: list = [
     ("model.block_size", config_checks.int_at_least(1)),
     ("model.weights", config_checks.boolean()),
     TOKENIZER_CHECK,
-    ("export_hf", config_checks.boolean()),
     *LM_CHECKS,
 ]
 """The checks of the keys the Hugging Face family reads."""

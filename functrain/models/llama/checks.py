@@ -41,7 +41,6 @@ CHECKS: list = [
     ("model.dropout", config_checks.number_in(0.0, 1.0)),
     TOKENIZER_CHECK,
     ("init_from", (_init_from_ok, "'' or 'hf:<Hugging Face model directory>'")),
-    ("export_hf", config_checks.boolean()),
     *LM_CHECKS,
     # With init_from the model's shape comes from the Hugging Face config.json, not these keys.
     config_checks.relation(
