@@ -51,7 +51,7 @@ def tiny_gpt(**overrides) -> gpt.GPT:
 
 def corpus(args):
     """The embedded stdlib corpus, tokenized once into `args.cache_dir`."""
-    return data.load_dataset("stdlib", args.cache_dir)
+    return data.load_dataset("stdlib", data.Placement(args.cache_dir))
 
 
 def batch(args, ds, step: int):
