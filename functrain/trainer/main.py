@@ -250,7 +250,8 @@ def check_config(config: Any, mesh: bool = True) -> None:
     from functrain.trainer import validate
     from functrain.trainer.optimizer_checks import CHECKS as optim_checks
 
-    config_checks.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *_family(config, "checks").CHECKS])
+    family = _family(config, "checks")
+    config_checks.check_all(config, [*validate.LOOP_CHECKS, *optim_checks, *family.CHECKS])
     validate.check_cuda_graphs(config)
     dist = sys.modules.get("torch.distributed")
     if not mesh or (dist is not None and dist.is_available() and dist.is_initialized()):
@@ -261,15 +262,14 @@ def check_config(config: Any, mesh: bool = True) -> None:
     except ValueError as exc:
         raise config_checks.ConfigError(f"{exc}; fix --config.mesh.* or the number of processes") from None
     pp = config.mesh.pp
-    config_checks.check_pipeline(pp, config.accum_steps, config.model.get("n_layer", 0))
+    size = {k: config_checks.get(config, key) for k, key in family.SIZES.items()}  # (0: not this family's key)
+    config_checks.check_pipeline(pp, config.accum_steps, size.get("n_layer", 0))
     micro = ("pp.microbatches", config.pp.microbatches) if pp > 1 else ("accum_steps", config.accum_steps)
     config_checks.check_batch(config.batch_size, micro[1], config_checks.dp_world(shape) if world > 1 else 1, micro[0])
-    config_checks.check_context(config.model.get("block_size", 0), shape["cp"])
+    config_checks.check_context(size.get("block_size", 0), shape["cp"])
     if config.device == "cpu" or (config.device == "auto" and not _has_gpu()):
         rows = config.batch_size // micro[1] // (config_checks.dp_world(shape) if world > 1 else 1)
-        config_checks.check_attention_fits(
-            config.model.get("block_size", 0), config.model.get("n_head", 0), rows, shape["cp"]
-        )
+        config_checks.check_attention_fits(size.get("block_size", 0), size.get("n_head", 0), rows, shape["cp"])
 
 
 def _has_gpu() -> bool:
@@ -294,7 +294,7 @@ def _check_init_from(config: Any, workdir: str | Path, loop) -> None:
 def _family(config: Any, module: str = "task"):
     """The `task` (or `checks`) module of the model family `config.model.name`."""
 
-    name = config.model.get("name", "gpt")
+    name = config.model.name if "name" in config.model else ""
     try:
         if isinstance(name, str) and name.isidentifier():
             return importlib.import_module(f"functrain.models.{name}.{module}")

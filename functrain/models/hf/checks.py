@@ -10,7 +10,7 @@ from __future__ import annotations
 from functrain import config_checks
 from functrain.models.checks import LM_CHECKS, TOKENIZER_CHECK
 
-__all__ = ["CHECKS"]
+__all__ = ["CHECKS", "SIZES"]
 
 
 CHECKS: list = [
@@ -27,3 +27,7 @@ CHECKS: list = [
     *LM_CHECKS,
 ]
 """The checks of the keys the Hugging Face family reads."""
+
+SIZES: dict[str, str] = {"block_size": "model.block_size"}  # layers and heads: the directory's config.json
+"""The model's sizes the trainer checks against the mesh before anything loads (`functrain.trainer.main`):
+{size: the key that sets it}; a size the family's config has no key for is not checked there (its task does)."""

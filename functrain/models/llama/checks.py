@@ -11,7 +11,7 @@ from __future__ import annotations
 from functrain import config_checks
 from functrain.models.checks import LM_CHECKS, TOKENIZER_CHECK
 
-__all__ = ["CHECKS"]
+__all__ = ["CHECKS", "SIZES"]
 
 
 def _init_from_ok(value) -> bool:
@@ -57,3 +57,7 @@ CHECKS: list = [
     ),
 ]
 """The checks of the keys the Llama family reads."""
+
+SIZES: dict[str, str] = {"n_layer": "model.n_layer", "block_size": "model.block_size", "n_head": "model.n_head"}
+"""The model's sizes the trainer checks against the mesh before anything loads (`functrain.trainer.main`):
+{size: the key that sets it}; a size the family's config has no key for is not checked there (its task does)."""
