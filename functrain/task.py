@@ -29,16 +29,12 @@ PyTree = Any
 
 class Data(Protocol):
     """A task's data as the loop reads it (`functrain.data.LMData` and `SFTData` are ones; `Batches` makes one
-    of plain functions).
-
-    Attributes:
-      steps_per_epoch: the steps one epoch over the data takes (supervised examples, text sampled by
-        epochs): a run with `epochs > 0` trains `ceil(epochs * steps_per_epoch)` steps. None: no epochs.
-    """
+    of plain functions)."""
 
     @property
     def steps_per_epoch(self) -> float | None:
-        """The steps of one epoch, or None."""
+        """The steps one epoch over the data takes (supervised examples, text sampled by epochs): a run with
+        `epochs > 0` trains `ceil(epochs * steps_per_epoch)` steps. None: no epochs."""
 
     def train_batch(self, step: int) -> PyTree:
         """This rank's part of the training batch of `step`, a pure function of the step (resuming and
@@ -60,7 +56,7 @@ class Data(Protocol):
         """The validation documents' texts, from which the built-in `next_lines` task is made. None: none."""
 
 
-def _nothing(*args: Any) -> None:
+def _nothing() -> None:
     """A `Batches` default: nothing to say."""
 
 

@@ -31,5 +31,4 @@ CHECKS: list = [
 """The checks of the keys the GPT family reads."""
 
 SIZES: dict[str, str] = {"n_layer": "model.n_layer", "block_size": "model.block_size", "n_head": "model.n_head"}
-"""The model's sizes the trainer checks against the mesh before anything loads (`functrain.trainer.main`):
-{size: the key that sets it}; a size the family's config has no key for is not checked there (its task does)."""
+"""The keys of the model sizes the trainer's mesh checks read (docs/internals.md "functrain.task")."""
