@@ -31,7 +31,7 @@ from functrain import eval as fe
 from functrain import init_state, make_eval_step, optim, rng
 from functrain.eval import choice, next_lines
 from functrain.interop.hf import save_hf_directory
-from functrain.models import lm
+from functrain.models import inference
 from functrain.models.gpt import make_loss_fn
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
@@ -81,7 +81,9 @@ def main() -> None:
         with torch.device("meta"):
             template = gpt_lib.GPT(cfg)
         params = gpt_lib.init_params(template, rng.key(0))
-        model = lm.eval_model(template, tok, block_size=BLOCK, stages=gpt_lib.stages(template), head="wte.weight")
+        model = inference.eval_model(
+            template, tok, block_size=BLOCK, stages=gpt_lib.stages(template), head="wte.weight"
+        )
         examples = next_lines.build(docs, tok, block_size=BLOCK, n=args.examples)
         rows = choice.rows_of(examples, model)
         pairs = [(e.context, e.delimiter + c) for e in examples for c in e.choices]

@@ -109,7 +109,7 @@ class Task(NamedTuple):
       flops_per_token: training FLOPs per token (for MFU; 0 if unknown).
       finish: `(params, key) -> dict`: called on every process after the last step with the params
         as trained (DTensors when sharded: gather them a stage or a tensor at a time, e.g.
-        `models.lm.generate(..., stages=...)`, so no rank holds the whole model; each gather is a
+        `models.inference.generate(..., stages=...)`, so no rank holds the whole model; each gather is a
         collective, hence every rank), e.g. `{"sample": text}`; the loop prints and records rank 0's.
       export: optional `(params, out_dir) -> path`: writes the params (full or sharded) in the
         family's interchange format (a Hugging Face directory); `python -m functrain.main

@@ -21,7 +21,7 @@ from functrain import data as data_lib
 from functrain import eval as fe
 from functrain import parallel, rng
 from functrain.eval import choice
-from functrain.models import lm
+from functrain.models import inference
 from functrain.models.gpt import model as gpt_lib
 
 TEXTS = ["def f(x):\n    return x + 1\n" * 3, "import sys\n", "class A:\n    pass\n" * 5]
@@ -60,7 +60,7 @@ def main(outdir: str) -> None:
     with torch.device("meta"):
         template = gpt_lib.GPT(cfg)
     full = {k: v * 4 if v.ndim > 1 else v for k, v in gpt_lib.init_params(template, rng.key(5)).items()}
-    model = lm.eval_model(
+    model = inference.eval_model(
         template,
         data_lib.ByteTokenizer(),
         block_size=cfg.block_size,

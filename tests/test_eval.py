@@ -22,7 +22,7 @@ from functrain import rng
 from functrain import tree as tree_lib
 from functrain.eval import choice, next_lines
 from functrain.eval.requests import Row, pair_row, rolling_rows
-from functrain.models import lm
+from functrain.models import inference
 from functrain.models.gpt import model as gpt_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,7 +161,9 @@ def _tiny_gpt_model(block=32):
     with torch.device("meta"):
         template = gpt_lib.GPT(cfg)
     params = {k: v * 4 if v.ndim > 1 else v for k, v in gpt_lib.init_params(template, rng.key(3)).items()}
-    return lm.eval_model(template, BYTES, block_size=block, stages=gpt_lib.stages(template), head="wte.weight"), params
+    return inference.eval_model(
+        template, BYTES, block_size=block, stages=gpt_lib.stages(template), head="wte.weight"
+    ), params
 
 
 def test_sampled_generation_is_keyed_per_request_whatever_the_batch():

@@ -16,7 +16,7 @@ from functrain import data as data_lib
 from functrain import eval as fe
 from functrain import rng
 from functrain.interop.hf import save_hf_directory
-from functrain.models import lm
+from functrain.models import inference
 from functrain.models.gpt import model as gpt_lib
 from functrain.models.gpt.hf import export_hf_gpt2, hf_gpt2_config
 
@@ -87,7 +87,9 @@ def gpt_pair(tokenizer, tmp_path_factory):
     out = save_hf_directory(
         tmp_path_factory.mktemp("gpt"), export_hf_gpt2(params, cfg), hf_gpt2_config(cfg), tokenizer_file=tokenizer.path
     )
-    model = lm.eval_model(template, tokenizer, block_size=BLOCK, stages=gpt_lib.stages(template), head="wte.weight")
+    model = inference.eval_model(
+        template, tokenizer, block_size=BLOCK, stages=gpt_lib.stages(template), head="wte.weight"
+    )
     return model, params, _hflm(out, tokenizer)
 
 
@@ -116,7 +118,9 @@ def hf_pair(tokenizer, tmp_path_factory):
     params = _sharpen(hf.init_params(template, rng.key(1)), 4.0)
     config = json.loads((directory / "config.json").read_text())
     save_hf_directory(directory, params, config, tokenizer_file=tokenizer.path)
-    model = lm.eval_model(template, tokenizer, block_size=BLOCK, stages=None, head=None, logits_fn=_hf_logits(template))
+    model = inference.eval_model(
+        template, tokenizer, block_size=BLOCK, stages=None, head=None, logits_fn=_hf_logits(template)
+    )
     return model, params, _hflm(directory, tokenizer)
 
 

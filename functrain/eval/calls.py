@@ -3,7 +3,7 @@
 Internals: docs/internals.md "functrain.eval.calls".
 
 Example:
-    >>> model = lm.eval_model(template, gpt.stages(template), "wte.weight", tok, block_size=128)
+    >>> model = inference.eval_model(template, gpt.stages(template), "wte.weight", tok, block_size=128)
     >>> loglikelihood(model, params, [("def add(a, b):\n", "    return a + b")])
     [(-4.21, True)]
 """

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from functrain import parallel
-from functrain.models import lm, lm_data, lm_lora
+from functrain.models import inference, lm, lm_data, lm_lora
+from functrain.models import stages as stages_lib
 from functrain.task import Task
 
 __all__ = ["Built", "Facts", "ModelSpec", "task"]
@@ -32,7 +33,7 @@ class ModelSpec:
     Attributes:
       base: the model on the meta device (shapes only: the state holds the real tensors).
       tp_rules: `template -> rules` for `parallel.default_rules` (the template carries the run's adapters).
-      stages: `model -> lm.LMStages` (embedding, blocks, head) for the staged loss, sharded sampling and
+      stages: `model -> stages_lib.LMStages` (embedding, blocks, head) for the staged loss, sharded sampling and
         evaluation.
       head: `template -> the output projection's weight name` (the template carries the run's adapters).
       init_params: `(key, device, where=None) -> params` of the base: fresh, or a directory's weights.
@@ -43,7 +44,7 @@ class ModelSpec:
 
     base: nn.Module
     tp_rules: Callable[[nn.Module], Any]
-    stages: Callable[[Any], lm.LMStages]
+    stages: Callable[[Any], stages_lib.LMStages]
     head: Callable[[nn.Module], str]
     init_params: Callable
     export: Callable | None
@@ -65,7 +66,7 @@ class Built(NamedTuple):
 
     model: nn.Module  # the copy the loss runs (tensor-parallel)
     loss_fn: Callable
-    stages: lm.LMStages | None  # None: the loss is not staged (sampling and evaluation gather the whole model)
+    stages: stages_lib.LMStages | None  # None: the loss is not staged (sampling and evaluation gather the whole model)
     logits_fn: Callable | None = None  # `(params, idx) -> logits` where the model's forward is not the stages'
     window: int | None = None  # the sample's context (None: the model's `cfg.block_size`)
 
@@ -124,7 +125,7 @@ def task(
         finish=_sampler(config, ctx, dataset, template, head, built),
         export=lm_lora.exporter(spec.export, template, lora_spec, hf_name=spec.hf_name, base_model=spec.base_model),
         frozen=lm_lora.frozen(lora_spec),
-        eval_model=lm.eval_model(
+        eval_model=inference.eval_model(
             template,
             dataset.tokenizer,
             block_size=facts.seq,
@@ -140,7 +141,7 @@ def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callabl
     the family's staged loss (stages where the run shards, recomputes or pipelines)."""
 
     def build(template: nn.Module, rules) -> Built:
-        model = lm.context_model(template, ctx, seq, config.cp_attention)
+        model = stages_lib.context_model(template, ctx, seq, config.cp_attention)
         model = parallel.tensor_parallel(model, ctx.mesh, rules)
         # sharded: staged, so each block is gathered just before it runs; "auto" recomputes the blocks on
         # a mesh so their gathered params go after the forward (never the whole model), none on 1 process
@@ -149,8 +150,8 @@ def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callabl
             spec.stages(model),
             head=head,
             chunk_size=config.loss_chunk_size,
-            remat=lm.resolve_remat(config.remat, ctx.mesh),
-            staged=lm.wants_stages(config, ctx),
+            remat=stages_lib.resolve_remat(config.remat, ctx.mesh),
+            staged=stages_lib.wants_stages(config, ctx),
         )
         return Built(model, loss_fn, spec.stages(template))
 
@@ -168,7 +169,7 @@ def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built)
         return lm_data.finish_text(
             dataset,
             sample,
-            lambda prompt, n: lm.generate(
+            lambda prompt, n: inference.generate(
                 template,
                 params,
                 prompt,

@@ -49,7 +49,8 @@ def finish_text(dataset, sample, generate: Callable, device) -> dict:
       {"sample": text}, or {"prompt", "answer", "expected"}.
 
     Example:
-      >>> lm_data.finish_text(dataset, config.sample, lambda p, n: lm.generate(template, params, p, n, key=key), "cpu")
+      >>> sample = lambda p, n: inference.generate(template, params, p, n, key=key)
+      >>> lm_data.finish_text(dataset, config.sample, sample, "cpu")
     """
     if isinstance(dataset, data_lib.SFTData):
         prompt, expected = dataset.held_out()

@@ -354,7 +354,7 @@ class _Compiled:
         if blocks and (blocks[0].shared is None or any(b.shared is not blocks[0].shared for b in blocks)):
             raise ValueError(
                 "compile='blocks' needs every block stage to carry the same Stage.shared function (one "
-                "compiled graph for all blocks); build the blocks with functrain.models.lm.repeated_stages, "
+                "compiled graph for all blocks); build the blocks with functrain.models.stages.repeated_stages, "
                 "or compile the whole step (compile=True)"
             )
         head_fn = head.fn

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         num_params,
         stages,
     )
-    from functrain.models.lm import cross_entropy, generate
+    from functrain.models.inference import generate
+    from functrain.models.lm import cross_entropy
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

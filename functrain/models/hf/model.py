@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from functrain import functional, rng
 from functrain.config_checks import ConfigError
-from functrain.models.lm import LMStages
+from functrain.models.stages import LMStages
 from functrain.nn import randomness
 from functrain.step.staged import Stage
 

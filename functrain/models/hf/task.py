@@ -20,7 +20,8 @@ import torch
 from functrain import config_checks, functional, parallel
 from functrain import data as data_lib
 from functrain.interop.hf import HFDirectory, HFError
-from functrain.models import decoder, lm, lm_data
+from functrain.models import decoder, lm_data
+from functrain.models import stages as stages_lib
 from functrain.models.hf.export import export_directory
 from functrain.models.hf.loss import make_loss_fn
 from functrain.models.hf.model import (
@@ -77,7 +78,7 @@ def _loss(config, ctx, model, template):
     """(the loss, whether it is staged): staged where the run asks for it; a model the family cannot stage trains
     unstaged (one line says so) where the run only asked for stages by default (`remat=auto` on a mesh), and
     is refused in one line naming the flags to change where the run asked for them."""
-    remat, staged = lm.resolve_remat(config.remat, ctx.mesh), lm.wants_stages(config, ctx)
+    remat, staged = stages_lib.resolve_remat(config.remat, ctx.mesh), stages_lib.wants_stages(config, ctx)
     try:
         return make_loss_fn(
             model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=template

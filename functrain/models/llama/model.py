@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from einops.layers.torch import Rearrange
 
 from functrain import functional, ops, rng
-from functrain.models.lm import LMStages, init_blocks, make_lm_loss_fn, repeated_stages, submodule_stage
+from functrain.models.lm import make_lm_loss_fn
+from functrain.models.stages import LMStages, init_blocks, repeated_stages, submodule_stage
 from functrain.step.staged import Stage
 
 __all__ = [

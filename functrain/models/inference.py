@@ -1,0 +1,151 @@
+"""A trained decoder LM run for its outputs: sampling (`generate`) and the `functrain.eval.EvalModel` of a
+family (`eval_model`), on plain params or on sharded ones gathered a stage at a time.
+
+Example:
+    >>> out = generate(template, params, torch.tensor([[10]]), 100, key=rng.key(1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from functrain import functional, parallel, rng
+from functrain.eval import EvalModel, of_module
+from functrain.models.stages import LMStages
+
+__all__ = ["eval_model", "generate"]
+
+
+@torch.no_grad()
+def generate(  # noqa: PLR0913
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    prompt_idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    key: torch.Tensor,
+    stages: LMStages | None = None,
+    head: str | None = None,
+    block_size: int | None = None,
+    logits_fn: Callable | None = None,
+) -> torch.Tensor:
+    """Samples a continuation autoregressively (eager), with randomness from an explicit key.
+
+    At step i the logits of the last position (context cropped to the last `model.cfg.block_size`
+    tokens) are divided by `temperature`, restricted to the `top_k` largest, and a token is drawn by
+    Gumbel-max with noise `rng.uniform(rng.fold_in(key, i), ...)`. `temperature=0` picks the argmax.
+    No global RNG is used: the same (params, prompt, key) give the same tokens.
+
+    Sharded (DTensor) params are sampled stage by stage: each forward gathers one stage's
+    parameters (`functrain.parallel.gather`), runs it and lets them go, so no rank ever holds the
+    whole model; every rank must call it (the gathers are collectives) and all get the same tokens,
+    equal to sampling the full params (the stages compose to the model's forward, same ops).
+
+    Args:
+      model: a decoder LM with `cfg.block_size` (a meta template is fine: weights come from `params`).
+      params: name -> tensor, as for `torch.func.functional_call`; or DTensors (then `stages`, `head`).
+      prompt_idx: int64 token ids, (B, T0) or (T0,), T0 >= 1.
+      max_new_tokens: how many tokens to append.
+      temperature: softmax temperature; 0 means greedy.
+      top_k: keep only the k most likely tokens (None: all).
+      key: an `rng` key.
+      stages: the model's `LMStages` (e.g. `gpt.stages(model)`): needed for sharded params.
+      head: the output projection's weight name (e.g. "wte.weight" when tied), with `stages`.
+      block_size: the longest context (default `model.cfg.block_size`).
+      logits_fn: `(params, idx) -> (B, T, V)` logits of plain params (default `apply(model, params, idx)`;
+        e.g. a transformers model's `.logits`).
+
+    Returns:
+      int64 ids of shape (B, T0 + max_new_tokens) (or (T0 + max_new_tokens,) for a 1-D prompt).
+
+    Example:
+      >>> out = generate(model, params, torch.tensor([[10]]), 100, top_k=50, key=rng.key(1))
+      >>> text = dataset.decode(out[0].tolist())
+      >>> out = generate(model, state.params, prompt, 100, key=k, stages=gpt.stages(model), head="wte.weight")
+    """
+    squeeze = prompt_idx.ndim == 1
+    idx = prompt_idx[None] if squeeze else prompt_idx  # (B, T0)
+    key = key.to(idx.device)
+    context: int = block_size or cast(Any, model).cfg.block_size  # (a family's cfg)
+    logits_fn = logits_fn or (lambda p, i: functional.apply(model, p, i))
+    staged = any(parallel.is_dtensor(t) for t in params.values())
+    if staged and (stages is None or head is None):
+        raise ValueError(
+            "generate: the params are sharded (DTensors); pass the model's `stages=` and `head=` so "
+            "they are gathered one stage at a time, or `functrain.parallel.gather` them first"
+        )
+    with torch.no_grad():
+        for i in range(max_new_tokens):
+            ctx = idx[:, -context:]  # (B, T<=block_size)
+            if stages is not None and head is not None and staged:
+                logits = _staged_logits(stages, head, params, ctx, parallel.gather)[:, -1, :].float()  # (B, V)
+            else:
+                logits = logits_fn(params, ctx)[:, -1, :].float()  # (B, V)
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                u = rng.uniform(rng.fold_in(key, i), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
+                nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)
+    return idx[0] if squeeze else idx
+
+
+def eval_model(
+    template: nn.Module,
+    tokenizer,
+    *,
+    block_size: int,
+    stages: LMStages | None,
+    head: str | None,
+    logits_fn: Callable | None = None,
+) -> EvalModel:
+    """A decoder LM family's `functrain.eval.EvalModel`: its logits in eval mode, on plain or sharded params.
+
+    Args:
+      template: the (meta-device) LM, not its tensor- or context-parallel copy (evaluation reads whole
+        sequences and gathers each stage whole).
+      tokenizer: the data's tokenizer.
+      block_size: the longest input (the trained length).
+      stages: the model's `LMStages`: sharded params are gathered a stage at a time (no rank holds the
+        whole model); None: sharded params are gathered whole (a model whose loss is unstaged).
+      head: the output projection's weight name, with `stages`.
+      logits_fn: `(params, idx) -> (B, T, V)` of plain params (default `apply(template, params, idx,
+        train=False)`; a transformers model's `.logits`).
+
+    Returns:
+      The `EvalModel` (`Task.eval_model`).
+
+    Example:
+      >>> model = inference.eval_model(template, tok, block_size=128, stages=gpt.stages(template), head="wte.weight")
+    """
+    plain = logits_fn or (lambda p, idx: functional.apply(template, p, idx, train=False))
+
+    def logits(params, model_state, idx):
+        """(B, T, V) logits of `idx`; DTensor params gathered a stage at a time (or whole without stages)."""
+        if not any(parallel.is_dtensor(t) for t in params.values()):
+            return plain(params, idx)
+        if stages is None or head is None:
+            return plain(parallel.gather(params), idx)
+        return _staged_logits(stages, head, params, idx, parallel.gather)
+
+    return of_module(template, tokenizer, block_size=block_size, logits=logits)
+
+
+def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gather: Callable) -> torch.Tensor:
+    """Logits (B, T, V): every stage run on `gather` of its own params only (one stage held at a time)."""
+    h = stages.embed.fn(gather(stages.embed.params(params)), idx, None)  # (B, T, C)
+    for block in stages.blocks:
+        h = block.fn(gather(block.params(params)), h, None)  # (B, T, C)
+    h = stages.final.fn(gather(stages.final.params(params)), h, None)  # (B, T, C)
+    return F.linear(h, gather({head: params[head]})[head])  # (B, T, V): the forward's lm_head
