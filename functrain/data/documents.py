@@ -22,6 +22,7 @@ import numpy as np
 
 from functrain.data.digests import file_digests
 from functrain.data.errors import SOURCE_HINT, DataError
+from functrain.data.placement import TextOptions
 from functrain.data.shards import BadLines, is_shard_source, read_texts, shard_files, skipped_files
 from functrain.data.token_files import DEFAULT_VAL_FRACTION, path_hash64, slug
 
@@ -195,15 +196,15 @@ def text_units(content: list[list], val_fraction: float) -> list[dict]:
 
 
 def read_unit(
-    unit: dict, root: Path, *, val_fraction: float, text_field: str, bad_lines: BadLines, chunk_bytes: int, raw: bool
+    unit: dict, root: Path, options: TextOptions, *, bad_lines: BadLines, chunk_bytes: int, raw: bool
 ) -> Iterator[tuple[list, np.ndarray, np.ndarray, int]]:
     """A unit's documents in order, as (pieces, to_val, ends, bytes read) groups of about `chunk_bytes`.
 
     Args:
       unit: from `shard_units` or `text_units`.
       root: the directory the unit's names are relative to.
-      val_fraction: the share of documents that go to validation (`is_val`).
-      text_field: shards: the column / JSON key holding the text.
+      options: the source's `val_fraction` (the share of documents that go to validation, `is_val`) and
+        `text_field` (shards: the column / JSON key holding the text).
       bad_lines: shards: the jsonl bad-line policy.
       chunk_bytes: text per group.
       raw: text files: give bytes (for the byte tokenizer, never decoded, and a large file in
@@ -214,16 +215,18 @@ def read_unit(
       ends its document (a separator follows it), and the bytes read from disk since the last group.
 
     Example:
-      >>> for pieces, to_val, ends, nbytes in read_unit(u, root, val_fraction=0.015, text_field="text",
-      ...                                                bad_lines=BadLines(), chunk_bytes=4 << 20, raw=True): ...
+      >>> for pieces, to_val, ends, nbytes in read_unit(u, root, TextOptions(), bad_lines=BadLines(),
+      ...                                                chunk_bytes=4 << 20, raw=True): ...
     """
     if unit["kind"] == "shard":
         index = 0
         for texts, nbytes in read_texts(
-            root / unit["rel"], text_field=text_field, bad_lines=bad_lines, chunk_bytes=chunk_bytes
+            root / unit["rel"], text_field=options.text_field, bad_lines=bad_lines, chunk_bytes=chunk_bytes
         ):
             to_val = np.fromiter(
-                (is_val(f"{unit['rel']}:{index + i}", val_fraction) for i in range(len(texts))), bool, len(texts)
+                (is_val(f"{unit['rel']}:{index + i}", options.val_fraction) for i in range(len(texts))),
+                bool,
+                len(texts),
             )
             index += len(texts)
             yield texts, to_val, np.ones(len(texts), bool), nbytes
@@ -322,13 +325,8 @@ def _split_documents(source: str, val: bool, text_field: str, val_fraction: floa
     """The documents of one split of a source (`val`: validation, else train), streamed."""
     kind, root, _, content = source_content(source, cache_dir, log=lambda line: None)
     for unit in shard_units(content) if kind == "shards" else text_units(content, val_fraction):
+        options = TextOptions(text_field, val_fraction)
         for pieces, to_val, _, _ in read_unit(
-            unit,
-            root,
-            val_fraction=val_fraction,
-            text_field=text_field,
-            bad_lines=BadLines(1.0),
-            chunk_bytes=4 << 20,
-            raw=False,
+            unit, root, options, bad_lines=BadLines(1.0), chunk_bytes=4 << 20, raw=False
         ):
             yield from (t for t, v in zip(pieces, to_val) if v == val)

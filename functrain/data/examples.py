@@ -167,17 +167,19 @@ def _fit(tokens: np.ndarray, targets: np.ndarray, spec: ExampleSpec, counts: dic
     return tokens, targets
 
 
-def _render_file(records, fmt: str, train_on: str, spec: ExampleSpec, tokenizer, val_fraction: float):
-    """(examples, val flags, counts) of one file's records."""
+def _render_file(records, spec: ExampleSpec, tokenizer):
+    """(examples, val flags, counts) of one file's records (`spec`'s format and train_on resolved)."""
     parts, val = [], []
     counts = {"dropped": 0, "truncated": 0, "no_target": 0}
     fields = dict(spec.fields)
     for _, key, record in records:
-        ex = render(record, fmt, tokenizer, train_on=train_on, fields=fields, template=spec.template, where=key)
+        ex = render(
+            record, spec.fmt, tokenizer, train_on=spec.train_on, fields=fields, template=spec.template, where=key
+        )
         kept = _fit(ex.tokens, ex.targets, spec, counts)
         if kept is not None:
             parts.append(kept)
-            val.append(is_val(key, val_fraction))
+            val.append(is_val(key, spec.val_fraction))
     return _concat(parts), np.array(val, bool), counts
 
 
@@ -190,8 +192,9 @@ def _first_format(source: str, spec: ExampleSpec) -> str:
     raise DataError(f"data.path {source!r} holds no record; add examples (one JSON object per line)")
 
 
-def _build(source: str, out: Path, content: list, spec: ExampleSpec, tokenizer, fmt: str, train_on: str, log) -> None:
-    """Renders every file not done yet into out/<file>.npz, then writes out/meta.json."""
+def _build(source: str, out: Path, content: list, spec: ExampleSpec, tokenizer, log) -> None:
+    """Renders every file not done yet into out/<file>.npz, then writes out/meta.json (`spec`'s format and
+    train_on resolved)."""
     out.mkdir(parents=True, exist_ok=True)
     by_file: dict[str, list] = {}
     for rel, key, record in read_records(source, spec.max_bad_line_fraction):
@@ -200,15 +203,15 @@ def _build(source: str, out: Path, content: list, spec: ExampleSpec, tokenizer, 
     for n, (rel, _, _) in enumerate(content):
         path = out / f"{slug(rel)}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}.npz"
         if not path.exists():
-            _save(path, *_render_file(by_file.get(rel, []), fmt, train_on, spec, tokenizer, spec.val_fraction))
+            _save(path, *_render_file(by_file.get(rel, []), spec, tokenizer))
         if time.perf_counter() - t0 > 5:
             log(f"examples: {n + 1}/{len(content)} files rendered")
     meta = {
         "format": _FORMAT,
         "version": _VERSION,
         "source": source,
-        "fmt": fmt,
-        "train_on": train_on,
+        "fmt": spec.fmt,
+        "train_on": spec.train_on,
         "files": [[rel, f"{slug(rel)}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}.npz"] for rel, _, _ in content],
     }
     atomic_write(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
@@ -266,7 +269,7 @@ def load_examples(
     if not (out / "meta.json").exists():
         if rank == 0:
             try:
-                _build(source, out, content, spec, tokenizer, fmt, train_on, log)
+                _build(source, out, content, dataclasses.replace(spec, fmt=fmt, train_on=train_on), tokenizer, log)
             except DataError as exc:
                 message = str(exc).encode()
                 out.mkdir(parents=True, exist_ok=True)

@@ -360,14 +360,10 @@ def tokenize_unit(args, report: Callable[[int], None]) -> dict:
     where = root / unit["rel"]
     try:
         with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
+            options = TextOptions(job["text_field"], job["val_fraction"])
+            raw = isinstance(tokenizer, ByteTokenizer)
             for pieces, to_val, ends, nbytes in read_unit(
-                unit,
-                root,
-                val_fraction=job["val_fraction"],
-                text_field=job["text_field"],
-                bad_lines=bad,
-                chunk_bytes=job["chunk_bytes"],
-                raw=isinstance(tokenizer, ByteTokenizer),
+                unit, root, options, bad_lines=bad, chunk_bytes=job["chunk_bytes"], raw=raw
             ):
                 docs += int(ends.sum())
                 for split, f, pick in (("train", ftrain, ~to_val), ("val", fval, to_val)):
