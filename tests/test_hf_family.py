@@ -236,7 +236,7 @@ def test_a_mesh_axis_or_plan_the_family_cannot_split_is_one_line(tmp_path):
         tp_world, cp_world, pp_world = 1, 2, 1
 
     with pytest.raises(config_checks.ConfigError, match="mesh.cp=2: the hf family .* has no context parallelism yet"):
-        task._refuse_axes(Ctx, "qwen2")
+        task.refuse_axes(Ctx, "qwen2")
     for arch, why in (("gpt2", "has no tensor-parallel plan"), ("phi3", "colwise_gather_output")):
         with pytest.raises(hf.HFModelError, match=why):
             hf.tp_rules(hf.build_template(hf.load_config(_dir(tmp_path, arch))))
@@ -439,7 +439,7 @@ def test_a_model_the_family_cannot_stage_samples_and_exports_on_one_process(tmp_
 
 def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_by_default(tmp_path, capsys):
     """xglm's stages differ from its forward: remat=auto on a mesh falls back (one note), remat=full refuses."""
-    from functrain.models.hf import task
+    from functrain.models.hf.loss import run_loss
 
     directory = _dir(tmp_path, "xglm", vocab_size=256)
     template = hf.build_template(hf.load_config(directory))
@@ -447,18 +447,18 @@ def test_a_model_whose_stages_fail_their_check_trains_unstaged_where_asked_only_
     class Mesh:  # a context as a 2-rank FSDP mesh gives (no mesh is made)
         mesh, tp_world, cp_world, pp_world, is_main_process = object(), 1, 1, 1, True
 
-    loss_fn, staged = task._loss(_config(tmp_path, directory, remat="auto"), Mesh, template, template)
+    loss_fn, staged = run_loss(_config(tmp_path, directory, remat="auto"), Mesh, template, template)
     assert not staged and "its stages composed differ" in capsys.readouterr().err
     with pytest.raises(
         config_checks.ConfigError,
         match="its stages composed differ from the base model's forward by .*; "
         "this family cannot stage it: train it with --config.remat=none$",
     ):
-        task._loss(_config(tmp_path, directory, remat="full"), Mesh, template, template)
+        run_loss(_config(tmp_path, directory, remat="full"), Mesh, template, template)
     with pytest.raises(
         config_checks.ConfigError, match="train it with --config.compile_unit=step$"
     ):  # the flag this run set
-        task._loss(_config(tmp_path, directory, remat="auto", compile_unit="blocks"), Mesh, template, template)
+        run_loss(_config(tmp_path, directory, remat="auto", compile_unit="blocks"), Mesh, template, template)
 
 
 def test_an_export_that_does_not_reproduce_the_model_is_one_line(tmp_path):

@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from functrain import parallel
+from functrain import config_checks, parallel
 from functrain.models import inference, lm, lm_data, lm_lora
 from functrain.models import stages as stages_lib
 from functrain.task import Task
 
-__all__ = ["Built", "Facts", "ModelSpec", "task"]
+__all__ = ["Built", "Facts", "ModelSpec", "check_heads", "check_length", "model_config", "task"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +134,62 @@ def task(
             logits_fn=built.logits_fn,
         ),
     )
+
+
+def model_config(cls: type, keys: Any, vocab: int) -> Any:
+    """A family's model config dataclass from the run's `model.*` keys (every field the keys have), with `vocab` ids.
+
+    Args:
+      cls: the dataclass (e.g. `GPTConfig`); its `__post_init__` checks its own invariants.
+      keys: `config.model`.
+      vocab: the vocabulary size.
+
+    Returns:
+      `cls(vocab_size=vocab, **the keys named as its fields)`.
+
+    Raises:
+      ConfigError: an invariant the dataclass refuses (its ValueError, as one line).
+
+    Example:
+      >>> cfg = decoder.model_config(GPTConfig, config.model, vocab=256)
+    """
+    fields = {f.name: keys[f.name] for f in dataclasses.fields(cls) if f.name != "vocab_size" and f.name in keys}
+    try:
+        return cls(vocab_size=vocab, **fields)
+    except ValueError as exc:
+        raise config_checks.ConfigError(f"model: {exc} (--config.model.*)") from None
+
+
+def check_heads(ctx: parallel.ParallelContext, heads: dict[str, int], fix: str) -> None:
+    """Refuses, in one line, head counts the tensor-parallel size does not divide (each rank computes whole heads).
+
+    Args:
+      ctx: the parallel context (`tp_world`).
+      heads: {what: count}, e.g. {"n_head": 12, "n_kv_head": 4} (a count of 0: the model has none).
+      fix: what to change, e.g. "change --config.model.n_head or --config.mesh.tp".
+
+    Example:
+      >>> decoder.check_heads(ctx, {"n_head": cfg.n_head}, "change --config.model.n_head or --config.mesh.tp")
+    """
+    if ctx.tp_world > 1 and any(n % ctx.tp_world for n in heads.values() if n):
+        counts = " and ".join(f"{k}={n}" for k, n in heads.items())
+        raise config_checks.ConfigError(
+            f"{counts} must divide by the tensor-parallel size mesh.tp={ctx.tp_world} (each rank computes whole "
+            f"heads); {fix}"
+        )
+
+
+def check_length(seq: int, longest: int | None, config_json: Path) -> None:
+    """Refuses, in one line, a training length `seq` beyond the `longest` positions a model directory's
+    `config_json` gives (None: it names none).
+
+    Example:
+      >>> decoder.check_length(config.model.block_size, hf_config.max_position_embeddings, path / "config.json")
+    """
+    if longest and seq > longest:
+        raise config_checks.ConfigError(
+            f"model.block_size={seq} exceeds {config_json}'s {longest} positions; lower --config.model.block_size"
+        )
 
 
 def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callable:

@@ -19,6 +19,7 @@ from functrain import data as data_lib
 
 __all__ = [
     "check_packing",
+    "check_vocab",
     "finish_text",
     "placement",
     "tokenizer_of",
@@ -62,6 +63,30 @@ def finish_text(dataset, sample, generate: Callable, device) -> dict:
         }
     ids = torch.as_tensor(dataset.encode(sample.prompt), dtype=torch.long, device=device)[None]  # (1, T)
     return {"sample": dataset.decode(generate(ids, sample.max_new_tokens)[0].tolist())}
+
+
+def check_vocab(tokenizer, model_vocab: int, fix: str) -> int:
+    """The tokenizer's vocabulary size (256: bytes), refused in one line where the model has fewer ids.
+
+    Args:
+      tokenizer: a functrain tokenizer, or None for bytes.
+      model_vocab: the model's vocabulary size.
+      fix: what to change, e.g. "use the model's own tokenizer (--config.data.tokenizer)".
+
+    Returns:
+      The tokenizer's vocabulary size.
+
+    Raises:
+      DataError: it exceeds `model_vocab`.
+
+    Example:
+      >>> check_vocab(tokenizer, cfg.vocab_size, "use the model's own tokenizer (--config.data.tokenizer)")
+    """
+    vocab = tokenizer.vocab_size if tokenizer is not None else 256
+    if vocab > model_vocab:
+        where = getattr(tokenizer, "path", "the byte tokenizer")
+        raise data_lib.DataError(f"{where}: the tokenizer has {vocab} ids but the model only {model_vocab}; {fix}")
+    return vocab
 
 
 def tokenizer_of(config, hf, cache_dir: str | os.PathLike, *, fresh_vocab: int, key: str):

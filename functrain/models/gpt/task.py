@@ -31,15 +31,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
       >>> task = build(get_config("tiny"), ctx, "runs/tiny")
     """
     m = config.model
-    _config(m, max(m.vocab_size, 1))  # GPTConfig checks its own invariants before the data is read
-    if ctx.tp_world > 1 and m.n_head % ctx.tp_world:
-        raise config_checks.ConfigError(
-            f"model.n_head={m.n_head} must divide by the tensor-parallel size {ctx.tp_world} (each rank "
-            "computes whole heads); change --config.model.n_head or --config.mesh.tp"
-        )
+    decoder.model_config(gpt_lib.GPTConfig, m, max(m.vocab_size, 1))  # its own checks, before the data is read
+    decoder.check_heads(ctx, {"model.n_head": m.n_head}, "change --config.model.n_head or --config.mesh.tp")
     place, batching = lm_data.placement(config, ctx, workdir), data_lib.Batching.of(config, m.block_size)
     dataset = data_lib.run_data(config.data, place, batching, vocab_size=m.vocab_size or None)
-    cfg = _config(m, m.vocab_size or dataset.vocab_size)
+    cfg = decoder.model_config(gpt_lib.GPTConfig, m, m.vocab_size or dataset.vocab_size)
     if cfg.vocab_size < dataset.vocab_size:
         raise config_checks.ConfigError(
             f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary ({dataset.vocab_size}); set "
@@ -60,12 +56,3 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     describe = f"GPT {n:.2f}M params ({cfg.n_layer} layers, d={cfg.n_embd}), vocab {cfg.vocab_size}"
     facts = decoder.Facts(describe, cfg.block_size, gpt_lib.flops_per_token(cfg))
     return decoder.task(config, ctx, workdir, spec, dataset, facts)
-
-
-def _config(m, vocab: int) -> gpt_lib.GPTConfig:
-    """The GPTConfig of the `model.*` keys with `vocab` ids, or one line naming the keys to change."""
-    try:
-        fields = ("block_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
-        return gpt_lib.GPTConfig(vocab_size=vocab, **{k: m[k] for k in fields})
-    except ValueError as exc:
-        raise config_checks.ConfigError(f"model: {exc} (--config.model.n_embd / --config.model.n_head)") from None

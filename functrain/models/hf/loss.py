@@ -8,13 +8,16 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from typing import Any
 
 from functrain import functional
 from functrain.models import lm
-from functrain.models.hf.model import HFModel, StagingError, check_stages, head_name, stages
+from functrain.models import stages as stages_lib
+from functrain.models.hf.model import HFModel, HFModelError, StagingError, check_stages, head_name, stages
 
-__all__ = ["make_loss_fn"]
+__all__ = ["make_loss_fn", "run_loss"]
 
 
 def make_loss_fn(
@@ -72,3 +75,50 @@ def make_loss_fn(
     return lm.make_lm_loss_fn(
         model, st, head=head_name(model), chunk_size=chunk_size, ignore_index=ignore_index, remat=remat, staged=True
     )
+
+
+def run_loss(config: Any, ctx: Any, model: HFModel, probe: HFModel) -> tuple[Callable, bool]:
+    """A run's loss and whether it is staged: staged where the run asks for it (remat, a mesh, `compile_unit="blocks"`,
+    pipeline stages); a model the family cannot stage trains unstaged (one note line) where the run only asked for
+    stages by default (`remat=auto` on a mesh), and is refused in one line naming the flags to change where the run
+    asked for them.
+
+    Args:
+      config: the run config (`remat`, `compile_unit`, `loss_chunk_size`).
+      ctx: the parallel context.
+      model: the model the loss runs (a tensor-parallel copy).
+      probe: the plain template (the staging probe runs the base model's own forward).
+
+    Returns:
+      `(loss_fn, staged)`.
+
+    Raises:
+      HFModelError: stages asked for by a flag, of a model the family cannot stage.
+
+    Example:
+      >>> loss_fn, staged = run_loss(config, ctx, model, template)
+    """
+    remat, staged = stages_lib.resolve_remat(config.remat, ctx.mesh), stages_lib.wants_stages(config, ctx)
+    try:
+        loss_fn = make_loss_fn(model, chunk_size=config.loss_chunk_size, remat=remat, staged=staged, probe=probe)
+        return loss_fn, staged or remat != "none"
+    except StagingError as exc:
+        asked = [
+            flag
+            for flag, on in (
+                ("--config.remat=none", config.remat not in ("auto", "none")),
+                ("--config.compile_unit=step", config.compile_unit == "blocks"),
+                ("--config.mesh.pp=1", ctx.pp_world > 1),
+            )
+            if on
+        ]
+        if asked:
+            raise HFModelError(f"{exc}; this family cannot stage it: train it with {' and '.join(asked)}") from None
+        if ctx.is_main_process:
+            print(
+                f"functrain: note: {exc}; this family cannot stage it, so it trains unstaged: the whole model is "
+                "gathered for each step",
+                file=sys.stderr,
+                flush=True,
+            )
+        return make_loss_fn(model, chunk_size=config.loss_chunk_size), False

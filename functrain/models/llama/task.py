@@ -29,32 +29,11 @@ __all__ = ["build"]
 
 def _model_config(config: Any, hf: HFDirectory | None, vocab: int) -> llama_lib.LlamaConfig:
     """The LlamaConfig: the HF directory's, or the model.* keys with `vocab` ids."""
-    if hf is not None:
-        cfg = hf_lib.config_from_hf(hf.config, hf.path / "config.json")
-        if config.model.block_size > cfg.block_size:
-            raise config_checks.ConfigError(
-                f"model.block_size={config.model.block_size} exceeds {hf.path / 'config.json'}'s "
-                f"max_position_embeddings={cfg.block_size}; lower --config.model.block_size"
-            )
-        return cfg
-    m = config.model
-    try:
-        return llama_lib.LlamaConfig(
-            vocab_size=vocab,
-            block_size=m.block_size,
-            n_layer=m.n_layer,
-            n_head=m.n_head,
-            n_kv_head=m.n_kv_head,
-            n_embd=m.n_embd,
-            intermediate_size=m.intermediate_size,
-            head_dim=m.head_dim,
-            rope_theta=m.rope_theta,
-            norm_eps=m.norm_eps,
-            tie_embeddings=m.tie_embeddings,
-            dropout=m.dropout,
-        )
-    except ValueError as exc:
-        raise config_checks.ConfigError(f"model: {exc} (--config.model.*)") from None
+    if hf is None:
+        return decoder.model_config(llama_lib.LlamaConfig, config.model, vocab)
+    cfg = hf_lib.config_from_hf(hf.config, hf.path / "config.json")
+    decoder.check_length(config.model.block_size, cfg.block_size, hf.path / "config.json")
+    return cfg
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
@@ -87,17 +66,10 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         cfg = _model_config(config, hf, config.model.vocab_size or tok_vocab)
     except HFError as exc:
         raise config_checks.ConfigError(f"init_from: {exc}") from None
-    if tok_vocab > cfg.vocab_size:
-        where = getattr(tokenizer, "path", "the byte tokenizer")
-        raise data_lib.DataError(
-            f"{where}: the tokenizer has {tok_vocab} ids but the model only {cfg.vocab_size}; use the model's own "
-            "tokenizer (--config.data.tokenizer) or a larger --config.model.vocab_size"
-        )
-    if ctx.tp_world > 1 and (cfg.n_head % ctx.tp_world or cfg.n_kv_head % ctx.tp_world):
-        raise config_checks.ConfigError(
-            f"n_head={cfg.n_head} and n_kv_head={cfg.n_kv_head} must divide by the tensor-parallel size "
-            f"{ctx.tp_world} (each rank computes whole heads); change the model or --config.mesh.tp"
-        )
+    fix = "use the model's own tokenizer (--config.data.tokenizer) or a larger --config.model.vocab_size"
+    lm_data.check_vocab(tokenizer, cfg.vocab_size, fix)
+    heads = {"n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head}
+    decoder.check_heads(ctx, heads, "change the model or --config.mesh.tp")
     seq = config.model.block_size
     dataset = data_lib.run_data(
         config.data,
