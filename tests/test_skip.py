@@ -61,7 +61,7 @@ def test_nan_batch_skips_the_update_and_leaves_the_state_bit_identical(compile, 
     state, m = step(state, _batch(1, scale=float("nan")))
     assert float(m["skipped"]) == 1 and int(m["consecutive_skips"]) == 1 and int(m["skipped_total"]) == 1
     # every metric a float: an int64 0-d output of the compiled step is what torch 2.11's inductor put
-    # into a CPU buffer on CUDA (functrain/step/update.py `guard_after`)
+    # into a CPU buffer on CUDA (functrain/step/update.py `_guard_after`)
     assert all(v.dtype.is_floating_point for v in m.values())
     assert not torch.isfinite(m["loss"])
     for a, b in zip(

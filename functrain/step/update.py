@@ -22,7 +22,16 @@ from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import LOCAL, Layout
 from functrain.state import Guard, TrainState
 
-__all__ = ["apply_gradients", "fused_in_place", "guard_after", "make_update", "to_master", "update_ok", "update_step"]
+__all__ = [
+    "apply_gradients",
+    "apply_to_group",
+    "close_update",
+    "fused_in_place",
+    "make_update",
+    "to_master",
+    "update_ok",
+    "update_step",
+]
 
 PyTree = Any
 
@@ -63,7 +72,36 @@ def update_ok(grad_norm: torch.Tensor, metrics: dict) -> torch.Tensor:
     return ok
 
 
-def guard_after(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision, metrics: dict) -> Guard:
+def apply_to_group(optimizer: optim.Transform, lay: Layout, params: PyTree, grads: PyTree, opt_state: PyTree, norm, ok):
+    """The update math of one group of params, the whole tree or a block: `(params, opt_state, update norm)`.
+
+    The optimizer on `grads` (its global-norm transforms read `norm`), the updates applied; where `ok` is a tensor
+    (skipping on) a non-finite step keeps the old params and optimizer state. The update norm is summed flat inside
+    the update's own loop (one reduction there is nearly free; a second one, e.g. a param norm, makes inductor split
+    the loop in two passes: 4x the update's time).
+
+    Example:
+      >>> params, opt_state, unorm = apply_to_group(opt, LOCAL, state.params, grads, state.opt_state, gnorm, None)
+    """
+    updates, new_opt = optim.call_update(optimizer, grads, opt_state, params, norm=norm)
+    new_params = optim.apply_updates(params, updates)
+    unorm = lay.global_norm(updates, fused=True)
+    if ok is not None:
+        new_params, new_opt = lay.select(ok, new_params, params), lay.select(ok, new_opt, opt_state)
+    return new_params, new_opt, unorm
+
+
+def close_update(state: TrainState, ok, prec: precision_lib.Precision, metrics: dict) -> tuple[torch.Tensor, Guard]:
+    """The one epilogue of every update route: `(step + 1, the guard after the step)`; with skipping on (`ok` a
+    tensor) the skip counters (and the fp16 scale this step used) go into `metrics`.
+
+    Example:
+      >>> step, guard = close_update(state, ok, prec, metrics)
+    """
+    return state.step + 1, (state.guard if ok is None else _guard_after(state.guard, ok, prec, metrics))
+
+
+def _guard_after(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision, metrics: dict) -> Guard:
     """`_next_guard`, with the skip counters (and the fp16 scale this step used) added to `metrics`."""
     new = _next_guard(guard, ok, prec)
     metrics[M.SKIPPED] = (~ok).to(torch.float32)
@@ -132,26 +170,19 @@ def apply_gradients(
     lay = layout_of(state.params) if layout is None else layout
     metrics = dict(aux or {})
     metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
-    guarded = skip_nonfinite or prec.loss_scaling
-    if guarded:  # decided before the update math, so every per-element loop runs after it
+    ok = None
+    if skip_nonfinite or prec.loss_scaling:  # decided before the update math, so every per-element loop runs after it
         (flag,) = ops.hoist(update_ok(grad_norm, metrics))
         ok = flag > 0.5
-    updates, opt_state = optim.call_update(optimizer, grads, state.opt_state, state.params, norm=grad_norm)
-    params = optim.apply_updates(state.params, updates)
-    # Summed flat inside the update's own loop (one reduction there is nearly free; a second one,
-    # e.g. a param norm, makes inductor split the loop in two passes: 4x the update's time).
-    metrics[M.UPDATE_NORM] = lay.global_norm(updates, fused=True)
-    guard = state.guard
+    params, opt_state, metrics[M.UPDATE_NORM] = apply_to_group(
+        optimizer, lay, state.params, grads, state.opt_state, grad_norm, ok
+    )
     model_state = state.model_state if model_state is None else model_state
-    if guarded:  # non-finite: keep the old params, optimizer state and model state
-        params = lay.select(ok, params, state.params)
-        opt_state = lay.select(ok, opt_state, state.opt_state)
+    if ok is not None:  # non-finite: the old model state too
         model_state = lay.select(ok, model_state, state.model_state)
-        guard = guard_after(guard, ok, prec, metrics)
+    step, guard = close_update(state, ok, prec, metrics)
     metrics.update(optim.report(optimizer, opt_state))  # e.g. the learning rate this update used
-    return state._replace(
-        params=params, opt_state=opt_state, step=state.step + 1, guard=guard, model_state=model_state
-    ), metrics
+    return state._replace(params=params, opt_state=opt_state, step=step, guard=guard, model_state=model_state), metrics
 
 
 def fused_in_place(
@@ -198,10 +229,10 @@ def fused_in_place(
         return None
     if before is not None:
         metrics[M.UPDATE_NORM] = LOCAL.global_norm(foreach.sub(tree_lib.leaves(state.params), before))
-    guard = guard_after(state.guard, ok, prec, metrics) if guarded else state.guard
+    step, guard = close_update(state, ok if guarded else None, prec, metrics)
     metrics.update(optim.report(optimizer, opt_state))
     model_state = state.model_state if model_state is None else LOCAL.select(ok, model_state, state.model_state)
-    new = state._replace(opt_state=opt_state, step=state.step + 1, guard=guard, model_state=model_state)
+    new = state._replace(opt_state=opt_state, step=step, guard=guard, model_state=model_state)
     return LOCAL.write_into(state, new), metrics  # (the counters; params and moments changed in place)
 
 

@@ -19,7 +19,7 @@ from functrain import tree as tree_lib
 from functrain.optim import base as optim_base
 from functrain.parallel import Layout
 from functrain.state import TrainState
-from functrain.step.update import guard_after, to_master, update_ok
+from functrain.step.update import apply_to_group, close_update, to_master, update_ok
 
 __all__ = ["Block", "Group", "blocks_by_name", "plan", "grouped_update"]
 
@@ -311,12 +311,7 @@ def grouped_update(  # noqa: C901
 
         def update_phase(params: dict, grads: dict, opt_state: PyTree, grad_norm, ok):
             """The optimizer on one group; its params and moments donated; new shared leaves returned."""
-            updates, new_opt = optim.call_update(optimizer, grads, opt_state, params, norm=grad_norm)
-            new_params = optim.apply_updates(params, updates)
-            unorm = lay.global_norm(updates, fused=True)
-            if guarded:
-                new_params = lay.select(ok, new_params, params)
-                new_opt = lay.select(ok, new_opt, opt_state)
+            new_params, new_opt, unorm = apply_to_group(optimizer, lay, params, grads, opt_state, grad_norm, ok)
             if donate:
                 new_params, new_opt = donate_phase(split, params, opt_state, new_params, new_opt)
             return new_params, new_opt, unorm * unorm
@@ -340,8 +335,7 @@ def grouped_update(  # noqa: C901
         """Update norm, skip guard and step counter; the shared optimizer leaves written back."""
         metrics = dict(metrics)
         metrics[M.UPDATE_NORM] = torch.stack(squares).sum().sqrt()
-        guard = guard_after(state.guard, ok, prec, metrics) if guarded else state.guard
-        step = state.step + 1
+        step, guard = close_update(state, ok, prec, metrics)
         if donate:
             new_shared = lay.write_into(old_shared, new_shared)
             step, guard = lay.write_into((state.step, state.guard), (step, guard))
