@@ -97,7 +97,6 @@ def gpt_pair(tokenizer, tmp_path_factory):
 def hf_pair(tokenizer, tmp_path_factory):
     """(a transformers Qwen2 as the hf family reads it, its params, HFLM on the same directory)."""
     from functrain.models import hf
-    from functrain.models.hf.task import _hf_logits
     from functrain.models.hf.tiny import write_tiny
 
     directory = write_tiny(
@@ -119,7 +118,7 @@ def hf_pair(tokenizer, tmp_path_factory):
     config = json.loads((directory / "config.json").read_text())
     save_hf_directory(directory, params, config, tokenizer_file=tokenizer.path)
     model = inference.eval_model(
-        template, tokenizer, block_size=BLOCK, stages=None, head=None, logits_fn=_hf_logits(template)
+        template, tokenizer, block_size=BLOCK, stages=None, head=None, logits_fn=hf.eval_logits(template)
     )
     return model, params, _hflm(directory, tokenizer)
 

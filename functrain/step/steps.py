@@ -208,7 +208,7 @@ def _split_step(spec: _TrainSpec, lay: Layout, piece: Callable):
     prepare = _prepare_for(spec.prec, lay, per_stage=False)
     joint = piece(_joint_for(spec, lay, prepare))
     whole = piece(_whole_update_for(spec.update, spec.prec, lay, per_stage=False))
-    update = _Update(spec, _GroupedUpdate(spec, lay, None, piece, whole, exact_norms=True), whole, fused=True)
+    update = _Update(spec, lay, whole, piece, groups=True, exact_norms=True, kernel=True)
     grads = _ForwardThenAutograd(spec, lay, piece, joint) if _forward_graph_takes(spec) else joint
 
     def step(state: TrainState, batch: PyTree):
@@ -274,8 +274,10 @@ class _Body:
         self.prepare = piece(_prepare_for(spec.prec, lay, per_stage))
         whole = piece(_whole_update_for(spec.update, spec.prec, lay, per_stage))
         grouped = grouped and (per_stage or not lay.sharded)
-        by_groups = _GroupedUpdate(spec, lay, loss_fn, piece, whole) if grouped else whole
-        self.update = _Update(spec, by_groups, whole, fused=grouped and not lay.sharded)
+        blocks = loss_fn.blocks if grouped else None
+        self.update = _Update(
+            spec, lay, whole, piece, groups=grouped, blocks=blocks, kernel=grouped and not lay.sharded
+        )
 
     def __call__(self, state: TrainState, batch: PyTree):
         aux, grads, model_state = _loss_and_grads(
@@ -328,44 +330,45 @@ def _joint_for(spec: _TrainSpec, lay: Layout, prepare: Callable) -> Callable:
 
 
 class _Update:
-    """The step's update: `by_groups` (group by group, or the whole one), `whole` with a model state; first through
-    the optimizer's fused kernel, eagerly, where `fused` and the optimizer has one (`adamw(fused=True)`)."""
+    """The step's update `(state, aux, grads, model_state)`, its route chosen here: through the optimizer's fused
+    kernel, eagerly, where `kernel` and the optimizer has one (`adamw(fused=True)`, donating); else, without a model
+    state and where `groups`, group by group (`functrain.step.update_groups`, planned at the first call: the plan
+    runs the optimizer on meta tensors), the groups a staged loss's `blocks` (compile="blocks") or the params'
+    numbered blocks (`update_groups.blocks_by_name`, with `exact_norms`); else `whole`."""
 
-    def __init__(self, spec: _TrainSpec, by_groups: Callable, whole: Callable, *, fused: bool):
-        self.spec, self.by_groups, self.whole = spec, by_groups, whole
-        self.fused = fused and _kernel_when_compiled(spec)
+    def __init__(
+        self,
+        spec: _TrainSpec,
+        lay: Layout,
+        whole: Callable,
+        piece: Callable,
+        *,
+        groups,
+        kernel,
+        blocks=None,
+        exact_norms=False,
+    ):
+        self.spec, self.lay, self.whole, self.piece = spec, lay, whole, piece
+        self.groups, self.kernel = groups, kernel and _kernel_when_compiled(spec)
+        self.blocks, self.exact_norms = blocks, exact_norms
+        self.by_groups: Callable | None = None
 
     def __call__(self, state: TrainState, aux: dict, grads: PyTree, model_state: PyTree):
         spec, with_state = self.spec, has_model_state(model_state)
-        if self.fused:  # torch's precompiled kernel: nothing to compile
+        if self.kernel:  # torch's precompiled kernel: nothing to compile
             master = to_master(grads, state.params, spec.prec.scale_of(state.guard))
             ms = model_state if with_state else None
             done = fused_in_place(state, aux, master, spec.optimizer, spec.guarded, spec.prec, ms)
             if done is not None:
                 return done
-        if not with_state:
-            return self.by_groups(state, aux, grads)
-        return self.whole(state, aux, grads, model_state)
+        if with_state or not self.groups:
+            return self.whole(state, aux, grads, model_state if with_state else None)
+        if self.by_groups is None:
+            self.by_groups = self._plan(state)
+        return self.by_groups(state, aux, grads)
 
-
-class _GroupedUpdate:
-    """The update group by group (`functrain.step.update_groups`) when the plan allows, else the whole update;
-    chosen at the first call, eagerly (the plan runs the optimizer on meta tensors). The groups are a staged
-    loss's blocks (compile="blocks"; `loss_fn` None: the params' numbered blocks, `update_groups.blocks_by_name`,
-    with `exact_norms`)."""
-
-    def __init__(self, spec: _TrainSpec, lay: Layout, loss_fn, piece, whole, exact_norms: bool = False):
-        self.spec, self.lay, self.piece, self.whole = spec, lay, piece, whole
-        self.blocks, self.exact_norms = (loss_fn.blocks if loss_fn is not None else None), exact_norms
-        self.chosen: Callable | None = None
-
-    def __call__(self, state: TrainState, aux: dict, grads: PyTree):
-        if self.chosen is None:
-            self.chosen = self._choose(state)
-        return self.chosen(state, aux, grads)
-
-    def _choose(self, state: TrainState):
-        """The update for these params and this optimizer."""
+    def _plan(self, state: TrainState) -> Callable:
+        """The grouped update for these params and this optimizer, or `whole` where the plan refuses."""
         spec = self.spec
         blocks = update_groups.blocks_by_name(state.params) if self.blocks is None else self.blocks
         groups, why = update_groups.plan(state.params, blocks, spec.optimizer)

@@ -17,18 +17,21 @@ from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain.models.hf.export import export_directory, persistent_buffers
-    from functrain.models.hf.loss import make_loss_fn
+    from functrain.models.hf.loss import make_loss_fn, run_loss
     from functrain.models.hf.model import (
         HFModelError,
         StagingError,
         build_template,
         check_stages,
         decoder_layers,
+        eval_logits,
         head_name,
         init_params,
         load_config,
+        read_params,
         stages,
         tp_rules,
+        with_buffers,
     )
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)
