@@ -1,7 +1,7 @@
 """The Hugging Face family: any transformers causal LM (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, ...)
 trained from a model directory, with no model code here. `model.py` builds it on meta, initializes it
-from a key and cuts it into stages at its decoder layers; `loss.py` is its loss; `task.py` the Task the
-training loop runs (imported on its own by `functrain.main`).
+from a key and cuts it into stages at its decoder layers; `weights.py` reads a directory's weights onto it;
+`loss.py` is its loss; `task.py` the Task the training loop runs (imported on its own by `functrain.main`).
 The names below load on first use (`functrain._lazy`), so `checks.py` imports without torch.
 
 Example:
@@ -28,10 +28,9 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         head_name,
         init_params,
         load_config,
-        read_params,
         stages,
         tp_rules,
-        with_buffers,
     )
+    from functrain.models.hf.weights import read_params, with_buffers
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -27,12 +27,11 @@ from functrain.models.hf.model import (
     head_name,
     init_params,
     load_config,
-    read_params,
     stages,
     tp_rules,
-    with_buffers,
 )
 from functrain.models.hf.tiny import model_directory
+from functrain.models.hf.weights import read_params, with_buffers
 from functrain.task import Task
 
 __all__ = ["build", "refuse_axes"]
