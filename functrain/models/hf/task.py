@@ -18,18 +18,9 @@ from functrain import config_checks, parallel
 from functrain import data as data_lib
 from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import decoder, lm_data
+from functrain.models.hf import model as hf_lib
 from functrain.models.hf.export import export_directory
 from functrain.models.hf.loss import run_loss
-from functrain.models.hf.model import (
-    HFModelError,
-    build_template,
-    eval_logits,
-    head_name,
-    init_params,
-    load_config,
-    stages,
-    tp_rules,
-)
 from functrain.models.hf.tiny import model_directory
 from functrain.models.hf.weights import read_params, with_buffers
 from functrain.task import Task
@@ -59,11 +50,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     """
     try:
         path = model_directory(config.model.path, workdir)  # "tiny:qwen2": a tiny model written to the workdir
-        hf_config = load_config(path)
+        hf_config = hf_lib.load_config(path)
         directory = HFDirectory(path)
         has_weights = any(directory.path.glob("*.safetensors"))
         weights = directory.weights if has_weights and config.model.weights else None  # a bad shard fails now
-    except (HFModelError, HFError) as exc:
+    except (hf_lib.HFModelError, HFError) as exc:
         raise config_checks.ConfigError(f"model.path: {exc}") from None
     refuse_axes(ctx, hf_config.model_type)
     place, seq = lm_data.placement(config, ctx, workdir), config.model.block_size
@@ -75,7 +66,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     decoder.check_length(seq, longest, directory.path / "config.json")
     heads = {k: getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")}
     decoder.check_heads(ctx, heads, f"{hf_config.model_type}: change --config.mesh.tp")
-    base = build_template(hf_config, device=ctx.device)
+    base = hf_lib.build_template(hf_config, device=ctx.device)
     dataset = data_lib.run_data(
         config.data,
         place,
@@ -89,20 +80,21 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     def init(key, device, where=None):
         """Fresh params from `key`, or the directory's (only this rank's block of each with `where`)."""
         if weights is None:
-            return init_params(base, key, device=device, where=where)
+            return hf_lib.init_params(base, key, device=device, where=where)
         return read_params(weights, base, device=device, where=where)
 
     def build_model(template, rules) -> decoder.Built:
         """The tensor-parallel copy (with the template's buffers) and the loss, staged where the family can."""
         model = with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = run_loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
-        return decoder.Built(model, loss_fn, stages(template) if staged else None, eval_logits(template), seq)
+        st = hf_lib.stages(template) if staged else None
+        return decoder.Built(model, loss_fn, st, hf_lib.eval_logits(template), seq)
 
     spec = decoder.ModelSpec(
         base=base,
-        tp_rules=lambda template: tp_rules(template) if ctx.tp_world > 1 else None,
-        stages=stages,
-        head=head_name,
+        tp_rules=lambda template: hf_lib.tp_rules(template) if ctx.tp_world > 1 else None,
+        stages=hf_lib.stages,
+        head=hf_lib.head_name,
         init_params=init,
         # LoRA: the merged model, and the adapters as a PEFT directory over the model directory's weights
         export=lambda params, out: export_directory(out, hf_config, base, params, tokenizer_file=tokenizer_file),
@@ -126,7 +118,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     }
     try:
         return decoder.task(config, ctx, workdir, spec, dataset, decoder.Facts(describe, seq, flops, info), build_model)
-    except HFModelError as exc:
+    except hf_lib.HFModelError as exc:
         raise config_checks.ConfigError(f"model.path: {exc}") from None
 
 
