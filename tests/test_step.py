@@ -4,6 +4,7 @@ determinism, donation, evaluation and errors."""
 from __future__ import annotations
 
 import _tol
+import optree
 import pytest
 import torch
 import torch._dynamo
@@ -53,9 +54,12 @@ def _n(model, batch_size):
 def _storages(state: TrainState, fields=("params", "opt_state", "step")):
     """data_ptr of every tensor leaf of the given state fields, but the hyper-parameters (read-only
     inputs the step passes through unchanged)."""
-    from functrain.optim.hyperparams import _states
 
-    hyper = {v.data_ptr() for s in _states(state) for v in s.hyper.values()}
+    def holds_hyper(node) -> bool:  # a transform state with hyper-parameters (its `hyper` field)
+        return isinstance(node, tuple) and "hyper" in getattr(node, "_fields", ())
+
+    states = [x for x in optree.tree_leaves(state, is_leaf=holds_hyper, none_is_leaf=False) if holds_hyper(x)]
+    hyper = {v.data_ptr() for s in states for v in s.hyper.values()}
     return [x.data_ptr() for f in fields for x in tree.leaves(getattr(state, f)) if x.data_ptr() not in hyper]
 
 

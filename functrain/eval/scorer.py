@@ -33,6 +33,22 @@ class Sampling(NamedTuple):
     top_k: int = 0
     top_p: float = 1.0
 
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """(V,) logits / temperature, then -inf outside the top k and outside the top-p mass (transformers' order).
+
+        Example:
+          >>> Sampling(temperature=0.7, top_p=0.9).warp(logits)
+        """
+        logits = logits / self.temperature
+        if 0 < self.top_k < logits.numel():
+            logits = logits.masked_fill(logits < logits.topk(self.top_k).values[-1], float("-inf"))
+        if self.top_p < 1.0:
+            ascending, order = logits.sort()
+            drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            drop[-1] = False  # the most likely token always stays
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        return logits
+
 
 class Interrupted(Exception):
     """`Scorer.score` stopped between two batches because its `interrupt()` said so (a preemption)."""
@@ -256,20 +272,7 @@ def _pick(logits: torch.Tensor, key, request: int, t: int, sampling: Sampling) -
     if key is None or sampling.temperature == 0:
         return int(logits.argmax())
     u = rng_lib.uniform(rng_lib.fold_in(rng_lib.fold_in(key, request), t), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
-    return int((_warp(logits, sampling) - torch.log(-torch.log(u))).argmax())
-
-
-def _warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """(V,) logits / temperature, then -inf outside the top k and outside the top-p mass (transformers' order)."""
-    logits = logits / s.temperature
-    if 0 < s.top_k < logits.numel():
-        logits = logits.masked_fill(logits < logits.topk(s.top_k).values[-1], float("-inf"))
-    if s.top_p < 1.0:
-        ascending, order = logits.sort()
-        drop = ascending.softmax(-1).cumsum(-1) <= 1 - s.top_p
-        drop[-1] = False  # the most likely token always stays
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+    return int((sampling.warp(logits) - torch.log(-torch.log(u))).argmax())
 
 
 def _score(logits_fn, params, model_state, ids, targets, mask):
