@@ -343,10 +343,10 @@ class _Update:
         whole: Callable,
         piece: Callable,
         *,
-        groups,
-        kernel,
-        blocks=None,
-        exact_norms=False,
+        groups: bool,
+        kernel: bool,
+        blocks: list | None = None,
+        exact_norms: bool = False,
     ):
         self.spec, self.lay, self.whole, self.piece = spec, lay, whole, piece
         self.groups, self.kernel = groups, kernel and _kernel_when_compiled(spec)

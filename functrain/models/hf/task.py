@@ -67,13 +67,9 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     heads = {k: getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")}
     decoder.check_heads(ctx, heads, f"{hf_config.model_type}: change --config.mesh.tp")
     base = hf_lib.build_template(hf_config, device=ctx.device)
+    batching = data_lib.Batching.of(config, seq)
     dataset = data_lib.run_data(
-        config.data,
-        place,
-        data_lib.Batching.of(config, seq),
-        tokenizer=tokenizer,
-        vocab_size=hf_config.vocab_size,
-        model_dir=directory.path,
+        config.data, place, batching, tokenizer=tokenizer, vocab_size=hf_config.vocab_size, model_dir=directory.path
     )
     tokenizer_file = getattr(tokenizer, "path", None)
 
