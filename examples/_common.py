@@ -56,12 +56,12 @@ def corpus(args):
 
 def batch(args, ds, step: int):
     """Training batch `step`: (x, y), each (args.batch, BLOCK)."""
-    return data.get_batch(ds.train, batch_size=args.batch, block_size=BLOCK, seed=0, step=step)
+    return data.get_batch(ds.train, data.Batching(args.batch, BLOCK), step)
 
 
 def val_batches(ds, num_batches: int = 4) -> list:
     """Fixed held-out batches of 32 examples."""
-    return list(data.eval_batches(ds.val, batch_size=32, block_size=BLOCK, num_batches=num_batches))
+    return list(data.eval_batches(ds.val, data.Batching(32, BLOCK, eval_batches=num_batches)))
 
 
 def synthetic_images(n: int, batch_size: int, classes: int = 4, seed: int = 0) -> list:

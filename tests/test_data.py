@@ -12,6 +12,7 @@ import torch
 
 from functrain.data import (
     SEPARATOR,
+    Batching,
     ByteTokenizer,
     ConcatTokens,
     DataError,
@@ -90,40 +91,41 @@ def test_encode_decode_roundtrip(stdlib):
 
 
 def test_get_batch_is_pure_in_seed_and_step(stdlib):
-    kw = dict(batch_size=8, block_size=64)
-    x1, y1 = get_batch(stdlib.train, seed=0, step=5, **kw)
-    x2, y2 = get_batch(stdlib.train, seed=0, step=5, **kw)
-    x3, _ = get_batch(stdlib.train, seed=0, step=6, **kw)
-    x4, _ = get_batch(stdlib.train, seed=1, step=5, **kw)
+    seed0, seed1 = Batching(8, 64, seed=0), Batching(8, 64, seed=1)
+    x1, y1 = get_batch(stdlib.train, seed0, 5)
+    x2, y2 = get_batch(stdlib.train, seed0, 5)
+    x3, _ = get_batch(stdlib.train, seed0, 6)
+    x4, _ = get_batch(stdlib.train, seed1, 5)
     assert x1.shape == y1.shape == (8, 64) and x1.dtype == y1.dtype == torch.int64
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
     assert not torch.equal(x1, x3) and not torch.equal(x1, x4)
     assert torch.equal(x1[:, 1:], y1[:, :-1])  # y is x shifted by one token
-    x5, _ = get_batch(stdlib.train, seed=0, step=torch.tensor(5), **kw)  # a tensor step works
+    x5, _ = get_batch(stdlib.train, seed0, torch.tensor(5))  # a tensor step works
     assert torch.equal(x1, x5)
 
 
 def test_get_batch_ranks_partition_the_global_batch(stdlib):
-    kw = dict(batch_size=8, block_size=32, seed=3, step=11)
-    x, y = get_batch(stdlib.train, **kw)
-    parts = [get_batch(stdlib.train, rank=r, world=2, **kw) for r in range(2)]
+    batching = Batching(8, 32, seed=3)
+    x, y = get_batch(stdlib.train, batching, 11)
+    parts = [get_batch(stdlib.train, batching, 11, rank=r, world=2) for r in range(2)]
     assert parts[0][0].shape == (4, 32)
     assert torch.equal(torch.cat([p[0] for p in parts]), x)
     assert torch.equal(torch.cat([p[1] for p in parts]), y)
     with pytest.raises(ValueError, match="divisible"):
-        get_batch(stdlib.train, rank=0, world=3, **kw)
+        get_batch(stdlib.train, batching, 11, rank=0, world=3)
     with pytest.raises(ValueError, match="rank"):
-        get_batch(stdlib.train, rank=2, world=2, **kw)
+        get_batch(stdlib.train, batching, 11, rank=2, world=2)
 
 
 def test_eval_batches_are_fixed_and_not_train_batches(stdlib):
-    kw = dict(batch_size=4, block_size=16, num_batches=3)
-    a, b = list(eval_batches(stdlib.val, **kw)), list(eval_batches(stdlib.val, **kw))
+    batching = Batching(4, 16, eval_batches=3)
+    a, b = list(eval_batches(stdlib.val, batching)), list(eval_batches(stdlib.val, batching))
     assert len(a) == 3 and all(torch.equal(p[0], q[0]) for p, q in zip(a, b))
     assert not torch.equal(a[0][0], a[1][0])
-    train_like = get_batch(stdlib.val, batch_size=4, block_size=16, seed=0, step=0)
+    train_like = get_batch(stdlib.val, batching, 0)
     assert not torch.equal(a[0][0], train_like[0])
-    halves = [list(eval_batches(stdlib.val, rank=r, world=2, **kw)) for r in range(2)]
+    halves = [list(eval_batches(stdlib.val, batching, rank=r, world=2)) for r in range(2)]
+    assert not torch.equal(next(eval_batches(stdlib.val, batching, seed=1))[0], a[0][0])  # the seed fixes the set
     assert torch.equal(torch.cat([halves[0][0][0], halves[1][0][0]]), a[0][0])
 
 
@@ -193,7 +195,7 @@ def test_bin_source_with_meta(tmp_path):
     ds = load_dataset(str(tmp_path), Placement(tmp_path / "unused"))
     assert ds.vocab_size == 65 and len(ds.train) == 5000 and isinstance(ds.train, np.memmap)
     assert ds.decode(ds.encode("HELLO")) == "HELLO"
-    x, y = get_batch(ds.train, batch_size=4, block_size=16, seed=0, step=0)
+    x, y = get_batch(ds.train, Batching(4, 16), 0)
     assert int(x.max()) < 65
     assert load_dataset(str(tmp_path / "train.bin"), Placement(tmp_path / "unused")).vocab_size == 65
 
@@ -232,7 +234,7 @@ def test_empty_and_too_short_sources(tmp_path):
     with pytest.raises(DataError, match=r"val split has \d+ tokens, fewer than block_size \+ 1 = 65"):
         load_dataset(str(short), Placement(tmp_path / "c"), block_size=64)
     with pytest.raises(DataError, match="block_size"):
-        get_batch(np.zeros(10, np.uint16), batch_size=2, block_size=10, seed=0, step=0)
+        get_batch(np.zeros(10, np.uint16), Batching(2, 10), 0)
 
 
 def test_killed_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
@@ -316,7 +318,7 @@ def test_large_vocabularies_are_stored_as_uint32(tmp_path):
     assert ds.train.dtype == np.uint32 and ds.vocab_size == 70_001
     assert int(np.max(ds.train)) > 65_535  # ids above uint16 survive
     assert ds.train[:3].tolist() == [0, 7919, 15838]
-    x, y = get_batch(ds.train, batch_size=4, block_size=8, seed=0, step=3)
+    x, y = get_batch(ds.train, Batching(4, 8), 3)
     assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
 
 

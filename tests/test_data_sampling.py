@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from functrain.data import DataError, Prefetcher, Sampler, get_batch, mixture_rows, permute
+from functrain.data import Batching, DataError, Prefetcher, Sampler, get_batch, mixture_rows, permute
 from functrain.data.sampling import mixture_counts
 
 
@@ -102,7 +102,7 @@ def test_one_source_with_windows_is_get_batch_bit_for_bit():
     sampler = Sampler([("a", tokens, 1.0)], batch_size=8, block_size=32, seed=5)
     for step in (0, 9):
         x, y = sampler.batch(step, rank=1, world=2)
-        gx, gy = get_batch(tokens, batch_size=8, block_size=32, seed=5, step=step, rank=1, world=2)
+        gx, gy = get_batch(tokens, Batching(8, 32, seed=5), step, rank=1, world=2)
         assert torch.equal(x, gx) and torch.equal(y, gy)
 
 

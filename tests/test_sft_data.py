@@ -120,7 +120,7 @@ def test_an_inconsistent_template_is_one_line():
         "{% for m in messages %}{% if loop.last %}[LAST]{% endif %}{{ m['content'] }}{% endfor %}"
     )
     with pytest.raises(S.TemplateError, match="renders the first 1 message\\(s\\) differently"):
-        S.render({"messages": CHAT[1:3]}, "messages", BYTES, train_on="assistant", template=rewrites, where="a.jsonl:3")
+        S.render({"messages": CHAT[1:3]}, "messages", BYTES, train_on="assistant", template=rewrites)
 
 
 def _write(tmp_path, records, name="d.jsonl"):
@@ -328,10 +328,13 @@ def test_messages_that_name_the_real_problem(tmp_path):
     with pytest.raises(DataError, match="holds no record") as err:
         supervised_format(data_config(path=str(empty)))
     assert "text" not in str(err.value).split(";")[0]
-    with pytest.raises(DataError, match=r"ex: field 'completion' is null"):
-        S.render({"prompt": "p", "completion": None}, "prompt_completion", BYTES, train_on="completion", where="ex")
-    with pytest.raises(DataError, match=r"ex: no field 'completion'"):
-        S.render({"prompt": "p"}, "prompt_completion", BYTES, train_on="completion", where="ex")
+    with pytest.raises(DataError, match=r"^field 'completion' is null"):
+        S.render({"prompt": "p", "completion": None}, "prompt_completion", BYTES, train_on="completion")
+    with pytest.raises(DataError, match=r"^no field 'completion'"):
+        S.render({"prompt": "p"}, "prompt_completion", BYTES, train_on="completion")
+    nulls = _write(tmp_path / "nulls", [{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": None}])
+    with pytest.raises(DataError, match=r"^d\.jsonl:1: field 'completion' is null"):  # the record named in a run
+        load_examples(nulls, tmp_path / "c", BYTES, _spec(fmt="prompt_completion"), log=lambda line: None)
     src = _write(tmp_path, [{"messages": [{"role": "user", "content": "q"}]}] + [{"messages": CHAT}] * 4)
     lines = []
     load_examples(src, tmp_path / "c", BYTES, _spec(fmt="messages", block_size=256), log=lines.append)

@@ -193,14 +193,12 @@ def test_the_sft_data_pads_with_pad_and_stops_at_every_eos(made, tmp_path):
 
 def test_template_errors_name_the_file_and_line():
     refuses = "{% for m in messages %}{{ raise_exception('no system role') if m['role'] == 'system' }}{% endfor %}"
-    with pytest.raises(S.TemplateError, match=r"ex:1: the chat template refused a conversation: no system role"):
-        S.render(
-            _chat(CHATS[1]), "messages", BYTES, train_on="assistant", template=S.ChatTemplate(refuses), where="ex:1"
-        )
+    with pytest.raises(S.TemplateError, match=r"^the chat template refused a conversation: no system role"):
+        S.render(_chat(CHATS[1]), "messages", BYTES, train_on="assistant", template=S.ChatTemplate(refuses))
     broken = "{% for m in messages %}\n{{ m['content'] }}\n{{ m.content.nope() }}{% endfor %}"
-    with pytest.raises(S.TemplateError, match=r"ex:1: the chat template failed at t\.jinja:3 "):
+    with pytest.raises(S.TemplateError, match=r"^the chat template failed at t\.jinja:3 "):
         template = S.ChatTemplate(broken, name="t.jinja")
-        S.render(_chat(CHATS[0]), "messages", BYTES, train_on="assistant", template=template, where="ex:1")
+        S.render(_chat(CHATS[0]), "messages", BYTES, train_on="assistant", template=template)
     with pytest.raises(S.TemplateError, match=r"t\.jinja:2: not a Jinja template"):
         S.ChatTemplate("{% for m in messages %}\n{% endif %}", name="t.jinja")
 

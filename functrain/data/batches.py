@@ -3,7 +3,7 @@
 Internals: docs/internals.md "functrain.data.batches".
 
 Example:
-    >>> x, y = get_batch(ds.train, batch_size=32, block_size=256, seed=0, step=state_step)
+    >>> x, y = get_batch(ds.train, Batching(batch_size=32, block_size=256, seed=0), step=state_step)
     >>> x.shape, y.shape        # (32, 256) int64; y[:, :-1] == x[:, 1:]
 """
 
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from functrain.data.errors import DataError
+from functrain.data.placement import Batching
 from functrain.data.tokens import ConcatTokens
 
 __all__ = ["get_batch", "eval_batches"]
@@ -58,11 +59,9 @@ def inputs_targets(windows: np.ndarray, device):
 
 def get_batch(
     tokens: np.ndarray | ConcatTokens,
-    *,
-    batch_size: int,
-    block_size: int,
-    seed: int,
+    batching: Batching,
     step: int,
+    *,
     rank: int = 0,
     world: int = 1,
     device: torch.device | str | None = None,
@@ -71,9 +70,7 @@ def get_batch(
 
     Args:
       tokens: a 1-D token array (e.g. `Dataset.train`, a memmap: only the windows are read).
-      batch_size: the GLOBAL batch size, divisible by `world`.
-      block_size: window length T.
-      seed: data seed (any int).
+      batching: the GLOBAL batch size (divisible by `world`), the window length T and the data seed.
       step: the training step (an int or a 0-d tensor).
       rank: this data-parallel rank.
       world: number of data-parallel ranks.
@@ -84,20 +81,18 @@ def get_batch(
       one token (y[:, t] is the token after x[:, t]).
 
     Example:
-      >>> x, y = get_batch(ds.train, batch_size=8, block_size=64, seed=0, step=10, rank=1, world=2)
+      >>> x, y = get_batch(ds.train, Batching(batch_size=8, block_size=64), step=10, rank=1, world=2)
       >>> x.shape
       torch.Size([4, 64])
     """
-    starts = window_starts(len(tokens), batch_size, block_size, TRAIN_STREAM, seed, step)
-    return window_rows(tokens, starts, block_size, rank, world, device)
+    starts = window_starts(len(tokens), batching.batch_size, batching.block_size, TRAIN_STREAM, batching.seed, step)
+    return window_rows(tokens, starts, batching.block_size, rank, world, device)
 
 
 def eval_batches(
     tokens: np.ndarray | ConcatTokens,
+    batching: Batching,
     *,
-    batch_size: int,
-    block_size: int,
-    num_batches: int,
     seed: int = 0,
     rank: int = 0,
     world: int = 1,
@@ -110,10 +105,10 @@ def eval_batches(
 
     Args:
       tokens: a 1-D token array (e.g. `Dataset.val`).
-      batch_size: the GLOBAL batch size, divisible by `world`.
-      block_size: window length T.
-      num_batches: how many batches to yield.
-      seed: fixes the set of windows.
+      batching: the GLOBAL batch size (divisible by `world`), the window length T and how many
+        batches to yield (`eval_batches`); its training seed is not read.
+      seed: fixes the set of windows (0 by default whatever the training seed, so validation losses
+        of runs with different seeds compare).
       rank: this data-parallel rank.
       world: number of data-parallel ranks.
       device: where to put the tensors.
@@ -122,9 +117,9 @@ def eval_batches(
       An iterator of (x, y) int64 tensors of shape (batch_size // world, block_size).
 
     Example:
-      >>> losses = [eval_step(params, x, y) for x, y in eval_batches(ds.val, batch_size=8,
-      ...                                                          block_size=64, num_batches=20)]
+      >>> losses = [eval_step(params, x, y)
+      ...           for x, y in eval_batches(ds.val, Batching(batch_size=8, block_size=64, eval_batches=20))]
     """
-    for i in range(num_batches):
-        starts = window_starts(len(tokens), batch_size, block_size, EVAL_STREAM, seed, i)
-        yield window_rows(tokens, starts, block_size, rank, world, device)
+    for i in range(batching.eval_batches):
+        starts = window_starts(len(tokens), batching.batch_size, batching.block_size, EVAL_STREAM, seed, i)
+        yield window_rows(tokens, starts, batching.block_size, rank, world, device)

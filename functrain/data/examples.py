@@ -173,9 +173,10 @@ def _render_file(records, spec: ExampleSpec, tokenizer):
     counts = {"dropped": 0, "truncated": 0, "no_target": 0}
     fields = dict(spec.fields)
     for _, key, record in records:
-        ex = render(
-            record, spec.fmt, tokenizer, train_on=spec.train_on, fields=fields, template=spec.template, where=key
-        )
+        try:
+            ex = render(record, spec.fmt, tokenizer, train_on=spec.train_on, fields=fields, template=spec.template)
+        except DataError as exc:  # (TemplateError too) named with the record: "<file>:<index>: ..."
+            raise type(exc)(f"{key}: {exc}") from None
         kept = _fit(ex.tokens, ex.targets, spec, counts)
         if kept is not None:
             parts.append(kept)

@@ -110,9 +110,7 @@ class LMData:
             name: list(
                 eval_windows(
                     ds.val,
-                    batch_size=self.sampler.batch_size,
-                    block_size=self.sampler.block_size,
-                    num_batches=self.eval_batches,
+                    Batching(self.sampler.batch_size, self.sampler.block_size, eval_batches=self.eval_batches),
                     **self.dp,
                 )
             )

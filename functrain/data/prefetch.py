@@ -36,7 +36,7 @@ class Prefetcher:
       make_s: seconds the thread spent making batches.
 
     Example:
-      >>> batches = Prefetcher(lambda s: get_batch(tokens, batch_size=8, block_size=64, seed=0, step=s), 0)
+      >>> batches = Prefetcher(lambda s: get_batch(tokens, Batching(8, 64), s), 0)
       >>> x, y = batches.get(0)
     """
 

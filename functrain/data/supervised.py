@@ -307,52 +307,50 @@ def chat_template_of(directory: str | Path | None, special: Mapping[str, str] | 
     return ChatTemplate(source or DEFAULT_CHAT_TEMPLATE, found if special is None else special, name)
 
 
-def _field(record: Mapping, fields: Mapping[str, str], name: str, where: str, default=None):
+def _field(record: Mapping, fields: Mapping[str, str], name: str, default=None):
     """`record`'s value for format field `name` (renamed by `fields`); `default` where it is optional."""
     key = fields.get(name, name)
     if key not in record:
         if default is not None:
             return default
-        raise DataError(
-            f"{where}: no field {key!r} (fields: {', '.join(list(record)[:12])}); map it with --config.data.fields"
-        )
+        raise DataError(f"no field {key!r} (fields: {', '.join(list(record)[:12])}); map it with --config.data.fields")
     value = record[key]
     if value is None and default is None:
-        raise DataError(f"{where}: field {key!r} is null; give it a value or leave the record out")
+        raise DataError(f"field {key!r} is null; give it a value or leave the record out")
     return default if value is None else value
 
 
-def _text(value, where: str, key: str) -> str:
+def _text(value, key: str) -> str:
     """A field's value, which must be a string."""
     if not isinstance(value, str):
-        raise DataError(f"{where}: field {key!r} is a {type(value).__name__}, not text")
+        raise DataError(f"field {key!r} is a {type(value).__name__}, not text")
     return value
 
 
-def _messages(messages, where: str) -> list[dict]:
+def _messages(messages) -> list[dict]:
     """A conversation as [{"role", "content"}] (other keys dropped)."""
     if not isinstance(messages, list) or not all(
         isinstance(m, Mapping) and "role" in m and "content" in m for m in messages
     ):
-        raise DataError(f"{where}: messages must be a list of {{'role', 'content'}} objects")
+        raise DataError("messages must be a list of {'role', 'content'} objects")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _rendered(template: ChatTemplate, where: str, messages: list[dict], **options) -> Any:
+def _rendered(template: ChatTemplate, messages: list[dict], **options) -> Any:
     """`template.render(messages, **options)` (`spans=True`: `render_spans`), a template's own failure as one line
-    naming the example and the template's file:line."""
+    naming the template's file:line."""
     try:
         return template.render_spans(messages) if options.pop("spans", False) else template.render(messages, **options)
-    except TemplateError as exc:
-        raise TemplateError(f"{where}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - a template's own error, named with the example and the line
+    except TemplateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template's own error, named with the template's line
         raise TemplateError(
-            f"{where}: the chat template failed at {template.where(exc)} ({type(exc).__name__}: {exc}); fix the "
+            f"the chat template failed at {template.where(exc)} ({type(exc).__name__}: {exc}); fix the "
             "record or the template (--config.data.chat_template)"
         ) from None
 
 
-def _message_pieces(messages: list[dict], template: ChatTemplate, train_on: str, where: str) -> list[tuple[str, bool]]:
+def _message_pieces(messages: list[dict], template: ChatTemplate, train_on: str) -> list[tuple[str, bool]]:
     """(text, learned) pieces of a conversation, from rendering it one message at a time."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     learned = set(turns[-1:]) if train_on == "last" else set(turns)
@@ -362,7 +360,7 @@ def _message_pieces(messages: list[dict], template: ChatTemplate, train_on: str,
         nonlocal done, done_n
         if not text.startswith(done):
             raise TemplateError(
-                f"{where}: the chat template renders the first {done_n} message(s) differently inside the first {n}, "
+                f"the chat template renders the first {done_n} message(s) differently inside the first {n}, "
                 "so the turns' spans are unknown (e.g. a template that rewrites earlier turns); use a template that "
                 "renders each prefix as the start of the next, or marks the assistant's text with {% generation %} "
                 "(--config.data.chat_template), or --config.data.train_on=all"
@@ -372,15 +370,15 @@ def _message_pieces(messages: list[dict], template: ChatTemplate, train_on: str,
 
     for i, m in enumerate(messages):
         if m["role"] == "assistant":  # its header is prompt, its content and end of turn are learned
-            extend(_rendered(template, where, messages[:i], add_generation_prompt=True), False, i)
-        extend(_rendered(template, where, messages[: i + 1]), i in learned, i + 1)
+            extend(_rendered(template, messages[:i], add_generation_prompt=True), False, i)
+        extend(_rendered(template, messages[: i + 1]), i in learned, i + 1)
     return pieces
 
 
-def _whole_example(messages: list[dict], template: ChatTemplate, tokenizer, train_on: str, where: str) -> Example:
+def _whole_example(messages: list[dict], template: ChatTemplate, tokenizer, train_on: str) -> Example:
     """A conversation rendered once and tokenized whole (as transformers' `apply_chat_template`): every token learned
     with `train_on="all"`, else those overlapping its `{% generation %}` blocks (`return_assistant_tokens_mask`)."""
-    text, spans = _rendered(template, where, messages, spans=True)
+    text, spans = _rendered(template, messages, spans=True)
     if train_on == "last":
         spans = spans[-1:]
     ids, offsets = tokenizer.encode_with_offsets(text)
@@ -397,18 +395,18 @@ def _whole_example(messages: list[dict], template: ChatTemplate, tokenizer, trai
     return Example(np.asarray(ids, np.int64), targets)
 
 
-def _pieces(record: Mapping, fmt: str, fields: Mapping[str, str], train_on: str, where: str) -> list[tuple[str, bool]]:
+def _pieces(record: Mapping, fmt: str, fields: Mapping[str, str], train_on: str) -> list[tuple[str, bool]]:
     """The (text, learned) pieces of one example of a format other than messages."""
     completion = train_on in ("completion", "all")
     if fmt == "text":
-        return [(_text(_field(record, fields, "text", where), where, "text"), True)]
+        return [(_text(_field(record, fields, "text"), "text"), True)]
     if fmt == "prompt_completion":
-        prompt = _text(_field(record, fields, "prompt", where), where, "prompt")
-        answer = _text(_field(record, fields, "completion", where), where, "completion")
+        prompt = _text(_field(record, fields, "prompt"), "prompt")
+        answer = _text(_field(record, fields, "completion"), "completion")
     else:  # alpaca
-        instruction = _text(_field(record, fields, "instruction", where), where, "instruction")
-        extra = _text(_field(record, fields, "input", where, ""), where, "input")
-        answer = _text(_field(record, fields, "output", where), where, "output")
+        instruction = _text(_field(record, fields, "instruction"), "instruction")
+        extra = _text(_field(record, fields, "input", ""), "input")
+        answer = _text(_field(record, fields, "output"), "output")
         prompt = ALPACA_PROMPT.format(
             context=", paired with an input that provides further context" if extra else "",
             instruction=instruction,
@@ -446,7 +444,6 @@ def render(
     train_on: str,
     fields: Mapping[str, str] | None = None,
     template: ChatTemplate | None = None,
-    where: str = "example",
 ) -> Example:
     """One example's tokens and target mask.
 
@@ -457,7 +454,6 @@ def render(
       train_on: a resolved `TRAIN_ON` choice (`resolve_train_on`).
       fields: {format field: the record's field}.
       template: the chat template (messages).
-      where: names the example in errors (e.g. "data/a.jsonl:12").
 
     Returns:
       The `Example`. A conversation is the template's text: tokenized whole where the template has
@@ -467,7 +463,8 @@ def render(
       text that ends with it, as TRL) learned with the completion, and the tokenizer's suffix.
 
     Raises:
-      DataError / TemplateError: a missing field or a template that gives no spans (one line).
+      DataError / TemplateError: a missing field or a template that gives no spans (one line; the caller
+        names the record: `examples` prefixes its file and index).
 
     Example:
       >>> ex = render({"messages": msgs}, "messages", tok, train_on="assistant", template=chat_template_of(d))
@@ -476,13 +473,13 @@ def render(
     special = tokenizer.special
     if fmt == "messages":
         if template is None:
-            raise DataError(f"{where}: a messages record is rendered by a chat template, and none was given")
-        messages = _messages(_field(record, fields, "messages", where), where)
+            raise DataError("a messages record is rendered by a chat template, and none was given")
+        messages = _messages(_field(record, fields, "messages"))
         if template.has_generation or train_on == "all":
-            return _whole_example(messages, template, tokenizer, train_on, where)
-        pieces, start, end = _message_pieces(messages, template, train_on, where), [], []
+            return _whole_example(messages, template, tokenizer, train_on)
+        pieces, start, end = _message_pieces(messages, template, train_on), [], []
     else:
-        pieces = _pieces(record, fmt, fields, train_on, where)
+        pieces = _pieces(record, fmt, fields, train_on)
         ends_with_eos = special.eos is not None and pieces[-1][0].endswith(special.eos)
         start, end = list(special.prefix), ([] if ends_with_eos else example_end(tokenizer)) + list(special.suffix)
     ids, mask = [np.asarray(start, np.int64)], [np.zeros(len(start), bool)]

@@ -3,8 +3,7 @@
 Internals: docs/internals.md "functrain.parallel.data".
 
 Example:
-    >>> x, y = data.get_batch(ds.train, batch_size=B, block_size=T, seed=0, step=s,
-    ...                       **parallel.data_parallel_kwargs(ctx))
+    >>> x, y = data.get_batch(ds.train, data.Batching(B, T), s, **parallel.data_parallel_kwargs(ctx))
     >>> state, metrics = step(state, (x, y))
 """
 
@@ -31,8 +30,7 @@ def data_parallel_kwargs(ctx) -> dict:
       {"rank": ctx.dp_rank, "world": ctx.dp_world, "device": ctx.device}.
 
     Example:
-      >>> x, y = get_batch(tokens, batch_size=32, block_size=256, seed=0, step=s,
-      ...                  **data_parallel_kwargs(ctx))
+      >>> x, y = get_batch(tokens, Batching(32, 256), s, **data_parallel_kwargs(ctx))
     """
     return {"rank": ctx.dp_rank, "world": ctx.dp_world, "device": ctx.device}
 
