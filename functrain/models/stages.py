@@ -110,14 +110,21 @@ def repeated_stages(model: nn.Module, container: str, fn: Callable) -> list[Stag
 
 
 def init_blocks(
-    model: nn.Module, block: Callable, *, device=None, dtype: torch.dtype = torch.float32, where: Callable | None = None
+    model: nn.Module,
+    key: torch.Tensor,
+    block: Callable,
+    *,
+    device=None,
+    dtype: torch.dtype = torch.float32,
+    where: Callable | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every parameter of `model` (or only `where`'s block of each) from a family's block initializer.
 
     Args:
       model: the (meta-device) model.
-      block: `block(name, shape, offset, local_shape) -> CPU float32 tensor`: the values of that block
-        of parameter `name`, a pure function of its arguments (and the family's key).
+      key: an `rng` key.
+      block: `block(model, name, shape, key, offset, local_shape) -> CPU float32 tensor`: the values of
+        that block of parameter `name`, a pure function of its arguments.
       device: where to put the tensors.
       dtype: their dtype.
       where: optional `where(name, shape) -> (offset, local_shape)` (this rank's shard); default whole.
@@ -126,12 +133,12 @@ def init_blocks(
       {name: tensor} in `model.named_parameters()` order (a tied weight once).
 
     Example:
-      >>> params = init_blocks(template, lambda n, s, o, l: torch.zeros(l), where=where)
+      >>> params = init_blocks(template, rng.key(0), lambda m, n, s, k, o, l: torch.zeros(l), where=where)
     """
     out = {}
     for name, p in model.named_parameters():
         offset, local = where(name, p.shape) if where is not None else ([0] * p.ndim, list(p.shape))
-        out[name] = block(name, p.shape, offset, local).to(device=device, dtype=dtype)
+        out[name] = block(model, name, p.shape, key, offset, local).to(device=device, dtype=dtype)
     return out
 
 

@@ -337,13 +337,7 @@ def init_params(
       ...     template = GPT(cfg)
       >>> params = init_params(template, rng.key(0), device="cuda")
     """
-    return init_blocks(
-        model,
-        lambda name, shape, offset, local: _init_block(model, name, shape, key, offset, local),
-        device=device,
-        dtype=dtype,
-        where=where,
-    )
+    return init_blocks(model, key, _init_block, device=device, dtype=dtype, where=where)
 
 
 TP_RULES: list[tuple[str, str]] = [
