@@ -38,19 +38,26 @@ def scan(body, init, xs):
     return torch_scan(body, init, xs)
 
 
-def graph(fn, options: dict | None = None):
+def graph(fn, options: dict | None = None, *, name: str | None = None):
     """`torch.compile(fn, fullgraph=True, dynamic=False, **options)`: one graph, no dynamic shapes.
 
     Args:
       fn: the function to compile (a stage of a staged loss, say).
       options: extra keyword arguments for `torch.compile`.
+      name: compile a copy of `fn` with a code object of its own under this name: Dynamo caches graphs
+        (and counts recompiles) per code object, so each shape compiled under its own name is a first
+        compile, not a recompile of the others (e.g. one per padded length).
 
     Returns:
       The compiled function.
 
     Example:
       >>> block = compiler.graph(block_fn)
+      >>> prefill_64 = compiler.graph(prefill, name="prefill_64")
     """
+    if name is not None:
+        code = fn.__code__.replace(co_name=name)
+        fn = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     mesh_key.register()  # (a sharded step's cache keys must not hold a per-process hash)
     like_draws.route()  # (keyed rand_like and friends compiled as eagerly)
     options = inductor_options({"fullgraph": True, "dynamic": False, **(options or {})})

@@ -10,7 +10,6 @@ Example:
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -75,12 +74,6 @@ def default_buckets(block_size: int, smallest: int = 32) -> tuple[int, ...]:
     return tuple(out) + (block_size,)
 
 
-def _own_code(fn: Callable, name: str) -> Callable:
-    """`fn` with a code object of its own: the compiler caches (and counts recompiles) per code object."""
-    code = fn.__code__.replace(co_name=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
-
-
 class Scorer:
     """Scores and extends token rows with one model, in fixed shapes (see the module docstring).
 
@@ -113,8 +106,7 @@ class Scorer:
             return lambda *args: fn(self.model.logits, *args)
         key = (kind, length)
         if key not in self._graphs:
-            own = _own_code(fn, f"eval_{kind}_{length}")
-            graph = compiler.graph(own)
+            graph = compiler.graph(fn, name=f"eval_{kind}_{length}")
             logits = self.model.logits
             self._graphs[key] = lambda *args: graph(logits, *args)
         return self._graphs[key]

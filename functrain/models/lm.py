@@ -47,6 +47,14 @@ class Packed(NamedTuple):
     positions: torch.Tensor
     mask: torch.Tensor
 
+    def layer(self, i: int) -> Packed:
+        """Layer `i`'s view: the same for every layer (a `kv_cache.Cached` forward gives each its cache)."""
+        return self
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention reads: these rows' own (a `kv_cache.LayerCache` adds the cache's)."""
+        return k, v
+
 
 def packed(positions: torch.Tensor) -> Packed:
     """The `Packed` layout of rows whose documents restart their positions at 0.

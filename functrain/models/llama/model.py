@@ -178,10 +178,12 @@ class Attention(nn.Module):
         if self.context is not None:  # this rank's queries over every rank's (few) kv heads
             y = self.merge_heads(self.context.attention(q, k, v))  # (B, T, H*D)
             return rng.dropout(self.o_proj(y), self.cfg.dropout, dropout_key)
+        if packed is not None:  # (a KV cache: these keys and values written, the cache's returned)
+            k, v = packed.keys_values(k, v)  # (B, Hkv, T or L, D)
         group = q.shape[1] // k.shape[1]  # query heads per kv head; kv head j serves q heads j*group...
         k = k[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)  # (B, Hkv, G, T, D) -> (B, H, T, D)
         v = v[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2)  # (B, Hkv, G, T, D) -> (B, H, T, D)
-        if packed is not None:  # block-causal
+        if packed is not None:  # block-causal, or over a KV cache
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask)  # (B, H, T, D)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
@@ -263,11 +265,13 @@ class Llama(nn.Module):
         self, idx: torch.Tensor, dropout_key: torch.Tensor | None = None, *, packed=None, return_hidden: bool = False
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or hidden states (B, T, C) with `return_hidden`; `packed`
-        (`models.lm.packed(positions)`): rows of several documents, each seeing only itself."""
+        (`models.lm.packed(positions)`): rows of several documents, each seeing only itself; or a
+        `models.kv_cache.Cached` view: the new tokens of rows whose earlier keys and values are cached."""
         key = _dropout_key(self.cfg, dropout_key)
         x = self.embed(self.embed_tokens.weight, idx, key)  # (B, T, C)
         for i, block in enumerate(self.layers):
-            x = block(x, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), packed)
+            layer = None if packed is None else packed.layer(i)  # (a KV cache: the block's own)
+            x = block(x, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), layer)
         x = self.norm(x)  # (B, T, C)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 

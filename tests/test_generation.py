@@ -1,0 +1,189 @@
+"""Generation through the KV cache (`functrain.models.generation`) against transformers' `generate`, a full forward,
+the recompute path, and itself under other batchings; its compile contract and its one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tol import assert_close, rtol
+
+from functrain import functional, rng
+from functrain.interop.hf import save_hf_directory
+from functrain.models import gpt, inference, llama
+from functrain.models.generation import GenerationError, Generator, Sampling
+
+V, BLOCK = 97, 96
+# 8 prompts of different lengths (3..17 tokens)
+PROMPTS = [[(7 * i + 3 * k) % (V - 1) + 1 for k in range(3 + 2 * i)] for i in range(8)]
+
+
+def _spread(params: dict) -> dict:
+    """Weights 8x the init's scale: confident logits, so a greedy pick is never a near-tie of float rounding."""
+    return {n: t * 8 if t.ndim == 2 else t for n, t in params.items()}
+
+
+def _gpt():
+    cfg = gpt.GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32)
+    with torch.device("meta"):
+        template = gpt.GPT(cfg)
+    return template, cfg, _spread(gpt.init_params(template, rng.key(1)))
+
+
+def _llama():
+    cfg = llama.LlamaConfig(
+        vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64
+    )
+    with torch.device("meta"):
+        template = llama.Llama(cfg)
+    return template, cfg, _spread(llama.init_params(template, rng.key(2)))
+
+
+def _transformers(tmp_path, family, cfg, params):
+    """transformers' own model of the family's export."""
+    transformers = pytest.importorskip("transformers")
+    if family == "gpt":
+        state, config = gpt.export_hf_gpt2(params, cfg), gpt.hf_gpt2_config(cfg)
+    else:
+        state, config = llama.export_hf_llama(params, cfg), llama.hf_llama_config(cfg)
+    out = save_hf_directory(tmp_path / "export", state, config)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+
+def _left_padded(prompts):
+    """(ids, attention mask), each (B, longest): the prompts left-padded with 0."""
+    longest = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p) :], mask[b, longest - len(p) :] = torch.tensor(p), 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_greedy_equals_transformers_generate_token_for_token(tmp_path, family):
+    """8 prompts of different lengths, 64 new tokens, one batch: transformers' greedy `generate` (left-padded,
+    dynamic cache) and ours give the same tokens; every log-prob equals a full forward's log-softmax."""
+    template, cfg, params = _gpt() if family == "gpt" else _llama()
+    theirs = _transformers(tmp_path, family, cfg, params)
+    ids, mask = _left_padded(PROMPTS)
+    with torch.no_grad():
+        want = theirs.generate(
+            ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
+        )[:, ids.shape[1] :]
+    out = Generator.of(template, batch_size=8, compile=False)(params, PROMPTS, 64)
+    assert [c.tokens for [c] in out] == want.tolist()
+    assert all(c.finish_reason == "length" and len(c.logprobs) == 64 for [c] in out)
+    for p, [c] in zip(PROMPTS, out):
+        logits = functional.apply(template, params, torch.tensor([p + c.tokens]), train=False)[0]  # (T, V)
+        full = logits.float().log_softmax(-1)[len(p) - 1 : -1].gather(-1, torch.tensor(c.tokens)[:, None])[:, 0]
+        assert_close(torch.tensor(c.logprobs), full, rtol(cfg.n_embd * cfg.n_layer * BLOCK))
+
+
+def test_cached_logits_equal_the_recompute_path_and_sampling_does_not_depend_on_the_batch():
+    """Sampled (temperature, top-k, top-p, min-p), 2 samples per prompt: the same tokens in batches of 1, 3 and
+    8 rows (other padding, other companions); greedy equals `inference.generate`, which recomputes every token."""
+    template, _, params = _llama()
+    sampling = Sampling(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01)
+    runs = [
+        Generator.of(template, batch_size=b, compile=False)(
+            params, PROMPTS[:5], 24, key=rng.key(3), sampling=sampling, n=2
+        )
+        for b in (1, 3, 8)
+    ]
+    tokens = [[[c.tokens for c in samples] for samples in run] for run in runs]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert any(a != b for a, b in tokens[0])  # the two samples of a prompt differ: each has its own key
+    other = Generator.of(template, batch_size=8, compile=False)(
+        params, PROMPTS[:5], 24, key=rng.key(4), sampling=sampling
+    )
+    assert [[c.tokens] for [c] in other] != [s[:1] for s in tokens[0]]  # another key, other text
+    greedy = Generator.of(template, batch_size=8, compile=False)(params, PROMPTS, 24)
+    for p, [c] in zip(PROMPTS, greedy):
+        ref = inference.generate(template, params, torch.tensor([p]), 24, temperature=0, key=rng.key(0))
+        assert c.tokens == ref[0, len(p) :].tolist()
+
+
+def test_stops_at_any_eos_id_and_at_the_stop_rule():
+    template, _, params = _gpt()
+    gen = Generator.of(template, batch_size=4, compile=False)
+    [[free]] = gen(params, PROMPTS[:1], 16)
+    eos = free.tokens[5]
+    first = free.tokens.index(eos)
+    [[stopped]] = gen(params, PROMPTS[:1], 16, eos_ids=[V - 1, eos])
+    assert stopped.tokens == free.tokens[: first + 1] and stopped.finish_reason == "stop"
+    assert stopped.logprobs == free.logprobs[: first + 1]
+    [[ruled]] = gen(params, PROMPTS[:1], 16, stop=lambda i, new: len(new) == 3)
+    assert ruled.tokens == free.tokens[:3] and ruled.finish_reason == "stop"
+    assert free.finish_reason == "length" and len(free.tokens) == 16
+
+
+def test_sampling_warps_as_transformers_warpers():
+    transformers = pytest.importorskip("transformers")
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 3
+    for s in (
+        Sampling(0.7, 10, 1.0, 0.0),
+        Sampling(1.3, 0, 0.8, 0.0),
+        Sampling(1.0, 0, 1.0, 0.1),
+        Sampling(0.5, 20, 0.9, 0.05),
+    ):
+        warpers = transformers.LogitsProcessorList()
+        warpers.append(transformers.TemperatureLogitsWarper(s.temperature))
+        if s.top_k:
+            warpers.append(transformers.TopKLogitsWarper(s.top_k))
+        if s.top_p < 1:
+            warpers.append(transformers.TopPLogitsWarper(s.top_p))
+        if s.min_p:
+            warpers.append(transformers.MinPLogitsWarper(s.min_p))
+        want = warpers(torch.zeros(4, 1, dtype=torch.long), logits.clone())
+        got = s.warp(logits)
+        assert torch.equal(got.isinf(), want.isinf()), s
+        torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()])
+
+
+def test_one_prefill_graph_per_bucket_one_decode_graph_no_recompiles():
+    """Compiled: equal to eager, and three batches of other prompt lengths (two buckets) over 40 tokens each
+    compile exactly a prefill per bucket and the decode step once."""
+    from torch._dynamo.utils import counters
+
+    template, _, params = _gpt()
+    eager = Generator.of(template, batch_size=4, compile=False)
+    gen = Generator.of(template, batch_size=4, compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    batches = [PROMPTS[:4], PROMPTS[5:8], [p[:2] for p in PROMPTS[2:6]]]  # longest 9, 17, 2: buckets 16, 32, 16
+    for prompts in batches:
+        got = gen(params, prompts, 40, key=rng.key(5), sampling=Sampling(temperature=0.8))
+        want = eager(params, prompts, 40, key=rng.key(5), sampling=Sampling(temperature=0.8))
+        assert [c.tokens for [c] in got] == [c.tokens for [c] in want]
+    assert counters["stats"]["unique_graphs"] == 3  # prefill_16, prefill_32, decode
+    assert sum(counters["recompiles"].values()) == 0
+
+
+def test_bad_requests_are_one_line():
+    template, _, params = _gpt()
+    gen = Generator.of(template, batch_size=2, compile=False)
+    cases = [
+        (dict(prompts=[[]]), "prompt 0 is empty; start it with a token"),
+        (dict(max_new_tokens=0), "max_new_tokens=0: ask for at least 1"),
+        (dict(n=0), "n=0: ask for at least 1 sample"),
+        (
+            dict(prompts=[[1] * 90]),
+            "prompt 0 has 90 tokens: with max_new_tokens=8 it exceeds the model's block_size 96",
+        ),
+    ]
+    for change, words in cases:
+        request = {"prompts": [[1, 2]], "max_new_tokens": 8, "n": 1, **change}
+        with pytest.raises(GenerationError, match=words) as err:
+            gen(params, request["prompts"], request["max_new_tokens"], n=request["n"])
+        assert "\n" not in str(err.value)
+    with pytest.raises(GenerationError, match="block_size=200 exceeds the model's 96; give at most 96"):
+        Generator.of(template, block_size=200)
+    for bad, words in (
+        (dict(top_p=0.0), r"top_p=0.0 is out of range; give a value in \(0, 1\]"),
+        (dict(top_p=1.5), "top_p=1.5 is out of range"),
+        (dict(temperature=-1.0), "temperature=-1.0 is out of range; give a value >= 0"),
+        (dict(top_k=-2), "top_k=-2 is out of range"),
+        (dict(min_p=2.0), "min_p=2.0 is out of range"),
+    ):
+        with pytest.raises(GenerationError, match=words):
+            Sampling(**bad)
