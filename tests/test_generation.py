@@ -81,7 +81,8 @@ def test_greedy_equals_transformers_generate_token_for_token(tmp_path, family):
 
 def test_cached_logits_equal_the_recompute_path_and_sampling_does_not_depend_on_the_batch():
     """Sampled (temperature, top-k, top-p, min-p), 2 samples per prompt: the same tokens in batches of 1, 3 and
-    8 rows (other padding, other companions); greedy equals `inference.generate`, which recomputes every token."""
+    8 rows (other padding, other companions); sampled and greedy, the same tokens as `inference.generate`, which
+    recomputes every token (the cache off)."""
     template, _, params = _llama()
     sampling = Sampling(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01)
     runs = [
@@ -97,6 +98,14 @@ def test_cached_logits_equal_the_recompute_path_and_sampling_does_not_depend_on_
         params, PROMPTS[:5], 24, key=rng.key(4), sampling=sampling
     )
     assert [[c.tokens] for [c] in other] != [s[:1] for s in tokens[0]]  # another key, other text
+    same_length = [p[:5] for p in PROMPTS[2:]]
+    cached = Generator.of(template, batch_size=8, compile=False)(
+        params, same_length, 24, key=rng.key(3), sampling=Sampling(temperature=0.9, top_k=40)
+    )
+    recomputed = inference.generate(
+        template, params, torch.tensor(same_length), 24, temperature=0.9, top_k=40, key=rng.key(3)
+    )  # row b draws as prompt b's first sample: the same text with the cache off
+    assert [c.tokens for [c] in cached] == recomputed[:, 5:].tolist()
     greedy = Generator.of(template, batch_size=8, compile=False)(params, PROMPTS, 24)
     for p, [c] in zip(PROMPTS, greedy):
         ref = inference.generate(template, params, torch.tensor([p]), 24, temperature=0, key=rng.key(0))

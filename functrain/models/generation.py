@@ -26,7 +26,7 @@ from functrain import compiler, functional, rng
 from functrain.errors import FunctrainError
 from functrain.models.kv_cache import KVCache, cached
 
-__all__ = ["Completion", "GenerationError", "Generator", "Sampling"]
+__all__ = ["Completion", "GenerationError", "Generator", "Sampling", "pick", "request_keys"]
 
 
 class GenerationError(FunctrainError, ValueError):
@@ -265,13 +265,15 @@ class Generator:
             idx[b, length - len(p) :] = torch.tensor(list(p), dtype=torch.long)  # left-padded
             pads[b] = length - len(p)
         idx, pads = idx.to(device), pads.to(device)
-        keys = None if key is None or sampling.greedy else _row_keys(key.to(device), rows, self.batch_size)
+        keys = None
+        if key is not None and not sampling.greedy:  # (padding rows: the first row's key)
+            keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
         cache = self._cache_for(device)
         logits = self._prefill(length)(self.forward, params, cache, idx, pads)  # (B, V): each row's last prompt token
         new = [_Completing() for _ in rows]
         eos = set(int(e) for e in eos_ids)
         for t in range(max_new):
-            tokens, logprobs = _pick(logits, keys, t, sampling)  # (B,) each
+            tokens, logprobs = pick(logits, keys, t, sampling)  # (B,) each
             for b, (tok, lp) in enumerate(zip(tokens.tolist()[: len(rows)], logprobs.tolist())):
                 if not new[b].finish:
                     new[b].add(tok, lp, tok in eos or (stop is not None and stop(rows[b].i, new[b].tokens + [tok])))
@@ -312,16 +314,32 @@ def _decode(forward, params, cache: KVCache, tokens: torch.Tensor, pads: torch.T
     return forward(params, tokens, cached(cache, pads, slot[None]))[:, -1].float()  # (B, V)
 
 
-def _row_keys(key: torch.Tensor, rows: Sequence[_Row], batch: int) -> torch.Tensor:
-    """(batch, key) keys: row b's `fold_in(fold_in(key, i), j)` (padding rows: the first row's)."""
-    keys = [rng.fold_in(rng.fold_in(key, r.i), r.j) for r in rows]
-    return torch.stack(keys + [keys[0]] * (batch - len(keys)))
+def request_keys(key: torch.Tensor, requests: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The keys (R, key) of `requests` [(prompt i, sample j), ...]: `fold_in(fold_in(key, i), j)` each.
+
+    Example:
+      >>> keys = request_keys(rng.key(0), [(0, 0), (0, 1), (1, 0)])
+    """
+    return torch.stack([rng.fold_in(rng.fold_in(key, i), j) for i, j in requests])
 
 
-def _pick(logits: torch.Tensor, keys: torch.Tensor | None, t: int, sampling: Sampling):
-    """(tokens (B,), their log-probabilities (B,)): the argmax, or a Gumbel-max draw from each row's key at `t`."""
+def pick(logits: torch.Tensor, keys: torch.Tensor | None, t: int, sampling: Sampling):
+    """The next token of each row and its log-probability under `logits`: the argmax, or a Gumbel-max draw.
+
+    Args:
+      logits: (B, V) float.
+      keys: (B, key) each row's key (`request_keys`), or None: greedy.
+      t: the token's index among the new ones (row b's noise is `rng.uniform(fold_in(keys[b], t), (V,))`).
+      sampling: how the logits are warped before the draw.
+
+    Returns:
+      (tokens (B,), log-probabilities (B,): `logits.log_softmax(-1)` at the tokens, before any warping).
+
+    Example:
+      >>> tokens, logprobs = pick(logits, request_keys(key, [(0, 0)]), 0, Sampling(temperature=0.8))
+    """
     logp = logits.log_softmax(-1)  # (B, V)
-    if keys is None:
+    if keys is None or sampling.greedy:
         tokens = logits.argmax(-1)  # (B,)
     else:
         u = torch.vmap(lambda k: rng.uniform(rng.fold_in(k, t), logits.shape[-1:]))(keys)  # (B, V)

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from functrain import functional, parallel, rng
+from functrain import functional, parallel
 from functrain.eval import EvalModel, of_module
+from functrain.models import generation
 from functrain.models.stages import LMStages
 
 __all__ = ["eval_model", "generate"]
@@ -38,10 +39,12 @@ def generate(  # noqa: PLR0913
 ) -> torch.Tensor:
     """Samples a continuation autoregressively (eager), with randomness from an explicit key.
 
-    At step i the logits of the last position (context cropped to the last `model.cfg.block_size`
-    tokens) are divided by `temperature`, restricted to the `top_k` largest, and a token is drawn by
-    Gumbel-max with noise `rng.uniform(rng.fold_in(key, i), ...)`. `temperature=0` picks the argmax.
-    No global RNG is used: the same (params, prompt, key) give the same tokens.
+    The whole context again for every token (cropped to the last `model.cfg.block_size` tokens): the
+    reference of `functrain.models.generation`, which keeps a KV cache, and the path of sharded params and
+    models without a cache. At step i row b's logits are divided by `temperature`, restricted to the `top_k`
+    largest and drawn from as `generation.pick` draws with row b's key `request_keys(key, [(b, 0)])`: the same
+    tokens as `Generator` (prompt b's first sample) on the same logits. `temperature=0` picks the argmax. No
+    global RNG is used: the same (params, prompt, key) give the same tokens.
 
     Sharded (DTensor) params are sampled stage by stage: each forward gathers one stage's
     parameters (`functrain.parallel.gather`), runs it and lets them go, so no rank ever holds the
@@ -81,6 +84,8 @@ def generate(  # noqa: PLR0913
             "generate: the params are sharded (DTensors); pass the model's `stages=` and `head=` so "
             "they are gathered one stage at a time, or `functrain.parallel.gather` them first"
         )
+    sampling = generation.Sampling(temperature, top_k or 0)
+    keys = None if sampling.greedy else generation.request_keys(key, [(b, 0) for b in range(idx.shape[0])])
     with torch.no_grad():
         for i in range(max_new_tokens):
             ctx = idx[:, -context:]  # (B, T<=block_size)
@@ -88,16 +93,8 @@ def generate(  # noqa: PLR0913
                 logits = _staged_logits(stages, head, params, ctx, parallel.gather)[:, -1, :].float()  # (B, V)
             else:
                 logits = logits_fn(params, ctx)[:, -1, :].float()  # (B, V)
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]  # (B, 1)
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                u = rng.uniform(rng.fold_in(key, i), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
-                nxt = (logits - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)  # (B, 1)
-            idx = torch.cat([idx, nxt], dim=1)
+            nxt, _ = generation.pick(logits, keys, i, sampling)  # (B,)
+            idx = torch.cat([idx, nxt[:, None]], dim=1)
     return idx[0] if squeeze else idx
 
 
