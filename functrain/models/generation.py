@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functrain import compiler, functional, rng
+from functrain import compiler, functional, parallel, rng
 from functrain.errors import FunctrainError
 from functrain.models.kv_cache import KVCache, cached
 
@@ -197,12 +197,17 @@ class Generator:
           For each prompt, its `n` `Completion`s.
 
         Raises:
-          GenerationError: an empty prompt, `max_new_tokens < 1`, `n < 1`, or a prompt that leaves no room for
-            `max_new_tokens` within `block_size` (one line).
+          GenerationError: an empty prompt, `max_new_tokens < 1`, `n < 1`, a prompt that leaves no room for
+            `max_new_tokens` within `block_size`, or sharded params (one line).
 
         Example:
           >>> [[c]] = gen(params, [[1, 2, 3]], 16)        # greedy
         """
+        if any(parallel.is_dtensor(t) for t in params.values()):
+            raise GenerationError(
+                "the params are sharded (DTensors); generate from sharded params with "
+                "models.inference.generate(..., stages=...) or gather them first (functrain.parallel.gather)"
+            )
         self._check(prompts, max_new_tokens, n)
         rows = [_Row(i, j) for i in range(len(prompts)) for j in range(n)]
         out: dict[_Row, Completion] = {}
