@@ -5,7 +5,7 @@
 Per case (family, batch, prompt length, new tokens), greedy, every row `--new` tokens (no EOS), timed after one
 warm-up call each (the compiles):
 
-* functrain: `functrain.models.generation.Generator`, compiled (a prefill graph per bucket, one decode graph);
+* functrain: `functrain.generation.generator.Generator`, compiled (a prefill graph per bucket, one decode graph);
 * transformers on the family's export (float32): `generate` with its dynamic cache, eager, and with a static
   cache and `torch.compile`d forward (its documented fast path); `vs_transformers` is over the faster of the two;
 * the recompute path (`functrain.models.inference.generate`: the whole context again for every token).
@@ -29,9 +29,9 @@ import torch
 import transformers
 
 from functrain import rng
+from functrain.generation import Generator
 from functrain.interop.hf import save_hf_directory
 from functrain.models import gpt, inference, llama
-from functrain.models.generation import Generator
 
 BLOCK, VOCAB = 1024, 512
 

@@ -110,6 +110,7 @@ _LAYERS = [
             "functrain.checkpoint",
             "functrain.data",
             "functrain.eval",
+            "functrain.generation",
             "functrain.interop",
             "functrain.nn",
             "functrain.compiler",

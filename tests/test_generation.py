@@ -1,4 +1,4 @@
-"""Generation through the KV cache (`functrain.models.generation`) against transformers' `generate`, a full forward,
+"""Generation through the KV cache (`functrain.generation.generator`) against transformers' `generate`, a full forward,
 the recompute path, and itself under other batchings; its compile contract and its one-line refusals."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from _tol import assert_close, rtol
 
 from functrain import functional, rng
+from functrain.generation import GenerationError, Generator, Sampling
 from functrain.interop.hf import save_hf_directory
 from functrain.models import gpt, inference, llama
-from functrain.models.generation import GenerationError, Generator, Sampling
 
 V, BLOCK = 97, 96
 # 8 prompts of different lengths (3..17 tokens)

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from functrain import functional, parallel
+from functrain import functional, generation, parallel
 from functrain.eval import EvalModel, of_module
-from functrain.models import generation
 from functrain.models.stages import LMStages
 
 __all__ = ["eval_model", "generate"]
@@ -40,7 +39,7 @@ def generate(  # noqa: PLR0913
     """Samples a continuation autoregressively (eager), with randomness from an explicit key.
 
     The whole context again for every token (cropped to the last `model.cfg.block_size` tokens): the
-    reference of `functrain.models.generation`, which keeps a KV cache, and the path of sharded params and
+    reference of `functrain.generation.generator`, which keeps a KV cache, and the path of sharded params and
     models without a cache. At step i row b's logits are divided by `temperature`, restricted to the `top_k`
     largest and drawn from as `generation.pick` draws with row b's key `request_keys(key, [(b, 0)])`: the same
     tokens as `Generator` (prompt b's first sample) on the same logits. `temperature=0` picks the argmax. No

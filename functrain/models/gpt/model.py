@@ -147,7 +147,7 @@ class CausalSelfAttention(nn.Module):
         v = self.split_heads(self.v(x))  # (B, H, T, D)
         # SDPA's own dropout uses the global RNG: keep it off and drop on the projection instead.
         if packed is not None:  # block-causal (each document attends to itself only), or over a KV cache
-            k, v = packed.keys_values(k, v)  # (B, H, T or L, D): L with a cache (`models.kv_cache`)
+            k, v = packed.keys_values(k, v)  # (B, H, T or L, D): L with a cache (`generation.kv_cache`)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask, dropout_p=0.0)  # (B, H, T, D)
         elif self.context is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)  # (B, H, T, D)
@@ -234,7 +234,7 @@ class GPT(nn.Module):
         """Token ids (B, T) -> logits (B, T, vocab_size), or the final hidden states (B, T, C) after
         `ln_f` with `return_hidden=True` (for losses that apply the tied head themselves); `packed`
         (`models.lm.packed(positions)`): rows of several documents, each seeing only itself; or a
-        `models.kv_cache.Cached` view: the new tokens of rows whose earlier keys and values are cached."""
+        `generation.kv_cache.Cached` view: the new tokens of rows whose earlier keys and values are cached."""
         dropout_key = _dropout_key(self.cfg, dropout_key)
         positions = None if packed is None else packed.positions
         x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, dropout_key, self.context, positions)  # (B, T, C)

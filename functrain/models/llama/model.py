@@ -266,7 +266,7 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, V), or hidden states (B, T, C) with `return_hidden`; `packed`
         (`models.lm.packed(positions)`): rows of several documents, each seeing only itself; or a
-        `models.kv_cache.Cached` view: the new tokens of rows whose earlier keys and values are cached."""
+        `generation.kv_cache.Cached` view: the new tokens of rows whose earlier keys and values are cached."""
         key = _dropout_key(self.cfg, dropout_key)
         x = self.embed(self.embed_tokens.weight, idx, key)  # (B, T, C)
         for i, block in enumerate(self.layers):

@@ -4,7 +4,7 @@ The cache is state: `KVCache` is a pytree of preallocated tensors, (B, kv heads,
 forward reads it through `Cached`, which stands where training passes `lm.Packed` (the rows' positions and
 attention mask): each attention layer writes its new keys and values at `slots` and attends over the whole
 cache under `mask`. Prompts are left-padded, so every row writes the same slots and the decode step's shapes
-never change from token to token (`slots` is a tensor). Internals: docs/internals.md "functrain.models.kv_cache".
+never change from token to token (`slots` is a tensor). Internals: docs/internals.md "functrain.generation.kv_cache".
 
 Example:
     >>> cache = KVCache.empty(layers=2, batch=8, kv_heads=4, length=256, head_dim=16)

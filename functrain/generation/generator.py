@@ -6,7 +6,7 @@ stopped by the model's EOS ids, a stop rule (the harness's stop strings) or `max
 token returned with its log-probability. Randomness comes from the key alone: sample j of prompt i draws its
 t-th token from `fold_in(fold_in(fold_in(key, i), j), t)`, so its text does not depend on the batch. The
 shapes are fixed (rows padded to `batch_size`, prompts left-padded to a bucket): one prefill graph per bucket,
-one decode graph. Internals: docs/internals.md "functrain.models.generation".
+one decode graph. Internals: docs/internals.md "functrain.generation.generator".
 
 Example:
     >>> gen = Generator.of(template, batch_size=8)
@@ -24,7 +24,7 @@ import torch
 
 from functrain import compiler, functional, parallel, rng
 from functrain.errors import FunctrainError
-from functrain.models.kv_cache import KVCache, cached
+from functrain.generation.kv_cache import KVCache, cached
 
 __all__ = ["Completion", "GenerationError", "Generator", "Sampling", "pick", "request_keys"]
 
