@@ -176,6 +176,8 @@ def test_sampled_generation_is_keyed_per_request_whatever_the_batch():
     many = fe.generate_until(model, params, requests, key=key, scorer=fe.Scorer(model, batch_size=4))
     assert one == many and len(set(one)) > 1
     assert fe.generate_until(model, params, requests, key=rng.key(8)) != one
+    assert model.cached is not None  # the family's model generates through its KV cache; without it, recomputed:
+    assert fe.generate_until(model._replace(cached=None), params, requests, key=key) == one  # the same text
     with pytest.raises(ValueError, match="pass key="):
         fe.generate_until(model, params, requests)
 

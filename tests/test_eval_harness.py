@@ -234,7 +234,7 @@ def test_sampling_options_are_transformers_warpers():
         TopPLogitsWarper,
     )
 
-    from functrain.eval.scorer import Sampling
+    from functrain.generation import Sampling
 
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0)) * 3
     for temperature, k, p in [(0.7, 0, 0.9), (1.0, 5, 1.0), (1.3, 10, 0.5), (1.0, 0, 0.01)]:
@@ -243,7 +243,7 @@ def test_sampling_options_are_transformers_warpers():
             ref = TopKLogitsWarper(k)(None, ref)
         if p < 1:
             ref = TopPLogitsWarper(p)(None, ref)
-        ours = Sampling(temperature, k, p).warp(logits)
+        ours = Sampling(temperature, k, p).warp(logits[None])[0]
         assert torch.equal(torch.isinf(ours), torch.isinf(ref[0]))
         assert torch.allclose(ours[~torch.isinf(ours)], ref[0][~torch.isinf(ours)])
 

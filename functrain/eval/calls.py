@@ -16,7 +16,8 @@ import torch
 
 from functrain.eval.model import EvalModel
 from functrain.eval.requests import pair_row, rolling_rows
-from functrain.eval.scorer import Sampling, Scorer
+from functrain.eval.scorer import Scorer
+from functrain.generation.generator import Sampling
 
 __all__ = ["generate_until", "loglikelihood", "loglikelihood_rolling"]
 
@@ -108,7 +109,7 @@ def generate_until(
         `do_sample=True`, which needs `key`, the tokens are sampled at `temperature` (default 1) from the
         `top_k` most likely (0: all) within the `top_p` probability mass, as transformers' logits warpers
         define them; else greedy, as HFLM).
-      key: an `rng` key for sampled requests (request i's tokens drawn from `fold_in(key, i)`).
+      key: an `rng` key for sampled requests (request i's tokens drawn as `functrain.generation` draws prompt i).
       model_state: the model's buffers, or None.
       scorer: the `Scorer` to run on.
 

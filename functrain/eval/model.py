@@ -35,6 +35,8 @@ class EvalModel(NamedTuple):
       eos_id: the end-of-text id generation stops at, or None.
       positions: the longest input the model's positions allow (its config's `n_positions`,
         `max_position_embeddings` or `n_ctx`, as lm-eval's HFLM reads them), or None where that is the block.
+      cached: the model as a `functrain.generation.CachedModel` (it attends through a KV cache: gpt, llama),
+        or None; with it `Scorer.extend` generates on plain params through the cache.
     """
 
     logits: Callable[[Any, Any, torch.Tensor], torch.Tensor]
@@ -43,6 +45,7 @@ class EvalModel(NamedTuple):
     prefix_id: int
     eos_id: int | None = None
     positions: int | None = None
+    cached: Any = None
 
 
 def positions_of(module: nn.Module) -> int | None:

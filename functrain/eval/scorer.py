@@ -11,42 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 
 from functrain import compiler, parallel
-from functrain import rng as rng_lib
 from functrain import tree as tree_lib
 from functrain.eval.model import EvalModel
 from functrain.eval.requests import Row
+from functrain.generation.generator import Generator, Sampling, pick, request_keys
 
-__all__ = ["Interrupted", "Sampling", "Scorer", "default_buckets"]
-
-
-class Sampling(NamedTuple):
-    """How `Scorer.extend` samples: the softmax temperature, then the `top_k` most likely tokens (0: all), then the
-    smallest set holding `top_p` of the probability (the most likely always kept): transformers' warpers, in order."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def warp(self, logits: torch.Tensor) -> torch.Tensor:
-        """(V,) logits / temperature, then -inf outside the top k and outside the top-p mass (transformers' order).
-
-        Example:
-          >>> Sampling(temperature=0.7, top_p=0.9).warp(logits)
-        """
-        logits = logits / self.temperature
-        if 0 < self.top_k < logits.numel():
-            logits = logits.masked_fill(logits < logits.topk(self.top_k).values[-1], float("-inf"))
-        if self.top_p < 1.0:
-            ascending, order = logits.sort()
-            drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
-            drop[-1] = False  # the most likely token always stays
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        return logits
+__all__ = ["Interrupted", "Scorer", "default_buckets"]
 
 
 class Interrupted(Exception):
@@ -96,6 +70,7 @@ class Scorer:
         if self.buckets[-1] < model.block_size:
             raise ValueError(f"buckets {self.buckets} stop below the block size {model.block_size}")
         self._graphs: dict[tuple[str, int], Callable] = {}
+        self._generators: dict[torch.dtype, Generator] = {}
 
     # -- compiled units -----------------------------------------------------------------------
 
@@ -198,8 +173,8 @@ class Scorer:
           prompts: token lists (a longer one than `block_size - 1` keeps its last tokens).
           max_new: the most tokens appended to each.
           stop: `stop(request index, new tokens) -> bool`: the request is done (its stop string or EOS).
-          key: an `rng` key for sampling (request i, token t drawn from `fold_in(fold_in(key, i), t)`:
-            the same tokens whatever the batching or the ranks); None: greedy.
+          key: an `rng` key for sampling (request i drawn as `functrain.generation`'s sample 0 of prompt i: the same
+            tokens whatever the batching, the ranks or the cache); None: greedy.
           sampling: how to sample with `key` (default `Sampling()`: the softmax at temperature 1).
           model_state: the model's buffers, or None.
 
@@ -210,6 +185,11 @@ class Scorer:
           >>> new = scorer.extend(params, [[5, 6]], 10, stop=lambda i, toks: False)
         """
         layout = parallel.layout_of(params)
+        cut = [list(p)[-(self.model.block_size - 1) :] for p in prompts]
+        if self._through_cache(layout, cut, max_new):
+            gen = self._generator(next(t.dtype for t in params.values() if t.is_floating_point()))
+            done = gen(params, cut, max_new, key=key, sampling=sampling or Sampling(), stop=stop)
+            return [c.tokens for [c] in done]
         device = _device_of(params)
         out = torch.zeros(len(prompts), max_new + 1, dtype=torch.long)  # (N, [count, tokens...])
         n_batches = math.ceil(len(prompts) / self.batch_size)
@@ -226,6 +206,20 @@ class Scorer:
                 out[i, 1 : 1 + len(new)] = torch.tensor(new, dtype=torch.long)
         out = layout.sum_over_dp(out.to(device)).cpu()
         return [out[i, 1 : 1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
+
+    def _through_cache(self, layout, prompts: list[list[int]], max_new: int) -> bool:
+        """Whether `extend` runs through the model's KV cache: plain params on one process, prompts that leave
+        room for `max_new` tokens (else every token recomputes the window, sliding past the block)."""
+        fits = all(p and len(p) + max_new - 1 <= self.model.block_size for p in prompts)
+        return self.model.cached is not None and not layout.sharded and layout.dp_world == 1 and fits
+
+    def _generator(self, dtype: torch.dtype) -> Generator:
+        """The KV-cache generator of the model's plain params of `dtype` (made once per dtype)."""
+        if dtype not in self._generators:
+            self._generators[dtype] = Generator(
+                self.model.cached, batch_size=self.batch_size, dtype=dtype, compile=self.compile
+            )
+        return self._generators[dtype]
 
     def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, sampling, layout, device):  # noqa: PLR0913
         """One batch's generation: a step per token until every rank's rows are done (collective count)."""
@@ -260,11 +254,9 @@ class Scorer:
 
 
 def _pick(logits: torch.Tensor, key, request: int, t: int, sampling: Sampling) -> int:
-    """The next token of one request: the argmax, or a Gumbel-max draw from (key, request, t) over the warped logits."""
-    if key is None or sampling.temperature == 0:
-        return int(logits.argmax())
-    u = rng_lib.uniform(rng_lib.fold_in(rng_lib.fold_in(key, request), t), logits.shape).clamp_(1e-20, 1.0 - 1e-7)
-    return int((sampling.warp(logits) - torch.log(-torch.log(u))).argmax())
+    """The next token of one request: the argmax, or its draw at `t` as `functrain.generation.pick` draws it."""
+    keys = None if key is None else request_keys(key, [(request, 0)])
+    return int(pick(logits[None], keys, t, sampling)[0][0])
 
 
 def _score(logits_fn, params, model_state, ids, targets, mask):

@@ -16,6 +16,7 @@ from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
     from functrain.generation.generator import (
+        CachedModel,
         Completion,
         GenerationError,
         Generator,

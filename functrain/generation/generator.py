@@ -26,7 +26,7 @@ from functrain import compiler, functional, parallel, rng
 from functrain.errors import FunctrainError
 from functrain.generation.kv_cache import KVCache, cached
 
-__all__ = ["Completion", "GenerationError", "Generator", "Sampling", "pick", "request_keys"]
+__all__ = ["CachedModel", "Completion", "GenerationError", "Generator", "Sampling", "pick", "request_keys"]
 
 
 class GenerationError(FunctrainError, ValueError):
@@ -114,34 +114,68 @@ def _buckets(block_size: int, smallest: int = 16) -> tuple[int, ...]:
     return (*out, block_size)
 
 
+class CachedModel(NamedTuple):
+    """A decoder that attends through a KV cache.
+
+    Attributes:
+      forward: `forward(params, idx, view) -> logits (B, T, V)`: the model on token ids (B, T) with the cache view
+        (`kv_cache.Cached`) where training passes `lm.Packed`.
+      cache_shape: `(layers, kv heads, head dim)` of its attention.
+      block_size: the longest sequence its positions take.
+    """
+
+    forward: Callable
+    cache_shape: tuple[int, int, int]
+    block_size: int
+
+    @classmethod
+    def of(cls, template: torch.nn.Module) -> CachedModel:
+        """A gpt or llama template's (its `cfg`: layers, kv heads, head dim, block size).
+
+        Example:
+          >>> CachedModel.of(template).cache_shape
+          (2, 4, 16)
+        """
+        cfg: Any = template.cfg  # (a family's config dataclass)
+        heads = int(getattr(cfg, "n_kv_head", cfg.n_head))
+        head_dim = int(getattr(cfg, "head_dim", cfg.n_embd // cfg.n_head))
+        return cls(
+            lambda params, idx, view: functional.apply(template, params, idx, packed=view, train=False),
+            (int(cfg.n_layer), heads, head_dim),
+            int(cfg.block_size),
+        )
+
+
 class Generator:
     """Generates from a decoder through a KV cache, in fixed shapes (see the module docstring).
 
     Args:
-      forward: `forward(params, idx, view) -> logits (B, T, V)`: the model on token ids (B, T) with the cache view
-        (`kv_cache.Cached`) where training passes `lm.Packed`.
-      cache_shape: `(layers, kv_heads, head_dim)` of the model's attention.
+      model: the `CachedModel`.
       block_size: the longest sequence (a prompt and its new tokens) the cache holds: its slots per row. A decode
         step attends over every slot, so size it to the requests (transformers' static cache takes the prompt
-        plus `max_new_tokens`); at most the model's block size.
+        plus `max_new_tokens`); default and at most the model's.
       batch_size: rows per forward (a call's rows are padded to it: one decode graph).
       dtype: the cache's dtype (the params' compute dtype).
       compile: compile the prefill (one graph per prompt bucket) and the decode step (one graph).
     """
 
-    def __init__(  # noqa: PLR0913 (the model's forward and its cache's geometry)
+    def __init__(
         self,
-        forward: Callable,
-        cache_shape: tuple[int, int, int],
+        model: CachedModel,
         *,
-        block_size: int,
+        block_size: int | None = None,
         batch_size: int = 8,
         dtype: torch.dtype = torch.float32,
         compile: bool = True,
     ):
         if batch_size < 1:
             raise GenerationError(f"batch_size={batch_size}: give at least 1 row per forward")
-        self.forward, self.cache_shape, self.block_size = forward, cache_shape, int(block_size)
+        block_size = model.block_size if block_size is None else int(block_size)
+        if block_size > model.block_size:
+            raise GenerationError(
+                f"block_size={block_size} exceeds the model's {model.block_size}; give at most {model.block_size}"
+            )
+        self.model, self.block_size = model, block_size
         self.batch_size, self.dtype, self.compile = int(batch_size), dtype, bool(compile)
         self.buckets = _buckets(self.block_size)
         self._prefills: dict[int, Callable] = {}  # padded prompt length -> its prefill (compiled: one graph each)
@@ -150,23 +184,12 @@ class Generator:
 
     @classmethod
     def of(cls, template: torch.nn.Module, **kwargs: Any) -> Generator:
-        """The generator of a gpt or llama template (its `cfg`: layers, kv heads, head dim, block size).
+        """The generator of a gpt or llama template (`CachedModel.of`); `kwargs` as the constructor's.
 
         Example:
           >>> gen = Generator.of(template, batch_size=16)
         """
-        cfg: Any = template.cfg  # (a family's config dataclass)
-        heads = int(getattr(cfg, "n_kv_head", cfg.n_head))
-        head_dim = int(getattr(cfg, "head_dim", cfg.n_embd // cfg.n_head))
-        if kwargs.setdefault("block_size", cfg.block_size) > cfg.block_size:
-            raise GenerationError(
-                f"block_size={kwargs['block_size']} exceeds the model's {cfg.block_size}; give at most {cfg.block_size}"
-            )
-        return cls(
-            lambda params, idx, view: functional.apply(template, params, idx, packed=view, train=False),
-            (int(cfg.n_layer), heads, head_dim),
-            **kwargs,
-        )
+        return cls(CachedModel.of(template), **kwargs)
 
     @torch.no_grad()
     def __call__(  # noqa: PLR0913 (a request's options)
@@ -248,7 +271,7 @@ class Generator:
     def _cache_for(self, device) -> KVCache:
         """The batch's cache (made once, reused: the decode graph keeps its shapes)."""
         if self._cache is None or self._cache.keys[0].device != torch.device(device):
-            layers, heads, head_dim = self.cache_shape
+            layers, heads, head_dim = self.model.cache_shape
             self._cache = KVCache.empty(
                 layers=layers,
                 batch=self.batch_size,
@@ -274,7 +297,9 @@ class Generator:
         if key is not None and not sampling.greedy:  # (padding rows: the first row's key)
             keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
         cache = self._cache_for(device)
-        logits = self._prefill(length)(self.forward, params, cache, idx, pads)  # (B, V): each row's last prompt token
+        logits = self._prefill(length)(
+            self.model.forward, params, cache, idx, pads
+        )  # (B, V): each row's last prompt token
         new = [_Completing() for _ in rows]
         eos = set(int(e) for e in eos_ids)
         for t in range(max_new):
@@ -285,7 +310,7 @@ class Generator:
             if all(c.finish for c in new) or t == max_new - 1:
                 break
             slot = torch.tensor(length + t, device=device)
-            logits = self._decode(self.forward, params, cache, tokens[:, None], pads, slot)  # (B, V)
+            logits = self._decode(self.model.forward, params, cache, tokens[:, None], pads, slot)  # (B, V)
         return [c.completion() for c in new]
 
 

@@ -120,7 +120,8 @@ def eval_model(
         train=False)`; a transformers model's `.logits`).
 
     Returns:
-      The `EvalModel` (`Task.eval_model`).
+      The `EvalModel` (`Task.eval_model`); the family's own forward (no `logits_fn`) generates through a KV
+      cache (`EvalModel.cached`).
 
     Example:
       >>> model = inference.eval_model(template, tok, block_size=128, stages=gpt.stages(template), head="wte.weight")
@@ -135,7 +136,8 @@ def eval_model(
             return plain(parallel.gather(params), idx)
         return _staged_logits(stages, head, params, idx, parallel.gather)
 
-    return of_module(template, tokenizer, block_size=block_size, logits=logits)
+    model = of_module(template, tokenizer, block_size=block_size, logits=logits)
+    return model if logits_fn is not None else model._replace(cached=generation.CachedModel.of(template))
 
 
 def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gather: Callable) -> torch.Tensor:
