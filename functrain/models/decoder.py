@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 
-from functrain import config_checks, parallel
+from functrain import config_checks, generation, parallel
 from functrain.models import inference, lm, lm_data, lm_lora
 from functrain.models import stages as stages_lib
 from functrain.task import Task
@@ -216,16 +217,21 @@ def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callabl
 
 def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built) -> Callable:
     """`finish(params, key)`: a text sample from the prompt (or the answer to a held-out prompt), drawn from `key`
-    (sharded params: gathered a stage at a time, or whole where the loss is not staged)."""
+    through the KV cache where it can run (`_cache_generator`), else recomputed (sharded params: gathered a stage
+    at a time, or whole where the loss is not staged); the same draws either way."""
     sample = config.sample
+    how = generation.Sampling(sample.temperature, sample.top_k or 0)
 
     def finish(params, key):
         if built.stages is None and any(parallel.is_dtensor(t) for t in params.values()):
             params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
-        return lm_data.finish_text(
-            dataset,
-            sample,
-            lambda prompt, n: inference.generate(
+        cache = _cache_generator(template, built, params)
+
+        def generate(prompt, n: int):
+            if cache is not None and prompt.shape[1] + n - 1 <= cache.block_size:
+                [[done]] = cache(params, prompt.tolist(), n, key=key, sampling=how)
+                return torch.cat([prompt, torch.tensor([done.tokens], dtype=prompt.dtype, device=prompt.device)], 1)
+            return inference.generate(
                 template,
                 params,
                 prompt,
@@ -237,8 +243,17 @@ def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built)
                 head=head,
                 block_size=built.window,
                 logits_fn=built.logits_fn,
-            ),
-            ctx.device,
-        )
+            )
+
+        return lm_data.finish_text(dataset, sample, generate, ctx.device)
 
     return finish
+
+
+def _cache_generator(template: nn.Module, built: Built, params) -> generation.Generator | None:
+    """The sample's KV-cache generator (eager: one sample is not worth a compile), or None: the family's model
+    does not attend through a cache (`built.logits_fn`) or the params are sharded."""
+    if built.logits_fn is not None or any(parallel.is_dtensor(t) for t in params.values()):
+        return None
+    cached = generation.CachedModel.of(template)
+    return generation.Generator(cached, block_size=built.window or cached.block_size, batch_size=1, compile=False)
