@@ -177,7 +177,7 @@ def test_bad_requests_are_one_line():
         (dict(n=0), "n=0: ask for at least 1 sample"),
         (
             dict(prompts=[[1] * 90]),
-            "prompt 0 has 90 tokens: with max_new_tokens=8 it exceeds the model's block_size 96",
+            "prompt 0 has 90 tokens: with max_new_tokens=8 it exceeds the cache's block_size 96",
         ),
     ]
     for change, words in cases:

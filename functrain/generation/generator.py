@@ -253,8 +253,9 @@ class Generator:
                 )
             if len(p) + max_new_tokens - 1 > self.block_size:
                 raise GenerationError(
-                    f"prompt {i} has {len(p)} tokens: with max_new_tokens={max_new_tokens} it exceeds the model's "
-                    f"block_size {self.block_size}; shorten the prompt or ask for fewer new tokens"
+                    f"prompt {i} has {len(p)} tokens: with max_new_tokens={max_new_tokens} it exceeds the cache's "
+                    f"block_size {self.block_size}; shorten the prompt, ask for fewer new tokens or give the "
+                    "Generator a larger block_size (at most the model's)"
                 )
 
     def _length(self, longest: int, max_new_tokens: int) -> int:
@@ -297,9 +298,8 @@ class Generator:
         if key is not None and not sampling.greedy:  # (padding rows: the first row's key)
             keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
         cache = self._cache_for(device)
-        logits = self._prefill(length)(
-            self.model.forward, params, cache, idx, pads
-        )  # (B, V): each row's last prompt token
+        prefill = self._prefill(length)
+        logits = prefill(self.model.forward, params, cache, idx, pads)  # (B, V): after each row's prompt
         new = [_Completing() for _ in rows]
         eos = set(int(e) for e in eos_ids)
         for t in range(max_new):
