@@ -210,7 +210,7 @@ class Scorer:
     def _through_cache(self, layout, prompts: list[list[int]], max_new: int) -> bool:
         """Whether `extend` runs through the model's KV cache: plain params on one process, prompts that leave
         room for `max_new` tokens (else every token recomputes the window, sliding past the block)."""
-        fits = all(p and len(p) + max_new - 1 <= self.model.block_size for p in prompts)
+        fits = max_new > 0 and all(p and len(p) + max_new - 1 <= self.model.block_size for p in prompts)
         return self.model.cached is not None and not layout.sharded and layout.dp_world == 1 and fits
 
     def _generator(self, dtype: torch.dtype) -> Generator:

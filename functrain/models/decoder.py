@@ -228,7 +228,7 @@ def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built)
         cache = _cache_generator(template, built, params)
 
         def generate(prompt, n: int):
-            if cache is not None and prompt.shape[1] + n - 1 <= cache.block_size:
+            if cache is not None and 0 < n and prompt.shape[1] + n - 1 <= cache.block_size:
                 [[done]] = cache(params, prompt.tolist(), n, key=key, sampling=how)
                 return torch.cat([prompt, torch.tensor([done.tokens], dtype=prompt.dtype, device=prompt.device)], 1)
             return inference.generate(
