@@ -10,13 +10,16 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from functrain import functional
 from functrain.data.tokenizer import separator_ids
+
+if TYPE_CHECKING:
+    from functrain.generation.generator import CachedModel
 
 __all__ = ["EvalModel", "of_module", "positions_of"]
 
@@ -45,7 +48,7 @@ class EvalModel(NamedTuple):
     prefix_id: int
     eos_id: int | None = None
     positions: int | None = None
-    cached: Any = None
+    cached: CachedModel | None = None
 
 
 def positions_of(module: nn.Module) -> int | None:

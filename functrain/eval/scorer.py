@@ -70,7 +70,7 @@ class Scorer:
         if self.buckets[-1] < model.block_size:
             raise ValueError(f"buckets {self.buckets} stop below the block size {model.block_size}")
         self._graphs: dict[tuple[str, int], Callable] = {}
-        self._generators: dict[torch.dtype, Generator] = {}
+        self._generators: dict[tuple[torch.dtype, int], Generator] = {}
 
     # -- compiled units -----------------------------------------------------------------------
 
@@ -185,9 +185,10 @@ class Scorer:
           >>> new = scorer.extend(params, [[5, 6]], 10, stop=lambda i, toks: False)
         """
         layout = parallel.layout_of(params)
-        cut = [list(p)[-(self.model.block_size - 1) :] for p in prompts]
-        if self._through_cache(layout, cut, max_new):
-            gen = self._generator(next(t.dtype for t in params.values() if t.is_floating_point()))
+        block = self.model.block_size
+        cut = [list(p)[-(block - 1) :] if block > 1 else [] for p in prompts]  # what each row starts from
+        gen = self._cache_generator(params, layout, cut, max_new)
+        if gen is not None:
             done = gen(params, cut, max_new, key=key, sampling=sampling or Sampling(), stop=stop)
             return [c.tokens for [c] in done]
         device = _device_of(params)
@@ -200,31 +201,37 @@ class Scorer:
             members = list(range(start, min(start + self.batch_size, len(prompts))))
             for i, new in zip(
                 members,
-                self._extend_batch(params, model_state, prompts, members, max_new, stop, key, sampling, layout, device),
+                self._extend_batch(params, model_state, cut, members, max_new, stop, key, sampling, layout, device),
             ):
                 out[i, 0] = len(new)
                 out[i, 1 : 1 + len(new)] = torch.tensor(new, dtype=torch.long)
         out = layout.sum_over_dp(out.to(device)).cpu()
         return [out[i, 1 : 1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
 
-    def _through_cache(self, layout, prompts: list[list[int]], max_new: int) -> bool:
-        """Whether `extend` runs through the model's KV cache: plain params on one process, prompts that leave
-        room for `max_new` tokens (else every token recomputes the window, sliding past the block)."""
-        fits = max_new > 0 and all(p and len(p) + max_new - 1 <= self.model.block_size for p in prompts)
-        return self.model.cached is not None and not layout.sharded and layout.dp_world == 1 and fits
-
-    def _generator(self, dtype: torch.dtype) -> Generator:
-        """The KV-cache generator of the model's plain params of `dtype` (made once per dtype)."""
-        if dtype not in self._generators:
-            self._generators[dtype] = Generator(
-                self.model.cached, batch_size=self.batch_size, dtype=dtype, compile=self.compile
+    def _cache_generator(self, params, layout, prompts: list[list[int]], max_new: int) -> Generator | None:
+        """The KV-cache generator `extend` runs through, or None (recompute): the model has no cache, the params
+        are sharded or split over ranks, or a prompt leaves no room for `max_new` tokens (every token then
+        recomputes the window, sliding past the block). Its cache holds the bucket of the longest prompt plus
+        `max_new` (a decode step reads every slot; the model's whole block could be far longer), one per
+        (dtype, length), made once."""
+        cached = self.model.cached
+        if cached is None or layout.sharded or layout.dp_world != 1 or max_new < 1 or not all(prompts):
+            return None
+        need = max(len(p) for p in prompts) + max_new - 1
+        if need > self.model.block_size:
+            return None
+        dtype = next(t.dtype for t in params.values() if t.is_floating_point())
+        length = min(self._bucket(need), self.model.block_size, cached.block_size)
+        if (dtype, length) not in self._generators:
+            self._generators[dtype, length] = Generator(
+                cached, block_size=length, batch_size=self.batch_size, dtype=dtype, compile=self.compile
             )
-        return self._generators[dtype]
+        return self._generators[dtype, length]
 
     def _extend_batch(self, params, model_state, prompts, members, max_new, stop, key, sampling, layout, device):  # noqa: PLR0913
         """One batch's generation: a step per token until every rank's rows are done (collective count)."""
         block = self.model.block_size
-        seqs = [list(prompts[i])[-(block - 1) :] if block > 1 else [] for i in members]
+        seqs = [list(prompts[i]) for i in members]  # (cut to their last block - 1 tokens by `extend`)
         new: list[list[int]] = [[] for _ in members]
         active = [True] * len(members)
         for t in range(max_new):

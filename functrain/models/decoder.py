@@ -217,7 +217,7 @@ def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callabl
 
 def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built) -> Callable:
     """`finish(params, key)`: a text sample from the prompt (or the answer to a held-out prompt), drawn from `key`
-    through the KV cache where it can run (`_cache_generator`), else recomputed (sharded params: gathered a stage
+    through the KV cache where it can run (`_cached_model`), else recomputed (sharded params: gathered a stage
     at a time, or whole where the loss is not staged); the same draws either way."""
     sample = config.sample
     how = generation.Sampling(sample.temperature, sample.top_k or 0)
@@ -225,11 +225,13 @@ def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built)
     def finish(params, key):
         if built.stages is None and any(parallel.is_dtensor(t) for t in params.values()):
             params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
-        cache = _cache_generator(template, built, params)
+        cached = _cached_model(template, built, params)
 
         def generate(prompt, n: int):
-            if cache is not None and 0 < n and prompt.shape[1] + n - 1 <= cache.block_size:
-                [[done]] = cache(params, prompt.tolist(), n, key=key, sampling=how)
+            length = prompt.shape[1] + n - 1  # the cache's slots: this sample's, not the model's whole block
+            if cached is not None and 0 < n and length <= (built.window or cached.block_size):
+                gen = generation.Generator(cached, block_size=length, batch_size=1, compile=False)
+                [[done]] = gen(params, prompt.tolist(), n, key=key, sampling=how)
                 return torch.cat([prompt, torch.tensor([done.tokens], dtype=prompt.dtype, device=prompt.device)], 1)
             return inference.generate(
                 template,
@@ -250,10 +252,9 @@ def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built)
     return finish
 
 
-def _cache_generator(template: nn.Module, built: Built, params) -> generation.Generator | None:
-    """The sample's KV-cache generator (eager: one sample is not worth a compile), or None: the family's model
-    does not attend through a cache (`built.logits_fn`) or the params are sharded."""
+def _cached_model(template: nn.Module, built: Built, params) -> generation.CachedModel | None:
+    """The model the sample runs through a KV cache (eager: one sample is not worth a compile), or None: the
+    family's model does not attend through a cache (`built.logits_fn`) or the params are sharded."""
     if built.logits_fn is not None or any(parallel.is_dtensor(t) for t in params.values()):
         return None
-    cached = generation.CachedModel.of(template)
-    return generation.Generator(cached, block_size=built.window or cached.block_size, batch_size=1, compile=False)
+    return generation.CachedModel.of(template)
