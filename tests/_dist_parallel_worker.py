@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from functrain import apply, init_state, make_eval_step, make_train_step, optim, parallel, rng
-from functrain.models import gpt
+from functrain.generation import Generator, Sampling
+from functrain.models import gpt, inference
 from functrain.parallel import tp as tp_lib
 
 STEPS = 20
@@ -329,8 +330,14 @@ def s_sample(ctx):
     parallel.gather = spy
     try:
         got = gpt.generate(model, sharded, prompt, 12, stages=gpt.stages(model), head="wte.weight", **kw)
+        recomputed, gathered = gathered, []
+        # through the KV cache, a stage gathered at a time: sample 0 of prompt 0 draws as the recompute path's row 0
+        cached = inference.cached_model(model, gpt.stages(model), "wte.weight")
+        gen = Generator(cached, block_size=15, batch_size=2, compile=False)
+        [[done]] = gen(sharded, [[1, 2, 3]], 12, key=rng.key(5), sampling=Sampling(temperature=1.0, top_k=10))
     finally:
         parallel.gather = real
+    cached_gathers, gathered = gathered, recomputed
     try:
         gpt.generate(model, sharded, prompt, 1, **kw)
         refused = ""
@@ -361,6 +368,8 @@ def s_sample(ctx):
         "equal": bool(torch.equal(got, want)),
         "tokens": got.tolist(),
         "gathers": gathered,
+        "cached_tokens": [[1, 2, 3, *done.tokens]],
+        "cached_gathers": cached_gathers,
         "refused": refused,
         "stage_max": max(
             sum(full[n].numel() for n in names)

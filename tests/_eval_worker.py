@@ -3,9 +3,11 @@
 Usage: python tests/_eval_worker.py <outdir>
 
 The tiny GPT's params are FSDP-sharded over the ranks (dp_shard=2); 7 multiple-choice examples (28 rows: an
-odd number of batches of 3, so the ranks' shares differ), rolling texts and greedy generations are split over
-the ranks and gathered. The same calls on the plain params in this process alone (before the mesh exists) are
-the reference; both go to <outdir>/rank<r>.json.
+odd number of batches of 3, so the ranks' shares differ), rolling texts, greedy and sampled generations are
+split over the ranks and gathered (generation through the KV cache and with the cache off, recomputed: a
+stage gathered at a time either way). The same calls on the plain params in this
+process alone (before the mesh exists) are the reference; both go to <outdir>/rank<r>.json, with the time of
+a longer generation each way on the ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +33,9 @@ GEN = [
     ("x = ", {"until": ["\n"], "max_gen_toks": 7}),
     ("for i in", {"max_gen_toks": 4}),
 ]
+
+
+SAMPLED = [(p, {"until": ["\n"], "max_gen_toks": 8, "do_sample": True, "temperature": 0.9}) for p in TEXTS[:2] * 3]
 
 
 def _examples() -> list:
@@ -52,7 +58,21 @@ def _run(model, params) -> dict:
         "counts": choice.evaluate(model, params, examples, scorer=scorer),
         "rolling": fe.loglikelihood_rolling(model, params, TEXTS, scorer=scorer),
         "generated": fe.generate_until(model, params, GEN, scorer=scorer),
+        "sampled": fe.generate_until(model, params, SAMPLED, key=rng.key(11), scorer=scorer),
+        "recomputed": fe.generate_until(model._replace(cached=None), params, SAMPLED, key=rng.key(11)),
     }
+
+
+def _timed(model, params) -> dict:
+    """Seconds of 4 greedy generations of 24 tokens through the cache and recomputed (a stage gathered at a time
+    for every token either way), and through the cache on the params gathered whole once."""
+    requests = [(t[:12], {"max_gen_toks": 24}) for t in TEXTS + TEXTS[:1]]
+    out = {}
+    for name, m in (("cached_s", model), ("recompute_s", model._replace(cached=None)), ("gathered_s", model)):
+        start = time.perf_counter()
+        fe.generate_until(m, parallel.gather(params) if name == "gathered_s" else params, requests)
+        out[name] = round(time.perf_counter() - start, 3)
+    return out
 
 
 def main(outdir: str) -> None:
@@ -73,6 +93,7 @@ def main(outdir: str) -> None:
         out = _run(model, sharded)
         out["sharded"] = all(parallel.is_dtensor(v) for v in sharded.values())
         out["examples"] = out["counts"]["examples"]
+        out["timing"] = _timed(model, sharded)
         out.update({f"single_{k}": v for k, v in single.items()})
         Path(outdir).mkdir(parents=True, exist_ok=True)
         (Path(outdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))

@@ -5,7 +5,9 @@ builds for real (every parameter's mean and standard deviation, every buffer exa
 AdamW steps unstaged and staged, each against the plain PyTorch loop on transformers' own module with
 the same init and batches, checks that the family's export, loaded back by transformers, gives the
 logits of the params it holds, and that every layer equals the function it shares with the layers
-alike. It returns "trains" or "unstaged only: <the one line>" or "refused: <the one line>".
+alike, then generates through the KV cache against transformers' greedy `generate`. It returns the
+training outcome, "trains" or "unstaged only: <the one line>" or "refused: <the one line>", and the
+decoding one, "cached" or "recomputes: <the probe's one line>".
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,7 @@ from _tol import assert_close, rtol
 
 import functrain as ft
 from functrain import optim, rng
+from functrain.generation import Generator
 from functrain.models import hf
 from functrain.models.hf.tiny import write_tiny
 
@@ -159,12 +163,19 @@ def check_export(directory, template, params) -> None:
     assert_close(ours, theirs, rtol(T * 64)), "export logits"
 
 
-def outcome(directory) -> str:
+class Outcome(NamedTuple):
+    """What the family does with a model type: trains it (or not), decodes it through the KV cache (or not)."""
+
+    training: str
+    decoding: str = ""
+
+
+def outcome(directory) -> Outcome:
     """What the family does with the model of `directory` (see the module docstring); asserts every claim."""
     try:
         template = hf.build_template(hf.load_config(directory))
     except hf.HFModelError as exc:
-        return f"refused: {one_line(exc)}"
+        return Outcome(f"refused: {one_line(exc)}")
     params = hf.init_params(template, rng.key(0))
     real = real_model(directory)
     check_init(template, params, real)
@@ -172,10 +183,31 @@ def outcome(directory) -> str:
     want = torch_loop(real, params, data)
     assert_close(torch.tensor(functrain_losses(template, params, data)), torch.tensor(want), TOL)
     check_export(directory, template, params)
+    decoded = decoding(template, params, real)
     try:
         staged = functrain_losses(template, params, data, remat="full")
     except hf.HFModelError as exc:
-        return f"unstaged only: {one_line(exc)}"
+        return Outcome(f"unstaged only: {one_line(exc)}", decoded)
     assert_close(torch.tensor(staged), torch.tensor(want), TOL)
     check_shared(template, params)
-    return "trains"
+    return Outcome("trains", decoded)
+
+
+def decoding(template, params, real) -> str:
+    """ "cached" once the KV cache's greedy tokens equal transformers' `generate` (2 prompts, one left-padded, 16
+    new tokens), or "recomputes: <the probe's one line>"."""
+    try:
+        cached = hf.cached_model(template)
+    except hf.HFModelError as exc:
+        return f"recomputes: {one_line(exc)}"
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 0, 3, 4]])
+    mask = (torch.arange(5)[None] >= torch.tensor([[0], [3]])).long()
+    with torch.no_grad():
+        real.load_state_dict(params, strict=False)
+        want = real.eval().generate(
+            ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    got = Generator(cached, block_size=32, batch_size=2, compile=False)(params, prompts, 16)
+    assert [c.tokens for [c] in got] == want[:, 5:].tolist()
+    return "cached"

@@ -212,6 +212,8 @@ def test_two_gloo_ranks_sharded_count_equal_one_process(tmp_path):
     out = tmp_path / "out"
     run_ranks(os.path.join(REPO, "tests", "_eval_worker.py"), [str(out)], 2, timeout=600)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        del rank["timing"]  # (each rank's own clock)
     assert ranks[0] == ranks[1]
     assert ranks[0]["sharded"] and ranks[0]["examples"] == 7
     for name in ("scores", "rolling"):
@@ -220,6 +222,10 @@ def test_two_gloo_ranks_sharded_count_equal_one_process(tmp_path):
         )
     assert ranks[0]["counts"] == ranks[0]["single_counts"]
     assert ranks[0]["generated"] == ranks[0]["single_generated"]
+    # sampled: 2 ranks through the cache == 1 process through it == the cache off (2 ranks and 1 process)
+    sampled = ranks[0]["sampled"]
+    assert sampled == ranks[0]["single_sampled"] == ranks[0]["recomputed"] == ranks[0]["single_recomputed"]
+    assert len(set(sampled)) > 1  # draws, not one greedy text
 
 
 def _main(workdir, *extra) -> list[dict]:

@@ -118,7 +118,13 @@ def hf_pair(tokenizer, tmp_path_factory):
     config = json.loads((directory / "config.json").read_text())
     save_hf_directory(directory, params, config, tokenizer_file=tokenizer.path)
     model = inference.eval_model(
-        template, tokenizer, block_size=BLOCK, stages=None, head=None, logits_fn=hf.eval_logits(template)
+        template,
+        tokenizer,
+        block_size=BLOCK,
+        stages=None,
+        head=None,
+        logits_fn=hf.eval_logits(template),
+        cached=hf.cached_model(template),
     )
     return model, params, _hflm(directory, tokenizer)
 
@@ -150,8 +156,11 @@ def test_loglikelihood_and_rolling_equal_hflm(pair, request):
 
 
 @pytest.mark.numeric
-def test_generate_until_greedy_equals_hflm(gpt_pair):
-    model, params, hflm = gpt_pair
+@pytest.mark.parametrize("pair", ["gpt_pair", "hf_pair"])
+def test_generate_until_greedy_equals_hflm(pair, request):
+    """Through each family's KV cache (gpt's own attention; transformers' Qwen2 over a slot cache)."""
+    model, params, hflm = request.getfixturevalue(pair)
+    assert model.cached is not None
     requests = [
         ("def add(a, b):\n", {"until": ["\n"], "max_gen_toks": 8}),
         ("class", {"until": [":"], "max_gen_toks": 6}),
@@ -269,22 +278,27 @@ def test_generate_until_takes_the_harness_sampling_options(gpt_pair):
         assert "\n" not in str(err.value)
 
 
-def test_simple_evaluate_runs_a_sampling_generate_until_task(gpt_pair, tmp_path):
-    """A generate_until task whose gen_kwargs sample (do_sample, temperature, top_p, top_k, as harness tasks set
-    them) runs through simple_evaluate on the default key, the same twice."""
-    from lm_eval.tasks import TaskManager
-
-    model, params, _ = gpt_pair
+def _gen_task(tmp_path, generation_kwargs: str) -> str:
+    """A local generate_until task of 4 questions (a jsonl file and its yaml) with these generation kwargs."""
     rows = [{"q": t.split("\n")[0], "a": "x"} for t in TEXTS[:4]]
     (tmp_path / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "local_gen.yaml").write_text(
         "task: local_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
         + str(tmp_path / "gen.jsonl")
         + "\ntest_split: test\noutput_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
-        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: true\n  temperature: 0.8\n"
-        "  top_p: 0.9\n  top_k: 20\nmetric_list:\n  - metric: exact_match\n"
+        + f"generation_kwargs:\n{generation_kwargs}metric_list:\n  - metric: exact_match\n"
     )
-    manager = TaskManager(include_path=str(tmp_path))
+    return str(tmp_path)
+
+
+def test_simple_evaluate_runs_a_sampling_generate_until_task(gpt_pair, tmp_path):
+    """A generate_until task whose gen_kwargs sample (do_sample, temperature, top_p, top_k, as harness tasks set
+    them) runs through simple_evaluate on the default key, the same twice."""
+    from lm_eval.tasks import TaskManager
+
+    model, params, _ = gpt_pair
+    kwargs = "  until: ['\\n']\n  max_gen_toks: 6\n  do_sample: true\n  temperature: 0.8\n  top_p: 0.9\n  top_k: 20\n"
+    manager = TaskManager(include_path=_gen_task(tmp_path, kwargs))
     runs = [
         lm_eval.simple_evaluate(
             model=FunctrainLM(model, params, batch_size=4), tasks=["local_gen"], task_manager=manager, log_samples=True
@@ -293,3 +307,22 @@ def test_simple_evaluate_runs_a_sampling_generate_until_task(gpt_pair, tmp_path)
     ]
     outputs = [[s["resps"] for s in r["samples"]["local_gen"]] for r in runs]
     assert outputs[0] == outputs[1] and "exact_match,none" in runs[0]["results"]["local_gen"]
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("pair", ["gpt_pair", "hf_pair"])
+def test_simple_evaluate_greedy_generate_until_task_same_as_hflm(pair, request, tmp_path):
+    """A greedy generate_until task with stop strings through simple_evaluate: FunctrainLM (its KV cache) gives
+    HFLM's responses, each cut at the first stop string."""
+    from lm_eval.tasks import TaskManager
+
+    model, params, hflm = request.getfixturevalue(pair)
+    manager = TaskManager(
+        include_path=_gen_task(tmp_path, "  until: [':', '(']\n  max_gen_toks: 10\n  do_sample: false\n")
+    )
+    runs = [
+        lm_eval.simple_evaluate(model=lm, tasks=["local_gen"], task_manager=manager, log_samples=True)
+        for lm in (FunctrainLM(model, params, batch_size=4), hflm)
+    ]
+    ours, theirs = ([s["resps"] for s in r["samples"]["local_gen"]] for r in runs)
+    assert ours == theirs and len(ours) == 4

@@ -22,8 +22,8 @@ def _spread(params: dict) -> dict:
     return {n: t * 8 if t.ndim == 2 else t for n, t in params.items()}
 
 
-def _gpt():
-    cfg = gpt.GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=4, n_embd=32)
+def _gpt(block: int = BLOCK):
+    cfg = gpt.GPTConfig(vocab_size=V, block_size=block, n_layer=2, n_head=4, n_embd=32)
     with torch.device("meta"):
         template = gpt.GPT(cfg)
     return template, cfg, _spread(gpt.init_params(template, rng.key(1)))
@@ -77,6 +77,123 @@ def test_greedy_equals_transformers_generate_token_for_token(tmp_path, family):
         logits = functional.apply(template, params, torch.tensor([p + c.tokens]), train=False)[0]  # (T, V)
         full = logits.float().log_softmax(-1)[len(p) - 1 : -1].gather(-1, torch.tensor(c.tokens)[:, None])[:, 0]
         assert_close(torch.tensor(c.logprobs), full, rtol(cfg.n_embd * cfg.n_layer * BLOCK))
+
+
+# the hf family's types: rotary and grouped heads, gpt2's Conv1D and learned positions, sliding windows (8
+# positions: the 64 new tokens run far past them), gemma2's soft-capping and alternating windows, phi3's fused qkv
+HF_TYPES = {
+    "llama": {},
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "gpt2": {},
+    "mistral": dict(sliding_window=8),
+    "gemma2": dict(sliding_window=8),
+    "phi3": {},
+}
+
+
+def _hf(tmp_path, model_type: str):
+    """(template, params, transformers' own model on those params) of a tiny `model_type`."""
+    transformers = pytest.importorskip("transformers")
+    from functrain.models import hf
+    from functrain.models.hf.tiny import write_tiny
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    shape.update(bos_token_id=None, eos_token_id=None)  # (no EOS: `generate` runs the 64 tokens as ours does)
+    directory = write_tiny(tmp_path / model_type, model_type, vocab_size=V, max_position_embeddings=BLOCK, **shape)
+    config = hf.load_config(directory)
+    template = hf.build_template(config)
+    params = _spread(hf.init_params(template, rng.key(5)))
+    theirs = transformers.AutoModelForCausalLM.from_config(config).eval()
+    missing, unexpected = theirs.load_state_dict(params, strict=False)
+    assert not unexpected and not set(missing) & {n for n, _ in theirs.named_parameters()} - set(params)
+    return template, params, theirs
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("model_type", list(HF_TYPES))
+def test_hf_family_greedy_equals_transformers_generate_token_for_token(tmp_path, model_type):
+    """The hf family through transformers' own attention over a slot cache: 8 prompts of different lengths, 64
+    new tokens, the same tokens as transformers' greedy `generate` (dynamic cache), every log-prob a full
+    forward's log-softmax; sampled, the same tokens as the recompute path (the cache off)."""
+    from functrain.models import hf
+
+    template, params, theirs = _hf(tmp_path, model_type)
+    cached = hf.cached_model(template)
+    ids, mask = _left_padded(PROMPTS)
+    with torch.no_grad():
+        want = theirs.generate(
+            ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0
+        )[:, ids.shape[1] :]
+    out = Generator(cached, batch_size=8, compile=False)(params, PROMPTS, 64)
+    assert [c.tokens for [c] in out] == want.tolist()
+    logits_fn = hf.eval_logits(template)
+    for p, [c] in zip(PROMPTS, out):
+        full = logits_fn(params, torch.tensor([p + c.tokens]))[0].log_softmax(-1)[len(p) - 1 : -1]  # (64, V)
+        assert_close(torch.tensor(c.logprobs), full.gather(-1, torch.tensor(c.tokens)[:, None])[:, 0], rtol(32 * BLOCK))
+    same_length = [p[:5] for p in PROMPTS[2:6]]
+    sampled = Generator(cached, batch_size=4, compile=False)(
+        params, same_length, 16, key=rng.key(3), sampling=Sampling(temperature=0.9, top_k=40)
+    )
+    recomputed = inference.generate(
+        template,
+        params,
+        torch.tensor(same_length),
+        16,
+        temperature=0.9,
+        top_k=40,
+        key=rng.key(3),
+        logits_fn=logits_fn,
+        block_size=BLOCK,
+    )
+    assert [c.tokens for [c] in sampled] == recomputed[:, 5:].tolist()
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_hf_cache_probe_refuses_a_cache_that_differs(tmp_path, monkeypatch, whole):
+    """The probe at build time (on the whole model, or on its first two layers as for a large one): a slot cache
+    whose query offset is wrong (the masks see slot 0 for every new token) differs from the plain forward, and
+    `cached_model` refuses it in one line."""
+    from functrain.models import hf
+    from functrain.models.hf import cache
+    from functrain.models.hf import model as hf_model
+
+    template, _, _ = _hf(tmp_path, "llama")
+    right = cache._slot_layer()
+
+    class Wrong(right):
+        def get_seq_length(self):
+            return 0
+
+    if not whole:
+        monkeypatch.setattr(hf_model, "_PROBE_NUMEL", 0)
+        assert hf.probe_subject(template)[2] == [0, 1]
+    assert hf.cached_model(template).cache_shape == (2, 2, 8)
+    monkeypatch.setattr(cache, "_slot_layer", lambda: Wrong)
+    with pytest.raises(hf.HFModelError, match=r"llama: its forward through a KV cache differs from its plain") as e:
+        hf.cached_model(template)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_hf_family_compiles_one_prefill_graph_per_bucket_one_decode_graph(tmp_path):
+    """Compiled, the hf family's slot cache: equal to eager, a prefill per bucket and one decode graph, no
+    recompiles over batches of other prompt lengths (its masks rebuilt from tensors, not Python ints)."""
+    from torch._dynamo.utils import counters
+
+    from functrain.models import hf
+
+    template, params, _ = _hf(tmp_path, "gemma2")
+    cached = hf.cached_model(template)
+    eager = Generator(cached, batch_size=4, compile=False)
+    gen = Generator(cached, batch_size=4, compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    for prompts in (PROMPTS[:4], PROMPTS[5:8], [p[:2] for p in PROMPTS[2:6]]):  # buckets 16, 32, 16
+        got = gen(params, prompts, 24, key=rng.key(5), sampling=Sampling(temperature=0.8))
+        want = eager(params, prompts, 24, key=rng.key(5), sampling=Sampling(temperature=0.8))
+        assert [c.tokens for [c] in got] == [c.tokens for [c] in want]
+    assert counters["stats"]["unique_graphs"] == 3  # prefill_16, prefill_32, decode
+    assert sum(counters["recompiles"].values()) == 0
 
 
 def test_cached_logits_equal_the_recompute_path_and_sampling_does_not_depend_on_the_batch():
@@ -150,20 +267,21 @@ def test_sampling_warps_as_transformers_warpers():
 
 
 def test_one_prefill_graph_per_bucket_one_decode_graph_no_recompiles():
-    """Compiled: equal to eager, and three batches of other prompt lengths (two buckets) over 40 tokens each
+    """Compiled: equal to eager, and three batches of other prompt lengths (two buckets) over 256 tokens each
     compile exactly a prefill per bucket and the decode step once."""
     from torch._dynamo.utils import counters
 
-    template, _, params = _gpt()
+    template, _, params = _gpt(block=320)
     eager = Generator.of(template, batch_size=4, compile=False)
     gen = Generator.of(template, batch_size=4, compile=True)
     torch._dynamo.reset()
     counters.clear()
     batches = [PROMPTS[:4], PROMPTS[5:8], [p[:2] for p in PROMPTS[2:6]]]  # longest 9, 17, 2: buckets 16, 32, 16
     for prompts in batches:
-        got = gen(params, prompts, 40, key=rng.key(5), sampling=Sampling(temperature=0.8))
-        want = eager(params, prompts, 40, key=rng.key(5), sampling=Sampling(temperature=0.8))
+        got = gen(params, prompts, 256, key=rng.key(5), sampling=Sampling(temperature=0.8))
+        want = eager(params, prompts, 256, key=rng.key(5), sampling=Sampling(temperature=0.8))
         assert [c.tokens for [c] in got] == [c.tokens for [c] in want]
+        assert all(len(c.tokens) == 256 for [c] in got)
     assert counters["stats"]["unique_graphs"] == 3  # prefill_16, prefill_32, decode
     assert sum(counters["recompiles"].values()) == 0
 

@@ -349,12 +349,14 @@ def test_at_most_one_stage_is_gathered_at_a_time(eager2):
 )
 def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager4, suite, name):
     """Task.finish runs on sharded params: generate gathers one stage at a time and gets the full
-    params' tokens; the HF export streams one tensor at a time, byte-identical to the full export."""
+    params' tokens, recomputing and through the KV cache alike; the HF export streams one tensor at a time,
+    byte-identical to the full export."""
     ranks = scenario_results({"eager2": eager2, "eager4": eager4}[suite], name)
     for res in ranks:
         assert res["equal"], res["tokens"]
-        assert res["tokens"] == ranks[0]["tokens"]  # every rank drew the same tokens
+        assert res["tokens"] == ranks[0]["tokens"] == res["cached_tokens"]  # every rank drew the same tokens
         assert res["gathers"] and max(res["gathers"]) <= res["stage_max"] < res["model_numel"], res
+        assert res["cached_gathers"] and max(res["cached_gathers"]) <= res["stage_max"], res
         assert "stages=" in res["refused"]  # no silent whole-model path for sharded params
         assert res["export_gathers"] and max(res["export_gathers"]) <= res["largest_tensor"] < res["model_numel"]
     assert ranks[0]["same_bytes"] is True

@@ -188,34 +188,40 @@ class Scorer:
         block = self.model.block_size
         cut = [list(p)[-(block - 1) :] if block > 1 else [] for p in prompts]  # what each row starts from
         gen = self._cache_generator(params, layout, cut, max_new)
-        if gen is not None:
-            done = gen(params, cut, max_new, key=key, sampling=sampling or Sampling(), stop=stop)
-            return [c.tokens for [c] in done]
-        device = _device_of(params)
+        new: dict[int, list[int]] = {}  # this rank's requests' new tokens
+        if gen is not None:  # plain params: this rank's requests; sharded: all (the stages' gathers in step)
+            mine = list(range(len(cut))) if layout.sharded else list(range(layout.dp_rank, len(cut), layout.dp_world))
+            done = gen(
+                params, [cut[i] for i in mine], max_new, key=key, sampling=sampling or Sampling(), stop=stop, index=mine
+            )
+            new = {i: c.tokens for i, [c] in zip(mine, done)}
+            if layout.sharded:
+                return [new[i] for i in range(len(prompts))]
+        else:  # this rank's batches recomputed, a step per token over every rank's (collective counts)
+            n_batches = math.ceil(len(prompts) / self.batch_size)
+            mine = list(range(layout.dp_rank, n_batches, layout.dp_world))
+            for slot in range(math.ceil(n_batches / layout.dp_world)):
+                start = mine[slot] * self.batch_size if slot < len(mine) else len(prompts)
+                members = list(range(start, min(start + self.batch_size, len(prompts))))
+                batch = self._extend_batch(
+                    params, model_state, cut, members, max_new, stop, key, sampling, layout, _device_of(params)
+                )
+                new.update(zip(members, batch))
+        if layout.dp_world == 1:
+            return [new[i] for i in range(len(prompts))]
         out = torch.zeros(len(prompts), max_new + 1, dtype=torch.long)  # (N, [count, tokens...])
-        n_batches = math.ceil(len(prompts) / self.batch_size)
-        mine = list(range(layout.dp_rank, n_batches, layout.dp_world))
-        per_rank = math.ceil(n_batches / layout.dp_world)
-        for slot in range(per_rank):
-            start = mine[slot] * self.batch_size if slot < len(mine) else len(prompts)
-            members = list(range(start, min(start + self.batch_size, len(prompts))))
-            for i, new in zip(
-                members,
-                self._extend_batch(params, model_state, cut, members, max_new, stop, key, sampling, layout, device),
-            ):
-                out[i, 0] = len(new)
-                out[i, 1 : 1 + len(new)] = torch.tensor(new, dtype=torch.long)
-        out = layout.sum_over_dp(out.to(device)).cpu()
+        for i, tokens in new.items():
+            out[i, 0], out[i, 1 : 1 + len(tokens)] = len(tokens), torch.tensor(tokens, dtype=torch.long)
+        out = layout.sum_over_dp(out.to(_device_of(params))).cpu()
         return [out[i, 1 : 1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
 
     def _cache_generator(self, params, layout, prompts: list[list[int]], max_new: int) -> Generator | None:
-        """The KV-cache generator `extend` runs through, or None (recompute): the model has no cache, the params
-        are sharded or split over ranks, or a prompt leaves no room for `max_new` tokens (every token then
-        recomputes the window, sliding past the block). Its cache holds the bucket of the longest prompt plus
-        `max_new` (a decode step reads every slot; the model's whole block could be far longer), one per
-        (dtype, length), made once."""
+        """The KV-cache generator `extend` runs through, or None (recompute): the model has no cache (or none for
+        sharded params), or a prompt leaves no room for `max_new` tokens (every token then recomputes the window,
+        sliding past the block). Its cache holds the bucket of the longest prompt plus `max_new` (a decode step
+        reads every slot; the model's whole block could be far longer), one per (dtype, length), made once."""
         cached = self.model.cached
-        if cached is None or layout.sharded or layout.dp_world != 1 or max_new < 1 or not all(prompts):
+        if cached is None or max_new < 1 or not all(prompts) or (layout.sharded and cached.sharded_forward is None):
             return None
         need = max(len(p) for p in prompts) + max_new - 1
         if need > self.model.block_size:

@@ -26,7 +26,15 @@ from functrain import compiler, functional, parallel, rng
 from functrain.errors import FunctrainError
 from functrain.generation.kv_cache import KVCache, cached
 
-__all__ = ["CachedModel", "Completion", "GenerationError", "Generator", "Sampling", "pick", "request_keys"]
+__all__ = [
+    "CachedModel",
+    "Completion",
+    "GenerationError",
+    "Generator",
+    "Sampling",
+    "pick",
+    "request_keys",
+]
 
 
 class GenerationError(FunctrainError, ValueError):
@@ -122,11 +130,14 @@ class CachedModel(NamedTuple):
         (`kv_cache.Cached`) where training passes `lm.Packed`.
       cache_shape: `(layers, kv heads, head dim)` of its attention.
       block_size: the longest sequence its positions take.
+      sharded_forward: the same on DTensor params, gathering one stage at a time (no rank holds the whole model;
+        `models.inference.cached_model`), or None: the model decodes from plain params only.
     """
 
     forward: Callable
     cache_shape: tuple[int, int, int]
     block_size: int
+    sharded_forward: Callable | None = None
 
     @classmethod
     def of(cls, template: torch.nn.Module) -> CachedModel:
@@ -203,42 +214,49 @@ class Generator:
         n: int = 1,
         eos_ids: Sequence[int] = (),
         stop: Callable[[int, list[int]], bool] | None = None,
+        index: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         """`n` completions of every prompt.
 
         Args:
-          params: the model's params (plain tensors).
+          params: the model's params: plain tensors, or DTensors (where the model has a `sharded_forward`: every
+            rank calls with the same requests, eagerly, and gets the same completions).
           prompts: token id lists, each of at least one token.
           max_new_tokens: the most tokens appended to each.
           key: an `rng` key; None: greedy whatever `sampling` says.
           sampling: how tokens are drawn.
           n: samples per prompt.
           eos_ids: every id that ends a completion (the model's EOS ids).
-          stop: `stop(prompt index, new tokens) -> bool`: the completion is done (e.g. a stop string appeared).
+          stop: `stop(request index, new tokens) -> bool`: the completion is done (e.g. a stop string appeared).
+          index: each prompt's request index (its draws' `fold_in` and `stop`'s first argument; default its place
+            in `prompts`): a rank's share of a larger batch draws as in the whole batch.
 
         Returns:
           For each prompt, its `n` `Completion`s.
 
         Raises:
           GenerationError: an empty prompt, `max_new_tokens < 1`, `n < 1`, a prompt that leaves no room for
-            `max_new_tokens` within `block_size`, or sharded params (one line).
+            `max_new_tokens` within `block_size`, or sharded params the model cannot decode from (one line).
 
         Example:
           >>> [[c]] = gen(params, [[1, 2, 3]], 16)        # greedy
         """
-        if any(parallel.is_dtensor(t) for t in params.values()):
-            raise GenerationError(
-                "the params are sharded (DTensors); generate from sharded params with "
-                "models.inference.generate(..., stages=...) or gather them first (functrain.parallel.gather)"
-            )
         self._check(prompts, max_new_tokens, n)
-        rows = [_Row(i, j) for i in range(len(prompts)) for j in range(n)]
+        sharded = any(parallel.is_dtensor(t) for t in params.values())
+        if sharded and self.model.sharded_forward is None:
+            raise GenerationError(
+                "the params are sharded (DTensors) and this model decodes from plain params only; gather them "
+                "(functrain.parallel.gather) or generate with models.inference.generate(..., stages=...)"
+            )
+        ids = list(range(len(prompts))) if index is None else [int(i) for i in index]
+        text = dict(zip(ids, prompts))
+        rows = [_Row(i, j) for i in ids for j in range(n)]
         out: dict[_Row, Completion] = {}
         for start in range(0, len(rows), self.batch_size):
             batch = rows[start : start + self.batch_size]
-            texts = [prompts[r.i] for r in batch]
+            texts = [text[r.i] for r in batch]
             out.update(zip(batch, self._batch(params, texts, batch, max_new_tokens, key, sampling, eos_ids, stop)))
-        return [[out[_Row(i, j)] for j in range(n)] for i in range(len(prompts))]
+        return [[out[_Row(i, j)] for j in range(n)] for i in ids]
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int) -> None:
         """One `GenerationError` line for a request that cannot run."""
@@ -263,8 +281,10 @@ class Generator:
         bucket = next(b for b in self.buckets if b >= longest)
         return min(bucket, self.block_size - max_new_tokens + 1)
 
-    def _prefill(self, length: int) -> Callable:
-        """The prefill of prompts padded to `length` (compiled: a graph of its own per length)."""
+    def _prefill(self, length: int, sharded: bool) -> Callable:
+        """The prefill of prompts padded to `length` (compiled, for plain params: a graph of its own per length)."""
+        if sharded:
+            return _prefill
         if length not in self._prefills:
             self._prefills[length] = compiler.graph(_prefill, name=f"prefill_{length}") if self.compile else _prefill
         return self._prefills[length]
@@ -298,8 +318,10 @@ class Generator:
         if key is not None and not sampling.greedy:  # (padding rows: the first row's key)
             keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
         cache = self._cache_for(device)
-        prefill = self._prefill(length)
-        logits = prefill(self.model.forward, params, cache, idx, pads)  # (B, V): after each row's prompt
+        sharded = any(parallel.is_dtensor(t) for t in params.values())  # (eager: a gather per stage per token)
+        forward = self.model.sharded_forward if sharded else self.model.forward
+        decode = _decode if sharded else self._decode
+        logits = self._prefill(length, sharded)(forward, params, cache, idx, pads)  # (B, V): after each row's prompt
         new = [_Completing() for _ in rows]
         eos = set(int(e) for e in eos_ids)
         for t in range(max_new):
@@ -310,7 +332,7 @@ class Generator:
             if all(c.finish for c in new) or t == max_new - 1:
                 break
             slot = torch.tensor(length + t, device=device)
-            logits = self._decode(self.model.forward, params, cache, tokens[:, None], pads, slot)  # (B, V)
+            logits = decode(forward, params, cache, tokens[:, None], pads, slot)  # (B, V)
         return [c.completion() for c in new]
 
 

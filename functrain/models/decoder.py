@@ -70,6 +70,7 @@ class Built(NamedTuple):
     stages: stages_lib.LMStages | None  # None: the loss is not staged (sampling and evaluation gather the whole model)
     logits_fn: Callable | None = None  # `(params, idx) -> logits` where the model's forward is not the stages'
     window: int | None = None  # the sample's context (None: the model's `cfg.block_size`)
+    cached: generation.CachedModel | None = None  # the model through a KV cache (None: generation recomputes)
 
 
 def task(
@@ -133,6 +134,7 @@ def task(
             stages=built.stages,
             head=head,
             logits_fn=built.logits_fn,
+            cached=built.cached,
         ),
     )
 
@@ -210,26 +212,29 @@ def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callabl
             remat=stages_lib.resolve_remat(config.remat, ctx.mesh),
             staged=stages_lib.wants_stages(config, ctx),
         )
-        return Built(model, loss_fn, spec.stages(template))
+        st = spec.stages(template)
+        return Built(model, loss_fn, st, cached=inference.cached_model(template, st, head))
 
     return build
 
 
 def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built) -> Callable:
     """`finish(params, key)`: a text sample from the prompt (or the answer to a held-out prompt), drawn from `key`
-    through the KV cache where it can run (`_cached_model`), else recomputed (sharded params: gathered a stage
-    at a time, or whole where the loss is not staged); the same draws either way."""
+    through the family's KV cache (`built.cached`, eager: one sample is not worth a compile; sharded params a
+    stage gathered at a time), else recomputed (gathered a stage at a time, or whole where the loss is not
+    staged); the same draws either way."""
     sample = config.sample
     how = generation.Sampling(sample.temperature, sample.top_k or 0)
 
     def finish(params, key):
         if built.stages is None and any(parallel.is_dtensor(t) for t in params.values()):
             params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
-        cached = _cached_model(template, built, params)
 
         def generate(prompt, n: int):
             length = prompt.shape[1] + n - 1  # the cache's slots: this sample's, not the model's whole block
-            if cached is not None and 0 < n and length <= (built.window or cached.block_size):
+            cached, sharded = built.cached, any(parallel.is_dtensor(t) for t in params.values())
+            room = cached is not None and 0 < n and length <= min(built.window or length, cached.block_size)
+            if cached is not None and room and (cached.sharded_forward is not None or not sharded):
                 gen = generation.Generator(cached, block_size=length, batch_size=1, compile=False)
                 [[done]] = gen(params, prompt.tolist(), n, key=key, sampling=how)
                 return torch.cat([prompt, torch.tensor([done.tokens], dtype=prompt.dtype, device=prompt.device)], 1)
@@ -250,11 +255,3 @@ def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built)
         return lm_data.finish_text(dataset, sample, generate, ctx.device)
 
     return finish
-
-
-def _cached_model(template: nn.Module, built: Built, params) -> generation.CachedModel | None:
-    """The model the sample runs through a KV cache (eager: one sample is not worth a compile), or None: the
-    family's model does not attend through a cache (`built.logits_fn`) or the params are sharded."""
-    if built.logits_fn is not None or any(parallel.is_dtensor(t) for t in params.values()):
-        return None
-    return generation.CachedModel.of(template)

@@ -105,6 +105,7 @@ def eval_model(
     stages: LMStages | None,
     head: str | None,
     logits_fn: Callable | None = None,
+    cached: generation.CachedModel | None = None,
 ) -> EvalModel:
     """A decoder LM family's `functrain.eval.EvalModel`: its logits in eval mode, on plain or sharded params.
 
@@ -118,10 +119,11 @@ def eval_model(
       head: the output projection's weight name, with `stages`.
       logits_fn: `(params, idx) -> (B, T, V)` of plain params (default `apply(template, params, idx,
         train=False)`; a transformers model's `.logits`).
+      cached: the model through a KV cache, for generation (default: the family's own forward's,
+        `cached_model(template, stages, head)`, when there is no `logits_fn`; else none: generation recomputes).
 
     Returns:
-      The `EvalModel` (`Task.eval_model`); the family's own forward (no `logits_fn`) generates through a KV
-      cache (`EvalModel.cached`).
+      The `EvalModel` (`Task.eval_model`), generating through `cached` (`EvalModel.cached`).
 
     Example:
       >>> model = inference.eval_model(template, tok, block_size=128, stages=gpt.stages(template), head="wte.weight")
@@ -137,13 +139,40 @@ def eval_model(
         return _staged_logits(stages, head, params, idx, parallel.gather)
 
     model = of_module(template, tokenizer, block_size=block_size, logits=logits)
-    return model if logits_fn is not None else model._replace(cached=generation.CachedModel.of(template))
+    if cached is None and logits_fn is None:
+        cached = cached_model(template, stages, head)
+    return model._replace(cached=cached)
 
 
-def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gather: Callable) -> torch.Tensor:
-    """Logits (B, T, V): every stage run on `gather` of its own params only (one stage held at a time)."""
-    h = stages.embed.fn(gather(stages.embed.params(params)), idx, None)  # (B, T, C)
-    for block in stages.blocks:
-        h = block.fn(gather(block.params(params)), h, None)  # (B, T, C)
+def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gather: Callable, view=None) -> torch.Tensor:
+    """Logits (B, T, V): every stage run on `gather` of its own params only (one stage held at a time); through
+    a KV cache's `view` (`generation.kv_cache.Cached`) when given."""
+    h = stages.embed.fn(gather(stages.embed.params(params)), idx, None, view)  # (B, T, C)
+    for i, block in enumerate(stages.blocks):
+        h = block.fn(gather(block.params(params)), h, None, None if view is None else view.layer(i))  # (B, T, C)
     h = stages.final.fn(gather(stages.final.params(params)), h, None)  # (B, T, C)
     return F.linear(h, gather({head: params[head]})[head])  # (B, T, V): the forward's lm_head
+
+
+def cached_model(template: nn.Module, stages: LMStages | None, head: str | None) -> generation.CachedModel:
+    """A gpt or llama template through its KV cache (`generation.CachedModel.of`), on sharded params too when
+    given its stages: their `sharded_forward` gathers one stage at a time, as the recompute path does, so no
+    rank holds the whole model, and each token costs a gather of every stage but reads the cache.
+
+    Args:
+      template: the (meta-device) gpt or llama template.
+      stages: its `LMStages` (of the template, not a tensor-parallel copy: each stage is gathered whole), or None.
+      head: the output projection's weight name, with `stages`.
+
+    Returns:
+      The `CachedModel`.
+
+    Example:
+      >>> gen = generation.Generator(cached_model(template, gpt.stages(template), "wte.weight"), compile=False)
+    """
+    cached = generation.CachedModel.of(template)
+    if stages is None or head is None:
+        return cached
+    return cached._replace(
+        sharded_forward=lambda p, idx, view: _staged_logits(stages, head, p, idx, parallel.gather, view)
+    )

@@ -1,7 +1,8 @@
 """The Hugging Face family: any transformers causal LM (Llama, Qwen2, Mistral, Gemma, Phi-3, GPT-2, ...)
 trained from a model directory, with no model code here. `model.py` builds it on meta, initializes it
 from a key and cuts it into stages at its decoder layers; `weights.py` reads a directory's weights onto it;
-`loss.py` is its loss; `task.py` the Task the training loop runs (imported on its own by `functrain.main`).
+`loss.py` is its loss; `cache.py` decodes it through a KV cache; `task.py` the Task the training loop
+runs (imported on its own by `functrain.main`).
 The names below load on first use (`functrain._lazy`), so `checks.py` imports without torch.
 
 Example:
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
+    from functrain.models.hf.cache import cached_model
     from functrain.models.hf.export import export_directory, persistent_buffers
     from functrain.models.hf.loss import make_loss_fn, run_loss
     from functrain.models.hf.model import (
@@ -28,6 +30,8 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         head_name,
         init_params,
         load_config,
+        probe_subject,
+        relative_error,
         stages,
         tp_rules,
     )

@@ -42,6 +42,8 @@ __all__ = [
     "eval_logits",
     "init_params",
     "load_config",
+    "probe_subject",
+    "relative_error",
     "stages",
     "tp_rules",
 ]
@@ -531,9 +533,8 @@ _PROBE_RTOL = 1e-4  # the same ops in another order differ by float32 rounding: 
 def check_stages(model: HFModel) -> bool:
     """Checks `stages(model)` on a probe batch: the stages composed must equal the base model's forward.
 
-    The probe is 2 x 8 token ids through params from `init_params` on the CPU, in eval mode: the
-    whole model when it has at most 2**26 parameters, else its first two layers (the base model
-    running just those, against the stages of those).
+    The probe is 2 x 8 token ids through params from `init_params` on the CPU, in eval mode, on
+    `probe_subject(model)` (the whole base model, or its first two layers), against the stages of those.
 
     Args:
       model: `build_template`'s model.
@@ -550,23 +551,14 @@ def check_stages(model: HFModel) -> bool:
       >>> st = stages(template, share=check_stages(template))
     """
     st = stages(model)
-    path, _, layers = decoder_layers(model).rpartition(".")
-    base = model.get_submodule(path)
-    whole = sum(p.numel() for p in model.parameters()) <= _PROBE_NUMEL
-    keep = list(range(len(st.blocks))) if whole else list(range(min(len(st.blocks), 2)))
+    reference, path, keep = probe_subject(model)
+    keep = list(range(len(st.blocks))) if keep is None else keep
     names = {*st.embed.names, *st.final.names, *(nm for i in keep for nm in st.blocks[i].names)}
     device = next((b.device for b in model.buffers()), torch.device("cpu"))
     p = init_params(model, rng.key(0), device=device, only=names)
     x = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
     try:
-        return _probe(
-            st,
-            base if whole else _view(base, layers, _final_norm(base, layers), keep, side=True, norm=True),
-            path,
-            keep,
-            p,
-            x,
-        )
+        return _probe(st, reference, path, keep, p, x)
     except HFModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - a view the model's own code cannot run
@@ -574,6 +566,31 @@ def check_stages(model: HFModel) -> bool:
             f"{model.config.model_type}: its stages cannot run on a probe batch ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
+
+
+def probe_subject(model: HFModel) -> tuple[HFModel, str, list[int] | None]:
+    """What a probe runs of `model`: its base model whole when the model has at most 2**26 parameters, else the
+    base model on its first two decoder layers (its embedding and final norm kept).
+
+    Args:
+      model: `build_template`'s model.
+
+    Returns:
+      (the module, the base model's name in `model` (its params' prefix), the decoder layers it runs: None for
+      all of them).
+
+    Raises:
+      HFModelError: a model over 2**26 parameters without a list of decoder layers (`decoder_layers`).
+
+    Example:
+      >>> reference, path, keep = probe_subject(big_template)        # (LlamaModel, "model", [0, 1])
+    """
+    if sum(p.numel() for p in model.parameters()) <= _PROBE_NUMEL:
+        return model.base_model, model.base_model_prefix, None
+    path, _, layers = decoder_layers(model).rpartition(".")
+    base = model.get_submodule(path)
+    keep = list(range(min(len(base.get_submodule(layers)), 2)))
+    return _view(base, layers, _final_norm(base, layers), keep, side=True, norm=True), path, keep
 
 
 def _probe(st: LMStages, reference: HFModel, path: str, keep: list[int], p: dict, x: torch.Tensor) -> bool:
@@ -590,10 +607,10 @@ def _probe(st: LMStages, reference: HFModel, path: str, keep: list[int], p: dict
             out = block.fn(block.params(p), h, None)
             if block.shared is not None:
                 alone = block.shared(block.own(p), h, None, torch.tensor(i, device=device))
-                shared_ok = shared_ok and _relative(alone, out) <= _PROBE_RTOL
+                shared_ok = shared_ok and relative_error(alone, out) <= _PROBE_RTOL
             h = out
         got = st.final.fn(st.final.params(p), h, None)
-    off = _relative(got, want)
+    off = relative_error(got, want)
     if not off <= _PROBE_RTOL:
         raise StagingError(
             f"{reference.config.model_type}: its stages composed differ from the base model's forward "
@@ -602,8 +619,12 @@ def _probe(st: LMStages, reference: HFModel, path: str, keep: list[int], p: dict
     return shared_ok
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (inf for other shapes or non-finite values)."""
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (inf for other shapes or non-finite values).
+
+    Example:
+      >>> relative_error(got, want) <= 1e-4
+    """
     if a.shape != b.shape:
         return float("inf")
     scale = float(b.abs().max())

@@ -11,14 +11,16 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
-from functrain import config_checks, parallel
+from functrain import config_checks, generation, parallel
 from functrain import data as data_lib
 from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import decoder, lm_data
 from functrain.models.hf import model as hf_lib
+from functrain.models.hf.cache import cached_model
 from functrain.models.hf.export import export_directory
 from functrain.models.hf.loss import run_loss
 from functrain.models.hf.tiny import model_directory
@@ -84,7 +86,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         model = with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = run_loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
         st = hf_lib.stages(template) if staged else None
-        return decoder.Built(model, loss_fn, st, hf_lib.eval_logits(template), seq)
+        return decoder.Built(model, loss_fn, st, hf_lib.eval_logits(template), seq, _cached(template, base, ctx))
 
     spec = decoder.ModelSpec(
         base=base,
@@ -116,6 +118,16 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         return decoder.task(config, ctx, workdir, spec, dataset, decoder.Facts(describe, seq, flops, info), build_model)
     except hf_lib.HFModelError as exc:
         raise config_checks.ConfigError(f"model.path: {exc}") from None
+
+
+def _cached(template, base, ctx: parallel.ParallelContext) -> generation.CachedModel | None:
+    """The model through a KV cache, or None (with a note line) where its probe refuses it: generation recomputes."""
+    try:
+        return cached_model(template, probe=base)
+    except hf_lib.HFModelError as exc:
+        if ctx.is_main_process:
+            print(f"functrain: note: {exc}; it generates without a KV cache", file=sys.stderr, flush=True)
+        return None
 
 
 def refuse_axes(ctx: parallel.ParallelContext, model_type: str) -> None:
