@@ -311,6 +311,41 @@ def s_init(ctx):
     }
 
 
+def _hf_cached_sample(ctx) -> dict:
+    """The hf family's Qwen2 through its KV cache on sharded params, a stage at a time (transformers' layers over
+    the slot cache): the plain params' tokens, sampled, each gather at most one stage."""
+    from functrain.models import hf
+    from functrain.models.hf.tiny import write_tiny
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    directory = write_tiny(os.path.join(OUTDIR, f"qwen2_rank{dist.get_rank()}"), "qwen2", vocab_size=64, **shape)
+    template = hf.build_template(hf.load_config(directory))
+    full = hf.init_params(template, rng.key(3))
+    sharded = parallel.shard_params(full.items(), ctx.mesh)
+    st = hf.stages(template)
+    gen = Generator(hf.cached_model(template, stages=st, head=hf.head_name(template)), block_size=16, compile=False)
+    kw = dict(key=rng.key(5), sampling=Sampling(temperature=1.0, top_k=10), n=2)
+    want = gen(full, [[1, 2, 3], [4, 5]], 12, **kw)
+    gathered, real = [], parallel.gather
+
+    def spy(tree):
+        gathered.append(sum(t.numel() for t in tree.values()))
+        return real(tree)
+
+    parallel.gather = spy
+    try:
+        got = gen(sharded, [[1, 2, 3], [4, 5]], 12, **kw)
+    finally:
+        parallel.gather = real
+    stages = [st.embed.names, *(b.names for b in st.blocks), st.final.names]
+    return {
+        "hf_equal": [[c.tokens for c in r] for r in got] == [[c.tokens for c in r] for r in want],
+        "hf_tokens": [[c.tokens for c in r] for r in got],
+        "hf_gathers": gathered,
+        "hf_stage_max": max(sum(full[n].numel() for n in names) for names in stages),
+    }
+
+
 def s_sample(ctx):
     """The end-of-run sample and HF export over sharded params: the tokens and the file's bytes equal
     the full params' ones, and each gather holds one stage (sampling) or one tensor (export)."""
@@ -379,6 +414,7 @@ def s_sample(ctx):
         "export_gathers": seen,
         "largest_tensor": max(t.numel() for t in full.values()),
         "same_bytes": same_bytes,
+        **_hf_cached_sample(ctx),
     }
 
 

@@ -148,6 +148,25 @@ def test_hf_family_greedy_equals_transformers_generate_token_for_token(tmp_path,
     assert [c.tokens for [c] in sampled] == recomputed[:, 5:].tolist()
 
 
+def test_stage_at_a_time_forwards_decode_as_the_whole_forward(tmp_path):
+    """The forwards sharded params decode through (`sharded_forward`: a stage at a time over the same cache), run
+    on plain params in place of the whole-model forward: gpt's and the hf family's (transformers' layers, each
+    its own view) give the whole forward's tokens, greedy and sampled."""
+    from functrain.models import hf
+
+    template, _, params = _gpt()
+    gpt_cached = inference.cached_model(template, gpt.stages(template), "wte.weight")
+    hf_template, hf_params, _ = _hf(tmp_path, "qwen2")
+    hf_cached = hf.cached_model(hf_template, stages=hf.stages(hf_template), head=hf.head_name(hf_template))
+    for cached, p in ((gpt_cached, params), (hf_cached, hf_params)):
+        assert cached.sharded_forward is not None
+        staged = cached._replace(forward=cached.sharded_forward)
+        for kw in ({}, dict(key=rng.key(4), sampling=Sampling(temperature=0.9))):
+            want = Generator(cached, batch_size=4, compile=False)(p, PROMPTS[:4], 24, **kw)
+            got = Generator(staged, batch_size=4, compile=False)(p, PROMPTS[:4], 24, **kw)
+            assert [c.tokens for [c] in got] == [c.tokens for [c] in want]
+
+
 @pytest.mark.parametrize("whole", [True, False])
 def test_hf_cache_probe_refuses_a_cache_that_differs(tmp_path, monkeypatch, whole):
     """The probe at build time (on the whole model, or on its first two layers as for a large one): a slot cache

@@ -173,6 +173,21 @@ def cached_model(template: nn.Module, stages: LMStages | None, head: str | None)
     cached = generation.CachedModel.of(template)
     if stages is None or head is None:
         return cached
-    return cached._replace(
-        sharded_forward=lambda p, idx, view: _staged_logits(stages, head, p, idx, parallel.gather, view)
-    )
+    return cached._replace(sharded_forward=staged_forward(stages, head))
+
+
+def staged_forward(stages: LMStages, head: str) -> Callable:
+    """`forward(params, idx, view) -> logits (B, T, V)` on sharded params: every stage gathered just before it
+    runs (one held at a time), the blocks given `view.layer(i)` where training passes packed rows' layout.
+
+    Args:
+      stages: the model's `LMStages` (of the template: each stage is gathered whole).
+      head: the output projection's weight name.
+
+    Returns:
+      The forward (a `generation.CachedModel`'s `sharded_forward`).
+
+    Example:
+      >>> logits = staged_forward(gpt.stages(template), "wte.weight")(sharded, idx, view)
+    """
+    return lambda params, idx, view: _staged_logits(stages, head, params, idx, parallel.gather, view)

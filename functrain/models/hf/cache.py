@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,13 +22,17 @@ from functrain import functional, rng
 from functrain.generation import CachedModel
 from functrain.generation.kv_cache import KVCache, cached
 from functrain.models.hf.model import HFModel, HFModelError, decoder_layers, init_params, probe_subject, relative_error
+from functrain.models.inference import staged_forward
+from functrain.models.stages import LMStages
 
-__all__ = ["cached_model"]
+__all__ = ["CacheInputs", "cached_model"]
 
 _PROBE_RTOL = 1e-4  # the same ops in another order (a longer key axis, masked) differ by float32 rounding
 
 
-def cached_model(model: HFModel, *, probe: HFModel | None = None) -> CachedModel:
+def cached_model(
+    model: HFModel, *, probe: HFModel | None = None, stages: LMStages | None = None, head: str | None = None
+) -> CachedModel:
     """`model` (a transformers causal LM) as a `generation.CachedModel`, once a probe shows its cache is exact.
 
     The probe runs `probe` (default `model`; a LoRA-wrapped model's base) on params from `init_params` on the
@@ -39,10 +43,14 @@ def cached_model(model: HFModel, *, probe: HFModel | None = None) -> CachedModel
     Args:
       model: `build_template`'s model (or its LoRA-wrapped copy).
       probe: the plain model `model` was made from.
+      stages: `model`'s stages (`hf.stages`), to decode from sharded params a stage at a time; None: from plain
+        params only.
+      head: the output projection's weight name, with `stages`.
 
     Returns:
       The `CachedModel`: `forward(params, idx, view)` is the model's own forward with a `transformers.Cache` over
-      the view's `KVCache`; its block is the config's `max_position_embeddings` (or `n_positions`).
+      the view's `KVCache`; its block is the config's `max_position_embeddings` (or `n_positions`); with `stages`,
+      its `sharded_forward` runs them on that cache, each gathered just before it runs.
 
     Raises:
       HFModelError: the model's attention does not go through a `Cache` of one key/value shape per layer, or its
@@ -67,7 +75,37 @@ def cached_model(model: HFModel, *, probe: HFModel | None = None) -> CachedModel
     block = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not block:
         raise HFModelError(f"{config.model_type}: its config names no longest sequence (max_position_embeddings)")
-    return CachedModel(_forward(model, layers, logits=True), (layers, *shape), int(block))
+    out = CachedModel(_forward(model, layers, logits=True), (layers, *shape), int(block))
+    if stages is None or head is None:
+        return out
+    staged, slot_layer = staged_forward(stages, head), _slot_layer()
+    return out._replace(sharded_forward=lambda p, idx, view: staged(p, idx, CacheInputs.of(view, layers, slot_layer)))
+
+
+class CacheInputs(NamedTuple):
+    """What the hf stages hand the base model's forward through a cache, where packed rows hand it positions.
+
+    Attributes:
+      positions: int64 (B, T): the new tokens' positions.
+      inputs: the forward's other keyword arguments: the 2-D padding mask, the `transformers.Cache`.
+    """
+
+    positions: torch.Tensor
+    inputs: dict
+
+    @classmethod
+    def of(cls, view, layers: int, slot_layer: type) -> CacheInputs:
+        """The inputs of a `kv_cache.Cached` view over `layers` layers (`slot_layer`: `_slot_layer()`)."""
+        from transformers.cache_utils import Cache
+
+        kv = view.cache
+        cache = Cache(layers=[slot_layer(kv.keys[i], kv.values[i], view.slots) for i in range(layers)])
+        mask = view.mask[:, 0, -1]  # (B, L): the slots the last new token sees (the padding cut)
+        return cls(view.positions, {"attention_mask": mask, "cache": cache, "use_cache": True})
+
+    def layer(self, i: int) -> CacheInputs:
+        """Every layer's (the cache holds them all: a layer writes at its own index)."""
+        return self
 
 
 @functools.cache
@@ -104,24 +142,11 @@ def _slot_layer() -> type:
 
 def _forward(module: HFModel, layers: int, *, logits: bool):
     """`forward(params, idx, view)` of `module` through the view's cache: its logits, or its last hidden states."""
-
-    from transformers.cache_utils import Cache
-
     slot_layer = _slot_layer()  # (made here, eagerly: the forward is compiled)
 
     def forward(params: dict[str, torch.Tensor], idx: torch.Tensor, view) -> torch.Tensor:
-        kv = view.cache
-        cache = Cache(layers=[slot_layer(kv.keys[i], kv.values[i], view.slots) for i in range(layers)])
-        out = functional.apply(
-            module,
-            params,
-            input_ids=idx,
-            attention_mask=view.mask[:, 0, -1],  # (B, L): the slots the last new token sees (the padding cut)
-            position_ids=view.positions,
-            cache=cache,
-            use_cache=True,
-            train=False,
-        )
+        given = CacheInputs.of(view, layers, slot_layer)
+        out = functional.apply(module, params, input_ids=idx, position_ids=given.positions, train=False, **given.inputs)
         return out.logits if logits else out.last_hidden_state
 
     return forward
@@ -182,7 +207,7 @@ def _shape(subject: HFModel, p: dict, x: torch.Tensor, model_type: str) -> tuple
     if any(getattr(layer, "keys", None) is None for layer in layers):
         raise HFModelError(f"{model_type}: its layers keep a recurrent state, not only keys and values")
     shapes = {(*layer.keys.shape[1:2], *layer.keys.shape[3:], *layer.values.shape[3:]) for layer in layers}
-    if len(shapes) != 1 or len(cache.layers) == 0:
+    if len(shapes) != 1:
         raise HFModelError(f"{model_type}: its layers cache keys and values of shapes {sorted(shapes)}, not one")
     [(heads, k_dim, v_dim)] = shapes
     if k_dim != v_dim:

@@ -522,8 +522,11 @@ def stages(model: HFModel, share: bool = True) -> LMStages:
 
 
 def _positions(packed) -> dict:
-    """The base forward's `position_ids` of packed rows (`models.lm.Packed`), or nothing."""
-    return {} if packed is None else {"position_ids": packed.positions}
+    """The base forward's `position_ids` of packed rows (`models.lm.Packed`), and its KV cache's inputs through a
+    cache (`cache.CacheInputs`: a padding mask, the cache), or nothing."""
+    if packed is None:
+        return {}
+    return {"position_ids": packed.positions, **getattr(packed, "inputs", {})}
 
 
 _PROBE_NUMEL = 1 << 26  # a model of at most this many parameters is probed whole, a larger one on two layers

@@ -86,7 +86,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         model = with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = run_loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
         st = hf_lib.stages(template) if staged else None
-        return decoder.Built(model, loss_fn, st, hf_lib.eval_logits(template), seq, _cached(template, base, ctx))
+        return decoder.Built(model, loss_fn, st, hf_lib.eval_logits(template), seq, _cached(template, base, st, ctx))
 
     spec = decoder.ModelSpec(
         base=base,
@@ -120,10 +120,11 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         raise config_checks.ConfigError(f"model.path: {exc}") from None
 
 
-def _cached(template, base, ctx: parallel.ParallelContext) -> generation.CachedModel | None:
-    """The model through a KV cache, or None (with a note line) where its probe refuses it: generation recomputes."""
+def _cached(template, base, st, ctx: parallel.ParallelContext) -> generation.CachedModel | None:
+    """The model through a KV cache (sharded params: its stages `st`, when staged), or None (with a note line)
+    where its probe refuses it: generation recomputes."""
     try:
-        return cached_model(template, probe=base)
+        return cached_model(template, probe=base, stages=st, head=hf_lib.head_name(template))
     except hf_lib.HFModelError as exc:
         if ctx.is_main_process:
             print(f"functrain: note: {exc}; it generates without a KV cache", file=sys.stderr, flush=True)
