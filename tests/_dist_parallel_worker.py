@@ -11,6 +11,7 @@ after COLLECTIVE_TIMEOUT_S, and all of them meet again in the next scenario's me
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -326,6 +327,19 @@ def _hf_cached_sample(ctx) -> dict:
     gen = Generator(hf.cached_model(template, stages=st, head=hf.head_name(template)), block_size=16, compile=False)
     kw = dict(key=rng.key(5), sampling=Sampling(temperature=1.0, top_k=10), n=2)
     want = gen(full, [[1, 2, 3], [4, 5]], 12, **kw)
+    with _gathers() as gathered:
+        got = gen(sharded, [[1, 2, 3], [4, 5]], 12, **kw)
+    return {
+        "hf_equal": [[c.tokens for c in r] for r in got] == [[c.tokens for c in r] for r in want],
+        "hf_tokens": [[c.tokens for c in r] for r in got],
+        "hf_gathers": gathered,
+        "hf_stage_max": _stage_max(st, full),
+    }
+
+
+@contextlib.contextmanager
+def _gathers():
+    """A list of the element counts of every `parallel.gather` call made inside the block."""
     gathered, real = [], parallel.gather
 
     def spy(tree):
@@ -334,16 +348,16 @@ def _hf_cached_sample(ctx) -> dict:
 
     parallel.gather = spy
     try:
-        got = gen(sharded, [[1, 2, 3], [4, 5]], 12, **kw)
+        yield gathered
     finally:
         parallel.gather = real
-    stages = [st.embed.names, *(b.names for b in st.blocks), st.final.names]
-    return {
-        "hf_equal": [[c.tokens for c in r] for r in got] == [[c.tokens for c in r] for r in want],
-        "hf_tokens": [[c.tokens for c in r] for r in got],
-        "hf_gathers": gathered,
-        "hf_stage_max": max(sum(full[n].numel() for n in names) for names in stages),
-    }
+
+
+def _stage_max(st, full) -> int:
+    """The element count of the largest of `st`'s stages (embed, each block, final) in params `full`."""
+    return max(
+        sum(full[n].numel() for n in names) for names in [st.embed.names, *(b.names for b in st.blocks), st.final.names]
+    )
 
 
 def s_sample(ctx):
@@ -356,23 +370,13 @@ def s_sample(ctx):
     sharded = parallel.shard_params(full.items(), ctx.mesh, parallel.default_rules(gpt.TP_RULES))
     prompt, kw = torch.tensor([[1, 2, 3]]), dict(temperature=1.0, top_k=10, key=rng.key(5))
     want = gpt.generate(model, full, prompt, 12, **kw)
-    gathered, real = [], parallel.gather
-
-    def spy(tree):
-        gathered.append(sum(t.numel() for t in tree.values()))
-        return real(tree)
-
-    parallel.gather = spy
-    try:
+    with _gathers() as gathered:
         got = gpt.generate(model, sharded, prompt, 12, stages=gpt.stages(model), head="wte.weight", **kw)
-        recomputed, gathered = gathered, []
-        # through the KV cache, a stage gathered at a time: sample 0 of prompt 0 draws as the recompute path's row 0
-        cached = inference.cached_model(model, gpt.stages(model), "wte.weight")
-        gen = Generator(cached, block_size=15, batch_size=2, compile=False)
+    # through the KV cache, a stage gathered at a time: sample 0 of prompt 0 draws as the recompute path's row 0
+    cached = inference.cached_model(model, gpt.stages(model), "wte.weight")
+    gen = Generator(cached, block_size=15, batch_size=2, compile=False)
+    with _gathers() as cached_gathers:
         [[done]] = gen(sharded, [[1, 2, 3]], 12, key=rng.key(5), sampling=Sampling(temperature=1.0, top_k=10))
-    finally:
-        parallel.gather = real
-    cached_gathers, gathered = gathered, recomputed
     try:
         gpt.generate(model, sharded, prompt, 1, **kw)
         refused = ""
@@ -406,10 +410,7 @@ def s_sample(ctx):
         "cached_tokens": [[1, 2, 3, *done.tokens]],
         "cached_gathers": cached_gathers,
         "refused": refused,
-        "stage_max": max(
-            sum(full[n].numel() for n in names)
-            for names in [st.embed.names, *(b.names for b in st.blocks), st.final.names]
-        ),
+        "stage_max": _stage_max(st, full),
         "model_numel": sum(t.numel() for t in full.values()),
         "export_gathers": seen,
         "largest_tensor": max(t.numel() for t in full.values()),
