@@ -11,7 +11,7 @@ the ratio of the deepest to the shallowest; with `--json`, one JSON object as th
 (`compile_s` per depth, `ratio`).
 
 `--compile blocks` times `make_train_step(..., compile="blocks")` (a graph per stage kind, one block
-graph for every block, the optimizer update block by block: `functrain.step.update_groups`) instead of
+graph for every block, the optimizer update block by block: `functrain.step.update.grouped_update`) instead of
 the one-graph step. `--no-donate` builds the step with `donate=False`.
 `--update` also times, in its own fresh process per depth, the cold compile of
 the whole-tree optimizer update alone (`update_step`, the graph the one-graph step ends with): one

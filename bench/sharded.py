@@ -208,7 +208,7 @@ def _expected_mib(cfg, local_batch: int, n: int, remat: str) -> dict:
     before the mark is reached or while a block is recomputed, and the head's logits and their
     gradient (2 V per token).
     """
-    from functrain.step.remat_policy import parse_policy, recomputed_blocks
+    from functrain.config_checks import parse_policy, recomputed_blocks
 
     p = gpt.num_params(cfg)
     d, t, v, h = cfg.n_embd, cfg.block_size, cfg.vocab_size, cfg.n_head

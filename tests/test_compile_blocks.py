@@ -58,7 +58,7 @@ def _assert_same_run(got, want, model, steps=3):
 
 
 # graphs: prepare, embedding, block (with grad), head; + the no-grad block for recomputation; the
-# optimizer update group by group (functrain.step.update_groups): one graph for every block, one for the
+# optimizer update group by group (functrain.step.update.grouped_update): one graph for every block, one for the
 # rest. Every 2nd block recomputed covers kept and recomputed blocks (remat "none" alone: the 2-rank
 # blocks_kept_fsdp case in tests/test_parallel_dist.py).
 GRAPHS = 5 + 2

@@ -1,5 +1,5 @@
 """compile=True on one process: the loss's forward one graph, its backward AOTAutograd's, the gradients by autograd
-(`functrain.step.forward_graph`), and `adamw(fused=True)`'s update through torch's kernel after it.
+(`functrain.step.grads.grads_by_autograd`), and `adamw(fused=True)`'s update through torch's kernel after it.
 
 The route gives the one-graph route's numbers bit for bit (under `aot_eager` here; under inductor, the default
 run's losses: docs/results.md, and tests/test_step_split.py against the whole step compiled as one graph),
@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from functrain import config_checks, init_state, make_train_step, optim, tree
 from functrain.models import lm
-from functrain.step import forward_graph
+from functrain.step import grads as grads_lib
 from functrain.step import steps as steps_lib
 from functrain.trainer import defaults, optimizer_checks
 from functrain.trainer import optimizer as trainer_optimizer
@@ -32,15 +32,15 @@ def _opt(fused: bool):
 
 
 def _spy(monkeypatch) -> list:
-    """Counts the calls of `forward_graph.loss_and_grads` (the route this file is about)."""
+    """Counts the calls of `grads_lib.grads_by_autograd` (the route this file is about)."""
     calls: list = []
-    real = forward_graph.loss_and_grads
+    real = grads_lib.grads_by_autograd
 
     def spy(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(forward_graph, "loss_and_grads", spy)
+    monkeypatch.setattr(grads_lib, "grads_by_autograd", spy)
     return calls
 
 

@@ -74,6 +74,7 @@ def test_the_top_level_names_are_the_documented_ones():
             "checkpoint",
             "data",
             "losses",
+            "metric_names",
             "nn",
             "optim",
             "parallel",

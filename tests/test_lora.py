@@ -235,7 +235,8 @@ def test_a_staged_loss_reads_the_frozen_base_and_differentiates_the_adapters_onl
     gradients of the plain loss, no gradient for the base; the per-block update groups hold adapters only."""
     from functrain import rng
     from functrain.models import gpt
-    from functrain.step import update_groups, value_and_grad, with_frozen
+    from functrain.step import update as update_lib
+    from functrain.step import value_and_grad, with_frozen
 
     cfg, model, plain, opt, base, members = _gpt_lora(dropout=0.0, k=1)
     staged = gpt.make_loss_fn(model, remat="full")
@@ -247,7 +248,7 @@ def test_a_staged_loss_reads_the_frozen_base_and_differentiates_the_adapters_onl
     assert sorted(got) == sorted(adapters)
     assert_close(got_loss, want_loss, rtol(4 * 32 * 32))
     assert_close(got, want, rtol(4 * 32 * 32 * 4))
-    groups, why = update_groups.plan(adapters, staged.blocks, opt)
+    groups, why = update_lib.plan_groups(adapters, staged.blocks, opt)
     assert not why and {n for g in groups for n in g.names} == set(adapters)
 
 

@@ -207,7 +207,7 @@ def test_one_process_plain_path_and_one_device_mesh(tmp_path_factory):
 
 # compile="blocks" graphs: prepare, embedding and block without grad (the sharded forward) and with
 # grad (recomputed in backward), head; kept blocks: no no-grad block graph; + the optimizer update
-# group by group (functrain.step.update_groups): one graph for every block, one for the rest.
+# group by group (functrain.step.update.grouped_update): one graph for every block, one for the rest.
 @pytest.mark.parametrize(
     "name, graphs",
     [

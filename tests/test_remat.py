@@ -12,11 +12,11 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from functrain import init_state, make_train_step, optim, rng, tree
+from functrain.config_checks import parse_policy
 from functrain.models import gpt
 from functrain.models.gpt import gpt_hidden
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
 from functrain.step import value_and_grad
-from functrain.step.remat_policy import parse_policy
 from functrain.step.staged import Stage, staged_loss
 
 pytestmark = pytest.mark.numeric

@@ -1,6 +1,6 @@
 """The single-process routes the config can reach, compiled, against the eager step: route
 ("default": compile="step" with a plain loss, its forward one graph and autograd's backward between it and
-the update, `functrain.step.forward_graph`; "step": a staged loss, the loss and its gradients one graph;
+the update, `functrain.step.grads.grads_by_autograd`; "step": a staged loss, the loss and its gradients one graph;
 both with the update a graph per block kind; "blocks": a graph per stage kind) x precision (fp32, bf16,
 fp16 with loss scaling) x gradient accumulation (1, 2 unrolled microbatches): every value pair in 9
 cells, the whole product under `pytest -m exhaustive`. The sharded routes (FSDP,
@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 
 from functrain import init_state, make_train_step, optim
 from functrain.models.gpt import make_loss_fn as make_gpt_loss_fn
-from functrain.step import forward_graph
+from functrain.step import grads as grads_lib
 
 pytestmark = pytest.mark.numeric
 
@@ -96,8 +96,8 @@ def test_compiled_route_equals_eager(tiny_gpt, batches, monkeypatch, unit, preci
     torch._dynamo.reset()
     counters.clear()
     forwards: list = []  # the default route's steps: the compiled forward, then autograd
-    real = forward_graph.loss_and_grads
-    monkeypatch.setattr(forward_graph, "loss_and_grads", lambda *a: forwards.append(1) or real(*a))
+    real = grads_lib.grads_by_autograd
+    monkeypatch.setattr(grads_lib, "grads_by_autograd", lambda *a: forwards.append(1) or real(*a))
     got, g_state = _run(model, data, route=unit, precision=precision, accum=accum)
     assert len(forwards) == (STEPS if unit == "default" else 0)
     assert counters["stats"]["unique_graphs"] == GRAPHS[unit], dict(counters["stats"])

@@ -414,7 +414,7 @@ def test_eager_value_and_grad_by_autograd_equals_torch_func(tiny_gpt, batches, g
     """Eagerly the gradients come from plain autograd; they are torch.func.grad_and_value's, bit for bit
     (the same backward kernels), with dropout, a loss scale and a param the loss never reads."""
     from functrain import compiler, rng
-    from functrain.step.loss_contract import loss_and_aux
+    from functrain.nn.model_state import loss_and_aux
 
     model = tiny_gpt(n_layer=2, dropout=0.1)
     loss_fn = gpt_loss_fn(model)

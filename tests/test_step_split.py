@@ -1,6 +1,6 @@
 """compile=True on one process: the loss and its gradients one graph, the update group by group after it.
 
-The params' numbered blocks (`update_groups.blocks_by_name`) that are alike share the update's graphs, and
+The params' numbered blocks (`update.blocks_by_name`) that are alike share the update's graphs, and
 the grad norm is summed as the whole step sums it: the same numbers, bit for bit, as the whole step
 compiled as one graph (inductor). The split step against the eager one, and its graph counts, are
 tests/test_route_matrix.py's "step" cells and the compile-contract tests (tests/test_step.py).
@@ -13,22 +13,22 @@ import pytest
 import torch
 
 from functrain import init_state, make_train_step, optim, tree
-from functrain.step import update_groups
+from functrain.step import update as update_lib
 
 
 def test_blocks_by_name_finds_the_numbered_container_with_the_most_blocks():
     names = ["wte.weight", "blocks.0.ln.weight", "blocks.0.fc.weight", "blocks.1.ln.weight", "blocks.1.fc.weight"]
-    blocks = update_groups.blocks_by_name(dict.fromkeys(names))
+    blocks = update_lib.blocks_by_name(dict.fromkeys(names))
     assert blocks == [
-        update_groups.Block(("blocks.0.ln.weight", "blocks.0.fc.weight"), "blocks.0."),
-        update_groups.Block(("blocks.1.ln.weight", "blocks.1.fc.weight"), "blocks.1."),
+        update_lib.Block(("blocks.0.ln.weight", "blocks.0.fc.weight"), "blocks.0."),
+        update_lib.Block(("blocks.1.ln.weight", "blocks.1.fc.weight"), "blocks.1."),
     ]
     hf = ["model.embed.weight", *(f"model.layers.{i}.mlp.experts.{e}.w" for i in range(3) for e in range(2))]
-    found = update_groups.blocks_by_name(dict.fromkeys(hf + ["heads.0.w"]))
+    found = update_lib.blocks_by_name(dict.fromkeys(hf + ["heads.0.w"]))
     assert [b.prefix for b in found] == ["model.layers.0.", "model.layers.1.", "model.layers.2."]  # the first number
     assert found[1].names == ("model.layers.1.mlp.experts.0.w", "model.layers.1.mlp.experts.1.w")
-    assert [b.prefix for b in update_groups.blocks_by_name(dict.fromkeys(["0.weight", "2.weight"]))] == ["0.", "2."]
-    assert update_groups.blocks_by_name(dict.fromkeys(["fc1.weight", "layer10.bias"])) == []  # not a part alone
+    assert [b.prefix for b in update_lib.blocks_by_name(dict.fromkeys(["0.weight", "2.weight"]))] == ["0.", "2."]
+    assert update_lib.blocks_by_name(dict.fromkeys(["fc1.weight", "layer10.bias"])) == []  # not a part alone
 
 
 def _opt(clip: float = 0.05):

@@ -1,4 +1,4 @@
-"""The optimizer update group by group (functrain.step.update_groups, compile="blocks").
+"""The optimizer update group by group (functrain.step.update, compile="blocks").
 
 The reference is `apply_gradients` over the whole tree, run eagerly on the same numbers: without
 clipping the grouped update is the same per-element arithmetic, so params and optimizer state must
@@ -20,7 +20,7 @@ from functrain.models.gpt import make_loss_fn
 from functrain.optim.transforms import ScaleByAdamState
 from functrain.parallel import LOCAL
 from functrain.step import precision as precision_lib
-from functrain.step import update_groups
+from functrain.step import update as update_lib
 from functrain.step.update import apply_gradients, to_master
 
 N_LAYER = 3
@@ -52,7 +52,7 @@ def _clone(tree):
 
 
 def _finish(opt, groups, *, donate=True, prec="fp32"):
-    return update_groups.grouped_update(
+    return update_lib.grouped_update(
         opt, groups, LOCAL, donate=donate, guarded=True, prec=precision_lib.get(prec), piece=lambda f: f
     )
 
@@ -68,7 +68,7 @@ def _exactly_equal(a, b, msg):
 def test_plan_groups_every_block_under_block_0s_names_and_the_rest_apart(tiny_gpt):
     opt = _adamw(clip=1.0)
     loss_fn, state, _ = _setup(tiny_gpt, opt)
-    groups, why = update_groups.plan(state.params, loss_fn.blocks, opt)
+    groups, why = update_lib.plan_groups(state.params, loss_fn.blocks, opt)
     assert why == "" and [g.kind for g in groups] == [0] * N_LAYER + [1]
     names = [n for g in groups for n in g.names]
     assert sorted(names) == sorted(state.params) and len(names) == len(set(names))  # each once
@@ -89,7 +89,7 @@ def test_grouped_update_is_bit_identical_to_the_whole_tree_update(tiny_gpt, prec
     master = to_master(grads, state.params, state.guard.loss_scale if p.loss_scaling else None)
     want, want_m = apply_gradients(_clone(state), master, opt, aux=aux, precision=p)
     assert float(want_m["skipped"]) == 0.0
-    groups, _ = update_groups.plan(state.params, loss_fn.blocks, opt)
+    groups, _ = update_lib.plan_groups(state.params, loss_fn.blocks, opt)
     old = _clone(state)
     got, got_m = _finish(opt, groups, prec=prec)(old, dict(aux), grads)
     _exactly_equal(got.params, want.params, "params")
@@ -108,7 +108,7 @@ def test_grouped_update_with_clipping_equals_the_whole_tree_to_rounding(tiny_gpt
     n = sum(x.numel() for x in grads.values())
     want, want_m = apply_gradients(_clone(state), grads, opt)
     assert want_m["grad_norm"] > 0.5
-    groups, _ = update_groups.plan(state.params, loss_fn.blocks, opt)
+    groups, _ = update_lib.plan_groups(state.params, loss_fn.blocks, opt)
     got, got_m = _finish(opt, groups, donate=False)(state, {}, grads)
     for k in ("grad_norm", "update_norm", "lr"):
         _tol.assert_close(got_m[k], want_m[k], _tol.rtol(n), msg=k)
@@ -122,7 +122,7 @@ def test_a_non_finite_gradient_skips_every_group(tiny_gpt):
     opt = _adamw(clip=1.0)
     loss_fn, state, grads = _setup(tiny_gpt, opt)
     grads["blocks.1.mlp.fc.weight"][0, 0] = float("nan")
-    groups, _ = update_groups.plan(state.params, loss_fn.blocks, opt)
+    groups, _ = update_lib.plan_groups(state.params, loss_fn.blocks, opt)
     before = _clone(state)
     got, m = _finish(opt, groups)(state, {"loss": torch.tensor(1.0)}, grads)
     _exactly_equal(got.params, before.params, "params")
@@ -135,11 +135,11 @@ def test_plan_keeps_the_whole_tree_update_when_grouping_could_change_the_result(
     loss_fn, state, _ = _setup(tiny_gpt, opt)
     # a mask that singles out block 0: block 0's names are what every block's graph sees
     first = optim.adamw(1e-3, weight_decay=0.1, mask=lambda p: {k: not k.startswith("blocks.0.") for k in p})
-    groups, why = update_groups.plan(state.params, loss_fn.blocks, first)
+    groups, why = update_lib.plan_groups(state.params, loss_fn.blocks, first)
     assert groups is None and "mask" in why and "blocks.1." in why
     # a transform that does not declare itself leafwise (e.g. one normalizing by a global statistic)
     custom = optim.Transform(lambda p: (), lambda u, s, p=None: (u, s))
-    groups, why = update_groups.plan(state.params, loss_fn.blocks, optim.chain(custom, optim.sgd(0.1)))
+    groups, why = update_lib.plan_groups(state.params, loss_fn.blocks, optim.chain(custom, optim.sgd(0.1)))
     assert groups is None and "leafwise" in why
 
 
@@ -178,7 +178,7 @@ def test_split_walks_the_state_as_optree_does(odd):
     )
     if odd:
         state = (*state, {"b.w": t(), "count": t()})
-    split = update_groups._Split(state, names)
+    split = update_lib._Split(state, names)
     nodes, spec = split.flatten(state)
     want, want_spec = _optree_nodes(state, names)
     assert len(nodes) == len(want) and all(a is b for a, b in zip(nodes, want))

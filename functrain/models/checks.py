@@ -9,7 +9,7 @@ Example:
 from __future__ import annotations
 
 from functrain import config_checks
-from functrain.step.remat_policy import parse_policy
+from functrain.config_checks import parse_policy
 
 __all__ = ["DATA_CHECKS", "LM_CHECKS", "REMAT_CHECK", "TOKENIZER_CHECK"]
 

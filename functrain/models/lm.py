@@ -20,9 +20,9 @@ from torch import nn
 
 import functrain.step.staged as remat_lib
 from functrain import functional
+from functrain.config_checks import parse_policy
 from functrain.losses import chunked_cross_entropy
 from functrain.models.stages import LMStages
-from functrain.step.remat_policy import parse_policy
 from functrain.step.staged import Stage
 
 __all__ = [
@@ -221,7 +221,7 @@ def make_lm_loss_fn(
       head: the output projection's parameter name (see `lm_loss`).
       chunk_size: see `lm_loss`.
       ignore_index: target value to ignore.
-      remat: activation checkpointing of the blocks (`functrain.step.remat_policy.parse_policy`): "none", "full"
+      remat: activation checkpointing of the blocks (`functrain.config_checks.parse_policy`): "none", "full"
         or an int N (every N-th block). Other than "none" the loss is a `step.staged.staged_loss` whose
         `value_and_grad` the train step uses; loss and gradients are unchanged (to float rounding).
       staged: build the staged loss even with remat "none": on sharded (DTensor) params the train

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from functrain import tree as tree_lib
-from functrain.step.loss_contract import loss_and_aux
 
-__all__ = ["buffers_of", "call_loss", "check_loss", "has_model_state", "restore_dtypes"]
+__all__ = ["buffers_of", "call_loss", "check_loss", "has_model_state", "loss_and_aux", "restore_dtypes"]
 
 PyTree = Any
 
@@ -96,3 +95,43 @@ def restore_dtypes(new: PyTree, like: PyTree) -> PyTree:
         n.detach() if n.dtype == o.dtype else n.detach().to(o.dtype) for n, o in zip(leaves, spec.flatten_up_to(like))
     ]
     return spec.unflatten(out)
+
+
+def loss_and_aux(out) -> tuple[torch.Tensor, dict]:
+    """A loss function's result as `(loss, aux dict)`: the loss contract, in one place.
+
+    A loss function returns a scalar tensor, or `(loss, aux)` with `aux` a dict (or None) of
+    scalar tensors to report; anything else (e.g. a tuple of two tensors) is an error.
+
+    Args:
+      out: what a loss function returned.
+
+    Returns:
+      `(loss, aux dict)`.
+
+    Raises:
+      TypeError: `out` has another structure.
+
+    Example:
+      >>> loss, aux = loss_and_aux(loss_fn(params, batch, key))
+    """
+    if isinstance(out, torch.Tensor):
+        return out, {}
+    if (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[0], torch.Tensor)
+        and (out[1] is None or isinstance(out[1], dict))
+    ):
+        return out[0], dict(out[1] or {})
+    raise TypeError(
+        f"a loss function must return a scalar tensor or (loss, aux dict), got {_describe(out)}; "
+        "put extra outputs in the aux dict"
+    )
+
+
+def _describe(x) -> str:
+    """A short description of a value's structure for error messages."""
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of ({', '.join(type(v).__name__ for v in x)})"
+    return f"a {type(x).__name__}"

@@ -306,7 +306,7 @@ def resolve_mask(mask: PyTree | Callable[[PyTree], PyTree], params: PyTree) -> l
     flat = []
     for flag, sub in zip(flags, subtrees):
         flat.extend([bool(flag)] * len(tree_lib.leaves(sub)))
-    if _MASK_LOG is not None:  # functrain.step.update_groups checks masks resolved on a group of leaves
+    if _MASK_LOG is not None:  # functrain.step.update.plan_groups checks masks resolved on a group of leaves
         _MASK_LOG.append({n: f for (n, _), f in zip(tree_lib.named_leaves(params), flat)})
     return flat
 

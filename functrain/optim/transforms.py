@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-import functrain.step.metric_names as metric_names
+import functrain.metric_names as metric_names
 from functrain import ops
 from functrain import tree as tree_lib
 from functrain.ops import foreach

@@ -19,17 +19,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-import functrain.step.metric_names as M
+import functrain.metric_names as M
 import functrain.step.precision as precision_lib
 from functrain import compiler
 from functrain import tree as tree_lib
+from functrain.nn.model_state import loss_and_aux
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
 from functrain.parallel.pipeline_schedule import Action, partition
 from functrain.parallel.pipeline_schedule import schedule as make_schedule
 from functrain.state import TrainState
-from functrain.step.loss_contract import loss_and_aux
-from functrain.step.microbatches import Microbatches, step_key
+from functrain.step.grads import Microbatches, step_key
 from functrain.step.staged import StagedLoss, cotangent_seed
 from functrain.step.update import make_update, to_master
 

@@ -13,18 +13,8 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain.step import (
-        forward_graph,
-        loss_contract,
-        metric_names,
-        precision,
-        remat_policy,
-        staged,
-        update,
-        update_groups,
-    )
+    from functrain.step import grads, precision, staged, update
     from functrain.step.grads import value_and_grad, with_frozen
-    from functrain.step.loss_contract import loss_and_aux
     from functrain.step.steps import make_eval_step, make_train_step
     from functrain.step.update import apply_gradients, update_step
 

@@ -21,8 +21,8 @@ import torch
 from functrain import compiler
 from functrain import tree as tree_lib
 from functrain.compiler.marks import mark_forward_done, remat_barrier
-from functrain.step.loss_contract import loss_and_aux
-from functrain.step.remat_policy import parse_policy, recomputed_blocks
+from functrain.config_checks import parse_policy, recomputed_blocks
+from functrain.nn.model_state import loss_and_aux
 
 __all__ = ["Stage", "StagedLoss", "staged_loss"]
 

@@ -18,10 +18,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-import functrain.step.forward_graph as forward_graph
-import functrain.step.metric_names as M
+import functrain.metric_names as M
+import functrain.step.grads as grads_lib
 import functrain.step.precision as precision_lib
-import functrain.step.update_groups as update_groups
 from functrain import compiler, optim
 from functrain.nn import mode as mode_lib
 from functrain.nn import randomness
@@ -29,16 +28,17 @@ from functrain.nn.model_state import call_loss, check_loss, has_model_state, res
 from functrain.parallel.dispatch import layout_of
 from functrain.parallel.layout import Layout
 from functrain.state import TrainState
-from functrain.step.forward_graph import compute_model_state
 from functrain.step.grads import (
     LossFn,
+    Microbatches,
     PyTree,
     accumulated_value_and_grad,
+    compute_model_state,
+    step_key,
     with_frozen,
 )
-from functrain.step.microbatches import Microbatches, step_key
 from functrain.step.staged import StagedLoss
-from functrain.step.update import fused_in_place, make_update, to_master
+from functrain.step.update import blocks_by_name, fused_in_place, grouped_update, make_update, plan_groups, to_master
 
 __all__ = ["make_train_step", "make_eval_step"]
 
@@ -202,9 +202,9 @@ def _whole_graph(spec: _TrainSpec, lay: Layout):
 
 def _split_step(spec: _TrainSpec, lay: Layout, piece: Callable):
     """compile="step" on one process: the loss's forward one graph (its backward AOTAutograd's, the gradients by
-    autograd; `forward_graph`), or the loss and its gradients as one graph (a staged loss, torch's scan); then the
-    update group by group (`update_groups`, the grad norm summed as the one graph sums it: the same bits), or
-    through the optimizer's fused kernel."""
+    autograd; `grads.grads_by_autograd`), or the loss and its gradients as one graph (a staged loss, torch's scan);
+    then the update group by group (`update.grouped_update`, the grad norm summed as the one graph sums it: the same
+    bits), or through the optimizer's fused kernel."""
     prepare = _prepare_for(spec.prec, lay, per_stage=False)
     joint = piece(_joint_for(spec, lay, prepare))
     whole = piece(_whole_update_for(spec.update, spec.prec, lay, per_stage=False))
@@ -232,28 +232,28 @@ def _as_is(fn):
 
 
 def _forward_graph_takes(spec: _TrainSpec) -> bool:
-    """Whether the loss's gradients come from `forward_graph` (a staged loss brings its own gradient route,
+    """Whether the loss's gradients come from `grads.grads_by_autograd` (a staged loss brings its own gradient route,
     and torch's scan accumulates inside one graph)."""
     return not isinstance(spec.loss_fn, StagedLoss) and (spec.accum_steps == 1 or spec.accum_impl == "unroll")
 
 
 class _ForwardThenAutograd:
-    """`(aux, grads, model_state)`: the compiled forward and autograd's backward (`forward_graph`), or the loss and
-    its gradients as one graph (`joint`) inside a transform or a trace, where plain autograd cannot run."""
+    """`(aux, grads, model_state)`: the compiled forward and autograd's backward (`grads.grads_by_autograd`), or the
+    loss and its gradients as one graph (`joint`) inside a transform or a trace, where plain autograd cannot run."""
 
     def __init__(self, spec: _TrainSpec, lay: Layout, piece: Callable, joint: Callable):
         loss_fn, prec = spec.loss_fn, spec.prec  # (what the forward's graph computes with, alone)
 
         def forward(*args):
-            return forward_graph.forward(loss_fn, prec, lay, *args)
+            return grads_lib.forward_loss(loss_fn, prec, lay, *args)
 
-        self.forward, self.lay, self.joint = forward_graph.Forward(forward, piece(forward)), lay, joint
-        self.plan = forward_graph.Plan(prec, spec.accum_steps, spec.count_targets, spec.model_state_sync)
+        self.forward, self.lay, self.joint = grads_lib.ForwardGraph(forward, piece(forward)), lay, joint
+        self.plan = grads_lib.GradPlan(prec, spec.accum_steps, spec.count_targets, spec.model_state_sync)
 
     def __call__(self, state: TrainState, batch: PyTree):
         if not compiler.eager_autograd_ok():
             return self.joint(state, batch)
-        return forward_graph.loss_and_grads(self.forward, self.plan, self.lay, state, batch)
+        return grads_lib.grads_by_autograd(self.forward, self.plan, self.lay, state, batch)
 
 
 class _Body:
@@ -332,9 +332,9 @@ def _joint_for(spec: _TrainSpec, lay: Layout, prepare: Callable) -> Callable:
 class _Update:
     """The step's update `(state, aux, grads, model_state)`, its route chosen here: through the optimizer's fused
     kernel, eagerly, where `kernel` and the optimizer has one (`adamw(fused=True)`, donating); else, without a model
-    state and where `groups`, group by group (`functrain.step.update_groups`, planned at the first call: the plan
-    runs the optimizer on meta tensors), the groups a staged loss's `blocks` (compile="blocks") or the params'
-    numbered blocks (`update_groups.blocks_by_name`, with `exact_norms`); else `whole`."""
+    state and where `groups`, group by group (`update.grouped_update`, planned at the first call: the plan runs the
+    optimizer on meta tensors), the groups a staged loss's `blocks` (compile="blocks") or the params'
+    numbered blocks (`update.blocks_by_name`, with `exact_norms`); else `whole`."""
 
     def __init__(
         self,
@@ -370,8 +370,8 @@ class _Update:
     def _plan(self, state: TrainState) -> Callable:
         """The grouped update for these params and this optimizer, or `whole` where the plan refuses."""
         spec = self.spec
-        blocks = update_groups.blocks_by_name(state.params) if self.blocks is None else self.blocks
-        groups, why = update_groups.plan(state.params, blocks, spec.optimizer)
+        blocks = blocks_by_name(state.params) if self.blocks is None else self.blocks
+        groups, why = plan_groups(state.params, blocks, spec.optimizer)
         if why and self.blocks is not None and len(blocks) > 1:  # (one block: nothing to share, nothing to say)
             warnings.warn(
                 "compile='blocks': the optimizer update stays one graph over every tensor, so its compile "
@@ -380,7 +380,7 @@ class _Update:
             )
         if not groups:
             return self.whole
-        return update_groups.grouped_update(
+        return grouped_update(
             spec.optimizer,
             groups,
             self.lay,

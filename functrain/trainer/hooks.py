@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-import functrain.step.metric_names as M
+import functrain.metric_names as M
 from functrain import tree as tree_lib
 from functrain.errors import FunctrainError
 from functrain.state import TrainState

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-import functrain.step.metric_names as M
+import functrain.metric_names as M
 from functrain import config_checks, parallel
 from functrain import tree as tree_lib
 from functrain.compiler import cache as compile_cache

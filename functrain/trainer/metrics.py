@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-import functrain.step.metric_names as M
+import functrain.metric_names as M
 
 __all__ = [
     "ConsoleWriter",

@@ -1,6 +1,6 @@
 """The names of the metrics functrain reports, in one place.
 
-Internals: docs/internals.md "functrain.step.metric_names".
+Internals: docs/internals.md "functrain.metric_names".
 
 Example:
     >>> from functrain import metric_names as M
