@@ -173,8 +173,7 @@ def test_hf_cache_probe_refuses_a_cache_that_differs(tmp_path, monkeypatch, whol
     whose query offset is wrong (the masks see slot 0 for every new token) differs from the plain forward, and
     `cached_model` refuses it in one line."""
     from functrain.models import hf
-    from functrain.models.hf import cache
-    from functrain.models.hf import model as hf_model
+    from functrain.models.hf import cache, probe
 
     template, _, _ = _hf(tmp_path, "llama")
     right = cache._slot_layer()
@@ -184,7 +183,7 @@ def test_hf_cache_probe_refuses_a_cache_that_differs(tmp_path, monkeypatch, whol
             return 0
 
     if not whole:
-        monkeypatch.setattr(hf_model, "_PROBE_NUMEL", 0)
+        monkeypatch.setattr(probe, "PROBE_NUMEL", 0)
         assert hf.probe_subject(template)[2] == [0, 1]
     assert hf.cached_model(template).cache_shape == (2, 2, 8)
     monkeypatch.setattr(cache, "_slot_layer", lambda: Wrong)

@@ -116,6 +116,17 @@ class _Row(NamedTuple):
     j: int
 
 
+class _Asked(NamedTuple):
+    """What one call asks of every batch: new tokens, the draws, when a row stops, and the forward's route."""
+
+    max_new: int
+    key: torch.Tensor | None
+    sampling: Sampling
+    eos: frozenset
+    stop: Callable | None
+    sharded: bool  # DTensor params: the model's sharded_forward, eagerly (a gather per stage per token)
+
+
 def _buckets(block_size: int, smallest: int = 16) -> tuple[int, ...]:
     """Prompt lengths the prefill is padded to: powers of two from `smallest`, then `block_size`."""
     out = [b for b in (smallest << k for k in range(32)) if b < block_size]
@@ -248,6 +259,7 @@ class Generator:
                 "the params are sharded (DTensors) and this model decodes from plain params only; gather them "
                 "(functrain.parallel.gather) or generate with models.inference.generate(..., stages=...)"
             )
+        asked = _Asked(max_new_tokens, key, sampling, frozenset(int(e) for e in eos_ids), stop, sharded)
         ids = list(range(len(prompts))) if index is None else [int(i) for i in index]
         text = dict(zip(ids, prompts))
         rows = [_Row(i, j) for i in ids for j in range(n)]
@@ -255,7 +267,7 @@ class Generator:
         for start in range(0, len(rows), self.batch_size):
             batch = rows[start : start + self.batch_size]
             texts = [text[r.i] for r in batch]
-            out.update(zip(batch, self._batch(params, texts, batch, max_new_tokens, key, sampling, eos_ids, stop)))
+            out.update(zip(batch, self._batch(params, texts, batch, asked)))
         return [[out[_Row(i, j)] for j in range(n)] for i in ids]
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int) -> None:
@@ -304,9 +316,9 @@ class Generator:
             )
         return self._cache
 
-    def _batch(self, params, prompts, rows, max_new, key, sampling, eos_ids, stop):  # noqa: PLR0913
+    def _batch(self, params, prompts, rows, asked: _Asked):
         """The completions of one batch of rows: prefill, then a decode step per token until every row is done."""
-        device = next(iter(params.values())).device
+        device, max_new, key, stop = next(iter(params.values())).device, asked.max_new, asked.key, asked.stop
         length = self._length(max(len(p) for p in prompts), max_new)
         idx = torch.zeros(self.batch_size, length, dtype=torch.long)
         pads = torch.full((self.batch_size,), length - 1, dtype=torch.long)  # padding rows: one token
@@ -315,20 +327,19 @@ class Generator:
             pads[b] = length - len(p)
         idx, pads = idx.to(device), pads.to(device)
         keys = None
-        if key is not None and not sampling.greedy:  # (padding rows: the first row's key)
+        if key is not None and not asked.sampling.greedy:  # (padding rows: the first row's key)
             keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
         cache = self._cache_for(device)
-        sharded = any(parallel.is_dtensor(t) for t in params.values())  # (eager: a gather per stage per token)
-        forward = self.model.sharded_forward if sharded else self.model.forward
-        decode = _decode if sharded else self._decode
-        logits = self._prefill(length, sharded)(forward, params, cache, idx, pads)  # (B, V): after each row's prompt
+        forward = self.model.sharded_forward if asked.sharded else self.model.forward
+        decode = _decode if asked.sharded else self._decode
+        logits = self._prefill(length, asked.sharded)(forward, params, cache, idx, pads)  # (B, V): after each prompt
         new = [_Completing() for _ in rows]
-        eos = set(int(e) for e in eos_ids)
         for t in range(max_new):
-            tokens, logprobs = pick(logits, keys, t, sampling)  # (B,) each
+            tokens, logprobs = pick(logits, keys, t, asked.sampling)  # (B,) each
             for b, (tok, lp) in enumerate(zip(tokens.tolist()[: len(rows)], logprobs.tolist())):
                 if not new[b].finish:
-                    new[b].add(tok, lp, tok in eos or (stop is not None and stop(rows[b].i, new[b].tokens + [tok])))
+                    stops = tok in asked.eos or (stop is not None and stop(rows[b].i, new[b].tokens + [tok]))
+                    new[b].add(tok, lp, stops)
             if all(c.finish for c in new) or t == max_new - 1:
                 break
             slot = torch.tensor(length + t, device=device)

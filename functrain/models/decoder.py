@@ -20,11 +20,22 @@ import torch
 from torch import nn
 
 from functrain import config_checks, generation, parallel
+from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import inference, lm, lm_data, lm_lora
 from functrain.models import stages as stages_lib
 from functrain.task import Task
 
-__all__ = ["Built", "Facts", "ModelSpec", "check_heads", "check_length", "model_config", "task"]
+__all__ = [
+    "Built",
+    "Facts",
+    "ModelSpec",
+    "check_heads",
+    "check_length",
+    "init_or_read",
+    "model_config",
+    "open_directory",
+    "task",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +148,54 @@ def task(
             cached=built.cached,
         ),
     )
+
+
+def open_directory(path: str | Path, key: str, *, weights: bool = True) -> tuple[HFDirectory, Any]:
+    """A transformers model directory and its weights, opened now: a missing shard fails before anything else.
+
+    Args:
+      path: the directory.
+      key: the config key that named it (the refusal's first word).
+      weights: open its safetensors (False: a fresh model over its config).
+
+    Returns:
+      `(HFDirectory, weights or None)`.
+
+    Raises:
+      ConfigError: an unusable directory (one line naming the file).
+
+    Example:
+      >>> directory, weights = decoder.open_directory("SmolLM-135M", "init_from")
+    """
+    try:
+        directory = HFDirectory(path)
+        return directory, directory.weights if weights else None
+    except HFError as exc:
+        raise config_checks.ConfigError(f"{key}: {exc}") from None
+
+
+def init_or_read(base: nn.Module, weights: Any, fresh: Callable, read: Callable | None = None) -> Callable:
+    """A `ModelSpec.init_params`: `read(weights, base, ...)` where there are weights, else `fresh(base, key, ...)`.
+
+    Args:
+      base: the family's model on the meta device.
+      weights: a directory's opened weights (`open_directory`), or None.
+      fresh: `(base, key, device=, where=) -> params` from the run's key.
+      read: `(weights, base, device=, where=) -> params` (only this rank's block of each with `where`).
+
+    Returns:
+      `init_params(key, device, where=None) -> params`.
+
+    Example:
+      >>> init = decoder.init_or_read(base, weights, llama.init_params, llama_hf.load_hf_params)
+    """
+
+    def init_params(key, device, where=None):
+        if weights is None or read is None:
+            return fresh(base, key, device=device, where=where)
+        return read(weights, base, device=device, where=where)
+
+    return init_params
 
 
 def model_config(cls: type, keys: Any, vocab: int) -> Any:

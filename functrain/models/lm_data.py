@@ -2,8 +2,8 @@
 prints at its end, and the packing check (the data itself: `functrain.data.run_data`).
 
 Example:
-    >>> place = lm_data.placement(config, ctx, "runs/llama")
-    >>> tok = lm_data.tokenizer_of(config, None, place.cache_dir, fresh_vocab=2048, key="init_from")
+    >>> text = lm_data.text_of(config, ctx, "runs/llama", None, fresh_vocab=2048, key="init_from")
+    >>> dataset = text.dataset(config, cfg.vocab_size, None, "use a larger --config.model.vocab_size")
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -18,10 +19,12 @@ from functrain import config_checks
 from functrain import data as data_lib
 
 __all__ = [
+    "Text",
     "check_packing",
     "check_vocab",
     "finish_text",
     "placement",
+    "text_of",
     "tokenizer_of",
 ]
 
@@ -33,6 +36,67 @@ def placement(config, ctx, workdir) -> data_lib.Placement:
       >>> place = lm_data.placement(config, ctx, "runs/llama")
     """
     return data_lib.Placement.of(ctx, config.data.cache_dir or str(Path(workdir) / "data"))
+
+
+class Text(NamedTuple):
+    """A run's tokenizer and where its data goes: what a family reads before it sizes its model.
+
+    Attributes:
+      place: this process's `functrain.data.Placement`.
+      tokenizer: the tokenizer `config.data.tokenizer` names (`tokenizer_of`), None for bytes.
+
+    Example:
+      >>> text = lm_data.text_of(config, ctx, "runs/llama", None, fresh_vocab=2048, key="init_from")
+      >>> text.vocab, text.file
+      (2048, PosixPath('runs/llama/data/tokenizer-2048.json'))
+    """
+
+    place: data_lib.Placement
+    tokenizer: Any
+
+    @property
+    def vocab(self) -> int:
+        """The tokenizer's vocabulary size (256: bytes)."""
+        return self.tokenizer.vocab_size if self.tokenizer is not None else 256
+
+    @property
+    def file(self) -> Path | None:
+        """The tokenizer.json an export carries (None: bytes)."""
+        return getattr(self.tokenizer, "path", None)
+
+    def summary(self, vocab: int) -> str:
+        """`vocab N (tokenizer)`, the end of a run's model line."""
+        return f"vocab {vocab} ({getattr(self.tokenizer, 'name', 'bytes')})"
+
+    def dataset(self, config, vocab_size: int, model_dir: Path | None, fix: str):
+        """The run's data (`functrain.data.run_data`) for a model of `vocab_size` ids, refused in one line (naming
+        `fix`) where the tokenizer has more; `model_dir`'s chat template renders `messages` examples."""
+        check_vocab(self.tokenizer, vocab_size, fix)
+        batching = data_lib.Batching.of(config, config.model.block_size)
+        return data_lib.run_data(
+            config.data, self.place, batching, tokenizer=self.tokenizer, vocab_size=vocab_size, model_dir=model_dir
+        )
+
+
+def text_of(config, ctx, workdir, directory, *, fresh_vocab: int, key: str) -> Text:
+    """The run's `Text`: its placement (`placement`) and the tokenizer the config names (`tokenizer_of`).
+
+    Args:
+      config: the run config.
+      ctx: the parallel context.
+      workdir: the run directory (data and a trained tokenizer in `<workdir>/data` unless `data.cache_dir`).
+      directory: the model's `functrain.interop.hf.HFDirectory`, or None for a fresh model.
+      fresh_vocab: the BPE size "auto" trains for a fresh model.
+      key: the config key that named the directory (a refusal's first word).
+
+    Returns:
+      A `Text`.
+
+    Example:
+      >>> text = lm_data.text_of(config, ctx, "runs/hf", HFDirectory(path), fresh_vocab=151936, key="model.path")
+    """
+    place = placement(config, ctx, workdir)
+    return Text(place, tokenizer_of(config, directory, place.cache_dir, fresh_vocab=fresh_vocab, key=key))
 
 
 def finish_text(dataset, sample, generate: Callable, device) -> dict:

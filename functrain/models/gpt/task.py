@@ -48,7 +48,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         tp_rules=lambda template: gpt_lib.TP_RULES,
         stages=gpt_lib.stages,
         head=lambda template: gpt_lib.head_name(dict(template.named_parameters())),
-        init_params=lambda key, device, where=None: gpt_lib.init_params(base, key, device=device, where=where),
+        init_params=decoder.init_or_read(base, None, gpt_lib.init_params),
         # (LoRA: no PEFT directory, HF's GPT-2 fuses q, k and v)
         export=lambda params, out: save_hf_directory(out, export_hf_gpt2(params, cfg), hf_gpt2_config(cfg)),
     )

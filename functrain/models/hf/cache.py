@@ -21,13 +21,12 @@ import torch
 from functrain import functional, rng
 from functrain.generation import CachedModel
 from functrain.generation.kv_cache import KVCache, cached
-from functrain.models.hf.model import HFModel, HFModelError, decoder_layers, init_params, probe_subject, relative_error
+from functrain.models.hf.model import HFModel, HFModelError, decoder_layers, init_params
+from functrain.models.hf.probe import PROBE_RTOL, probe_subject, relative_error
 from functrain.models.inference import staged_forward
 from functrain.models.stages import LMStages
 
 __all__ = ["CacheInputs", "cached_model"]
-
-_PROBE_RTOL = 1e-4  # the same ops in another order (a longer key axis, masked) differ by float32 rounding
 
 
 def cached_model(
@@ -38,7 +37,7 @@ def cached_model(
     The probe runs `probe` (default `model`; a LoRA-wrapped model's base) on params from `init_params` on the
     CPU, in eval mode: a batch of 2 prompts (one left-padded) prefilled, then decoded a token at a time through
     the cache, each step's hidden states against the plain forward of the same tokens; on the whole base model,
-    or its first two layers when it has over 2**26 parameters (`model.probe_subject`).
+    or its first two layers when it has over 2**26 parameters (`probe.probe_subject`).
 
     Args:
       model: `build_template`'s model (or its LoRA-wrapped copy).
@@ -169,7 +168,7 @@ def _check(model: HFModel) -> tuple[int, int]:
             for out, end in zip(got, (5, 6, 7, 8)):
                 plain = functional.apply(subject, p, input_ids=x[b : b + 1, int(pads[b]) : end], train=False)
                 off = relative_error(out[b], plain.last_hidden_state[0, -1])
-                if not off <= _PROBE_RTOL:
+                if not off <= PROBE_RTOL:
                     raise HFModelError(
                         f"{model.config.model_type}: its forward through a KV cache differs from its plain forward "
                         f"by {off:.2g} (relative, on a probe batch)"

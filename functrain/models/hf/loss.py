@@ -15,7 +15,8 @@ from typing import Any
 from functrain import functional
 from functrain.models import lm
 from functrain.models import stages as stages_lib
-from functrain.models.hf.model import HFModel, HFModelError, StagingError, check_stages, head_name, stages
+from functrain.models.hf.model import HFModel, HFModelError, StagingError, head_name, stages
+from functrain.models.hf.probe import check_stages
 
 __all__ = ["make_loss_fn", "run_loss"]
 
@@ -37,7 +38,7 @@ def make_loss_fn(
       ignore_index: target value to ignore.
       remat: "none", "full" or N: recompute decoder layers in the backward.
       staged: stages even without remat (per-block gathers on sharded params).
-      probe: the plain template `model` was made from (a tensor-parallel copy's), for `model.check_stages`.
+      probe: the plain template `model` was made from (a tensor-parallel copy's), for `probe.check_stages`.
 
     Returns:
       The loss function. Unstaged it reads the model's own logits (`model(input_ids=x).logits`);
@@ -45,7 +46,7 @@ def make_loss_fn(
 
     Raises:
       StagingError: a staged loss of a model whose logits are more than `hidden @ head.T` (a head
-        bias, logit soft-capping or scaling), or whose stages fail `model.check_stages`, in one line
+        bias, logit soft-capping or scaling), or whose stages fail `probe.check_stages`, in one line
         (the unstaged loss, remat="none" and staged=False, trains it).
 
     Example:

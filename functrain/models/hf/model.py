@@ -36,14 +36,13 @@ __all__ = [
     "HFModelError",
     "StagingError",
     "build_template",
-    "check_stages",
     "decoder_layers",
-    "head_name",
     "eval_logits",
+    "final_norm",
+    "head_name",
     "init_params",
+    "layer_view",
     "load_config",
-    "probe_subject",
-    "relative_error",
     "stages",
     "tp_rules",
 ]
@@ -388,8 +387,23 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def _view(base: HFModel, layers: str, norm_name: str, keep: list[int], side: bool, norm: bool) -> nn.Module:
-    """A shallow copy of the base model running layers `keep`, its embedding side on or off, its final norm or not."""
+def layer_view(base: HFModel, layers: str, norm_name: str, keep: list[int], side: bool, norm: bool) -> nn.Module:
+    """A shallow copy of a base model that runs only some of its decoder layers (it shares their modules).
+
+    Args:
+      base: the base model (e.g. `LlamaModel`), whose forward runs the layers.
+      layers: the name of its layer list in it (e.g. "layers").
+      norm_name: the name of its final norm (`final_norm`).
+      keep: the layers the view runs, in order.
+      side: keep the embeddings (False: they add nothing).
+      norm: keep the final norm (False: the identity).
+
+    Returns:
+      The view: the base model's own forward over those layers.
+
+    Example:
+      >>> first_two = layer_view(base, "layers", final_norm(base, "layers"), [0, 1], side=True, norm=True)
+    """
     view = copy.copy(base)
     view._modules = dict(base._modules)
     layer_list = base.get_submodule(layers)
@@ -404,8 +418,23 @@ def _view(base: HFModel, layers: str, norm_name: str, keep: list[int], side: boo
     return view
 
 
-def _final_norm(base: HFModel, layers: str) -> str:
-    """The name of the base model's final norm: its last child with parameters whose class is a norm."""
+def final_norm(base: HFModel, layers: str) -> str:
+    """The name of a base model's final norm: its last child with parameters whose class is a norm.
+
+    Args:
+      base: the base model (e.g. `LlamaModel`).
+      layers: the name of its layer list (skipped).
+
+    Returns:
+      The child's name (e.g. "norm").
+
+    Raises:
+      StagingError: the base model has none (one line).
+
+    Example:
+      >>> final_norm(template.model, "layers")
+      'norm'
+    """
     norms = [
         n
         for n, m in base._modules.items()
@@ -434,7 +463,7 @@ def stages(model: HFModel, share: bool = True) -> LMStages:
     path, _, layers = decoder_layers(model).rpartition(".")  # e.g. "model", "layers"; "model.decoder", "layers"
     base = model.get_submodule(path)  # the module whose forward runs the layers
     n = len(base.get_submodule(layers))
-    norm = _final_norm(base, layers)
+    norm = final_norm(base, layers)
     names = [nm for nm, _ in model.named_parameters()]
     prefix = f"{path}."
     layer_prefix = f"{prefix}{layers}."
@@ -471,15 +500,15 @@ def stages(model: HFModel, share: bool = True) -> LMStages:
         """The params of the base model, named as in it."""
         return {nm[len(prefix) :]: t for nm, t in p.items() if nm.startswith(prefix)}
 
-    embed_view = _view(base, layers, norm, [], side=True, norm=False)
-    final_view = _view(base, layers, norm, [], side=False, norm=True)
-    layer_view = _view(base, layers, norm, [0], side=False, norm=False)  # any layer, as layer 0 of a view
+    embed_view = layer_view(base, layers, norm, [], side=True, norm=False)
+    final_view = layer_view(base, layers, norm, [], side=False, norm=True)
+    any_layer = layer_view(base, layers, norm, [0], side=False, norm=False)  # any layer, as layer 0 of a view
 
     def shared(own, h, key, index, packed=None):
         """Any decoder layer, when they are alike (the same parameters and attention kind), on `own` (its params
         without its prefix), at position `index`: one compiled graph for all (`compile_unit="blocks"`)."""
         return run(
-            layer_view,
+            any_layer,
             {f"{layers}.0.{nm}": t for nm, t in own.items()},
             key,
             1 + index,
@@ -508,7 +537,7 @@ def stages(model: HFModel, share: bool = True) -> LMStages:
     for i in range(n):
         own_prefix = f"{layer_prefix}{i}."
         block_names = tuple(nm for nm in names if nm.startswith(own_prefix))
-        view = _view(base, layers, norm, [i], side=False, norm=False)
+        view = layer_view(base, layers, norm, [i], side=False, norm=False)
 
         def block(p, h, key, packed=None, view=view, own_prefix=own_prefix, i=i):
             """Layer i (its own module: its index, its attention kind) on `inputs_embeds=h` (packed rows: at their
@@ -527,108 +556,3 @@ def _positions(packed) -> dict:
     if packed is None:
         return {}
     return {"position_ids": packed.positions, **getattr(packed, "inputs", {})}
-
-
-_PROBE_NUMEL = 1 << 26  # a model of at most this many parameters is probed whole, a larger one on two layers
-_PROBE_RTOL = 1e-4  # the same ops in another order differ by float32 rounding: ~1e-6 relative
-
-
-def check_stages(model: HFModel) -> bool:
-    """Checks `stages(model)` on a probe batch: the stages composed must equal the base model's forward.
-
-    The probe is 2 x 8 token ids through params from `init_params` on the CPU, in eval mode, on
-    `probe_subject(model)` (the whole base model, or its first two layers), against the stages of those.
-
-    Args:
-      model: `build_template`'s model.
-
-    Returns:
-      Whether each layer also equals the one function it would share with the layers alike
-      (`stages(model, share=...)`); True when no layers are alike.
-
-    Raises:
-      HFModelError: the stages composed differ from the base model's forward (the check and the
-        number, in one line), or `stages` cannot cut the model.
-
-    Example:
-      >>> st = stages(template, share=check_stages(template))
-    """
-    st = stages(model)
-    reference, path, keep = probe_subject(model)
-    keep = list(range(len(st.blocks))) if keep is None else keep
-    names = {*st.embed.names, *st.final.names, *(nm for i in keep for nm in st.blocks[i].names)}
-    device = next((b.device for b in model.buffers()), torch.device("cpu"))
-    p = init_params(model, rng.key(0), device=device, only=names)
-    x = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
-    try:
-        return _probe(st, reference, path, keep, p, x)
-    except HFModelError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a view the model's own code cannot run
-        raise StagingError(
-            f"{model.config.model_type}: its stages cannot run on a probe batch ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''})"
-        ) from None
-
-
-def probe_subject(model: HFModel) -> tuple[HFModel, str, list[int] | None]:
-    """What a probe runs of `model`: its base model whole when the model has at most 2**26 parameters, else the
-    base model on its first two decoder layers (its embedding and final norm kept).
-
-    Args:
-      model: `build_template`'s model.
-
-    Returns:
-      (the module, the base model's name in `model` (its params' prefix), the decoder layers it runs: None for
-      all of them).
-
-    Raises:
-      HFModelError: a model over 2**26 parameters without a list of decoder layers (`decoder_layers`).
-
-    Example:
-      >>> reference, path, keep = probe_subject(big_template)        # (LlamaModel, "model", [0, 1])
-    """
-    if sum(p.numel() for p in model.parameters()) <= _PROBE_NUMEL:
-        return model.base_model, model.base_model_prefix, None
-    path, _, layers = decoder_layers(model).rpartition(".")
-    base = model.get_submodule(path)
-    keep = list(range(min(len(base.get_submodule(layers)), 2)))
-    return _view(base, layers, _final_norm(base, layers), keep, side=True, norm=True), path, keep
-
-
-def _probe(st: LMStages, reference: HFModel, path: str, keep: list[int], p: dict, x: torch.Tensor) -> bool:
-    """`check_stages` on params `p` and ids `x`: raises when the stages composed differ from `reference`'s
-    forward; whether each block equals its shared function."""
-    device = x.device
-    shared_ok = True
-    with torch.no_grad():
-        own = {nm[len(path) + 1 :]: t for nm, t in p.items() if nm.startswith(f"{path}.")}
-        want = functional.apply(reference, own, input_ids=x, train=False).last_hidden_state  # (B, T, C)
-        h = st.embed.fn(st.embed.params(p), x, None)  # (B, T, C)
-        for i in keep:
-            block = st.blocks[i]
-            out = block.fn(block.params(p), h, None)
-            if block.shared is not None:
-                alone = block.shared(block.own(p), h, None, torch.tensor(i, device=device))
-                shared_ok = shared_ok and relative_error(alone, out) <= _PROBE_RTOL
-            h = out
-        got = st.final.fn(st.final.params(p), h, None)
-    off = relative_error(got, want)
-    if not off <= _PROBE_RTOL:
-        raise StagingError(
-            f"{reference.config.model_type}: its stages composed differ from the base model's forward "
-            f"by {off:.2g} (relative, on a probe batch)"
-        )
-    return shared_ok
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (inf for other shapes or non-finite values).
-
-    Example:
-      >>> relative_error(got, want) <= 1e-4
-    """
-    if a.shape != b.shape:
-        return float("inf")
-    scale = float(b.abs().max())
-    return float((a - b).abs().max()) / max(scale, 1e-30) if scale == scale else float("inf")

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from functrain import config_checks, generation, parallel
-from functrain import data as data_lib
-from functrain.interop.hf import HFDirectory, HFError
+from functrain.interop.hf import HFError
 from functrain.models import decoder, lm_data
 from functrain.models.hf import model as hf_lib
 from functrain.models.hf.cache import cached_model
@@ -31,21 +30,9 @@ __all__ = ["build", "refuse_axes"]
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
-    """The Task of the transformers model in `config.model.path` on this process's place in `ctx`.
-
-    Args:
-      config: the run config (`configs/hf.py`), checked by `functrain.main.check_config`.
-      ctx: the parallel context.
-      workdir: the run directory (data cache and trained tokenizer in `<workdir>/data`, the export in
-        `<workdir>/hf`).
-
-    Returns:
-      A `Task`.
-
-    Raises:
-      ConfigError: a bad key, an unusable directory, an encoder-decoder or mixture-of-experts model,
-        a mesh axis the family cannot split (one line each).
-      DataError: missing data, or a tokenizer whose vocabulary exceeds the model's.
+    """The Task of the transformers model in `config.model.path` (`configs/hf.py`: its weights, or fresh from the run's
+    key by transformers' own init) on this process's place in `ctx`. Raises `ConfigError` / `DataError` in one line:
+    an unusable directory, an encoder-decoder or mixture-of-experts model, a mesh axis the family cannot split.
 
     Example:
       >>> task = build(get_config(), ctx, "runs/hf")
@@ -53,33 +40,19 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     try:
         path = model_directory(config.model.path, workdir)  # "tiny:qwen2": a tiny model written to the workdir
         hf_config = hf_lib.load_config(path)
-        directory = HFDirectory(path)
-        has_weights = any(directory.path.glob("*.safetensors"))
-        weights = directory.weights if has_weights and config.model.weights else None  # a bad shard fails now
     except (hf_lib.HFModelError, HFError) as exc:
         raise config_checks.ConfigError(f"model.path: {exc}") from None
+    has_weights = config.model.weights and any(Path(path).glob("*.safetensors"))
+    directory, weights = decoder.open_directory(path, "model.path", weights=has_weights)
     refuse_axes(ctx, hf_config.model_type)
-    place, seq = lm_data.placement(config, ctx, workdir), config.model.block_size
-    tokenizer = lm_data.tokenizer_of(
-        config, directory, place.cache_dir, fresh_vocab=hf_config.vocab_size, key="model.path"
-    )
-    lm_data.check_vocab(tokenizer, hf_config.vocab_size, "use the model's own tokenizer (--config.data.tokenizer)")
-    longest = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    decoder.check_length(seq, longest, directory.path / "config.json")
+    text = lm_data.text_of(config, ctx, workdir, directory, fresh_vocab=hf_config.vocab_size, key="model.path")
+    seq, longest = config.model.block_size, getattr(hf_config, "max_position_embeddings", None)
+    decoder.check_length(seq, longest or getattr(hf_config, "n_positions", None), directory.path / "config.json")
     heads = {k: getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads")}
     decoder.check_heads(ctx, heads, f"{hf_config.model_type}: change --config.mesh.tp")
+    fix = "use the model's own tokenizer (--config.data.tokenizer)"
+    dataset = text.dataset(config, hf_config.vocab_size, directory.path, fix)
     base = hf_lib.build_template(hf_config, device=ctx.device)
-    batching = data_lib.Batching.of(config, seq)
-    dataset = data_lib.run_data(
-        config.data, place, batching, tokenizer=tokenizer, vocab_size=hf_config.vocab_size, model_dir=directory.path
-    )
-    tokenizer_file = getattr(tokenizer, "path", None)
-
-    def init(key, device, where=None):
-        """Fresh params from `key`, or the directory's (only this rank's block of each with `where`)."""
-        if weights is None:
-            return hf_lib.init_params(base, key, device=device, where=where)
-        return read_params(weights, base, device=device, where=where)
 
     def build_model(template, rules) -> decoder.Built:
         """The tensor-parallel copy (with the template's buffers) and the loss, staged where the family can."""
@@ -93,29 +66,23 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         tp_rules=lambda template: hf_lib.tp_rules(template) if ctx.tp_world > 1 else None,
         stages=hf_lib.stages,
         head=hf_lib.head_name,
-        init_params=init,
+        init_params=decoder.init_or_read(base, weights, hf_lib.init_params, read_params),
         # LoRA: the merged model, and the adapters as a PEFT directory over the model directory's weights
-        export=lambda params, out: export_directory(out, hf_config, base, params, tokenizer_file=tokenizer_file),
+        export=lambda params, out: export_directory(out, hf_config, base, params, tokenizer_file=text.file),
         hf_name=str,
         base_model=str(directory.path) if weights is not None else "",
     )
     n_params = sum(p.numel() for p in base.parameters())
     layers, width = getattr(hf_config, "num_hidden_layers", 0), getattr(hf_config, "hidden_size", 0)
     origin = "its weights" if weights is not None else "fresh"
-    describe = (
-        f"{type(base).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin}), "
-        f"vocab {hf_config.vocab_size} ({getattr(tokenizer, 'name', 'bytes')})"
-    )
+    describe = f"{type(base).__name__} {n_params / 1e6:.2f}M params ({layers} layers, d={width}, {origin})"
     # weights, and attention over the trained length (a LoRA run: no gradient of the frozen weights)
     flops = 6 * n_params + 12 * layers * width * seq
-    info = {
-        "model": hf_config.to_dict(),
-        "path": str(directory.path),
-        "weights": weights is not None,
-        "tokenizer": str(tokenizer_file) if tokenizer_file else "bytes",
-    }
+    info = {"model": hf_config.to_dict(), "path": str(directory.path), "weights": weights is not None}
+    info["tokenizer"] = str(text.file or "bytes")
+    facts = decoder.Facts(f"{describe}, {text.summary(hf_config.vocab_size)}", seq, flops, info)
     try:
-        return decoder.task(config, ctx, workdir, spec, dataset, decoder.Facts(describe, seq, flops, info), build_model)
+        return decoder.task(config, ctx, workdir, spec, dataset, facts, build_model)
     except hf_lib.HFModelError as exc:
         raise config_checks.ConfigError(f"model.path: {exc}") from None
 
