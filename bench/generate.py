@@ -1,11 +1,13 @@
 """Benchmark: generation through the KV cache against transformers' `generate` and the recompute path, side by side.
 
     python bench/generate.py [--json] [--batches 1,16] [--prompts 64,512] [--new 256] [--families gpt,llama,qwen2]
+                             [--tokens-per-call K]
 
 Per case (family, batch, prompt length, new tokens), greedy, every row `--new` tokens (no EOS), timed after one
 warm-up call each (the compiles):
 
-* functrain: `functrain.generation.generator.Generator`, compiled (a prefill graph per bucket, one decode graph);
+* functrain: `functrain.generation.generator.Generator`, compiled (a prefill graph per bucket, one decode graph of
+  `--tokens-per-call` steps, the Generator's default 4);
 * transformers on the family's export (float32): `generate` with its dynamic cache, eager, and with a static
   cache and `torch.compile`d forward (its documented fast path); `vs_transformers` is over the faster of the two;
 * the recompute path (`functrain.models.inference.generate`: the whole context again for every token).
@@ -107,10 +109,11 @@ def _transformers(directory: str, ids: torch.Tensor, new: int) -> tuple[float, l
     return min(dynamic, static), out[:, ids.shape[1] :].tolist()
 
 
-def _row(family: str, model: tuple, batch: int, length: int, new: int) -> dict:
+def _row(family: str, model: tuple, batch: int, length: int, new: int, per_call: int | None) -> dict:
     """One case's measurements: `model` is `_models`' (cached model, params, directory, recompute)."""
     cached, params, directory, recompute = model
-    gen = Generator(cached, batch_size=batch, block_size=length + new, compile=True)  # (static: prompt + new)
+    torch._dynamo.reset()  # each case compiles afresh (transformers' forward would hit Dynamo's recompile limit)
+    gen = Generator(cached, batch_size=batch, block_size=length + new, tokens_per_call=per_call)  # (prompt + new)
     ids = torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(length))  # (B, P)
     prompts = ids.tolist()
     ours, done = _best(lambda: gen(params, prompts, new))
@@ -132,13 +135,14 @@ def main() -> None:
     p.add_argument("--prompts", default="64,512")
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--families", default="gpt,llama,qwen2")
+    p.add_argument("--tokens-per-call", type=int, default=None, help="decode steps per call (default: the Generator's)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         models = _models(tmp)
         for family in args.families.split(","):
             for batch in map(int, args.batches.split(",")):
                 for length in map(int, args.prompts.split(",")):
-                    row = _row(family, models[family], batch, length, args.new)
+                    row = _row(family, models[family], batch, length, args.new, args.tokens_per_call)
                     print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 

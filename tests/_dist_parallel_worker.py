@@ -329,11 +329,25 @@ def _hf_cached_sample(ctx) -> dict:
     want = gen(full, [[1, 2, 3], [4, 5]], 12, **kw)
     with _gathers() as gathered:
         got = gen(sharded, [[1, 2, 3], [4, 5]], 12, **kw)
+    native = {}
+    if ctx.tp_world > 1:  # transformers' own plan: each rank its query heads and its one kv head
+        rules = parallel.default_rules(hf.tp_rules(template))
+        tp_model = hf.with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
+        on_heads = hf.cached_model(
+            template, stages=st, head=hf.head_name(template), tp_stages=hf.stages(tp_model), tp_size=ctx.tp_world
+        )
+        with _gathers() as tp_gathers:
+            own = Generator(on_heads, block_size=16, compile=False)(
+                parallel.shard_params(full.items(), ctx.mesh, rules), [[1, 2, 3], [4, 5]], 12, **kw
+            )
+        native = {"hf_tp_tokens": [[c.tokens for c in r] for r in own], "hf_tp_gathers": tp_gathers}
+        native["hf_tp_heads"] = on_heads.sharded_kv_heads
     return {
         "hf_equal": [[c.tokens for c in r] for r in got] == [[c.tokens for c in r] for r in want],
         "hf_tokens": [[c.tokens for c in r] for r in got],
         "hf_gathers": gathered,
         "hf_stage_max": _stage_max(st, full),
+        **native,
     }
 
 
@@ -377,6 +391,16 @@ def s_sample(ctx):
     gen = Generator(cached, block_size=15, batch_size=2, compile=False)
     with _gathers() as cached_gathers:
         [[done]] = gen(sharded, [[1, 2, 3]], 12, key=rng.key(5), sampling=Sampling(temperature=1.0, top_k=10))
+    native = {}
+    if ctx.tp_world > 1:  # the tensor-parallel plan: each rank's heads and its own kv cache, gathered over dp only
+        tp_model = parallel.tensor_parallel(model, ctx.mesh, parallel.default_rules(gpt.TP_RULES))
+        on_heads = inference.cached_model(model, gpt.stages(model), "wte.weight", gpt.stages(tp_model), ctx.tp_world)
+        with _gathers() as tp_gathers:
+            [[own]] = Generator(on_heads, block_size=15, batch_size=2, compile=False)(
+                sharded, [[1, 2, 3]], 12, key=rng.key(5), sampling=Sampling(temperature=1.0, top_k=10)
+            )
+        native = {"tp_tokens": [[1, 2, 3, *own.tokens]], "tp_gathers": tp_gathers}
+        native["tp_heads"] = on_heads.sharded_kv_heads
     try:
         gpt.generate(model, sharded, prompt, 1, **kw)
         refused = ""
@@ -415,6 +439,7 @@ def s_sample(ctx):
         "export_gathers": seen,
         "largest_tensor": max(t.numel() for t in full.values()),
         "same_bytes": same_bytes,
+        **native,
         **_hf_cached_sample(ctx),
     }
 

@@ -261,6 +261,35 @@ def test_stops_at_any_eos_id_and_at_the_stop_rule():
     assert free.finish_reason == "length" and len(free.tokens) == 16
 
 
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(0.9, top_k=40, top_p=0.95, min_p=0.01)])
+def test_several_tokens_per_call_give_the_same_completions(sampling):
+    """Decode steps per call (3: it divides neither the 20 new tokens nor where rows stop) change nothing: the same
+    tokens, log-probabilities and finish reasons as one step per call, rows stopping inside a call (an EOS id, the
+    stop rule) and a cache of exactly the longest request's slots, whose last slot the steps past it overwrite."""
+    template, _, params = _gpt()
+    prompts, new = PROMPTS[:5], 20
+    block = max(len(p) for p in prompts) + new - 1
+    one, three = (
+        Generator.of(template, block_size=block, batch_size=4, compile=False, tokens_per_call=k) for k in (1, 3)
+    )
+    [[free]] = one(params, prompts[:1], new, key=rng.key(7), sampling=sampling)
+    eos = [free.tokens[4]]  # the first prompt stops at its 5th token (or earlier): inside the second call of 3
+
+    def stop(i, tokens):
+        return i == 2 and len(tokens) == 7
+
+    runs = [
+        gen(params, prompts, new, key=rng.key(7), sampling=sampling, n=2, eos_ids=eos, stop=stop)
+        for gen in (one, three)
+    ]
+    assert [[(c.tokens, c.logprobs, c.finish_reason) for c in r] for r in runs[0]] == [
+        [(c.tokens, c.logprobs, c.finish_reason) for c in r] for r in runs[1]
+    ]
+    reasons = [c.finish_reason for r in runs[0] for c in r]
+    assert "stop" in reasons and "length" in reasons
+    assert runs[0][0][0].tokens[-1] == eos[0] and len(runs[0][2][0].tokens) == 7
+
+
 def test_sampling_warps_as_transformers_warpers():
     transformers = pytest.importorskip("transformers")
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 3
@@ -295,12 +324,13 @@ def test_one_prefill_graph_per_bucket_one_decode_graph_no_recompiles():
     torch._dynamo.reset()
     counters.clear()
     batches = [PROMPTS[:4], PROMPTS[5:8], [p[:2] for p in PROMPTS[2:6]]]  # longest 9, 17, 2: buckets 16, 32, 16
-    for prompts in batches:
-        got = gen(params, prompts, 256, key=rng.key(5), sampling=Sampling(temperature=0.8))
-        want = eager(params, prompts, 256, key=rng.key(5), sampling=Sampling(temperature=0.8))
+    for prompts, temperature in zip(batches, (0.8, 0.6, 1.1)):  # (another temperature: a value, the same graph)
+        got = gen(params, prompts, 256, key=rng.key(5), sampling=Sampling(temperature=temperature))
+        want = eager(params, prompts, 256, key=rng.key(5), sampling=Sampling(temperature=temperature))
         assert [c.tokens for [c] in got] == [c.tokens for [c] in want]
         assert all(len(c.tokens) == 256 for [c] in got)
-    assert counters["stats"]["unique_graphs"] == 3  # prefill_16, prefill_32, decode
+    assert gen.tokens_per_call == 4 and eager.tokens_per_call == 1
+    assert counters["stats"]["unique_graphs"] == 3  # prefill_16, prefill_32, decode (4 steps a call)
     assert sum(counters["recompiles"].values()) == 0
 
 
@@ -323,6 +353,8 @@ def test_bad_requests_are_one_line():
         assert "\n" not in str(err.value)
     with pytest.raises(GenerationError, match="block_size=200 exceeds the model's 96; give at most 96"):
         Generator.of(template, block_size=200)
+    with pytest.raises(GenerationError, match="tokens_per_call=0: give at least 1 decode step per call"):
+        Generator.of(template, tokens_per_call=0)
     for bad, words in (
         (dict(top_p=0.0), r"top_p=0.0 is out of range; give a value in \(0, 1\]"),
         (dict(top_p=1.5), "top_p=1.5 is out of range"),

@@ -349,14 +349,18 @@ def test_at_most_one_stage_is_gathered_at_a_time(eager2):
 )
 def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager4, suite, name):
     """Task.finish runs on sharded params: generate gathers one stage at a time and gets the full
-    params' tokens, recomputing and through the KV cache alike (gpt, and the hf family's Qwen2); the HF export
-    streams one tensor at a time, byte-identical to the full export."""
+    params' tokens, recomputing and through the KV cache alike (gpt, and the hf family's Qwen2), tensor-parallel
+    params on each rank's own heads; the HF export streams one tensor at a time, byte-identical to the full export."""
     ranks = scenario_results({"eager2": eager2, "eager4": eager4}[suite], name)
     for res in ranks:
         assert res["equal"], res["tokens"]
         assert res["tokens"] == ranks[0]["tokens"] == res["cached_tokens"]  # every rank drew the same tokens
         assert res["gathers"] and max(res["gathers"]) <= res["stage_max"] < res["model_numel"], res
         assert res["cached_gathers"] and max(res["cached_gathers"]) <= res["stage_max"], res
+        if "tp" in name:  # tensor-parallel params decode on each rank's 2 of the 4 heads, no whole tensor gathered
+            assert res["tp_tokens"] == res["tokens"] and res["tp_heads"] == 2 and res["tp_gathers"] == [], res
+            assert res["hf_tp_tokens"] == res["hf_tokens"] and res["hf_tp_heads"] == 1, res
+            assert res["hf_tp_gathers"] == [], res
         # the hf family (transformers' layers over the slot cache), a stage at a time: the plain params' tokens
         assert res["hf_equal"] and res["hf_tokens"] == ranks[0]["hf_tokens"], res["hf_tokens"]
         assert res["hf_gathers"] and max(res["hf_gathers"]) <= res["hf_stage_max"], res

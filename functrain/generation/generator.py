@@ -1,4 +1,4 @@
-"""Generation through a KV cache: a batch of prompts prefilled once, then one compiled decode step per token.
+"""Generation through a KV cache: a batch of prompts prefilled once, then a compiled decode call per few tokens.
 
 `Generator` runs a decoder whose attention reads `kv_cache.Cached` (gpt, llama) over requests as users make
 them: prompts of different lengths, `n` samples each, greedy or sampled (temperature, top-k, top-p, min-p),
@@ -6,7 +6,8 @@ stopped by the model's EOS ids, a stop rule (the harness's stop strings) or `max
 token returned with its log-probability. Randomness comes from the key alone: sample j of prompt i draws its
 t-th token from `fold_in(fold_in(fold_in(key, i), j), t)`, so its text does not depend on the batch. The
 shapes are fixed (rows padded to `batch_size`, prompts left-padded to a bucket): one prefill graph per bucket,
-one decode graph. Internals: docs/internals.md "functrain.generation.generator".
+one decode graph (a few tokens per call: its fixed cost shared).
+Internals: docs/internals.md "functrain.generation.generator".
 
 Example:
     >>> gen = Generator.of(template, batch_size=8)
@@ -80,19 +81,45 @@ class Sampling:
         Example:
           >>> Sampling(top_k=50).warp(logits)
         """
-        logits = logits / self.temperature
-        if 0 < self.top_k < logits.shape[-1]:
-            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p < 1.0:
-            ascending, order = logits.sort(dim=-1)  # (B, V) each
-            drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
-            drop[:, -1] = False  # the most likely token always stays
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-        if self.min_p > 0:
-            probs = logits.softmax(-1)  # (B, V)
-            logits = logits.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-        return logits
+        return _warp(logits, _Warp.of(self, logits.device))
+
+
+class _Warp(NamedTuple):
+    """A `Sampling` as a decode graph takes it: which warpers run (Python: a graph per kind) and their values
+    (0-d float32 tensors: other values run the same graph)."""
+
+    greedy: bool
+    top_k: int
+    temperature: torch.Tensor
+    dropped: torch.Tensor | None  # 1 - top_p: the least likely mass cut (None: top_p = 1)
+    min_p: torch.Tensor | None  # (None: 0)
+
+    @classmethod
+    def of(cls, s: Sampling, device) -> _Warp:
+        """`s`'s warpers on `device`."""
+
+        def value(x: float) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.float32, device=device)
+
+        top_p, min_p = (value(1 - s.top_p) if s.top_p < 1 else None), (value(s.min_p) if s.min_p > 0 else None)
+        return cls(s.greedy, s.top_k, value(s.temperature or 1.0), top_p, min_p)
+
+
+def _warp(logits: torch.Tensor, w: _Warp) -> torch.Tensor:
+    """`Sampling.warp`: temperature, top-k, top-p, min-p in transformers' order."""
+    logits = logits / w.temperature
+    if 0 < w.top_k < logits.shape[-1]:
+        kth = logits.topk(w.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if w.dropped is not None:
+        ascending, order = logits.sort(dim=-1)  # (B, V) each
+        drop = ascending.softmax(-1).cumsum(-1) <= w.dropped
+        drop[:, -1] = False  # the most likely token always stays
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    if w.min_p is not None:
+        probs = logits.softmax(-1)  # (B, V)
+        logits = logits.masked_fill(probs < w.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    return logits
 
 
 class Completion(NamedTuple):
@@ -143,12 +170,15 @@ class CachedModel(NamedTuple):
       block_size: the longest sequence its positions take.
       sharded_forward: the same on DTensor params, gathering one stage at a time (no rank holds the whole model;
         `models.inference.cached_model`), or None: the model decodes from plain params only.
+      sharded_kv_heads: the kv heads a rank's cache holds under `sharded_forward` (tensor-parallel: its own
+        heads), or None: `cache_shape`'s.
     """
 
     forward: Callable
     cache_shape: tuple[int, int, int]
     block_size: int
     sharded_forward: Callable | None = None
+    sharded_kv_heads: int | None = None
 
     @classmethod
     def of(cls, template: torch.nn.Module) -> CachedModel:
@@ -178,7 +208,11 @@ class Generator:
         plus `max_new_tokens`); default and at most the model's.
       batch_size: rows per forward (a call's rows are padded to it: one decode graph).
       dtype: the cache's dtype (the params' compute dtype).
-      compile: compile the prefill (one graph per prompt bucket) and the decode step (one graph).
+      compile: compile the prefill (one graph per prompt bucket) and the decode step (one graph per kind of
+        sampling: greedy, or the warpers asked, whatever their values).
+      tokens_per_call: decode steps per call of the decode graph (default 4 compiled, 1 eager): a call's fixed
+        cost (guards, the graph's wrapper) is paid once per that many tokens; the steps a call runs past a row's
+        last token are dropped, so the tokens are the same at any value.
     """
 
     def __init__(
@@ -189,9 +223,12 @@ class Generator:
         batch_size: int = 8,
         dtype: torch.dtype = torch.float32,
         compile: bool = True,
+        tokens_per_call: int | None = None,
     ):
         if batch_size < 1:
             raise GenerationError(f"batch_size={batch_size}: give at least 1 row per forward")
+        if tokens_per_call is not None and tokens_per_call < 1:
+            raise GenerationError(f"tokens_per_call={tokens_per_call}: give at least 1 decode step per call")
         block_size = model.block_size if block_size is None else int(block_size)
         if block_size > model.block_size:
             raise GenerationError(
@@ -199,6 +236,7 @@ class Generator:
             )
         self.model, self.block_size = model, block_size
         self.batch_size, self.dtype, self.compile = int(batch_size), dtype, bool(compile)
+        self.tokens_per_call = int(tokens_per_call or (4 if compile else 1))
         self.buckets = _buckets(self.block_size)
         self._prefills: dict[int, Callable] = {}  # padded prompt length -> its prefill (compiled: one graph each)
         self._decode = compiler.graph(_decode, name="decode") if compile else _decode
@@ -301,11 +339,14 @@ class Generator:
             self._prefills[length] = compiler.graph(_prefill, name=f"prefill_{length}") if self.compile else _prefill
         return self._prefills[length]
 
-    def _cache_for(self, device) -> KVCache:
-        """The batch's cache (made once, reused: the decode graph keeps its shapes)."""
-        if self._cache is None or self._cache.keys[0].device != torch.device(device):
-            layers, heads, head_dim = self.model.cache_shape
-            self._cache = KVCache.empty(
+    def _cache_for(self, device, sharded: bool) -> KVCache:
+        """The batch's cache (made once, reused: the decode graph keeps its shapes); sharded params: this rank's
+        kv heads."""
+        layers, heads, head_dim = self.model.cache_shape
+        heads = (self.model.sharded_kv_heads or heads) if sharded else heads
+        cache = self._cache
+        if cache is None or cache.keys[0].device != torch.device(device) or cache.keys[0].shape[1] != heads:
+            cache = self._cache = KVCache.empty(
                 layers=layers,
                 batch=self.batch_size,
                 kv_heads=heads,
@@ -314,10 +355,10 @@ class Generator:
                 dtype=self.dtype,
                 device=device,
             )
-        return self._cache
+        return cache
 
     def _batch(self, params, prompts, rows, asked: _Asked):
-        """The completions of one batch of rows: prefill, then a decode step per token until every row is done."""
+        """The completions of one batch of rows: prefill, then `k` decode steps per call until every row is done."""
         device, max_new, key, stop = next(iter(params.values())).device, asked.max_new, asked.key, asked.stop
         length = self._length(max(len(p) for p in prompts), max_new)
         idx = torch.zeros(self.batch_size, length, dtype=torch.long)
@@ -329,21 +370,21 @@ class Generator:
         keys = None
         if key is not None and not asked.sampling.greedy:  # (padding rows: the first row's key)
             keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
-        cache = self._cache_for(device)
+        cache = self._cache_for(device, asked.sharded)
         forward = self.model.sharded_forward if asked.sharded else self.model.forward
-        decode = _decode if asked.sharded else self._decode
+        decode, k = (_decode, 1) if asked.sharded else (self._decode, self.tokens_per_call)
         logits = self._prefill(length, asked.sharded)(forward, params, cache, idx, pads)  # (B, V): after each prompt
-        new = [_Completing() for _ in rows]
-        for t in range(max_new):
-            tokens, logprobs = pick(logits, keys, t, asked.sampling)  # (B,) each
-            for b, (tok, lp) in enumerate(zip(tokens.tolist()[: len(rows)], logprobs.tolist())):
-                if not new[b].finish:
-                    stops = tok in asked.eos or (stop is not None and stop(rows[b].i, new[b].tokens + [tok]))
-                    new[b].add(tok, lp, stops)
-            if all(c.finish for c in new) or t == max_new - 1:
+        warp, new = _Warp.of(asked.sampling, device), [_Completing() for _ in rows]
+        for t in range(0, max_new, k):
+            slot, index = torch.tensor(length + t, device=device), torch.tensor(t, device=device)  # (the first step's)
+            tokens, logprobs, logits = decode(forward, params, cache, logits, pads, slot, keys, index, warp, k)
+            for b, (toks, lps) in enumerate(zip(tokens.tolist()[: len(rows)], logprobs.tolist())):
+                for tok, lp in zip(toks[: max_new - t], lps):
+                    if not new[b].finish:
+                        stops = tok in asked.eos or (stop is not None and stop(rows[b].i, new[b].tokens + [tok]))
+                        new[b].add(tok, lp, stops)
+            if all(c.finish for c in new):
                 break
-            slot = torch.tensor(length + t, device=device)
-            logits = decode(forward, params, cache, tokens[:, None], pads, slot)  # (B, V)
         return [c.completion() for c in new]
 
 
@@ -369,12 +410,22 @@ class _Completing:
 def _prefill(forward, params, cache: KVCache, idx: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
     """The prompts (B, P) into the cache's slots 0..P-1; the logits (B, V) after each row's last token."""
     slots = torch.arange(idx.shape[1], device=idx.device)  # (P,)
-    return forward(params, idx, cached(cache, pads, slots))[:, -1].float()  # (B, V)
+    return forward(params, idx, cached(cache, pads, slots))[:, -1].float().contiguous()  # (B, V): one layout
 
 
-def _decode(forward, params, cache: KVCache, tokens: torch.Tensor, pads: torch.Tensor, slot: torch.Tensor):
-    """One token per row (B, 1) into the cache at `slot` (a 0-d tensor: no recompile); the logits (B, V) after it."""
-    return forward(params, tokens, cached(cache, pads, slot[None]))[:, -1].float()  # (B, V)
+def _decode(forward, params, cache: KVCache, logits, pads, slot, keys, t, warp: _Warp, k: int):  # noqa: PLR0913
+    """`k` decode steps: each row's next token picked from `logits` (drawn as new token `t + j`), run through the
+    cache at `slot + j` (0-d tensors: no recompile; at most the last slot, which only steps past every
+    request's last token reach), giving the next logits. Returns tokens (B, k), log-probs (B, k), logits (B, V)."""
+    last = cache.keys[0].shape[2] - 1
+    tokens, logprobs = [], []
+    for j in range(k):
+        token, logprob = _pick(logits, keys, t + j, warp)  # (B,) each
+        tokens.append(token)
+        logprobs.append(logprob)
+        view = cached(cache, pads, (slot + j).clamp(max=last)[None])
+        logits = forward(params, token[:, None], view)[:, -1].float()  # (B, V)
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1), logits
 
 
 def request_keys(key: torch.Tensor, requests: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -386,13 +437,14 @@ def request_keys(key: torch.Tensor, requests: Sequence[tuple[int, int]]) -> torc
     return torch.stack([rng.fold_in(rng.fold_in(key, i), j) for i, j in requests])
 
 
-def pick(logits: torch.Tensor, keys: torch.Tensor | None, t: int, sampling: Sampling):
+def pick(logits: torch.Tensor, keys: torch.Tensor | None, t: int | torch.Tensor, sampling: Sampling):
     """The next token of each row and its log-probability under `logits`: the argmax, or a Gumbel-max draw.
 
     Args:
       logits: (B, V) float.
       keys: (B, key) each row's key (`request_keys`), or None: greedy.
-      t: the token's index among the new ones (row b's noise is `rng.uniform(fold_in(keys[b], t), (V,))`).
+      t: the token's index among the new ones, an int or a 0-d tensor (row b's noise is
+        `rng.uniform(fold_in(keys[b], t), (V,))`).
       sampling: how the logits are warped before the draw.
 
     Returns:
@@ -401,11 +453,16 @@ def pick(logits: torch.Tensor, keys: torch.Tensor | None, t: int, sampling: Samp
     Example:
       >>> tokens, logprobs = pick(logits, request_keys(key, [(0, 0)]), 0, Sampling(temperature=0.8))
     """
+    return _pick(logits, keys, t, _Warp.of(sampling, logits.device))
+
+
+def _pick(logits: torch.Tensor, keys: torch.Tensor | None, t, w: _Warp):
+    """`pick` with the warpers as a decode graph takes them (`t` an int or a 0-d tensor)."""
     logp = logits.log_softmax(-1)  # (B, V)
-    if keys is None or sampling.greedy:
+    if keys is None or w.greedy:
         tokens = logits.argmax(-1)  # (B,)
     else:
         u = torch.vmap(lambda k: rng.uniform(rng.fold_in(k, t), logits.shape[-1:]))(keys)  # (B, V)
         gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
-        tokens = (sampling.warp(logits) + gumbel).argmax(-1)  # (B,)
+        tokens = (_warp(logits, w) + gumbel).argmax(-1)  # (B,)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]

@@ -272,7 +272,9 @@ def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callabl
             staged=stages_lib.wants_stages(config, ctx),
         )
         st = spec.stages(template)
-        return Built(model, loss_fn, st, cached=inference.cached_model(template, st, head))
+        # tensor-parallel params decode on this rank's heads (the training plan, without the cp split)
+        tp = spec.stages(parallel.tensor_parallel(template, ctx.mesh, rules)) if ctx.tp_world > 1 else None
+        return Built(model, loss_fn, st, cached=inference.cached_model(template, st, head, tp, ctx.tp_world))
 
     return build
 

@@ -146,7 +146,8 @@ def eval_model(
 
 def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gather: Callable, view=None) -> torch.Tensor:
     """Logits (B, T, V): every stage run on `gather` of its own params only (one stage held at a time); through
-    a KV cache's `view` (`generation.kv_cache.Cached`) when given."""
+    a KV cache's `view` (`generation.kv_cache.Cached`) when given. (`gather`: whole tensors, or a tensor-parallel
+    copy's stages on this rank's shards, `Layout.gather`: the head is replicated on the tp axis.)"""
     h = stages.embed.fn(gather(stages.embed.params(params)), idx, None, view)  # (B, T, C)
     for i, block in enumerate(stages.blocks):
         h = block.fn(gather(block.params(params)), h, None, None if view is None else view.layer(i))  # (B, T, C)
@@ -154,15 +155,21 @@ def _staged_logits(stages: LMStages, head: str, params, idx: torch.Tensor, gathe
     return F.linear(h, gather({head: params[head]})[head])  # (B, T, V): the forward's lm_head
 
 
-def cached_model(template: nn.Module, stages: LMStages | None, head: str | None) -> generation.CachedModel:
+def cached_model(
+    template: nn.Module, stages: LMStages | None, head: str | None, tp_stages: LMStages | None = None, tp_size: int = 1
+) -> generation.CachedModel:
     """A gpt or llama template through its KV cache (`generation.CachedModel.of`), on sharded params too when
     given its stages: their `sharded_forward` gathers one stage at a time, as the recompute path does, so no
-    rank holds the whole model, and each token costs a gather of every stage but reads the cache.
+    rank holds the whole model, and each token costs a gather of every stage but reads the cache. With
+    `tp_stages` (a tensor-parallel copy's) each stage is gathered over the data-parallel axes only and runs on
+    this rank's heads, the tensor-parallel plan training runs: its cache holds this rank's kv heads.
 
     Args:
       template: the (meta-device) gpt or llama template.
       stages: its `LMStages` (of the template, not a tensor-parallel copy: each stage is gathered whole), or None.
       head: the output projection's weight name, with `stages`.
+      tp_stages: the stages of `parallel.tensor_parallel(template, mesh, rules)` (a tp axis of size > 1), or None.
+      tp_size: the tp axis' size, with `tp_stages` (it divides the kv heads: `decoder.check_heads`).
 
     Returns:
       The `CachedModel`.
@@ -173,16 +180,22 @@ def cached_model(template: nn.Module, stages: LMStages | None, head: str | None)
     cached = generation.CachedModel.of(template)
     if stages is None or head is None:
         return cached
-    return cached._replace(sharded_forward=staged_forward(stages, head))
+    if tp_stages is None:
+        return cached._replace(sharded_forward=staged_forward(stages, head))
+    heads = cached.cache_shape[1] // tp_size
+    return cached._replace(sharded_forward=staged_forward(tp_stages, head, tp=True), sharded_kv_heads=heads)
 
 
-def staged_forward(stages: LMStages, head: str) -> Callable:
+def staged_forward(stages: LMStages, head: str, *, tp: bool = False) -> Callable:
     """`forward(params, idx, view) -> logits (B, T, V)` on sharded params: every stage gathered just before it
     runs (one held at a time), the blocks given `view.layer(i)` where training passes packed rows' layout.
 
     Args:
-      stages: the model's `LMStages` (of the template: each stage is gathered whole).
+      stages: the model's `LMStages`: of the template (each stage gathered whole), or with `tp` of its
+        tensor-parallel copy (each stage gathered over the data-parallel axes only, `Layout.gather`: the rank's
+        own heads, the head replicated).
       head: the output projection's weight name.
+      tp: `stages` are a tensor-parallel copy's.
 
     Returns:
       The forward (a `generation.CachedModel`'s `sharded_forward`).
@@ -190,4 +203,9 @@ def staged_forward(stages: LMStages, head: str) -> Callable:
     Example:
       >>> logits = staged_forward(gpt.stages(template), "wte.weight")(sharded, idx, view)
     """
-    return lambda params, idx, view: _staged_logits(stages, head, params, idx, parallel.gather, view)
+
+    def forward(params, idx, view):
+        gather = parallel.layout_of(params).gather if tp else parallel.gather
+        return _staged_logits(stages, head, params, idx, gather, view)
+
+    return forward

@@ -30,7 +30,13 @@ __all__ = ["CacheInputs", "cached_model"]
 
 
 def cached_model(
-    model: HFModel, *, probe: HFModel | None = None, stages: LMStages | None = None, head: str | None = None
+    model: HFModel,
+    *,
+    probe: HFModel | None = None,
+    stages: LMStages | None = None,
+    head: str | None = None,
+    tp_stages: LMStages | None = None,
+    tp_size: int = 1,
 ) -> CachedModel:
     """`model` (a transformers causal LM) as a `generation.CachedModel`, once a probe shows its cache is exact.
 
@@ -45,11 +51,15 @@ def cached_model(
       stages: `model`'s stages (`hf.stages`), to decode from sharded params a stage at a time; None: from plain
         params only.
       head: the output projection's weight name, with `stages`.
+      tp_stages: the stages of its tensor-parallel copy (`parallel.tensor_parallel` with `tp_rules`, a tp axis of
+        `tp_size` > 1): sharded params then decode on each rank's own heads, each stage gathered over the
+        data-parallel axes only, the cache holding the rank's kv heads.
+      tp_size: the tp axis' size, with `tp_stages`.
 
     Returns:
       The `CachedModel`: `forward(params, idx, view)` is the model's own forward with a `transformers.Cache` over
       the view's `KVCache`; its block is the config's `max_position_embeddings` (or `n_positions`); with `stages`,
-      its `sharded_forward` runs them on that cache, each gathered just before it runs.
+      its `sharded_forward` runs them (or `tp_stages`) on that cache, each gathered just before it runs.
 
     Raises:
       HFModelError: the model's attention does not go through a `Cache` of one key/value shape per layer, or its
@@ -77,8 +87,15 @@ def cached_model(
     out = CachedModel(_forward(model, layers, logits=True), (layers, *shape), int(block))
     if stages is None or head is None:
         return out
-    staged, slot_layer = staged_forward(stages, head), _slot_layer()
-    return out._replace(sharded_forward=lambda p, idx, view: staged(p, idx, CacheInputs.of(view, layers, slot_layer)))
+    staged, slot_layer = (
+        staged_forward(stages if tp_stages is None else tp_stages, head, tp=tp_stages is not None),
+        _slot_layer(),
+    )
+    heads = shape[0] // tp_size if tp_stages is not None else None
+    return out._replace(
+        sharded_forward=lambda p, idx, view: staged(p, idx, CacheInputs.of(view, layers, slot_layer)),
+        sharded_kv_heads=heads,
+    )
 
 
 class CacheInputs(NamedTuple):
