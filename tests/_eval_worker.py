@@ -5,9 +5,9 @@ Usage: python tests/_eval_worker.py <outdir>
 The tiny GPT's params are FSDP-sharded over the ranks (dp_shard=2); 7 multiple-choice examples (28 rows: an
 odd number of batches of 3, so the ranks' shares differ), rolling texts, greedy and sampled generations are
 split over the ranks and gathered (generation through the KV cache and with the cache off, recomputed: a
-stage gathered at a time either way). The same calls on the plain params in this
-process alone (before the mesh exists) are the reference; both go to <outdir>/rank<r>.json, with the time of
-a longer generation each way on the ranks.
+stage gathered at a time either way; a model without stages: gathered whole once, through its cache). The
+same calls on the plain params in this process alone (before the mesh exists) are the reference; both go to
+<outdir>/rank<r>.json, with the time of a longer generation each way on the ranks.
 """
 
 from __future__ import annotations
@@ -94,6 +94,17 @@ def main(outdir: str) -> None:
         out["sharded"] = all(parallel.is_dtensor(v) for v in sharded.values())
         out["examples"] = out["counts"]["examples"]
         out["timing"] = _timed(model, sharded)
+        # a model without stages (an unstaged hf type's): gathered whole once per call, decoded through its cache
+        unstaged = inference.eval_model(
+            template, data_lib.ByteTokenizer(), block_size=cfg.block_size, stages=None, head=None
+        )
+        gathers, real = [], parallel.gather
+        parallel.gather = lambda tree: gathers.append(len(tree)) or real(tree)
+        try:
+            out["unstaged_sampled"] = fe.generate_until(unstaged, sharded, SAMPLED, key=rng.key(11))
+        finally:
+            parallel.gather = real
+        out["unstaged_gathers"] = gathers
         out.update({f"single_{k}": v for k, v in single.items()})
         Path(outdir).mkdir(parents=True, exist_ok=True)
         (Path(outdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))

@@ -226,6 +226,9 @@ def test_two_gloo_ranks_sharded_count_equal_one_process(tmp_path):
     sampled = ranks[0]["sampled"]
     assert sampled == ranks[0]["single_sampled"] == ranks[0]["recomputed"] == ranks[0]["single_recomputed"]
     assert len(set(sampled)) > 1  # draws, not one greedy text
+    # without stages: the same draws, the model gathered whole once per call (not once per token, recomputing)
+    assert ranks[0]["unstaged_sampled"] == sampled
+    assert len(ranks[0]["unstaged_gathers"]) == 1, ranks[0]["unstaged_gathers"]
 
 
 def _main(workdir, *extra) -> list[dict]:

@@ -185,9 +185,13 @@ class Scorer:
           >>> new = scorer.extend(params, [[5, 6]], 10, stop=lambda i, toks: False)
         """
         layout = parallel.layout_of(params)
+        cached = self.model.cached
+        if layout.sharded and cached is not None and cached.sharded_forward is None:
+            # a model without stages (its loss unstaged): gathered whole once, as its logits and training step are
+            params, layout = parallel.gather(params), parallel.LOCAL
         block = self.model.block_size
         cut = [list(p)[-(block - 1) :] if block > 1 else [] for p in prompts]  # what each row starts from
-        gen = self._cache_generator(params, layout, cut, max_new)
+        gen = self._cache_generator(params, cut, max_new)
         new: dict[int, list[int]] = {}  # this rank's requests' new tokens
         if gen is not None:  # plain params: this rank's requests; sharded: all (the stages' gathers in step)
             mine = list(range(len(cut))) if layout.sharded else list(range(layout.dp_rank, len(cut), layout.dp_world))
@@ -215,13 +219,13 @@ class Scorer:
         out = layout.sum_over_dp(out.to(_device_of(params))).cpu()
         return [out[i, 1 : 1 + int(out[i, 0])].tolist() for i in range(len(prompts))]
 
-    def _cache_generator(self, params, layout, prompts: list[list[int]], max_new: int) -> Generator | None:
-        """The KV-cache generator `extend` runs through, or None (recompute): the model has no cache (or none for
-        sharded params), or a prompt leaves no room for `max_new` tokens (every token then recomputes the window,
-        sliding past the block). Its cache holds the bucket of the longest prompt plus `max_new` (a decode step
-        reads every slot; the model's whole block could be far longer), one per (dtype, length), made once."""
+    def _cache_generator(self, params, prompts: list[list[int]], max_new: int) -> Generator | None:
+        """The KV-cache generator `extend` runs through, or None (recompute): the model has no cache, or a prompt
+        leaves no room for `max_new` tokens (every token then recomputes the window, sliding past the block). Its
+        cache holds the bucket of the longest prompt plus `max_new` (a decode step reads every slot; the model's
+        whole block could be far longer), one per (dtype, length), made once."""
         cached = self.model.cached
-        if cached is None or max_new < 1 or not all(prompts) or (layout.sharded and cached.sharded_forward is None):
+        if cached is None or max_new < 1 or not all(prompts):
             return None
         need = max(len(p) for p in prompts) + max_new - 1
         if need > self.model.block_size:
