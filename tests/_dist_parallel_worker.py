@@ -331,17 +331,18 @@ def _hf_cached_sample(ctx) -> dict:
         got = gen(sharded, [[1, 2, 3], [4, 5]], 12, **kw)
     native = {}
     if ctx.tp_world > 1:  # transformers' own plan: each rank its query heads and its one kv head
-        rules = parallel.default_rules(hf.tp_rules(template))
-        tp_model = hf.with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
-        on_heads = hf.cached_model(
-            template, stages=st, head=hf.head_name(template), tp_stages=hf.stages(tp_model), tp_size=ctx.tp_world
+        own, tp_gathers, heads = _hf_on_heads(ctx, template, full, st, kw)
+        native = {"hf_tp_tokens": own, "hf_tp_gathers": tp_gathers, "hf_tp_heads": heads}
+        # a type without stages (gemma2's soft-capped logits): its whole forward over the tensor-parallel copy
+        g_dir = write_tiny(os.path.join(OUTDIR, f"gemma2_rank{dist.get_rank()}"), "gemma2", vocab_size=64, **shape)
+        g_template = hf.build_template(hf.load_config(g_dir))
+        g_full = hf.init_params(g_template, rng.key(3))
+        g_want = Generator(hf.cached_model(g_template), block_size=16, compile=False)(
+            g_full, [[1, 2, 3], [4, 5]], 12, **kw
         )
-        with _gathers() as tp_gathers:
-            own = Generator(on_heads, block_size=16, compile=False)(
-                parallel.shard_params(full.items(), ctx.mesh, rules), [[1, 2, 3], [4, 5]], 12, **kw
-            )
-        native = {"hf_tp_tokens": [[c.tokens for c in r] for r in own], "hf_tp_gathers": tp_gathers}
-        native["hf_tp_heads"] = on_heads.sharded_kv_heads
+        g_own, g_gathers, _ = _hf_on_heads(ctx, g_template, g_full, None, kw)
+        native["hf_unstaged_tp_equal"] = g_own == [[c.tokens for c in r] for r in g_want]
+        native["hf_unstaged_tp_gathers"] = g_gathers
     return {
         "hf_equal": [[c.tokens for c in r] for r in got] == [[c.tokens for c in r] for r in want],
         "hf_tokens": [[c.tokens for c in r] for r in got],
@@ -349,6 +350,22 @@ def _hf_cached_sample(ctx) -> dict:
         "hf_stage_max": _stage_max(st, full),
         **native,
     }
+
+
+def _hf_on_heads(ctx, template, full: dict, st, kw: dict):
+    """(tokens, whole gathers, kv heads per rank) of the hf `template` decoding `full` sharded by its own tensor-
+    parallel plan, on each rank's heads (`st`: its stages; None: its whole forward)."""
+    from functrain.models import hf
+
+    rules = parallel.default_rules(hf.tp_rules(template))
+    tp_model = hf.with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
+    head = hf.head_name(template)
+    on_heads = hf.cached_model(template, stages=st, head=head, tp_model=tp_model, tp_size=ctx.tp_world)
+    with _gathers() as gathered:
+        own = Generator(on_heads, block_size=16, compile=False)(
+            parallel.shard_params(full.items(), ctx.mesh, rules), [[1, 2, 3], [4, 5]], 12, **kw
+        )
+    return [[c.tokens for c in r] for r in own], gathered, on_heads.sharded_kv_heads
 
 
 @contextlib.contextmanager

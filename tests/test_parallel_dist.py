@@ -361,6 +361,8 @@ def test_end_of_run_sample_and_export_never_gather_the_whole_model(eager2, eager
             assert res["tp_tokens"] == res["tokens"] and res["tp_heads"] == 2 and res["tp_gathers"] == [], res
             assert res["hf_tp_tokens"] == res["hf_tokens"] and res["hf_tp_heads"] == 1, res
             assert res["hf_tp_gathers"] == [], res
+            # without stages (gemma2): its whole forward over the tensor-parallel copy, nothing gathered whole
+            assert res["hf_unstaged_tp_equal"] and res["hf_unstaged_tp_gathers"] == [], res
         # the hf family (transformers' layers over the slot cache), a stage at a time: the plain params' tokens
         assert res["hf_equal"] and res["hf_tokens"] == ranks[0]["hf_tokens"], res["hf_tokens"]
         assert res["hf_gathers"] and max(res["hf_gathers"]) <= res["hf_stage_max"], res

@@ -282,18 +282,18 @@ def _default_build(config, ctx, spec: ModelSpec, seq: int, head: str) -> Callabl
 def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built) -> Callable:
     """`finish(params, key)`: a text sample from the prompt (or the answer to a held-out prompt), drawn from `key`
     through the family's KV cache (`built.cached`, eager: one sample is not worth a compile; sharded params a
-    stage gathered at a time), else recomputed (gathered a stage at a time, or whole where the loss is not
-    staged); the same draws either way."""
+    stage gathered at a time, on a tp axis each rank's own heads), else recomputed (gathered a stage at a time,
+    or whole where the loss is not staged); the same draws either way."""
     sample = config.sample
     how = generation.Sampling(sample.temperature, sample.top_k or 0)
 
     def finish(params, key):
-        if built.stages is None and any(parallel.is_dtensor(t) for t in params.values()):
-            params = parallel.gather(params)  # unstaged: each step gathers the whole model anyway
+        cached, sharded = built.cached, any(parallel.is_dtensor(t) for t in params.values())
+        if sharded and built.stages is None and (cached is None or cached.sharded_forward is None):
+            params, sharded = parallel.gather(params), False  # unstaged: each step gathers the whole model anyway
 
         def generate(prompt, n: int):
             length = prompt.shape[1] + n - 1  # the cache's slots: this sample's, not the model's whole block
-            cached, sharded = built.cached, any(parallel.is_dtensor(t) for t in params.values())
             room = cached is not None and 0 < n and length <= min(built.window or length, cached.block_size)
             if cached is not None and room and (cached.sharded_forward is not None or not sharded):
                 gen = generation.Generator(cached, block_size=length, batch_size=1, compile=False)
@@ -301,7 +301,7 @@ def _sampler(config, ctx, dataset, template: nn.Module, head: str, built: Built)
                 return torch.cat([prompt, torch.tensor([done.tokens], dtype=prompt.dtype, device=prompt.device)], 1)
             return inference.generate(
                 template,
-                params,
+                parallel.gather(params) if sharded and built.stages is None else params,
                 prompt,
                 n,
                 temperature=sample.temperature,

@@ -14,14 +14,16 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from functrain import functional, rng
+from functrain import functional, parallel, rng
 from functrain.generation import CachedModel
 from functrain.generation.kv_cache import KVCache, cached
 from functrain.models.hf.model import HFModel, HFModelError, decoder_layers, init_params
+from functrain.models.hf.model import stages as hf_stages
 from functrain.models.hf.probe import PROBE_RTOL, probe_subject, relative_error
 from functrain.models.inference import staged_forward
 from functrain.models.stages import LMStages
@@ -35,7 +37,7 @@ def cached_model(
     probe: HFModel | None = None,
     stages: LMStages | None = None,
     head: str | None = None,
-    tp_stages: LMStages | None = None,
+    tp_model: HFModel | None = None,
     tp_size: int = 1,
 ) -> CachedModel:
     """`model` (a transformers causal LM) as a `generation.CachedModel`, once a probe shows its cache is exact.
@@ -51,15 +53,16 @@ def cached_model(
       stages: `model`'s stages (`hf.stages`), to decode from sharded params a stage at a time; None: from plain
         params only.
       head: the output projection's weight name, with `stages`.
-      tp_stages: the stages of its tensor-parallel copy (`parallel.tensor_parallel` with `tp_rules`, a tp axis of
-        `tp_size` > 1): sharded params then decode on each rank's own heads, each stage gathered over the
-        data-parallel axes only, the cache holding the rank's kv heads.
-      tp_size: the tp axis' size, with `tp_stages`.
+      tp_model: its tensor-parallel copy (`parallel.tensor_parallel` with `tp_rules`, with its buffers) on a tp
+        axis of `tp_size` > 1: sharded params then decode on each rank's own heads through the copy's stages (or
+        its whole forward, without `stages`), gathered over the data-parallel axes only, the cache holding the
+        rank's kv heads.
+      tp_size: the tp axis' size, with `tp_model`.
 
     Returns:
       The `CachedModel`: `forward(params, idx, view)` is the model's own forward with a `transformers.Cache` over
       the view's `KVCache`; its block is the config's `max_position_embeddings` (or `n_positions`); with `stages`,
-      its `sharded_forward` runs them (or `tp_stages`) on that cache, each gathered just before it runs.
+      its `sharded_forward` runs them on that cache, each gathered just before it runs (with `tp_model`: its own).
 
     Raises:
       HFModelError: the model's attention does not go through a `Cache` of one key/value shape per layer, or its
@@ -85,17 +88,24 @@ def cached_model(
     if not block:
         raise HFModelError(f"{config.model_type}: its config names no longest sequence (max_position_embeddings)")
     out = CachedModel(_forward(model, layers, logits=True), (layers, *shape), int(block))
+    if tp_model is not None:  # each rank its own heads, and its own kv heads in its cache
+        heads = shape[0] // tp_size
+        return out._replace(sharded_forward=_on_heads(tp_model, layers, stages, head), sharded_kv_heads=heads)
     if stages is None or head is None:
         return out
-    staged, slot_layer = (
-        staged_forward(stages if tp_stages is None else tp_stages, head, tp=tp_stages is not None),
-        _slot_layer(),
-    )
-    heads = shape[0] // tp_size if tp_stages is not None else None
-    return out._replace(
-        sharded_forward=lambda p, idx, view: staged(p, idx, CacheInputs.of(view, layers, slot_layer)),
-        sharded_kv_heads=heads,
-    )
+    staged, slot_layer = staged_forward(stages, head), _slot_layer()
+    return out._replace(sharded_forward=lambda p, idx, view: staged(p, idx, CacheInputs.of(view, layers, slot_layer)))
+
+
+def _on_heads(tp_model: HFModel, layers: int, stages: LMStages | None, head: str | None) -> Callable:
+    """The sharded forward of the tensor-parallel copy `tp_model`: its stages (where the model has `stages`) or its
+    whole forward, on params gathered over the data-parallel axes only (`Layout.gather`: this rank's heads)."""
+    slot_layer = _slot_layer()
+    if stages is None or head is None:
+        whole = _forward(tp_model, layers, logits=True)
+        return lambda p, idx, view: whole(parallel.layout_of(p).gather(p), idx, view)
+    staged = staged_forward(hf_stages(tp_model), head, tp=True)
+    return lambda p, idx, view: staged(p, idx, CacheInputs.of(view, layers, slot_layer))
 
 
 class CacheInputs(NamedTuple):

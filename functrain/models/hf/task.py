@@ -59,8 +59,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         model = with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = run_loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
         st = hf_lib.stages(template) if staged else None
-        tp = hf_lib.stages(model) if staged and ctx.tp_world > 1 else None  # (sharded: decoding on the rank's heads)
-        cached = _cached(template, base, st, tp, ctx)
+        cached = _cached(template, base, st, model if ctx.tp_world > 1 else None, ctx)  # (tp: the rank's heads)
         return decoder.Built(model, loss_fn, st, hf_lib.eval_logits(template), seq, cached)
 
     spec = decoder.ModelSpec(
@@ -89,12 +88,12 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         raise config_checks.ConfigError(f"model.path: {exc}") from None
 
 
-def _cached(template, base, st, tp, ctx: parallel.ParallelContext) -> generation.CachedModel | None:
-    """The model through a KV cache (sharded params: its stages `st`, or its tensor-parallel copy's `tp`, when
-    staged), or None (with a note line) where its probe refuses it: generation recomputes."""
+def _cached(template, base, st, tp_model, ctx: parallel.ParallelContext) -> generation.CachedModel | None:
+    """The model through a KV cache (sharded params: its stages `st` when staged; on a tp axis its tensor-parallel
+    copy `tp_model`), or None (with a note line) where its probe refuses it: generation recomputes."""
     head = hf_lib.head_name(template)
     try:
-        return cached_model(template, probe=base, stages=st, head=head, tp_stages=tp, tp_size=ctx.tp_world)
+        return cached_model(template, probe=base, stages=st, head=head, tp_model=tp_model, tp_size=ctx.tp_world)
     except hf_lib.HFModelError as exc:
         if ctx.is_main_process:
             print(f"functrain: note: {exc}; it generates without a KV cache", file=sys.stderr, flush=True)
