@@ -79,7 +79,7 @@ def _update_ok(grad_norm: torch.Tensor, metrics: dict) -> torch.Tensor:
     return ok
 
 
-def _apply_to_group(optimizer: optim.Transform, lay: Layout, params, grads, opt_state, norm, ok):  # noqa: PLR0913
+def _apply_to_group(optimizer: optim.Transform, lay: Layout, params, grads, opt_state, norm, ok):
     """The update math of one group of params, the whole tree or a block: `(params, opt_state, update norm)`.
 
     The optimizer on `grads` (its global-norm transforms read `norm`), the updates applied; where `ok` is a tensor
