@@ -7,7 +7,7 @@ import pytest
 import torch
 from _tol import assert_close, rtol
 
-from functrain import functional, rng
+from functrain import functional, generation, rng
 from functrain.generation import GenerationError, Generator, Sampling
 from functrain.interop.hf import save_hf_directory
 from functrain.models import gpt, inference, llama
@@ -259,6 +259,30 @@ def test_stops_at_any_eos_id_and_at_the_stop_rule():
     [[ruled]] = gen(params, PROMPTS[:1], 16, stop=lambda i, new: len(new) == 3)
     assert ruled.tokens == free.tokens[:3] and ruled.finish_reason == "stop"
     assert free.finish_reason == "length" and len(free.tokens) == 16
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_eager_decoding_runs_no_forward_past_the_last_token(k):
+    """Eagerly (as sharded params decode) the forward of a call's last token waits until the run goes on, and the
+    last call runs only the steps left: the prompt's forward, then one per new token but the last, whether the run
+    ends at `max_new_tokens` or at an EOS id; the same tokens as the compiled route, which runs every forward."""
+    template, _, params = _gpt()
+    cached = generation.CachedModel.of(template)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return cached.forward(*args)
+
+    gen = Generator(cached._replace(forward=counted), batch_size=1, compile=False, tokens_per_call=k)
+    [[free]] = gen(params, PROMPTS[:1], 16)
+    assert len(calls) == 1 + 15
+    calls.clear()
+    [[stopped]] = gen(params, PROMPTS[:1], 16, eos_ids=[free.tokens[6]])
+    first = free.tokens.index(free.tokens[6])  # (k=3: a call runs its steps past a stop inside it)
+    assert stopped.tokens == free.tokens[: first + 1] and len(calls) == 1 + first + (k - 1 - first % k)
+    [[compiled_route]] = Generator.of(template, batch_size=1, compile=True, tokens_per_call=4)(params, PROMPTS[:1], 16)
+    assert compiled_route.tokens == free.tokens
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(0.9, top_k=40, top_p=0.95, min_p=0.01)])

@@ -372,12 +372,20 @@ class Generator:
             keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
         cache = self._cache_for(device, asked.sharded)
         forward = self.model.sharded_forward if asked.sharded else self.model.forward
+        eager = asked.sharded or not self.compile
         decode, k = (_decode, 1) if asked.sharded else (self._decode, self.tokens_per_call)
         logits = self._prefill(length, asked.sharded)(forward, params, cache, idx, pads)  # (B, V): after each prompt
         warp, new = _Warp.of(asked.sampling, device), [_Completing() for _ in rows]
+        pending = None  # eager: the previous call's last token, run only once the run goes on
         for t in range(0, max_new, k):
             slot, index = torch.tensor(length + t, device=device), torch.tensor(t, device=device)  # (the first step's)
-            tokens, logprobs, logits = decode(forward, params, cache, logits, pads, slot, keys, index, warp, k)
+            if pending is not None:
+                logits = _advance(forward, params, cache, pads, slot - 1, pending)
+            steps = min(k, max_new - t) if eager else k  # (a graph keeps its one `k`)
+            tokens, logprobs, logits = decode(
+                forward, params, cache, logits, pads, slot, keys, index, warp, steps, not eager
+            )
+            pending = tokens[:, -1] if eager else None
             for b, (toks, lps) in enumerate(zip(tokens.tolist()[: len(rows)], logprobs.tolist())):
                 for tok, lp in zip(toks[: max_new - t], lps):
                     if not new[b].finish:
@@ -413,19 +421,24 @@ def _prefill(forward, params, cache: KVCache, idx: torch.Tensor, pads: torch.Ten
     return forward(params, idx, cached(cache, pads, slots))[:, -1].float().contiguous()  # (B, V): one layout
 
 
-def _decode(forward, params, cache: KVCache, logits, pads, slot, keys, t, warp: _Warp, k: int):  # noqa: PLR0913
+def _decode(forward, params, cache: KVCache, logits, pads, slot, keys, t, warp: _Warp, k: int, last: bool = True):  # noqa: PLR0913
     """`k` decode steps: each row's next token picked from `logits` (drawn as new token `t + j`), run through the
-    cache at `slot + j` (0-d tensors: no recompile; at most the last slot, which only steps past every
-    request's last token reach), giving the next logits. Returns tokens (B, k), log-probs (B, k), logits (B, V)."""
-    last = cache.keys[0].shape[2] - 1
+    cache at `slot + j` (0-d tensors: no recompile), giving the next logits; `last=False` leaves the last token
+    unrun (logits None). Returns tokens (B, k), log-probs (B, k), logits (B, V)."""
     tokens, logprobs = [], []
     for j in range(k):
         token, logprob = _pick(logits, keys, t + j, warp)  # (B,) each
         tokens.append(token)
         logprobs.append(logprob)
-        view = cached(cache, pads, (slot + j).clamp(max=last)[None])
-        logits = forward(params, token[:, None], view)[:, -1].float()  # (B, V)
+        logits = _advance(forward, params, cache, pads, slot + j, token) if last or j < k - 1 else None
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), logits
+
+
+def _advance(forward, params, cache: KVCache, pads, slot, token):
+    """`token` (B,) run through the cache at `slot` (at most the last slot, which only steps past every request's
+    last token reach): the next logits (B, V)."""
+    view = cached(cache, pads, slot.clamp(max=cache.keys[0].shape[2] - 1)[None])
+    return forward(params, token[:, None], view)[:, -1].float()  # (B, V)
 
 
 def request_keys(key: torch.Tensor, requests: Sequence[tuple[int, int]]) -> torch.Tensor:
