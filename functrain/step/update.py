@@ -98,14 +98,23 @@ def _apply_to_group(optimizer: optim.Transform, lay: Layout, params, grads, opt_
     return new_params, new_opt, unorm
 
 
-def _close_update(state: TrainState, ok, prec: precision_lib.Precision, metrics: dict) -> tuple[torch.Tensor, Guard]:
-    """The one epilogue of every update route: `(step + 1, the guard after the step)`; with skipping on (`ok` a
-    tensor) the skip counters (and the fp16 scale this step used) go into `metrics`.
+def _finish(state: TrainState, metrics: dict, ok, prec: precision_lib.Precision, optimizer, lay: Layout, **new):
+    """The one epilogue of every update route: `(state with the fields in `new`, step + 1 and the guard after the
+    step, metrics)`. With skipping on (`ok` a tensor) the skip counters (and the fp16 scale this step used) go into
+    `metrics`, and a new `model_state` is kept only where the update was applied; the optimizer's reported values
+    (e.g. the learning rate) are copied, as a donated state's buffers are overwritten by the next step.
 
     Example:
-      >>> step, guard = _close_update(state, ok, prec, metrics)
+      >>> return _finish(state, metrics, ok, prec, optimizer, lay, params=params, opt_state=opt_state)
     """
-    return state.step + 1, (state.guard if ok is None else _guard_after(state.guard, ok, prec, metrics))
+    guard = state.guard if ok is None else _guard_after(state.guard, ok, prec, metrics)
+    metrics.update({k: v.clone() for k, v in optim.report(optimizer, new["opt_state"]).items()})
+    model_state = new.pop("model_state", None)
+    if model_state is None:
+        model_state = state.model_state
+    elif ok is not None:  # non-finite: the old model state too
+        model_state = lay.select(ok, model_state, state.model_state)
+    return state._replace(step=state.step + 1, guard=guard, model_state=model_state, **new), metrics
 
 
 def _guard_after(guard: Guard, ok: torch.Tensor, prec: precision_lib.Precision, metrics: dict) -> Guard:
@@ -184,12 +193,9 @@ def apply_gradients(
     params, opt_state, metrics[M.UPDATE_NORM] = _apply_to_group(
         optimizer, lay, state.params, grads, state.opt_state, grad_norm, ok
     )
-    model_state = state.model_state if model_state is None else model_state
-    if ok is not None:  # non-finite: the old model state too
-        model_state = lay.select(ok, model_state, state.model_state)
-    step, guard = _close_update(state, ok, prec, metrics)
-    metrics.update(optim.report(optimizer, opt_state))  # e.g. the learning rate this update used
-    return state._replace(params=params, opt_state=opt_state, step=step, guard=guard, model_state=model_state), metrics
+    return _finish(
+        state, metrics, ok, prec, optimizer, lay, params=params, opt_state=opt_state, model_state=model_state
+    )
 
 
 def fused_in_place(
@@ -236,10 +242,9 @@ def fused_in_place(
         return None
     if before is not None:
         metrics[M.UPDATE_NORM] = LOCAL.global_norm(foreach.sub(tree_lib.leaves(state.params), before))
-    step, guard = _close_update(state, ok if guarded else None, prec, metrics)
-    metrics.update(optim.report(optimizer, opt_state))
-    model_state = state.model_state if model_state is None else LOCAL.select(ok, model_state, state.model_state)
-    new = state._replace(opt_state=opt_state, step=step, guard=guard, model_state=model_state)
+    new, metrics = _finish(
+        state, metrics, ok if guarded else None, prec, optimizer, LOCAL, opt_state=opt_state, model_state=model_state
+    )
     return LOCAL.write_into(state, new), metrics  # (the counters; params and moments changed in place)
 
 
@@ -622,16 +627,6 @@ def grouped_update(  # noqa: C901
         lay.write_into((params, [o for o, _ in moments]), (new_params, [n for _, n in moments]))
         return params, spec.unflatten([o if d else n for o, n, d in zip(old, new, split.dicts)])
 
-    def epilogue(state: TrainState, old_shared: list, new_shared: list, squares: list, metrics: dict, ok):
-        """Update norm, skip guard and step counter; the shared optimizer leaves written back."""
-        metrics = dict(metrics)
-        metrics[M.UPDATE_NORM] = torch.stack(squares).sum().sqrt()
-        step, guard = _close_update(state, ok, prec, metrics)
-        if donate:
-            new_shared = lay.write_into(old_shared, new_shared)
-            step, guard = lay.write_into((state.step, state.guard), (step, guard))
-        return step, guard, new_shared, metrics
-
     # Only the update is compiled, and with `exact_norms` the norm: the other phases are a few fused kernels
     # (a foreach norm per group) and 0-d arithmetic, which cost a graph's compile (~6 s each here) and gain
     # nothing from one; the norm's bits are the whole-tree update's only when compiled as it compiles them.
@@ -665,14 +660,17 @@ def grouped_update(  # noqa: C901
             params.update({n: p[a] for n, a in zip(g.names, g.as_names)})
             parts.append(o)
             usq.append(u)
-        new_shared = split.shared(split.nodes(parts[0]))  # every group computed the same ones
-        step, guard, shared, metrics = epilogue(state, split.shared(nodes), new_shared, usq, metrics, ok)
+        metrics[M.UPDATE_NORM] = torch.stack(usq).sum().sqrt()
+        shared = split.shared(split.nodes(parts[0]))  # every group computed the same ones
+        if donate:
+            shared = lay.write_into(split.shared(nodes), shared)
         opt_state = split.merge(nodes, spec, parts, groups, shared)
         params = {n: params[n] for n in state.params}  # the input's key order
-        # reported values (e.g. the learning rate) are copied: with donation the state's buffers
-        # are overwritten by the next step
-        metrics.update({k: v.clone() for k, v in optim.report(optimizer, opt_state).items()})
-        return state._replace(params=params, opt_state=opt_state, step=step, guard=guard), metrics
+        new, metrics = _finish(state, metrics, ok, prec, optimizer, lay, params=params, opt_state=opt_state)
+        if donate:
+            lay.write_into((state.step, state.guard), (new.step, new.guard))
+            new = new._replace(step=state.step, guard=state.guard)
+        return new, metrics
 
     return update
 
