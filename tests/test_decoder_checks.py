@@ -55,3 +55,10 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused():
     assert lm_data.check_vocab(None, 256, "fix") == 256  # bytes
     with pytest.raises(data_lib.DataError, match=r"^the byte tokenizer: the tokenizer has 256 ids but the model only"):
         lm_data.check_vocab(None, 100, "use the model's own tokenizer")
+
+
+def test_a_model_vocabulary_smaller_than_the_data_is_refused():
+    assert decoder.vocab_of(0, 50257) == 50257  # 0: the data's
+    assert decoder.vocab_of(50304, 50257) == 50304  # padded up, as nanoGPT does
+    with pytest.raises(config_checks.ConfigError, match=r"^model.vocab_size=100 is smaller than the data's vocabulary"):
+        decoder.vocab_of(100, 256)

@@ -3,6 +3,9 @@ the recompute path, and itself under other batchings; its compile contract and i
 
 from __future__ import annotations
 
+import re
+import types
+
 import pytest
 import torch
 from _tol import assert_close, rtol
@@ -168,10 +171,10 @@ def test_stage_at_a_time_forwards_decode_as_the_whole_forward(tmp_path):
 
 
 @pytest.mark.parametrize("whole", [True, False])
-def test_hf_cache_probe_refuses_a_cache_that_differs(tmp_path, monkeypatch, whole):
+def test_hf_cache_probe_refuses_a_cache_that_differs(tmp_path, monkeypatch, capsys, whole):
     """The probe at build time (on the whole model, or on its first two layers as for a large one): a slot cache
     whose query offset is wrong (the masks see slot 0 for every new token) differs from the plain forward, and
-    `cached_model` refuses it in one line."""
+    `cached_model` refuses it in one line; a run's `run_cache` then says so in one note line and recomputes."""
     from functrain.models import hf
     from functrain.models.hf import cache, probe
 
@@ -190,6 +193,11 @@ def test_hf_cache_probe_refuses_a_cache_that_differs(tmp_path, monkeypatch, whol
     with pytest.raises(hf.HFModelError, match=r"llama: its forward through a KV cache differs from its plain") as e:
         hf.cached_model(template)
     assert "\n" not in str(e.value)
+    run = types.SimpleNamespace(tp_world=1, is_main_process=True)  # a run on one process
+    assert hf.run_cache(run, template, template, None, None) is None  # the run recomputes, and says so:
+    assert re.fullmatch(
+        r"functrain: note: llama: its forward through a KV cache differs.*without a KV cache\n", capsys.readouterr().err
+    )
 
 
 @pytest.mark.slow

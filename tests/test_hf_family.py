@@ -230,13 +230,11 @@ def test_weights_read_from_a_directory_export_back_bit_for_bit_and_load_in_trans
 
 
 def test_a_mesh_axis_or_plan_the_family_cannot_split_is_one_line(tmp_path):
-    from functrain.models.hf import task
-
     class Ctx:  # a context as a 2-rank cp mesh would give (no mesh is made)
         tp_world, cp_world, pp_world = 1, 2, 1
 
     with pytest.raises(config_checks.ConfigError, match="mesh.cp=2: the hf family .* has no context parallelism yet"):
-        task.refuse_axes(Ctx, "qwen2")
+        hf.refuse_axes(Ctx, "qwen2")
     for arch, why in (("gpt2", "has no tensor-parallel plan"), ("phi3", "colwise_gather_output")):
         with pytest.raises(hf.HFModelError, match=why):
             hf.tp_rules(hf.build_template(hf.load_config(_dir(tmp_path, arch))))

@@ -35,6 +35,7 @@ __all__ = [
     "model_config",
     "open_directory",
     "task",
+    "vocab_of",
 ]
 
 
@@ -220,6 +221,23 @@ def model_config(cls: type, keys: Any, vocab: int) -> Any:
         return cls(vocab_size=vocab, **fields)
     except ValueError as exc:
         raise config_checks.ConfigError(f"model: {exc} (--config.model.*)") from None
+
+
+def vocab_of(model_vocab: int, data_vocab: int) -> int:
+    """A model's vocabulary over data of `data_vocab` ids: `model_vocab`, or the data's when 0.
+
+    Raises:
+      ConfigError: `model_vocab` is smaller than the data's (its ids would index past the embedding).
+
+    Example:
+      >>> cfg = decoder.model_config(GPTConfig, config.model, decoder.vocab_of(config.model.vocab_size, 50257))
+    """
+    if model_vocab and model_vocab < data_vocab:
+        raise config_checks.ConfigError(
+            f"model.vocab_size={model_vocab} is smaller than the data's vocabulary ({data_vocab}); set "
+            "model.vocab_size=0 to take it from the data (--config.model.vocab_size)"
+        )
+    return model_vocab or data_vocab
 
 
 def check_heads(ctx: parallel.ParallelContext, heads: dict[str, int], fix: str) -> None:

@@ -1,5 +1,6 @@
 """How a decoder family's model is cut into stages (remat, per-block FSDP gathers, pipelines, stage-by-stage
-compiles), initialized block by block, and split over the sequence (context parallelism).
+compiles), runs its blocks with their dropout keys, is initialized block by block, and split over the sequence
+(context parallelism).
 
 Internals: docs/internals.md "functrain.models.stages".
 
@@ -15,11 +16,16 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from functrain import config_checks, parallel
+from functrain import config_checks, functional, parallel, rng
 from functrain.step.staged import Stage
 
 __all__ = [
     "LMStages",
+    "block_stages",
+    "dropout_key",
+    "norm_stage",
+    "run_blocks",
+    "site_key",
     "context_model",
     "init_blocks",
     "repeated_stages",
@@ -35,6 +41,79 @@ class LMStages(NamedTuple):
     embed: Stage  # fn(p, idx, key, packed=None) -> (B, T, C)
     blocks: list[Stage]  # blocks[i].fn(p, h, key, packed=None) -> (B, T, C)
     final: Stage  # fn(p, h, key) -> (B, T, C): the final norm
+
+
+# Dropout sites of a decoder family: 0 is the embedding; block i uses 1 + 2i (attention output), 2 + 2i (MLP output).
+def site_key(key: torch.Tensor | None, site: int | torch.Tensor) -> torch.Tensor | None:
+    """The dropout key of one site (`rng.fold_in(key, site)`), or None when dropout is off.
+
+    Example:
+      >>> x = rng.dropout(x, cfg.dropout, site_key(key, 0))   # the embedding's dropout
+    """
+    return None if key is None else rng.fold_in(key, site)
+
+
+def dropout_key(dropout: float, key: torch.Tensor | None) -> torch.Tensor | None:
+    """The key a forward draws its dropout masks from: None when the model has no dropout (`dropout == 0`).
+
+    Example:
+      >>> key = dropout_key(cfg.dropout, key)
+    """
+    return None if dropout == 0.0 else key
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, key: torch.Tensor | None, packed=None) -> torch.Tensor:
+    """`x` through every block, block i called as `block(x, attn_key, mlp_key, layer)` with its sites' keys.
+
+    Args:
+      blocks: the model's blocks.
+      x: (B, T, C) hidden states.
+      key: the forward's dropout key (`dropout_key`), or None.
+      packed: packed rows' `models.lm.Packed`, or a KV cache's view: each block gets its `packed.layer(i)`.
+
+    Returns:
+      (B, T, C).
+
+    Example:
+      >>> x = run_blocks(self.layers, x, dropout_key(cfg.dropout, key), packed)
+    """
+    for i, block in enumerate(blocks):
+        layer = None if packed is None else packed.layer(i)  # (a KV cache: the block's own)
+        x = block(x, site_key(key, 1 + 2 * i), site_key(key, 2 + 2 * i), layer)  # (B, T, C)
+    return x
+
+
+def block_stages(model: nn.Module, container: str, dropout: float) -> list[Stage]:
+    """`repeated_stages` of blocks called as `run_blocks` calls them: block i's stage draws dropout at sites
+    1 + 2i and 2 + 2i (`i` an int or a 0-d tensor), so the stages compute what the forward computes.
+
+    Args:
+      model: the (meta-device) model.
+      container: the attribute holding the blocks (e.g. "layers").
+      dropout: the model's dropout probability.
+
+    Returns:
+      The block stages, `fn(p, h, key, packed=None)`.
+
+    Example:
+      >>> blocks = block_stages(template, "layers", cfg.dropout)
+    """
+
+    def block(module, own, h, key, i, packed=None):
+        """Block i's stage: dropout sites 1 + 2i and 2 + 2i; `packed`: the rows' documents."""
+        key = dropout_key(dropout, key)
+        return functional.apply(module, own, h, site_key(key, 1 + 2 * i), site_key(key, 2 + 2 * i), packed)
+
+    return repeated_stages(model, container, block)
+
+
+def norm_stage(model: nn.Module, prefix: str) -> Stage:
+    """The final norm's stage (the submodule under `prefix`, e.g. "norm."): `fn(p, h, key) -> (B, T, C)`.
+
+    Example:
+      >>> final = norm_stage(template, "ln_f.")
+    """
+    return submodule_stage(model, prefix, lambda module, own, h, key: functional.apply(module, own, h))
 
 
 def submodule_stage(model: nn.Module, prefix: str, fn: Callable) -> Stage:

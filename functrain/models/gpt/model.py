@@ -22,9 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops.layers.torch import Rearrange
 
-from functrain import functional, ops, rng
+from functrain import ops, rng
+from functrain.models import stages as stages_lib
 from functrain.models.lm import lm_hidden, lm_loss, make_lm_loss_fn
-from functrain.models.stages import LMStages, init_blocks, repeated_stages, submodule_stage
+from functrain.models.stages import LMStages, init_blocks
 from functrain.step.staged import Stage
 
 __all__ = [
@@ -75,17 +76,6 @@ class GPTConfig:
             )
 
 
-# Dropout sites: 0 is the embedding; block i uses 1 + 2 i (attention output) and 2 + 2 i (MLP output).
-def _site_key(key: torch.Tensor | None, site: int) -> torch.Tensor | None:
-    """The dropout key of one site, or None when dropout is off."""
-    return None if key is None else rng.fold_in(key, site)
-
-
-def _dropout_key(cfg: GPTConfig, key: torch.Tensor | None) -> torch.Tensor | None:
-    """The key the forward draws dropout masks from: None when the model has no dropout."""
-    return None if cfg.dropout == 0.0 else key
-
-
 def _embed(
     cfg: GPTConfig,
     wte: torch.Tensor,
@@ -109,7 +99,7 @@ def _embed(
     else:  # wpe whole, or (on a mesh) this rank's rows of it: the rows at its global positions
         pe = context.position_rows(wpe, cfg.block_size, t)  # (T, C): this rank's T tokens
     x = ops.embedding(wte, idx) + pe  # (B, T, C)
-    return rng.dropout(x, cfg.dropout, _site_key(key, 0))
+    return rng.dropout(x, cfg.dropout, stages_lib.site_key(key, 0))
 
 
 class Embedding(nn.Embedding):
@@ -235,13 +225,10 @@ class GPT(nn.Module):
         `ln_f` with `return_hidden=True` (for losses that apply the tied head themselves); `packed`
         (`models.lm.packed(positions)`): rows of several documents, each seeing only itself; or a
         `generation.kv_cache.Cached` view: the new tokens of rows whose earlier keys and values are cached."""
-        dropout_key = _dropout_key(self.cfg, dropout_key)
+        key = stages_lib.dropout_key(self.cfg.dropout, dropout_key)
         positions = None if packed is None else packed.positions
-        x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, dropout_key, self.context, positions)  # (B, T, C)
-        for i, block in enumerate(self.blocks):
-            layer = None if packed is None else packed.layer(i)  # (a KV cache: the block's own)
-            x = block(x, _site_key(dropout_key, 1 + 2 * i), _site_key(dropout_key, 2 + 2 * i), layer)
-        x = self.ln_f(x)  # (B, T, C)
+        x = _embed(self.cfg, self.wte.weight, self.wpe.weight, idx, key, self.context, positions)  # (B, T, C)
+        x = self.ln_f(stages_lib.run_blocks(self.blocks, x, key, packed))  # (B, T, C)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
 
@@ -276,18 +263,14 @@ def stages(model: GPT) -> GPTStages:
     def embed(p, idx, key, packed=None):
         """Token ids (B, T) -> embeddings (B, T, C), dropout site 0 (the forward's `_embed`)."""
         positions = None if packed is None else packed.positions
-        return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, _dropout_key(cfg, key), model.context, positions)
-
-    def block(module, own, h, key, i, packed=None):
-        """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i and 2 + 2i (the forward's `Block`)."""
-        key = _dropout_key(cfg, key)
-        return functional.apply(module, own, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), packed)
+        key = stages_lib.dropout_key(cfg.dropout, key)
+        return _embed(cfg, p["wte.weight"], p["wpe.weight"], idx, key, model.context, positions)
 
     names = tuple(n for n, _ in model.named_parameters() if n.startswith(("wte.", "wpe.")))
     return GPTStages(
         embed=Stage(names, embed, rows=("wpe.weight",)),  # looked up at the tokens' positions only
-        blocks=repeated_stages(model, "blocks", block),
-        final=submodule_stage(model, "ln_f.", lambda module, own, h, key: functional.apply(module, own, h)),
+        blocks=stages_lib.block_stages(model, "blocks", cfg.dropout),
+        final=stages_lib.norm_stage(model, "ln_f."),
     )
 
 

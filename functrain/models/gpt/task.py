@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from functrain import config_checks, parallel
 from functrain import data as data_lib
+from functrain import parallel
 from functrain.interop.hf import save_hf_directory
 from functrain.models import decoder, lm_data
 from functrain.models.gpt import model as gpt_lib
@@ -35,12 +35,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
     decoder.check_heads(ctx, {"model.n_head": m.n_head}, "change --config.model.n_head or --config.mesh.tp")
     place, batching = lm_data.placement(config, ctx, workdir), data_lib.Batching.of(config, m.block_size)
     dataset = data_lib.run_data(config.data, place, batching, vocab_size=m.vocab_size or None)
-    cfg = decoder.model_config(gpt_lib.GPTConfig, m, m.vocab_size or dataset.vocab_size)
-    if cfg.vocab_size < dataset.vocab_size:
-        raise config_checks.ConfigError(
-            f"model.vocab_size={cfg.vocab_size} is smaller than the data's vocabulary ({dataset.vocab_size}); set "
-            "model.vocab_size=0 to take it from the data (--config.model.vocab_size)"
-        )
+    cfg = decoder.model_config(gpt_lib.GPTConfig, m, decoder.vocab_of(m.vocab_size, dataset.vocab_size))
     with torch.device("meta"):
         base = gpt_lib.GPT(cfg)  # shapes only; the state holds the real tensors
     spec = decoder.ModelSpec(

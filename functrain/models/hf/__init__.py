@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain.models.hf.cache import cached_model
+    from functrain.models.hf.cache import cached_model, run_cache
     from functrain.models.hf.export import export_directory, persistent_buffers
     from functrain.models.hf.loss import make_loss_fn, run_loss
     from functrain.models.hf.model import (
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the public names; at run time each loads on first use (func
         head_name,
         init_params,
         load_config,
+        refuse_axes,
         stages,
         tp_rules,
     )

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,13 +23,38 @@ import torch
 from functrain import functional, parallel, rng
 from functrain.generation import CachedModel
 from functrain.generation.kv_cache import KVCache, cached
-from functrain.models.hf.model import HFModel, HFModelError, decoder_layers, init_params
+from functrain.models.hf.model import HFModel, HFModelError, decoder_layers, head_name, init_params
 from functrain.models.hf.model import stages as hf_stages
 from functrain.models.hf.probe import PROBE_RTOL, probe_subject, relative_error
 from functrain.models.inference import staged_forward
 from functrain.models.stages import LMStages
 
-__all__ = ["CacheInputs", "cached_model"]
+__all__ = ["CacheInputs", "cached_model", "run_cache"]
+
+
+def run_cache(ctx: Any, template: HFModel, base: HFModel, stages: LMStages | None, tp_model: HFModel | None):
+    """A run's `cached_model` of `template`, or None with one note line where its probe refuses the type (the run
+    then generates by recomputing: never silently).
+
+    Args:
+      ctx: the parallel context (`tp_world`; the main process prints the note).
+      template: the run's template (with its adapters); base: the plain model it was made from (the probe's).
+      stages: `template`'s stages where the loss is staged (sharded params decode a stage at a time), else None.
+      tp_model: its tensor-parallel copy on a tp axis (each rank decodes its own heads), else None.
+
+    Returns:
+      The `CachedModel`, or None.
+
+    Example:
+      >>> cached = run_cache(ctx, template, base, hf.stages(template), None)
+    """
+    head = head_name(template)
+    try:
+        return cached_model(template, probe=base, stages=stages, head=head, tp_model=tp_model, tp_size=ctx.tp_world)
+    except HFModelError as exc:
+        if ctx.is_main_process:
+            print(f"functrain: note: {exc}; it generates without a KV cache", file=sys.stderr, flush=True)
+        return None
 
 
 def cached_model(

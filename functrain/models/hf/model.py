@@ -298,6 +298,26 @@ def tp_rules(model: HFModel) -> list[tuple[str, str]]:
     return rules + [(r".*", "replicate")]
 
 
+def refuse_axes(ctx: Any, model_type: str) -> None:
+    """Refuses, in one line, a mesh axis this family cannot split (the sequence: the attention is transformers').
+
+    Args:
+      ctx: the parallel context (`cp_world` is read).
+      model_type: the config's `model_type`, for the message.
+
+    Raises:
+      ConfigError: a context-parallel axis (`mesh.cp > 1`).
+
+    Example:
+      >>> refuse_axes(ctx, "qwen2")
+    """
+    if ctx.cp_world > 1:
+        raise ConfigError(
+            f"mesh.cp={ctx.cp_world}: the hf family ({model_type}) has no context parallelism yet; "
+            "shard it with FSDP (--config.mesh.dp_shard) and set mesh.cp=1"
+        )
+
+
 def head_name(model: HFModel) -> str:
     """The output projection's weight: `lm_head.weight`, or the input embedding's when they are tied."""
     names = {id(p): n for n, p in model.named_parameters()}

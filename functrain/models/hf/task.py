@@ -11,22 +11,21 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-from functrain import config_checks, generation, parallel
+from functrain import config_checks, parallel
 from functrain.interop.hf import HFError
 from functrain.models import decoder, lm_data
 from functrain.models.hf import model as hf_lib
-from functrain.models.hf.cache import cached_model
+from functrain.models.hf.cache import run_cache
 from functrain.models.hf.export import export_directory
 from functrain.models.hf.loss import run_loss
 from functrain.models.hf.tiny import model_directory
 from functrain.models.hf.weights import read_params, with_buffers
 from functrain.task import Task
 
-__all__ = ["build", "refuse_axes"]
+__all__ = ["build"]
 
 
 def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Task:
@@ -44,7 +43,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         raise config_checks.ConfigError(f"model.path: {exc}") from None
     has_weights = config.model.weights and any(Path(path).glob("*.safetensors"))
     directory, weights = decoder.open_directory(path, "model.path", weights=has_weights)
-    refuse_axes(ctx, hf_config.model_type)
+    hf_lib.refuse_axes(ctx, hf_config.model_type)
     text = lm_data.text_of(config, ctx, workdir, directory, fresh_vocab=hf_config.vocab_size, key="model.path")
     seq, longest = config.model.block_size, getattr(hf_config, "max_position_embeddings", None)
     decoder.check_length(seq, longest or getattr(hf_config, "n_positions", None), directory.path / "config.json")
@@ -59,7 +58,7 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         model = with_buffers(parallel.tensor_parallel(template, ctx.mesh, rules), template)
         loss_fn, staged = run_loss(config, ctx, model, base)  # (the staging probe: the base model's own forward)
         st = hf_lib.stages(template) if staged else None
-        cached = _cached(template, base, st, model if ctx.tp_world > 1 else None, ctx)  # (tp: the rank's heads)
+        cached = run_cache(ctx, template, base, st, model if ctx.tp_world > 1 else None)  # (tp: the rank's heads)
         return decoder.Built(model, loss_fn, st, hf_lib.eval_logits(template), seq, cached)
 
     spec = decoder.ModelSpec(
@@ -86,28 +85,3 @@ def build(config: Any, ctx: parallel.ParallelContext, workdir: str | Path) -> Ta
         return decoder.task(config, ctx, workdir, spec, dataset, facts, build_model)
     except hf_lib.HFModelError as exc:
         raise config_checks.ConfigError(f"model.path: {exc}") from None
-
-
-def _cached(template, base, st, tp_model, ctx: parallel.ParallelContext) -> generation.CachedModel | None:
-    """The model through a KV cache (sharded params: its stages `st` when staged; on a tp axis its tensor-parallel
-    copy `tp_model`), or None (with a note line) where its probe refuses it: generation recomputes."""
-    head = hf_lib.head_name(template)
-    try:
-        return cached_model(template, probe=base, stages=st, head=head, tp_model=tp_model, tp_size=ctx.tp_world)
-    except hf_lib.HFModelError as exc:
-        if ctx.is_main_process:
-            print(f"functrain: note: {exc}; it generates without a KV cache", file=sys.stderr, flush=True)
-        return None
-
-
-def refuse_axes(ctx: parallel.ParallelContext, model_type: str) -> None:
-    """Refuses, in one line, a mesh axis this family cannot split (the sequence: the attention is transformers').
-
-    Example:
-      >>> refuse_axes(ctx, "qwen2")
-    """
-    if ctx.cp_world > 1:
-        raise config_checks.ConfigError(
-            f"mesh.cp={ctx.cp_world}: the hf family ({model_type}) has no context parallelism yet; "
-            "shard it with FSDP (--config.mesh.dp_shard) and set mesh.cp=1"
-        )

@@ -23,9 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops.layers.torch import Rearrange
 
-from functrain import functional, ops, rng
+from functrain import ops, rng
+from functrain.models import stages as stages_lib
 from functrain.models.lm import make_lm_loss_fn
-from functrain.models.stages import LMStages, init_blocks, repeated_stages, submodule_stage
+from functrain.models.stages import LMStages, init_blocks
 from functrain.step.staged import Stage
 
 __all__ = [
@@ -96,16 +97,6 @@ class LlamaConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary embeddings rotate pairs)")
         if not self.intermediate_size:
             self.intermediate_size = 64 * math.ceil(8 * self.n_embd / 3 / 64)
-
-
-def _site_key(key: torch.Tensor | None, site: int) -> torch.Tensor | None:
-    """The dropout key of one site (0: embedding, 1 + 2i: block i's attention, 2 + 2i: its MLP)."""
-    return None if key is None else rng.fold_in(key, site)
-
-
-def _dropout_key(cfg: LlamaConfig, key: torch.Tensor | None) -> torch.Tensor | None:
-    """The key the forward draws dropout masks from: None when the model has no dropout."""
-    return None if cfg.dropout == 0.0 else key
 
 
 class RMSNorm(nn.Module):
@@ -255,7 +246,7 @@ class Llama(nn.Module):
         t = idx.shape[1] * (1 if self.context is None else self.context.world)  # the whole sequence
         if t > self.cfg.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.cfg.block_size}")
-        return rng.dropout(ops.embedding(weight, idx), self.cfg.dropout, _site_key(key, 0))  # (B, T, C)
+        return rng.dropout(ops.embedding(weight, idx), self.cfg.dropout, stages_lib.site_key(key, 0))  # (B, T, C)
 
     def get_output_embeddings(self) -> nn.Linear:
         """The output layer (transformers' name for it: LoRA's "all-linear" leaves it out, as PEFT's)."""
@@ -267,12 +258,9 @@ class Llama(nn.Module):
         """Token ids (B, T) -> logits (B, T, V), or hidden states (B, T, C) with `return_hidden`; `packed`
         (`models.lm.packed(positions)`): rows of several documents, each seeing only itself; or a
         `generation.kv_cache.Cached` view: the new tokens of rows whose earlier keys and values are cached."""
-        key = _dropout_key(self.cfg, dropout_key)
+        key = stages_lib.dropout_key(self.cfg.dropout, dropout_key)
         x = self.embed(self.embed_tokens.weight, idx, key)  # (B, T, C)
-        for i, block in enumerate(self.layers):
-            layer = None if packed is None else packed.layer(i)  # (a KV cache: the block's own)
-            x = block(x, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), layer)
-        x = self.norm(x)  # (B, T, C)
+        x = self.norm(stages_lib.run_blocks(self.layers, x, key, packed))  # (B, T, C)
         return x if return_hidden else self.lm_head(x)  # (B, T, V)
 
 
@@ -297,17 +285,12 @@ def stages(model: Llama) -> LMStages:
 
     def embed(p, idx, key, packed=None):
         """Token ids (B, T) -> embeddings (B, T, C) (positions enter in the attention)."""
-        return model.embed(p["embed_tokens.weight"], idx, _dropout_key(cfg, key))
-
-    def block(module, own, h, key, i, packed=None):
-        """Block i's stage (`i` an int or a 0-d tensor): dropout sites 1 + 2i, 2 + 2i; `packed`: the rows' documents."""
-        key = _dropout_key(cfg, key)
-        return functional.apply(module, own, h, _site_key(key, 1 + 2 * i), _site_key(key, 2 + 2 * i), packed)
+        return model.embed(p["embed_tokens.weight"], idx, stages_lib.dropout_key(cfg.dropout, key))
 
     return LMStages(
         embed=Stage(("embed_tokens.weight",), embed),
-        blocks=repeated_stages(model, "layers", block),
-        final=submodule_stage(model, "norm.", lambda module, own, h, key: functional.apply(module, own, h)),
+        blocks=stages_lib.block_stages(model, "layers", cfg.dropout),
+        final=stages_lib.norm_stage(model, "norm."),
     )
 
 
