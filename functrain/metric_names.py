@@ -19,6 +19,12 @@ __all__ = [
     "CONSECUTIVE_SKIPS",
     "SKIPPED_TOTAL",
     "LOSS_SCALE",
+    "REWARDS_CHOSEN",
+    "REWARDS_REJECTED",
+    "REWARDS_ACCURACIES",
+    "REWARDS_MARGINS",
+    "LOGPS_CHOSEN",
+    "LOGPS_REJECTED",
     "TARGETS",
     "TARGETS_PER_S",
     "VAL_LOSS",
@@ -44,6 +50,14 @@ SKIPPED = "skipped"  # 1.0 when this step's update was skipped (non-finite loss 
 CONSECUTIVE_SKIPS = "consecutive_skips"  # updates skipped in a row up to this step
 SKIPPED_TOTAL = "skipped_total"  # updates skipped since the start of the run
 LOSS_SCALE = "loss_scale"  # the fp16 dynamic loss scale this step used
+
+# From a preference objective's loss (`functrain.preference`; TRL's names): means over the step's pairs.
+REWARDS_CHOSEN = "rewards/chosen"  # beta * (log pi - log pi_ref) of the chosen completions
+REWARDS_REJECTED = "rewards/rejected"  # ... of the rejected ones
+REWARDS_ACCURACIES = "rewards/accuracies"  # the share of pairs whose chosen reward exceeds the rejected one's
+REWARDS_MARGINS = "rewards/margins"  # chosen minus rejected reward
+LOGPS_CHOSEN = "logps/chosen"  # the policy's summed log-probs of the chosen completions
+LOGPS_REJECTED = "logps/rejected"  # ... of the rejected ones
 
 # From the training loop, at log / eval time (Python floats).
 PARAM_NORM = "param_norm"  # global L2 norm of the params after the step (taken when logging)

@@ -78,6 +78,7 @@ def test_the_top_level_names_are_the_documented_ones():
             "nn",
             "optim",
             "parallel",
+            "preference",
             "rng",
             "step",
             "tree",
