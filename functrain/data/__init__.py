@@ -1,6 +1,7 @@
 """Data: corpora and parquet/jsonl shards to cached token files, and stateless batches keyed by
 (seed, step, rank): random windows, epochs without replacement, weighted mixtures, prefetched; and
-supervised examples (prompt/completion, messages, alpaca) with target masks, padded or packed.
+supervised examples (prompt/completion, messages, alpaca) with target masks, padded or packed; preference
+pairs rendered as TRL renders them.
 
 The names below load on first use (`functrain._lazy`): the tokenizing worker processes import this
 package without torch.
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from functrain.data.examples import ExampleSet, ExampleSpec, load_examples
     from functrain.data.mixture import LMData, lm_data, parse_mixture
     from functrain.data.packing import assemble, best_fit_decreasing
+    from functrain.data.pairs import TRUNCATION, Pair, pair_rows, render_pair
     from functrain.data.placement import Batching, Placement, TextOptions
     from functrain.data.prefetch import Prefetcher
     from functrain.data.sampling import SAMPLINGS, Sampler, mixture_rows, permute

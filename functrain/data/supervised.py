@@ -119,6 +119,11 @@ def detect_format(record: Mapping, fields: Mapping[str, str]) -> str:
     for fmt in ("messages", "prompt_completion", "alpaca", "text"):
         if all(fields.get(f, f) in have for f in _FIELDS[fmt]):
             return fmt
+    if {fields.get("chosen", "chosen"), fields.get("rejected", "rejected")} <= have:
+        raise DataError(
+            f"a record with fields {sorted(have)[:12]} is a preference pair (chosen/rejected): the trainer does not "
+            "read preference data yet; train it from Python with functrain.data.pairs and functrain.preference"
+        )
     raise DataError(
         f"a record with fields {sorted(have)[:12]} is in no supervised format (prompt/completion, "
         "messages, instruction/input/output, text); set --config.data.format and map the names with "

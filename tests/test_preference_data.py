@@ -1,0 +1,153 @@
+"""Preference pairs rendered and batched as TRL's DPOTrainer does (its own `_prepare_dataset` and
+`DataCollatorForPreference`), on tokenizers as Qwen2.5, Llama-3 and DeepSeek ship them: text pairs, conversations
+with a prompt, and conversations whose prompt is their common turns; truncation keeping the start or the end."""
+
+from __future__ import annotations
+
+import tempfile
+import types
+
+import _tokenizer_dirs as dirs
+import numpy as np
+import pytest
+import torch
+import transformers
+from datasets import Dataset
+from trl.trainer import dpo_trainer as trl_dpo
+
+from functrain.data import pairs as pairs_lib
+from functrain.data import supervised as S
+from functrain.data.errors import DataError
+from functrain.data.tokenizer import HFTokenizer
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+TEXT = [
+    {"prompt": "def add(a, b):", "chosen": "\n    return a + b\n", "rejected": "\n    return a - b\n"},
+    {"prompt": "The quick brown fox", "chosen": " jumps over the lazy dog.", "rejected": " sleeps."},
+    {"prompt": "What does json.dumps do?", "chosen": " It serializes an object.", "rejected": " Nothing"},
+]
+CHATS = [
+    {"prompt": [_user("2+2=?")], "chosen": [_assistant("4")], "rejected": [_assistant("5, or 17+25=42")]},
+    {
+        "prompt": [{"role": "system", "content": "You are a helpful assistant."}, _user("hello there")],
+        "chosen": [_assistant("hello, how are you today?")],
+        "rejected": [_assistant("what?")],
+    },
+]
+IMPLICIT = [  # no prompt field: the prompt is the common start (TRL's extract_prompt)
+    {"chosen": [_user("2+2=?"), _assistant("4")], "rejected": [_user("2+2=?"), _assistant("five")]},
+]
+IMPLICIT_TEXT = [{"chosen": "The sky is blue.", "rejected": "The sky is green."}]
+
+
+@pytest.fixture(scope="module")
+def made():
+    """{style: tokenizer directory}, written once for the module."""
+    root = tempfile.mkdtemp()
+    return {s: dirs.write(f"{root}/{s}", s) for s in dirs.STYLES}
+
+
+def _trl(directory, records, max_length, truncation):
+    """TRL's rows of `records`: its dataset preparation (prompt extraction, EOS, tokenization, the drop of
+    fully truncated pairs) on a trainer holding only what it reads, then its collator."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(directory))
+    trainer = object.__new__(trl_dpo.DPOTrainer)
+    trainer._tokenizer = tok
+    args = types.SimpleNamespace(dataset_num_proc=None, max_length=max_length, truncation_mode=truncation)
+    dataset = trl_dpo.DPOTrainer._prepare_dataset(trainer, Dataset.from_list(records), tok, args, "train")
+    rows = list(dataset)
+    collate = trl_dpo.DataCollatorForPreference(pad_token_id=0, max_length=max_length, truncation_mode=truncation)
+    return rows, (collate(rows) if rows else None)
+
+
+def _check_as_trls(x, y, batch):
+    """functrain's (B, 2, T) rows, in TRL's layout (chosen rows, then rejected rows), are TRL's inputs, and their
+    targets TRL's next tokens where its completion mask is set."""
+    rows = lambda t: torch.cat([t[:, 0], t[:, 1]])  # (B, 2, T) -> (2B, T)  # noqa: E731
+    x, y, t = rows(x), rows(y), batch["input_ids"].shape[1] - 1
+    learned = batch["completion_mask"][:, 1:].bool()
+    inputs = batch["attention_mask"][:, 1:].bool()  # the positions that predict a token (a row's last does not)
+    assert x.shape[-1] == t and torch.equal(x[inputs], batch["input_ids"][:, :t][inputs])
+    assert (x[~inputs] == 0).all()  # padding
+    assert torch.equal(y != -1, learned)
+    assert torch.equal(y[learned], batch["input_ids"][:, 1:][learned])
+
+
+@pytest.mark.parametrize("style", dirs.STYLES)
+@pytest.mark.parametrize("records", ["text", "chats", "implicit", "implicit text"])
+def test_pairs_and_their_rows_equal_trls(made, style, records):
+    records = {"text": TEXT, "chats": CHATS, "implicit": IMPLICIT, "implicit text": IMPLICIT_TEXT}[records]
+    d = made[style]
+    tok = HFTokenizer(d)
+    template = S.chat_template_of(d, tok.special.template_vars())
+    ours = [pairs_lib.render_pair(r, tok, template=template) for r in records]
+    theirs, batch = _trl(d, records, None, "keep_start")
+    for p, row in zip(ours, theirs, strict=True):
+        assert (p.prompt.tolist(), p.chosen.tolist(), p.rejected.tolist()) == (
+            row["prompt_ids"],
+            row["chosen_ids"],
+            row["rejected_ids"],
+        )
+    x, y, dropped = pairs_lib.pair_rows(ours, max_length=10_000)
+    assert dropped == 0 and x.shape[:2] == (len(records), 2)
+    _check_as_trls(x, y, batch)
+
+
+@pytest.mark.parametrize("truncation", pairs_lib.TRUNCATION)
+def test_long_pairs_are_cut_or_dropped_as_trl_does(made, truncation):
+    d = made["qwen2.5"]
+    tok = HFTokenizer(d)
+    long_prompt = {"prompt": "hello there, " * 12, "chosen": " yes", "rejected": " no"}
+    records = [*TEXT, long_prompt]
+    ours = [pairs_lib.render_pair(r, tok) for r in records]
+    max_length = 12
+    assert len(ours[-1].prompt) >= max_length and any(len(p.prompt) + len(p.chosen) > max_length for p in ours[:3])
+    theirs, batch = _trl(d, records, max_length, truncation)
+    x, y, dropped = pairs_lib.pair_rows(ours, max_length=max_length, truncation=truncation)
+    assert dropped == (1 if truncation == "keep_start" else 0) == len(records) - len(theirs)
+    _check_as_trls(x, y, batch)
+    assert x.shape[-1] <= max_length - 1
+
+
+def test_rows_keep_each_pair_together_and_score_only_its_completions():
+    p = pairs_lib.Pair(np.array([5, 6, 7]), np.array([8, 9]), np.array([10]))
+    q = pairs_lib.Pair(np.array([1]), np.array([2, 3, 4]), np.array([11, 12]))
+    x, y, _ = pairs_lib.pair_rows([p, q], max_length=100, pad_id=99, length=6)
+    assert x.tolist() == [
+        [[5, 6, 7, 8, 99, 99], [5, 6, 7, 99, 99, 99]],
+        [[1, 2, 3, 99, 99, 99], [1, 11, 99, 99, 99, 99]],
+    ]
+    assert y.tolist() == [
+        [[-1, -1, 8, 9, -1, -1], [-1, -1, 10, -1, -1, -1]],
+        [[2, 3, 4, -1, -1, -1], [11, 12, -1, -1, -1, -1]],
+    ]
+    with pytest.raises(ValueError, match="length=2 is shorter than the batch's longest sequence"):
+        pairs_lib.pair_rows([p], max_length=100, length=2)
+
+
+def test_a_record_without_its_fields_is_one_line(made):
+    tok = HFTokenizer(made["qwen2.5"])
+    with pytest.raises(DataError, match=r"needs fields 'chosen' and 'rejected' \(missing \['rejected'\]"):
+        pairs_lib.render_pair({"prompt": "a", "chosen": "b"}, tok)
+    with pytest.raises(DataError, match="rendered by a chat template, and none was given"):
+        pairs_lib.render_pair(CHATS[0], tok)
+    renamed = {"question": "a", "good": " b", "bad": " c"}
+    pair = pairs_lib.render_pair(renamed, tok, fields={"prompt": "question", "chosen": "good", "rejected": "bad"})
+    assert pair.chosen[-1] == tok.special.eos_id
+
+
+def test_the_trainer_names_preference_records_it_cannot_read_yet():
+    with pytest.raises(DataError, match=r"is a preference pair \(chosen/rejected\): the trainer does not read"):
+        S.detect_format(TEXT[0], {})
+    with pytest.raises(DataError, match="is a preference pair"):
+        S.detect_format({"q": "a", "good": "b", "bad": "c"}, {"chosen": "good", "rejected": "bad"})
+    with pytest.raises(DataError, match="is in no supervised format"):
+        S.detect_format({"q": "a"}, {})
