@@ -86,7 +86,7 @@ def _ours(per_token, mask, ref, how: preference.Preference):
 @pytest.mark.parametrize("loss", preference.LOSSES)
 @pytest.mark.parametrize("beta", [0.1, 0.7])
 def test_each_loss_its_gradients_and_metrics_equal_trls(loss, beta):
-    per_token, mask, ref = _batch(seed=hash((loss, beta)) % 1000)
+    per_token, mask, ref = _batch(seed=10 * preference.LOSSES.index(loss) + (1 if beta < 0.5 else 2))  # (fixed seeds)
     theirs_in, ours_in = per_token.clone().requires_grad_(), per_token.clone().requires_grad_()
     theirs, logged = _trl(theirs_in, mask, ref, loss, beta)
     ours, metrics = _ours(ours_in, mask, ref, preference.Preference(loss, beta))
