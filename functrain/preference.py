@@ -95,7 +95,11 @@ def sequence_logps(logits: torch.Tensor, y: torch.Tensor, ignore_index: int = -1
 
 
 def preference_loss(
-    logps: torch.Tensor, ref_logps: torch.Tensor, counts: torch.Tensor, how: Preference
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    counts: torch.Tensor,
+    how: Preference,
+    real: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each pair's preference loss, and TRL's metrics over the pairs.
 
@@ -104,6 +108,7 @@ def preference_loss(
       ref_logps: (B, 2) the reference's (no gradient flows into them).
       counts: (B, 2) each completion's token count (IPO's per-token normalization).
       how: the `Preference`.
+      real: (B,) bool, the pairs the metrics average over (None: all; a validation batch's filler pairs are not).
 
     Returns:
       `(losses, metrics)`: losses (B,); metrics 0-d tensors (means over the pairs, no gradient), named as TRL names
@@ -124,13 +129,19 @@ def preference_loss(
         per_token = ratios / counts.clamp(min=1.0)  # (B, 2)
         losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * beta)) ** 2
     rewards = beta * ratios.detach()  # (B, 2)
+    w = torch.ones_like(delta) if real is None else real.to(delta.dtype)  # (B,)
+
+    def mean(v: torch.Tensor) -> torch.Tensor:
+        """The mean of (B,) `v` over the real pairs."""
+        return (v * w).sum() / w.sum().clamp(min=1)
+
     metrics = {
-        M.REWARDS_CHOSEN: rewards[:, 0].mean(),
-        M.REWARDS_REJECTED: rewards[:, 1].mean(),
-        M.REWARDS_ACCURACIES: (rewards[:, 0] > rewards[:, 1]).to(rewards.dtype).mean(),
-        M.REWARDS_MARGINS: (rewards[:, 0] - rewards[:, 1]).mean(),
-        M.LOGPS_CHOSEN: logps[:, 0].detach().mean(),
-        M.LOGPS_REJECTED: logps[:, 1].detach().mean(),
+        M.REWARDS_CHOSEN: mean(rewards[:, 0]),
+        M.REWARDS_REJECTED: mean(rewards[:, 1]),
+        M.REWARDS_ACCURACIES: mean((rewards[:, 0] > rewards[:, 1]).to(rewards.dtype)),
+        M.REWARDS_MARGINS: mean(rewards[:, 0] - rewards[:, 1]),
+        M.LOGPS_CHOSEN: mean(logps[:, 0].detach()),
+        M.LOGPS_REJECTED: mean(logps[:, 1].detach()),
     }
     return losses, metrics
 
@@ -143,7 +154,8 @@ def make_loss_fn(
     A batch is `(x, y)` or, with the reference's log-probs computed beforehand, `(x, y, ref_logps)`: x and y
     (B, 2, T) int64, pair i's chosen row at [i, 0] and its rejected row at [i, 1] (so splitting the batch into
     microbatches never parts a pair), y the next-token targets, `ignore_index` where a target is not the
-    completion's; ref_logps (B, 2). Every pair of the batch counts (`count_pairs` is the step's count).
+    completion's; ref_logps (B, 2). Every pair with a completion counts (`count_pairs` is the step's count); a pair
+    of empty rows (a validation batch's filler) does not.
 
     Args:
       logits_fn: `(params, x, key) -> logits` (N, T, V) of the model on rows x (N, T).
@@ -171,26 +183,30 @@ def make_loss_fn(
             ref = batch[2].reshape(-1)  # (B, 2) -> (2B,)
         else:
             ref = reference_logps(logits_fn, reference(params), batch, ignore_index).reshape(-1)  # (2B,)
-        losses, metrics = preference_loss(logps.view(-1, 2), ref.view(-1, 2), counts.view(-1, 2), how)
-        return losses.mean(), metrics
+        real = counts.view(-1, 2)[:, 0] > 0  # (B,)
+        losses, metrics = preference_loss(logps.view(-1, 2), ref.view(-1, 2), counts.view(-1, 2), how, real)
+        return (losses * real).sum() / real.sum().clamp(min=1), metrics
 
     return loss_fn
 
 
-def count_pairs() -> Callable:
+def count_pairs(ignore_index: int = -1) -> Callable:
     """The pairs of a preference batch (`make_loss_fn`'s) as `make_train_step`'s `count_targets`: the step's loss
     is then the mean over every pair of the step, whatever the microbatches and data-parallel ranks.
 
+    Args:
+      ignore_index: the value of unscored targets (a pair whose chosen row has none is not counted).
+
     Returns:
-      `count(batch) -> int64 0-d tensor`: the pairs of `batch[0]` (B, 2, T).
+      `count(batch) -> int64 0-d tensor`: the pairs of `batch[1]` (B, 2, T) with a completion.
 
     Example:
       >>> step = make_train_step(loss_fn, opt, accum_steps=4, count_targets=count_pairs())
     """
 
     def count(batch) -> torch.Tensor:
-        """The pairs of `batch[0]` (B, 2, T)."""
-        return torch.tensor(batch[0].shape[0])
+        """The pairs of `batch[1]` (B, 2, T) with a scored target."""
+        return (batch[1][:, 0] != ignore_index).any(-1).sum()
 
     return count
 

@@ -4,6 +4,7 @@ with a prompt, and conversations whose prompt is their common turns; truncation 
 
 from __future__ import annotations
 
+import json
 import tempfile
 import types
 
@@ -144,10 +145,75 @@ def test_a_record_without_its_fields_is_one_line(made):
     assert pair.chosen[-1] == tok.special.eos_id
 
 
-def test_the_trainer_names_preference_records_it_cannot_read_yet():
-    with pytest.raises(DataError, match=r"is a preference pair \(chosen/rejected\): the trainer does not read"):
-        S.detect_format(TEXT[0], {})
-    with pytest.raises(DataError, match="is a preference pair"):
-        S.detect_format({"q": "a", "good": "b", "bad": "c"}, {"chosen": "good", "rejected": "bad"})
-    with pytest.raises(DataError, match="is in no supervised format"):
-        S.detect_format({"q": "a"}, {})
+def _load(tmp_path, records, tok, *, block_size=256, too_long="drop", val_fraction=0.0):
+    """The trainer's pairs of `records` (a jsonl file): `load_examples`' train and val sets and info."""
+    from functrain.data.examples import ExampleSpec, load_examples
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = ExampleSpec("auto", "auto", (), None, block_size, too_long, val_fraction)
+    lines: list = []
+    train, val, info = load_examples(str(src), tmp_path / "cache", tok, spec, log=lines.append)
+    return train, val, info, lines
+
+
+def test_the_trainer_reads_pairs_as_the_python_pieces_make_them(made, tmp_path):
+    tok = HFTokenizer(made["qwen2.5"])
+    assert S.detect_format(TEXT[0], {}) == "preference"
+    assert S.detect_format({"q": "a", "good": "b", "bad": "c"}, {"chosen": "good", "rejected": "bad"}) == "preference"
+    records = TEXT * 4
+    train, val, info, _ = _load(tmp_path, records, tok, val_fraction=0.3)
+    assert info["fmt"] == "preference" and sum(info["examples"]) == len(records)
+    assert len(train) == 2 * info["examples"][0] and len(val) == 2 * info["examples"][1] > 0
+    from functrain.data.sft import ExampleSampler
+
+    sampler = ExampleSampler(train, batch_size=2, block_size=256, seed=0, packing=False, pad_id=0, group=2)
+    x, y = sampler.tensors(train, [[0], [1]], 64)
+    assert x.shape == y.shape == (2, 2, 64)
+    for i in range(2):  # every pair of the set is one record's two answers, rows as `pair_rows` makes them
+        chosen = train.tokens[train.offsets[2 * i] : train.offsets[2 * i + 1]]
+        pair = next(
+            p
+            for p in (pairs_lib.render_pair(r, tok) for r in records)
+            if np.array_equal(np.r_[p.prompt, p.chosen], chosen)
+        )
+        want_x, want_y, _ = pairs_lib.pair_rows([pair], max_length=257, length=64)
+        assert torch.equal(x[i], want_x[0]) and torch.equal(y[i], want_y[0])
+    with pytest.raises(ValueError, match="not packed"):
+        ExampleSampler(train, batch_size=2, block_size=256, seed=0, packing=True, pad_id=0, group=2)
+    empty = sampler.tensors(val, [[0], []], 32)  # the validation's filler row: a pair with no target
+    assert (empty[1][1] == -1).all() and (empty[1][0] != -1).any()
+
+
+def test_long_pairs_are_dropped_or_truncated_and_counted(made, tmp_path):
+    tok = HFTokenizer(made["qwen2.5"])
+    long = {"prompt": "a b c", "chosen": " i j k l m n o p q r", "rejected": " s"}
+    kept, val, info, lines = _load(tmp_path / "drop", [long, TEXT[1], TEXT[1]], tok, block_size=12)
+    assert info["dropped"] == 1 and len(kept) + len(val) == 4 and any("1 pairs longer than" in line for line in lines)
+    cut, val, info, _ = _load(tmp_path / "cut", [long, TEXT[1], TEXT[1]], tok, block_size=12, too_long="truncate")
+    assert info["truncated"] == 1 and len(cut) + len(val) == 6 and max(max(cut.lengths), max(val.lengths)) == 12
+
+
+@pytest.mark.parametrize(
+    "records, match",
+    [
+        ([{"prompt": "p", "chosen": " a"}], "is half a preference pair: it needs both 'chosen' and 'rejected'"),
+        ([TEXT[0], {"prompt": "p", "chosen": " a"}], "pairs.jsonl:1: a preference record needs fields 'chosen'"),
+        (
+            [{"prompt": "p", "chosen": " a", "rejected": " a"}] * 3,
+            "every pair's chosen and rejected answers are the same",
+        ),
+        ([{"prompt": "p", "chosen": "", "rejected": " b"}], "the chosen completion is empty"),
+        (
+            [{"chosen": [_user("hi"), _assistant("a")], "rejected": [_user("yo"), _assistant("b")]}],
+            "share no first turn",
+        ),
+    ],
+    ids=["missing rejected", "missing rejected later", "all the same", "empty completion", "no shared prefix"],
+)
+def test_bad_pairs_are_one_line(made, tmp_path, records, match):
+    tok = HFTokenizer(made["qwen2.5"])
+    with pytest.raises(DataError, match=match) as err:
+        _load(tmp_path, records, tok)
+    assert "\n" not in str(err.value)

@@ -148,7 +148,7 @@ def test_too_long_drop_and_truncate_and_counts(tmp_path):
     lines = []
     train, val, info = load_examples(src, tmp_path / "c1", BYTES, _spec(), log=lines.append)
     assert info["dropped"] == 1 and len(train) + len(val) == 3
-    assert any("1 longer than block_size + 1 = 17 tokens dropped" in line for line in lines)
+    assert any("1 examples longer than block_size + 1 = 17 tokens dropped" in line for line in lines)
     train, val, info = load_examples(src, tmp_path / "c2", BYTES, _spec(too_long="truncate"), log=lines.append)
     assert info["truncated"] == 1 and len(train) + len(val) == 4
     assert max(np.diff(np.r_[train.offsets, val.offsets[1:] + train.offsets[-1]])) <= 17
@@ -156,7 +156,7 @@ def test_too_long_drop_and_truncate_and_counts(tmp_path):
 
 def test_no_target_at_all_is_one_line(tmp_path):
     src = _write(tmp_path, [{"messages": [{"role": "user", "content": "q"}]}] * 3)
-    with pytest.raises(DataError, match="no example has a target token to learn"):
+    with pytest.raises(DataError, match="no examples left to learn from"):
         load_examples(src, tmp_path / "c", BYTES, _spec(), log=lambda line: None)
 
 

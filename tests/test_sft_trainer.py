@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from functrain import init_state, make_train_step, optim, rng
-from functrain.data.examples import IGNORE, ExampleSet
+from functrain.data.examples import ExampleSet
 from functrain.data.packing import assemble
+from functrain.data.supervised import IGNORE
 from functrain.models import gpt, hf, lm
 
 transformers = pytest.importorskip("transformers")

@@ -25,17 +25,19 @@ import numpy as np
 
 from functrain.data.documents import is_val, source_content
 from functrain.data.errors import DataError
-from functrain.data.supervised import ChatTemplate, detect_format, read_records, render, resolve_train_on
+from functrain.data.pairs import fit_pair, render_pair
+from functrain.data.supervised import IGNORE, ChatTemplate, detect_format, read_records, render, resolve_train_on
 from functrain.data.token_cache import tokenizer_id
 from functrain.data.token_files import atomic_write, slug
 
 __all__ = ["TOO_LONG", "ExampleSet", "ExampleSpec", "load_examples"]
 
 TOO_LONG = ("drop", "truncate")
-"""What `data.too_long` does with an example longer than `block_size + 1` tokens."""
+"""What `data.too_long` does with an example longer than `block_size + 1` tokens (a preference pair: truncate
+keeps each sequence's start, TRL's `truncation_mode="keep_start"`)."""
 
-_FORMAT, _VERSION = "functrain-examples", 1
-IGNORE = -1  # the target id of a token that is not learned (the families' ignore_index)
+_FORMAT, _VERSION = "functrain-examples", 2
+_COUNTS = ("dropped", "truncated", "no_target", "same")  # what is counted of the records left out or kept as they are
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +137,7 @@ def _save(path: Path, ex: ExampleSet, val: np.ndarray, counts: dict) -> None:
             targets=ex.targets,
             offsets=ex.offsets,
             val=val,
-            counts=np.array([counts["dropped"], counts["truncated"], counts["no_target"]], np.int64),
+            counts=np.array([counts[k] for k in _COUNTS], np.int64),
         )
         f.write(buf.getvalue())
 
@@ -145,12 +147,7 @@ def _save(path: Path, ex: ExampleSet, val: np.ndarray, counts: dict) -> None:
 def _load(path: Path) -> tuple[ExampleSet, np.ndarray, dict]:
     """What `_save` wrote."""
     with np.load(path) as z:
-        c = z["counts"]
-        return (
-            ExampleSet(z["tokens"], z["targets"], z["offsets"]),
-            z["val"],
-            {"dropped": int(c[0]), "truncated": int(c[1]), "no_target": int(c[2])},
-        )
+        return ExampleSet(z["tokens"], z["targets"], z["offsets"]), z["val"], dict(zip(_COUNTS, z["counts"].tolist()))
 
 
 def _fit(tokens: np.ndarray, targets: np.ndarray, spec: ExampleSpec, counts: dict):
@@ -170,18 +167,31 @@ def _fit(tokens: np.ndarray, targets: np.ndarray, spec: ExampleSpec, counts: dic
 def _render_file(records, spec: ExampleSpec, tokenizer):
     """(examples, val flags, counts) of one file's records (`spec`'s format and train_on resolved)."""
     parts, val = [], []
-    counts = {"dropped": 0, "truncated": 0, "no_target": 0}
-    fields = dict(spec.fields)
+    counts = dict.fromkeys(_COUNTS, 0)
     for _, key, record in records:
         try:
-            ex = render(record, spec.fmt, tokenizer, train_on=spec.train_on, fields=fields, template=spec.template)
+            kept = _render_record(record, spec, tokenizer, counts)
         except DataError as exc:  # (TemplateError too) named with the record: "<file>:<index>: ..."
             raise type(exc)(f"{key}: {exc}") from None
-        kept = _fit(ex.tokens, ex.targets, spec, counts)
-        if kept is not None:
-            parts.append(kept)
-            val.append(is_val(key, spec.val_fraction))
+        parts += kept
+        val += [is_val(key, spec.val_fraction)] * len(kept)
     return _concat(parts), np.array(val, bool), counts
+
+
+def _render_record(record, spec: ExampleSpec, tokenizer, counts: dict) -> list:
+    """A record's examples: one, a preference pair's two (chosen, rejected), or none (left out, counted)."""
+    fields = dict(spec.fields)
+    if spec.fmt == "preference":
+        pair = render_pair(record, tokenizer, template=spec.template, fields=fields)
+        counts["same"] += int(np.array_equal(pair.chosen, pair.rejected))
+        longest = spec.block_size + 1
+        fitted = fit_pair(pair, longest, "keep_start" if spec.too_long == "truncate" else "drop")
+        too_long = len(pair.prompt) + max(len(pair.chosen), len(pair.rejected)) > longest
+        counts["dropped" if fitted is None else "truncated"] += int(too_long)
+        return fitted or []
+    ex = render(record, spec.fmt, tokenizer, train_on=spec.train_on, fields=fields, template=spec.template)
+    kept = _fit(ex.tokens, ex.targets, spec, counts)
+    return [] if kept is None else [kept]
 
 
 def _first_format(source: str, spec: ExampleSpec) -> str:
@@ -280,31 +290,46 @@ def load_examples(
             _wait(out)
     meta = json.loads((out / "meta.json").read_text())
     parts = [_load(out / f) for _, f in meta["files"]]
-    train, val = _split(parts)
-    counts = {k: sum(p[2][k] for p in parts) for k in ("dropped", "truncated", "no_target")}
-    info = {"fmt": fmt, "train_on": train_on, "content": content, "examples": (len(train), len(val)), **counts}
-    if len(train) == 0:
-        raise DataError(
-            f"data.path {source!r}: no example has a target token to learn ({counts['no_target']} without "
-            f"one, {counts['dropped']} too long for block_size {spec.block_size}); check data.train_on, "
-            "data.fields and data.too_long"
-        )
-    long = f"longer than block_size + 1 = {spec.block_size + 1} tokens"
-    left = [f"{counts['dropped']} {long} dropped (data.too_long=drop)"] if counts["dropped"] else []
-    left += [f"{counts['truncated']} {long} truncated (data.too_long=truncate)"] if counts["truncated"] else []
-    left += [f"{counts['no_target']} with no token to learn left out (data.train_on)"] if counts["no_target"] else []
-    if left:
-        log(f"examples: {'; '.join(left)}")
+    group = 2 if fmt == "preference" else 1  # the examples of a record (a pair: chosen, rejected)
+    train, val = _split(parts, group)
+    counts = {k: sum(p[2][k] for p in parts) for k in _COUNTS}
+    examples = (len(train) // group, len(val) // group)
+    info = {"fmt": fmt, "train_on": train_on, "content": content, "examples": examples, **counts}
+    _check_counts(source, spec, info, log)
     return train, val, info
 
 
-def _split(parts: list) -> tuple[ExampleSet, ExampleSet]:
-    """(train, val) of every file's examples, in order; an empty split takes the first example of the other."""
+def _check_counts(source: str, spec: ExampleSpec, info: dict, log: Callable[[str], None]) -> None:
+    """Refuses a source with nothing to learn (one line); logs what was left out or cut."""
+    what = "pairs" if info["fmt"] == "preference" else "examples"
+    if info["examples"][0] == 0:
+        raise DataError(
+            f"data.path {source!r}: no {what} left to learn from ({info['no_target']} without a target token, "
+            f"{info['dropped']} too long for block_size {spec.block_size}); check data.train_on, data.fields, "
+            "data.too_long and model.block_size"
+        )
+    if info["same"] == sum(info["examples"]):
+        raise DataError(
+            f"data.path {source!r}: every pair's chosen and rejected answers are the same tokens, so there is no "
+            "preference to learn; check data.fields (chosen and rejected must name different fields)"
+        )
+    long = f"longer than block_size + 1 = {spec.block_size + 1} tokens"
+    left = [f"{info['dropped']} {what} {long} dropped (data.too_long=drop)"] if info["dropped"] else []
+    left += [f"{info['truncated']} {what} {long} truncated (data.too_long=truncate)"] if info["truncated"] else []
+    left += [f"{info['no_target']} with no token to learn left out (data.train_on)"] if info["no_target"] else []
+    left += [f"{info['same']} pairs with the same chosen and rejected answer kept"] if info["same"] else []
+    if left:
+        log(f"examples: {'; '.join(left)}")
+
+
+def _split(parts: list, group: int = 1) -> tuple[ExampleSet, ExampleSet]:
+    """(train, val) of every file's examples, in order, a record's `group` examples together; an empty split
+    takes the first record of the other."""
     examples = [_example(s, i) for s, _, _ in parts for i in range(len(s))]
     val = np.concatenate([v for _, v, _ in parts]) if parts else np.zeros(0, bool)
-    if len(examples) > 1 and (not val.any() or val.all()):
+    if len(examples) > group and (not val.any() or val.all()):
         val = val.copy()
-        val[0] = not val[0]  # the first example moves across: both splits hold one
+        val[:group] = not val[0]  # the first record moves across: both splits hold one
     return (_concat([e for e, v in zip(examples, val) if not v]), _concat([e for e, v in zip(examples, val) if v]))
 
 

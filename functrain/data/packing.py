@@ -13,7 +13,8 @@ import bisect
 
 import numpy as np
 
-from functrain.data.examples import IGNORE, ExampleSet
+from functrain.data.examples import ExampleSet
+from functrain.data.supervised import IGNORE
 
 __all__ = ["assemble", "best_fit_decreasing", "efficiency"]
 

@@ -17,10 +17,9 @@ import numpy as np
 import torch
 
 from functrain.data.errors import DataError
-from functrain.data.examples import IGNORE
-from functrain.data.supervised import ChatTemplate
+from functrain.data.supervised import IGNORE, ChatTemplate
 
-__all__ = ["TRUNCATION", "Pair", "pair_rows", "render_pair"]
+__all__ = ["TRUNCATION", "Pair", "fit_pair", "pair_rows", "render_pair"]
 
 TRUNCATION = ("keep_start", "keep_end")
 """How a sequence longer than `max_length` is cut (TRL's `truncation_mode`): its start kept (a pair whose prompt
@@ -46,15 +45,28 @@ def _fields(record: Mapping, fields: Mapping[str, str]) -> tuple:
             f"{', '.join(list(record)[:12])}); map them with --config.data.fields"
         )
     chosen, rejected = record[get["chosen"]], record[get["rejected"]]
-    if get["prompt"] in record:
-        return record[get["prompt"]], chosen, rejected
+    if get["prompt"] in record or chosen == rejected:  # (the same text twice: a pair that teaches nothing, counted)
+        return _completions(record.get(get["prompt"], type(chosen)()), chosen, rejected)
+    if isinstance(chosen, list) and isinstance(rejected, list) and chosen[:1] != rejected[:1]:
+        raise DataError(
+            "the chosen and rejected conversations share no first turn, so no prompt can be found: give the prompt "
+            "as its own field (prompt: the messages before the answers)"
+        )
     idx = 0
     for idx in range(min(len(chosen), len(rejected))):  # (TRL's loop, its ends included)
         if chosen[idx] != rejected[idx]:
             if chosen[idx - 1] == " ":  # the space before a completion goes with it
                 idx -= 1
             break
-    return chosen[:idx], chosen[idx:], rejected[idx:]
+    return _completions(chosen[:idx], chosen[idx:], rejected[idx:])
+
+
+def _completions(prompt, chosen, rejected) -> tuple:
+    """(prompt, chosen, rejected), refused in one line where a completion is empty."""
+    for name, c in (("chosen", chosen), ("rejected", rejected)):
+        if not c or (isinstance(c, list) and not any(m.get("content") for m in c if isinstance(m, dict))):
+            raise DataError(f"the {name} completion is empty: every pair needs two answers to compare")
+    return prompt, chosen, rejected
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -146,14 +158,8 @@ def pair_rows(
     """
     if truncation not in TRUNCATION:
         raise ValueError(f"truncation {truncation!r} is not one of {', '.join(TRUNCATION)}")
-    kept = [p for p in pairs if truncation == "keep_end" or len(p.prompt) < max_length]
-    cut = slice(None, max_length) if truncation == "keep_start" else slice(-max_length, None)
-    seqs = []  # (tokens, learned) of each row: chosen and rejected of every kept pair
-    for p in kept:
-        for completion in (p.chosen, p.rejected):
-            tokens = np.concatenate([p.prompt, completion])[cut]
-            learned = np.concatenate([np.zeros(len(p.prompt), bool), np.ones(len(completion), bool)])[cut]
-            seqs.append((tokens, learned))
+    fitted = [fit_pair(p, max_length, truncation) for p in pairs]
+    seqs = [seq for f in fitted if f is not None for seq in f]  # (tokens, learned): chosen, rejected of each pair
     longest = max((len(t) - 1 for t, _ in seqs), default=1)
     t = length or longest
     if t < longest:
@@ -164,5 +170,31 @@ def pair_rows(
         n = len(tokens) - 1
         x[i, :n] = tokens[:-1]
         y[i, :n] = np.where(learned[1:], tokens[1:], IGNORE)
-    shape = (len(kept), 2, t)  # (2B', T) -> (B', 2, T): rows 2i and 2i + 1 are pair i's
-    return torch.from_numpy(x).view(shape), torch.from_numpy(y).view(shape), len(pairs) - len(kept)
+    shape = (len(seqs) // 2, 2, t)  # (2B', T) -> (B', 2, T): rows 2i and 2i + 1 are pair i's
+    return torch.from_numpy(x).view(shape), torch.from_numpy(y).view(shape), len(pairs) - len(seqs) // 2
+
+
+def fit_pair(pair: Pair, max_length: int, too_long: str) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """A pair's two sequences, chosen then rejected, as (tokens, learned) of at most `max_length` tokens, or None.
+
+    Args:
+      pair: the `Pair`.
+      max_length: the longest sequence (prompt + completion).
+      too_long: for a longer sequence, "drop" the pair, or cut it: "keep_start" (None when the prompt alone fills
+        `max_length`: nothing of the completion is left, TRL's `truncation_mode`) or "keep_end".
+
+    Returns:
+      `[(tokens, learned), (tokens, learned)]`, or None (the pair is left out).
+
+    Example:
+      >>> (chosen, learned), _ = fit_pair(pair, 513, "keep_start")
+    """
+    longest = len(pair.prompt) + max(len(pair.chosen), len(pair.rejected))
+    if longest > max_length and (too_long == "drop" or (too_long == "keep_start" and len(pair.prompt) >= max_length)):
+        return None
+    cut = slice(None, max_length) if too_long != "keep_end" else slice(-max_length, None)
+    flags = np.zeros(len(pair.prompt), bool)
+    return [
+        (np.concatenate([pair.prompt, c])[cut], np.concatenate([flags, np.ones(len(c), bool)])[cut])
+        for c in (pair.chosen, pair.rejected)
+    ]

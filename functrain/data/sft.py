@@ -68,23 +68,35 @@ class ExampleSampler:
       seed: the data seed.
       packing: pack whole examples into rows (best-fit-decreasing), else one per row.
       pad_id: the input id of padding.
+      group: the examples of a record that go together: 1, or 2 for preference pairs (chosen, rejected: a batch
+        of B pairs is x, y (B, 2, T), never packed).
 
     Example:
       >>> s = ExampleSampler(train, batch_size=8, block_size=512, seed=0, packing=True, pad_id=0)
       >>> x, y, pos = s.batch(3, rank=0, world=2)       # (4, 512) each
     """
 
-    def __init__(
-        self, examples: ExampleSet, *, batch_size: int, block_size: int, seed: int, packing: bool, pad_id: int
+    def __init__(  # noqa: PLR0913
+        self,
+        examples: ExampleSet,
+        *,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        packing: bool,
+        pad_id: int,
+        group: int = 1,
     ):
+        if packing and group > 1:
+            raise ValueError("preference pairs are not packed")
         self.examples, self.batch_size, self.block_size = examples, batch_size, block_size
-        self.seed, self.packing, self.pad_id = int(seed), packing, pad_id
+        self.seed, self.packing, self.pad_id, self.group = int(seed), packing, pad_id, group
         self._memo: dict[int, list] = {}  # the last epochs' rows
         self.rows_per_epoch = len(self._rows(0))
 
     def _order(self, epoch: int) -> np.ndarray:
         """The examples of `epoch`, permuted by (seed, epoch)."""
-        n = len(self.examples)
+        n = len(self.examples) // self.group
         return permute(np.arange(n), n, stream_hash(_ORDER_STREAM, self.seed, epoch))
 
     def _rows(self, epoch: int) -> list[list[int]]:
@@ -120,21 +132,35 @@ class ExampleSampler:
             epoch, j = divmod(int(g), self.rows_per_epoch)
             rows.append(self._rows(epoch)[j])
         length = self._length(rows)
-        mine = rows[rank * b : (rank + 1) * b]
-        return _tensors(assemble(self.examples, mine, length, self.pad_id), self.packing, device)
+        return self.tensors(self.examples, rows[rank * b : (rank + 1) * b], length, device)
+
+    def tensors(self, examples: ExampleSet, rows: list[list[int]], length: int, device=None) -> tuple:
+        """`rows` of `examples` as tensors: (x, y) or, packed, (x, y, positions), (R, length); pairs (R, 2, length)."""
+        if self.group == 1:
+            return _tensors(assemble(examples, rows, length, self.pad_id), self.packing, device)
+        # a row of record i -> its examples' rows (an empty row, the validation's filler: `group` empty rows)
+        each = [[self.group * i + k] if row else [] for row in rows for i in row or [0] for k in range(self.group)]
+        x, y = _tensors(assemble(examples, each, length, self.pad_id), False, device)
+        return x.view(len(rows), self.group, length), y.view(len(rows), self.group, length)  # (R * 2, T) -> (R, 2, T)
 
     def _length(self, rows: list[list[int]], examples: ExampleSet | None = None) -> int:
         """The row length of a global batch of `rows`: the block packed, else `padded_length`."""
         if self.packing:
             return self.block_size
-        lengths = (examples or self.examples).lengths
-        return padded_length((lengths[i] for row in rows for i in row), self.block_size)
+        lengths, g = (examples or self.examples).lengths, self.group
+        return padded_length((lengths[g * i + k] for row in rows for i in row for k in range(g)), self.block_size)
+
+    def eval_rows(self, examples: ExampleSet) -> list[list[int]]:
+        """The validation rows: every validation record once, in order (packed, or one per row)."""
+        if not self.packing:
+            return [[i] for i in range(len(examples) // self.group)]
+        return best_fit_decreasing(examples.lengths, self.block_size, np.arange(len(examples)))
 
     def epoch_tokens(self) -> int:
         """Every token (real and padding) of the first epoch's rows, each batch padded to its length."""
         rows = self._rows(0)
         batches = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
-        return sum(len(batch) * self._length(batch) for batch in batches)
+        return sum(len(batch) * self.group * self._length(batch) for batch in batches)
 
     def position(self, step: int) -> dict[str, float]:
         """{"epoch": e, "epoch_fraction": f} after `step` steps."""
@@ -160,13 +186,6 @@ def _ends(tokenizer, fmt: str, template: ChatTemplate | None) -> str:
         return "examples: each ends with the separator (a byte-level vocabulary has no end-of-text token)"
     bos = f", start with {special.bos} (the tokenizer adds it)" if special.prefix else ""
     return f"examples: each ends with {special.eos} (id {special.eos_id}, from {special.eos_from}){bos}"
-
-
-def eval_rows(examples: ExampleSet, block_size: int, packing: bool) -> list[list[int]]:
-    """The validation rows: every validation example once, in order (packed, or one per row)."""
-    if not packing:
-        return [[i] for i in range(len(examples))]
-    return best_fit_decreasing(examples.lengths, block_size, np.arange(len(examples)))
 
 
 @dataclasses.dataclass
@@ -201,7 +220,7 @@ class SFTData:
     def eval_sets(self) -> list:
         """This rank's rows of the fixed validation batches (every validation example, up to `eval_batches`)."""
         s = self.sampler
-        rows = eval_rows(self.val, s.block_size, s.packing)
+        rows = s.eval_rows(self.val)
         n = min(self.eval_batches, math.ceil(len(rows) / s.batch_size))
         rows = (rows + [[]] * (n * s.batch_size))[: n * s.batch_size]  # the last batch filled with empty rows
         world, rank = self.dp["world"], self.dp["rank"]
@@ -210,9 +229,7 @@ class SFTData:
         for k in range(n):
             batch = rows[k * s.batch_size : (k + 1) * s.batch_size]
             mine = batch[rank * b : (rank + 1) * b]
-            out.append(
-                _tensors(assemble(self.val, mine, s._length(batch, self.val), s.pad_id), s.packing, self.dp["device"])
-            )
+            out.append(s.tensors(self.val, mine, s._length(batch, self.val), self.dp["device"]))
         return out
 
     def position(self, step: int) -> dict[str, float]:
@@ -318,6 +335,11 @@ def sft_data(data: Any, place: Placement, batching: Batching, *, tokenizer, temp
     )
     source = builtin_source(str(data.path), place.cache_dir)  # "stdlib:messages": the stdlib's functions
     train, val, info = load_examples(source, place.cache_dir, tokenizer, spec, rank=place.rank, log=place.log)
+    if info["fmt"] == "preference" and data.packing:
+        raise DataError(
+            "data.packing=True: preference pairs are padded rows, each pair's chosen and rejected answers side by "
+            "side; set --config.data.packing=False"
+        )
     special = tokenizer.special
     pad = next((i for i in (special.pad_id, special.eos_id) if i is not None), separator_ids(tokenizer)[-1])
     place.log(_ends(tokenizer, info["fmt"], template))
@@ -328,6 +350,7 @@ def sft_data(data: Any, place: Placement, batching: Batching, *, tokenizer, temp
         seed=batching.seed,
         packing=bool(data.packing),
         pad_id=pad,
+        group=2 if info["fmt"] == "preference" else 1,
     )
     vocab = int(getattr(tokenizer, "vocab_size", 256))
     out = SFTData(train, val, sampler, tokenizer, vocab, batching.eval_batches, place.dp, info, template)

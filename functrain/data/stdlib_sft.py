@@ -21,8 +21,13 @@ from functrain.data.token_files import atomic_write
 
 __all__ = ["BUILTIN", "MAX_SIGNATURE", "MAX_SUMMARY", "builtin_format", "builtin_source", "stdlib_pairs"]
 
-BUILTIN = {"stdlib:messages": "messages", "stdlib:prompt_completion": "prompt_completion"}
-"""The built-in supervised sources and their formats."""
+BUILTIN = {
+    "stdlib:messages": "messages",
+    "stdlib:prompt_completion": "prompt_completion",
+    "stdlib:preference": "preference",
+}
+"""The built-in supervised sources and their formats ("stdlib:preference": the question of "stdlib:messages",
+its function's summary chosen, the summary of a function half the list away rejected)."""
 
 MAX_SUMMARY, MAX_SIGNATURE = 160, 80  # the longest docstring summary and signature kept (characters)
 
@@ -95,17 +100,16 @@ def stdlib_pairs(root: str | Path | None = None) -> list[dict]:
     return out
 
 
-def _record(pair: dict, fmt: str) -> dict:
-    """One pair as a record of `fmt`."""
-    if fmt == "messages":
+def _record(pair: dict, fmt: str, other: dict) -> dict:
+    """One function as a record of `fmt` (`other`: the function whose summary a preference record rejects)."""
+    if fmt in ("messages", "preference"):
         owner = pair["name"].rpartition(".")[0]
         qualified = ".".join(x for x in (pair["module"], owner) if x)
-        return {
-            "messages": [
-                {"role": "user", "content": f"What does {qualified}.{pair['signature']} do?"},
-                {"role": "assistant", "content": pair["summary"]},
-            ]
-        }
+        question = {"role": "user", "content": f"What does {qualified}.{pair['signature']} do?"}
+        answers = [{"role": "assistant", "content": p["summary"]} for p in (pair, other)]
+        if fmt == "preference":
+            return {"prompt": [question], "chosen": answers[:1], "rejected": answers[1:]}
+        return {"messages": [question, answers[0]]}
     return {"prompt": f'def {pair["signature"]}:\n    """', "completion": pair["summary"] + '"""'}
 
 
@@ -138,6 +142,7 @@ def builtin_source(path: str, cache_dir: str | os.PathLike) -> str:
                 "from; point data.path at your own jsonl"
             )
         out.parent.mkdir(parents=True, exist_ok=True)
-        text = "".join(json.dumps(_record(p, fmt)) + "\n" for p in pairs)
+        half = len(pairs) // 2
+        text = "".join(json.dumps(_record(p, fmt, pairs[(i + half) % len(pairs)])) + "\n" for i, p in enumerate(pairs))
         atomic_write(out, lambda f: f.write(text.encode()))
     return str(out)

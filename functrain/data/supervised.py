@@ -30,6 +30,7 @@ from functrain.data.shards import BadLines, shard_files, shard_kind
 from functrain.data.tokenizer import separator_ids
 
 __all__ = [
+    "IGNORE",
     "ALPACA_PROMPT",
     "DEFAULT_CHAT_TEMPLATE",
     "FORMATS",
@@ -47,8 +48,12 @@ __all__ = [
     "resolve_train_on",
 ]
 
-FORMATS = ("prompt_completion", "messages", "alpaca", "text")
-"""The supervised formats (`data.format`; "auto" finds one from a record's fields)."""
+FORMATS = ("prompt_completion", "messages", "alpaca", "text", "preference")
+"""The supervised formats (`data.format`; "auto" finds one from a record's fields); "preference" records are
+pairs (`functrain.data.pairs`)."""
+
+IGNORE = -1
+"""The target id of a token that is not learned (the families' `ignore_index`)."""
 
 TRAIN_ON = ("completion", "assistant", "last", "all")
 """What `data.train_on` can learn ("auto": completion, or assistant for messages)."""
@@ -58,12 +63,14 @@ _FIELDS = {
     "messages": ("messages",),
     "alpaca": ("instruction", "output"),
     "text": ("text",),
+    "preference": ("chosen", "rejected"),
 }
 _ALLOWED = {
     "prompt_completion": ("completion", "all"),
     "alpaca": ("completion", "all"),
     "messages": ("assistant", "last", "all"),
     "text": ("all",),
+    "preference": ("completion",),
 }
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -116,18 +123,19 @@ def detect_format(record: Mapping, fields: Mapping[str, str]) -> str:
       'prompt_completion'
     """
     have = set(record)
-    for fmt in ("messages", "prompt_completion", "alpaca", "text"):
+    for fmt in ("preference", "messages", "prompt_completion", "alpaca", "text"):
         if all(fields.get(f, f) in have for f in _FIELDS[fmt]):
             return fmt
-    if {fields.get("chosen", "chosen"), fields.get("rejected", "rejected")} <= have:
+    pair = [fields.get(f, f) for f in _FIELDS["preference"]]
+    if have & set(pair):
         raise DataError(
-            f"a record with fields {sorted(have)[:12]} is a preference pair (chosen/rejected): the trainer does not "
-            "read preference data yet; train it from Python with functrain.data.pairs and functrain.preference"
+            f"a record with fields {sorted(have)[:12]} is half a preference pair: it needs both {pair[0]!r} and "
+            f"{pair[1]!r}; add the missing one, or map the names with --config.data.fields"
         )
     raise DataError(
         f"a record with fields {sorted(have)[:12]} is in no supervised format (prompt/completion, "
-        "messages, instruction/input/output, text); set --config.data.format and map the names with "
-        "--config.data.fields (e.g. {'prompt': 'question', 'completion': 'answer'})"
+        "messages, instruction/input/output, text, chosen/rejected pairs); set --config.data.format and map the "
+        "names with --config.data.fields (e.g. {'prompt': 'question', 'completion': 'answer'})"
     )
 
 
@@ -476,6 +484,8 @@ def render(
     """
     fields = dict(fields or {})
     special = tokenizer.special
+    if fmt == "preference":
+        raise DataError("a preference record is a pair of examples: functrain.data.pairs.render_pair renders it")
     if fmt == "messages":
         if template is None:
             raise DataError("a messages record is rendered by a chat template, and none was given")

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from functrain import config_checks, generation, parallel
+from functrain import config_checks, functional, generation, parallel, preference
 from functrain.interop.hf import HFDirectory, HFError
-from functrain.models import inference, lm, lm_data, lm_lora
+from functrain.models import inference, lm, lm_data, lm_lora, lm_preference
 from functrain.models import stages as stages_lib
 from functrain.task import Task
 
@@ -120,25 +120,29 @@ def task(
     if ctx.is_main_process and facts.info is not None:
         Path(workdir).mkdir(parents=True, exist_ok=True)
         (Path(workdir) / "model.json").write_text(json.dumps(facts.info, indent=2, default=str) + "\n")
+    init = lm_lora.with_adapters(
+        spec.init_params, template, lora_spec, init_from=config.lora.init_from, hf_name=spec.hf_name,
+        base_model=spec.base_model,
+    )  # fmt: skip
+    loss_fn, count, frozen = built.loss_fn, lm.count_targets(), lm_lora.frozen(lora_spec)
+    how = lm_preference.objective_of(config, ctx, dataset)
+    if how is not None:  # chosen/rejected pairs: the preference loss, counted in pairs, beside a reference
+        logits = built.logits_fn or (lambda p, x: functional.apply(built.model, p, x, train=False))
+        loss_fn, count = lm_preference.loss_fn(how, logits, lora_spec is not None), preference.count_pairs()
+        if lora_spec is None:  # the reference: a frozen copy (under LoRA: the base, the adapters off)
+            init, frozen = lm_preference.init_with_reference(init), lm_preference.is_reference
     return Task(
         describe=f"{facts.describe}, {dataset.describe()}",
-        init_params=lm_lora.with_adapters(
-            spec.init_params,
-            template,
-            lora_spec,
-            init_from=config.lora.init_from,
-            hf_name=spec.hf_name,
-            base_model=spec.base_model,
-        ),
+        init_params=init,
         shard_rules=rules,
-        loss_fn=built.loss_fn,
+        loss_fn=loss_fn,
         data=dataset,
-        count_targets=lm.count_targets(),
-        tokens_per_step=lambda batch: config.batch_size * batch[0].shape[-1],  # (padded rows: the batch's length)
+        count_targets=count,
+        tokens_per_step=lambda batch: config.batch_size * batch[0][0].numel(),  # (padded rows: the batch's length)
         flops_per_token=lm_lora.flops_per_token(facts.flops_per_token, template, lora_spec),
         finish=_sampler(config, ctx, dataset, template, head, built),
         export=lm_lora.exporter(spec.export, template, lora_spec, hf_name=spec.hf_name, base_model=spec.base_model),
-        frozen=lm_lora.frozen(lora_spec),
+        frozen=frozen,
         eval_model=inference.eval_model(
             template,
             dataset.tokenizer,

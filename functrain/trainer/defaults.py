@@ -61,6 +61,13 @@ def trainer_config() -> ml_collections.ConfigDict:
     # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the adapters start from,
     # its rank, alpha, layers and base checked against the run's ("" = fresh adapters: A random, B zero)
     c.lora.init_from = ""
+    # Preference tuning (docs/guide.md "Preference tuning"): read when the data are chosen/rejected pairs
+    # (data.format=preference, or records with those fields); the reference is a frozen copy of the starting
+    # params, or under LoRA the base with the adapters off
+    c.preference = ml_collections.ConfigDict()
+    c.preference.loss = "sigmoid"  # sigmoid (DPO) | ipo | hinge, as TRL's DPOTrainer defines them
+    c.preference.beta = 0.1  # the temperature (IPO: its tau)
+    c.preference.label_smoothing = 0.0  # sigmoid only: the chance a pair's label is flipped (conservative DPO)
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's
@@ -202,7 +209,7 @@ def data_config(**overrides: Any) -> ml_collections.ConfigDict:
     )
     # Supervised examples (jsonl/parquet records; docs/guide.md "Fine-tuning"): "auto" finds the format
     # from the first record's fields (a `text` field alone: pretraining as above)
-    d.format = "auto"  # auto | text | prompt_completion | messages | alpaca
+    d.format = "auto"  # auto | text | prompt_completion | messages | alpaca | preference
     d.train_on = (
         "auto"  # what is learned: completion | assistant | last | all (auto: completion, assistant for messages)
     )

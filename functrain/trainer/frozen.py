@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from functrain import checkpoint as ckpt_lib
-from functrain import parallel
+from functrain import parallel, preference
 from functrain import rng as rng_lib
 from functrain.state import TrainState
 from functrain.task import Task
@@ -55,8 +55,11 @@ def split(task: Task, params: dict) -> tuple[dict, dict]:
 
 
 def merged(state: TrainState) -> dict:
-    """The frozen and the trained params together (what the model computes with)."""
-    return {**state.frozen, **state.params} if state.frozen else state.params
+    """The frozen and the trained params together: what the model computes with (a preference run's reference copy,
+    read by its loss alone, left out)."""
+    if not state.frozen:
+        return state.params
+    return {n: t for n, t in state.frozen.items() if not n.startswith(preference.REFERENCE)} | state.params
 
 
 def saved(state: TrainState) -> TrainState:

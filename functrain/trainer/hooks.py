@@ -156,7 +156,8 @@ class Log(Hook):
 
 class Eval(Hook):
     """Mean loss of the eval step over the task's eval batches (weighted by their `targets` where the
-    eval step counts them: the mean over every target token)."""
+    eval step counts them: the mean over every target token), and of the loss's own metrics as `val_<name>`
+    (a preference loss's rewards)."""
 
     def __init__(self, n, eval_step, batches, writer):
         self.every, self.eval_step, self.batches, self.writer = n, eval_step, batches, writer
@@ -164,17 +165,25 @@ class Eval(Hook):
 
     def after(self, info):
         sets = self.batches if isinstance(self.batches, dict) else {None: self.batches}
-        row, every = {}, []
+        row: dict = {}
+        every: list = []
+        outs: list = []
         for name, batches in sets.items():
             rows = [self.eval_step(info.state, b) for b in batches]
-            pairs = [
-                (m[M.LOSS].detach().float(), m[M.TARGETS].detach().float() if M.TARGETS in m else None) for m in rows
-            ]
-            every += pairs
+            pairs = [(m[M.LOSS].detach().float(), _count(m)) for m in rows]
+            every, outs = every + pairs, outs + rows
             if name is not None:
                 row[f"{M.VAL_LOSS}/{name}"] = _weighted_mean(pairs)
+        scalars = [k for k, v in (outs[0] if outs else {}).items() if k not in (M.LOSS, M.TARGETS) and v.numel() == 1]
+        for key in scalars:
+            row[f"val_{key}"] = _weighted_mean([(m[key].detach().float().reshape(()), _count(m)) for m in outs])
         self.val_loss = _weighted_mean(every)
         self.writer.write(info.step, {M.VAL_LOSS: self.val_loss, **row})
+
+
+def _count(metrics: dict):
+    """The eval step's count of targets, or None where it counts none."""
+    return metrics[M.TARGETS].detach().float() if M.TARGETS in metrics else None
 
 
 def _weighted_mean(pairs: list) -> float:
