@@ -143,6 +143,8 @@ def _check(ours: list, theirs: list, held_out: dict, weights: dict, got_dir, tol
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=name)
     assert [r["rewards/accuracies"] for r in train] == pytest.approx([h["rewards/accuracies"] for h in theirs])
     (val,) = [r for r in ours if "val_loss" in r]
+    summary = json.loads((got_dir.parent / "summary.json").read_text())  # (what the run prints at its end)
+    assert summary["val_rewards/margins"] == val["val_rewards/margins"]
     assert val["val_loss"] == pytest.approx(held_out["eval_loss"], rel=tol)
     for name in ("rewards/margins", "logps/chosen", "rewards/accuracies"):
         assert val[f"val_{name}"] == pytest.approx(held_out[f"eval_{name}"], rel=tol, abs=tol * scale), name

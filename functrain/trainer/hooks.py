@@ -162,6 +162,8 @@ class Eval(Hook):
     def __init__(self, n, eval_step, batches, writer):
         self.every, self.eval_step, self.batches, self.writer = n, eval_step, batches, writer
         self.val_loss = float("nan")
+        self.first: dict = {}  # the loss's own metrics at the first evaluation and at the last ({step, val_<name>})
+        self.last: dict = {}
 
     def after(self, info):
         sets = self.batches if isinstance(self.batches, dict) else {None: self.batches}
@@ -178,6 +180,9 @@ class Eval(Hook):
         for key in scalars:
             row[f"val_{key}"] = _weighted_mean([(m[key].detach().float().reshape(()), _count(m)) for m in outs])
         self.val_loss = _weighted_mean(every)
+        if scalars:
+            self.last = {"step": info.step} | {f"val_{k}": row[f"val_{k}"] for k in scalars}
+            self.first = self.first or self.last
         self.writer.write(info.step, {M.VAL_LOSS: self.val_loss, **row})
 
 

@@ -328,6 +328,8 @@ class _Training:
         )
         if self.choices is not None:
             summary.update(self.choices.last)
+        held_out = self.evaluation
+        summary.update({k: v for k, v in held_out.last.items() if k != "step"})
         if state.frozen:
             summary.update(self.counts)
         if stopped:
@@ -343,6 +345,9 @@ class _Training:
             finished["hf_export"] = str(path)
             if unchecked:
                 self.print(unchecked)
+        if main and held_out.last:  # (a preference run: the held-out rewards at the first evaluation and now)
+            changes = [f"{k} {held_out.first[k]:.4g} -> {v:.4g}" for k, v in held_out.last.items() if k != "step"]
+            self.print(f"held out, step {held_out.first['step']} -> {held_out.last['step']}: {', '.join(changes)}")
         if main:
             for name, value in finished.items():
                 self.print(f"{name}:\n{value}" if isinstance(value, str) else f"{name}: {value}")
