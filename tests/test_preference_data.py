@@ -217,3 +217,60 @@ def test_bad_pairs_are_one_line(made, tmp_path, records, match):
     with pytest.raises(DataError, match=match) as err:
         _load(tmp_path, records, tok)
     assert "\n" not in str(err.value)
+
+
+def test_pair_batches_compile_one_graph_per_row_length(tmp_path):
+    """The compile contract of preference batches: each row length compiles once, then 20 steps of varying
+    lengths recompile nothing; the compiled step equals the eager one."""
+    from torch._dynamo.utils import counters
+
+    from functrain import functional, init_state, make_train_step, optim, preference, rng
+    from functrain.data import Batching, ByteTokenizer, Placement, sft_data
+    from functrain.models import hf
+    from functrain.trainer.defaults import data_config
+
+    g = np.random.default_rng(0)
+    words = "the of and to in is was for on that with as by at from".split()
+    text = lambda n: " " + " ".join(g.choice(words, int(n)))  # noqa: E731
+    records = [
+        {"prompt": text(g.integers(1, 8)), "chosen": text(g.integers(1, 20)), "rejected": text(2)} for _ in range(80)
+    ]
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = sft_data(
+        data_config(path=str(src), val_fraction=0.05),
+        Placement(str(tmp_path / "data"), log=lambda line: None),
+        Batching(4, 128, seed=0, eval_batches=1),
+        tokenizer=ByteTokenizer(),
+        template=None,
+    )
+    config = transformers.Qwen2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    template = hf.build_template(config)
+    params = hf.init_params(template, rng.key(0))
+    logits = lambda p, x, key: functional.apply(template, p, input_ids=x, train=False).logits  # noqa: E731
+    loss_fn = preference.make_loss_fn(logits, preference.Preference("sigmoid", 0.1), reference=preference.reference_of)
+    opt = optim.adamw(1e-3)
+
+    def run(compile):
+        """(the step, its state and losses after steps 0..19, the graphs made by the first step)."""
+        state = init_state(params, opt, frozen=preference.frozen_reference(params))
+        options = {"compile_options": {"backend": "aot_eager"}} if compile else {"compile": False}
+        step = make_train_step(loss_fn, opt, count_targets=preference.count_pairs(), **options)
+        losses, first = [], 0
+        for s in range(20):
+            state, m = step(state, data.train_batch(s))
+            losses.append(float(m["loss"]))
+            first = first or counters["stats"]["unique_graphs"]
+        return step, state, losses, first
+
+    counters.clear()
+    lengths = {int(data.train_batch(s)[0].shape[-1]) for s in range(20)}
+    step, state, compiled, first = run(True)
+    assert len(lengths) >= 2 and counters["stats"]["unique_graphs"] == first + len(lengths) - 1, dict(counters["stats"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for s in range(20, 40):
+            state, _ = step(state, data.train_batch(s))
+    np.testing.assert_allclose(compiled, run(False)[2], rtol=1e-5)

@@ -62,8 +62,9 @@ def base(tmp_path_factory):
     return d
 
 
-def _run(workdir, base_dir, *extra, nproc=1):
-    """The main job on `configs/dpo.py` over `base_dir` (under torchrun when nproc > 1); its metrics rows."""
+def _run(workdir, base_dir, *extra, nproc=1, log=None):
+    """The main job on `configs/dpo.py` over `base_dir` (under torchrun when nproc > 1); its metrics rows (its
+    output appended to `log`)."""
     launch = [sys.executable, "-m", "functrain.main"]
     if nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -93,6 +94,8 @@ def _run(workdir, base_dir, *extra, nproc=1):
     out = subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         pytest.fail(f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}", pytrace=False)
+    if log is not None:
+        log.append(out.stdout + out.stderr)
     return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
@@ -163,8 +166,29 @@ def test_full_fine_tuning_equals_trl_on_one_or_two_ranks_and_resumes(tmp_path, b
             assert b[name] == pytest.approx(a[name], rel=tol, abs=tol * abs(a.get("logps/chosen", 1.0))), name
     _run(tmp_path / "killed", base, "--config.stop_at=2")  # (a checkpoint, then the process ends)
     resumed = _run(tmp_path / "killed", base)  # the reference made again and checked against its digest
-    straight = {r["step"]: r["loss"] for r in ours if "loss" in r}
-    assert {r["step"]: r["loss"] for r in resumed if "loss" in r} == straight
+    assert _losses(resumed) == _losses(ours)
+
+
+def test_reference_log_probs_computed_beforehand_equal_the_frozen_copy(tmp_path, base):
+    """(c) = (a): `preference.precompute_reference=True` (the log-probs in the batches, no copy in the state) trains
+    as the frozen copy does; a resume reads the log-probs its first process kept, and continues bit-exactly."""
+    pre = ["--config.preference.precompute_reference=True"]
+    copy_rows, logs = _run(tmp_path / "copy", base), []
+    ours = _run(tmp_path / "pre", base, *pre, log=logs)
+    assert "reference: log-probs of 9 pairs computed" in logs[-1]
+    tol = _tol.rtol(8 * 64 * 32 * STEPS)
+    for a, b in zip(copy_rows, ours, strict=True):
+        for name in [n for n in a if n in METRICS or n.startswith("val_")]:
+            assert b[name] == pytest.approx(a[name], rel=tol, abs=tol * abs(a.get("logps/chosen", 1.0))), name
+    _run(tmp_path / "killed", base, *pre, "--config.stop_at=2")
+    resumed = _run(tmp_path / "killed", base, *pre, log=logs)
+    assert "reference: log-probs of every pair read from" in logs[-1]
+    assert _losses(resumed) == _losses(ours)
+
+
+def _losses(rows: list) -> dict:
+    """{step: loss} of a run's training rows (a resumed run's file holds both processes' rows)."""
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def test_lora_equals_trl_with_a_peft_model(tmp_path, base):

@@ -119,9 +119,10 @@ class ExampleSampler:
         """Steps that make one epoch (a fraction when the rows do not divide by the batch)."""
         return self.rows_per_epoch / self.batch_size
 
-    def batch(self, step: int, rank: int = 0, world: int = 1, device=None) -> tuple:
+    def batch(self, step: int, rank: int = 0, world: int = 1, device=None, reference=None) -> tuple:
         """This rank's rows of step `step`'s batch: (x, y) or, packed, (x, y, positions), each (B / world, T), T the
-        same on every rank (from the whole batch's longest example when padded)."""
+        same on every rank (from the whole batch's longest example when padded); pairs with a `reference` table
+        (`tensors`) add its rows."""
         if world < 1 or not 0 <= rank < world or self.batch_size % world:
             raise ValueError(
                 f"need 0 <= rank < world dividing batch_size {self.batch_size}, got rank={rank}, world={world}"
@@ -131,19 +132,24 @@ class ExampleSampler:
         for g in int(step) * self.batch_size + np.arange(self.batch_size):
             epoch, j = divmod(int(g), self.rows_per_epoch)
             rows.append(self._rows(epoch)[j])
-        length = self._length(rows)
-        return self.tensors(self.examples, rows[rank * b : (rank + 1) * b], length, device)
+        length = self.row_length(rows)
+        return self.tensors(self.examples, rows[rank * b : (rank + 1) * b], length, device, reference)
 
-    def tensors(self, examples: ExampleSet, rows: list[list[int]], length: int, device=None) -> tuple:
-        """`rows` of `examples` as tensors: (x, y) or, packed, (x, y, positions), (R, length); pairs (R, 2, length)."""
+    def tensors(self, examples: ExampleSet, rows: list[list[int]], length: int, device=None, reference=None) -> tuple:
+        """`rows` of `examples` as tensors: (x, y) or, packed, (x, y, positions), (R, length); pairs (R, 2, length),
+        and with `reference` (float (pairs, 2): each pair's reference log-probs) their rows (R, 2) after them."""
         if self.group == 1:
             return _tensors(assemble(examples, rows, length, self.pad_id), self.packing, device)
         # a row of record i -> its examples' rows (an empty row, the validation's filler: `group` empty rows)
         each = [[self.group * i + k] if row else [] for row in rows for i in row or [0] for k in range(self.group)]
         x, y = _tensors(assemble(examples, each, length, self.pad_id), False, device)
-        return x.view(len(rows), self.group, length), y.view(len(rows), self.group, length)  # (R * 2, T) -> (R, 2, T)
+        x, y = x.view(len(rows), self.group, length), y.view(len(rows), self.group, length)  # (R * 2, T) -> (R, 2, T)
+        if reference is None:
+            return x, y
+        ref = torch.from_numpy(np.stack([reference[row[0]] if row else np.zeros(2) for row in rows]))  # (R, 2)
+        return x, y, ref.to(x.device)
 
-    def _length(self, rows: list[list[int]], examples: ExampleSet | None = None) -> int:
+    def row_length(self, rows: list[list[int]], examples: ExampleSet | None = None) -> int:
         """The row length of a global batch of `rows`: the block packed, else `padded_length`."""
         if self.packing:
             return self.block_size
@@ -160,7 +166,7 @@ class ExampleSampler:
         """Every token (real and padding) of the first epoch's rows, each batch padded to its length."""
         rows = self._rows(0)
         batches = [rows[i : i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
-        return sum(len(batch) * self.group * self._length(batch) for batch in batches)
+        return sum(len(batch) * self.group * self.row_length(batch) for batch in batches)
 
     def position(self, step: int) -> dict[str, float]:
         """{"epoch": e, "epoch_fraction": f} after `step` steps."""
@@ -201,6 +207,8 @@ class SFTData:
       dp: {"rank", "world", "device"}.
       info: `load_examples`' info (format, counts, the files).
       template: the chat template (what the end-of-run answer is rendered with).
+      reference: preference pairs' reference log-probs computed beforehand, {"train", "val"}: float (pairs, 2)
+        each, added to every batch (None: none).
     """
 
     train: ExampleSet
@@ -212,10 +220,11 @@ class SFTData:
     dp: dict
     info: dict
     template: ChatTemplate | None
+    reference: dict | None = None
 
     def train_batch(self, step: int) -> tuple:
         """This rank's rows of step `step`'s batch (a pure function of seed and step)."""
-        return self.sampler.batch(step, **self.dp)
+        return self.sampler.batch(step, **self.dp, reference=self.reference and self.reference["train"])
 
     def eval_sets(self) -> list:
         """This rank's rows of the fixed validation batches (every validation example, up to `eval_batches`)."""
@@ -229,7 +238,8 @@ class SFTData:
         for k in range(n):
             batch = rows[k * s.batch_size : (k + 1) * s.batch_size]
             mine = batch[rank * b : (rank + 1) * b]
-            out.append(s.tensors(self.val, mine, s._length(batch, self.val), self.dp["device"]))
+            ref = self.reference and self.reference["val"]
+            out.append(s.tensors(self.val, mine, s.row_length(batch, self.val), self.dp["device"], ref))
         return out
 
     def position(self, step: int) -> dict[str, float]:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from functrain import config_checks, functional, generation, parallel, preference
+from functrain import config_checks, functional, generation, parallel, preference, rng
 from functrain.interop.hf import HFDirectory, HFError
 from functrain.models import inference, lm, lm_data, lm_lora, lm_preference
 from functrain.models import stages as stages_lib
@@ -128,9 +128,16 @@ def task(
     how = lm_preference.objective_of(config, ctx, dataset)
     if how is not None:  # chosen/rejected pairs: the preference loss, counted in pairs, beside a reference
         logits = built.logits_fn or (lambda p, x: functional.apply(built.model, p, x, train=False))
-        loss_fn, count = lm_preference.loss_fn(how, logits, lora_spec is not None), preference.count_pairs()
-        if lora_spec is None:  # the reference: a frozen copy (under LoRA: the base, the adapters off)
+        reference = "adapters_off" if lora_spec is not None else "copy"  # (LoRA: the base, no second copy)
+        if config.preference.precompute_reference:  # the log-probs once, into the batches
+            reference, place = "precomputed", lm_data.placement(config, ctx, workdir)
+            dataset = lm_preference.with_reference_logps(
+                dataset, init, logits, lora_spec is not None, key=rng.key(config.seed), device=ctx.device,
+                cache_dir=place.cache_dir, log=place.log,
+            )  # fmt: skip
+        elif lora_spec is None:
             init, frozen = lm_preference.init_with_reference(init), lm_preference.is_reference
+        loss_fn, count = lm_preference.loss_fn(how, logits, reference), preference.count_pairs()
     return Task(
         describe=f"{facts.describe}, {dataset.describe()}",
         init_params=init,

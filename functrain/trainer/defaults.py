@@ -68,6 +68,9 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.preference.loss = "sigmoid"  # sigmoid (DPO) | ipo | hinge, as TRL's DPOTrainer defines them
     c.preference.beta = 0.1  # the temperature (IPO: its tau)
     c.preference.label_smoothing = 0.0  # sigmoid only: the chance a pair's label is flipped (conservative DPO)
+    # True: the reference's log-probs of every pair computed once before step 1 (kept in the data cache, named
+    # by the starting params' digest) and read from the batches: no reference held or run while training
+    c.preference.precompute_reference = False
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's

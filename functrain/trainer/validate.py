@@ -74,6 +74,7 @@ LOOP_CHECKS: list[Check] = [
     ("preference.loss", one_of("sigmoid", "ipo", "hinge")),
     ("preference.beta", number_at_least(0.0, strict=True)),
     ("preference.label_smoothing", number_in(0.0, 0.5)),
+    ("preference.precompute_reference", boolean()),
     ("compile", boolean()),
     ("compile_unit", one_of("step", "blocks")),
     ("fullgraph", boolean()),
