@@ -7,8 +7,15 @@ rejected = the summary of another function):
 
     python -m functrain.main --config=configs/dpo.py
 
-Expected result: filled in by docs/results.md "Preference tuning" (the held-out reward accuracy and margin at
-the first evaluation and at the end; before the first step they are 0: the policy is its reference).
+Expected result (2-core x86-64, torch 2.13, fresh workdir, ~4-5 min wall): 3,658 stdlib functions make 3,429
+train and 63 held-out pairs (166 longer than 257 bytes dropped), 214.3 steps per epoch of 16 pairs; rank-8
+adapters on every linear layer (38,912 of 498,816 params) over the fresh tiny Qwen2; the step compiles in
+~90 s, then ~0.5-0.7 s/step. It ends printing the held-out pairs' metrics at the first evaluation and at the
+last: `held out, step 100 -> 215: ... val_rewards/accuracies 0.5714 -> 0.6508, val_rewards/margins 0.04541 ->
+0.1703` (before step 1 every reward is 0: the policy is its reference). A fresh 0.46M model can only learn which
+summaries go with which questions from these pairs; start from the SFT job's export
+(`--config.model.path=runs/sft/hf`, after `configs/sft.py`) or a trained directory for real preferences
+(docs/results.md "Preference tuning").
 
 Your own pairs and model: `--config.data.path=pairs.jsonl` (records {prompt, chosen, rejected} of text, or of
 messages; `--config.data.fields` maps other names) and `--config.model.path=DIR` (any transformers causal LM

@@ -100,13 +100,13 @@ def stdlib_pairs(root: str | Path | None = None) -> list[dict]:
     return out
 
 
-def _record(pair: dict, fmt: str, other: dict) -> dict:
+def _record(pair: dict, fmt: str, other: dict | None = None) -> dict:
     """One function as a record of `fmt` (`other`: the function whose summary a preference record rejects)."""
     if fmt in ("messages", "preference"):
         owner = pair["name"].rpartition(".")[0]
         qualified = ".".join(x for x in (pair["module"], owner) if x)
         question = {"role": "user", "content": f"What does {qualified}.{pair['signature']} do?"}
-        answers = [{"role": "assistant", "content": p["summary"]} for p in (pair, other)]
+        answers = [{"role": "assistant", "content": p["summary"]} for p in (pair, other or pair)]
         if fmt == "preference":
             return {"prompt": [question], "chosen": answers[:1], "rejected": answers[1:]}
         return {"messages": [question, answers[0]]}
