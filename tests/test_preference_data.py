@@ -219,6 +219,7 @@ def test_bad_pairs_are_one_line(made, tmp_path, records, match):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # (a compile of the tiny model per row length)
 def test_pair_batches_compile_one_graph_per_row_length(tmp_path):
     """The compile contract of preference batches: each row length compiles once, then 20 steps of varying
     lengths recompile nothing; the compiled step equals the eager one."""
