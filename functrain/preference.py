@@ -25,6 +25,7 @@ __all__ = [
     "adapters_off",
     "count_pairs",
     "frozen_reference",
+    "is_reference",
     "make_loss_fn",
     "preference_loss",
     "reference_logps",
@@ -177,7 +178,7 @@ def make_loss_fn(
     def loss_fn(params, batch, key):
         """(mean loss over the pairs of batch = (x, y[, ref_logps]), metrics)."""
         x, y = batch[0].flatten(0, 1), batch[1].flatten(0, 1)  # (B, 2, T) -> (2B, T): chosen, rejected, chosen, ...
-        policy = {n: t for n, t in params.items() if not n.startswith(REFERENCE)}
+        policy = {n: t for n, t in params.items() if not is_reference(n)}
         logps, counts = sequence_logps(logits_fn(policy, x, key), y, ignore_index)  # (2B,) each
         if reference is None:
             ref = batch[2].reshape(-1)  # (B, 2) -> (2B,)
@@ -228,6 +229,11 @@ def frozen_reference(params: dict) -> dict:
     return {REFERENCE + n: t.detach().clone() for n, t in params.items()}
 
 
+def is_reference(name: str) -> bool:
+    """Whether `name` is one of the reference copy's params (`frozen_reference`'s, under `REFERENCE`)."""
+    return name.startswith(REFERENCE)
+
+
 def reference_of(params: dict) -> dict:
     """The reference's params among a loss's params: a `make_loss_fn` reference.
 
@@ -240,7 +246,7 @@ def reference_of(params: dict) -> dict:
     Example:
       >>> ref = reference_of({**state.frozen, **state.params})
     """
-    return {n[len(REFERENCE) :]: t for n, t in params.items() if n.startswith(REFERENCE)}
+    return {n[len(REFERENCE) :]: t for n, t in params.items() if is_reference(n)}
 
 
 def adapters_off(params: dict) -> dict:
@@ -257,7 +263,7 @@ def adapters_off(params: dict) -> dict:
       >>> loss_fn = make_loss_fn(logits_fn, Preference(), reference=adapters_off)   # state.frozen: the base
     """
     off = {n: torch.zeros_like(t) for n, t in params.items() if n.endswith(".lora_B.weight")}
-    return {n: t for n, t in params.items() if not n.startswith(REFERENCE)} | off
+    return {n: t for n, t in params.items() if not is_reference(n)} | off
 
 
 def reference_logps(logits_fn: Callable, params: dict, batch, ignore_index: int = -1) -> torch.Tensor:

@@ -136,7 +136,7 @@ def task(
                 cache_dir=place.cache_dir, log=place.log,
             )  # fmt: skip
         elif lora_spec is None:
-            init, frozen = lm_preference.init_with_reference(init), lm_preference.is_reference
+            init, frozen = lm_preference.init_with_reference(init), preference.is_reference
         loss_fn, count = lm_preference.loss_fn(how, logits, reference), preference.count_pairs()
     return Task(
         describe=f"{facts.describe}, {dataset.describe()}",

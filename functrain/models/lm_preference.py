@@ -6,7 +6,7 @@ Internals: docs/internals.md "functrain.models.lm_preference".
 
 Example:
     >>> how = lm_preference.objective_of(config, ctx, dataset)          # None: the token loss
-    >>> loss_fn = lm_preference.loss_fn(how, logits_fn, lora_spec)
+    >>> loss_fn = lm_preference.loss_fn(how, logits_fn, "copy")
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from functrain import config_checks, preference
 from functrain.data.token_files import atomic_write
 
-__all__ = ["init_with_reference", "is_reference", "loss_fn", "objective_of", "with_reference_logps"]
+__all__ = ["init_with_reference", "loss_fn", "objective_of", "with_reference_logps"]
 
 
 def objective_of(config: Any, ctx: Any, dataset: Any) -> preference.Preference | None:
@@ -90,11 +90,6 @@ def loss_fn(how: preference.Preference, logits_fn: Callable, reference: str) -> 
     """
     ref = {"copy": preference.reference_of, "adapters_off": preference.adapters_off, "precomputed": None}[reference]
     return preference.make_loss_fn(lambda p, x, key: logits_fn(p, x), how, reference=ref)
-
-
-def is_reference(name: str) -> bool:
-    """Whether `name` is one of the reference copy's params (`init_with_reference`'s)."""
-    return name.startswith(preference.REFERENCE)
 
 
 def init_with_reference(init: Callable) -> Callable:
@@ -163,7 +158,7 @@ def with_reference_logps(  # noqa: PLR0913
         log(f"reference: log-probs of every pair read from {path}")
     else:
         t0 = time.perf_counter()
-        tables = {k: _logps(dataset, getattr(dataset, k), logits_fn, reference) for k in ("train", "val")}
+        tables = {k: _logps(dataset, getattr(dataset, k), logits_fn, reference, device) for k in ("train", "val")}
         buf = io.BytesIO()
         np.savez(buf, **tables)
         if dataset.dp["rank"] == 0:
@@ -175,13 +170,13 @@ def with_reference_logps(  # noqa: PLR0913
     return dataclasses.replace(dataset, reference=tables)
 
 
-def _logps(dataset: Any, examples: Any, logits_fn: Callable, params: dict) -> np.ndarray:
+def _logps(dataset: Any, examples: Any, logits_fn: Callable, params: dict, device) -> np.ndarray:
     """(pairs, 2) float32: the reference's summed completion log-probs of every pair of `examples`."""
     s, out = dataset.sampler, []
     n = len(examples) // 2
     for start in range(0, n, s.batch_size):
         rows = [[i] for i in range(start, min(n, start + s.batch_size))]
-        batch = s.tensors(examples, rows, s.row_length(rows, examples), next(iter(params.values())).device)
+        batch = s.tensors(examples, rows, s.row_length(rows, examples), device)
         logps = preference.reference_logps(lambda p, x, key: logits_fn(p, x), params, batch)  # (R, 2)
         out.append(logps.float().cpu().numpy())
     return np.concatenate(out) if out else np.zeros((0, 2), np.float32)

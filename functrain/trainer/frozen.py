@@ -59,7 +59,7 @@ def merged(state: TrainState) -> dict:
     read by its loss alone, left out)."""
     if not state.frozen:
         return state.params
-    return {n: t for n, t in state.frozen.items() if not n.startswith(preference.REFERENCE)} | state.params
+    return {n: t for n, t in state.frozen.items() if not preference.is_reference(n)} | state.params
 
 
 def saved(state: TrainState) -> TrainState:
