@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from functrain import preference
 from functrain.config_checks import (
     Check,
     ConfigError,
@@ -72,7 +71,7 @@ LOOP_CHECKS: list[Check] = [
     ("lora.alpha", number_at_least(0.0, strict=True)),
     ("lora.dropout", number_in(0.0, 0.99)),
     ("lora.rslora", boolean()),
-    ("preference.loss", one_of(*preference.LOSSES)),
+    ("preference.loss", one_of("sigmoid", "ipo", "hinge")),  # (`preference.LOSSES`: checked before torch loads)
     ("preference.beta", number_at_least(0.0, strict=True)),
     ("preference.label_smoothing", number_in(0.0, 0.5)),
     ("preference.precompute_reference", boolean()),
