@@ -31,6 +31,20 @@ def _compile_cache_setup_undone():
     cache._steps_dir = before
 
 
+def _threads_per_worker() -> None:
+    """pytest-xdist workers share the machine's cores: each (and each process it starts) takes its share of threads
+    unless OMP_NUM_THREADS says otherwise; OpenMP threads oversubscribing the cores spin against each other (two
+    workers of two threads each on 2 cores ran small steps ~10x slower than two of one)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        share = max(1, cores // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
+_threads_per_worker()
+
 # Every child process the tests start (torchrun ranks, workers) prints each thread's Python stack
 # if it dies on a signal (SIGABRT from a heap check, SIGSEGV), so a crash names where it happened.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")

@@ -62,6 +62,13 @@ def base(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, base):
+    """The full fine-tune's run, the reference a frozen copy: its metrics rows and its workdir (two tests read it)."""
+    workdir = tmp_path_factory.mktemp("full") / "one"
+    return _run(workdir, base), workdir
+
+
 def _run(workdir, base_dir, *extra, nproc=1, log=None):
     """The main job on `configs/dpo.py` over `base_dir` (under torchrun when nproc > 1); its metrics rows (its
     output appended to `log`)."""
@@ -155,11 +162,11 @@ def _check(ours: list, theirs: list, held_out: dict, weights: dict, got_dir, tol
     _tol.assert_close({k: exported[k] for k in exported}, {k: weights[k] for k in exported}, tol)
 
 
-def test_full_fine_tuning_equals_trl_on_one_or_two_ranks_and_resumes(tmp_path, base):
+def test_full_fine_tuning_equals_trl_on_one_or_two_ranks_and_resumes(tmp_path, base, full):
     theirs, held_out, weights = _trl(base, tmp_path / "trl", lora=False)
-    ours = _run(tmp_path / "one", base)
+    ours, workdir = full
     tol = _tol.rtol(8 * 64 * 32 * STEPS)
-    _check(ours, theirs, held_out, weights, tmp_path / "one" / "hf", tol)
+    _check(ours, theirs, held_out, weights, workdir / "hf", tol)
     two = _run(tmp_path / "two", base, "--config.mesh.dp_shard=2", nproc=2)  # the reference sharded as the params
     for a, b in zip(ours, two, strict=True):  # (validation: rank 0 holds the held-out pair, rank 1 none)
         for name in [n for n in a if n in METRICS or n.startswith("val_")]:
@@ -169,11 +176,11 @@ def test_full_fine_tuning_equals_trl_on_one_or_two_ranks_and_resumes(tmp_path, b
     assert _losses(resumed) == _losses(ours)
 
 
-def test_reference_log_probs_computed_beforehand_equal_the_frozen_copy(tmp_path, base):
+def test_reference_log_probs_computed_beforehand_equal_the_frozen_copy(tmp_path, base, full):
     """(c) = (a): `preference.precompute_reference=True` (the log-probs in the batches, no copy in the state) trains
     as the frozen copy does; a resume reads the log-probs its first process kept, and continues bit-exactly."""
     pre = ["--config.preference.precompute_reference=True"]
-    copy_rows, logs = _run(tmp_path / "copy", base), []
+    (copy_rows, _), logs = full, []
     ours = _run(tmp_path / "pre", base, *pre, log=logs)
     assert "reference: log-probs of 9 pairs computed" in logs[-1]
     tol = _tol.rtol(8 * 64 * 32 * STEPS)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from functrain._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
+    from functrain.checkpoint.digests import digest
     from functrain.checkpoint.errors import CheckpointError, MismatchError
     from functrain.checkpoint.manager import Manager
     from functrain.checkpoint.orbax_format import read_custom_metadata

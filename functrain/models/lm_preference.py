@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from functrain import config_checks, preference
+from functrain import checkpoint, config_checks, preference
 from functrain.data.token_files import atomic_write
 
 __all__ = ["init_with_reference", "loss_fn", "objective_of", "with_reference_logps"]
@@ -183,12 +182,8 @@ def _logps(dataset: Any, examples: Any, logits_fn: Callable, params: dict, devic
 
 
 def _digest(params: dict, dataset: Any) -> str:
-    """16 hex digits of sha256 over the params (names, shapes, dtypes, bytes) and the pairs' tokens and targets."""
-    h = hashlib.sha256()
-    for name in sorted(params):
-        t = params[name].detach().to("cpu").contiguous()
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    """16 hex digits of sha256 over the params' digest (`checkpoint.digest`) and the pairs' tokens and targets."""
+    h = hashlib.sha256(checkpoint.digest(params).encode())
     for examples in (dataset.train, dataset.val):
         for a in (examples.tokens, examples.targets, examples.offsets):
             h.update(np.ascontiguousarray(a).tobytes())

@@ -10,14 +10,12 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
-import torch
-
 from functrain import checkpoint as ckpt_lib
-from functrain import parallel, preference
+from functrain import preference
 from functrain import rng as rng_lib
+from functrain.checkpoint import digests
 from functrain.state import TrainState
 from functrain.task import Task
 
@@ -26,7 +24,6 @@ __all__ = [
     "FrozenMismatch",
     "base_for_export",
     "check",
-    "digest",
     "merged",
     "record",
     "saved",
@@ -67,40 +64,6 @@ def saved(state: TrainState) -> TrainState:
     return state.replace(frozen={}) if state.frozen else state
 
 
-def digest(params: dict) -> str:
-    """sha256 over every tensor's name, shape, dtype and bytes, in name order, whatever the mesh: sharded
-    tensors are gathered one at a time (a collective), and under torch.distributed the ranks pool their
-    tensors' digests (a pipeline rank holds only its stages'), so every rank gets the digest of the whole.
-
-    Example:
-      >>> digest(state.frozen)[:8]
-      '3f2a9c1e'
-    """
-    return _combined(_pooled(params))
-
-
-def _combined(pooled: dict) -> str:
-    """One sha256 over the pooled tensors' digests, in name order."""
-    return hashlib.sha256("".join(f"{n}:{pooled[n][0]};" for n in sorted(pooled)).encode()).hexdigest()
-
-
-def _pooled(params: dict) -> dict[str, tuple[str, int]]:
-    """{name: (the tensor's sha256, its number of elements)} of every rank's `params` (a collective)."""
-    mine = {}
-    for name in sorted(params):
-        t = params[name]
-        whole = (t.full_tensor() if parallel.is_dtensor(t) else t).detach().to("cpu").contiguous()
-        h = hashlib.sha256(f"{name}{tuple(whole.shape)}{whole.dtype}".encode())
-        h.update(whole.reshape(-1).view(torch.uint8).numpy().tobytes())
-        mine[name] = (h.hexdigest(), whole.numel())
-        del whole
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return mine
-    every: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, mine)
-    return {name: value for part in every for name, value in part.items()}
-
-
 def source_of(config: Any) -> str:
     """Where the run's frozen params come from, in words: `checkpoint.init_from`, else the model directory
     (`model.path`, or the llama family's `init_from`), else the family's init from the run's seed."""
@@ -137,8 +100,8 @@ def record(frozen: dict, source: str) -> dict | None:
     """
     if not frozen:
         return None
-    pooled = _pooled(frozen)
-    return {"source": source, "digest": _combined(pooled), "params": sum(numel for _, numel in pooled.values())}
+    table = digests.tensor_digests(frozen)
+    return {"source": source, "digest": digests.digest(table=table), "params": sum(n for _, n in table.values())}
 
 
 def check(saved_record: dict | None, current: dict | None, where: str) -> None:
