@@ -26,7 +26,8 @@ Variants (`--config=configs/llama.py:<variant>`):
 The tokenizer (`data.tokenizer`): "auto" uses the init_from directory's tokenizer.json (bytes when it
 has none and its model has 256 ids; any other directory without one is refused up front), else
 trains a byte-level BPE of `model.vocab_size` ids (2048 when 0) on the training split, once, saved in
-`<workdir>/data/` and reused; "bytes", "bpe:N" or a path to a tokenizer.json also work.
+`<workdir>/data/` and reused; "bytes", "bpe:N" or a path to a tokenizer.json also work. A BPE trains on
+plain text: supervised records (prompt/completion, messages, preference pairs) take bytes or a tokenizer.json.
 
 Hugging Face export: with `export_hf=True` (default) the run writes `<workdir>/hf` at the end
 (config.json, model.safetensors, tokenizer.json) for `transformers.AutoModelForCausalLM`; any

@@ -321,6 +321,27 @@ def test_packing_under_context_parallelism_is_one_line():
         lm_data.check_packing(config, type("Ctx", (), {"cp_world": 2})())
 
 
+@pytest.mark.parametrize(
+    "record", [{"prompt": "2+2=", "completion": "4"}, {"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+)
+def test_a_bpe_trained_for_a_fresh_model_over_supervised_records_is_one_line(tmp_path, record):
+    """`data.tokenizer=auto` (a fresh model) and `bpe:N` train on plain text: over prompt/completion or pairs they
+    stop in one line naming the tokenizers that work; bytes work."""
+    from functrain.config_checks import ConfigError
+    from functrain.models import lm_data
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    config = ConfigDict({"data": data_config()})
+    config.data.path = str(path)
+    for spec in ("auto", "bpe:300"):
+        config.data.tokenizer = spec
+        with pytest.raises(ConfigError, match=r"a BPE trains on plain text, .* records; give the model's tokenizer"):
+            lm_data.tokenizer_of(config, None, tmp_path, fresh_vocab=300, key="init_from")
+    config.data.tokenizer = "bytes"
+    assert lm_data.tokenizer_of(config, None, tmp_path, fresh_vocab=300, key="init_from") is None
+
+
 def test_messages_that_name_the_real_problem(tmp_path):
     """An empty file, a null field and examples with nothing to learn: each says what it is, not something else."""
     empty = tmp_path / "empty.jsonl"

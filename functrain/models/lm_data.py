@@ -170,8 +170,8 @@ def tokenizer_of(config, hf, cache_dir: str | os.PathLike, *, fresh_vocab: int, 
       "bpe:N": a BPE of N ids; a path: that tokenizer.json.
 
     Raises:
-      ConfigError: a directory with no tokenizer.json whose model is not byte-level, or "bpe:N" over
-      a mixture (one line).
+      ConfigError: a directory with no tokenizer.json whose model is not byte-level, "bpe:N" over a
+      mixture or over supervised records (one line).
 
     Example:
       >>> tok = lm_data.tokenizer_of(config, HFDirectory("SmolLM-135M"), "runs/x/data", fresh_vocab=2048,
@@ -194,6 +194,13 @@ def tokenizer_of(config, hf, cache_dir: str | os.PathLike, *, fresh_vocab: int, 
     if spec == "bytes":
         return None
     if spec.startswith("bpe:"):
+        fmt = data_lib.supervised_format(config.data)
+        if fmt != "text":
+            raise config_checks.ConfigError(
+                f"data.tokenizer={config.data.tokenizer}: a BPE trains on plain text, and {config.data.path} holds "
+                f"{fmt} records; give the model's tokenizer (--config.data.tokenizer=<path to tokenizer.json>, or "
+                "init_from a directory with one) or bytes (--config.data.tokenizer=bytes)"
+            )
         paths = [path for _, path, _ in data_lib.parse_mixture(config.data)]
         if len(paths) > 1:
             raise config_checks.ConfigError(
