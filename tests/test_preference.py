@@ -152,17 +152,18 @@ def _pairs_from_rows(input_ids, completion_mask, ignore_index=-1):
     return pairs(input_ids), pairs(y)
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_a_models_loss_and_gradients_equal_trls_on_a_transformers_model(loss):
-    """The model's side: TRL's `_compute_loss` on a tiny Qwen2 (its fused head, its reference model a copy of the
-    starting weights) against `make_loss_fn` through the hf family's template on the same params and rows."""
+@pytest.mark.parametrize("model_type, loss", [("qwen2", "sigmoid"), ("qwen2", "ipo"), ("llama", "sigmoid")])
+def test_a_models_loss_and_gradients_equal_trls_on_a_transformers_model(model_type, loss):
+    """The model's side: TRL's `_compute_loss` on a tiny Qwen2 (a tied head) or Llama (its own head) (its fused
+    head, its reference model a copy of the starting weights) against `make_loss_fn` through the hf family's
+    template on the same params and rows."""
     from functrain import functional
     from functrain.models import hf
 
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=model_type == "qwen2",
     )  # fmt: skip
     net = transformers.AutoModelForCausalLM.from_config(config)
     start = {n: p.detach().clone() for n, p in net.named_parameters()}  # the reference: the starting weights
