@@ -178,7 +178,8 @@ def test_full_fine_tuning_equals_trl_on_one_or_two_ranks_and_resumes(tmp_path, b
 
 def test_reference_log_probs_computed_beforehand_equal_the_frozen_copy(tmp_path, base, full):
     """(c) = (a): `preference.precompute_reference=True` (the log-probs in the batches, no copy in the state) trains
-    as the frozen copy does; a resume reads the log-probs its first process kept, and continues bit-exactly."""
+    as the frozen copy does; on 2 ranks (each computes half the pairs' log-probs) as on one process, and a resume
+    on one process reads the log-probs the 2 ranks kept."""
     pre = ["--config.preference.precompute_reference=True"]
     (copy_rows, _), logs = full, []
     ours = _run(tmp_path / "pre", base, *pre, log=logs)
@@ -187,10 +188,12 @@ def test_reference_log_probs_computed_beforehand_equal_the_frozen_copy(tmp_path,
     for a, b in zip(copy_rows, ours, strict=True):
         for name in [n for n in a if n in METRICS or n.startswith("val_")]:
             assert b[name] == pytest.approx(a[name], rel=tol, abs=tol * abs(a.get("logps/chosen", 1.0))), name
-    _run(tmp_path / "killed", base, *pre, "--config.stop_at=2")
+    _run(tmp_path / "killed", base, *pre, "--config.stop_at=2", "--config.mesh.dp_shard=2", nproc=2, log=logs)
+    assert "reference: log-probs of 9 pairs computed" in logs[-1]
     resumed = _run(tmp_path / "killed", base, *pre, log=logs)
     assert "reference: log-probs of every pair read from" in logs[-1]
-    assert _losses(resumed) == _losses(ours)
+    got, want = _losses(resumed), _losses(ours)
+    assert list(got) == list(want) and np.allclose(list(got.values()), list(want.values()), rtol=tol), (got, want)
 
 
 def _losses(rows: list) -> dict:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from functrain import checkpoint, config_checks, preference
 from functrain.data.token_files import atomic_write
@@ -170,15 +171,22 @@ def with_reference_logps(  # noqa: PLR0913
 
 
 def _logps(dataset: Any, examples: Any, logits_fn: Callable, params: dict, device) -> np.ndarray:
-    """(pairs, 2) float32: the reference's summed completion log-probs of every pair of `examples`."""
-    s, out = dataset.sampler, []
-    n = len(examples) // 2
-    for start in range(0, n, s.batch_size):
+    """(pairs, 2) float32: the reference's summed completion log-probs of every pair of `examples`; under
+    torch.distributed each rank computes every world-th chunk of `batch_size` pairs and the ranks share them."""
+    s, n = dataset.sampler, len(examples) // 2
+    rank, world = dataset.dp["rank"], dataset.dp["world"]
+    mine = {}
+    for start in range(rank * s.batch_size, n, world * s.batch_size):
         rows = [[i] for i in range(start, min(n, start + s.batch_size))]
         batch = s.tensors(examples, rows, s.row_length(rows, examples), device)
         logps = preference.reference_logps(lambda p, x, key: logits_fn(p, x), params, batch)  # (R, 2)
-        out.append(logps.float().cpu().numpy())
-    return np.concatenate(out) if out else np.zeros((0, 2), np.float32)
+        mine[start] = logps.float().cpu().numpy()
+    chunks: list = [mine]
+    if world > 1:  # (every process: a run with pairs has no tp, cp or pp axis)
+        chunks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(chunks, mine)
+    every = {start: a for part in chunks for start, a in part.items()}
+    return np.concatenate([every[k] for k in sorted(every)]) if every else np.zeros((0, 2), np.float32)
 
 
 def _digest(params: dict, dataset: Any) -> str:
