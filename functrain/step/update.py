@@ -176,26 +176,9 @@ def apply_gradients(
       >>> state, metrics = apply_gradients(state, grads, opt, aux={"loss": loss})
     """
     prec = precision_lib.get(precision)
-    if layout is None and optimizer.fused is not None and compiler.eager_autograd_ok():
-        own = state._replace(**tree_lib.clone(_updated_fields(state)))
-        done = fused_in_place(
-            own, dict(aux or {}), grads, optimizer, skip_nonfinite or prec.loss_scaling, prec, model_state
-        )
-        if done is not None:
-            return done
-    lay = layout_of(state.params) if layout is None else layout
-    metrics = dict(aux or {})
-    metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
-    ok = None
-    if skip_nonfinite or prec.loss_scaling:  # decided before the update math, so every per-element loop runs after it
-        (flag,) = ops.hoist(_update_ok(grad_norm, metrics))
-        ok = flag > 0.5
-    params, opt_state, metrics[M.UPDATE_NORM] = _apply_to_group(
-        optimizer, lay, state.params, grads, state.opt_state, grad_norm, ok
-    )
-    return _finish(
-        state, metrics, ok, prec, optimizer, lay, params=params, opt_state=opt_state, model_state=model_state
-    )
+    guarded = skip_nonfinite or prec.loss_scaling
+    update = make_update(optimizer, donate=False, skip_nonfinite=guarded, precision=prec, layout=layout)
+    return update(state, dict(aux or {}), grads, model_state)
 
 
 def fused_in_place(
@@ -254,28 +237,46 @@ def _updated_fields(state: TrainState) -> dict:
 
 
 def make_update(optimizer, *, donate: bool, skip_nonfinite: bool, precision, layout: Layout | None = None):
-    """`update(state, aux, grads, model_state=None) -> (state, metrics)`: `apply_gradients`, then donation; through
-    the optimizer's fused kernel when it has one, the step runs eagerly and no `layout` is given (in place, on a
-    copy of the params and optimizer state where the step does not donate: the same numbers either way)."""
+    """`update(state, aux, grads, model_state=None) -> (state, metrics)`: the optimizer half of every step (norms, the
+    optimizer, the non-finite skip, `_finish`'s epilogue), then donation. Eagerly, with an optimizer that has a fused
+    kernel and no `layout` given, the kernel updates in place (on a copy of the params and optimizer state where the
+    step does not donate: the same numbers either way); else the update math, which compiles in a graph.
+
+    Args:
+      optimizer: the `Transform` whose state is `state.opt_state`.
+      donate: write the new params and optimizer state into the input state's buffers.
+      skip_nonfinite: keep the old state when the gradient norm (or `aux["loss"]`) is not finite.
+      precision: the step's `functrain.step.precision.Precision` (its loss-scaling rule).
+      layout: where the params live (default `layout_of(state.params)`); a pipeline stage's sums over every stage.
+
+    Returns:
+      The update function.
+
+    Example:
+      >>> update = make_update(optim.adamw(3e-4), donate=True, skip_nonfinite=True, precision=precision_lib.get(None))
+      >>> state, metrics = update(state, {"loss": loss}, grads)
+    """
 
     def update(state: TrainState, aux: dict, grads: PyTree, model_state: PyTree = None):
-        if donate and optimizer.fused is not None and layout is None:  # (not donating: apply_gradients' copy)
-            done = fused_in_place(state, aux, grads, optimizer, skip_nonfinite, precision, model_state)
+        if layout is None and optimizer.fused is not None and compiler.eager_autograd_ok():
+            own = state if donate else state._replace(**tree_lib.clone(_updated_fields(state)))
+            done = fused_in_place(own, aux, grads, optimizer, skip_nonfinite, precision, model_state)
             if done is not None:
                 return done
-        new_state, metrics = apply_gradients(
-            state,
-            grads,
-            optimizer,
-            aux=aux,
-            skip_nonfinite=skip_nonfinite,
-            precision=precision,
-            layout=layout,
-            model_state=model_state,
+        lay = layout_of(state.params) if layout is None else layout
+        metrics = dict(aux)
+        metrics[M.GRAD_NORM] = grad_norm = lay.global_norm(grads)
+        ok = None
+        if skip_nonfinite:  # decided before the update math, so every per-element loop runs after it
+            (flag,) = ops.hoist(_update_ok(grad_norm, metrics))
+            ok = flag > 0.5
+        params, opt_state, metrics[M.UPDATE_NORM] = _apply_to_group(
+            optimizer, lay, state.params, grads, state.opt_state, grad_norm, ok
         )
-        if donate:
-            new_state = (layout_of(state.params) if layout is None else layout).write_into(state, new_state)
-        return new_state, metrics
+        new_state, metrics = _finish(
+            state, metrics, ok, precision, optimizer, lay, params=params, opt_state=opt_state, model_state=model_state
+        )
+        return (lay.write_into(state, new_state) if donate else new_state), metrics
 
     return update
 
