@@ -10,7 +10,7 @@ from functrain._lazy import lazy_exports
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # the public names; at run time each loads on first use (functrain._lazy)
-    from functrain import checkpoint, data, losses, metric_names, nn, optim, parallel, preference, rng, step, tree
+    from functrain import checkpoint, data, grpo, losses, metric_names, nn, optim, parallel, preference, rng, step, tree
     from functrain.errors import FunctrainError
     from functrain.functional import apply
     from functrain.state import TrainState, init_state, params_of

@@ -25,6 +25,11 @@ __all__ = [
     "REWARDS_MARGINS",
     "LOGPS_CHOSEN",
     "LOGPS_REJECTED",
+    "KL",
+    "CLIP_LOW",
+    "CLIP_HIGH",
+    "CLIP_REGION",
+    "ENTROPY",
     "TARGETS",
     "TARGETS_PER_S",
     "VAL_LOSS",
@@ -58,6 +63,13 @@ REWARDS_ACCURACIES = "rewards/accuracies"  # the share of pairs whose chosen rew
 REWARDS_MARGINS = "rewards/margins"  # chosen minus rejected reward
 LOGPS_CHOSEN = "logps/chosen"  # the policy's summed log-probs of the chosen completions
 LOGPS_REJECTED = "logps/rejected"  # ... of the rejected ones
+
+# From a GRPO loss (`functrain.grpo`; TRL's names): means over the step's completion tokens.
+KL = "kl"  # the k3 estimate of KL(policy || reference) per token (with a reference)
+CLIP_LOW = "clip_ratio/low_mean"  # the share of tokens whose ratio is clipped below (negative advantage)
+CLIP_HIGH = "clip_ratio/high_mean"  # ... clipped above (positive advantage)
+CLIP_REGION = "clip_ratio/region_mean"  # ... clipped either way
+ENTROPY = "entropy"  # the entropy of the policy's next-token distribution at the sampling temperature
 
 # From the training loop, at log / eval time (Python floats).
 PARAM_NORM = "param_norm"  # global L2 norm of the params after the step (taken when logging)

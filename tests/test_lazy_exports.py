@@ -73,6 +73,7 @@ def test_the_top_level_names_are_the_documented_ones():
         [  # what a user composes (docs/layers.md)
             "checkpoint",
             "data",
+            "grpo",
             "losses",
             "metric_names",
             "nn",
