@@ -14,21 +14,29 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import importlib
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from functrain import metric_names as M
 from functrain import preference
+from functrain.errors import FunctrainError
 
 __all__ = [
     "GRPO",
     "LOSSES",
     "SCALES",
+    "RewardError",
     "advantages",
     "count_for",
+    "load_rewards",
     "make_loss_fn",
     "policy_loss",
+    "score",
     "token_logps",
 ]
 
@@ -118,6 +126,11 @@ def advantages(
     """
     if scale not in SCALES:
         raise ValueError(f"scale_rewards={scale!r} is not one of {', '.join(SCALES)}")
+    if group < 2 and scale == "group":
+        raise ValueError(
+            f"{group} completion per prompt: a group's reward std needs 2 or more; sample more (num_generations) "
+            "or scale by the batch's (scale_rewards=batch)"
+        )
     unscored = torch.isnan(rewards).all(dim=1)  # (N,)
     total = (rewards * weights[None]).nansum(dim=1).masked_fill(unscored, torch.nan)  # (N,)
     grouped = total.view(-1, group)  # (N / G, G)
@@ -294,3 +307,108 @@ def count_for(how: GRPO, ignore_index: int = -1) -> Callable:
         return torch.full((), y.shape[0], dtype=torch.int64, device=y.device)
 
     return count
+
+
+class RewardError(FunctrainError, ValueError):
+    """A reward function that cannot be imported, raises, or returns the wrong number of rewards (one line)."""
+
+
+def load_rewards(specs: Sequence[str]) -> list[Callable]:
+    """The reward functions `specs` name, each "module:function" (the module importable from the working directory
+    or the Python path).
+
+    Args:
+      specs: e.g. ["rewards.math:correct", "rewards.math:formatted"].
+
+    Returns:
+      The functions, in order; each `f(prompts, completions, **fields) -> list[float | None]`, as TRL calls them.
+
+    Raises:
+      RewardError: a spec without ":", a module that does not import, a name it does not define or that is not
+        callable (one line).
+
+    Example:
+      >>> correct, formatted = load_rewards(["rewards.math:correct", "rewards.math:formatted"])
+    """
+    out = []
+    for spec in specs:
+        module_name, _, name = spec.partition(":")
+        if not module_name or not name:
+            raise RewardError(f"reward {spec!r} is not 'module:function'; give e.g. 'rewards.math:correct'")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # (any failure to import: the user's module, one line)
+            raise RewardError(
+                f"reward {spec!r}: module {module_name!r} does not import ({type(exc).__name__}: {_first_line(exc)}); "
+                "put it on the Python path (the working directory is) or fix it"
+            ) from None
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            raise RewardError(f"reward {spec!r}: {module_name} has no function {name!r}; name one it defines")
+        out.append(fn)
+    return out
+
+
+def score(
+    functions: Sequence[Callable], prompts: Sequence[Any], completions: Sequence[Any], fields: dict[str, list]
+) -> torch.Tensor:
+    """Every completion's reward from each function, as TRL's `GRPOTrainer` asks for them.
+
+    Args:
+      functions: the reward functions (`load_rewards`), each called once with every completion.
+      prompts: each completion's prompt (a prompt repeated for each of its completions).
+      completions: the completions (text, or message lists).
+      fields: each record's other fields, one value per completion (the functions get them as keyword arguments).
+
+    Returns:
+      (N, F) float32: completion n's reward from function f; NaN where the function returned None (not scored).
+
+    Raises:
+      RewardError: a function that raises (naming it and the first completion it was given), or returns other than
+        one number or None per completion (one line).
+
+    Example:
+      >>> rewards = score([correct], ["17+25="] * 2, ["42", "41"], {"answer": [42, 42]})   # [[1.0], [0.0]]
+    """
+    columns = []
+    for fn in functions:
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            values = fn(list(prompts), list(completions), **fields)
+        except Exception as exc:  # (the user's function: one line naming it and the completion)
+            where = _culprit(fn, prompts, completions, fields)
+            raise RewardError(
+                f"reward function {name} raised {type(exc).__name__}: {_first_line(exc)} ({where}); fix it, or return "
+                "None for a completion it cannot score"
+            ) from None
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(
+                f"reward function {name} returned {got} values for {len(completions)} completions; return a list "
+                "of one number (or None) per completion"
+            )
+        column = []
+        for i, v in enumerate(values):
+            if v is not None and not isinstance(v, numbers.Real):
+                raise RewardError(
+                    f"reward function {name} returned {v!r} for completion {i}; return a number or None per completion"
+                )
+            column.append(math.nan if v is None else float(v))
+        columns.append(column)
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(len(completions), len(functions))
+
+
+def _culprit(fn: Callable, prompts: Sequence[Any], completions: Sequence[Any], fields: dict[str, list]) -> str:
+    """Which completion makes `fn` raise, found by calling it on each alone: "on completion i", or "on the batch"."""
+    for i in range(len(completions)):
+        try:
+            fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in fields.items()})
+        except Exception:  # (the first completion it fails on)
+            return f"on completion {i} of {len(completions)}, prompt {str(prompts[i])[:60]!r}"
+    return f"on the batch of {len(completions)} completions, none alone"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (a one-line error quotes no more)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""

@@ -174,12 +174,12 @@ def trl_scoring(tmp_path_factory):
     )  # fmt: skip
 
     def reward(column: int):
-        def score(prompts, completions, **kwargs):
+        def scores(prompts, completions, **kwargs):
             assert len(completions) == len(table)
             return [None if v != v else float(v) for v in table[:, column].tolist()]
 
-        score.__name__ = f"r{column}"
-        return score
+        scores.__name__ = scores.__qualname__ = f"r{column}"
+        return scores
 
     def run(scale: str):
         torch.manual_seed(0)
@@ -198,16 +198,18 @@ def trl_scoring(tmp_path_factory):
         out = trainer._generate_and_score_completions(inputs)
         return out["advantages"], {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    return table, torch.tensor(weights), group, run
+    return table, torch.tensor(weights), group, run, [reward(0), reward(1)]
 
 
 @pytest.mark.parametrize("scale", grpo.SCALES)
 def test_advantages_equal_trls_and_skip_unscored_completions(trl_scoring, scale):
     """Group (or batch) normalized advantages of two weighted reward functions, one returning None for some
     completions and a completion no function scores: equal to TRL's own, its logged reward statistics too."""
-    table, weights, group, run = trl_scoring
+    table, weights, group, run, functions = trl_scoring
     want, logged = run(scale)
-    got, stats = grpo.advantages(table, weights, group, scale)
+    rewards = grpo.score(functions, ["p"] * len(table), ["c"] * len(table), {})  # None -> NaN
+    torch.testing.assert_close(rewards, table, equal_nan=True)
+    got, stats = grpo.advantages(rewards, weights, group, scale)
     torch.testing.assert_close(got, want)
     assert got[9] == 0 and (got[group : 2 * group] == 0).all()  # unscored; a group of equal rewards
     for name in ("reward", "reward_std", "frac_reward_zero_std"):
@@ -297,6 +299,48 @@ def test_a_grpo_step_compiles_one_graph_and_equals_eager_and_its_microbatches(ti
         assert_close(state.params, eager_state.params, tol, msg=name)
         for a, b in zip(got, eager):
             assert_close({k: a[k] for k in b}, b, tol, absolute=True, msg=name)
+
+
+def test_reward_functions_load_by_name_score_with_the_records_fields_and_bad_ones_are_one_line(tmp_path, monkeypatch):
+    """`load_rewards` imports "module:function"; `score` passes the records' fields and reads None as not scored;
+    each way a reward function goes wrong stops in one line naming it (and the completion it raised on)."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def correct(prompts, completions, answer, **kw):\n"
+        "    return [float(c.strip() == str(a)) if c else None for c, a in zip(completions, answer)]\n"
+        "def picky(prompts, completions, **kw):\n"
+        "    return [1.0 / (len(c) - 2) for c in completions]\n"
+        "def short(prompts, completions, **kw):\n"
+        "    return [1.0]\n"
+        "def wordy(prompts, completions, **kw):\n"
+        "    return ['yes' for _ in completions]\n"
+        "number = 3\n"
+    )
+    (tmp_path / "broken_rewards.py").write_text("import not_a_module_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    correct, picky, short, wordy = grpo.load_rewards(
+        [f"my_rewards:{n}" for n in ("correct", "picky", "short", "wordy")]
+    )
+    prompts, completions = ["17+25="] * 4, [" 42", "41", "", "42 "]
+    rewards = grpo.score([correct], prompts, completions, {"answer": [42] * 4})
+    torch.testing.assert_close(rewards, torch.tensor([[1.0], [0.0], [torch.nan], [1.0]]), equal_nan=True)
+    cases = [
+        (lambda: grpo.load_rewards(["my_rewards.correct"]), "is not 'module:function'"),
+        (lambda: grpo.load_rewards(["broken_rewards:f"]), "module 'broken_rewards' does not import (ModuleNotFound"),
+        (lambda: grpo.load_rewards(["my_rewards:nothing"]), "my_rewards has no function 'nothing'"),
+        (lambda: grpo.load_rewards(["my_rewards:number"]), "my_rewards has no function 'number'"),
+        (
+            lambda: grpo.score([picky], prompts, ["abc", "ab", "abcd"], {}),
+            "reward function picky raised ZeroDivisionError: float division by zero (on completion 1 of 3",
+        ),
+        (lambda: grpo.score([short], prompts, completions, {}), "short returned 1 values for 4 completions"),
+        (lambda: grpo.score([wordy], prompts, completions, {}), "wordy returned 'yes' for completion 0"),
+    ]
+    for call, message in cases:
+        with pytest.raises(grpo.RewardError) as e:
+            call()
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="1 completion per prompt: a group's reward std needs 2 or more"):
+        grpo.advantages(torch.ones(4, 1), torch.ones(1), group=1)
 
 
 @pytest.mark.parametrize(
