@@ -32,6 +32,7 @@ __all__ = [
     "SCALES",
     "RewardError",
     "advantages",
+    "completion_rows",
     "count_for",
     "load_rewards",
     "make_loss_fn",
@@ -307,6 +308,57 @@ def count_for(how: GRPO, ignore_index: int = -1) -> Callable:
         return torch.full((), y.shape[0], dtype=torch.int64, device=y.device)
 
     return count
+
+
+def completion_rows(
+    prompts: Sequence[Sequence[int]],
+    samples: Sequence[Sequence[Any]],
+    length: int,
+    *,
+    pad_id: int = 0,
+    mask_truncated: bool = False,
+    ignore_index: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows `make_loss_fn` reads of each prompt's sampled completions: x the prompt then the completion, y the
+    completion's tokens as the next-token targets (`ignore_index` elsewhere), right-padded to `length`.
+
+    Args:
+      prompts: each prompt's token ids.
+      samples: each prompt's completions (`functrain.generation.Completion`s: `.tokens`, `.finish_reason`), as the
+        `Generator` returns them with `n` samples per prompt; a prompt's completions become adjacent rows.
+      length: the row length (a fixed one keeps a compiled step to one graph).
+      pad_id: the id x is padded with.
+      mask_truncated: a completion cut at `max_new_tokens` (finish reason "length") scores no token (TRL's
+        `mask_truncated_completions`).
+      ignore_index: the value of unscored targets.
+
+    Returns:
+      `(x, y)`, (N, length) int64 each, N the number of completions.
+
+    Raises:
+      ValueError: a prompt and completion longer than `length` (one line).
+
+    Example:
+      >>> samples = generator(params, prompts, 64, key=key, sampling=Sampling(0.9), n=8)
+      >>> x, y = completion_rows(prompts, samples, 128)
+    """
+    n = sum(len(group) for group in samples)
+    x = torch.full((n, length), pad_id, dtype=torch.int64)
+    y = torch.full((n, length), ignore_index, dtype=torch.int64)
+    row = 0
+    for prompt, group in zip(prompts, samples, strict=True):
+        for c in group:
+            tokens = [*prompt, *c.tokens]
+            if len(tokens) > length:
+                raise ValueError(
+                    f"a prompt of {len(prompt)} tokens and its completion of {len(c.tokens)} make {len(tokens)}, more "
+                    f"than the rows' {length}; give longer rows or fewer new tokens"
+                )
+            x[row, : len(tokens)] = torch.tensor(tokens)
+            if c.tokens and not (mask_truncated and c.finish_reason == "length"):
+                y[row, len(prompt) - 1 : len(tokens) - 1] = torch.tensor(c.tokens)  # position t predicts token t + 1
+            row += 1
+    return x, y
 
 
 class RewardError(FunctrainError, ValueError):

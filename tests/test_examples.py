@@ -68,6 +68,7 @@ def test_all_examples_listed():
         "lr_sweep",
         "batchnorm",
         "hf_model",
+        "grpo",
     }
     readme = (REPO / "examples" / "README.md").read_text()
     for name in RECIPES:

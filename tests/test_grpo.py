@@ -343,6 +343,25 @@ def test_reward_functions_load_by_name_score_with_the_records_fields_and_bad_one
         grpo.advantages(torch.ones(4, 1), torch.ones(1), group=1)
 
 
+def test_completion_rows_put_each_completion_after_its_prompt_as_targets():
+    """Rows of 2 prompts x 2 samples: x the prompt then the completion (padded), y the completion's tokens at the
+    positions that predict them; a truncated completion scores nothing with `mask_truncated`; too long: one line."""
+    from functrain.generation import Completion
+
+    prompts = [[5, 6], [7]]
+    samples = [
+        [Completion([1, 2], [0.0, 0.0], "stop"), Completion([3], [0.0], "length")],
+        [Completion([4, 4, 4], [0.0] * 3, "length"), Completion([], [], "stop")],
+    ]
+    x, y = grpo.completion_rows(prompts, samples, 5, pad_id=9)
+    assert x.tolist() == [[5, 6, 1, 2, 9], [5, 6, 3, 9, 9], [7, 4, 4, 4, 9], [7, 9, 9, 9, 9]]
+    assert y.tolist() == [[-1, 1, 2, -1, -1], [-1, 3, -1, -1, -1], [4, 4, 4, -1, -1], [-1] * 5]
+    _, masked = grpo.completion_rows(prompts, samples, 5, mask_truncated=True)
+    assert masked.tolist() == [[-1, 1, 2, -1, -1], [-1] * 5, [-1] * 5, [-1] * 5]
+    with pytest.raises(ValueError, match="a prompt of 2 tokens and its completion of 2 make 4, more than the rows' 3"):
+        grpo.completion_rows(prompts, samples, 3)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
