@@ -259,6 +259,8 @@ def _gpt_rollouts(vocab: int, length: int, n: int, rows: int = 4, seed: int = 0)
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.numeric  # (compiled vs eager: once, in the numeric tier)
 def test_a_grpo_step_compiles_one_graph_and_equals_eager_and_its_microbatches(tiny_gpt):
     """Through `make_train_step` (dapo, the KL to the frozen copy in the state): 10 steps of other completion lengths
     compile one graph and never recompile, equal to eager; 2 microbatches equal one batch (`count_for`'s tokens)."""
