@@ -344,6 +344,7 @@ def test_sampling_warps_as_transformers_warpers():
         torch.testing.assert_close(got[~got.isinf()], want[~want.isinf()])
 
 
+@pytest.mark.slow  # (inductor: the fast tier compiles with aot_eager at most)
 def test_one_prefill_graph_per_bucket_one_decode_graph_no_recompiles():
     """Compiled: equal to eager, and three batches of other prompt lengths (two buckets) over 256 tokens each
     compile exactly a prefill per bucket and the decode step once."""

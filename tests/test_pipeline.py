@@ -216,8 +216,7 @@ def test_two_pipeline_ranks_match_one_process(pp2, name, steps, dtype):
         assert not first & last
 
 
-@pytest.mark.slow
-@pytest.mark.numeric
+@pytest.mark.slow  # (not `numeric`: the 4-rank suite runs once, in the tier of the other tests that read it)
 @pytest.mark.parametrize(
     "name, dtype",
     [
