@@ -79,7 +79,7 @@ class GRPO:
             raise ValueError(f"grpo.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.beta < 0:
             raise ValueError(f"grpo.beta={self.beta} is negative; give 0 (no reference) or more")
-        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        high = self.high
         if not (0 < self.epsilon < 1) or high <= 0:
             raise ValueError(
                 f"grpo.epsilon={self.epsilon}, epsilon_high={high}: give 0 < epsilon < 1, epsilon_high > 0"

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 import transformers
+from _routes import three_routes
 from _tol import assert_close, rtol
 from trl.trainer import grpo_trainer as trl_grpo
 from trl.trainer.utils import add_fused_lm_head
@@ -264,9 +265,7 @@ def _gpt_rollouts(vocab: int, length: int, n: int, rows: int = 4, seed: int = 0)
 def test_a_grpo_step_compiles_one_graph_and_equals_eager_and_its_microbatches(tiny_gpt):
     """Through `make_train_step` (dapo, the KL to the frozen copy in the state): 10 steps of other completion lengths
     compile one graph and never recompile, equal to eager; 2 microbatches equal one batch (`count_for`'s tokens)."""
-    from torch._dynamo.utils import counters
-
-    from functrain import init_state, make_train_step, optim, preference
+    from functrain import make_train_step, optim, preference
 
     model = tiny_gpt(n_layer=2)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -274,24 +273,12 @@ def test_a_grpo_step_compiles_one_graph_and_equals_eager_and_its_microbatches(ti
     how = grpo.GRPO("dapo", beta=0.04)
     logits_fn = lambda p, x, key: functional.apply(model, p, x, dropout_key=key)  # noqa: E731
     loss_fn = grpo.make_loss_fn(logits_fn, how, reference=preference.reference_of)
-    runs = {}
-    for name, kwargs in {
-        "eager": {"compile": False},
-        "accum": {"compile": False, "accum_steps": 2},
-        "compiled": {"compile_options": {"backend": "aot_eager"}},
-    }.items():
+
+    def make_step(**kwargs):
         opt = optim.adamw(1e-2, weight_decay=0.0, fused=True)  # (the update: torch's kernel, outside the graph)
-        step = make_train_step(loss_fn, opt, count_targets=grpo.count_for(how), **kwargs)
-        state = init_state(params, opt, frozen=preference.frozen_reference(params))
-        counters.clear()
-        metrics = []
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for batch in data:
-                state, m = step(state, batch)
-                metrics.append({k: v.clone() for k, v in m.items()})
-        if name == "compiled":
-            assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
-        runs[name] = state, metrics
+        return make_train_step(loss_fn, opt, count_targets=grpo.count_for(how), **kwargs), opt
+
+    runs = three_routes(make_step, params, preference.frozen_reference, data)
     eager_state, eager = runs["eager"]
     assert float(eager[0][M.KL]) == 0 and float(eager[-1][M.KL]) > 0  # the policy leaves the reference
     assert int(eager[0]["targets"]) == int((data[0][1] != -1).sum())

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from _routes import three_routes
 from _tol import assert_close, rtol
 from trl.trainer import dpo_trainer as trl_dpo
 from trl.trainer.utils import add_fused_lm_head
@@ -243,32 +244,16 @@ def test_a_preference_step_compiles_one_graph_and_equals_eager_and_its_microbatc
     """Through `make_train_step`: the reference frozen in the state (never written, no optimizer state), the pairs'
     loss falling; compiled (one graph, no recompile from step to step) equal to eager; 2 microbatches of pairs
     equal to one batch."""
-    from torch._dynamo.utils import counters
-
     from functrain import init_state, tree
 
     model = tiny_gpt(n_layer=2)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     data = _pair_batches(model.cfg.vocab_size, model.cfg.block_size, 1) * 4  # one batch again: its loss falls
     how = preference.Preference("sigmoid", beta=0.5)
-    runs = {}
-    for name, kwargs in {
-        "eager": {"compile": False},
-        "accum": {"compile": False, "accum_steps": 2},
-        "compiled": {"compile_options": {"backend": "aot_eager"}},
-    }.items():
-        step, opt = _preference_step(model, how, **kwargs)
-        state = init_state(params, opt, frozen=preference.frozen_reference(params))
-        assert not any(preference.REFERENCE in n for n, _ in tree.named_leaves(state.opt_state))
-        counters.clear()
-        metrics = []
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for batch in data:
-                state, m = step(state, batch)
-                metrics.append({k: v.clone() for k, v in m.items()})
-        if name == "compiled":
-            assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
-        runs[name] = state, metrics
+    _, opt = _preference_step(model, how)
+    state = init_state(params, opt, frozen=preference.frozen_reference(params))
+    assert not any(preference.REFERENCE in n for n, _ in tree.named_leaves(state.opt_state))
+    runs = three_routes(lambda **kw: _preference_step(model, how, **kw), params, preference.frozen_reference, data)
     eager_state, eager = runs["eager"]
     assert eager[0]["loss"].item() == pytest.approx(0.6931471805599453, rel=1e-6)  # the policy is the reference
     assert eager[-1]["loss"] < eager[0]["loss"] and eager[-1]["rewards/margins"] > 0
