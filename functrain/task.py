@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["Batches", "Data", "Task"]
+__all__ = ["Batches", "Data", "OnPolicy", "Task"]
 
 PyTree = Any
 
@@ -54,6 +54,18 @@ class Data(Protocol):
 
     def validation_text(self) -> list[str] | None:
         """The validation documents' texts, from which the built-in `next_lines` task is made. None: none."""
+
+
+class OnPolicy(Data, Protocol):
+    """Data whose batches are drawn from the model being trained (`functrain.models.lm_grpo.Rollouts`): the loop
+    reads each step's batch with the params the step starts from, never ahead of it (no prefetch), and compiles
+    no step on a batch before a restore."""
+
+    on_policy: bool  # True
+
+    def train_batch(self, step: int, params: dict) -> PyTree:  # type: ignore[override]
+        """This rank's part of the batch of `step`, drawn with `params` (what the model computes with when the step
+        starts: the trained params and the frozen ones, a reference copy left out)."""
 
 
 def _nothing() -> None:

@@ -114,3 +114,13 @@ def test_missing_matplotlib_is_one_clear_error(tmp_path, monkeypatch, capsys):
     assert plot.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install matplotlib" in err and "functrain[plot]" in err
+
+
+def test_a_grpo_runs_reward_gets_a_panel(tmp_path):
+    pytest.importorskip("matplotlib")
+    _write_metrics(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        rows = [{"step": s, "reward": s / 20, "reward_std": 0.1} for s in range(1, 21)]
+        f.write("\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    assert {"reward", "reward_std"} <= set(plot.read_metrics(tmp_path))
+    assert _check_png(plot.plot_metrics(tmp_path)) == (1080, 1200)  # 5 panels: 3 rows of 2

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from functrain.data.pairs import TRUNCATION, Pair, pair_rows, render_pair
     from functrain.data.placement import Batching, Placement, TextOptions
     from functrain.data.prefetch import Prefetcher
+    from functrain.data.prompts import PromptData, Share, prompt_data
     from functrain.data.sampling import SAMPLINGS, Sampler, mixture_rows, permute
     from functrain.data.sft import ExampleSampler, SFTData, sft_data
     from functrain.data.shards import is_shard_source, shard_files

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from functrain.config_checks import ConfigError
+from functrain.data import additions
 from functrain.data.errors import DataError
 from functrain.data.mixture import LMData, lm_data
 from functrain.data.placement import Batching, Placement
+from functrain.data.prompts import PromptData, prompt_data
 from functrain.data.sft import SFTData, sft_data
 from functrain.data.shards import is_shard_source
 from functrain.data.stdlib_sft import builtin_format
@@ -31,7 +33,7 @@ def run_data(
     tokenizer: Any = None,
     vocab_size: int | None = None,
     model_dir=None,
-) -> LMData | SFTData:
+) -> LMData | SFTData | PromptData:
     """The run's data (`data`: one source, a mixture, or supervised examples) on this process's `place`.
 
     Args:
@@ -44,7 +46,8 @@ def run_data(
 
     Returns:
       A `LMData`, or for supervised examples (`data.format`, or records with prompt/completion,
-      messages or instruction fields) a `SFTData`.
+      messages or instruction fields) a `SFTData`, or for prompts alone (`data.format=prompts`, records with only
+      a `prompt` field, or "additions") a `PromptData`.
 
     Raises:
       DataError, ConfigError: one line naming the problem and the fix.
@@ -52,9 +55,12 @@ def run_data(
     Example:
       >>> d = run_data(config.data, Placement("runs/gpt/data"), Batching(32, 128))
     """
-    if supervised_format(data) == "text":
+    fmt = supervised_format(data)
+    if fmt == "text":
         return lm_data(data, place, batching, tokenizer=tokenizer, vocab_size=vocab_size)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    if fmt == "prompts":
+        return prompt_data(data, place, batching, tokenizer=tok, template=chat_template(data, model_dir, tok))
     return sft_data(data, place, batching, tokenizer=tok, template=chat_template(data, model_dir, tok))
 
 
@@ -67,6 +73,8 @@ def supervised_format(data: Any) -> str:
     """
     if data.format != "auto":
         return data.format
+    if str(data.path) == additions.SOURCE:
+        return "prompts"
     builtin = builtin_format(str(data.path))
     if builtin:  # "stdlib:messages", "stdlib:prompt_completion"
         return builtin

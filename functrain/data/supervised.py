@@ -48,9 +48,9 @@ __all__ = [
     "resolve_train_on",
 ]
 
-FORMATS = ("prompt_completion", "messages", "alpaca", "text", "preference")
+FORMATS = ("prompt_completion", "messages", "alpaca", "text", "preference", "prompts")
 """The supervised formats (`data.format`; "auto" finds one from a record's fields); "preference" records are
-pairs (`functrain.data.pairs`)."""
+pairs (`functrain.data.pairs`), "prompts" records a prompt alone to sample from (`functrain.data.prompts`)."""
 
 IGNORE = -1
 """The target id of a token that is not learned (the families' `ignore_index`)."""
@@ -64,6 +64,7 @@ _FIELDS = {
     "alpaca": ("instruction", "output"),
     "text": ("text",),
     "preference": ("chosen", "rejected"),
+    "prompts": ("prompt",),
 }
 _ALLOWED = {
     "prompt_completion": ("completion", "all"),
@@ -132,10 +133,12 @@ def detect_format(record: Mapping, fields: Mapping[str, str]) -> str:
             f"a record with fields {sorted(have)[:12]} is half a preference pair: it needs both {pair[0]!r} and "
             f"{pair[1]!r}; add the missing one, or map the names with --config.data.fields"
         )
+    if fields.get("prompt", "prompt") in have:  # a prompt alone: to sample completions of (GRPO)
+        return "prompts"
     raise DataError(
         f"a record with fields {sorted(have)[:12]} is in no supervised format (prompt/completion, "
-        "messages, instruction/input/output, text, chosen/rejected pairs); set --config.data.format and map the "
-        "names with --config.data.fields (e.g. {'prompt': 'question', 'completion': 'answer'})"
+        "messages, instruction/input/output, text, chosen/rejected pairs, prompts alone); set --config.data.format and "
+        "map the names with --config.data.fields (e.g. {'prompt': 'question', 'completion': 'answer'})"
     )
 
 

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from functrain import config_checks, functional, generation, parallel, preference, rng
+from functrain import config_checks, functional, generation, grpo, parallel, preference, rng
 from functrain.interop.hf import HFDirectory, HFError
-from functrain.models import inference, lm, lm_data, lm_lora, lm_preference
+from functrain.models import inference, lm, lm_data, lm_grpo, lm_lora, lm_preference
 from functrain.models import stages as stages_lib
 from functrain.task import Task
 
@@ -125,9 +125,16 @@ def task(
         base_model=spec.base_model,
     )  # fmt: skip
     loss_fn, count, frozen = built.loss_fn, lm.count_targets(), lm_lora.frozen(lora_spec)
+    logits = built.logits_fn or (lambda p, x: functional.apply(built.model, p, x, train=False))
     how = lm_preference.objective_of(config, ctx, dataset)
+    rl = lm_grpo.objective_of(config, ctx, dataset)
+    if rl is not None:  # prompts: each step's batch a rollout of the policy, the GRPO loss over it
+        dataset, count = _rollouts(config, ctx, workdir, dataset, built), grpo.count_for(rl)
+        if rl.beta and lora_spec is None:  # a frozen copy of the starting params beside them
+            init, frozen = lm_preference.init_with_reference(init), preference.is_reference
+        ref = preference.adapters_off if lora_spec is not None else preference.reference_of  # (LoRA: the base)
+        loss_fn = grpo.make_loss_fn(lambda p, x, key: logits(p, x), rl, reference=ref if rl.beta else None)
     if how is not None:  # chosen/rejected pairs: the preference loss, counted in pairs, beside a reference
-        logits = built.logits_fn or (lambda p, x: functional.apply(built.model, p, x, train=False))
         reference = "adapters_off" if lora_spec is not None else "copy"  # (LoRA: the base, no second copy)
         if config.preference.precompute_reference:  # the log-probs once, into the batches
             reference, place = "precomputed", lm_data.placement(config, ctx, workdir)
@@ -145,7 +152,9 @@ def task(
         loss_fn=loss_fn,
         data=dataset,
         count_targets=count,
-        tokens_per_step=lambda batch: config.batch_size * batch[0][0].numel(),  # (padded rows: the batch's length)
+        tokens_per_step=lm_grpo.row_tokens(config)
+        if rl is not None
+        else lambda batch: config.batch_size * batch[0][0].numel(),
         flops_per_token=lm_lora.flops_per_token(facts.flops_per_token, template, lora_spec),
         finish=_sampler(config, ctx, dataset, template, head, built),
         export=lm_lora.exporter(spec.export, template, lora_spec, hf_name=spec.hf_name, base_model=spec.base_model),
@@ -160,6 +169,18 @@ def task(
             cached=built.cached,
         ),
     )
+
+
+def _rollouts(config, ctx, workdir, prompts, built: Built) -> lm_grpo.Rollouts:
+    """A GRPO run's data: rollouts of the prompts sampled through the family's KV cache."""
+    if built.cached is None:
+        raise config_checks.ConfigError(
+            "GRPO samples its completions through a KV cache, and this model has none (functrain.generation); "
+            "train a family that has one (hf, gpt, llama)"
+        )
+    sampler = lm_grpo.Sampler.of(config, built.cached, prompts.tokenizer)
+    key = rng.fold_in(rng.key(config.seed), 1)  # the rollouts' stream (the init draws from the seed's own)
+    return lm_grpo.Rollouts(prompts, sampler, lm_grpo.rewards_of(config), key=key, workdir=workdir, device=ctx.device)
 
 
 def open_directory(path: str | Path, key: str, *, weights: bool = True) -> tuple[HFDirectory, Any]:

@@ -25,7 +25,7 @@ import torch
 from functrain import checkpoint, config_checks, preference
 from functrain.data.token_files import atomic_write
 
-__all__ = ["init_with_reference", "loss_fn", "objective_of", "with_reference_logps"]
+__all__ = ["data_parallel_only", "init_with_reference", "loss_fn", "objective_of", "with_reference_logps"]
 
 
 def objective_of(config: Any, ctx: Any, dataset: Any) -> preference.Preference | None:
@@ -48,12 +48,7 @@ def objective_of(config: Any, ctx: Any, dataset: Any) -> preference.Preference |
     """
     if getattr(dataset, "info", {}).get("fmt") != "preference":
         return None
-    split = [f"mesh.{a}={n}" for a, n in (("tp", ctx.tp_world), ("cp", ctx.cp_world), ("pp", ctx.pp_world)) if n > 1]
-    if split:
-        raise config_checks.ConfigError(
-            f"preference pairs train on data-parallel meshes (fsdp, dp); {', '.join(split)} splits the model: set "
-            "it to 1"
-        )
+    data_parallel_only(ctx, "preference pairs train")
     if config.checkpoint.init_from and (not config.lora.rank or config.preference.precompute_reference):
         raise config_checks.ConfigError(
             "checkpoint.init_from with preference pairs: the frozen reference is a copy of the starting params as the "
@@ -70,6 +65,20 @@ def objective_of(config: Any, ctx: Any, dataset: Any) -> preference.Preference |
         return preference.Preference(str(p.loss), float(p.beta), float(p.label_smoothing))
     except ValueError as exc:
         raise config_checks.ConfigError(f"{exc} (--config.preference.*)") from None
+
+
+def data_parallel_only(ctx: Any, what: str) -> None:
+    """Raises `ConfigError` (one line starting with `what`) where `ctx`'s mesh splits the model (tp, cp, pp): an
+    objective over whole sequences of a whole model's logits (pairs, rollouts) runs on data-parallel meshes.
+
+    Example:
+      >>> data_parallel_only(ctx, "GRPO trains")
+    """
+    split = [f"mesh.{a}={n}" for a, n in (("tp", ctx.tp_world), ("cp", ctx.cp_world), ("pp", ctx.pp_world)) if n > 1]
+    if split:
+        raise config_checks.ConfigError(
+            f"{what} on data-parallel meshes (fsdp, dp); {', '.join(split)} splits the model: set it to 1"
+        )
 
 
 def loss_fn(how: preference.Preference, logits_fn: Callable, reference: str) -> Callable:

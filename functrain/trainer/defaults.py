@@ -71,6 +71,23 @@ def trainer_config() -> ml_collections.ConfigDict:
     # True: the reference's log-probs of every pair computed once before step 1 (kept in the data cache, named
     # by the starting params' digest) and read from the batches: no reference held or run while training
     c.preference.precompute_reference = False
+    # Reinforcement learning from rewards (docs/guide.md "Reinforcement learning from rewards"): read when the data
+    # are prompts alone (data.format=prompts, records with only a `prompt` field, or "additions"); batch_size
+    # counts prompts, each sampled num_generations times from the policy, scored by the reward functions
+    c.grpo = ml_collections.ConfigDict()
+    c.grpo.rewards = ()  # "module:function" names: f(prompts, completions, **fields) -> a float or None each
+    c.grpo.reward_weights = ()  # one per function (() = 1 each)
+    c.grpo.num_generations = 8  # completions per prompt (G)
+    c.grpo.max_new_tokens = 64  # the longest completion (prompt + it within model.block_size)
+    c.grpo.temperature = 1.0
+    c.grpo.top_k = 0  # 0 = the whole vocabulary
+    c.grpo.loss = "dapo"  # dapo | grpo | dr_grpo | bnpo, as TRL's GRPOTrainer's loss_type
+    c.grpo.beta = 0.0  # the k3 KL's weight (> 0: a reference, a frozen copy or under LoRA the adapters off)
+    c.grpo.epsilon = 0.2  # the ratio's clip below
+    c.grpo.epsilon_high = 0.0  # the clip above (0 = epsilon)
+    c.grpo.scale_rewards = "group"  # group | batch | none: what an advantage is divided by
+    c.grpo.num_iterations = 1  # optimizer steps per rollout (more: the sampler's log-probs are the old ones)
+    c.grpo.mask_truncated = False  # a completion cut at max_new_tokens scores no token
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
     # grows with depth) or "blocks" (a staged model's

@@ -167,6 +167,8 @@ class Eval(Hook):
 
     def after(self, info):
         sets = self.batches if isinstance(self.batches, dict) else {None: self.batches}
+        if not any(sets.values()):  # no held-out batches (a GRPO run's prompts): nothing to evaluate
+            return
         row: dict = {}
         every: list = []
         outs: list = []

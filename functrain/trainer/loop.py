@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -25,7 +25,7 @@ from functrain.compiler import cuda_graphs
 from functrain.data.prefetch import Prefetcher
 from functrain.optim.base import Transform
 from functrain.state import TrainState
-from functrain.task import Task
+from functrain.task import OnPolicy, Task
 from functrain.trainer import downstream, exports, memory, validate, workdir_lock
 from functrain.trainer import frozen as frozen_lib
 from functrain.trainer import metrics as metrics_lib
@@ -173,11 +173,12 @@ class _Training:
         self.graph_skips = cuda_graphs.skips() if graphs else 0  # before any compile: a restore compiles the step
         if graphs:  # before the step compiles (a restore compiles it while the bytes stream in)
             state = cuda_graphs.prepare(state)  # the donated buffers stay put: static inputs of the graphs
+        on_policy = getattr(task.data, "on_policy", False)  # (its batches need the params: none before the restore)
         state = maybe_restore(
             self.manager,
             state,
             self.route.train_step,
-            task.data.train_batch,
+            None if on_policy else task.data.train_batch,
             config,
             self.print,
             whole=self.route.whole,
@@ -205,7 +206,8 @@ class _Training:
         task, config, route = self.task, self.config, self.route
         skips = config.max_consecutive_skips > 0
         self.start = start = int(self.state.step)
-        prefetch = config.prefetch
+        on_policy = getattr(task.data, "on_policy", False)  # (a rollout needs the params its step starts from)
+        prefetch = 0 if on_policy else config.prefetch
         self.batches = (
             Prefetcher(task.data.train_batch, start, depth=prefetch, device=self.device) if prefetch else None
         )
@@ -275,7 +277,7 @@ class _Training:
         config, preemption, graphs = self.config, self.env.preemption, self.graphs
         for h in self.hooks:
             h.before(step)
-        batch = self.batches.get(step) if self.batches is not None else self.task.data.train_batch(step)
+        batch = self._batch(step)
         if graphs:
             cuda_graphs.step_begin()  # the previous step's outputs may be overwritten now
         try:
@@ -302,6 +304,13 @@ class _Training:
         if stopped:
             self.print(f"stopped ({stopped}) at step {done}; checkpoint saved, exiting")
         return stopped
+
+    def _batch(self, step: int):
+        """The batch of `step`: prefetched, or read now; on-policy data (`task.OnPolicy`) read with the params."""
+        data = self.task.data
+        if getattr(data, "on_policy", False):
+            return cast(OnPolicy, data).train_batch(step, frozen_lib.merged(self.state))  # (LoRA: base and adapters)
+        return self.batches.get(step) if self.batches is not None else data.train_batch(step)
 
     def _first_step_report(self, done: int) -> None:
         """After the first step: CUDA graphs recorded (or one line), its time with the compile, the cache's report."""

@@ -1,4 +1,5 @@
-"""Training curves from a run's `metrics.jsonl` as one PNG: loss (train and val), lr, throughput, grad norm.
+"""Training curves from a run's `metrics.jsonl` as one PNG: loss (train and val), lr, throughput, grad norm, and
+a GRPO run's reward.
 
 Internals: docs/internals.md "functrain.trainer.plot".
 
@@ -27,6 +28,7 @@ _PANELS = [
     ("learning rate", [("lr", "lr")], "lr"),
     ("throughput", [("tokens_per_s", "tokens/s")], "tokens / s"),
     ("gradient norm", [("grad_norm", "grad norm (before clipping)")], "global L2 norm"),
+    ("reward", [("reward", "mean reward"), ("reward_std", "reward std")], "reward (GRPO)"),
 ]
 
 

@@ -146,7 +146,7 @@ def _restore(
     configured = optim_lib.get_hyperparams(state)  # read now: the compile below consumes `state`
     if not config.checkpoint.async_restore:
         future.result()  # blocking restore: the bytes first, compilation after (for comparison)
-    elif config.compile:
+    elif config.compile and batch_at is not None:  # (None: batches that need the restored params)
         # Compile now, on the fresh state (consumed and thrown away), while TensorStore reads.
         train_step(state, batch_at(latest))
     restored = future.result().replace(frozen=state.frozen)  # (never written by the step: still whole)

@@ -1,0 +1,311 @@
+"""Reinforcement learning from rewards in a language-model family (`--config.grpo.*`, prompts as data): each step's
+batch is a rollout of the current policy (`Rollouts`, data the loop reads with the params), its loss
+`functrain.grpo`'s.
+
+Internals: docs/internals.md "functrain.models.lm_grpo".
+
+Example:
+    >>> how = lm_grpo.objective_of(config, ctx, dataset)               # None: not a prompts dataset
+    >>> data = lm_grpo.Rollouts(dataset, how, lm_grpo.Sampler.of(config, cached), rewards, weights, key=rng.key(0))
+    >>> batch = data.train_batch(0, state.params)                     # (x, y, adv[, old_logps]) of this rank
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from functrain import config_checks, generation, grpo, parallel, preference, rng
+from functrain.data.supervised import example_end
+from functrain.data.token_files import atomic_write
+from functrain.models import lm_preference
+
+__all__ = ["Rollouts", "Sampler", "objective_of", "rewards_of", "row_tokens"]
+
+
+def objective_of(config: Any, ctx: Any, dataset: Any) -> grpo.GRPO | None:
+    """The run's GRPO objective where its data are prompts (`data.format=prompts`), else None.
+
+    Args:
+      config: the run config (`grpo.*`, `mesh`).
+      ctx: the parallel context.
+      dataset: the run's data (`functrain.data.run_data`).
+
+    Returns:
+      The `grpo.GRPO`, or None.
+
+    Raises:
+      ConfigError: a mesh axis other than data parallelism, a bad `grpo.*` (one line each).
+
+    Example:
+      >>> how = objective_of(config, ctx, dataset)
+    """
+    if getattr(dataset, "info", {}).get("fmt") != "prompts":
+        return None
+    lm_preference.data_parallel_only(ctx, "GRPO trains")
+    g = config.grpo
+    if g.num_iterations > 1 and g.temperature != 1.0:
+        raise config_checks.ConfigError(
+            f"grpo.num_iterations={g.num_iterations} with grpo.temperature={g.temperature}: the old log-probs are the "
+            "sampler's own, taken at temperature 1; sample at temperature 1 or take one step per rollout"
+        )
+    if g.num_generations < 2 and g.scale_rewards == "group":
+        raise config_checks.ConfigError(
+            f"{g.num_generations} completion per prompt: a group's reward std needs 2 or more; raise "
+            "grpo.num_generations or scale by the batch's (--config.grpo.scale_rewards=batch)"
+        )
+    try:
+        return grpo.GRPO(
+            g.loss, beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high or None, temperature=g.temperature,
+            max_completion_length=g.max_new_tokens,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise config_checks.ConfigError(str(exc)) from None
+
+
+def rewards_of(config: Any) -> tuple[list[Callable], torch.Tensor]:
+    """The reward functions `grpo.rewards` names and their weights (`grpo.reward_weights`, default 1 each).
+
+    Raises:
+      ConfigError: no reward function, or weights of another count (one line); RewardError: one that does not
+        import.
+
+    Example:
+      >>> functions, weights = rewards_of(config)
+    """
+    specs, weights = list(config.grpo.rewards), [float(w) for w in config.grpo.reward_weights]
+    if not specs:
+        raise config_checks.ConfigError(
+            "prompts as data train on rewards, and grpo.rewards names none; give 'module:function' names, e.g. "
+            "--config.grpo.rewards=\"('functrain.data.additions:correct',)\""
+        )
+    functions = grpo.load_rewards(specs)
+    if weights and len(weights) != len(specs):
+        raise config_checks.ConfigError(
+            f"grpo.reward_weights has {len(weights)} weights for {len(specs)} reward functions; give one each, or ()"
+        )
+    return functions, torch.tensor(weights or [1.0] * len(specs))
+
+
+class Sampler(NamedTuple):
+    """How a rollout samples: the generator, the completions per prompt, the new tokens, the draws, the stop ids.
+
+    Attributes:
+      generator: the family's `generation.Generator` (its block: the run's rows).
+      group: completions per prompt (G, `grpo.num_generations`).
+      max_new_tokens: the longest completion.
+      sampling: temperature and top-k.
+      eos_ids: the ids that end a completion (the tokenizer's end of text).
+      mask_truncated: a completion cut at `max_new_tokens` scores no token.
+      scale: `grpo.scale_rewards`.
+      iterations: optimizer steps per rollout (`grpo.num_iterations`).
+    """
+
+    generator: generation.Generator
+    group: int
+    max_new_tokens: int
+    sampling: generation.Sampling
+    eos_ids: tuple[int, ...]
+    mask_truncated: bool
+    scale: str
+    iterations: int
+
+    @classmethod
+    def of(cls, config: Any, cached: generation.CachedModel, tokenizer: Any) -> Sampler:
+        """The run's sampler over the family's cached model (`config.grpo`, rows of `model.block_size`).
+
+        Example:
+          >>> Sampler.of(config, built.cached, dataset.tokenizer)
+        """
+        g = config.grpo
+        rows = config.batch_size * g.num_generations  # every completion of the step in one batch of rows
+        gen = generation.Generator(
+            cached, block_size=config.model.block_size, batch_size=rows, compile=bool(config.compile)
+        )
+        return cls(
+            gen, g.num_generations, g.max_new_tokens, generation.Sampling(g.temperature, g.top_k or 0),
+            tuple(example_end(tokenizer)), bool(g.mask_truncated), g.scale_rewards, g.num_iterations,
+        )  # fmt: skip
+
+
+class Rollouts:
+    """A GRPO run's data: step s's batch is a rollout of the policy at step s - s % iterations (its prompts'
+    completions sampled with the key `fold_in(key, step)`, scored and turned into advantages), read by the loop
+    with the params (`on_policy`). With several steps per rollout, a rollout is kept in `<workdir>/rollouts` until
+    its steps are taken: a run resumed between them reads it back.
+
+    Args:
+      prompts: the run's `functrain.data.PromptData`.
+      sampler: the `Sampler`.
+      rewards: the reward functions, and their weights.
+      key: the run's sampling key.
+      workdir: the run directory.
+      device: where batches go.
+    """
+
+    on_policy = True
+
+    def __init__(self, prompts: Any, sampler: Sampler, rewards: tuple[list[Callable], torch.Tensor], *, key, workdir,
+                 device):  # fmt: skip
+        self.prompts, self.sampler, self.key, self.device = prompts, sampler, key, device
+        self.functions, self.weights = rewards
+        self.info, self.tokenizer, self.encode, self.decode = (
+            prompts.info,
+            prompts.tokenizer,
+            prompts.encode,
+            prompts.decode,
+        )
+        self.dir = Path(workdir) / "rollouts"
+        self._kept: tuple[int, tuple] | None = None  # (rollout step, batch)
+        self._window: list[dict[str, float]] = []  # each rollout's metrics since the last `position`
+        self._check_lengths()
+
+    def _check_lengths(self) -> None:
+        """One line for a prompt that leaves no room for `max_new_tokens` in the rows."""
+        room = self.sampler.generator.block_size - self.sampler.max_new_tokens + 1
+        for i, ids in enumerate(self.prompts.ids):
+            if len(ids) > room:
+                raise config_checks.ConfigError(
+                    f"prompt {i} has {len(ids)} tokens: with grpo.max_new_tokens={self.sampler.max_new_tokens} it "
+                    f"exceeds model.block_size={self.sampler.generator.block_size}; raise the block, ask for fewer "
+                    "new tokens or shorten the prompt"
+                )
+
+    def train_batch(self, step: int, params: dict) -> tuple:
+        """This rank's rows of `step`: `(x, y, adv)`, with `old_logps` when a rollout makes several steps.
+
+        Args:
+          step: the step (0-based).
+          params: the policy's params now (the rollout's when `step` starts one).
+
+        Returns:
+          The batch, on the device.
+        """
+        start = step - step % self.sampler.iterations
+        if self._kept is not None and self._kept[0] == start:
+            return self._kept[1]
+        path = self.dir / f"{start}-{self.prompts.place.dp_rank}.pt"
+        if step == start:
+            batch = self._rollout(start, params)
+            if self.sampler.iterations > 1:
+                self._keep(path, batch)
+        elif path.exists():
+            batch = tuple(t.to(self.device) for t in torch.load(path, weights_only=True))
+        else:
+            raise config_checks.ConfigError(
+                f"step {step + 1} trains on the rollout of step {start + 1}, which is not in {self.dir}; resume from a "
+                f"checkpoint at a multiple of grpo.num_iterations={self.sampler.iterations}"
+            )
+        self._kept = (start, batch)
+        return batch
+
+    def _keep(self, path: Path, batch: tuple) -> None:
+        """Writes the rollout to `path` (the older ones removed: a resume needs only the newest)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save([t.cpu() for t in batch], f))
+        for old in self.dir.glob(f"*-{self.prompts.place.dp_rank}.pt"):
+            if old != path:
+                old.unlink(missing_ok=True)
+
+    def _rollout(self, step: int, params: dict) -> tuple:
+        """Samples, scores and weighs this rank's completions of `step`'s prompts."""
+        s, share = self.sampler, self.prompts.prompts_at(step)
+        policy = {n: t for n, t in params.items() if not preference.is_reference(n)}
+        # sharded params decode in step on every rank (each forward gathers): every rank samples the whole batch
+        asked = self.prompts.prompts_at(step, whole=True) if any(map(parallel.is_dtensor, policy.values())) else share
+        t0 = time.perf_counter()
+        samples = s.generator(
+            policy, asked.ids, s.max_new_tokens, key=rng.fold_in(self.key, step), sampling=s.sampling, n=s.group,
+            eos_ids=s.eos_ids, index=asked.places,
+        )  # fmt: skip
+        seconds = time.perf_counter() - t0
+        samples = samples[share.places[0] - asked.places[0] :][: len(share.places)]  # this rank's prompts
+        done = [c for group in samples for c in group]
+        special = set(s.eos_ids) if getattr(self.tokenizer, "eos_id", None) is not None else set()  # (bytes: a text)
+        texts = [self.decode([t for t in c.tokens if t not in special]) for c in done]  # as TRL decodes them
+        each = [p for p in share.prompts for _ in range(s.group)]
+        fields = {k: [v for v in values for _ in range(s.group)] for k, values in share.fields.items()}
+        scores = grpo.score(self.functions, each, texts, fields)  # (N, F)
+        lengths = torch.tensor([[len(c.tokens), c.finish_reason == "length"] for c in done], dtype=torch.float32)
+        every, mine = _gathered(torch.cat([scores, lengths], 1), self.prompts.place.dp_world)  # (W N, F + 2)
+        adv, stats = grpo.advantages(every[:, : scores.shape[1]], self.weights, s.group, s.scale)
+        x, y = grpo.completion_rows(
+            share.ids, samples, s.generator.block_size, mask_truncated=s.mask_truncated
+        )  # (N, T) each
+        batch: tuple = (x, y, adv[mine])
+        if s.iterations > 1:  # the sampler's log-probs of each completion token, where y holds it
+            old = torch.zeros(x.shape, dtype=torch.float32)
+            for row, (ids, c) in enumerate(zip([i for i in share.ids for _ in range(s.group)], done)):
+                old[row, len(ids) - 1 : len(ids) - 1 + len(c.logprobs)] = torch.tensor(c.logprobs)
+            batch = (*batch, old)
+        self._window.append(
+            self._metrics(every, scores.shape[1], adv, stats, sum(len(c.tokens) for c in done) / seconds)
+        )
+        return tuple(t.to(self.device) for t in batch)
+
+    def _metrics(self, every: torch.Tensor, functions: int, adv: torch.Tensor, stats: dict, rate: float) -> dict:
+        """A rollout's metrics (TRL's names): rewards, advantages, completion lengths, sampling speed."""
+        out = {k: float(v) for k, v in stats.items()}
+        for f, fn in enumerate(self.functions):
+            out[f"rewards/{fn.__name__}/mean"] = float(torch.nanmean(every[:, f]))
+        lengths, cut = every[:, functions], every[:, functions + 1]
+        out.update({
+            "advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(cut.mean()),
+            "rollout_tokens_per_s": rate,
+        })  # fmt: skip
+        return out
+
+    def position(self, step: int) -> dict[str, float]:
+        """The epoch, and the mean of each rollout metric over the rollouts since the last call."""
+        out = self.prompts.position(step)
+        if self._window:
+            out.update({k: sum(m[k] for m in self._window) / len(self._window) for k in self._window[0]})
+            self._window = []
+        return out
+
+    @property
+    def steps_per_epoch(self) -> float:
+        """Steps per pass over the prompts (a rollout's steps count once)."""
+        return self.prompts.steps_per_epoch * self.sampler.iterations
+
+    def eval_sets(self) -> list:
+        """No held-out loss."""
+        return []
+
+    def record(self) -> dict:
+        """The prompts' record (a resume on other prompts stops)."""
+        return self.prompts.record()
+
+    def validation_text(self) -> None:
+        """No validation documents."""
+        return None
+
+    def describe(self) -> str:
+        """E.g. '5,000 prompts (additions), 8 completions each of up to 12 tokens, 625.0 steps per epoch'."""
+        s = self.sampler
+        return (
+            f"{len(self.prompts.ids):,} prompts ({self.info['source']}), {s.group} completions each of up to "
+            f"{s.max_new_tokens} tokens, {self.steps_per_epoch:.1f} steps per epoch"
+        )
+
+
+def _gathered(mine: torch.Tensor, world: int) -> tuple[torch.Tensor, slice]:
+    """Every data-parallel rank's rows of `mine` in rank order, and where this rank's are among them."""
+    if world == 1:
+        return mine, slice(0, mine.shape[0])
+    parts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
+    rank = torch.distributed.get_rank()
+    return torch.cat(parts), slice(rank * mine.shape[0], (rank + 1) * mine.shape[0])
+
+
+def row_tokens(config: Any) -> Callable[[Any], int]:
+    """`tokens_per_step(batch)` of a GRPO run: every rank's rows of the step (prompts x completions x row length)."""
+    rows = config.batch_size * config.grpo.num_generations
+    return lambda batch: rows * batch[0][0].numel()
