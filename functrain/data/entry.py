@@ -59,9 +59,10 @@ def run_data(
     if fmt == "text":
         return lm_data(data, place, batching, tokenizer=tokenizer, vocab_size=vocab_size)
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    template = chat_template(data, model_dir, tok)
     if fmt == "prompts":
-        return prompt_data(data, place, batching, tokenizer=tok, template=chat_template(data, model_dir, tok))
-    return sft_data(data, place, batching, tokenizer=tok, template=chat_template(data, model_dir, tok))
+        return prompt_data(data, place, batching, tokenizer=tok, template=template)
+    return sft_data(data, place, batching, tokenizer=tok, template=template)
 
 
 def supervised_format(data: Any) -> str:

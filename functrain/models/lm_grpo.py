@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from functrain import config_checks, generation, grpo, parallel, preference, rng
+from functrain import config_checks, generation, grpo, parallel, rng
 from functrain.data.supervised import example_end
 from functrain.data.token_files import atomic_write
 from functrain.models import lm_preference
@@ -180,7 +180,8 @@ class Rollouts:
 
         Args:
           step: the step (0-based).
-          params: the policy's params now (the rollout's when `step` starts one).
+          params: what the policy computes with now (`task.OnPolicy`: no reference copy among them), the rollout's
+            when `step` starts one.
 
         Returns:
           The batch, on the device.
@@ -214,12 +215,11 @@ class Rollouts:
     def _rollout(self, step: int, params: dict) -> tuple:
         """Samples, scores and weighs this rank's completions of `step`'s prompts."""
         s, share = self.sampler, self.prompts.prompts_at(step)
-        policy = {n: t for n, t in params.items() if not preference.is_reference(n)}
         # sharded params decode in step on every rank (each forward gathers): every rank samples the whole batch
-        asked = self.prompts.prompts_at(step, whole=True) if any(map(parallel.is_dtensor, policy.values())) else share
+        asked = self.prompts.prompts_at(step, whole=True) if any(map(parallel.is_dtensor, params.values())) else share
         t0 = time.perf_counter()
         samples = s.generator(
-            policy, asked.ids, s.max_new_tokens, key=rng.fold_in(self.key, step), sampling=s.sampling, n=s.group,
+            params, asked.ids, s.max_new_tokens, key=rng.fold_in(self.key, step), sampling=s.sampling, n=s.group,
             eos_ids=s.eos_ids, index=asked.places,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
