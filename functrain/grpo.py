@@ -32,6 +32,7 @@ __all__ = [
     "SCALES",
     "RewardError",
     "advantages",
+    "check_scale",
     "completion_rows",
     "count_for",
     "load_rewards",
@@ -104,6 +105,31 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return var.sqrt().reshape(()) if dim is None else var.sqrt().squeeze(dim)
 
 
+def check_scale(group: int, scale: str) -> None:
+    """Refuses (one line) a `scale` that is not one of `SCALES`, or group scaling of groups under 2 completions.
+
+    Args:
+      group: completions per prompt (G).
+      scale: what the advantages are divided by (`advantages`).
+
+    Returns:
+      None.
+
+    Raises:
+      ValueError: the line naming what to change.
+
+    Example:
+      >>> check_scale(8, "group")
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale_rewards={scale!r} is not one of {', '.join(SCALES)}")
+    if group < 2 and scale == "group":
+        raise ValueError(
+            f"{group} completion per prompt: a group's reward std needs 2 or more; sample more (num_generations) "
+            "or scale by the batch's (scale_rewards=batch)"
+        )
+
+
 def advantages(
     rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str = "group"
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -125,13 +151,7 @@ def advantages(
     Example:
       >>> adv, stats = advantages(torch.tensor([[1.0], [0.0], [1.0], [1.0]]), torch.ones(1), group=2)
     """
-    if scale not in SCALES:
-        raise ValueError(f"scale_rewards={scale!r} is not one of {', '.join(SCALES)}")
-    if group < 2 and scale == "group":
-        raise ValueError(
-            f"{group} completion per prompt: a group's reward std needs 2 or more; sample more (num_generations) "
-            "or scale by the batch's (scale_rewards=batch)"
-        )
+    check_scale(group, scale)
     unscored = torch.isnan(rewards).all(dim=1)  # (N,)
     total = (rewards * weights[None]).nansum(dim=1).masked_fill(unscored, torch.nan)  # (N,)
     grouped = total.view(-1, group)  # (N / G, G)

@@ -171,51 +171,51 @@ def key_data(key: torch.Tensor) -> int:
     return ((k0 & _MASK) << 32) | (k1 & _MASK)
 
 
-def _generator_seed(key: torch.Tensor) -> int:
-    """A seed that depends on both key words even where a generator keeps only 32 seed bits.
-
-    torch's CPU generator (mt19937) uses only the low 32 bits of its seed, so both words are mixed
-    into the low word (CUDA's Philox keeps all 64 bits).
-    """
-    k0, k1 = (int(v) & _MASK for v in key.tolist())
-    return _seed_of_words(k0, k1)
-
-
 def _seed_of_words(k0: Any, k1: Any) -> Any:
-    """`_generator_seed` of the key words (k0, k1): ints or int64 tensors of 32-bit words."""
+    """A generator seed of the key words (k0, k1) (ints or int64 tensors of 32-bit words) that depends on both
+    words even where a generator keeps only 32 seed bits: torch's CPU generator (mt19937) uses only the low 32
+    bits of its seed, so both words are mixed into the low word (CUDA's Philox keeps all 64 bits)."""
     return (k0 << 32) | _mix(k1 ^ _mix(k0 + _GOLDEN))
 
 
-def _generator(key: torch.Tensor) -> torch.Generator:
-    """A generator on the key's device seeded from the key (eager: reads it)."""
+def _draws(key: torch.Tensor, shape: list[int], dtype: torch.dtype, draw: Callable) -> torch.Tensor:
+    """`draw(shape)` for each key of `key` (..., 2), by one generator seeded from each in turn: (..., *shape)."""
+    keys = key.reshape(-1, 2).cpu() & _MASK  # (K, 2)
+    seeds = _seed_of_words(keys[:, 0], keys[:, 1]).tolist()
+    out = torch.empty(len(seeds), *shape, dtype=dtype, device=key.device)  # (K, *shape)
     gen = torch.Generator(device=key.device)
-    gen.manual_seed(_generator_seed(key))
-    return gen
+    for i, seed in enumerate(seeds):
+        gen.manual_seed(seed)
+        draw(shape, generator=gen, dtype=dtype, out=out[i])
+    return out.reshape([*key.shape[:-1], *shape])
 
 
 @torch.library.custom_op("functrain::uniform", mutates_args=())
 def _uniform_op(key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Uniform [0, 1) numbers drawn by a generator seeded from `key` (opaque to the compiler)."""
-    return torch.rand(shape, generator=_generator(key), dtype=dtype, device=key.device)
+    """Uniform [0, 1) numbers (..., *shape) drawn for each key (..., 2) by a generator seeded from it (opaque to
+    the compiler)."""
+    return _draws(key, shape, dtype, torch.rand)
 
 
 @torch.library.custom_op("functrain::gaussian", mutates_args=())
 def _gaussian_op(key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Standard-normal numbers drawn by a generator seeded from `key` (opaque to the compiler)."""
-    return torch.randn(shape, generator=_generator(key), dtype=dtype, device=key.device)
+    """Standard-normal numbers (..., *shape) drawn for each key (..., 2) by a generator seeded from it (opaque to
+    the compiler)."""
+    return _draws(key, shape, dtype, torch.randn)
 
 
 def _fake_draw(key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    return key.new_empty(shape, dtype=dtype)
+    return key.new_empty([*key.shape[:-1], *shape], dtype=dtype)
 
 
 def _draw_vmap(op: Callable) -> Callable:
-    """A vmap rule for a draw op: a batch of keys (a population's members) draws once per key."""
+    """A vmap rule for a draw op: a batch of keys (a population's members, a batch's rows) draws once per key, in
+    one call of the op."""
 
     def rule(info: Any, in_dims: tuple, key: torch.Tensor, shape: list[int], dtype: torch.dtype) -> tuple:
         if in_dims[0] is None:
             return op(key, shape, dtype), None
-        return torch.stack([op(k, shape, dtype) for k in key.unbind(in_dims[0])]), 0
+        return op(key.movedim(in_dims[0], 0), shape, dtype), 0
 
     return rule
 
@@ -229,7 +229,8 @@ def uniform(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.
     """Draws uniform [0, 1) numbers that depend only on `key` (same key, same numbers).
 
     Args:
-      key: an int64 key of shape (2,); the result lives on its device.
+      key: an int64 key of shape (2,); the result lives on its device. A batch of keys (..., 2), given or made by
+        `torch.func.vmap`, draws each key's numbers in one call: (..., *shape).
       shape: the output shape.
       dtype: a floating dtype.
 
@@ -249,7 +250,8 @@ def gaussian(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch
     can be drawn alone): one opaque op, compiled or not, e.g. for DP-SGD's noise.
 
     Args:
-      key: an int64 key of shape (2,); the result lives on its device.
+      key: an int64 key of shape (2,); the result lives on its device (a batch of keys (..., 2): each key's
+        numbers, (..., *shape), as `uniform`).
       shape: the output shape.
       dtype: a floating dtype.
 
@@ -263,7 +265,7 @@ def gaussian(key: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch
 
 
 def _row_seeds(key: torch.Tensor, start: int, stop: int) -> list[int]:
-    """Generator seeds for rows start..stop-1: the `_generator_seed`s of `split`'s keys for those counters."""
+    """Generator seeds for rows start..stop-1: the `_seed_of_words` of `split`'s keys for those counters."""
     k0, k1 = (int(v) & _MASK for v in key.tolist())
     n0, n1 = _split_words(k0, k1, torch.arange(start, stop, dtype=torch.int64))
     return _seed_of_words(n0, n1).tolist()

@@ -102,21 +102,11 @@ def test_metadata_of_orbax_checkpoint(interop):
 def _main_job_checkpoint(workdir, nproc: int) -> str:
     """Runs the tiny main job for 10 steps (checkpoints at 5 and 10); returns checkpoint 10's path."""
     import subprocess
-    import sys
 
+    import _main_job
     from _ckpt_util import REPO
 
-    launch = [sys.executable, "-m", "functrain.main"]
-    if nproc > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "functrain.main",
-        ]
+    launch = _main_job.command(nproc)
     args = [
         "--config=configs/gpt.py:tiny",
         "--config.steps=10",

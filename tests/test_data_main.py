@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 
+import _main_job
 import _tol
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -68,17 +69,8 @@ ARGS = [
 
 
 def _run(config, workdir, *extra, nproc=1):
-    launch = [sys.executable, "-m", "functrain.main"]
+    launch = _main_job.command(nproc)
     if nproc > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "functrain.main",
-        ]
         extra = ("--config.mesh.dp_shard=2", "--config.dist_timeout_s=600", *extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     out = subprocess.run(

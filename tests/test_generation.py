@@ -82,6 +82,28 @@ def test_greedy_equals_transformers_generate_token_for_token(tmp_path, family):
         assert_close(torch.tensor(c.logprobs), full, rtol(cfg.n_embd * cfg.n_layer * BLOCK))
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_score_equals_a_full_forwards_log_softmax_and_the_samplers_log_probs(temperature):
+    """`Generator.score` of sampled sequences (prompts of different lengths, over two batches of rows, the last
+    partly filled): each token's log-prob is the full forward's `log_softmax(logits / temperature)`; at temperature
+    1 the log-probs the sampler returned with the tokens."""
+    template, cfg, params = _gpt()
+    gen = Generator.of(template, batch_size=3, compile=False)
+    out = gen(params, PROMPTS[:4], 12, key=rng.key(4), sampling=Sampling(temperature))
+    sequences = [p + c.tokens for p, [c] in zip(PROMPTS[:4], out)]
+    scored = gen.score(params, sequences, temperature=temperature)
+    tol = rtol(cfg.n_embd * cfg.n_layer * BLOCK)
+    for seq, got, [c] in zip(sequences, scored, out):
+        logits = functional.apply(template, params, torch.tensor([seq]), train=False)[0].float()  # (T, V)
+        full = (logits / temperature).log_softmax(-1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+        assert len(got) == len(seq) - 1
+        assert_close(torch.tensor(got), full, tol)
+        if temperature == 1.0:
+            assert_close(torch.tensor(got[-len(c.tokens) :]), torch.tensor(c.logprobs), tol)
+    with pytest.raises(GenerationError, match="sequence 0 has 1 tokens; score 2 to block_size"):
+        gen.score(params, [[5]])
+
+
 # the hf family's types: rotary and grouped heads, gpt2's Conv1D and learned positions, sliding windows (8
 # positions: the 64 new tokens run far past them), gemma2's soft-capping and alternating windows, phi3's fused qkv
 HF_TYPES = {

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
+import _main_job
 import _tol
 import pytest
 import torch
@@ -41,10 +41,7 @@ ROLLOUT = (
 
 def _run(workdir, *extra, check=True, nproc=1):
     """The main job on `configs/grpo.py` (under torchrun when nproc > 1); (its metrics rows, the process)."""
-    launch = [sys.executable, "-m", "functrain.main"]
-    if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        launch += ["-m", "functrain.main"]
+    launch = _main_job.command(nproc)
     cmd = [*launch, "--config=configs/grpo.py", f"--workdir={workdir}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
@@ -61,7 +58,9 @@ def _weights(workdir):
 
 
 @pytest.mark.parametrize(
-    "iterations, extra", [(1, []), (2, ["--config.lora.rank=4", "--config.grpo.beta=0.04"])], ids=["one", "two_lora_kl"]
+    "iterations, extra",
+    [(1, []), (2, ["--config.lora.rank=4", "--config.grpo.beta=0.04", "--config.grpo.temperature=0.7"])],
+    ids=["one", "two_lora_kl"],
 )
 def test_a_run_killed_between_steps_resumes_bit_exactly_with_its_rollouts(tmp_path, iterations, extra):
     """Stopped after step 3 (with 2 steps per rollout: inside the rollout of step 3), restarted: the same rollouts,
@@ -90,18 +89,23 @@ def test_a_run_killed_between_steps_resumes_bit_exactly_with_its_rollouts(tmp_pa
 
 @pytest.mark.numeric
 def test_two_ranks_sample_and_train_as_one_process(tmp_path):
-    """2 gloo ranks (FSDP: each samples the whole batch through the sharded forward, keeps its half of the prompts,
-    and the rewards are gathered for the advantages) equal one process: the same rollouts, losses and weights."""
+    """2 gloo ranks (FSDP: each samples the whole batch through the sharded forward, recomputes its old log-probs
+    so, keeps its half of the prompts, and the rewards are gathered for the advantages) equal one process: the
+    same rollouts, losses and weights, with 2 steps per rollout at temperature 0.7. The old log-probs recomputed at
+    the rollout are the policy's own at its first step: its loss is that of a run taking one step per rollout."""
     sgd = ["--config.steps=3", "--config.optim.name=sgd", "--config.optim.lr=0.1", "--config.optim.momentum=0"]
-    one, _ = _run(tmp_path / "one", *SHORT, *sgd)
-    two, _ = _run(tmp_path / "two", *SHORT, *sgd, "--config.mesh.dp_shard=2", nproc=2)
+    sgd += ["--config.grpo.temperature=0.7"]
+    one, _ = _run(tmp_path / "one", *SHORT, *sgd, "--config.grpo.num_iterations=2")
+    two, _ = _run(tmp_path / "two", *SHORT, *sgd, "--config.grpo.num_iterations=2", "--config.mesh.dp_shard=2", nproc=2)
     tol = _tol.rtol(4 * 4 * 16 * 128 * 3)
     for a, b in zip(one, two, strict=True):
-        for key in [k for k in ROLLOUT if "per_s" not in k]:  # the same completions, scored alike
+        for key in [k for k in ROLLOUT if "per_s" not in k and k in a]:  # the same completions, scored alike
             assert b[key] == pytest.approx(a[key], rel=tol, abs=tol), (a["step"], key)
         assert b["loss"] == pytest.approx(a["loss"], rel=tol, abs=tol)
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     assert all(torch.allclose(a[k], b[k], rtol=tol, atol=tol) for k in a)
+    each, _ = _run(tmp_path / "each", *SHORT, *sgd, "--config.steps=1")  # old log-probs: the policy's, detached
+    assert one[0]["loss"] == pytest.approx(each[0]["loss"], rel=tol, abs=tol)
 
 
 def test_the_configs_reward_rises_by_the_margin_its_docs_state(tmp_path):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
+import _main_job
 import _tol
 import pytest
 
@@ -19,17 +19,7 @@ STEPS = 12
 
 def _run(workdir, data, *extra, nproc=2):
     """The tiny Llama job (eager, SGD) on `nproc` processes; returns its logged rows."""
-    launch = [sys.executable, "-m", "functrain.main"]
-    if nproc > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "functrain.main",
-        ]
+    launch = _main_job.command(nproc)
     args = [
         "--config=configs/llama.py:tiny",
         "--config.compile=False",

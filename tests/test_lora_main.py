@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import _main_job
 import _tol
 import peft  # (the dev extra: the reference LoRA)
 import pytest
@@ -42,17 +43,7 @@ def base(tmp_path_factory):
 
 def _run(workdir, base_dir, *extra, nproc=1, check=True):
     """The main job on the hf family over `base_dir` (under torchrun when nproc > 1)."""
-    launch = [sys.executable, "-m", "functrain.main"]
-    if nproc > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "functrain.main",
-        ]
+    launch = _main_job.command(nproc)
     args = [
         "--config=configs/hf.py",
         f"--config.model.path={base_dir}",

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import _main_job
 import _tol
 import pytest
 import torch
@@ -31,17 +32,7 @@ TINY = [
 
 def _run(workdir, *extra, nproc=2):
     """Runs the main job (under torchrun when nproc > 1); returns the CompletedProcess."""
-    launch = [sys.executable, "-m", "functrain.main"]
-    if nproc > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "functrain.main",
-        ]
+    launch = _main_job.command(nproc)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     out = subprocess.run(
         [*launch, f"--workdir={workdir}", *TINY, *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=900

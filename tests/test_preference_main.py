@@ -10,8 +10,8 @@ import copy
 import json
 import os
 import subprocess
-import sys
 
+import _main_job
 import _tokenizer_dirs as dirs
 import _tol
 import numpy as np
@@ -72,10 +72,7 @@ def full(tmp_path_factory, base):
 def _run(workdir, base_dir, *extra, nproc=1, log=None):
     """The main job on `configs/dpo.py` over `base_dir` (under torchrun when nproc > 1); its metrics rows (its
     output appended to `log`)."""
-    launch = [sys.executable, "-m", "functrain.main"]
-    if nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        launch += ["-m", "functrain.main"]
+    launch = _main_job.command(nproc)
     args = [
         "--config=configs/dpo.py",
         f"--config.model.path={base_dir}",

@@ -195,3 +195,19 @@ def test_gaussian_is_keyed_standard_normal_and_vmaps_per_key():
     keys = rng.split(rng.key(0), 3)
     batched = torch.func.vmap(lambda k: rng.gaussian(k, (4, 2)))(keys)
     assert torch.equal(batched, torch.stack([rng.gaussian(k, (4, 2)) for k in keys]))
+
+
+def test_a_batch_of_keys_draws_each_keys_numbers_in_one_op_call():
+    keys = rng.split(rng.key(1), 6).reshape(2, 3, 2)  # (2, 3, key)
+    each = torch.stack([rng.uniform(k, (5,)) for k in keys.reshape(-1, 2)]).reshape(2, 3, 5)
+    nested = torch.func.vmap(torch.func.vmap(lambda k: rng.uniform(k, (5,))))(keys)
+    assert torch.equal(nested, each)
+    inner_first = torch.func.vmap(lambda k: rng.uniform(k, (5,)), in_dims=1, out_dims=1)(keys.transpose(0, 1))
+    assert torch.equal(inner_first, each.transpose(0, 1))
+
+    def op_calls(n: int) -> int:
+        with torch.profiler.profile() as prof:
+            torch.func.vmap(lambda k: rng.uniform(k, (5,)))(rng.split(rng.key(2), n))
+        return sum(e.count for e in prof.key_averages() if e.key == "functrain::uniform")
+
+    assert op_calls(12) == op_calls(3)  # one draw op for the batch, not one per key

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import _main_job
 import _tol
 import pytest
 
@@ -60,17 +61,7 @@ def _env(threads="2"):
 
 
 def _main(workdir, *args, nproc=1, check=True, threads=None):
-    launch = [sys.executable, "-m", "functrain.main"]
-    if nproc > 1:
-        launch = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "functrain.main",
-        ]
+    launch = _main_job.command(nproc)
     out = subprocess.run(
         [*launch, f"--workdir={workdir}", *args],
         cwd=REPO,

@@ -308,6 +308,57 @@ class Generator:
             out.update(zip(batch, self._batch(params, texts, batch, asked)))
         return [[out[_Row(i, j)] for j in range(n)] for i in ids]
 
+    @torch.no_grad()
+    def score(
+        self, params: dict[str, torch.Tensor], sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
+    ) -> list[list[float]]:
+        """The log-probability of each token of each sequence after the first, given the tokens before it: one
+        forward of the sequence through the cache (a prefill, eagerly), `log_softmax(logits / temperature)`.
+
+        Args:
+          params: as for a call (plain, or DTensors: every rank scores the same sequences).
+          sequences: token id lists of at least 2 tokens and at most `block_size + 1` (the last is not run).
+          temperature: the logits are divided by it (> 0): the log-probs a draw at that temperature had.
+
+        Returns:
+          For each sequence, `len(sequence) - 1` log-probs.
+
+        Raises:
+          GenerationError: a sequence of under 2 tokens or over `block_size + 1`, or temperature <= 0 (one line).
+
+        Example:
+          >>> [[lp]] = gen.score(params, [[1, 2]])       # log p(2 | 1)
+        """
+        if temperature <= 0:
+            raise GenerationError(f"temperature={temperature}: score at a temperature > 0")
+        for i, seq in enumerate(sequences):
+            if not 2 <= len(seq) <= self.block_size + 1:
+                raise GenerationError(
+                    f"sequence {i} has {len(seq)} tokens; score 2 to block_size + 1 = {self.block_size + 1} tokens"
+                )
+        sharded = any(parallel.is_dtensor(t) for t in params.values())
+        forward = self.model.sharded_forward if sharded else self.model.forward
+        if forward is None:
+            raise GenerationError("the params are sharded (DTensors) and this model decodes from plain params only")
+        device, out = next(iter(params.values())).device, []
+        for start in range(0, len(sequences), self.batch_size):
+            rows = [list(seq) for seq in sequences[start : start + self.batch_size]]
+            length = max(len(r) for r in rows) - 1  # (the last token is not run)
+            idx = torch.zeros(self.batch_size, length, dtype=torch.long)  # (the cache's rows: padding rows after)
+            pads = torch.full((self.batch_size,), length - 1, dtype=torch.long)  # padding rows: one token
+            for b, r in enumerate(rows):
+                idx[b, length - len(r) + 1 :] = torch.tensor(r[:-1], dtype=torch.long)  # left-padded
+                pads[b] = length - len(r) + 1
+            idx, pads = idx.to(device), pads.to(device)
+            cache = self._cache_for(device, sharded)
+            view = cached(cache, pads, torch.arange(length, device=device))
+            logits = forward(params, idx, view)[: len(rows)].float()  # (R, length, V)
+            logp = (logits / temperature).log_softmax(-1)
+            for b, r in enumerate(rows):
+                at = logp[b, length - len(r) + 1 :]  # (len(r) - 1, V): the positions before tokens 1..
+                out.append(at.gather(-1, torch.tensor(r[1:], device=device)[:, None])[:, 0].tolist())
+        return out
+
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int) -> None:
         """One `GenerationError` line for a request that cannot run."""
         if max_new_tokens < 1:
@@ -447,7 +498,8 @@ def request_keys(key: torch.Tensor, requests: Sequence[tuple[int, int]]) -> torc
     Example:
       >>> keys = request_keys(rng.key(0), [(0, 0), (0, 1), (1, 0)])
     """
-    return torch.stack([rng.fold_in(rng.fold_in(key, i), j) for i, j in requests])
+    i, j = torch.tensor([[i & 0xFFFFFFFF, j & 0xFFFFFFFF] for i, j in requests], device=key.device).reshape(-1, 2).T
+    return rng.fold_in(rng.fold_in(key, i), j)  # (R, key): fold_in broadcasts over the data
 
 
 def pick(logits: torch.Tensor, keys: torch.Tensor | None, t: int | torch.Tensor, sampling: Sampling):

@@ -48,17 +48,8 @@ def objective_of(config: Any, ctx: Any, dataset: Any) -> grpo.GRPO | None:
         return None
     lm_preference.data_parallel_only(ctx, "GRPO trains")
     g = config.grpo
-    if g.num_iterations > 1 and g.temperature != 1.0:
-        raise config_checks.ConfigError(
-            f"grpo.num_iterations={g.num_iterations} with grpo.temperature={g.temperature}: the old log-probs are the "
-            "sampler's own, taken at temperature 1; sample at temperature 1 or take one step per rollout"
-        )
-    if g.num_generations < 2 and g.scale_rewards == "group":
-        raise config_checks.ConfigError(
-            f"{g.num_generations} completion per prompt: a group's reward std needs 2 or more; raise "
-            "grpo.num_generations or scale by the batch's (--config.grpo.scale_rewards=batch)"
-        )
     try:
+        grpo.check_scale(g.num_generations, g.scale_rewards)
         return grpo.GRPO(
             g.loss, beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high or None, temperature=g.temperature,
             max_completion_length=g.max_new_tokens,
@@ -223,7 +214,9 @@ class Rollouts:
             eos_ids=s.eos_ids, index=asked.places,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
-        samples = samples[share.places[0] - asked.places[0] :][: len(share.places)]  # this rank's prompts
+        old = self._old_logps(params, asked.ids, samples) if s.iterations > 1 else None
+        mine_of = slice(share.places[0] - asked.places[0], share.places[0] - asked.places[0] + len(share.places))
+        samples = samples[mine_of]  # this rank's prompts
         done = [c for group in samples for c in group]
         special = set(s.eos_ids) if getattr(self.tokenizer, "eos_id", None) is not None else set()  # (bytes: a text)
         texts = [self.decode([t for t in c.tokens if t not in special]) for c in done]  # as TRL decodes them
@@ -237,15 +230,24 @@ class Rollouts:
             share.ids, samples, s.generator.block_size, mask_truncated=s.mask_truncated
         )  # (N, T) each
         batch: tuple = (x, y, adv[mine])
-        if s.iterations > 1:  # the sampler's log-probs of each completion token, where y holds it
-            old = torch.zeros(x.shape, dtype=torch.float32)
-            for row, (ids, c) in enumerate(zip([i for i in share.ids for _ in range(s.group)], done)):
-                old[row, len(ids) - 1 : len(ids) - 1 + len(c.logprobs)] = torch.tensor(c.logprobs)
-            batch = (*batch, old)
+        if old is not None:  # each completion token's log-prob under the rollout's params, where y holds it
+            rows = torch.zeros(x.shape, dtype=torch.float32)
+            mine_rows = old[mine_of.start * s.group : mine_of.stop * s.group]
+            for row, (ids, logps) in enumerate(zip([i for i in share.ids for _ in range(s.group)], mine_rows)):
+                rows[row, len(ids) - 1 : len(ids) - 1 + len(logps)] = torch.tensor(logps)
+            batch = (*batch, rows)
         self._window.append(
             self._metrics(every, scores.shape[1], adv, stats, sum(len(c.tokens) for c in done) / seconds)
         )
         return tuple(t.to(self.device) for t in batch)
+
+    def _old_logps(self, params: dict, prompts: list, samples: list) -> list[list[float]]:
+        """Each completion's token log-probs under `params` at the sampling temperature (TRL recomputes them so when
+        a rollout makes several steps): a forward of every prompt + completion through the generator's cache."""
+        s = self.sampler
+        sequences = [list(ids) + c.tokens for ids, group in zip(prompts, samples) for c in group]
+        scored = s.generator.score(params, sequences, temperature=s.sampling.temperature)
+        return [lp[len(lp) - len(c.tokens) :] for lp, c in zip(scored, (c for group in samples for c in group))]
 
     def _metrics(self, every: torch.Tensor, functions: int, adv: torch.Tensor, stats: dict, rate: float) -> dict:
         """A rollout's metrics (TRL's names): rewards, advantages, completion lengths, sampling speed."""

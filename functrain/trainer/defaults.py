@@ -86,7 +86,7 @@ def trainer_config() -> ml_collections.ConfigDict:
     c.grpo.epsilon = 0.2  # the ratio's clip below
     c.grpo.epsilon_high = 0.0  # the clip above (0 = epsilon)
     c.grpo.scale_rewards = "group"  # group | batch | none: what an advantage is divided by
-    c.grpo.num_iterations = 1  # optimizer steps per rollout (more: the sampler's log-probs are the old ones)
+    c.grpo.num_iterations = 1  # optimizer steps per rollout (more: the old log-probs recomputed at the rollout)
     c.grpo.mask_truncated = False  # a completion cut at max_new_tokens scores no token
     c.compile = True
     # What one compiled graph covers: "step" (the whole step, one graph: fastest steps, compile time
