@@ -88,15 +88,22 @@ def test_a_run_killed_between_steps_resumes_bit_exactly_with_its_rollouts(tmp_pa
 
 
 @pytest.mark.numeric
-def test_two_ranks_sample_and_train_as_one_process(tmp_path):
-    """2 gloo ranks (FSDP: each samples the whole batch through the sharded forward, recomputes its old log-probs
-    so, keeps its half of the prompts, and the rewards are gathered for the advantages) equal one process: the
-    same rollouts, losses and weights, with 2 steps per rollout at temperature 0.7. The old log-probs recomputed at
-    the rollout are the policy's own at its first step: its loss is that of a run taking one step per rollout."""
+@pytest.mark.parametrize(
+    "mesh", [["--config.mesh.dp_shard=2"], ["--config.mesh.dp_replicate=2", "--config.mesh.dp_shard=1"]],
+    ids=["fsdp", "replicated"],
+)  # fmt: skip
+def test_two_ranks_sample_and_train_as_one_process(tmp_path, mesh):
+    """2 gloo ranks equal one process: the same rollouts, losses and weights, with 2 steps per rollout at temperature
+    0.7. Under FSDP each rank samples the whole batch through the sharded forward (and recomputes its old log-probs
+    so) and keeps its half of the prompts; replicated, each rank holds the whole model and samples its half alone,
+    compiled-ready; the rewards are gathered for the advantages. The old log-probs recomputed at the rollout are the
+    policy's own at its first step: its loss is that of a run taking one step per rollout."""
     sgd = ["--config.steps=3", "--config.optim.name=sgd", "--config.optim.lr=0.1", "--config.optim.momentum=0"]
     sgd += ["--config.grpo.temperature=0.7"]
     one, _ = _run(tmp_path / "one", *SHORT, *sgd, "--config.grpo.num_iterations=2")
-    two, _ = _run(tmp_path / "two", *SHORT, *sgd, "--config.grpo.num_iterations=2", "--config.mesh.dp_shard=2", nproc=2)
+    two, out = _run(tmp_path / "two", *SHORT, *sgd, "--config.grpo.num_iterations=2", *mesh, nproc=2)
+    rows = 4 * 4 // 2 if "--config.mesh.dp_shard=1" in mesh else 4 * 4  # (4 prompts x 4 completions a step)
+    assert f"sampled in rows of {rows}," in out.stdout + out.stderr
     tol = _tol.rtol(4 * 4 * 16 * 128 * 3)
     for a, b in zip(one, two, strict=True):
         for key in [k for k in ROLLOUT if "per_s" not in k and k in a]:  # the same completions, scored alike

@@ -178,7 +178,7 @@ def _rollouts(config, ctx, workdir, prompts, built: Built) -> lm_grpo.Rollouts:
             "GRPO samples its completions through a KV cache, and this model has none (functrain.generation); "
             "train a family that has one (hf, gpt, llama)"
         )
-    sampler = lm_grpo.Sampler.of(config, built.cached, prompts.tokenizer)
+    sampler = lm_grpo.Sampler.of(config, built.cached, prompts.tokenizer, ctx)
     key = rng.fold_in(rng.key(config.seed), 1)  # the rollouts' stream (the init draws from the seed's own)
     return lm_grpo.Rollouts(prompts, sampler, lm_grpo.rewards_of(config), key=key, workdir=workdir, device=ctx.device)
 

@@ -6,7 +6,8 @@ Internals: docs/internals.md "functrain.models.lm_grpo".
 
 Example:
     >>> how = lm_grpo.objective_of(config, ctx, dataset)               # None: not a prompts dataset
-    >>> data = lm_grpo.Rollouts(dataset, how, lm_grpo.Sampler.of(config, cached), rewards, weights, key=rng.key(0))
+    >>> sampler = lm_grpo.Sampler.of(config, cached, dataset.tokenizer, ctx)
+    >>> data = lm_grpo.Rollouts(dataset, sampler, lm_grpo.rewards_of(config), key=rng.key(0), workdir=w, device=d)
     >>> batch = data.train_batch(0, state.params)                     # (x, y, adv[, old_logps]) of this rank
 """
 
@@ -106,14 +107,17 @@ class Sampler(NamedTuple):
     iterations: int
 
     @classmethod
-    def of(cls, config: Any, cached: generation.CachedModel, tokenizer: Any) -> Sampler:
-        """The run's sampler over the family's cached model (`config.grpo`, rows of `model.block_size`).
+    def of(cls, config: Any, cached: generation.CachedModel, tokenizer: Any, ctx: Any) -> Sampler:
+        """The run's sampler over the family's cached model (`config.grpo`, rows of `model.block_size`): a batch of
+        rows for every completion of the step, or where `ctx`'s mesh holds the whole model on each rank (no
+        dp_shard) for the rank's share of them.
 
         Example:
-          >>> Sampler.of(config, built.cached, dataset.tokenizer)
+          >>> Sampler.of(config, built.cached, dataset.tokenizer, ctx)
         """
         g = config.grpo
-        rows = config.batch_size * g.num_generations  # every completion of the step in one batch of rows
+        prompts = config.batch_size // ctx.dp_world if ctx.shape.get("dp_shard", 1) == 1 else config.batch_size
+        rows = prompts * g.num_generations  # every completion a rank samples, in one batch of rows
         gen = generation.Generator(
             cached, block_size=config.model.block_size, batch_size=rows, compile=bool(config.compile)
         )
@@ -121,6 +125,14 @@ class Sampler(NamedTuple):
             gen, g.num_generations, g.max_new_tokens, generation.Sampling(g.temperature, g.top_k or 0),
             tuple(example_end(tokenizer)), bool(g.mask_truncated), g.scale_rewards, g.num_iterations,
         )  # fmt: skip
+
+
+def _whole_or_sharded(params: dict) -> tuple[dict, bool]:
+    """(params, whether they are sharded): DTensors this rank holds whole (replicated: no dp_shard) as their local
+    tensors, which decode alone, compiled."""
+    if all(not parallel.is_dtensor(t) or t.to_local().shape == t.shape for t in params.values()):
+        return {k: t.to_local() if parallel.is_dtensor(t) else t for k, t in params.items()}, False
+    return params, True
 
 
 class Rollouts:
@@ -206,8 +218,9 @@ class Rollouts:
     def _rollout(self, step: int, params: dict) -> tuple:
         """Samples, scores and weighs this rank's completions of `step`'s prompts."""
         s, share = self.sampler, self.prompts.prompts_at(step)
+        params, sharded = _whole_or_sharded(params)
         # sharded params decode in step on every rank (each forward gathers): every rank samples the whole batch
-        asked = self.prompts.prompts_at(step, whole=True) if any(map(parallel.is_dtensor, params.values())) else share
+        asked = self.prompts.prompts_at(step, whole=True) if sharded else share
         t0 = time.perf_counter()
         samples = s.generator(
             params, asked.ids, s.max_new_tokens, key=rng.fold_in(self.key, step), sampling=s.sampling, n=s.group,
@@ -289,11 +302,13 @@ class Rollouts:
         return None
 
     def describe(self) -> str:
-        """E.g. '5,000 prompts (additions), 8 completions each of up to 12 tokens, 625.0 steps per epoch'."""
+        """E.g. '5,000 prompts (additions), 8 completions each of up to 12 tokens sampled in rows of 128, 625.0 steps
+        per epoch' (the rows: every completion a rank samples in a step)."""
         s = self.sampler
         return (
             f"{len(self.prompts.ids):,} prompts ({self.info['source']}), {s.group} completions each of up to "
-            f"{s.max_new_tokens} tokens, {self.steps_per_epoch:.1f} steps per epoch"
+            f"{s.max_new_tokens} tokens sampled in rows of {s.generator.batch_size}, {self.steps_per_epoch:.1f} steps "
+            "per epoch"
         )
 
 
