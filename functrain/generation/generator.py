@@ -291,12 +291,7 @@ class Generator:
           >>> [[c]] = gen(params, [[1, 2, 3]], 16)        # greedy
         """
         self._check(prompts, max_new_tokens, n)
-        sharded = any(parallel.is_dtensor(t) for t in params.values())
-        if sharded and self.model.sharded_forward is None:
-            raise GenerationError(
-                "the params are sharded (DTensors) and this model decodes from plain params only; gather them "
-                "(functrain.parallel.gather) or generate with models.inference.generate(..., stages=...)"
-            )
+        _, sharded = self._forward_for(params)
         asked = _Asked(max_new_tokens, key, sampling, frozenset(int(e) for e in eos_ids), stop, sharded)
         ids = list(range(len(prompts))) if index is None else [int(i) for i in index]
         text = dict(zip(ids, prompts))
@@ -336,20 +331,12 @@ class Generator:
                 raise GenerationError(
                     f"sequence {i} has {len(seq)} tokens; score 2 to block_size + 1 = {self.block_size + 1} tokens"
                 )
-        sharded = any(parallel.is_dtensor(t) for t in params.values())
-        forward = self.model.sharded_forward if sharded else self.model.forward
-        if forward is None:
-            raise GenerationError("the params are sharded (DTensors) and this model decodes from plain params only")
+        forward, sharded = self._forward_for(params)
         device, out = next(iter(params.values())).device, []
         for start in range(0, len(sequences), self.batch_size):
             rows = [list(seq) for seq in sequences[start : start + self.batch_size]]
             length = max(len(r) for r in rows) - 1  # (the last token is not run)
-            idx = torch.zeros(self.batch_size, length, dtype=torch.long)  # (the cache's rows: padding rows after)
-            pads = torch.full((self.batch_size,), length - 1, dtype=torch.long)  # padding rows: one token
-            for b, r in enumerate(rows):
-                idx[b, length - len(r) + 1 :] = torch.tensor(r[:-1], dtype=torch.long)  # left-padded
-                pads[b] = length - len(r) + 1
-            idx, pads = idx.to(device), pads.to(device)
+            idx, pads = self._left_padded([r[:-1] for r in rows], length, device)
             cache = self._cache_for(device, sharded)
             view = cached(cache, pads, torch.arange(length, device=device))
             logits = forward(params, idx, view)[: len(rows)].float()  # (R, length, V)
@@ -358,6 +345,28 @@ class Generator:
                 at = logp[b, length - len(r) + 1 :]  # (len(r) - 1, V): the positions before tokens 1..
                 out.append(at.gather(-1, torch.tensor(r[1:], device=device)[:, None])[:, 0].tolist())
         return out
+
+    def _forward_for(self, params: dict[str, torch.Tensor]) -> tuple[Callable, bool]:
+        """(the model's forward for `params`, whether they are DTensors): its sharded forward for DTensors (one line
+        where this model decodes from plain params only)."""
+        if not any(parallel.is_dtensor(t) for t in params.values()):
+            return self.model.forward, False
+        if self.model.sharded_forward is None:
+            raise GenerationError(
+                "the params are sharded (DTensors) and this model decodes from plain params only; gather them "
+                "(functrain.parallel.gather) or generate with models.inference.generate(..., stages=...)"
+            )
+        return self.model.sharded_forward, True
+
+    def _left_padded(self, rows: Sequence[Sequence[int]], length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids (B, length), pads (B,)) on `device`: the rows left-padded to `length`, then padding rows of one token
+        up to the cache's `batch_size` rows."""
+        idx = torch.zeros(self.batch_size, length, dtype=torch.long)
+        pads = torch.full((self.batch_size,), length - 1, dtype=torch.long)  # padding rows: one token
+        for b, r in enumerate(rows):
+            idx[b, length - len(r) :] = torch.tensor(list(r), dtype=torch.long)  # left-padded
+            pads[b] = length - len(r)
+        return idx.to(device), pads.to(device)
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int) -> None:
         """One `GenerationError` line for a request that cannot run."""
@@ -412,12 +421,7 @@ class Generator:
         """The completions of one batch of rows: prefill, then `k` decode steps per call until every row is done."""
         device, max_new, key, stop = next(iter(params.values())).device, asked.max_new, asked.key, asked.stop
         length = self._length(max(len(p) for p in prompts), max_new)
-        idx = torch.zeros(self.batch_size, length, dtype=torch.long)
-        pads = torch.full((self.batch_size,), length - 1, dtype=torch.long)  # padding rows: one token
-        for b, p in enumerate(prompts):
-            idx[b, length - len(p) :] = torch.tensor(list(p), dtype=torch.long)  # left-padded
-            pads[b] = length - len(p)
-        idx, pads = idx.to(device), pads.to(device)
+        idx, pads = self._left_padded(prompts, length, device)
         keys = None
         if key is not None and not asked.sampling.greedy:  # (padding rows: the first row's key)
             keys = request_keys(key.to(device), rows + [rows[0]] * (self.batch_size - len(rows)))
